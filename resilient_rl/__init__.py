@@ -1,0 +1,45 @@
+"""resilient-rl: a fault-tolerant, long-running RL trainer for language models on Ray and FSDP2.
+
+The single-controller runtime is exported here under verl's names, so a verl worker ports by
+changing its imports::
+
+    from resilient_rl import Worker, register, Dispatch, RayResourcePool, RayClassWithInitArgs, RayWorkerGroup
+"""
+
+from resilient_rl.controller.dispatch import (
+    Dispatch,
+    Execute,
+    collect_all_to_all,
+    collect_dp_compute,
+    collect_dp_compute_data_proto,
+    collect_rank_zero,
+    dispatch_all_to_all,
+    dispatch_dp_compute,
+    dispatch_dp_compute_data_proto,
+    dispatch_dp_compute_data_proto_with_func,
+    dispatch_one_to_all,
+    dispatch_rank_zero,
+    get_predefined_dispatch_fn,
+    register,
+)
+from resilient_rl.controller.resource_pool import RayResourcePool, merge_resource_pool
+from resilient_rl.controller.worker import Worker
+from resilient_rl.controller.worker_group import (
+    RayClassWithInitArgs,
+    RayWorkerGroup,
+    create_colocated_worker_cls,
+)
+from resilient_rl.errors import RRLError
+from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataProto", "pad_dataproto_to_divisor", "unpad_dataproto",
+    "Worker", "register", "Dispatch", "Execute",
+    "RayResourcePool", "merge_resource_pool", "RayClassWithInitArgs", "RayWorkerGroup", "create_colocated_worker_cls",
+    "collect_all_to_all", "collect_dp_compute", "collect_dp_compute_data_proto", "collect_rank_zero",
+    "dispatch_all_to_all", "dispatch_dp_compute", "dispatch_dp_compute_data_proto",
+    "dispatch_dp_compute_data_proto_with_func", "dispatch_one_to_all", "dispatch_rank_zero",
+    "get_predefined_dispatch_fn", "RRLError", "__version__",
+]

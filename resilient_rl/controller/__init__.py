@@ -1,0 +1,1 @@
+"""The single-controller runtime on Ray."""

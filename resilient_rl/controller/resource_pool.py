@@ -1,0 +1,142 @@
+"""``RayResourcePool``: placement groups that pin a worker group's ranks to nodes.
+
+One placement group per node (STRICT_PACK by default), one bundle per process. A bundle holds one
+GPU when ``use_gpu`` and a small, configurable CPU share, so a CPU-only pool fits on a 2-core
+machine whose local cluster was started with a generous logical ``num_cpus``. Requests that the
+cluster can never satisfy fail at once with a :class:`ResourceError` instead of a silent wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from resilient_rl.errors import ResourceError
+
+logger = logging.getLogger(__name__)
+
+
+class RayResourcePool:
+    """Resources for ``sum(process_on_nodes)`` worker processes, ``process_on_nodes[i]`` of them on node i.
+
+    ``max_colocate_count`` is how many worker processes may share one bundle (colocated groups
+    spawned on the same pool); each process asks for ``1/max_colocate_count`` of the bundle.
+    """
+
+    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = False, name_prefix: str | None = None,
+                 max_colocate_count: int = 1, cpus_per_bundle: float = 0.1, strategy: str = "STRICT_PACK",
+                 placement_timeout_s: float = 60.0, detached: bool = False, accelerator_type: str | None = None):
+        process_on_nodes = list(process_on_nodes or [1])
+        if not process_on_nodes or any((not isinstance(n, int)) or n < 1 for n in process_on_nodes):
+            raise ResourceError(f"process_on_nodes must be a non-empty list of positive ints, got {process_on_nodes!r}")
+        if max_colocate_count < 1:
+            raise ResourceError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
+        if cpus_per_bundle <= 0:
+            raise ResourceError(f"cpus_per_bundle must be > 0, got {cpus_per_bundle}")
+        if strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ResourceError(f"unknown placement strategy {strategy!r}; "
+                                "allowed: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD")
+        self._store = process_on_nodes
+        self.use_gpu = use_gpu
+        self.name_prefix = name_prefix or f"rrl_{uuid.uuid4().hex[:8]}"
+        self.max_colocate_count = max_colocate_count
+        self.cpus_per_bundle = cpus_per_bundle
+        self.strategy = strategy
+        self.placement_timeout_s = placement_timeout_s
+        self.detached = detached
+        self.accelerator_type = accelerator_type
+        self.pgs: list[PlacementGroup] | None = None
+
+    # verl's names
+    @property
+    def store(self) -> list[int]:
+        return self._store
+
+    @property
+    def world_size(self) -> int:
+        return sum(self._store)
+
+    @property
+    def n_gpus_per_node(self) -> int:
+        return max(self._store)
+
+    def local_world_size_list(self) -> list[int]:
+        return [n for n in self._store for _ in range(n)]
+
+    def local_rank_list(self) -> list[int]:
+        return [i for n in self._store for i in range(n)]
+
+    def bundle(self) -> dict[str, float]:
+        b: dict[str, float] = {"CPU": self.cpus_per_bundle}
+        if self.use_gpu:
+            b["GPU"] = 1
+            if self.accelerator_type:
+                b[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return b
+
+    def _check_feasible(self) -> None:
+        """Fail fast when the cluster can never host this pool."""
+        total = ray.cluster_resources()
+        need_gpu = self.world_size if self.use_gpu else 0
+        have_gpu = total.get("GPU", 0)
+        if need_gpu > have_gpu:
+            raise ResourceError(f"resource pool {self.name_prefix!r} asks for {need_gpu} GPU(s) but the cluster has "
+                                f"{have_gpu:g}; set use_gpu=False (trainer.device=cpu) or add GPU nodes")
+        need_cpu = self.world_size * self.cpus_per_bundle
+        if need_cpu > total.get("CPU", 0) + 1e-9:
+            raise ResourceError(f"resource pool {self.name_prefix!r} asks for {need_cpu:g} CPU(s) "
+                                f"({self.world_size} bundles x {self.cpus_per_bundle:g}) but the cluster has "
+                                f"{total.get('CPU', 0):g}; lower ray.cpus_per_worker or raise ray.num_cpus")
+        if self.strategy == "STRICT_PACK" and self.use_gpu:
+            per_node = [n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+            if per_node and max(self._store) > max(per_node):
+                raise ResourceError(f"resource pool {self.name_prefix!r} packs {max(self._store)} GPU processes on one "
+                                    f"node but the largest node has {max(per_node):g} GPU(s)")
+
+    def get_placement_groups(self, strategy: str | None = None, name: str | None = None) -> list[PlacementGroup]:
+        """Create (once) and return the pool's placement groups, ready, within ``placement_timeout_s``."""
+        if self.pgs is not None:
+            return self.pgs
+        self._check_feasible()
+        strategy = strategy or self.strategy
+        name = name or self.name_prefix
+        lifetime = "detached" if self.detached else None
+        pgs = [placement_group([self.bundle() for _ in range(n)], strategy=strategy, name=f"{name}_pg{i}",
+                               lifetime=lifetime)
+               for i, n in enumerate(self._store)]
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)
+        if len(ready) != len(pgs):
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise ResourceError(f"placement groups of pool {self.name_prefix!r} ({self._store} bundles of "
+                                f"{self.bundle()}) were not placed within {self.placement_timeout_s:g}s; "
+                                f"available: {ray.available_resources()}")
+        self.pgs = pgs
+        return pgs
+
+    def release(self) -> None:
+        """Remove the pool's placement groups (the actors in them are killed by Ray)."""
+        for pg in self.pgs or []:
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # already gone with its node or the cluster
+                logger.debug("removing placement group failed: %s", exc)
+        self.pgs = None
+
+
+def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResourcePool:
+    """One pool with the nodes of both (before either has placed its groups)."""
+    if rp1.use_gpu != rp2.use_gpu:
+        raise ResourceError("cannot merge a GPU pool with a CPU pool")
+    if rp1.max_colocate_count != rp2.max_colocate_count:
+        raise ResourceError("cannot merge pools with different max_colocate_count")
+    if rp1.pgs is not None or rp2.pgs is not None:
+        raise ResourceError("cannot merge pools whose placement groups already exist")
+    return RayResourcePool(rp1.store + rp2.store, use_gpu=rp1.use_gpu,
+                           name_prefix=f"{rp1.name_prefix}_{rp2.name_prefix}",
+                           max_colocate_count=rp1.max_colocate_count,
+                           cpus_per_bundle=max(rp1.cpus_per_bundle, rp2.cpus_per_bundle), strategy=rp1.strategy,
+                           placement_timeout_s=max(rp1.placement_timeout_s, rp2.placement_timeout_s))

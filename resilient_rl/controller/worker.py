@@ -1,0 +1,187 @@
+"""The ``Worker`` base class: identity of a rank and the lifecycle of its process group.
+
+A worker learns its rank and world size from the environment its worker group sets for it
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), as in verl. Its ``torch.distributed`` group is not
+created in ``__init__``: the controller calls :meth:`Worker.rendezvous` on every rank with a
+generation number, a master address and a port. A later rendezvous with a new generation (after a
+peer died and was restarted) destroys the broken group first and joins the new one.
+
+Several workers may live in one process (colocated roles). The process group is a property of
+the process, so it is tracked at module level and a rendezvous for a generation the process has
+already joined is a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from resilient_rl import env
+from resilient_rl.controller.dispatch import Dispatch, Execute, register
+from resilient_rl.errors import CollectiveError
+
+logger = logging.getLogger(__name__)
+
+_PG_LOCK = threading.Lock()
+_PG_STATE = {"generation": None}
+
+
+@dataclass
+class WorkerInfo:
+    """What the controller learns from a cheap health call."""
+
+    rank: int
+    world_size: int
+    generation: int | None
+    pid: int
+    node_id: str
+    node_ip: str
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests): loopback is where the peers are
+        return "127.0.0.1"
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() or "local"
+    except Exception:
+        return "local"
+
+
+def find_free_port(host: str = "") -> int:
+    """A TCP port that is free on this node right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """nccl on CUDA machines, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class Worker:
+    """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`."""
+
+    def __init__(self, cuda_visible_devices: str | None = None) -> None:
+        self._rank = int(env.get("RANK", "0"))
+        self._world_size = int(env.get("WORLD_SIZE", "1"))
+        self._local_rank = int(env.get("LOCAL_RANK", "0"))
+        self._local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        self._group_name = env.get("RRL_WORKER_GROUP", "")
+        self._node_id = _node_id()
+        self._node_ip = _node_ip()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def node_ip(self) -> str:
+        return self._node_ip
+
+    @property
+    def generation(self) -> int | None:
+        """Generation of the process group this process has joined (None before the first rendezvous)."""
+        return _PG_STATE["generation"]
+
+    def get_node_ip(self) -> str:
+        return self._node_ip
+
+    def get_free_port(self) -> int:
+        return find_free_port()
+
+    def get_master_addr_port(self) -> tuple[str, int]:
+        """Address and a free port of this node, for rank 0 to host a rendezvous."""
+        return self._node_ip, find_free_port()
+
+    # ------------------------------------------------------------------ health
+    def ping(self) -> WorkerInfo:
+        """Cheap health call: answers from the actor's process without touching the process group."""
+        return WorkerInfo(self._rank, self._world_size, _PG_STATE["generation"], os.getpid(), self._node_id,
+                          self._node_ip)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ------------------------------------------------------------------ process group
+    def rendezvous(self, generation: int, master_addr: str, master_port: int, backend: str | None = None,
+                   timeout_s: float = 60.0) -> int:
+        """Join the process group of ``generation``, destroying an older (possibly broken) one first.
+
+        Returns the generation joined. Every collective of the new group has ``timeout_s`` as its
+        timeout, so a dead or hung peer ends a collective with an error instead of a silent hang.
+        """
+        with _PG_LOCK:
+            if _PG_STATE["generation"] == generation and dist.is_initialized():
+                return generation
+            if dist.is_initialized():
+                destroy_process_group()
+            backend = backend or default_backend()
+            if backend == "nccl" and torch.cuda.is_available():
+                torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
+                # CPU-side collectives (checkpoint metadata, object gathers) ride on gloo next to nccl.
+                backend = "cpu:gloo,cuda:nccl"
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self._rank,
+                world_size=self._world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+            _PG_STATE["generation"] = generation
+            logger.info("rank %d joined generation %d (%s, world size %d)", self._rank, generation, backend,
+                        self._world_size)
+            return generation
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.ALL)
+    def all_reduce_check(self, value: float) -> float:
+        """Sum ``value * (rank + 1)`` over the group: a cheap end-to-end check of the process group."""
+        t = torch.tensor([value * (self._rank + 1)], dtype=torch.float64)
+        try:
+            dist.all_reduce(t)
+        except Exception as exc:  # classify at the boundary: a peer died or timed out
+            raise CollectiveError(f"all_reduce failed on rank {self._rank}: {exc}", rank=self._rank,
+                                  cause="collective") from exc
+        return float(t.item())
+
+
+def destroy_process_group() -> None:
+    """Tear down this process's group; a broken group must not prevent joining a new one."""
+    try:
+        if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+            # destroy on a wedged NCCL communicator can block; abort does not.
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception as exc:  # the group may already be half gone
+        logger.warning("destroying the old process group raised %s; continuing", exc)
+    _PG_STATE["generation"] = None

@@ -1,0 +1,298 @@
+"""``RayClassWithInitArgs``, ``RayWorkerGroup`` and colocated worker classes.
+
+A worker group starts one Ray actor per bundle of a :class:`RayResourcePool`, all at once, and
+binds every ``@register``-ed method of the worker class onto itself: calling ``wg.method(x)``
+dispatches ``x`` over the ranks, runs the method on them and collects the results.
+
+Every wait on the workers has a deadline (``call_timeout_s``), and errors crossing the Ray
+boundary are classified into :class:`WorkerDiedError`, :class:`WorkerTimeoutError`,
+:class:`CollectiveError` or :class:`WorkerError`, each naming the group and the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
+from resilient_rl.controller.resource_pool import RayResourcePool
+from resilient_rl.controller.worker import Worker
+from resilient_rl.errors import (CollectiveError, DispatchError, WorkerDiedError, WorkerError,
+                                 WorkerTimeoutError)
+from resilient_rl.protocol import DataProto, unpad_dataproto
+
+logger = logging.getLogger(__name__)
+
+
+def _actor_class(ray_cls) -> type:
+    """The plain Python class behind a ``@ray.remote`` class (or the class itself)."""
+    return getattr(ray_cls, "__ray_actor_class__", ray_cls)
+
+
+class RayClassWithInitArgs:
+    """A ``@ray.remote`` worker class with the arguments of its constructor."""
+
+    def __init__(self, cls, *args, **kwargs) -> None:
+        if not issubclass(_actor_class(cls), Worker):
+            raise DispatchError(f"{_actor_class(cls).__name__} must subclass resilient_rl.Worker")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self._options: dict[str, Any] = {}
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        """Extra Ray actor options (merged over the worker group's)."""
+        self._options.update(options)
+
+    def __call__(self, options: dict[str, Any]):
+        return self.cls.options(**{**options, **self._options}).remote(*self.args, **self.kwargs)
+
+
+def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
+    """Map an exception raised by ``ray.get`` on rank ``rank`` of ``group`` to the project's error tree."""
+    where = f"{group} rank {rank}"
+    if isinstance(exc, RayActorError):
+        return WorkerDiedError(f"{where} died: {exc}", role=group, rank=rank, cause="died")
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, CollectiveError) or "Connection closed by peer" in str(cause) \
+                or "Gloo" in type(cause).__name__ or "DistBackendError" in type(cause).__name__:
+            return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
+        return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
+    return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
+
+
+class RayWorkerGroup:
+    """One Ray actor per bundle of ``resource_pool``, driven as one object by the controller."""
+
+    def __init__(self, resource_pool: RayResourcePool | None, ray_cls_with_init: RayClassWithInitArgs | None,
+                 name_prefix: str | None = None, *, max_restarts: int = 0, max_task_retries: int = 0,
+                 runtime_env: dict | None = None, call_timeout_s: float | None = 600.0,
+                 actor_options: dict | None = None, detached: bool = False, **_ignored) -> None:
+        self._workers: list = []
+        self._worker_names: list[str] = []
+        self.resource_pool = resource_pool
+        self.ray_cls_with_init = ray_cls_with_init
+        self.call_timeout_s = call_timeout_s
+        self.name_prefix = name_prefix or (resource_pool.name_prefix if resource_pool else "rrl")
+        self.max_restarts = max_restarts
+        self.max_task_retries = max_task_retries
+        self._remote_prefix = ""
+        if resource_pool is None or ray_cls_with_init is None:
+            return  # an empty shell filled by spawn()
+        self._start(resource_pool, ray_cls_with_init, runtime_env or {}, actor_options or {}, detached)
+        self._bind_worker_methods(_actor_class(ray_cls_with_init.cls))
+
+    # ------------------------------------------------------------------ construction
+    def _start(self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, runtime_env: dict,
+               actor_options: dict, detached: bool) -> None:
+        pgs = pool.get_placement_groups()
+        world_size = pool.world_size
+        local_world_sizes = pool.local_world_size_list()
+        local_ranks = pool.local_rank_list()
+        user_env = dict(runtime_env.get("env_vars", {}))
+        rank = 0
+        for pg, n in zip(pgs, pool.store):
+            for bundle_idx in range(n):
+                env_vars = {**user_env, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                            "LOCAL_RANK": str(local_ranks[rank]), "LOCAL_WORLD_SIZE": str(local_world_sizes[rank]),
+                            "RRL_WORKER_GROUP": self.name_prefix}
+                name = f"{self.name_prefix}_{rank}"
+                options = {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=bundle_idx),
+                    "num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
+                    "runtime_env": {**runtime_env, "env_vars": env_vars},
+                    "name": name,
+                    "max_restarts": self.max_restarts,
+                    "max_task_retries": self.max_task_retries,
+                    **actor_options,
+                }
+                if pool.use_gpu:
+                    options["num_gpus"] = 1 / pool.max_colocate_count
+                if detached:
+                    options["lifetime"] = "detached"
+                self._workers.append(cls_with_init(options))
+                self._worker_names.append(name)
+                rank += 1
+        # Constructors run in parallel; wait for all of them (a failing constructor names its rank).
+        self.get([w.ping.remote() for w in self._workers], timeout_s=max(self.call_timeout_s or 0, 300.0))
+
+    def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
+        self._remote_prefix = remote_prefix
+        for name, settings in registered_methods(user_cls).items():
+            if hasattr(RayWorkerGroup, name):
+                raise DispatchError(f"registered method {user_cls.__name__}.{name} clashes with a RayWorkerGroup "
+                                    "attribute; rename it")
+            setattr(self, name, self._make_group_method(remote_prefix + name, settings))
+
+    def _make_group_method(self, remote_name: str, settings: dict) -> Callable:
+        fns = resolve_dispatch(settings["dispatch_mode"])
+        dispatch_fn, collect_fn = fns["dispatch_fn"], fns["collect_fn"]
+        execute_mode: Execute = settings["execute_mode"]
+        blocking: bool = settings["blocking"]
+        # These built-in modes hand out one entry per rank; rank-zero execution takes entry 0.
+        per_rank_args = settings["dispatch_mode"] in (Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_PROTO,
+                                                      Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, Dispatch.DP_COMPUTE_METRIC)
+
+        def group_method(*args, **kwargs):
+            args, kwargs = dispatch_fn(self, *args, **kwargs)
+            pad_size = kwargs.pop(PAD_SIZE_KEY, 0)
+            if execute_mode is Execute.RANK_ZERO:
+                # Like verl: rank zero's single result (or ref) is what the collect function sees.
+                if per_rank_args:
+                    args, kwargs = tuple(a[0] for a in args), {k: v[0] for k, v in kwargs.items()}
+                ref = self._call(0, remote_name, *args, **kwargs)
+                if not blocking:
+                    return ref
+                output = collect_fn(self, self.get([ref])[0])
+                return output
+            refs = self.execute_all_async(remote_name, *args, **kwargs)
+            if not blocking:
+                return refs
+            output = collect_fn(self, self.get(refs))
+            if pad_size and isinstance(output, DataProto):
+                output = unpad_dataproto(output, pad_size)
+            return output
+
+        group_method.__name__ = remote_name
+        return group_method
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list:
+        return self._workers
+
+    @property
+    def worker_names(self) -> list[str]:
+        return self._worker_names
+
+    # ------------------------------------------------------------------ execution
+    def _call(self, rank: int, method_name: str, *args, **kwargs):
+        try:
+            method = getattr(self._workers[rank], method_name)
+        except AttributeError:
+            raise DispatchError(f"worker group {self.name_prefix!r} has no method {method_name!r}") from None
+        return method.remote(*args, **kwargs)
+
+    def execute_all_async(self, method_name: str, *args, **kwargs) -> list:
+        """Call ``method_name`` on every rank; if every argument is a list of length world_size, rank i gets item i."""
+        n = self.world_size
+        values = list(args) + list(kwargs.values())
+        if values and all(isinstance(v, (list, tuple)) and len(v) == n for v in values):
+            return [self._call(i, method_name, *(a[i] for a in args), **{k: v[i] for k, v in kwargs.items()})
+                    for i in range(n)]
+        return [self._call(i, method_name, *args, **kwargs) for i in range(n)]
+
+    def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
+        return self.get(self.execute_all_async(method_name, *args, **kwargs))
+
+    execute_all = execute_all_async
+
+    def execute_rank_zero_async(self, method_name: str, *args, **kwargs):
+        return self._call(0, method_name, *args, **kwargs)
+
+    def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
+        return self.get([self.execute_rank_zero_async(method_name, *args, **kwargs)])[0]
+
+    execute_rank_zero = execute_rank_zero_async
+
+    def get(self, refs: list, timeout_s: float | None = None) -> list:
+        """Results of ``refs`` (one per rank, in rank order), failing fast on the first error.
+
+        Raises WorkerTimeoutError naming the ranks still running when the deadline passes.
+        """
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                ranks = sorted(index[r] for r in pending)
+                raise WorkerTimeoutError(f"{self.name_prefix}: rank(s) {ranks} did not answer within {timeout_s:g}s",
+                                         role=self.name_prefix, rank=ranks[0], cause="timeout")
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except (RayActorError, RayTaskError) as exc:
+                    raise classify_error(exc, self.name_prefix, index[ref]) from exc
+                except GetTimeoutError:  # pragma: no cover - ready refs do not time out
+                    pending.append(ref)
+        return ray.get(list(refs))
+
+    def ping(self, timeout_s: float | None = None) -> list:
+        """Health of every rank (WorkerInfo), within a deadline."""
+        return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s)
+
+    def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0) -> int:
+        """Rendezvous every rank into a torch.distributed group of ``generation`` hosted on rank 0's node."""
+        addr, port = self.get([self._workers[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
+        refs = [w.rendezvous.remote(generation, addr, port, backend, timeout_s) for w in self._workers]
+        self.get(refs, timeout_s=timeout_s + 5.0)
+        return generation
+
+    # ------------------------------------------------------------------ colocated roles
+    def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
+        """One worker group per role of a colocated class, all sharing this group's actors."""
+        role_classes: dict[str, type] = getattr(_actor_class(self.ray_cls_with_init.cls), "_rrl_role_classes", {})
+        groups = {}
+        for prefix in prefix_set:
+            if prefix not in role_classes:
+                raise DispatchError(f"no colocated role {prefix!r}; roles: {sorted(role_classes)}")
+            g = RayWorkerGroup(None, None, name_prefix=f"{self.name_prefix}:{prefix}", call_timeout_s=self.call_timeout_s)
+            g._workers, g._worker_names = self._workers, self._worker_names
+            g.resource_pool, g.ray_cls_with_init = self.resource_pool, self.ray_cls_with_init
+            g._bind_worker_methods(role_classes[prefix], remote_prefix=f"{prefix}_")
+            groups[prefix] = g
+        return groups
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown(self, release_pool: bool = True) -> None:
+        """Kill the group's actors (no restart) and release the pool's placement groups."""
+        for w in self._workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception as exc:  # already dead
+                logger.debug("ray.kill failed: %s", exc)
+        self._workers = []
+        if release_pool and self.resource_pool is not None:
+            self.resource_pool.release()
+
+
+def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
+    """A worker class hosting every role of ``class_dict`` in one process; methods are named ``{role}_{method}``."""
+    role_classes = {role: _actor_class(c.cls) for role, c in class_dict.items()}
+    init_args = {role: (c.args, c.kwargs) for role, c in class_dict.items()}
+
+    class WorkerDict(Worker):
+        _rrl_role_classes = role_classes
+
+        def __init__(self):
+            super().__init__()
+            self.worker_dict = {role: cls(*init_args[role][0], **init_args[role][1])
+                                for role, cls in role_classes.items()}
+
+    def forwarder(role: str, name: str, settings: dict):
+        def method(self, *args, **kwargs):
+            return getattr(self.worker_dict[role], name)(*args, **kwargs)
+        from resilient_rl.controller.dispatch import MAGIC_ATTR
+        setattr(method, MAGIC_ATTR, settings)
+        method.__name__ = f"{role}_{name}"
+        return method
+
+    for role, cls in role_classes.items():
+        for name, settings in registered_methods(cls).items():
+            setattr(WorkerDict, f"{role}_{name}", forwarder(role, name, settings))
+    WorkerDict.__name__ = "WorkerDict_" + "_".join(role_classes)
+    return RayClassWithInitArgs(ray.remote(WorkerDict))

@@ -1,0 +1,31 @@
+"""Environment variables read by resilient-rl, in one place.
+
+Nothing else in the package reads ``os.environ`` for configuration; other modules ask here.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """Return the value of environment variable ``name`` (or ``default``)."""
+    return os.environ.get(name, default)
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` as a list of entries (indices or UUIDs), None when unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def ray_address() -> str | None:
+    """``RAY_ADDRESS``: an existing cluster to join, if the user set one."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def log_level() -> str:
+    """``RRL_LOG_LEVEL`` (default INFO)."""
+    return os.environ.get("RRL_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,88 @@
+"""The project's error tree.
+
+Every error raised on purpose by resilient-rl derives from :class:`RRLError`, so a caller can
+catch the project's failures in one place. Errors are classified where they cross a boundary
+(a Ray call, a storage call, a config file), and every message names the thing at fault:
+the config key, the path, the checkpoint, the role and rank.
+"""
+
+from __future__ import annotations
+
+
+class RRLError(Exception):
+    """Root of every error raised by resilient-rl."""
+
+
+class ConfigError(RRLError, ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+class DataProtoError(RRLError, ValueError):
+    """A DataProto operation got inconsistent batches (length, keys, split sizes)."""
+
+
+class DispatchError(RRLError, ValueError):
+    """Arguments of a worker-group call cannot be dispatched (wrong length, unknown method)."""
+
+
+class ResourceError(RRLError):
+    """Cluster resources cannot satisfy a request (e.g. GPUs asked on a CPU-only cluster)."""
+
+
+class WorkerError(RRLError):
+    """A worker failed: died, hung past its deadline or raised. Names role and rank."""
+
+    def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
+                 cause: str | None = None):
+        super().__init__(message)
+        self.role = role
+        self.rank = rank
+        self.cause = cause
+
+
+class WorkerDiedError(WorkerError):
+    """The worker's process is gone (killed, crashed, node lost)."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """A call to the worker did not finish within its deadline (hung or stopped process)."""
+
+
+class CollectiveError(WorkerError):
+    """A torch.distributed collective failed on a surviving rank (a peer died or timed out)."""
+
+
+class CheckpointError(RRLError):
+    """A checkpoint cannot be written, found or read."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed checkpoint fails verification (missing file, size or checksum mismatch)."""
+
+
+class StorageError(CheckpointError):
+    """The storage backend failed permanently (after retries)."""
+
+
+class RecoveryError(RRLError):
+    """Recovery gave up: the failure budget is spent or the failure is not recoverable."""
+
+
+class TelemetryError(RRLError):
+    """The metrics exporter cannot start (e.g. its port is in use)."""
+
+
+class AlgoInputError(RRLError, ValueError):
+    """Inputs to an RL algorithm function are inconsistent (shapes, lengths of a prompt index)."""
+
+
+class ModelInputError(RRLError, ValueError):
+    """Tensors given to a model or to generation have inconsistent shapes or values."""
+
+
+class TokenizerError(RRLError, ValueError):
+    """Text holds a character the tokenizer's alphabet does not cover (names it and its position)."""

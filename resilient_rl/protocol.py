@@ -1,0 +1,542 @@
+"""DataProto: the batch container passed between the controller and the workers.
+
+A :class:`DataProto` holds three things:
+
+- ``batch``: a :class:`tensordict.TensorDict` of tensors sharing one leading batch dimension
+  (``None`` when the proto carries no tensors);
+- ``non_tensor_batch``: a dict of numpy arrays (``dtype=object`` allowed) of that same length;
+- ``meta_info``: a plain dict of per-batch values (temperatures, flags, metrics).
+
+The surface follows verl's ``verl.protocol.DataProto`` so that ported workers keep working.
+Differences are deliberate: every inconsistency raises :class:`~resilient_rl.errors.DataProtoError`
+naming the key or the sizes at fault, ``chunk`` never pads on its own (use
+:func:`pad_dataproto_to_divisor`), and pickling sends tensors as contiguous numpy buffers so that
+Ray (pickle protocol 5) moves them out-of-band instead of copying them into the pickle stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from resilient_rl.errors import DataProtoError
+
+__all__ = [
+    "DataProto",
+    "DataProtoItem",
+    "pad_dataproto_to_divisor",
+    "unpad_dataproto",
+    "union_tensor_dict",
+    "union_numpy_dict",
+    "values_equal",
+]
+
+_STATE_VERSION = 1
+# dataloader_kwargs accepted by make_iterator for verl compatibility; only "shuffle" changes
+# anything, the others do not affect which rows end up in which mini-batch.
+_ITERATOR_KWARGS = frozenset({"shuffle", "drop_last", "num_workers", "pin_memory"})
+
+Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
+
+
+def values_equal(a: Any, b: Any) -> bool:
+    """Strict equality for tensors, numpy arrays (incl. object and NaN) and nested containers.
+
+    Dtypes and shapes must match too: ``torch.equal`` alone treats float32 and float64 as equal.
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return bool(torch.equal(a.cpu(), b.cpu())) or (
+            a.is_floating_point() and bool(torch.allclose(a.cpu(), b.cpu(), 0.0, 0.0, equal_nan=True)))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.dtype != object:
+            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+        return all(values_equal(x, y) for x, y in zip(a.flat, b.flat))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(values_equal, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects whose == is not a truth value are not equal
+        return False
+
+
+def union_tensor_dict(td1: TensorDict, td2: TensorDict) -> TensorDict:
+    """Add the tensors of ``td2`` to ``td1`` in place; a shared key must hold equal tensors."""
+    if td1.batch_size != td2.batch_size:
+        raise DataProtoError(f"cannot union tensor dicts with batch sizes {tuple(td1.batch_size)} "
+                             f"and {tuple(td2.batch_size)}")
+    for key in td2.keys():
+        if key in td1.keys() and not values_equal(td1[key], td2[key]):
+            raise DataProtoError(f"cannot union: batch key {key!r} is present in both with different values")
+    for key in td2.keys():
+        if key not in td1.keys():
+            td1[key] = td2[key]
+    return td1
+
+
+def _union_dict(d1: dict[str, Any], d2: dict[str, Any], kind: str) -> dict[str, Any]:
+    for key, val in d2.items():
+        if key in d1 and not values_equal(d1[key], val):
+            raise DataProtoError(f"cannot union: {kind} key {key!r} is present in both with different values")
+    d1.update(d2)
+    return d1
+
+
+def union_numpy_dict(d1: dict[str, np.ndarray], d2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add the arrays of ``d2`` to ``d1`` in place; a shared key must hold equal arrays."""
+    return _union_dict(d1, d2, "non-tensor")
+
+
+def _as_object_array(key: str, value: Any) -> np.ndarray:
+    """A non-tensor column as a numpy array; lists become 1-D object arrays (one cell per row)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        # Filled cell by cell so a list of equal-length lists stays 1-D instead of becoming 2-D.
+        out = np.empty(len(value), dtype=object)
+        for i, item in enumerate(value):
+            out[i] = item
+        return out
+    raise DataProtoError(f"non-tensor {key!r} must be a numpy array or a list, got {type(value).__name__}")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise DataProtoError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _tensor_to_wire(tensor: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a tensor as a uint8 numpy array (numpy has no bfloat16/float8: bytes are exact)."""
+    t = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensor_from_wire(key: str, raw: np.ndarray, dtype: torch.dtype, shape: torch.Size,
+                      device: torch.device) -> torch.Tensor:
+    # Buffers received zero-copy (Ray object store, bytes) are read-only; torch needs writable memory.
+    if not raw.flags.writeable:
+        raw = raw.copy()
+    tensor = torch.from_numpy(raw).view(dtype).reshape(shape)
+    if device.type == "cpu":
+        return tensor
+    try:
+        return tensor.to(device)
+    except (RuntimeError, AssertionError) as exc:  # e.g. a CUDA tensor arriving in a CPU-only process
+        raise DataProtoError(f"cannot restore batch key {key!r} on {device} here ({exc}); "
+                             "move the DataProto to('cpu') before sending it") from exc
+
+
+@dataclass(eq=False)
+class DataProtoItem:
+    """One row of a :class:`DataProto` (what ``data[i]`` returns, as in verl)."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, Any] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class DataProto:
+    """A batch of tensors, non-tensor arrays and meta info sharing one leading dimension."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.non_tensor_batch is None:
+            self.non_tensor_batch = {}
+        if self.meta_info is None:
+            self.meta_info = {}
+        self.check_consistency()
+
+    # ----------------------------------------------------------------- construction and checks
+    def check_consistency(self) -> None:
+        """Raise DataProtoError unless every tensor and non-tensor has the same leading length."""
+        if self.batch is not None:
+            if not isinstance(self.batch, TensorDict):
+                raise DataProtoError(f"batch must be a TensorDict or None, got {type(self.batch).__name__}")
+            if self.batch.batch_dims != 1:
+                raise DataProtoError(f"batch must have exactly one batch dimension, got batch_size "
+                                     f"{tuple(self.batch.batch_size)}")
+            for key, val in self.batch.items():
+                if not isinstance(val, torch.Tensor):
+                    raise DataProtoError(f"batch key {key!r} holds {type(val).__name__}; only tensors belong "
+                                         "in batch, put other values in non_tensor_batch")
+        if not isinstance(self.non_tensor_batch, dict):
+            raise DataProtoError(f"non_tensor_batch must be a dict, got {type(self.non_tensor_batch).__name__}")
+        if not isinstance(self.meta_info, dict):
+            raise DataProtoError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
+        expected = len(self) if self.batch is not None else None
+        for key, val in self.non_tensor_batch.items():
+            if not isinstance(val, np.ndarray) or val.ndim == 0:
+                raise DataProtoError(f"non-tensor {key!r} must be a numpy array with a batch dimension, "
+                                     f"got {type(val).__name__}")
+            if expected is None:
+                expected = val.shape[0]
+            elif val.shape[0] != expected:
+                raise DataProtoError(f"non-tensor {key!r} has length {val.shape[0]}, expected {expected}")
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict[str, Any] | None = None,
+                  meta_info: dict[str, Any] | None = None) -> DataProto:
+        """Build from a dict of tensors (same dim 0) and a dict of numpy arrays or lists."""
+        tensors = dict(tensors or {})
+        length: int | None = None
+        first_key = None
+        for key, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+                raise DataProtoError(f"tensor {key!r} must be a torch.Tensor with a batch dimension")
+            if length is None:
+                length, first_key = tensor.shape[0], key
+            elif tensor.shape[0] != length:
+                raise DataProtoError(f"tensor {key!r} has length {tensor.shape[0]} but {first_key!r} has {length}")
+        batch = TensorDict(tensors, batch_size=[length]) if tensors else None
+        non_tensor_batch = {k: _as_object_array(k, v) for k, v in (non_tensors or {}).items()}
+        return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(meta_info or {}))
+
+    @classmethod
+    def from_single_dict(cls, data: dict[str, torch.Tensor | np.ndarray],
+                         meta_info: dict[str, Any] | None = None) -> DataProto:
+        """Build from one dict, sending tensors to ``batch`` and numpy arrays to ``non_tensor_batch``."""
+        tensors, non_tensors = {}, {}
+        for key, val in data.items():
+            if isinstance(val, torch.Tensor):
+                tensors[key] = val
+            elif isinstance(val, np.ndarray):
+                non_tensors[key] = val
+            else:
+                raise DataProtoError(f"value of {key!r} must be a torch.Tensor or a numpy array, "
+                                     f"got {type(val).__name__}")
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+
+    def _new(self, batch: TensorDict | None, non_tensor_batch: dict[str, np.ndarray],
+             meta_info: dict[str, Any] | None = None) -> DataProto:
+        # Results get their own meta_info dict so that editing one proto never edits another.
+        meta = dict(self.meta_info) if meta_info is None else meta_info
+        return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta)
+
+    # ----------------------------------------------------------------------- size and indexing
+    def __len__(self) -> int:
+        if self.batch is not None:
+            return int(self.batch.batch_size[0])
+        for val in self.non_tensor_batch.values():
+            return int(val.shape[0])
+        return 0
+
+    def __getitem__(self, item: Index) -> DataProto | DataProtoItem:
+        """``int`` gives a :class:`DataProtoItem`; a slice, index list/array/tensor or mask a DataProto."""
+        if isinstance(item, slice):
+            return self.slice(item.start, item.stop, item.step)
+        if isinstance(item, (list, tuple, np.ndarray, torch.Tensor)):
+            return self.select_idxs(item)
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            n = len(self)
+            if not -n <= item < n:
+                raise IndexError(f"index {item} is out of range for a DataProto of length {n}")
+            return DataProtoItem(batch=self.batch[int(item)] if self.batch is not None else None,
+                                 non_tensor_batch={k: v[item] for k, v in self.non_tensor_batch.items()},
+                                 meta_info=self.meta_info)
+        raise TypeError(f"DataProto indices must be int, slice, list, numpy array or tensor, "
+                        f"not {type(item).__name__}")
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """Rows ``start:end:step`` as a new DataProto (tensors are views, as with tensor slicing)."""
+        s = slice(start, end, step)
+        batch = self.batch[s] if self.batch is not None else None
+        return self._new(batch, {k: v[s] for k, v in self.non_tensor_batch.items()})
+
+    def select_idxs(self, idxs: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Rows at integer positions (or where a boolean mask of length ``len(self)`` is true)."""
+        idx = torch.as_tensor(np.asarray(idxs) if isinstance(idxs, (list, tuple)) else idxs).cpu()
+        if idx.numel() == 0:
+            idx = idx.to(torch.long)
+        if idx.dim() != 1:
+            raise DataProtoError(f"indices must be one-dimensional, got shape {tuple(idx.shape)}")
+        if idx.dtype == torch.bool:
+            if idx.shape[0] != len(self):
+                raise DataProtoError(f"boolean mask has length {idx.shape[0]}, DataProto has {len(self)}")
+        elif idx.is_floating_point() or idx.is_complex():
+            raise DataProtoError(f"indices must be integers or booleans, got {idx.dtype}")
+        else:
+            idx = idx.to(torch.long)
+        idx_np = idx.numpy()
+        batch = None
+        if self.batch is not None:
+            rows = int(idx.sum()) if idx.dtype == torch.bool else idx.shape[0]
+            batch = TensorDict({k: v[idx.to(v.device)] for k, v in self.batch.items()},
+                               batch_size=[rows], device=self.batch.device)
+        return self._new(batch, {k: v[idx_np] for k, v in self.non_tensor_batch.items()})
+
+    # ------------------------------------------------------------------------- keys
+    def _check_keys(self, batch_keys: Sequence[str] | None, non_tensor_batch_keys: Sequence[str] | None,
+                    meta_info_keys: Sequence[str] | None) -> None:
+        have = set(self.batch.keys()) if self.batch is not None else set()
+        for kind, keys, present in (("batch", batch_keys, have),
+                                    ("non_tensor_batch", non_tensor_batch_keys, self.non_tensor_batch),
+                                    ("meta_info", meta_info_keys, self.meta_info)):
+            missing = [k for k in (keys or []) if k not in present]
+            if missing:
+                raise DataProtoError(f"{kind} has no key(s) {missing}; available: {sorted(present)}")
+
+    def select(self, batch_keys: Sequence[str] | None = None, non_tensor_batch_keys: Sequence[str] | None = None,
+               meta_info_keys: Sequence[str] | None = None, deepcopy: bool = False) -> DataProto:
+        """A DataProto with only the given keys (None keeps all of that kind); tensors are shared
+        unless ``deepcopy`` is set."""
+        self._check_keys(batch_keys, non_tensor_batch_keys, meta_info_keys)
+        batch = self.batch
+        if batch is not None and batch_keys is not None:
+            batch = batch.select(*batch_keys)
+        non_tensor = {k: v for k, v in self.non_tensor_batch.items()
+                      if non_tensor_batch_keys is None or k in non_tensor_batch_keys}
+        meta = {k: v for k, v in self.meta_info.items() if meta_info_keys is None or k in meta_info_keys}
+        if deepcopy:
+            batch = batch.clone() if batch is not None else None
+            non_tensor, meta = copy.deepcopy(non_tensor), copy.deepcopy(meta)
+        elif batch is not None and batch is self.batch:
+            batch = batch.select(*batch.keys())  # a new container, so adding keys there leaves self alone
+        return self._new(batch, non_tensor, meta)
+
+    def pop(self, batch_keys: Sequence[str] | None = None, non_tensor_batch_keys: Sequence[str] | None = None,
+            meta_info_keys: Sequence[str] | None = None) -> DataProto:
+        """Remove the given keys from this proto and return them as a new DataProto."""
+        self._check_keys(batch_keys, non_tensor_batch_keys, meta_info_keys)
+        batch = None
+        if batch_keys:
+            assert self.batch is not None  # _check_keys guarantees it
+            batch = TensorDict({k: self.batch.pop(k) for k in batch_keys}, batch_size=self.batch.batch_size,
+                               device=self.batch.device)
+        non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys or []}
+        meta = {k: self.meta_info.pop(k) for k in meta_info_keys or []}
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+    def rename(self, old_keys: str | Sequence[str] | None = None,
+               new_keys: str | Sequence[str] | None = None) -> DataProto:
+        """Rename batch (or non-tensor) keys in place and return self."""
+        old = [old_keys] if isinstance(old_keys, str) else list(old_keys or [])
+        new = [new_keys] if isinstance(new_keys, str) else list(new_keys or [])
+        if len(old) != len(new):
+            raise DataProtoError(f"rename needs as many new keys as old keys, got {old} -> {new}")
+        batch_keys = set(self.batch.keys()) if self.batch is not None else set()
+        for o, n in zip(old, new):
+            if n in batch_keys or n in self.non_tensor_batch:
+                raise DataProtoError(f"cannot rename {o!r} to {n!r}: {n!r} already exists")
+            if o in batch_keys:
+                assert self.batch is not None
+                self.batch.rename_key_(o, n)
+                batch_keys = set(self.batch.keys())
+            elif o in self.non_tensor_batch:
+                self.non_tensor_batch[n] = self.non_tensor_batch.pop(o)
+            else:
+                raise DataProtoError(f"cannot rename {o!r}: no such batch or non-tensor key")
+        return self
+
+    def union(self, other: DataProto) -> DataProto:
+        """Merge ``other``'s keys into self (in place, returns self).
+
+        Lengths must match, unless one side carries no rows at all (only meta_info). A key present
+        on both sides must hold equal values.
+        """
+        self_rows = self.batch is not None or bool(self.non_tensor_batch)
+        other_rows = other.batch is not None or bool(other.non_tensor_batch)
+        if self_rows and other_rows and len(self) != len(other):
+            raise DataProtoError(f"cannot union DataProtos of lengths {len(self)} and {len(other)}")
+        batch = self.batch
+        if other.batch is not None:
+            batch = union_tensor_dict(batch.select(*batch.keys()), other.batch) if batch is not None \
+                else other.batch.select(*other.batch.keys())
+        non_tensor = union_numpy_dict(dict(self.non_tensor_batch), other.non_tensor_batch)
+        meta = _union_dict(dict(self.meta_info), other.meta_info, "meta_info")
+        # Everything was checked on copies above, so a conflict leaves self untouched.
+        self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor, meta
+        self.check_consistency()
+        return self
+
+    # ----------------------------------------------------------------- splitting and joining
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """Split into ``chunks`` equal parts; uneven lengths are an error (pad first if needed)."""
+        chunks = _positive_int("chunks", chunks)
+        if len(self) % chunks:
+            raise DataProtoError(f"cannot split a DataProto of length {len(self)} into {chunks} equal chunks; "
+                                 "pad it with pad_dataproto_to_divisor first")
+        size = len(self) // chunks
+        return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Split into parts of ``split_size`` rows; the last one may be shorter."""
+        split_size = _positive_int("split_size", split_size)
+        return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
+
+    @staticmethod
+    def concat(data: Sequence[DataProto]) -> DataProto:
+        """Concatenate along dim 0; all parts must have the same keys, meta_info comes from the first."""
+        if not data:
+            raise DataProtoError("cannot concat an empty list of DataProtos")
+        first = data[0]
+        batch_keys = list(first.batch.keys()) if first.batch is not None else None
+        for i, d in enumerate(data):
+            keys = list(d.batch.keys()) if d.batch is not None else None
+            if (keys is None) != (batch_keys is None) or set(keys or []) != set(batch_keys or []):
+                raise DataProtoError(f"cannot concat: part {i} has batch keys {keys}, part 0 has {batch_keys}")
+            if d.non_tensor_batch.keys() != first.non_tensor_batch.keys():
+                raise DataProtoError(f"cannot concat: part {i} has non-tensor keys {sorted(d.non_tensor_batch)}, "
+                                     f"part 0 has {sorted(first.non_tensor_batch)}")
+        batch = None
+        if batch_keys is not None:
+            tensors = {}
+            for key in batch_keys:
+                try:
+                    tensors[key] = torch.cat([d.batch[key] for d in data], dim=0)  # type: ignore[index]
+                except RuntimeError as exc:
+                    raise DataProtoError(f"cannot concat batch key {key!r}: {exc}") from exc
+            batch = TensorDict(tensors, batch_size=[sum(len(d) for d in data)], device=first.batch.device)
+        non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data], axis=0)
+                      for k in first.non_tensor_batch}
+        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(first.meta_info))
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Repeat every row: ``interleave`` gives a,a,b,b; otherwise the whole batch is tiled a,b,a,b."""
+        times = _positive_int("repeat_times", repeat_times)
+        batch = None
+        if self.batch is not None:
+            rep = (lambda t: t.repeat_interleave(times, dim=0)) if interleave \
+                else (lambda t: t.repeat(times, *([1] * (t.dim() - 1))))
+            batch = TensorDict({k: rep(v) for k, v in self.batch.items()}, batch_size=[len(self) * times],
+                               device=self.batch.device)
+        non_tensor = {k: np.repeat(v, times, axis=0) if interleave else np.tile(v, (times,) + (1,) * (v.ndim - 1))
+                      for k, v in self.non_tensor_batch.items()}
+        return self._new(batch, non_tensor)
+
+    def reorder(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        """Permute the rows in place: row ``i`` becomes old row ``indices[i]``."""
+        idx = torch.as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices).cpu()
+        if idx.dim() != 1 or idx.dtype == torch.bool or idx.is_floating_point() or \
+                not torch.equal(torch.sort(idx.to(torch.long)).values, torch.arange(len(self))):
+            raise DataProtoError(f"reorder needs a permutation of range({len(self)}), "
+                                 f"got {idx.numel()} indices starting {idx.flatten()[:8].tolist()}")
+        reordered = self.select_idxs(idx)
+        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
+
+    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
+                      dataloader_kwargs: dict[str, Any] | None = None) -> Iterator[DataProto]:
+        """Yield mini-batches of ``mini_batch_size`` rows for ``epochs`` passes.
+
+        With a ``seed`` every epoch is a fresh permutation drawn from one ``torch.Generator`` seeded
+        with it, so the same seed gives the same order. Without a seed rows come in order, unless
+        ``dataloader_kwargs={"shuffle": True}`` asks for shuffling from torch's global generator.
+        ``{"shuffle": False}`` turns shuffling off even with a seed.
+        """
+        mini_batch_size = _positive_int("mini_batch_size", mini_batch_size)
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise DataProtoError(f"epochs must be a non-negative integer, got {epochs!r}")
+        if len(self) % mini_batch_size:
+            raise DataProtoError(f"DataProto length {len(self)} is not divisible by mini_batch_size "
+                                 f"{mini_batch_size}")
+        kwargs = dict(dataloader_kwargs or {})
+        unknown = sorted(set(kwargs) - _ITERATOR_KWARGS)
+        if unknown:
+            raise DataProtoError(f"unsupported dataloader_kwargs {unknown}; supported: {sorted(_ITERATOR_KWARGS)}")
+        shuffle = bool(kwargs.get("shuffle", seed is not None))
+        generator = None
+        if seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        n = len(self)
+
+        def batches() -> Iterator[DataProto]:
+            for _ in range(epochs):
+                order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+                for start in range(0, n, mini_batch_size):
+                    yield self.select_idxs(order[start:start + mini_batch_size])
+
+        return batches()
+
+    # ----------------------------------------------------------------------- device, repr, pickle
+    def to(self, device: str | torch.device) -> DataProto:
+        """Move the tensors to ``device`` (in place) and return self."""
+        if self.batch is not None:
+            self.batch = self.batch.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        tensors = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in self.batch.items()} if self.batch is not None else None
+        non_tensors = {k: f"{v.shape} {v.dtype}" for k, v in self.non_tensor_batch.items()}
+        device = self.batch.device if self.batch is not None else None
+        return (f"{type(self).__name__}(len={len(self)}, batch={tensors}, device={device}, "
+                f"non_tensor_batch={non_tensors}, meta_info_keys={sorted(map(str, self.meta_info))})")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Tensors travel as raw uint8 numpy arrays, which pickle 5 (and Ray) send out-of-band."""
+        batch_state = None
+        if self.batch is not None:
+            batch_state = {
+                "batch_size": tuple(self.batch.batch_size),
+                "device": self.batch.device,
+                "tensors": [(k, v.dtype, tuple(v.shape), v.device, _tensor_to_wire(v)) for k, v in self.batch.items()],
+            }
+        return {"version": _STATE_VERSION, "batch": batch_state,
+                "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise DataProtoError(f"cannot unpickle DataProto state version {state.get('version')!r}, "
+                                 f"this build reads version {_STATE_VERSION}")
+        batch_state = state["batch"]
+        self.batch = None
+        if batch_state is not None:
+            tensors = {k: _tensor_from_wire(k, raw, dtype, torch.Size(shape), dev)
+                       for k, dtype, shape, dev, raw in batch_state["tensors"]}
+            self.batch = TensorDict(tensors, batch_size=list(batch_state["batch_size"]), device=batch_state["device"])
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
+
+    def equals(self, other: DataProto, check_meta_info: bool = True) -> bool:
+        """Same keys, dtypes, shapes and values (NaN equal to NaN); meta_info too unless told not to."""
+        if not isinstance(other, DataProto) or len(self) != len(other):
+            return False
+        if (self.batch is None) != (other.batch is None):
+            return False
+        if self.batch is not None and (set(self.batch.keys()) != set(other.batch.keys()) or not all(
+                values_equal(v, other.batch[k]) for k, v in self.batch.items())):
+            return False
+        if not values_equal(self.non_tensor_batch, other.non_tensor_batch):
+            return False
+        return not check_meta_info or values_equal(self.meta_info, other.meta_info)
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
+    when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
+    size_divisor = _positive_int("size_divisor", size_divisor)
+    n = len(data)
+    pad_size = (-n) % size_divisor
+    if pad_size == 0:  # includes the empty proto: nothing to pad, no rows to repeat
+        return data, 0
+    padding = data.select_idxs(torch.arange(pad_size) % n)
+    return DataProto.concat([data, padding]), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
+    if isinstance(pad_size, bool) or not isinstance(pad_size, (int, np.integer)) or not 0 <= pad_size <= len(data):
+        raise DataProtoError(f"pad_size must be an integer in [0, {len(data)}], got {pad_size!r}")
+    return data if pad_size == 0 else data.slice(0, len(data) - int(pad_size))

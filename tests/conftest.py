@@ -1,0 +1,21 @@
+"""Shared fixtures: one local Ray cluster per test module (``ray.init`` costs seconds here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local CPU Ray cluster with generous logical CPUs; shut down after the module."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=16, include_dashboard=False, namespace="rrl-tests", object_store_memory=256 * 1024**2,
+             log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

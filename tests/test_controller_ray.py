@@ -1,0 +1,209 @@
+"""Integration tests of the single-controller runtime on a local CPU Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+import ray
+import torch
+
+from resilient_rl import (DataProto, Dispatch, Execute, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
+                          Worker, create_colocated_worker_cls, merge_resource_pool, register)
+from resilient_rl.errors import DispatchError, ResourceError, WorkerDiedError
+
+# Workers defined here travel to the actors by value (the test module is not importable there).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.ray
+
+
+@ray.remote
+class EchoWorker(Worker):
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+        self.calls = 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def describe(self, tag):
+        return {"rank": self.rank, "world_size": self.world_size, "tag": tag, "pid": os.getpid()}
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def echo(self, x):
+        return (self.rank, x)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE)
+    def add_rank(self, x):
+        return x + self.rank
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def double(self, data: DataProto) -> DataProto:
+        out = DataProto.from_dict({"y": data.batch["x"] * 2 * self.scale,
+                                   "rank": torch.full((len(data),), self.rank)},
+                                  {"uid": data.non_tensor_batch["uid"]})
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def apply(self, fn, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"y": fn(data.batch["x"])})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def metric(self, data: DataProto):
+        return {"rank": self.rank, "sum": float(data.batch["x"].sum())}
+
+    @register(dispatch_mode={"dispatch_fn": lambda wg, x: (([x * (i + 1) for i in range(wg.world_size)],), {}),
+                             "collect_fn": lambda wg, out: sum(out)})
+    def custom(self, x):
+        return x
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def only_rank_zero(self):
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def later(self, x):
+        return x * 10
+
+
+@ray.remote
+class CriticLike(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def role(self):
+        return ("critic", self.rank, os.getpid())
+
+
+def proto(n: int) -> DataProto:
+    return DataProto.from_dict({"x": torch.arange(n, dtype=torch.float32)},
+                               {"uid": np.array([f"u{i}" for i in range(n)], dtype=object)})
+
+
+def make_group(n: int, prefix: str, **kw) -> RayWorkerGroup:
+    pool = RayResourcePool([n], use_gpu=False, name_prefix=prefix, cpus_per_bundle=0.1)
+    return RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=1.0), **kw)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_dispatch_mode(ray_cluster, n):
+    wg = make_group(n, f"modes{n}")
+    try:
+        assert wg.world_size == n and len(wg.workers) == n
+        info = wg.describe("t")
+        assert [i["rank"] for i in info] == list(range(n)) and {i["world_size"] for i in info} == {n}
+        assert len({i["pid"] for i in info}) == n
+        assert wg.echo([f"a{i}" for i in range(n)]) == [(i, f"a{i}") for i in range(n)]
+        assert wg.add_rank([10] * n) == [10 + i for i in range(n)]
+        # 7 rows is uneven for n in (2, 3, 4): padded on dispatch, unpadded on collect
+        out = wg.double(proto(7))
+        assert len(out) == 7
+        assert out.batch["y"].tolist() == [2.0 * i for i in range(7)]
+        assert list(out.non_tensor_batch["uid"]) == [f"u{i}" for i in range(7)]
+        ranks = out.batch["rank"].tolist()
+        assert ranks == sorted(ranks) and set(ranks) == set(range(n))
+        applied = wg.apply(torch.neg, proto(8))
+        assert applied.batch["y"].tolist() == [-float(i) for i in range(8)]
+        metrics = wg.metric(proto(4 * n))
+        assert [m["rank"] for m in metrics] == list(range(n))
+        assert sum(m["sum"] for m in metrics) == float(sum(range(4 * n)))
+        assert wg.custom(2) == sum(2 * (i + 1) for i in range(n))
+        assert wg.only_rank_zero() == 0
+        refs = wg.later(4)
+        assert ray.get(refs) == [40] * n
+        assert wg.execute_all_sync("echo", "same") == [(i, "same") for i in range(n)]
+        assert wg.execute_rank_zero_sync("echo", 5) == (0, 5)
+    finally:
+        wg.shutdown()
+
+
+def test_bad_input_fails_fast(ray_cluster):
+    wg = make_group(2, "bad")
+    try:
+        with pytest.raises(DispatchError, match="no method 'nope'"):
+            wg.execute_all_sync("nope")
+        with pytest.raises(DispatchError, match="world size 2.*length 3"):
+            wg.add_rank([1, 2, 3])
+        data = proto(3)
+        data.meta_info["auto_padding"] = False
+        with pytest.raises(DispatchError, match="length 3 cannot be split into 2"):
+            wg.double(data)
+    finally:
+        wg.shutdown()
+    t0 = time.monotonic()
+    with pytest.raises(ResourceError, match="asks for 2 GPU"):
+        RayResourcePool([2], use_gpu=True, name_prefix="gpu").get_placement_groups()
+    with pytest.raises(ResourceError, match="asks for 40 CPU"):
+        RayResourcePool([4], cpus_per_bundle=10, name_prefix="fat").get_placement_groups()
+    assert time.monotonic() - t0 < 10  # failed at once, did not wait for placement
+
+
+def test_colocated_roles_share_one_process_per_bundle(ray_cluster):
+    pool = RayResourcePool([2], name_prefix="coloc", cpus_per_bundle=0.1)
+    cls = create_colocated_worker_cls({"actor": RayClassWithInitArgs(EchoWorker, scale=3.0),
+                                       "critic": RayClassWithInitArgs(CriticLike)})
+    wg = RayWorkerGroup(pool, cls)
+    try:
+        groups = wg.spawn(prefix_set={"actor", "critic"})
+        actor, critic = groups["actor"], groups["critic"]
+        a = actor.describe("x")
+        c = critic.role()
+        assert [x["pid"] for x in a] == [x[2] for x in c]  # same processes
+        assert [x[:2] for x in c] == [("critic", 0), ("critic", 1)]
+        out = actor.double(proto(4))
+        assert out.batch["y"].tolist() == [0.0, 6.0, 12.0, 18.0]  # scale=3 reached the actor role
+        with pytest.raises(DispatchError, match="no colocated role 'ref'"):
+            wg.spawn(prefix_set={"ref"})
+    finally:
+        wg.shutdown()
+
+
+def test_merged_pools_and_all_reduce_after_rendezvous(ray_cluster):
+    pool = merge_resource_pool(RayResourcePool([1], name_prefix="m1"), RayResourcePool([2], name_prefix="m2"))
+    assert pool.store == [1, 2] and pool.world_size == 3
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker))
+    try:
+        assert [i["rank"] for i in wg.describe(0)] == [0, 1, 2]
+        wg.init_process_group(generation=1, backend="gloo", timeout_s=30)
+        # sum over ranks of 2 * (rank + 1) = 2 * (1 + 2 + 3)
+        assert wg.all_reduce_check(2.0) == [12.0] * 3
+        assert {i.generation for i in wg.ping()} == {1}
+    finally:
+        wg.shutdown()
+    with pytest.raises(ResourceError, match="already exist"):
+        p = RayResourcePool([1], name_prefix="m3")
+        p.get_placement_groups()
+        try:
+            merge_resource_pool(p, RayResourcePool([1], name_prefix="m4"))
+        finally:
+            p.release()
+
+
+def test_second_rendezvous_after_sigkill_and_ray_restart(ray_cluster):
+    wg = make_group(2, "restart", max_restarts=2, call_timeout_s=60)
+    try:
+        wg.init_process_group(generation=1, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+        victim_pid = wg.ping()[1].pid
+        os.kill(victim_pid, signal.SIGKILL)
+        # the survivor's collective fails fast, or the dead rank's call reports its death
+        with pytest.raises((WorkerDiedError, Exception)):
+            wg.all_reduce_check(1.0)
+        deadline = time.monotonic() + 60
+        while True:  # Ray restarts the actor (max_restarts); wait for it to answer
+            try:
+                infos = wg.ping(timeout_s=10)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert infos[1].pid != victim_pid and infos[0].generation == 1 and infos[1].generation is None
+        wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+        assert [i.generation for i in wg.ping()] == [2, 2]
+    finally:
+        wg.shutdown()
