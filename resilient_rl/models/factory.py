@@ -1,0 +1,117 @@
+"""Build the actor/ref/rollout causal LM and the critic from the model config, reproducibly.
+
+``model_cfg`` is any object with the model config's attributes (``kind``, ``path``, ``hf_config``,
+``hidden_size``, ``num_layers``, ``num_heads``, ``intermediate_size``, ``max_seq_len``, and optionally
+``tie_embeddings``, ``init_std``, ``dtype``); missing attributes take the tiny model's defaults.
+Models are built under a forked RNG seeded with ``seed``: the same seed gives the same weights on
+every rank and every restart, and building never moves the caller's global RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from resilient_rl.errors import ConfigError
+from resilient_rl.models.hf import hf_layers, load_hf_causal_lm
+from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
+from resilient_rl.models.value import CausalLMWithValueHead
+
+__all__ = ["build_causal_lm", "build_value_model", "seeded_init", "tiny_config", "transformer_blocks"]
+
+_KINDS = ("tiny", "hf")
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Run the block with the torch RNG seeded to ``seed``, restoring the caller's RNG afterwards."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"model seed must be an int, got {seed!r}")
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_causal_lm(model_cfg: Any, vocab_size: int | None, seed: int) -> nn.Module:
+    """The causal LM described by ``model_cfg`` (tiny or Hugging Face), initialised from ``seed``.
+
+    ``vocab_size`` is the tokenizer's vocabulary: the tiny model uses it as is; a Hugging Face
+    config dict without ``vocab_size`` gets it, and a model whose vocabulary is smaller is rejected.
+    """
+    kind = _kind(model_cfg)
+    with seeded_init(seed):
+        if kind == "tiny":
+            return TinyCausalLM(tiny_config(model_cfg, vocab_size))
+        return _build_hf(model_cfg, vocab_size)
+
+
+def build_value_model(model_cfg: Any, vocab_size: int | None, seed: int) -> CausalLMWithValueHead:
+    """The critic: the same backbone as :func:`build_causal_lm` plus a value head, from ``seed``."""
+    kind = _kind(model_cfg)
+    with seeded_init(seed):
+        if kind == "tiny":
+            backbone: nn.Module = TinyCausalLM(tiny_config(model_cfg, vocab_size))
+        else:
+            backbone = _build_hf(model_cfg, vocab_size)
+        return CausalLMWithValueHead(backbone)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList FSDP2 shards block by block, for a tiny, Hugging Face or value model."""
+    if isinstance(model, (TinyCausalLM, CausalLMWithValueHead)):
+        return model.layers
+    return hf_layers(model)
+
+
+def tiny_config(model_cfg: Any, vocab_size: int | None) -> TinyLMConfig:
+    """The :class:`TinyLMConfig` for ``model_cfg`` (attributes missing from it take the defaults)."""
+    if vocab_size is None:
+        raise ConfigError("model.kind='tiny' needs the tokenizer's vocab_size")
+    defaults = TinyLMConfig(vocab_size=vocab_size)
+    fields = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len",
+              "tie_embeddings", "init_std")
+    return TinyLMConfig(vocab_size=vocab_size,
+                        **{f: _get(model_cfg, f, getattr(defaults, f)) for f in fields})
+
+
+def _kind(model_cfg: Any) -> str:
+    kind = _get(model_cfg, "kind", "tiny")
+    if kind not in _KINDS:
+        raise ConfigError(f"model.kind must be one of {_KINDS}, got {kind!r}")
+    return kind
+
+
+def _get(model_cfg: Any, name: str, default: Any) -> Any:
+    # A config field left as None means "use the default", same as a missing attribute.
+    value = getattr(model_cfg, name, None)
+    return default if value is None else value
+
+
+def _dtype(model_cfg: Any) -> torch.dtype:
+    value = _get(model_cfg, "dtype", torch.float32)
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"model.dtype must name a floating torch dtype (e.g. 'float32', 'bfloat16'), "
+                          f"got {value!r}")
+    return dtype
+
+
+def _build_hf(model_cfg: Any, vocab_size: int | None) -> nn.Module:
+    path = getattr(model_cfg, "path", None)
+    hf_config = getattr(model_cfg, "hf_config", None)
+    if hf_config is not None and vocab_size is not None and path is None:
+        hf_config = {"vocab_size": vocab_size, **dict(hf_config)}
+    model = load_hf_causal_lm(path=path, hf_config=hf_config, dtype=_dtype(model_cfg))
+    model_vocab = model.get_input_embeddings().num_embeddings
+    if vocab_size is not None and model_vocab < vocab_size:
+        raise ConfigError(f"model vocabulary ({model_vocab} embeddings, from "
+                          f"{'model.path=' + repr(path) if path else 'model.hf_config'}) is smaller than "
+                          f"the tokenizer's vocab_size={vocab_size}")
+    return model
