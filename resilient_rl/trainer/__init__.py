@@ -1,0 +1,1 @@
+"""Trainer: config, data and the PPO/GRPO fit loop."""

@@ -1,0 +1,237 @@
+"""Typed configuration: the root :class:`Config`, YAML files and ``key=value`` overrides.
+
+The sections (one dataclass per component) live in :mod:`resilient_rl.trainer.config_sections`
+and are re-exported here; :class:`Config` adds the checks that span sections. :func:`load_config`
+layers the defaults, a YAML file and command-line overrides with OmegaConf structured configs, so
+unknown keys and wrong types are caught before any value is used. Every error is a
+:class:`~resilient_rl.errors.ConfigError` naming the full dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import fsspec
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
+
+from resilient_rl.errors import ConfigError
+from resilient_rl.trainer.config_sections import (
+    BUILTIN_TASKS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    ActorConfig,
+    AlgorithmConfig,
+    CheckpointConfig,
+    ConfigFieldError,
+    CriticConfig,
+    DataConfig,
+    KLControlConfig,
+    ModelConfig,
+    OptimConfig,
+    RayConfig,
+    RecoveryConfig,
+    RefConfig,
+    RolloutConfig,
+    TelemetryConfig,
+    TrainerConfig,
+    _require,
+    _Section,
+    _type_name,
+)
+
+__all__ = [
+    "BUILTIN_TASKS", "KL_ESTIMATORS", "LOSS_AGG_MODES", "ActorConfig", "AlgorithmConfig", "CheckpointConfig",
+    "Config", "ConfigFieldError", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
+    "RayConfig", "RecoveryConfig", "RefConfig", "RolloutConfig", "TelemetryConfig", "TrainerConfig",
+    "config_digest", "config_from_dict", "config_to_dict", "load_config", "save_config",
+]
+
+
+@dataclass
+class Config(_Section):
+    """The whole run. Cross-section rules are checked here; keys in errors are full dotted paths."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    _root = True
+
+    def validate(self) -> None:
+        grpo = self.algorithm.adv_estimator == "grpo"
+        if grpo:
+            self.critic.enabled = False  # GRPO's baseline is the group mean: no value model.
+        if self.trainer.placement == "colocated":
+            # Colocated roles share the actor's processes, so their world sizes are the actor's.
+            self.rollout.world_size = self.actor.world_size
+            self.ref.world_size = self.actor.world_size
+        _require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
+                 "algorithm.adv_estimator='grpo' needs rollout.n >= 2 samples per prompt")
+        sequences = self.data.batch_size * self.rollout.n
+        roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.critic.enabled else [])
+        for role, section in roles:
+            _require(sequences % section.world_size == 0, f"{role}.world_size", section.world_size,
+                     f"data.batch_size * rollout.n = {sequences} must be divisible by it")
+            _require(section.mini_batch_size <= sequences, f"{role}.mini_batch_size", section.mini_batch_size,
+                     f"must be <= data.batch_size * rollout.n = {sequences}")
+        if self.data.task in BUILTIN_TASKS:
+            # The longest answer (a sum carries one extra digit) must fit in the response.
+            longest = self.data.max_digits + (1 if self.data.task == "add" else 0)
+            _require(self.rollout.max_new_tokens >= longest, "rollout.max_new_tokens", self.rollout.max_new_tokens,
+                     f"must be >= {longest}, the longest answer of data.task={self.data.task!r}")
+        if self.trainer.device == "cuda":
+            import torch  # only here: importing torch is slow and most configs never need it
+
+            _require(torch.cuda.is_available(), "trainer.device", self.trainer.device,
+                     "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, saving, digest
+
+
+def _schema_at(path: str) -> Any:
+    """The annotation of dotted ``path`` in the Config schema (list indices are ignored)."""
+    tp: Any = Config
+    for part in re.sub(r"\[\d+\]", "", path).split(".") if path else []:
+        if not dataclasses.is_dataclass(tp):
+            return Any
+        tp = typing.get_type_hints(tp).get(part, Any)
+    return tp
+
+
+def _check_sections(node: Any, cls: type, prefix: str) -> None:
+    """Reject a scalar where a section is expected (OmegaConf's merge error names no key)."""
+    if not isinstance(node, dict):
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in node.items():
+        tp = hints.get(key)
+        if tp is not None and dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                allowed = ", ".join(f.name for f in dataclasses.fields(tp))
+                raise ConfigError(f"config key '{prefix}{key}' is a section; expected a mapping with keys "
+                                  f"({allowed}), got {value!r}")
+            _check_sections(value, tp, f"{prefix}{key}.")
+
+
+def _translate(e: OmegaConfBaseException) -> ConfigError:
+    """Turn an OmegaConf error into a ConfigError that names the dotted key."""
+    full_key = str(getattr(e, "full_key", "") or "")
+    if isinstance(e, ConfigKeyError) and full_key:
+        section, _, leaf = full_key.rpartition(".")
+        tp = _schema_at(section)
+        allowed = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+        close = difflib.get_close_matches(leaf, allowed, n=1)
+        hint = f" (did you mean '{section + '.' if section else ''}{close[0]}'?)" if close else ""
+        where = f"section '{section}'" if section else "the top level"
+        return ConfigError(f"unknown config key '{full_key}'{hint}. Allowed keys in {where}: {', '.join(allowed)}")
+    if full_key and isinstance(e, InterpolationResolutionError):
+        return ConfigError(f"cannot resolve config key '{full_key}': {getattr(e, 'msg', str(e)).splitlines()[0]}")
+    if full_key:
+        value = getattr(e, "value", None)
+        return ConfigError(f"invalid type for config key '{full_key}': expected {_type_name(_schema_at(full_key))}, "
+                           f"got {value!r} ({getattr(e, 'msg', str(e)).splitlines()[0]})")
+    return ConfigError(f"invalid config: {str(e).splitlines()[0]}")
+
+
+def _locate(node: DictConfig, owner: type, prefix: str = "") -> Optional[str]:
+    """Dotted path of the first section of type ``owner`` (in build order) that fails to build."""
+    for key in node.keys():
+        child = node[key]
+        if not isinstance(child, DictConfig) or not dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            continue
+        path = f"{prefix}{key}"
+        found = _locate(child, owner, path + ".")
+        if found is not None:
+            return found
+        if OmegaConf.get_type(child) is owner:
+            try:
+                OmegaConf.to_object(child)
+            except ConfigFieldError:
+                return path
+    return None
+
+
+def _build(layers: Sequence[DictConfig]) -> Config:
+    for layer in layers:
+        _check_sections(OmegaConf.to_container(layer, resolve=False), Config, "")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
+        return typing.cast(Config, OmegaConf.to_object(merged))
+    except ConfigFieldError as e:
+        if e.owner is None:
+            raise
+        prefix = _locate(typing.cast(DictConfig, merged), e.owner)
+        raise ConfigFieldError(f"{prefix}.{e.key}" if prefix else e.key, e.value, e.allowed,
+                               None if prefix else e.owner) from None
+    except OmegaConfBaseException as e:
+        raise _translate(e) from None
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path`` (any fsspec URL), then ``key=value`` overrides."""
+    layers: list[DictConfig] = []
+    if path is not None:
+        try:
+            with fsspec.open(path, "r") as f:
+                text = f.read()
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        try:
+            layer = OmegaConf.create(text)
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got a {type(layer).__name__}")
+        layers.append(layer)
+    for item in overrides:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ConfigError(f"override {item!r} must have the form dotted.key=value")
+    if overrides:
+        try:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as e:
+            raise _translate(e) from None
+    return _build(layers)
+
+
+def config_from_dict(data: Dict[str, Any]) -> Config:
+    """Build and validate a Config from a plain (possibly partial) mapping, e.g. a saved run config."""
+    return _build([OmegaConf.create(data)])
+
+
+def config_to_dict(cfg: Config) -> Dict[str, Any]:
+    """The config as plain, JSON-serialisable Python data."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config as YAML to ``path`` (any fsspec URL); load_config reads it back."""
+    with fsspec.open(path, "w") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+
+
+def config_digest(cfg: Config) -> str:
+    """First 16 hex chars of the sha256 of the config's canonical JSON (sorted keys, no spaces)."""
+    canonical = json.dumps(config_to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,0 +1,395 @@
+"""The per-component config sections: one validated dataclass each.
+
+Every section type-checks its fields and validates ranges and allowed values in ``__post_init__``.
+A section does not know where it sits in the tree, so its errors name the field relative to the
+section (``OptimConfig.lr``); :func:`resilient_rl.trainer.config.load_config` turns that into the
+full dotted key (``actor.optim.lr``). The root :class:`~resilient_rl.trainer.config.Config` lives
+in ``config.py`` with the cross-section rules and the YAML loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from resilient_rl.errors import ConfigError
+
+KL_ESTIMATORS = ("k1", "abs", "mse", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+BUILTIN_TASKS = ("reverse", "copy", "add")
+
+
+class ConfigFieldError(ConfigError):
+    """A config value is out of range or not allowed; ``key`` is dotted, relative to ``owner``."""
+
+    def __init__(self, key: str, value: Any, allowed: str, owner: Optional[type] = None):
+        self.key, self.value, self.allowed, self.owner = key, value, allowed, owner
+        where = f"{owner.__name__}.{key}" if owner is not None else key
+        super().__init__(f"invalid config value {where}={value!r}: {allowed}")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigFieldError(key, value, allowed)
+
+
+def _choice(key: str, value: Any, options: Sequence[str]) -> None:
+    _require(value in options, key, value, "allowed values are " + ", ".join(repr(o) for o in options))
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return " or ".join(_type_name(a) for a in inner) + " or null"
+    if origin in (list, List):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin in (dict, Dict):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check ``value`` against annotation ``tp``; return (ok, value with ints widened to float)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True, value
+    if origin is typing.Union:
+        if value is None:
+            return type(None) in args, value
+        return _coerce(value, next(a for a in args if a is not type(None)))
+    if origin in (list, List):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        items = [_coerce(v, args[0] if args else Any) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin in (dict, Dict):
+        return isinstance(value, dict), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    return isinstance(value, tp), value
+
+
+class _Section:
+    """Base of every config section: type-checks its fields, then runs :meth:`validate`."""
+
+    _root = False  # True for Config, whose errors already carry full dotted keys
+
+    def __post_init__(self) -> None:
+        try:
+            hints = typing.get_type_hints(type(self))
+            for f in dataclasses.fields(self):  # type: ignore[arg-type]
+                ok, value = _coerce(getattr(self, f.name), hints[f.name])
+                _require(ok, f.name, getattr(self, f.name), f"expected {_type_name(hints[f.name])}")
+                setattr(self, f.name, value)
+            self.validate()
+        except ConfigFieldError as e:
+            if e.owner is not None or self._root:
+                raise
+            # Sections are built bottom-up and do not know where they sit; load_config adds the path.
+            raise ConfigFieldError(e.key, e.value, e.allowed, type(self)) from None
+
+    def validate(self) -> None:
+        """Check ranges and allowed values; raise ConfigFieldError naming the field."""
+
+
+@dataclass
+class ModelConfig(_Section):
+    """The policy/value backbone: the built-in tiny LM or a Hugging Face causal LM."""
+
+    kind: str = "tiny"
+    path: Optional[str] = None
+    hf_config: Optional[Dict[str, Any]] = None
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_seq_len: int = 64
+
+    def validate(self) -> None:
+        _choice("kind", self.kind, ("tiny", "hf"))
+        _require(self.kind != "hf" or self.path is not None or self.hf_config is not None, "path", self.path,
+                 "model.kind='hf' needs model.path (a local HF directory) or model.hf_config")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
+                 f"must be divisible by num_heads={self.num_heads}")
+        _require(self.max_seq_len >= 2, "max_seq_len", self.max_seq_len, "must be >= 2")
+
+
+@dataclass
+class OptimConfig(_Section):
+    """AdamW and its learning-rate schedule, one per trained role."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 5
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        _require(self.lr > 0, "lr", self.lr, "must be > 0")
+        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
+                 "must be two numbers in [0, 1)")
+        _require(self.eps > 0, "eps", self.eps, "must be > 0")
+        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+
+
+@dataclass
+class ActorConfig(_Section):
+    """The policy being trained (PPO clipped objective)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 4
+    mini_batch_size: int = 32
+    clip_ratio: float = 0.2
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    world_size: int = 2
+
+    def validate(self) -> None:
+        for name in ("ppo_epochs", "mini_batch_size", "world_size"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
+        _require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
+        _require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        _choice("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
+        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+
+
+@dataclass
+class CriticConfig(_Section):
+    """The value model (PPO with GAE); switched off for GRPO."""
+
+    enabled: bool = True
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 4
+    mini_batch_size: int = 32
+    cliprange_value: float = 0.5
+    world_size: int = 1
+
+    def validate(self) -> None:
+        for name in ("ppo_epochs", "mini_batch_size", "world_size"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _require(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
+
+
+@dataclass
+class RolloutConfig(_Section):
+    """Sampling of responses; ``world_size`` is ignored (= actor's) when placement is colocated."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 4
+    n: int = 1
+    world_size: int = 1
+
+    def validate(self) -> None:
+        _require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        for name in ("max_new_tokens", "n", "world_size"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+
+
+@dataclass
+class RefConfig(_Section):
+    """The frozen reference policy; ``world_size`` follows the actor's when colocated."""
+
+    world_size: int = 1
+
+    def validate(self) -> None:
+        _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")
+
+
+@dataclass
+class KLControlConfig(_Section):
+    """Coefficient of the KL penalty in the reward: fixed, or adapted towards ``target_kl``."""
+
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+    def validate(self) -> None:
+        _choice("type", self.type, ("fixed", "adaptive"))
+        _require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        _require(self.target_kl > 0, "target_kl", self.target_kl, "must be > 0")
+        _require(self.horizon >= 1, "horizon", self.horizon, "must be >= 1")
+
+
+@dataclass
+class AlgorithmConfig(_Section):
+    """Advantage estimation and the KL penalty."""
+
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = True
+    kl_penalty: str = "k1"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+    def validate(self) -> None:
+        _choice("adv_estimator", self.adv_estimator, ("gae", "grpo"))
+        _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        _require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
+        _choice("kl_penalty", self.kl_penalty, KL_ESTIMATORS)
+
+
+@dataclass
+class DataConfig(_Section):
+    """Prompts: a built-in task or a JSONL file, and how they are batched."""
+
+    task: str = "copy"
+    path: Optional[str] = None
+    reward_fn: Optional[str] = None
+    num_prompts: int = 1024
+    min_digits: int = 2
+    max_digits: int = 3
+    batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 0
+    partial_credit: bool = True
+
+    def validate(self) -> None:
+        _choice("task", self.task, BUILTIN_TASKS + ("jsonl",))
+        if self.task == "jsonl":
+            _require(self.path is not None, "path", self.path, "data.task='jsonl' needs data.path (a JSONL file)")
+            _require(self.reward_fn is not None, "reward_fn", self.reward_fn,
+                     "data.task='jsonl' needs data.reward_fn ('package.module:function')")
+        if self.reward_fn is not None:
+            _require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None, "reward_fn", self.reward_fn,
+                     "must be an import path 'package.module:function'")
+        _require(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
+        _require(self.min_digits >= 1, "min_digits", self.min_digits, "must be >= 1")
+        _require(self.max_digits >= self.min_digits, "max_digits", self.max_digits,
+                 f"must be >= min_digits={self.min_digits}")
+        _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        _require(self.task == "jsonl" or self.batch_size <= self.num_prompts, "batch_size", self.batch_size,
+                 f"must be <= num_prompts={self.num_prompts}")
+        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+
+
+@dataclass
+class TrainerConfig(_Section):
+    """The fit loop: length, seeds, where results go, device and placement of the roles."""
+
+    total_steps: int = 250
+    seed: int = 1
+    run_name: str = "ppo-copy"
+    output_dir: str = "runs"
+    device: str = "auto"
+    placement: str = "colocated"
+    log_every: int = 1
+    progress_bar: bool = True
+
+    def validate(self) -> None:
+        _require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
+        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        # The run name becomes a directory in checkpoint URLs and a metrics label.
+        _require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name) is not None, "run_name",
+                 self.run_name, "must be letters, digits, '.', '_' or '-' (it names directories)")
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("placement", self.placement, ("colocated", "split"))
+        _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    """Where and how often checkpoints are written, how many are kept, what to resume from."""
+
+    root: str = "checkpoints"
+    save_every: int = 20
+    keep_last: int = 2
+    keep_every: int = 0
+    async_save: bool = True
+    resume: str = "auto"
+
+    def validate(self) -> None:
+        _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
+        _require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
+        _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+        _require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
+        _require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
+                 "resume", self.resume, "allowed values are 'auto', 'off' or 'path:<checkpoint URL>'")
+
+
+@dataclass
+class RecoveryConfig(_Section):
+    """Failure budget and the deadline of every blocking call."""
+
+    enabled: bool = True
+    max_restarts: int = 3
+    max_task_retries: int = 0
+    max_failures: int = 5
+    failure_window_s: float = 3600.0
+    call_timeout_s: float = 120.0
+    rendezvous_timeout_s: float = 60.0
+    collective_timeout_s: float = 60.0
+    restart_timeout_s: float = 120.0
+    placement_timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        for name in ("max_restarts", "max_task_retries", "max_failures"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_s"):
+                _require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+
+
+@dataclass
+class TelemetryConfig(_Section):
+    """The Prometheus exporter and the GPU sampler."""
+
+    enabled: bool = True
+    bind_address: str = "127.0.0.1"
+    port: int = 0
+    worker_port_base: int = 0
+    file_sd_path: Optional[str] = None
+    gpu_sample_interval_s: float = 5.0
+
+    def validate(self) -> None:
+        _require(bool(self.bind_address), "bind_address", self.bind_address, "must be a non-empty address")
+        for name in ("port", "worker_port_base"):
+            _require(0 <= getattr(self, name) <= 65535, name, getattr(self, name), "must be in [0, 65535] (0 = any)")
+        _require(self.gpu_sample_interval_s > 0, "gpu_sample_interval_s", self.gpu_sample_interval_s, "must be > 0")
+
+
+@dataclass
+class RayConfig(_Section):
+    """The Ray cluster: join one (``address``) or start a local one with these resources."""
+
+    address: Optional[str] = None
+    num_cpus: int = 16
+    num_gpus: Optional[int] = None
+    cpus_per_worker: float = 0.1
+    namespace: str = "resilient-rl"
+    object_store_memory: Optional[int] = None
+
+    def validate(self) -> None:
+        _require(self.address is None or self.address == "auto"
+                 or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address) is not None, "address", self.address,
+                 "must be null (start a local cluster), 'auto' or 'host:port'")
+        _require(self.num_cpus >= 1, "num_cpus", self.num_cpus, "must be >= 1")
+        _require(self.num_gpus is None or self.num_gpus >= 0, "num_gpus", self.num_gpus, "must be >= 0 or null")
+        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0")
+        _require(bool(self.namespace), "namespace", self.namespace, "must be non-empty")
+        _require(self.object_store_memory is None or self.object_store_memory > 0, "object_store_memory",
+                 self.object_store_memory, "must be > 0 bytes or null")

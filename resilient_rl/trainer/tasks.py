@@ -1,0 +1,227 @@
+"""Verifiable tasks: prompts with known answers and a reward that checks a response against them.
+
+Built in: ``reverse`` ("123>" -> "321"), ``copy`` ("123=" -> "123") and ``add`` ("12+7=" -> "19"),
+generated from a seeded numpy Generator. ``jsonl`` reads ``{"prompt": ..., "answer": ...}`` lines
+from a file and scores responses with a user function given by import path ``module:function``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import json
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Protocol, Sequence
+
+import fsspec
+import numpy as np
+
+from resilient_rl.errors import ConfigError, DataProtoError
+from resilient_rl.trainer.config import DataConfig
+from resilient_rl.trainer.tokenizer import CharTokenizer
+
+RewardFn = Callable[[str, str], float]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt and its reference answer; ``source`` says where it came from (file:line)."""
+
+    prompt: str
+    answer: str
+    source: Optional[str] = None
+
+
+class Task(Protocol):
+    """What the trainer needs from a task: prompts to sample from and a reward to score with."""
+
+    name: str
+
+    def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
+        """``n`` samples drawn with ``rng`` (a file-backed task returns its fixed set)."""
+        ...
+
+    def reward(self, response: str, answer: str) -> float:
+        """Score of ``response`` (decoded, up to eos) against ``answer``."""
+        ...
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response equals the answer, else 0.0."""
+    return 1.0 if response == answer else 0.0
+
+
+def partial_match(response: str, answer: str) -> float:
+    """1.0 for an exact match, else half the fraction of positions that agree.
+
+    The fraction is over the longer of the two strings, so trailing junk is not free, and it is
+    scaled by 0.5 so that any exact match outranks every partial one. An empty response scores 0.
+    """
+    if response == answer:
+        return 1.0
+    if not response or not answer:
+        return 0.0
+    agree = sum(r == a for r, a in zip(response, answer))
+    return 0.5 * agree / max(len(response), len(answer))
+
+
+class _DigitTask:
+    """Shared parts of the built-in tasks: digit-length range and reward."""
+
+    name = "digits"
+    #: Characters of every prompt and answer: a small vocabulary makes a random policy hit the
+    #: right token far more often, which is what lets RL from scratch learn quickly.
+    alphabet = "0123456789+=>"
+
+    def __init__(self, min_digits: int = 2, max_digits: int = 3, partial_credit: bool = True):
+        if not 1 <= min_digits <= max_digits:
+            raise ConfigError(f"data.min_digits={min_digits} and data.max_digits={max_digits} must satisfy "
+                              "1 <= min_digits <= max_digits")
+        self.min_digits, self.max_digits, self.partial_credit = min_digits, max_digits, partial_credit
+
+    def _digits(self, rng: np.random.Generator) -> str:
+        length = int(rng.integers(self.min_digits, self.max_digits + 1))
+        return "".join(str(int(d)) for d in rng.integers(0, 10, size=length))
+
+    def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
+        """``n`` samples, a pure function of ``rng``'s state."""
+        return [self._sample(rng) for _ in range(n)]
+
+    def _sample(self, rng: np.random.Generator) -> Sample:
+        raise NotImplementedError
+
+    def reward(self, response: str, answer: str) -> float:
+        """Exact match, with partial credit if configured (see :func:`partial_match`)."""
+        return partial_match(response, answer) if self.partial_credit else exact_match(response, answer)
+
+
+class ReverseTask(_DigitTask):
+    """Reverse a digit string: "123>" -> "321"."""
+
+    name = "reverse"
+
+    def _sample(self, rng: np.random.Generator) -> Sample:
+        digits = self._digits(rng)
+        return Sample(prompt=f"{digits}>", answer=digits[::-1])
+
+
+class CopyTask(_DigitTask):
+    """Repeat a digit string: "123=" -> "123"."""
+
+    name = "copy"
+
+    def _sample(self, rng: np.random.Generator) -> Sample:
+        digits = self._digits(rng)
+        return Sample(prompt=f"{digits}=", answer=digits)
+
+
+class AddTask(_DigitTask):
+    """Add two numbers without leading zeros: "12+7=" -> "19"."""
+
+    name = "add"
+
+    def _number(self, rng: np.random.Generator) -> int:
+        length = int(rng.integers(self.min_digits, self.max_digits + 1))
+        low = 0 if length == 1 else 10 ** (length - 1)
+        return int(rng.integers(low, 10**length))
+
+    def _sample(self, rng: np.random.Generator) -> Sample:
+        a, b = self._number(rng), self._number(rng)
+        return Sample(prompt=f"{a}+{b}=", answer=str(a + b))
+
+
+def load_reward_fn(import_path: str) -> RewardFn:
+    """Import ``package.module:function``; every error names the import path."""
+    module_name, sep, attr = import_path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"data.reward_fn={import_path!r} must have the form 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"data.reward_fn={import_path!r}: cannot import module {module_name!r}: {e}") from e
+    obj: object = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"data.reward_fn={import_path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"data.reward_fn={import_path!r} is not callable (got {type(obj).__name__})")
+    return obj  # type: ignore[return-value]
+
+
+def example_prompts_path() -> str:
+    """Path of the small JSONL prompt file shipped with the package (scored by :func:`exact_match`)."""
+    return str(importlib.resources.files("resilient_rl") / "data" / "example_prompts.jsonl")
+
+
+def read_jsonl(path: str) -> list[Sample]:
+    """Samples from a JSONL file (any fsspec URL); blank lines are skipped, errors name file:line."""
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path={path!r}: cannot read prompt file: {e}") from e
+    samples = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where}: expected an object with 'prompt' and 'answer', got {type(record).__name__}")
+        for key in ("prompt", "answer"):
+            if not isinstance(record.get(key), str):
+                raise ConfigError(f"{where}: field {key!r} must be a string, got {record.get(key)!r}")
+        if not record["prompt"]:
+            raise ConfigError(f"{where}: field 'prompt' must not be empty")
+        samples.append(Sample(prompt=record["prompt"], answer=record["answer"], source=where))
+    if not samples:
+        raise ConfigError(f"data.path={path!r}: the prompt file holds no samples")
+    return samples
+
+
+class JsonlTask:
+    """Prompts read from a JSONL file, scored by a reward function loaded by import path."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str, reward_fn: str):
+        self.path, self.reward_fn_path = path, reward_fn
+        self._reward_fn = load_reward_fn(reward_fn)
+        self._samples = read_jsonl(path)
+
+    def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
+        """Every sample of the file, in file order: a file task has a fixed set, so ``n`` is ignored."""
+        return list(self._samples)
+
+    def reward(self, response: str, answer: str) -> float:
+        """The user function's score, checked to be a real number."""
+        value = self._reward_fn(response, answer)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.reward_fn={self.reward_fn_path!r} returned {value!r}, not a number") from None
+
+
+def get_task(data_cfg: DataConfig) -> Task:
+    """The task named by ``data_cfg.task``, configured from the data section."""
+    builtin = {"reverse": ReverseTask, "copy": CopyTask, "add": AddTask}
+    if data_cfg.task in builtin:
+        return builtin[data_cfg.task](data_cfg.min_digits, data_cfg.max_digits, data_cfg.partial_credit)
+    if data_cfg.task == "jsonl":
+        if data_cfg.path is None or data_cfg.reward_fn is None:
+            raise ConfigError("data.task='jsonl' needs data.path and data.reward_fn")
+        return JsonlTask(data_cfg.path, data_cfg.reward_fn)
+    raise ConfigError(f"data.task={data_cfg.task!r}: allowed values are {', '.join(builtin)}, 'jsonl'")
+
+
+def compute_rewards(task: Task, tokenizer: CharTokenizer, responses: Iterable[Sequence[int]],
+                    answers: Sequence[str]) -> np.ndarray:
+    """Score a batch of generated responses (token ids, cut at eos) against their answers: float32 [B]."""
+    texts = [tokenizer.decode_response(row) for row in responses]
+    if len(texts) != len(answers):
+        raise DataProtoError(f"compute_rewards got {len(texts)} responses but {len(answers)} answers")
+    return np.asarray([task.reward(t, a) for t, a in zip(texts, answers)], dtype=np.float32)
