@@ -1,0 +1,35 @@
+"""Connecting to Ray: a local cluster by default, an existing one when ``ray.address`` is set."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from resilient_rl import env
+
+logger = logging.getLogger(__name__)
+
+
+def connect(ray_cfg) -> bool:
+    """Initialise Ray for this controller; returns True when this call started a local cluster."""
+    if ray.is_initialized():
+        return False
+    address = ray_cfg.address or env.ray_address()
+    if address:
+        ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
+        return False
+    kwargs = dict(num_cpus=ray_cfg.num_cpus, include_dashboard=False, namespace=ray_cfg.namespace,
+                  log_to_driver=True, configure_logging=False)
+    if ray_cfg.num_gpus is not None:
+        kwargs["num_gpus"] = ray_cfg.num_gpus
+    if ray_cfg.object_store_memory:
+        kwargs["object_store_memory"] = ray_cfg.object_store_memory
+    ray.init(**kwargs)
+    return True
+
+
+def disconnect(started: bool) -> None:
+    """Leave Ray clean: shut down the connection (and the local cluster if we started it)."""
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,122 @@
+"""Role backend on Ray: worker groups for actor, critic, ref and rollout, in either placement.
+
+- ``colocated``: actor, rollout and ref share one process per device (one resource pool); weights
+  reach the rollout through process memory.
+- ``split``: every role has its own resource pool and processes; weights travel from actor rank 0
+  through Ray's object store.
+
+The critic always has its own group (its world size may differ from the actor's).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import ray
+
+from resilient_rl.controller.resource_pool import RayResourcePool
+from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+from resilient_rl.protocol import DataProto
+from resilient_rl.trainer.config import config_to_dict
+from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
+
+logger = logging.getLogger(__name__)
+
+
+class RayRoles:
+    """Starts the worker groups of a run, joins their process groups and builds their models."""
+
+    def __init__(self, cfg, tokenizer, instance: str | None = None):
+        self.cfg = cfg
+        self.colocated = cfg.trainer.placement == "colocated"
+        self.critic_enabled = cfg.critic.enabled
+        self.instance = instance or uuid.uuid4().hex[:6]
+        self.use_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
+                                                        and ray.cluster_resources().get("GPU", 0) > 0)
+        self.backend = "nccl" if self.use_gpu else "gloo"
+        self.generation = 0
+        init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        self.process_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
+        self.groups: dict[str, RayWorkerGroup] = {}
+        try:
+            if self.colocated:
+                cls = create_colocated_worker_cls({
+                    "actor": RayClassWithInitArgs(ActorWorker, **init),
+                    "rollout": RayClassWithInitArgs(RolloutWorker, **init),
+                    "ref": RayClassWithInitArgs(RefWorker, **init)})
+                main = self._group("main", cfg.actor.world_size, cls)
+                self.process_groups.append(main)
+                self.groups.update(main.spawn(prefix_set=("actor", "rollout", "ref")))
+            else:
+                for role, cls, n in (("actor", ActorWorker, cfg.actor.world_size),
+                                     ("rollout", RolloutWorker, cfg.rollout.world_size),
+                                     ("ref", RefWorker, cfg.ref.world_size)):
+                    self.groups[role] = self._group(role, n, RayClassWithInitArgs(cls, **init))
+                self.process_groups += [self.groups["actor"], self.groups["ref"]]
+            if self.critic_enabled:
+                self.groups["critic"] = self._group("critic", cfg.critic.world_size,
+                                                    RayClassWithInitArgs(CriticWorker, **init))
+                self.process_groups.append(self.groups["critic"])
+            self.rendezvous()
+            self.init_models()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _group(self, role: str, world_size: int, cls: RayClassWithInitArgs) -> RayWorkerGroup:
+        c = self.cfg
+        pool = RayResourcePool([world_size], use_gpu=self.use_gpu, cpus_per_bundle=c.ray.cpus_per_worker,
+                               name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
+                               placement_timeout_s=c.recovery.placement_timeout_s)
+        return RayWorkerGroup(pool, cls, max_restarts=c.recovery.max_restarts,
+                              max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def rendezvous(self) -> None:
+        """Join every process group with a new generation (also after a failure)."""
+        self.generation += 1
+        for g in self.process_groups:
+            g.init_process_group(self.generation, backend=self.backend, timeout_s=self.cfg.recovery.rendezvous_timeout_s)
+
+    def init_models(self) -> None:
+        for role in ("actor", "ref", "rollout", "critic"):
+            if role in self.groups:
+                self.groups[role].init_model()
+
+    def shutdown(self) -> None:
+        """Kill every actor of the run and remove its placement groups."""
+        seen = set()
+        for g in list(self.process_groups) + list(self.groups.values()):
+            if id(g.workers) in seen:
+                continue
+            seen.add(id(g.workers))
+            g.shutdown()
+        self.process_groups, self.groups = [], {}
+
+    # ------------------------------------------------------------------ the Roles protocol
+    def generate(self, prompts: DataProto) -> DataProto:
+        return self.groups["rollout"].generate_sequences(prompts)
+
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        return self.groups["ref"].compute_ref_log_prob(data)
+
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        return self.groups["actor"].compute_log_prob(data)
+
+    def compute_values(self, data: DataProto) -> DataProto:
+        return self.groups["critic"].compute_values(data)
+
+    def update_critic(self, data: DataProto) -> list[dict]:
+        return self.groups["critic"].update_critic(data)
+
+    def update_actor(self, data: DataProto) -> list[dict]:
+        return self.groups["actor"].update_actor(data)
+
+    def sync_weights(self, version: int) -> None:
+        states = self.groups["actor"].export_weights(version, self.colocated)
+        payload = None if self.colocated else ray.put(states[0])
+        versions = self.groups["rollout"].update_weights(payload, version)
+        if set(versions) != {version}:
+            raise RuntimeError(f"weight sync: rollout ranks report versions {versions}, expected {version}")

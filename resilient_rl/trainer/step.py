@@ -1,0 +1,140 @@
+"""One PPO/GRPO step, written once against a role backend (Ray worker groups or local engines).
+
+The step is a pure function of (roles' state, prompt batch, step number, config): generation
+samples from a generator seeded by (seed, step, rank), mini-batches are shuffled by (seed, step),
+and the KL controller's value is part of the controller state. That is what makes a run
+reproducible bit for bit on CPU, and a replayed step after recovery identical to the original.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from resilient_rl.algos.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
+from resilient_rl.algos.kl import apply_kl_penalty
+from resilient_rl.protocol import DataProto
+from resilient_rl.trainer.tasks import compute_rewards
+
+#: Phases of a step, in order (also the ``phase`` label values of the duration metrics).
+PHASES = ("gen", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor", "weight_sync")
+
+
+class Roles(Protocol):
+    """What a step needs from the roles, whatever runs them."""
+
+    critic_enabled: bool
+
+    def generate(self, prompts: DataProto) -> DataProto: ...
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_values(self, data: DataProto) -> DataProto: ...
+    def update_critic(self, data: DataProto) -> dict: ...
+    def update_actor(self, data: DataProto) -> dict: ...
+    def sync_weights(self, version: int) -> None: ...
+
+
+class PhaseTimer:
+    """Wall time per phase of the current step."""
+
+    def __init__(self) -> None:
+        self.durations: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.durations[phase] = self.durations.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def make_prompts(batch: dict, n: int, meta: dict) -> DataProto:
+    """A DataProto of prompts from a loader batch, each prompt repeated ``n`` times (adjacent)."""
+    prompts = DataProto.from_dict(
+        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+        {"prompt_index": np.asarray(batch["prompt_index"]), "answers": np.asarray(batch["answers"], dtype=object)},
+        dict(meta))
+    return prompts.repeat(n, interleave=True) if n > 1 else prompts
+
+
+def token_level_scores(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
+    """The sequence score on the last response token, zero elsewhere."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0)
+    out[torch.arange(len(scores)), last] = torch.from_numpy(scores.astype(np.float32))
+    return out * response_mask
+
+
+def _mean_metrics(per_rank: list[dict]) -> dict[str, float]:
+    keys = per_rank[0].keys() if per_rank else []
+    return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
+
+
+def run_step(roles: Roles, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl, version: int) -> tuple[dict, dict]:
+    """Run step ``step`` (1-based) on ``batch``; returns (metrics, phase durations in seconds).
+
+    On entry the rollout holds weights ``version`` (== step - 1); on exit it holds ``version + 1``.
+    """
+    timer = PhaseTimer()
+    algo = cfg.algorithm
+    meta = {"seed": cfg.trainer.seed, "step": step, "weights_version": version}
+    prompts = make_prompts(batch, cfg.rollout.n, meta)
+
+    with timer("gen"):
+        data = roles.generate(prompts)
+    data.non_tensor_batch.update(prompts.non_tensor_batch)
+    data.meta_info.update(meta)
+    mask = data.batch["response_mask"]
+    scores = compute_rewards(task, tokenizer, data.batch["responses"] * mask + tokenizer.pad_token_id * (1 - mask),
+                             list(data.non_tensor_batch["answers"]))
+    data.batch["token_level_scores"] = token_level_scores(scores, mask)
+
+    need_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss
+    if need_ref:
+        with timer("ref"):
+            data.union(roles.compute_ref_log_prob(data))
+    with timer("old_log_prob"):
+        data.union(roles.compute_log_prob(data))
+    if roles.critic_enabled:
+        with timer("values"):
+            data.union(roles.compute_values(data))
+
+    with timer("adv"):
+        metrics: dict[str, float] = {}
+        if algo.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(data.batch["token_level_scores"], data.batch["old_log_probs"],
+                                                   data.batch["ref_log_prob"], mask.float(), kl_ctrl,
+                                                   algo.kl_penalty)
+            metrics.update({k: float(v) for k, v in kl_metrics.items()})
+        else:
+            rewards = data.batch["token_level_scores"]
+        data.batch["token_level_rewards"] = rewards
+        if algo.adv_estimator == "grpo":
+            adv, ret = compute_grpo_outcome_advantage(rewards, mask.float(), data.non_tensor_batch["prompt_index"],
+                                                      norm_adv_by_std=algo.norm_adv_by_std_in_grpo)
+        else:
+            adv, ret = compute_gae_advantage_return(rewards, data.batch["values"], mask.float(), algo.gamma, algo.lam,
+                                                    whiten=algo.whiten_advantages)
+        data.batch["advantages"], data.batch["returns"] = adv, ret
+
+    if roles.critic_enabled:
+        with timer("update_critic"):
+            metrics.update(_mean_metrics(roles.update_critic(data)))
+    with timer("update_actor"):
+        metrics.update(_mean_metrics(roles.update_actor(data)))
+    with timer("weight_sync"):
+        roles.sync_weights(version + 1)
+
+    tokens = int(data.batch["attention_mask"].sum())
+    metrics.update({
+        "reward/mean": float(scores.mean()),
+        "reward/exact_ratio": float((scores >= 1.0).mean()),
+        "response_length/mean": float(mask.sum(dim=1).float().mean()),
+        "tokens": float(tokens),
+    })
+    return metrics, timer.durations

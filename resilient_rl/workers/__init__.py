@@ -1,0 +1,1 @@
+"""The four roles (actor, critic, ref, rollout) and FSDP2 wrapping."""

@@ -1,0 +1,131 @@
+"""FSDP2 wrapping, device and precision choice, optimizers and LR schedules.
+
+``fully_shard`` is applied to every transformer block, then to the root, as the FSDP2 docs
+recommend: each block's parameters are gathered just before it runs and freed after. On CUDA the
+parameters compute in bf16 with fp32 gradient reduction; on CPU everything stays fp32 (gloo has no
+bf16 reductions worth having, and fp32 keeps CPU runs bit-reproducible).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient_rl.errors import ConfigError
+from resilient_rl.models.factory import transformer_blocks
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where a worker computes and in which precision."""
+
+    device: torch.device
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.param_dtype != self.reduce_dtype
+
+
+def plan_device(device: str = "auto") -> DevicePlan:
+    """CUDA with bf16 mixed precision when there is a GPU (``auto`` or ``cuda``), else fp32 on CPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
+        dev = torch.device("cuda", torch.cuda.current_device())
+        bf16 = torch.cuda.is_bf16_supported()
+        return DevicePlan(dev, torch.bfloat16 if bf16 else torch.float32, torch.float32)
+    return DevicePlan(torch.device("cpu"), torch.float32, torch.float32)
+
+
+def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` over the default process group with FSDP2 (blocks first, then the root).
+
+    Without an initialised process group (a single-process run) the model is returned unsharded on
+    the device: FSDP over one rank only adds overhead.
+    """
+    model = model.to(plan.device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(plan.device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, from an OptimConfig."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                             weight_decay=optim_cfg.weight_decay, foreach=False)
+
+
+def lr_lambda(optim_cfg, total_steps: int):
+    """Linear warm-up, then constant, cosine or linear decay to ``min_lr_ratio`` of the peak."""
+    warmup = optim_cfg.warmup_steps
+    floor = optim_cfg.min_lr_ratio
+    schedule = optim_cfg.schedule
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant" or total_steps <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
+
+    return f
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int):
+    """A LambdaLR stepped once per training step (its state is just the step count)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip gradients across all shards; returns the total norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=False)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded parameters on CPU (a collective when the model is sharded).
+
+    ``all_ranks`` gives every rank the full tensors (colocated weight sync); otherwise only rank 0
+    gets them and the others an empty dict.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+    sd = get_model_state_dict(model, options=opts)
+    return {k: v.detach().to("cpu") for k, v in sd.items()}
+
+
+def global_token_count(mask: torch.Tensor) -> torch.Tensor:
+    """Number of valid tokens in ``mask`` summed over the data-parallel group."""
+    count = mask.sum().to(torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        count = count.to(mask.device)
+        dist.all_reduce(count)
+    return count

@@ -1,0 +1,104 @@
+"""The policy engine behind the actor and ref roles: log-probs and the PPO update.
+
+It is plain PyTorch (no Ray), so the same code runs inside a Ray worker on an FSDP2 shard and in a
+single process. The loss is normalised by the number of response tokens over the whole
+data-parallel group, so a step on N ranks computes the same gradient as one process on the
+concatenated batch (FSDP2 averages gradients over ranks, hence the ``world_size`` factor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from resilient_rl.algos.kl import kl_penalty
+from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss
+from resilient_rl.models.factory import build_causal_lm
+from resilient_rl.protocol import DataProto
+from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler, clip_grad_norm,
+                                       global_token_count, wrap_fsdp2)
+
+
+def dp_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def response_logits(model, data: DataProto, device: torch.device) -> torch.Tensor:
+    """Logits predicting each response token: positions ``P-1 .. P+R-2`` of the full sequence."""
+    b = data.batch
+    resp_len = b["responses"].shape[1]
+    out = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
+                position_ids=b["position_ids"].to(device), use_cache=False)
+    return out.logits[:, -resp_len - 1:-1, :].float()
+
+
+class PolicyEngine:
+    """A causal LM that scores responses and, when trainable, takes PPO steps."""
+
+    def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
+                 total_steps: int = 1, trainable: bool = True):
+        self.plan = plan
+        self.cfg = actor_cfg
+        self.trainable = trainable
+        model = build_causal_lm(model_cfg, vocab_size, seed)
+        if not trainable:
+            model.requires_grad_(False)
+        self.model = wrap_fsdp2(model, plan)
+        self.model.train(False)
+        self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
+        self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> DataProto:
+        """Log-probs (and entropies) of the response tokens under the current weights."""
+        parts = [data] if not micro_batch_size else data.split(micro_batch_size)
+        logps, ents = [], []
+        for part in parts:
+            logits = response_logits(self.model, part, self.plan.device)
+            logps.append(logprobs_from_logits(logits, part.batch["responses"].to(self.plan.device)).cpu())
+            ents.append(entropy_from_logits(logits).cpu())
+        return DataProto.from_dict({"log_probs": torch.cat(logps), "entropys": torch.cat(ents)})
+
+    def update(self, data: DataProto, step: int) -> dict[str, float]:
+        """PPO epochs over mini-batches of ``data`` (this rank's share); one scheduler step."""
+        cfg = self.cfg
+        world = dp_world_size()
+        local_mb = max(1, cfg.mini_batch_size // world)
+        self.model.train(True)
+        keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
+                "advantages"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        sums: dict[str, float] = {}
+        n_updates = 0
+        # Mini-batch order is a pure function of (seed, step): replays after recovery shuffle identically.
+        seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step
+        for mb in data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed):
+            b = mb.batch
+            mask = b["response_mask"].to(self.plan.device).float()
+            logits = response_logits(self.model, mb, self.plan.device)
+            logp = logprobs_from_logits(logits, b["responses"].to(self.plan.device))
+            tokens = global_token_count(mask).clamp(min=1.0)
+            scale = world * mask.sum() / tokens  # local token-mean -> global token-mean
+            pg = ppo_policy_loss(b["old_log_probs"].to(self.plan.device), logp, b["advantages"].to(self.plan.device),
+                                 mask, clip_ratio=cfg.clip_ratio, loss_agg_mode="token-mean")
+            loss = pg["pg_loss"]
+            entropy = (entropy_from_logits(logits) * mask).sum() / mask.sum().clamp(min=1.0)
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * entropy
+            if cfg.use_kl_loss:
+                kl = kl_penalty(logp, b["ref_log_prob"].to(self.plan.device), cfg.kl_loss_type)
+                kl_loss = (kl * mask).sum() / mask.sum().clamp(min=1.0)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl_loss)
+            (loss * scale).backward()
+            grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            n_updates += 1
+            for k, v in (("actor/pg_loss", pg["pg_loss"]), ("actor/pg_clipfrac", pg["pg_clipfrac"]),
+                         ("actor/ppo_kl", pg["ppo_kl"]), ("actor/entropy", entropy), ("actor/grad_norm", grad_norm)):
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+        self.scheduler.step()
+        self.model.train(False)
+        metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics

@@ -1,0 +1,174 @@
+"""The four roles as Ray workers: actor, critic, ref and rollout.
+
+Each role is a :class:`~resilient_rl.Worker` whose ``@register``-ed methods the controller calls
+through a worker group. A role builds its model in ``init_model`` (after the controller's
+rendezvous, because FSDP2 needs the process group). In the colocated placement the actor, rollout
+and ref share one process per device (``create_colocated_worker_cls``) and weights move from
+actor to rollout through process memory; in the split placement they travel through Ray's object
+store from actor rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import ray
+import torch
+
+from resilient_rl.controller.dispatch import Dispatch, Execute, register
+from resilient_rl.controller.worker import Worker
+from resilient_rl.protocol import DataProto
+from resilient_rl.trainer.config import config_from_dict
+from resilient_rl.workers import weight_bus
+from resilient_rl.workers.fsdp import full_state_dict, plan_device
+from resilient_rl.workers.policy import PolicyEngine
+from resilient_rl.workers.rollout import RolloutEngine
+from resilient_rl.workers.value import ValueEngine
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class RoleWorker(Worker):
+    """Common setup of a role: the run config, vocabulary, device plan, CPU threads."""
+
+    role = "worker"
+
+    def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
+        super().__init__()
+        self.cfg = config_from_dict(config)
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.plan = plan_device(self.cfg.trainer.device)
+        # One intra-op thread per CPU worker: workers share the host's cores, and a fixed thread
+        # count keeps CPU reductions in the same order run after run (bit-identical results).
+        if self.plan.device.type == "cpu":
+            torch.set_num_threads(1)
+        torch.manual_seed(self.cfg.trainer.seed)
+
+
+@ray.remote
+class ActorWorker(RoleWorker):
+    """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
+
+    role = "actor"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> bool:
+        c = self.cfg
+        self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
+                                   total_steps=c.trainer.total_steps, trainable=True)
+        return True
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        out = self.engine.compute_log_prob(data)
+        return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropys"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(self, data: DataProto) -> dict:
+        return self.engine.update(data, int(data.meta_info["step"]))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_weights(self, version: int, colocated: bool):
+        """Gather the full weights. Colocated: leave them in this process for the rollout; split: rank 0 returns them."""
+        state = full_state_dict(self.engine.model, all_ranks=colocated)
+        if colocated:
+            weight_bus.publish(state, version)
+            return None
+        return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_digest(self) -> str | None:
+        """sha256 of the gathered weights on rank 0 (a collective: every rank must call it)."""
+        state = full_state_dict(self.engine.model, all_ranks=False)
+        return _digest(state) if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def full_weights(self) -> dict | None:
+        """The gathered weights on rank 0 (tests compare them across placements and world sizes)."""
+        state = full_state_dict(self.engine.model, all_ranks=False)
+        return state if self.rank == 0 else None
+
+
+@ray.remote
+class CriticWorker(RoleWorker):
+    """The value model (FSDP2, clipped value loss)."""
+
+    role = "critic"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> bool:
+        c = self.cfg
+        # A different seed from the actor's: the critic's backbone is its own model.
+        self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
+                                  total_steps=c.trainer.total_steps)
+        return True
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        return self.engine.compute_values(data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_critic(self, data: DataProto) -> dict:
+        return self.engine.update(data, int(data.meta_info["step"]))
+
+
+@ray.remote
+class RefWorker(RoleWorker):
+    """The frozen initial policy: reference log-probs for the KL terms."""
+
+    role = "ref"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> bool:
+        c = self.cfg
+        self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False)
+        return True
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        out = self.engine.compute_log_prob(data)
+        return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
+
+
+@ray.remote
+class RolloutWorker(RoleWorker):
+    """Sampling with a KV cache from an unsharded copy of the policy."""
+
+    role = "rollout"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> bool:
+        c = self.cfg
+        self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
+                                    self.eos_token_id, self.pad_token_id)
+        return True
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        return self.engine.generate_sequences(prompts, self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def update_weights(self, state: dict | None, version: int) -> int:
+        """Load weights sent by the actor, or (colocated) the ones it left in this process."""
+        if state is None:
+            state = weight_bus.take(version)
+        return self.engine.load_weights(state, version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_version(self) -> int:
+        return self.engine.version
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_digest(self) -> str:
+        return _digest(self.engine.model.state_dict())
+
+
+ROLE_CLASSES = {"actor": ActorWorker, "critic": CriticWorker, "ref": RefWorker, "rollout": RolloutWorker}

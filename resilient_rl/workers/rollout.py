@@ -1,0 +1,82 @@
+"""The rollout engine: batched sampling with a KV cache from an unsharded copy of the policy.
+
+It receives the actor's weights after every update (``load_weights``) together with a version
+number; a generate request that names another version is refused, so stale weights can never
+produce a batch silently. Sampling draws from a generator seeded by (run seed, step, rank), which
+makes a replayed step after recovery sample exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from resilient_rl.errors import WorkerError
+from resilient_rl.models.factory import build_causal_lm
+from resilient_rl.models.generation import generate
+from resilient_rl.protocol import DataProto
+from resilient_rl.workers.fsdp import DevicePlan
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit seed that is a pure function of its inputs."""
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class RolloutEngine:
+    """Generates responses for left-padded prompts."""
+
+    def __init__(self, model_cfg, rollout_cfg, vocab_size: int, seed: int, plan: DevicePlan, eos_token_id: int,
+                 pad_token_id: int):
+        self.plan = plan
+        self.cfg = rollout_cfg
+        self.model = build_causal_lm(model_cfg, vocab_size, seed).to(plan.device)
+        if plan.mixed_precision:
+            self.model = self.model.to(plan.param_dtype)
+        self.model.requires_grad_(False)
+        self.model.train(False)
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.version = 0
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Copy the actor's full weights in; returns the new version."""
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise WorkerError(f"rollout weight sync: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}",
+                              role="rollout")
+        self.version = int(version)
+        return self.version
+
+    def weights_digest(self) -> str:
+        """sha256 over the parameters (to check that a sync really arrived)."""
+        h = hashlib.sha256()
+        for k, v in sorted(self.model.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def generate_sequences(self, prompts: DataProto, rank: int) -> DataProto:
+        meta = prompts.meta_info
+        expected = meta.get("weights_version")
+        if expected is not None and int(expected) != self.version:
+            raise WorkerError(f"rollout rank {rank} holds weights version {self.version}, asked for {expected}",
+                              role="rollout", rank=rank, cause="stale_weights")
+        gen = torch.Generator(device=self.plan.device)
+        gen.manual_seed(sampling_seed(int(meta.get("seed", 0)), int(meta.get("step", 0)), rank))
+        out = generate(self.model, prompts.batch["input_ids"].to(self.plan.device),
+                       prompts.batch["attention_mask"].to(self.plan.device),
+                       max_new_tokens=int(meta.get("max_new_tokens", self.cfg.max_new_tokens)),
+                       temperature=float(meta.get("temperature", self.cfg.temperature)),
+                       top_p=float(meta.get("top_p", self.cfg.top_p)), eos_token_id=self.eos_token_id,
+                       pad_token_id=self.pad_token_id, generator=gen, use_cache=True)
+        return DataProto.from_dict({
+            "prompts": prompts.batch["input_ids"].cpu(),
+            "responses": out.responses.cpu(),
+            "input_ids": out.sequences.cpu(),
+            "attention_mask": out.attention_mask.cpu(),
+            "position_ids": out.position_ids.cpu(),
+            "response_mask": out.response_mask.cpu(),
+        })

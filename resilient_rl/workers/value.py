@@ -1,0 +1,70 @@
+"""The value engine behind the critic role: per-token values and the clipped value update."""
+
+from __future__ import annotations
+
+import torch
+
+from resilient_rl.algos.losses import value_loss
+from resilient_rl.models.factory import build_value_model
+from resilient_rl.protocol import DataProto
+from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler, clip_grad_norm,
+                                       global_token_count, wrap_fsdp2)
+from resilient_rl.workers.policy import dp_world_size
+
+
+def response_values(model, data: DataProto, device: torch.device) -> torch.Tensor:
+    """Value of the state before each response token (positions ``P-1 .. P+R-2``)."""
+    b = data.batch
+    resp_len = b["responses"].shape[1]
+    values = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
+                   position_ids=b["position_ids"].to(device))
+    return values[:, -resp_len - 1:-1].float()
+
+
+class ValueEngine:
+    """A value model (backbone + scalar head) trained with the clipped value loss."""
+
+    def __init__(self, model_cfg, critic_cfg, vocab_size: int, seed: int, plan: DevicePlan, total_steps: int = 1):
+        self.plan = plan
+        self.cfg = critic_cfg
+        self.model = wrap_fsdp2(build_value_model(model_cfg, vocab_size, seed), plan)
+        self.model.train(False)
+        self.optimizer = build_optimizer(self.model, critic_cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
+
+    @torch.no_grad()
+    def compute_values(self, data: DataProto) -> DataProto:
+        values = response_values(self.model, data, self.plan.device) * data.batch["response_mask"].to(self.plan.device)
+        return DataProto.from_dict({"values": values.cpu()})
+
+    def update(self, data: DataProto, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        world = dp_world_size()
+        local_mb = max(1, cfg.mini_batch_size // world)
+        self.model.train(True)
+        keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns"]
+        sums: dict[str, float] = {}
+        n = 0
+        seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
+        for mb in data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed):
+            b = mb.batch
+            mask = b["response_mask"].to(self.plan.device).float()
+            vpreds = response_values(self.model, mb, self.plan.device)
+            tokens = global_token_count(mask).clamp(min=1.0)
+            scale = world * mask.sum() / tokens
+            vf_loss, vf_clipfrac = value_loss(vpreds, b["values"].to(self.plan.device),
+                                              b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
+            (vf_loss * scale).backward()
+            grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            n += 1
+            for k, v in (("critic/vf_loss", vf_loss), ("critic/vf_clipfrac", vf_clipfrac),
+                         ("critic/grad_norm", grad_norm),
+                         ("critic/vpred_mean", (vpreds * mask).sum() / mask.sum().clamp(min=1.0))):
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+        self.scheduler.step()
+        self.model.train(False)
+        metrics = {k: v / max(1, n) for k, v in sums.items()}
+        metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
