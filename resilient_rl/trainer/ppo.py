@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
+from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.trainer.config import config_digest
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.step import PHASES, run_step
@@ -44,6 +46,8 @@ class PPOTrainer:
         self.step = 0
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
+        self.digest = config_digest(cfg)
+        self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event)
         self._roles_factory = roles_factory
         self.roles = None
         self.history: list[dict] = []
@@ -56,7 +60,43 @@ class PPOTrainer:
 
                 self._roles_factory = RayRoles
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
+            if self.cfg.checkpoint.resume != "off" and hasattr(self.roles, "groups"):
+                self.restore(self.cfg.checkpoint.resume)
         return self.roles
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The controller's part of a checkpoint (JSON)."""
+        return {"step": self.step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "config_digest": self.digest}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state.get("config_digest") not in (None, self.digest):
+            logger.warning("resuming a checkpoint written with a different config (digest %s, now %s)",
+                           state.get("config_digest"), self.digest)
+
+    def restore(self, resume: str = "auto") -> int | None:
+        """Load the checkpoint named by ``resume`` into the roles and the controller; returns its step."""
+        state = self.ckpt.restore(self.roles, resume)
+        if state is None:
+            return None
+        self.load_state_dict(state)
+        self.roles.sync_weights(self.step)
+        self.run_dir.truncate_metrics_after(self.step)
+        self.history = self.run_dir.read_metrics()
+        return self.step
+
+    def maybe_checkpoint(self) -> None:
+        """Save when due (async: the step waits only for staging); commit finished saves."""
+        if not hasattr(self.roles, "groups"):
+            return
+        if self.ckpt.due(self.step):
+            self.ckpt.save(self.roles, self.step, self.state_dict(), self.digest)
+        else:
+            self.ckpt.poll(self.roles)
 
     def shutdown(self) -> None:
         if self.roles is not None:
@@ -91,11 +131,14 @@ class PPOTrainer:
         try:
             while self.step < total:
                 row = self.train_step()
+                self.maybe_checkpoint()
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['timing/step_s']:.2f}")
                 if self.cfg.trainer.log_every and row["step"] % self.cfg.trainer.log_every == 0:
                     logger.info("step %d %s", row["step"], " ".join(
                         f"{k}={v:.4g}" for k, v in row.items() if k != "step" and not k.startswith("timing/")))
+            if hasattr(self.roles, "groups"):
+                self.ckpt.wait(self.roles)
         finally:
             bar.close()
         return self.history

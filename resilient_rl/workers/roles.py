@@ -20,6 +20,7 @@ from resilient_rl.controller.worker import Worker
 from resilient_rl.protocol import DataProto
 from resilient_rl.trainer.config import config_from_dict
 from resilient_rl.workers import weight_bus
+from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.fsdp import full_state_dict, plan_device
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -54,7 +55,7 @@ class RoleWorker(Worker):
 
 
 @ray.remote
-class ActorWorker(RoleWorker):
+class ActorWorker(CheckpointMixin, RoleWorker):
     """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
 
     role = "actor"
@@ -62,6 +63,7 @@ class ActorWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
+        self.reset_checkpoint_writer()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True)
         return True
@@ -98,7 +100,7 @@ class ActorWorker(RoleWorker):
 
 
 @ray.remote
-class CriticWorker(RoleWorker):
+class CriticWorker(CheckpointMixin, RoleWorker):
     """The value model (FSDP2, clipped value loss)."""
 
     role = "critic"
@@ -106,6 +108,7 @@ class CriticWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
+        self.reset_checkpoint_writer()
         # A different seed from the actor's: the critic's backbone is its own model.
         self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
                                   total_steps=c.trainer.total_steps)

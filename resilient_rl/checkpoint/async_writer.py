@@ -1,0 +1,103 @@
+"""Background writing of staged shards: one thread, one save in flight.
+
+The training step is blocked only while :func:`~resilient_rl.checkpoint.sharded.stage` copies
+the state to host memory; :class:`AsyncShardWriter` then writes it while training goes on.
+Submitting a new save while one is still being written first waits for it, so a caller never
+has more than one outstanding save (and never more than two staged copies in memory).
+:meth:`AsyncShardWriter.stage_and_submit` also keeps the staged buffers for the next save, so
+the stall of later saves is a plain memory copy, without page faults on fresh memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from resilient_rl.checkpoint.manifest import FileRecord
+from resilient_rl.checkpoint.sharded import StagedShard, stage, write_shard
+from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class AsyncShardWriter:
+    """Writes staged shards on one background thread; exceptions come back through the future."""
+
+    def __init__(self, name: str = "rrl-ckpt-writer"):
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._lock = threading.RLock()
+        self._pending: cf.Future[list[FileRecord]] | None = None
+        self._buffers: StagedShard | None = None
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether a save is still being written."""
+        pending = self._pending
+        return pending is not None and not pending.done()
+
+    def submit(self, staged: StagedShard, storage: Storage, dir_path: str,
+               rank: int | None = None) -> cf.Future[list[FileRecord]]:
+        """Start writing ``staged`` to ``dir_path``; waits for the previous save first.
+
+        The previous save's outcome (records or error) stays in its own future."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("AsyncShardWriter is closed; cannot submit a save")
+            if self._pending is not None:
+                cf.wait([self._pending])
+            self._pending = self._pool.submit(write_shard, staged, storage, dir_path, rank)
+            return self._pending
+
+    def stage_and_submit(self, state: Mapping[str, Any], storage: Storage, dir_path: str,
+                         rank: int | None = None, rank_local: tuple[str, ...] = ()
+                         ) -> cf.Future[list[FileRecord]]:
+        """Stage ``state`` into the host buffers of this writer's previous save, then submit it.
+
+        Waits for the save in flight first (its buffers are about to be overwritten). Reusing
+        the buffers makes the step stall a plain memory copy; the cost is one staged copy of
+        the shard kept in memory between saves."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("AsyncShardWriter is closed; cannot submit a save")
+            if self._pending is not None:
+                cf.wait([self._pending])
+            staged = stage(state, rank, rank_local=rank_local, reuse=self._buffers)
+            self._buffers = staged
+            return self.submit(staged, storage, dir_path, rank)
+
+    def wait(self, timeout: float | None = None) -> list[FileRecord] | None:
+        """Wait for the save in flight (if any) and return its records; re-raises its error.
+
+        Raises CheckpointError when it does not finish within ``timeout`` seconds."""
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            return pending.result(timeout=timeout)
+        except cf.TimeoutError as exc:
+            raise CheckpointError(f"the background checkpoint write did not finish within {timeout}s") from exc
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight (its error, if any, is logged, not raised) and stop."""
+        with self._lock:
+            self._closed = True
+            self._buffers = None
+        pending = self._pending
+        if pending is not None:
+            done, _ = cf.wait([pending], timeout=timeout)
+            if not done:
+                log.warning("closing AsyncShardWriter with a save still being written")
+            elif pending.exception() is not None:
+                log.warning("the last background checkpoint write failed: %r", pending.exception())
+        self._pool.shutdown(wait=pending is None or pending.done())
+
+    def __enter__(self) -> "AsyncShardWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""Checkpoint layout names, file records and the MANIFEST that commits a step.
+
+A step folder ``{root}/{run}/step_{N:08d}/`` is *committed* once its ``MANIFEST.json`` exists.
+The manifest lists every file of the step (path relative to the step folder, size, sha256), the
+world size each role saved with, and a digest of the config, so a loader can verify what it
+reads and a resumed run can notice a changed config. Everything here is plain JSON: reading a
+checkpoint never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient_rl.errors import CheckpointCorruptError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "MANIFEST.json"
+LATEST_NAME = "latest"
+TRAINER_STATE_NAME = "trainer_state.json"
+
+_STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    """Folder name of ``step`` (``step_00000042``); zero-padded so names sort by step."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step encoded in a folder name, or None when ``name`` is not a step folder."""
+    match = _STEP_DIR_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def shard_basename(rank: int) -> str:
+    """Stem of a rank's shard files: ``shard_00003`` (+ ``.safetensors`` / ``.json``)."""
+    return f"shard_{rank:05d}"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint: path relative to its folder, size in bytes and sha256 (hex)."""
+
+    path: str
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "manifest") -> "FileRecord":
+        try:
+            path, size, sha = obj["path"], obj["size"], obj["sha256"]
+        except (TypeError, KeyError) as exc:
+            raise CheckpointCorruptError(f"{where}: malformed file record {obj!r}") from exc
+        if not isinstance(path, str) or not isinstance(size, int) or not isinstance(sha, str):
+            raise CheckpointCorruptError(f"{where}: malformed file record {obj!r}")
+        return cls(path, size, sha)
+
+    def with_prefix(self, prefix: str) -> "FileRecord":
+        """The same record with ``prefix/`` prepended to its path (role folder -> step folder)."""
+        return FileRecord(f"{prefix.strip('/')}/{self.path}" if prefix else self.path,
+                          self.size, self.sha256)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Content of ``MANIFEST.json``: what a committed step consists of."""
+
+    step: int
+    files: tuple[FileRecord, ...]
+    world_sizes: dict[str, int]
+    config_digest: str = ""
+    created_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+
+    def files_under(self, prefix: str) -> list[FileRecord]:
+        """Records of the files in sub-folder ``prefix`` (e.g. a role), relative to it."""
+        head = prefix.strip("/") + "/"
+        return [FileRecord(r.path[len(head):], r.size, r.sha256)
+                for r in self.files if r.path.startswith(head)]
+
+    def to_bytes(self) -> bytes:
+        obj = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "created_at": self.created_at,
+            "world_sizes": dict(self.world_sizes),
+            "config_digest": self.config_digest,
+            "files": [r.to_json() for r in self.files],
+        }
+        return json.dumps(obj, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "Manifest":
+        """Parse a manifest; any defect is a CheckpointCorruptError naming ``where``."""
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
+        if not isinstance(obj, dict):
+            raise CheckpointCorruptError(f"{where}: expected a JSON object")
+        version = obj.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"{where}: unsupported format_version {version!r} (this build reads {FORMAT_VERSION})")
+        try:
+            step = obj["step"]
+            world_sizes = obj["world_sizes"]
+            files = tuple(FileRecord.from_json(r, where) for r in obj["files"])
+            created_at = float(obj["created_at"])
+            digest = obj.get("config_digest", "")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{where}: missing or malformed field ({exc!r})") from exc
+        if not isinstance(step, int) or not isinstance(world_sizes, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) for k, v in world_sizes.items()):
+            raise CheckpointCorruptError(f"{where}: malformed step or world_sizes")
+        return cls(step=step, files=files, world_sizes=world_sizes,
+                   config_digest=str(digest), created_at=created_at, format_version=version)

@@ -1,0 +1,269 @@
+"""Worker side of sharded checkpoints: stage, write and (re)load each rank's own shards.
+
+No collectives are needed to save or load, so saving can finish in a background thread while
+the process group is busy (or gone). Each rank writes
+
+- ``shard_{rank:05d}.safetensors``: its local chunks (the local tensor of every DTensor; plain
+  tensors are replicated, so only rank 0 writes them, unless they lie under a ``rank_local``
+  prefix such as per-rank RNG state);
+- ``shard_{rank:05d}.json``: the index: per key the global shape, the global offset and shape of
+  the chunk, its dtype and kind; plus the non-tensor values and the state's structure.
+
+Loading into any world size (resharding) reads every rank's index, then for each tensor of this
+rank's *template* state reads only the saved chunks that overlap the region the rank holds, as
+byte ranges of the safetensors files, and copies them into the template's local tensors. Loading
+never calls pickle or ``torch.load``. See :mod:`resilient_rl.checkpoint.reader` for the read path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from resilient_rl.checkpoint.manifest import FORMAT_VERSION, FileRecord, shard_basename
+from resilient_rl.checkpoint.reader import CheckpointDir, ReadTarget, read_targets
+from resilient_rl.checkpoint.safetensors_io import build_header, dtype_name, iter_file_chunks
+from resilient_rl.checkpoint.state_tree import flatten_state, is_under, unflatten_state
+from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = [
+    "StagedShard", "StagedTensor", "flatten_state", "gather_full_state", "load_shard_into",
+    "stage", "unflatten_state", "write_shard",
+]
+
+KIND_SHARD = "shard"          # a chunk of a DTensor
+KIND_REPLICATED = "replicated"  # a plain tensor, identical on every rank: rank 0 writes it
+KIND_LOCAL = "local"          # a plain tensor that differs per rank: every rank writes its own
+
+
+@dataclass
+class StagedTensor:
+    """A host copy of one local chunk and where it sits in the global tensor."""
+
+    data: torch.Tensor
+    kind: str
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+@dataclass
+class StagedShard:
+    """Everything one rank writes, already copied off the live state."""
+
+    rank: int
+    world_size: int
+    tensors: dict[str, StagedTensor]
+    extras: dict[str, Any]
+    rank_local: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.data.numel() * t.data.element_size() for t in self.tensors.values())
+
+
+def default_rank() -> int:
+    """This process's rank in the default group, or 0 without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _default_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _host_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A host copy of ``t``, written into ``into`` when it fits (a buffer of an earlier save:
+    reusing memory skips the page faults that dominate copying into fresh memory)."""
+    blocking = t.device.type == "cpu"
+    if into is None or into.shape != t.shape or into.dtype != t.dtype:
+        # Pinned host memory makes the device-to-host copy asynchronous and fast.
+        into = torch.empty(t.shape, dtype=t.dtype, pin_memory=not blocking)
+    into.copy_(t.detach(), non_blocking=not blocking)
+    return into
+
+
+def _dtensor_chunk(key: str, t: DTensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(local tensor, global offset) of this rank's chunk; None when another rank writes it."""
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for dim, placement in enumerate(t.placements):
+        if type(placement) is Replicate:
+            if coordinate[dim] != 0:
+                return None  # the same chunk is written by the first replica
+        elif type(placement) is not Shard:
+            raise CheckpointError(
+                f"tensor {key!r}: placement {placement} is not supported in checkpoints "
+                "(only Shard(d) and Replicate(); reduce Partial tensors before saving)")
+    local = t.to_local()
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(local_shape):
+        raise CheckpointError(f"tensor {key!r}: local shape {tuple(local.shape)} differs from the "
+                              f"expected {tuple(local_shape)} for placements {t.placements}")
+    return local, tuple(int(o) for o in offset)
+
+
+def stage(state: Mapping[str, Any], rank: int | None = None, *, world_size: int | None = None,
+          rank_local: tuple[str, ...] = (), reuse: StagedShard | None = None,
+          copy: bool = True) -> StagedShard:
+    """Copy this rank's part of ``state`` to host memory and record where each chunk belongs.
+
+    The only blocking part of an async save: afterwards the live tensors may change freely.
+    ``rank_local`` lists flat key prefixes (``"rng"``, ``"rng/torch"``) whose plain tensors and
+    values differ per rank; each rank saves its own and gets it back when loading into the same
+    world size. ``reuse``: an earlier staged shard whose buffers are overwritten where shapes
+    and dtypes match (its write must have finished; see ``AsyncShardWriter.stage_and_submit``).
+    ``copy=False`` is for synchronous saves: contiguous CPU tensors are then written straight
+    from the live state, which must not change until :func:`write_shard` returns."""
+    rank = default_rank() if rank is None else rank
+    world_size = _default_world_size() if world_size is None else world_size
+    tensors, extras = flatten_state(state)
+    staged: dict[str, StagedTensor] = {}
+    any_device = False
+    with torch.no_grad():
+        for key, t in tensors.items():
+            if isinstance(t, DTensor):
+                chunk = _dtensor_chunk(key, t)
+                if chunk is None:
+                    continue
+                local, offset = chunk
+                kind = KIND_SHARD
+            else:
+                kind = KIND_LOCAL if is_under(key, rank_local) else KIND_REPLICATED
+                if kind == KIND_REPLICATED and rank != 0:
+                    continue
+                local, offset = t, (0,) * t.ndim
+            dtype_name(t.dtype, key)  # refuse unstorable dtypes before anything is written
+            any_device |= local.device.type != "cpu"
+            if not copy and local.device.type == "cpu" and local.is_contiguous():
+                data = local.detach()
+            else:
+                previous = reuse.tensors.get(key) if reuse is not None else None
+                data = _host_copy(local, previous.data if previous is not None else None)
+            staged[key] = StagedTensor(data, kind, tuple(t.shape), offset)
+    if any_device and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return StagedShard(rank, world_size, staged, extras, tuple(rank_local))
+
+
+def _index_bytes(staged: StagedShard, data_file: str) -> bytes:
+    index = {
+        "format_version": FORMAT_VERSION,
+        "rank": staged.rank,
+        "world_size": staged.world_size,
+        "data_file": data_file,
+        "rank_local": list(staged.rank_local),
+        "tensors": {
+            key: {"kind": st.kind, "dtype": dtype_name(st.data.dtype, key),
+                  "global_shape": list(st.global_shape), "global_offset": list(st.global_offset),
+                  "shape": list(st.data.shape)}
+            for key, st in staged.tensors.items()
+        },
+        "extras": staged.extras,
+    }
+    try:
+        return json.dumps(index, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"rank {staged.rank}: state values are not JSON-serialisable: {exc}") from exc
+
+
+def write_shard(staged: StagedShard, storage: Storage, dir_path: str, rank: int | None = None,
+                chunk_bytes: int = 16 * 1024 * 1024) -> list[FileRecord]:
+    """Write ``staged`` as ``shard_{rank}.safetensors`` + ``shard_{rank}.json`` under ``dir_path``.
+
+    The tensor file streams straight from the staged buffers while its sha256 is computed.
+    Returns the two files' records, paths relative to ``dir_path``."""
+    if rank is not None and rank != staged.rank:
+        raise CheckpointError(f"write_shard: rank {rank} differs from the staged shard's rank {staged.rank}")
+    stem = shard_basename(staged.rank)
+    data_name, index_name = f"{stem}.safetensors", f"{stem}.json"
+    data = {key: st.data for key, st in staged.tensors.items()}
+    header = build_header(data, {"format": "pt", "rrl_format_version": str(FORMAT_VERSION)})
+    written = storage.write_stream(Storage.join(dir_path, data_name),
+                                   lambda: iter_file_chunks(header, data, chunk_bytes))
+    index = storage.write_bytes_atomic(Storage.join(dir_path, index_name),
+                                       _index_bytes(staged, data_name))
+    return [FileRecord(data_name, written.size, written.sha256),
+            FileRecord(index_name, index.size, index.sha256)]
+
+
+def _template_target(key: str, t: torch.Tensor) -> ReadTarget | None:
+    if isinstance(t, DTensor):
+        if t.device_mesh.get_coordinate() is None:
+            return None
+        local = t.to_local()
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(local.shape) != tuple(local_shape):
+            raise CheckpointError(f"template tensor {key!r}: local shape {tuple(local.shape)} "
+                                  f"differs from {tuple(local_shape)} for {t.placements}")
+        return ReadTarget(key, local, tuple(int(o) for o in offset), tuple(t.shape))
+    return ReadTarget(key, t, (0,) * t.ndim, tuple(t.shape))
+
+
+def load_shard_into(template_state: Mapping[str, Any], storage: Storage, dir_path: str,
+                    manifest_files: list[FileRecord] | None = None, verify: bool = True, *,
+                    rank: int | None = None, strict: bool = True) -> dict[str, Any]:
+    """Fill ``template_state`` (this rank's current state: DTensors of the current world size or
+    plain tensors) from the checkpoint in ``dir_path``, resharding as needed.
+
+    Tensors are filled in place (DTensors stay DTensors; call ``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` afterwards); the returned state has the saved structure and
+    non-tensor values. With ``manifest_files`` (records relative to ``dir_path``, or to the step
+    folder) and ``verify``, every file read is checked against its size and sha256. A key of the
+    template missing from the checkpoint, a shape or dtype mismatch, or a damaged file raises
+    CheckpointCorruptError; a saved key the template lacks raises CheckpointError when
+    ``strict``, else it is returned as a full plain tensor. On error the template's tensors may
+    be partly overwritten."""
+    rank = default_rank() if rank is None else rank
+    ckpt = CheckpointDir(storage, dir_path, manifest_files, verify)
+    tensors, _ = flatten_state(template_state)
+    with torch.no_grad():
+        return _fill(ckpt, tensors, rank, strict)
+
+
+def _fill(ckpt: CheckpointDir, tensors: dict[str, torch.Tensor], rank: int, strict: bool) -> dict[str, Any]:
+    saved = ckpt.tensor_keys()
+    missing = [k for k in tensors if k not in saved]
+    if missing:
+        raise CheckpointCorruptError(
+            f"{ckpt.where}: key(s) {missing[:5]} of the state are not in the checkpoint "
+            f"({len(missing)} missing; files {ckpt.index_files()[:3]}...)")
+    unexpected = sorted(saved - tensors.keys())
+    if unexpected and strict:
+        raise CheckpointError(f"{ckpt.where}: the checkpoint has key(s) {unexpected[:5]} that the "
+                              f"state lacks ({len(unexpected)} in all); pass strict=False to load them")
+    out: dict[str, torch.Tensor] = dict(tensors)
+    targets = [tg for k, t in tensors.items() if (tg := _template_target(k, t)) is not None]
+    for key in unexpected:
+        shape, dtype = ckpt.global_meta(key)
+        out[key] = torch.empty(shape, dtype=dtype)
+        targets.append(ReadTarget(key, out[key], (0,) * len(shape), shape))
+    read_targets(ckpt, targets, rank)
+    return unflatten_state(out, ckpt.extras_for(rank))
+
+
+def gather_full_state(storage: Storage, dir_path: str, manifest_files: list[FileRecord] | None = None,
+                      verify: bool = True, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Consolidate every saved chunk into full tensors: ``{flat key: tensor}``.
+
+    With ``prefix`` (a flat key such as ``"model"``) only keys below it are gathered, with the
+    prefix stripped (e.g. ``model/0.weight`` -> ``0.weight``)."""
+    ckpt = CheckpointDir(storage, dir_path, manifest_files, verify)
+    head = prefix.strip("/") + "/" if prefix else ""
+    full: dict[str, torch.Tensor] = {}
+    targets: list[ReadTarget] = []
+    for key in sorted(ckpt.tensor_keys()):
+        if not key.startswith(head):
+            continue
+        shape, dtype = ckpt.global_meta(key)
+        t = full[key[len(head):]] = torch.empty(shape, dtype=dtype)
+        targets.append(ReadTarget(key, t, (0,) * len(shape), shape))
+    read_targets(ckpt, targets, rank=0)
+    return full

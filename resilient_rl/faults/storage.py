@@ -1,0 +1,241 @@
+"""A fault-injecting fsspec filesystem: transient errors, slow operations, a full disk.
+
+:class:`FaultyFileSystem` wraps any fsspec filesystem (local, ``memory://``, ``s3://``) and,
+following a :class:`FaultPlan`, makes its data operations misbehave:
+
+- the first ``transient_writes`` write operations and the first ``transient_reads`` read
+  operations fail with a transient ``OSError`` (``EIO`` by default). A failing streamed write
+  fails part-way, after some bytes went through, like a dropped connection;
+- every data operation is delayed by ``slow_s`` seconds;
+- once ``enospc_after_bytes`` bytes have been written, writes fail with ``ENOSPC`` (permanent).
+
+It is registered with fsspec as protocol ``faulty``, so it can be configured by URL and storage
+options in any process (``faulty_url`` builds both)::
+
+    url, options = faulty_url("s3://bucket/ckpt", FaultPlan(transient_writes=2), {"key": ...})
+    manager = CheckpointManager(url, "run", storage_options=options)
+
+Counters (``writes``, ``reads``, ``bytes_written``) and the log of injected faults (``injected``)
+live on the instance. fsspec caches instances by their options: pass a distinct ``name`` (or
+``skip_instance_cache=True``) for an independent fault budget. The plan may be changed at run
+time (``fs.plan.enospc_after_bytes = fs.bytes_written``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractFileSystem
+
+from resilient_rl.checkpoint.storage import OBJECT_STORE_PROTOCOLS
+
+PROTOCOL = "faulty"
+
+
+@dataclass
+class FaultPlan:
+    """What to inject. Counts are per filesystem instance."""
+
+    transient_writes: int = 0
+    transient_reads: int = 0
+    transient_errno: int = errno.EIO
+    slow_s: float = 0.0
+    enospc_after_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0:
+            raise ValueError(f"FaultPlan counts and delays must be >= 0, got {self}")
+
+
+class _FaultyWriteFile:
+    """A writable file of the target fs that may fail part-way or run out of space."""
+
+    def __init__(self, owner: "FaultyFileSystem", inner: Any, path: str, fail: OSError | None):
+        self._owner = owner
+        self._inner = inner
+        self._path = path
+        self._fail = fail
+        self._written = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if self._fail is not None and self._written > 0:
+            self._raise_pending()
+        self._owner._charge_bytes(n, self._path)
+        self._inner.write(data)
+        self._written += n
+        return n
+
+    def _raise_pending(self) -> None:
+        exc, self._fail = self._fail, None
+        self.discard()
+        raise exc  # type: ignore[misc]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self._fail is not None:
+            self._raise_pending()
+        self.closed = True
+        self._inner.close()
+
+    def discard(self) -> None:
+        # Abort the target's upload when it can; otherwise just release it (a partial temp
+        # file is removed by the caller).
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._inner.discard()
+        except Exception:
+            with contextlib.suppress(Exception):
+                self._inner.close()
+
+    def __enter__(self) -> "_FaultyWriteFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class FaultyFileSystem(AbstractFileSystem):
+    """Delegates to a target filesystem and injects the faults of its :class:`FaultPlan`."""
+
+    protocol = PROTOCOL
+    root_marker = ""
+
+    def __init__(self, target_protocol: str = "file", target_options: dict[str, Any] | None = None,
+                 plan: FaultPlan | dict[str, Any] | None = None,
+                 fs: AbstractFileSystem | None = None, name: str = "", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.target = fs if fs is not None else fsspec.filesystem(
+            target_protocol, **(target_options or {}))
+        self.plan = plan if isinstance(plan, FaultPlan) else FaultPlan(**(plan or {}))
+        self.name = name
+        self.writes = 0
+        self.reads = 0
+        self.bytes_written = 0
+        self.injected: list[str] = []
+        self._lock = threading.Lock()
+        protocols = self.target.protocol
+        protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
+        # Writes go through this wrapper (temp name + rename through it, or a single put), so
+        # the faults apply to them; a local target's own fsync/replace path would bypass it.
+        self.rrl_write_strategy = ("put" if OBJECT_STORE_PROTOCOLS.intersection(protocols)
+                                   else "rename")
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]  # type: ignore[return-value]
+        if path.startswith(f"{PROTOCOL}://"):
+            path = path[len(PROTOCOL) + 3:]
+        return path.rstrip("/") or "/"
+
+    # ------------------------------------------------------------- injection
+    def _transient(self, kind: str, path: str) -> OSError:
+        code = self.plan.transient_errno
+        self.injected.append(f"transient {kind} {path}")
+        return OSError(code, f"{os.strerror(code)} (injected {kind} fault)", path)
+
+    def _next_op(self, kind: str, path: str) -> OSError | None:
+        """Count one data operation; the fault it must raise, if any."""
+        if self.plan.slow_s:
+            time.sleep(self.plan.slow_s)
+        with self._lock:
+            if kind == "write":
+                self.writes += 1
+                failing = self.writes <= self.plan.transient_writes
+            else:
+                self.reads += 1
+                failing = self.reads <= self.plan.transient_reads
+            return self._transient(kind, path) if failing else None
+
+    def _charge_bytes(self, n: int, path: str) -> None:
+        with self._lock:
+            budget = self.plan.enospc_after_bytes
+            if budget is not None and self.bytes_written + n > budget:
+                self.injected.append(f"enospc {path}")
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+            self.bytes_written += n
+
+    # ------------------------------------------------------------- data operations
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:  # type: ignore[override]
+        if "r" in mode and "+" not in mode:
+            fault = self._next_op("read", path)
+            if fault is not None:
+                raise fault
+            return self.target.open(path, mode, **kwargs)
+        fault = self._next_op("write", path)
+        return _FaultyWriteFile(self, self.target.open(path, mode, **kwargs), path, fault)
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                 **kwargs: Any) -> bytes:
+        fault = self._next_op("read", path)
+        if fault is not None:
+            raise fault
+        return self.target.cat_file(path, start=start, end=end, **kwargs)
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        fault = self._next_op("write", path)
+        if fault is not None:
+            raise fault
+        self._charge_bytes(len(value), path)
+        self.target.pipe_file(path, value, **kwargs)
+
+    def mv(self, path1: str, path2: str, **kwargs: Any) -> None:  # type: ignore[override]
+        fault = self._next_op("write", path2)
+        if fault is not None:
+            raise fault
+        self.target.mv(path1, path2, **kwargs)
+
+    # ------------------------------------------------------------- metadata (no faults)
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        return self.target.ls(path, detail=detail, **kwargs)
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return self.target.info(path, **kwargs)
+
+    def find(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        return self.target.find(path, *args, **kwargs)
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        return self.target.exists(path, **kwargs)
+
+    def size(self, path: str) -> int:
+        return self.target.size(path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.target.makedirs(path, exist_ok=exist_ok)
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        self.target.mkdir(path, create_parents=create_parents, **kwargs)
+
+    def rm(self, path: str, recursive: bool = False, maxdepth: int | None = None) -> None:
+        self.target.rm(path, recursive=recursive, maxdepth=maxdepth)
+
+    def rm_file(self, path: str) -> None:
+        self.target.rm_file(path)
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        self.target.invalidate_cache(path)
+
+
+def faulty_url(url: str, plan: FaultPlan | None = None,
+               storage_options: dict[str, Any] | None = None,
+               name: str = "") -> tuple[str, dict[str, Any]]:
+    """A ``faulty://`` URL and storage options that wrap ``url`` (opened with
+    ``storage_options``) in a :class:`FaultyFileSystem` following ``plan``."""
+    target, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    protocol = target.protocol if isinstance(target.protocol, str) else target.protocol[0]
+    options = {"target_protocol": protocol, "target_options": dict(storage_options or {}),
+               "plan": asdict(plan or FaultPlan()), "name": name}
+    return f"{PROTOCOL}://{path}", options
