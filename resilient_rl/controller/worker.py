@@ -1,10 +1,15 @@
 """The ``Worker`` base class: identity of a rank and the lifecycle of its process group.
 
 A worker learns its rank and world size from the environment its worker group sets for it
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), as in verl. Its ``torch.distributed`` group is not
-created in ``__init__``: the controller calls :meth:`Worker.rendezvous` on every rank with a
-generation number, a master address and a port. A later rendezvous with a new generation (after a
-peer died and was restarted) destroys the broken group first and joins the new one.
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), as in verl. The group hands these to the actor's
+constructor, which exports them (:func:`export_identity`) before the worker's own ``__init__`` runs,
+rather than through a per-actor Ray ``runtime_env``: that would start every actor through Ray's
+setup-worker process and bar it from reusing the node's idle worker processes, which costs seconds.
+
+Its ``torch.distributed`` group is not created in ``__init__``: the controller calls
+:meth:`Worker.rendezvous` on every rank with a generation number, a master address and a port. A
+later rendezvous with a new generation (after a peer died and was restarted) destroys the broken
+group first and joins the new one.
 
 Several workers may live in one process (colocated roles). The process group is a property of
 the process, so it is tracked at module level and a rendezvous for a generation the process has
@@ -61,6 +66,15 @@ def _node_id() -> str:
         return ray.get_runtime_context().get_node_id() or "local"
     except Exception:
         return "local"
+
+
+def export_identity(identity: dict[str, str]) -> None:
+    """Put a rank's identity (``RANK``, ``WORLD_SIZE``, ...) into this process's environment.
+
+    Called by the worker group in the actor's constructor before the worker's ``__init__``, so that
+    the worker (through :mod:`resilient_rl.env`) and any library it starts see them as usual.
+    """
+    os.environ.update(identity)
 
 
 def find_free_port(host: str = "") -> int:

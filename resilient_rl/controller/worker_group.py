@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Callable
 
 import ray
@@ -21,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.controller.resource_pool import RayResourcePool
-from resilient_rl.controller.worker import Worker
+from resilient_rl.controller.worker import Worker, export_identity
 from resilient_rl.errors import (CollectiveError, DispatchError, WorkerDiedError, WorkerError,
                                  WorkerTimeoutError)
 from resilient_rl.protocol import DataProto, unpad_dataproto
@@ -29,9 +30,75 @@ from resilient_rl.protocol import DataProto, unpad_dataproto
 logger = logging.getLogger(__name__)
 
 
+#: Class attribute of worker classes whose ``health`` method runs in its own concurrency group.
+HEALTH_ATTR = "_rrl_health_group"
+#: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``.
+HEALTH_GROUPS = {"health": 1}
+
+
+@ray.remote(num_cpus=0)
+def _sigkill(pid: int) -> None:
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+
+
+def kill_process(pid: int, node_id: str) -> None:
+    """SIGKILL ``pid`` on node ``node_id`` (directly when it is this node, else by a task pinned there)."""
+    import os
+    import signal
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        local = ray.get_runtime_context().get_node_id() == node_id
+    except Exception:
+        local = False
+    if local:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    try:
+        ray.get(_sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(pid),
+                timeout=30)
+    except Exception as exc:  # the node may be gone with the process
+        logger.warning("could not kill pid %d on node %s: %s", pid, node_id, exc)
+
+
 def _actor_class(ray_cls) -> type:
     """The plain Python class behind a ``@ray.remote`` class (or the class itself)."""
     return getattr(ray_cls, "__ray_actor_class__", ray_cls)
+
+
+# One ranked remote class per user class, so that Ray exports each class definition once per job
+# however many groups are built from it.
+_RANKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ranked_remote_class(user_cls: type):
+    """A remote subclass of ``user_cls`` whose constructor takes a rank's identity first.
+
+    The identity is exported to the process environment before ``user_cls.__init__`` runs, so the
+    worker reads ``RANK``/``WORLD_SIZE`` as usual, also when Ray restarts the actor (it replays the
+    constructor with the same arguments). The subclass gets its own qualified name: Ray keys class
+    definitions by module and qualified name, and the plain class may be used as an actor too.
+    """
+    ranked = _RANKED.get(user_cls)
+    if ranked is None:
+        class Ranked(user_cls):  # type: ignore[valid-type, misc]
+            def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
+                export_identity(identity)
+                super().__init__(*args, **kwargs)
+
+        Ranked.__name__ = user_cls.__name__
+        Ranked.__qualname__ = f"Ranked({user_cls.__qualname__})"
+        Ranked.__module__ = user_cls.__module__
+        Ranked.__doc__ = user_cls.__doc__
+        ranked = _RANKED[user_cls] = ray.remote(Ranked)
+    return ranked
 
 
 class RayClassWithInitArgs:
@@ -49,8 +116,26 @@ class RayClassWithInitArgs:
         """Extra Ray actor options (merged over the worker group's)."""
         self._options.update(options)
 
-    def __call__(self, options: dict[str, Any]):
-        return self.cls.options(**{**options, **self._options}).remote(*self.args, **self.kwargs)
+    def __call__(self, options: dict[str, Any], identity: dict[str, str] | None = None):
+        """Start one actor with ``options``; ``identity`` (RANK, WORLD_SIZE, ...) is exported in its
+        process before the worker is constructed."""
+        if identity is None:
+            return self.cls.options(**{**options, **self._options}).remote(*self.args, **self.kwargs)
+        # Options given to the user's @ray.remote(...) decorator stay the defaults underneath.
+        defaults = dict(getattr(self.cls, "_default_options", None) or {})
+        ranked = _ranked_remote_class(_actor_class(self.cls))
+        return ranked.options(**{**defaults, **options, **self._options}).remote(identity, *self.args, **self.kwargs)
+
+
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
+                      "socket timeout", "timed out waiting for")
+
+
+def _looks_collective(exc: BaseException) -> bool:
+    """A torch.distributed failure (a peer died or hung) rather than a bug in the method."""
+    name = type(exc).__name__
+    text = str(exc).lower()
+    return "DistBackendError" in name or "DistNetworkError" in name or any(m in text for m in _COLLECTIVE_MARKERS)
 
 
 def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
@@ -60,8 +145,7 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
         return WorkerDiedError(f"{where} died: {exc}", role=group, rank=rank, cause="died")
     if isinstance(exc, RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        if isinstance(cause, CollectiveError) or "Connection closed by peer" in str(cause) \
-                or "Gloo" in type(cause).__name__ or "DistBackendError" in type(cause).__name__:
+        if isinstance(cause, CollectiveError) or _looks_collective(cause):
             return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
         return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
@@ -95,29 +179,28 @@ class RayWorkerGroup:
         world_size = pool.world_size
         local_world_sizes = pool.local_world_size_list()
         local_ranks = pool.local_rank_list()
-        user_env = dict(runtime_env.get("env_vars", {}))
         rank = 0
         for pg, n in zip(pgs, pool.store):
             for bundle_idx in range(n):
-                env_vars = {**user_env, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                            "LOCAL_RANK": str(local_ranks[rank]), "LOCAL_WORLD_SIZE": str(local_world_sizes[rank]),
-                            "RRL_WORKER_GROUP": self.name_prefix}
+                identity = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks[rank]),
+                            "LOCAL_WORLD_SIZE": str(local_world_sizes[rank]), "RRL_WORKER_GROUP": self.name_prefix}
                 name = f"{self.name_prefix}_{rank}"
                 options = {
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=bundle_idx),
                     "num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
-                    "runtime_env": {**runtime_env, "env_vars": env_vars},
                     "name": name,
                     "max_restarts": self.max_restarts,
                     "max_task_retries": self.max_task_retries,
                     **actor_options,
                 }
+                if runtime_env:  # the user's, shared by every rank; the rank's identity does not go here
+                    options["runtime_env"] = runtime_env
                 if pool.use_gpu:
                     options["num_gpus"] = 1 / pool.max_colocate_count
                 if detached:
                     options["lifetime"] = "detached"
-                self._workers.append(cls_with_init(options))
+                self._workers.append(cls_with_init(options, identity))
                 self._worker_names.append(name)
                 rank += 1
         # Constructors run in parallel; wait for all of them (a failing constructor names its rank).
@@ -235,10 +318,61 @@ class RayWorkerGroup:
         """Health of every rank (WorkerInfo), within a deadline."""
         return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s)
 
-    def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0) -> int:
-        """Rendezvous every rank into a torch.distributed group of ``generation`` hosted on rank 0's node."""
+    # ------------------------------------------------------------------ health and repair
+    def _has_health_group(self) -> bool:
+        cls = self.ray_cls_with_init.cls if self.ray_cls_with_init is not None else None
+        return cls is not None and getattr(_actor_class(cls), HEALTH_ATTR, False)
+
+    def probe(self, timeout_s: float = 2.0) -> dict[int, object]:
+        """Health of every rank without waiting behind running calls where the class allows it.
+
+        Returns rank -> WorkerInfo, or the exception (died, unavailable) or None (no answer within
+        ``timeout_s``: hung, stopped, or queued behind a long call on a class without a health group).
+        """
+        method = "health" if self._has_health_group() else "ping"
+        refs = [getattr(w, method).remote() for w in self._workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready = set(ready)
+        out: dict[int, object] = {}
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                out[rank] = None
+                continue
+            try:
+                out[rank] = ray.get(ref)
+            except Exception as exc:  # died or restarting
+                out[rank] = exc
+        return out
+
+    def kill_rank(self, rank: int, pid: int, node_id: str) -> None:
+        """SIGKILL rank ``rank``'s process (a hung or stopped one); Ray then restarts the actor."""
+        kill_process(pid, node_id)
+        logger.warning("%s rank %d (pid %d) killed so that Ray restarts it", self.name_prefix, rank, pid)
+
+    def wait_alive(self, timeout_s: float) -> list:
+        """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerDiedError(f"{self.name_prefix}: not every rank came back within {timeout_s:g}s: {last}",
+                                      role=self.name_prefix, rank=getattr(last, "rank", None), cause="died")
+            try:
+                return self.ping(timeout_s=min(remaining, 10.0))
+            except (WorkerError, RayActorError) as exc:
+                last = exc
+                time.sleep(0.2)
+
+    def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0,
+                           collective_timeout_s: float | None = None) -> int:
+        """Rendezvous every rank into a torch.distributed group of ``generation`` hosted on rank 0's node.
+
+        ``timeout_s`` bounds the rendezvous; ``collective_timeout_s`` (default: the same) bounds
+        every collective of the new group."""
         addr, port = self.get([self._workers[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
-        refs = [w.rendezvous.remote(generation, addr, port, backend, timeout_s) for w in self._workers]
+        pg_timeout = collective_timeout_s or timeout_s
+        refs = [w.rendezvous.remote(generation, addr, port, backend, pg_timeout) for w in self._workers]
         self.get(refs, timeout_s=timeout_s + 5.0)
         return generation
 
@@ -277,6 +411,11 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
 
     class WorkerDict(Worker):
         _rrl_role_classes = role_classes
+        _rrl_health_group = True
+
+        @ray.method(concurrency_group="health")
+        def health(self):
+            return self.ping()
 
         def __init__(self):
             super().__init__()
@@ -295,4 +434,4 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
         for name, settings in registered_methods(cls).items():
             setattr(WorkerDict, f"{role}_{name}", forwarder(role, name, settings))
     WorkerDict.__name__ = "WorkerDict_" + "_".join(role_classes)
-    return RayClassWithInitArgs(ray.remote(WorkerDict))
+    return RayClassWithInitArgs(ray.remote(concurrency_groups=HEALTH_GROUPS)(WorkerDict))

@@ -345,6 +345,7 @@ class RecoveryConfig(_Section):
     collective_timeout_s: float = 60.0
     restart_timeout_s: float = 120.0
     placement_timeout_s: float = 60.0
+    health_timeout_s: float = 2.0
 
     def validate(self) -> None:
         for name in ("max_restarts", "max_task_retries", "max_failures"):

@@ -13,9 +13,11 @@ from typing import Callable
 import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
+from resilient_rl.errors import WorkerError
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.config import config_digest
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
+from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.trainer.tasks import get_task
@@ -34,7 +36,7 @@ def reward_summary(rows: list[dict]) -> tuple[float, float]:
 class PPOTrainer:
     """Runs ``cfg.trainer.total_steps`` steps of PPO (GAE) or GRPO."""
 
-    def __init__(self, cfg, roles_factory: Callable | None = None):
+    def __init__(self, cfg, roles_factory: Callable | None = None, hooks: list | None = None):
         self.cfg = cfg
         self.task = get_task(cfg.data)
         self.tokenizer = CharTokenizer(getattr(self.task, "alphabet", DEFAULT_ALPHABET))
@@ -48,6 +50,8 @@ class PPOTrainer:
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event)
+        self.recovery = Recovery(self)
+        self.hooks = list(hooks or [])
         self._roles_factory = roles_factory
         self.roles = None
         self.history: list[dict] = []
@@ -89,6 +93,20 @@ class PPOTrainer:
         self.history = self.run_dir.read_metrics()
         return self.step
 
+    def restore_after_failure(self) -> int:
+        """Roll roles and controller back to the newest valid checkpoint (or the start); returns its step."""
+        step = self.restore("auto")
+        if step is None:
+            self.loader.load_state_dict({"epoch": 0, "position": 0, "seed": self.cfg.data.seed})
+            kc = self.cfg.algorithm.kl_ctrl
+            self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
+            self.step = 0
+            self.roles.sync_weights(0)
+            self.run_dir.truncate_metrics_after(0)
+            self.history = []
+            step = 0
+        return step
+
     def maybe_checkpoint(self) -> None:
         """Save when due (async: the step waits only for staging); commit finished saves."""
         if not hasattr(self.roles, "groups"):
@@ -107,6 +125,8 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the next step and record it; returns its metrics row."""
         step = self.step + 1
+        for hook in self.hooks:
+            hook.on_step_start(self, step)
         batch = self.loader.next_batch()
         t0 = time.perf_counter()
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
@@ -130,8 +150,14 @@ class PPOTrainer:
                    dynamic_ncols=True)
         try:
             while self.step < total:
-                row = self.train_step()
-                self.maybe_checkpoint()
+                try:
+                    row = self.train_step()
+                    self.maybe_checkpoint()
+                except WorkerError as exc:
+                    self.recovery.handle(exc, self.step + 1)
+                    bar.n = self.step
+                    bar.refresh()
+                    continue
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['timing/step_s']:.2f}")
                 if self.cfg.trainer.log_every and row["step"] % self.cfg.trainer.log_every == 0:

@@ -17,6 +17,7 @@ import ray
 
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.trainer.config import config_to_dict
 from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
@@ -59,6 +60,8 @@ class RayRoles:
                 self.groups["critic"] = self._group("critic", cfg.critic.world_size,
                                                     RayClassWithInitArgs(CriticWorker, **init))
                 self.process_groups.append(self.groups["critic"])
+            self.known_workers: dict[tuple[str, int], tuple[int, str]] = {}
+            self.refresh_workers()
             self.rendezvous()
             self.init_models()
         except BaseException:
@@ -74,11 +77,38 @@ class RayRoles:
                               max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
+    def distinct_groups(self) -> list[RayWorkerGroup]:
+        """One group per distinct set of actor processes (spawned role groups share their parent's)."""
+        seen, groups = set(), []
+        for g in list(self.process_groups) + list(self.groups.values()):
+            if id(g.workers) not in seen:
+                seen.add(id(g.workers))
+                groups.append(g)
+        return groups
+
+    def refresh_workers(self) -> None:
+        """Remember every rank's pid and node (to tell restarted actors and to kill hung ones)."""
+        known = {}
+        for g in self.distinct_groups():
+            for rank, info in enumerate(g.ping()):
+                known[(g.name_prefix, rank)] = (info.pid, info.node_id)
+        self.known_workers = known
+
+    def worker_pids(self) -> dict[tuple[str, int], int]:
+        """(role, rank) -> pid of every role's processes (colocated roles share a pid)."""
+        out = {}
+        for role, g in self.groups.items():
+            parent = next(p for p in self.distinct_groups() if p.workers is g.workers)
+            for rank in range(g.world_size):
+                out[(role, rank)] = self.known_workers[(parent.name_prefix, rank)][0]
+        return out
+
     def rendezvous(self) -> None:
         """Join every process group with a new generation (also after a failure)."""
         self.generation += 1
         for g in self.process_groups:
-            g.init_process_group(self.generation, backend=self.backend, timeout_s=self.cfg.recovery.rendezvous_timeout_s)
+            g.init_process_group(self.generation, backend=self.backend, timeout_s=self.cfg.recovery.rendezvous_timeout_s,
+                                 collective_timeout_s=self.cfg.recovery.collective_timeout_s)
 
     def init_models(self) -> None:
         for role in ("actor", "ref", "rollout", "critic"):
@@ -119,4 +149,5 @@ class RayRoles:
         payload = None if self.colocated else ray.put(states[0])
         versions = self.groups["rollout"].update_weights(payload, version)
         if set(versions) != {version}:
-            raise RuntimeError(f"weight sync: rollout ranks report versions {versions}, expected {version}")
+            raise WorkerError(f"weight sync: rollout ranks report versions {versions}, expected {version}",
+                              role="rollout", cause="stale_weights")

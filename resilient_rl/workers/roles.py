@@ -17,6 +17,7 @@ import torch
 
 from resilient_rl.controller.dispatch import Dispatch, Execute, register
 from resilient_rl.controller.worker import Worker
+from resilient_rl.controller.worker_group import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.trainer.config import config_from_dict
 from resilient_rl.workers import weight_bus
@@ -39,6 +40,12 @@ class RoleWorker(Worker):
     """Common setup of a role: the run config, vocabulary, device plan, CPU threads."""
 
     role = "worker"
+    _rrl_health_group = True  # remote classes below declare HEALTH_GROUPS
+
+    @ray.method(concurrency_group="health")
+    def health(self):
+        """Answers while a training call is running (or blocked in a collective)."""
+        return self.ping()
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__()
@@ -54,7 +61,7 @@ class RoleWorker(Worker):
         torch.manual_seed(self.cfg.trainer.seed)
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
 class ActorWorker(CheckpointMixin, RoleWorker):
     """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
 
@@ -99,7 +106,7 @@ class ActorWorker(CheckpointMixin, RoleWorker):
         return state if self.rank == 0 else None
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
 class CriticWorker(CheckpointMixin, RoleWorker):
     """The value model (FSDP2, clipped value loss)."""
 
@@ -123,7 +130,7 @@ class CriticWorker(CheckpointMixin, RoleWorker):
         return self.engine.update(data, int(data.meta_info["step"]))
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
 class RefWorker(RoleWorker):
     """The frozen initial policy: reference log-probs for the KL terms."""
 
@@ -141,7 +148,7 @@ class RefWorker(RoleWorker):
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
 class RolloutWorker(RoleWorker):
     """Sampling with a KV cache from an unsharded copy of the policy."""
 

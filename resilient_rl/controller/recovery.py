@@ -1,0 +1,154 @@
+"""Failure classification, the failure policy and the recovery state machine.
+
+Everything here is pure (no Ray calls), so the decisions are unit-tested without a cluster:
+
+- :class:`FailurePolicy` maps a failure and the counters to RETRY or RAISE, with a restart budget
+  per actor (``max_restarts``) and per time window for the job (``max_failures`` in
+  ``failure_window_s``). Errors that replaying cannot fix (a bug raising in user code, a bad
+  config) are RAISE at once.
+- :class:`RecoveryStateMachine` is the controller's explicit state: RUNNING -> RECOVERING (wait for
+  restarted or replaced actors) -> REJOINING (new-generation rendezvous) -> RESTORING (latest valid
+  checkpoint) -> RUNNING. A failure during recovery goes back to RECOVERING; past the budget,
+  ABORTING -> FAILED. Any other transition is a bug and raises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from resilient_rl.errors import (CollectiveError, RRLError, WorkerDiedError, WorkerError, WorkerTimeoutError)
+
+#: Causes a replay can fix: infrastructure failures, not bugs.
+RECOVERABLE_CAUSES = frozenset({"died", "timeout", "collective", "node_lost", "unavailable"})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One observed failure: which worker, why, when."""
+
+    role: str | None
+    rank: int | None
+    cause: str
+    message: str
+    time: float
+
+
+def classify(exc: BaseException, now: float | None = None) -> Failure:
+    """A :class:`Failure` from an exception raised while driving the workers."""
+    now = time.time() if now is None else now
+    if isinstance(exc, WorkerDiedError):
+        cause = "died"
+    elif isinstance(exc, WorkerTimeoutError):
+        cause = "timeout"
+    elif isinstance(exc, CollectiveError):
+        cause = "collective"
+    elif isinstance(exc, WorkerError):
+        cause = exc.cause or "exception"
+    elif isinstance(exc, RRLError):
+        cause = "error"
+    else:
+        cause = "exception"
+    return Failure(getattr(exc, "role", None), getattr(exc, "rank", None), cause, str(exc)[:500], now)
+
+
+class Decision(Enum):
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+@dataclass
+class Verdict:
+    decision: Decision
+    reason: str
+
+
+class FailurePolicy:
+    """Decides whether a failure is retried, within a per-actor and a per-window budget."""
+
+    def __init__(self, max_restarts: int, max_failures: int, failure_window_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.max_restarts = max_restarts
+        self.max_failures = max_failures
+        self.window_s = failure_window_s
+        self.clock = clock
+        self.restarts: dict[str, int] = {}
+        self.recent: deque[float] = deque()
+        self.total = 0
+
+    @staticmethod
+    def _key(role: str | None, rank: int | None) -> str:
+        return f"{role}:{rank}"
+
+    def decide(self, failure: Failure, restarted: list[tuple[str, int]] = ()) -> Verdict:
+        """Record ``failure`` (and the actors it restarted) and decide. Pure bookkeeping."""
+        self.total += 1
+        now = self.clock()
+        self.recent.append(now)
+        while self.recent and now - self.recent[0] > self.window_s:
+            self.recent.popleft()
+        for role, rank in restarted:
+            k = self._key(role, rank)
+            self.restarts[k] = self.restarts.get(k, 0) + 1
+        where = f"{failure.role} rank {failure.rank}" if failure.role is not None else "the controller"
+        if failure.cause not in RECOVERABLE_CAUSES:
+            return Verdict(Decision.RAISE, f"{where} failed with a non-recoverable error ({failure.cause}): "
+                                           f"{failure.message}")
+        over = [k for k, n in self.restarts.items() if n > self.max_restarts]
+        if over:
+            return Verdict(Decision.RAISE, f"restart budget spent: {', '.join(over)} restarted more than "
+                                           f"max_restarts={self.max_restarts} times (last failure: {where}, "
+                                           f"{failure.cause})")
+        if len(self.recent) > self.max_failures:
+            return Verdict(Decision.RAISE, f"{len(self.recent)} failures within {self.window_s:g}s exceed "
+                                           f"max_failures={self.max_failures} (last failure: {where}, {failure.cause})")
+        return Verdict(Decision.RETRY, f"{where} {failure.cause}: recovering")
+
+    def state_dict(self) -> dict:
+        return {"restarts": dict(self.restarts), "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restarts = {str(k): int(v) for k, v in state.get("restarts", {}).items()}
+        self.total = int(state.get("total", 0))
+
+
+class RecoveryState(Enum):
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    REJOINING = "rejoining"
+    RESTORING = "restoring"
+    ABORTING = "aborting"
+    FAILED = "failed"
+
+
+S = RecoveryState
+ALLOWED: dict[RecoveryState, frozenset[RecoveryState]] = {
+    S.RUNNING: frozenset({S.RECOVERING, S.ABORTING}),
+    S.RECOVERING: frozenset({S.REJOINING, S.RECOVERING, S.ABORTING}),
+    S.REJOINING: frozenset({S.RESTORING, S.RECOVERING, S.ABORTING}),
+    S.RESTORING: frozenset({S.RUNNING, S.RECOVERING, S.ABORTING}),
+    S.ABORTING: frozenset({S.FAILED}),
+    S.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RRLError):
+    """A state change the recovery protocol does not allow (a bug in the controller)."""
+
+
+@dataclass
+class RecoveryStateMachine:
+    """The controller's recovery state with its allowed transitions and a timestamped history."""
+
+    state: RecoveryState = S.RUNNING
+    history: list[tuple[float, RecoveryState, RecoveryState]] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+
+    def to(self, new: RecoveryState) -> None:
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"recovery: {self.state.value} -> {new.value} is not allowed")
+        self.history.append((self.clock(), self.state, new))
+        self.state = new
