@@ -1,0 +1,1 @@
+"""Fault injectors shared by the chaos suite and the live chaos command."""

@@ -1,0 +1,22 @@
+"""Telemetry: metric definitions, Prometheus exporter, device sampler."""
+
+from resilient_rl.telemetry.device import GpuSample, GpuSampler, ProcessSample, ProcessSampler
+from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_values, scrape
+from resilient_rl.telemetry.file_sd import FileSDWriter
+from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASES, DeviceMetrics, TrainerMetrics
+
+__all__ = [
+    "DeviceMetrics",
+    "FileSDWriter",
+    "GpuSample",
+    "GpuSampler",
+    "LOSS_KINDS",
+    "MetricsServer",
+    "PHASES",
+    "ProcessSample",
+    "ProcessSampler",
+    "TrainerMetrics",
+    "sample_value",
+    "sample_values",
+    "scrape",
+]

@@ -1,0 +1,404 @@
+"""Metric definitions: every series resilient-rl exports, in one place.
+
+Naming follows Prometheus conventions: one prefix (``rrl_``), base units in the name
+(``_seconds``, ``_bytes``, ``_ratio``, ``_watts``, ``_celsius``, ``_hertz``), counters end in
+``_total``, and labels come from a small, low-cardinality set (``role``, ``rank``, ``node``,
+``gpu``, ``uuid``, ``phase``, ``cause``). Each process owns a private ``CollectorRegistry`` so
+that tests, benchmarks and several trainers in one interpreter never share series.
+
+- :class:`TrainerMetrics` is what the controller updates: progress, step and phase durations,
+  losses, workers up/down, restarts, recoveries, checkpoints, goodput.
+- :class:`DeviceMetrics` is a collector sampled on every scrape, one per node: per-GPU readings
+  through NVML (devices without a reading are absent, never zero) and CPU seconds and resident
+  memory of the node's worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from resilient_rl.errors import TelemetryError
+from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
+
+#: Phases of one training step, the values of the ``phase`` label.
+PHASES: tuple[str, ...] = ("gen", "ref", "values", "adv", "update_actor", "update_critic",
+                           "weight_sync", "checkpoint")
+#: Losses accepted by :meth:`TrainerMetrics.observe_step`, each exported as ``rrl_<kind>_loss``.
+LOSS_KINDS: tuple[str, ...] = ("actor", "critic")
+
+# Steps of a tiny CPU run take tens of milliseconds, those of a large model minutes.
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0)
+# Phases such as weight_sync or adv can be a few milliseconds.
+PHASE_BUCKETS = (0.005, 0.01, 0.025) + STEP_BUCKETS
+CHECKPOINT_BUCKETS = (0.01, 0.025) + STEP_BUCKETS
+# A recovery waits at least for an actor restart (seconds) and at most for a replacement node.
+RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+def _non_negative(name: str, value: float) -> float:
+    if value is None or not math.isfinite(value) or value < 0:
+        raise TelemetryError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+class _CheckpointCommitCollector(Collector):
+    """Last committed checkpoint: step and timestamp once one exists, and its age on scrape."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._started_at = clock()
+        # (step, timestamp) replaced as one object, so a scrape never sees half an update.
+        self._last: tuple[int, float] | None = None
+
+    def set(self, step: int, timestamp: float) -> None:
+        self._last = (step, timestamp)
+
+    def age(self) -> float:
+        last = self._last
+        return max(0.0, self._clock() - (last[1] if last is not None else self._started_at))
+
+    def describe(self) -> Iterable[Metric]:
+        yield from self._families(with_values=False)
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._families(with_values=True)
+
+    def _families(self, with_values: bool) -> Iterable[Metric]:
+        step = GaugeMetricFamily("rrl_checkpoint_last_committed_step",
+                                 "Training step of the last committed checkpoint.")
+        stamp = GaugeMetricFamily("rrl_checkpoint_last_committed_timestamp_seconds",
+                                  "Unix time the last committed checkpoint was committed.")
+        age = GaugeMetricFamily("rrl_checkpoint_age_seconds",
+                                "Seconds since the last committed checkpoint (since the trainer "
+                                "started while none is committed): the work a crash would lose.")
+        if with_values:
+            last = self._last
+            # Before the first commit there is no step or timestamp to report: absent, not zero.
+            if last is not None:
+                step.add_metric([], last[0])
+                stamp.add_metric([], last[1])
+            age.add_metric([], self.age())
+        return [step, stamp, age]
+
+
+class _LastValues(Collector):
+    """Unlabelled gauges that stay absent until first set.
+
+    A plain ``Gauge`` reads 0 before it is set, which is a lie for a loss a run never computes
+    (no critic in GRPO) or a ratio not yet known.
+    """
+
+    def __init__(self, docs: Mapping[str, str]) -> None:
+        self._docs = dict(docs)
+        self._values: dict[str, float] = {}
+
+    def set(self, name: str, value: float) -> None:
+        if name not in self._docs:
+            raise KeyError(name)
+        self._values[name] = float(value)
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(name, doc) for name, doc in self._docs.items()]
+
+    def collect(self) -> Iterable[Metric]:
+        values = dict(self._values)
+        for name, doc in self._docs.items():
+            if name in values:
+                yield GaugeMetricFamily(name, doc, value=values[name])
+
+
+class TrainerMetrics:
+    """The controller's metrics: progress, timing, reliability and checkpoints.
+
+    Args:
+        registry: where the series live; None creates a private registry (see ``.registry``).
+        run: the run's name, exported once as ``rrl_run_info{run=...}``.
+        clock: Unix time source, for the checkpoint age.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, run: str = "default",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.run = run
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._worker_nodes: dict[tuple[str, str], str] = {}
+        r = self.registry
+
+        self.run_info = Info("rrl_run", "The run this trainer is executing.", registry=r)
+        self.run_info.info({"run": run})
+
+        # Progress and timing.
+        self.step = Gauge("rrl_step", "Last completed training step.", registry=r)
+        self.step_duration = Histogram("rrl_step_duration_seconds",
+                                       "Wall time of one training step.",
+                                       buckets=STEP_BUCKETS, registry=r)
+        self.phase_duration = Histogram("rrl_phase_duration_seconds",
+                                        "Wall time of one phase of a training step.",
+                                        ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        for phase in PHASES:
+            self.phase_duration.labels(phase=phase)
+        self.tokens = Counter("rrl_tokens", "Tokens processed by training steps "
+                              "(prompt + response, replayed steps included).", registry=r)
+
+        # Training signals, absent until first reported.
+        self._signals = _LastValues({
+            "rrl_reward_mean": "Mean sequence reward of the last step.",
+            **{f"rrl_{kind}_loss": f"{kind.capitalize()} loss of the last step."
+               for kind in LOSS_KINDS},
+            "rrl_kl": "Mean KL divergence between the actor and the reference policy in the "
+                      "last step.",
+            "rrl_goodput_ratio": "Share of wall time spent on steps that were kept (not lost "
+                                 "to failures, recovery or replay).",
+        })
+        r.register(self._signals)
+        self.learning_rate = Gauge("rrl_learning_rate", "Learning rate in the last step.",
+                                   ["role"], registry=r)
+
+        # Workers and failures.
+        self.worker_up = Gauge("rrl_worker_up", "1 while a worker is alive and in the group, "
+                               "0 while it is down.", ["role", "rank", "node"], registry=r)
+        self.worker_restarts = Counter("rrl_worker_restarts", "Worker restarts.",
+                                       ["role", "rank", "cause"], registry=r)
+        self.failures = Counter("rrl_failures", "Failures detected by the controller.",
+                                ["cause"], registry=r)
+        self.recoveries = Counter("rrl_recoveries", "Completed recoveries.", registry=r)
+        self.recovery_duration = Histogram("rrl_recovery_duration_seconds",
+                                           "Time from failure detection to training resumed.",
+                                           buckets=RECOVERY_BUCKETS, registry=r)
+        self.steps_replayed = Counter("rrl_steps_replayed", "Steps lost to failures and "
+                                      "trained again after a restore.", registry=r)
+
+        # Checkpoints.
+        self.checkpoint_save_duration = Histogram(
+            "rrl_checkpoint_save_duration_seconds",
+            "Time from the start of a checkpoint save to its commit.",
+            buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_stall = Histogram(
+            "rrl_checkpoint_stall_seconds",
+            "Time training was blocked by a checkpoint save (staging to host memory).",
+            buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_load_duration = Histogram(
+            "rrl_checkpoint_load_duration_seconds", "Time to load and restore a checkpoint.",
+            buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_bytes = Counter("rrl_checkpoint_bytes", "Bytes written to checkpoints.",
+                                        registry=r)
+        self.checkpoint_corrupt = Counter("rrl_checkpoint_corrupt", "Committed checkpoints that "
+                                          "failed verification when loaded.", registry=r)
+        self._commits = _CheckpointCommitCollector(clock)
+        r.register(self._commits)
+
+    # -- progress ------------------------------------------------------------------------
+    def observe_step(self, step: int, duration_s: float,
+                     phase_durations: Mapping[str, float] | None = None, tokens: int = 0,
+                     reward_mean: float | None = None, losses: Mapping[str, float] | None = None,
+                     kl: float | None = None,
+                     lr: float | Mapping[str, float] | None = None) -> None:
+        """Record a completed step. ``lr`` is one rate (the actor's) or a rate per role.
+
+        Raises:
+            TelemetryError: on an unknown phase or loss kind, or a negative duration or count.
+        """
+        phase_durations = dict(phase_durations or {})
+        losses = dict(losses or {})
+        unknown = sorted(set(phase_durations) - set(PHASES))
+        if unknown:
+            raise TelemetryError(f"observe_step: unknown phase(s) {unknown}; known: {list(PHASES)}")
+        unknown = sorted(set(losses) - set(LOSS_KINDS))
+        if unknown:
+            raise TelemetryError(f"observe_step: unknown loss kind(s) {unknown}; "
+                                 f"known: {list(LOSS_KINDS)}")
+        duration = _non_negative("observe_step: duration_s", duration_s)
+        phases = {p: _non_negative(f"observe_step: phase_durations[{p!r}]", d)
+                  for p, d in phase_durations.items()}
+        n_tokens = _non_negative("observe_step: tokens", tokens)
+
+        self.step.set(step)
+        self.step_duration.observe(duration)
+        for phase, seconds in phases.items():
+            self.phase_duration.labels(phase=phase).observe(seconds)
+        self.tokens.inc(n_tokens)
+        if reward_mean is not None:
+            self._signals.set("rrl_reward_mean", reward_mean)
+        for kind, value in losses.items():
+            self._signals.set(f"rrl_{kind}_loss", value)
+        if kl is not None:
+            self._signals.set("rrl_kl", kl)
+        if lr is not None:
+            rates = lr if isinstance(lr, Mapping) else {"actor": lr}
+            for role, rate in rates.items():
+                self.learning_rate.labels(role=role).set(rate)
+
+    def set_goodput(self, useful_s: float, wall_s: float) -> None:
+        """Set the goodput ratio: useful seconds over wall-clock seconds of the run so far."""
+        useful = _non_negative("set_goodput: useful_s", useful_s)
+        wall = _non_negative("set_goodput: wall_s", wall_s)
+        if wall > 0:
+            self._signals.set("rrl_goodput_ratio", min(1.0, useful / wall))
+
+    # -- workers and failures ------------------------------------------------------------
+    def set_workers_up(self, role: str, rank: int, node: str, up: bool) -> None:
+        """Mark worker (role, rank) up or down on ``node``.
+
+        A worker that comes back on another node drops its old series, so a replaced worker
+        does not leave a ``0`` behind that would keep the worker-down alert firing.
+        """
+        key = (role, str(rank))
+        with self._lock:
+            previous = self._worker_nodes.get(key)
+            if previous is not None and previous != node:
+                self.worker_up.remove(role, str(rank), previous)
+            self._worker_nodes[key] = node
+            self.worker_up.labels(role=role, rank=str(rank), node=node).set(1 if up else 0)
+
+    def remove_worker(self, role: str, rank: int) -> None:
+        """Forget worker (role, rank), e.g. after the group shrank."""
+        with self._lock:
+            node = self._worker_nodes.pop((role, str(rank)), None)
+            if node is not None:
+                self.worker_up.remove(role, str(rank), node)
+
+    def record_failure(self, cause: str) -> None:
+        """Count a failure detected by the controller (``cause`` e.g. died, timeout, collective)."""
+        self.failures.labels(cause=cause).inc()
+
+    def record_restart(self, role: str, rank: int, cause: str) -> None:
+        """Count a restart of worker (role, rank)."""
+        self.worker_restarts.labels(role=role, rank=str(rank), cause=cause).inc()
+
+    def record_recovery(self, duration_s: float, steps_replayed: int) -> None:
+        """Record a completed recovery and the steps it had to train again."""
+        self.recovery_duration.observe(_non_negative("record_recovery: duration_s", duration_s))
+        self.steps_replayed.inc(_non_negative("record_recovery: steps_replayed", steps_replayed))
+        self.recoveries.inc()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def record_checkpoint_save(self, duration_s: float, stall_s: float, nbytes: int, step: int,
+                               committed_at: float | None = None) -> None:
+        """Record a committed checkpoint of ``step`` (``committed_at`` defaults to now)."""
+        self.checkpoint_save_duration.observe(
+            _non_negative("record_checkpoint_save: duration_s", duration_s))
+        self.checkpoint_stall.observe(_non_negative("record_checkpoint_save: stall_s", stall_s))
+        self.checkpoint_bytes.inc(_non_negative("record_checkpoint_save: nbytes", nbytes))
+        self.set_last_committed(step, self._clock() if committed_at is None else committed_at)
+
+    def set_last_committed(self, step: int, timestamp: float) -> None:
+        """Set the last committed checkpoint, e.g. the one a resumed run started from."""
+        self._commits.set(int(step), float(timestamp))
+
+    def record_checkpoint_load(self, duration_s: float) -> None:
+        """Record a checkpoint load (at resume or during a recovery)."""
+        self.checkpoint_load_duration.observe(
+            _non_negative("record_checkpoint_load: duration_s", duration_s))
+
+    def record_corrupt_checkpoint(self) -> None:
+        """Count a committed checkpoint that failed verification."""
+        self.checkpoint_corrupt.inc()
+
+    def checkpoint_age(self) -> float:
+        """Seconds since the last commit (since start while none); exported on every scrape."""
+        return self._commits.age()
+
+
+def _normalize_uuid(uuid: str) -> str:
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+class DeviceMetrics(Collector):
+    """Per-node device series, read on every scrape.
+
+    GPU series carry ``node``, ``gpu`` (CUDA index), ``uuid`` and the ``role``/``rank`` the GPU
+    is assigned to (empty while unassigned). A reading NVML cannot take is left out, and without
+    NVML there is no GPU series at all. Process series cover the pids given to
+    :meth:`set_processes`.
+
+    Args:
+        registry: where to register; None creates a private registry (see ``.registry``).
+        node: this node's name, the ``node`` label.
+        gpu_sampler: None creates a :class:`GpuSampler` over the real NVML, if any.
+        process_sampler: None creates an empty :class:`ProcessSampler`.
+    """
+
+    _GPU_LABELS = ["node", "gpu", "uuid", "role", "rank"]
+    _PROC_LABELS = ["role", "rank", "node"]
+    # (series name, help, GpuSample field)
+    _GPU_SERIES = (
+        ("rrl_gpu_utilization_ratio", "Share of time a kernel was running on the GPU.",
+         "utilization_ratio"),
+        ("rrl_gpu_memory_used_bytes", "GPU memory in use.", "memory_used_bytes"),
+        ("rrl_gpu_memory_total_bytes", "GPU memory installed.", "memory_total_bytes"),
+        ("rrl_gpu_power_watts", "GPU power draw.", "power_watts"),
+        ("rrl_gpu_temperature_celsius", "GPU core temperature.", "temperature_celsius"),
+        ("rrl_gpu_sm_clock_hertz", "GPU streaming-multiprocessor clock.", "sm_clock_hertz"),
+    )
+
+    def __init__(self, registry: CollectorRegistry | None = None, node: str = "localhost",
+                 gpu_sampler: GpuSampler | None = None,
+                 process_sampler: ProcessSampler | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.node = node
+        self.gpu_sampler = gpu_sampler if gpu_sampler is not None else GpuSampler()
+        self.process_sampler = process_sampler if process_sampler is not None else ProcessSampler()
+        self._lock = threading.Lock()
+        self._assignments: dict[str, tuple[str, str]] = {}
+        self.registry.register(self)
+
+    def assign_gpus(self, assignments: Mapping[str, tuple[str, int]]) -> None:
+        """Set which (role, rank) uses each GPU, keyed by UUID (with or without ``GPU-``)."""
+        with self._lock:
+            self._assignments = {_normalize_uuid(uuid): (role, str(rank))
+                                 for uuid, (role, rank) in assignments.items()}
+
+    def set_processes(self, pids: Mapping[tuple[str, int], int]) -> None:
+        """Set the worker processes on this node, keyed by (role, rank)."""
+        self.process_sampler.set_pids(pids)
+
+    def describe(self) -> Iterable[Metric]:
+        # Lets the registry reject duplicate names without sampling devices at registration.
+        for name, doc, _ in self._GPU_SERIES:
+            yield GaugeMetricFamily(name, doc, labels=self._GPU_LABELS)
+        yield from self._process_families()
+
+    def collect(self) -> Iterable[Metric]:
+        families = [(GaugeMetricFamily(name, doc, labels=self._GPU_LABELS), field)
+                    for name, doc, field in self._GPU_SERIES]
+        with self._lock:
+            assignments = dict(self._assignments)
+        for sample in self.gpu_sampler.sample():
+            role, rank = assignments.get(sample.uuid, ("", ""))
+            labels = [self.node, str(sample.index), sample.uuid, role, rank]
+            for family, field in families:
+                value = getattr(sample, field)
+                if value is not None:
+                    family.add_metric(labels, float(value))
+        for family, _ in families:
+            if family.samples:
+                yield family
+        cpu, rss = self._process_families()
+        for proc in self.process_sampler.sample():
+            labels = [proc.role, str(proc.rank), self.node]
+            cpu.add_metric(labels, proc.cpu_seconds)
+            rss.add_metric(labels, proc.resident_memory_bytes)
+        if cpu.samples:
+            yield cpu
+            yield rss
+
+    def _process_families(self) -> tuple[CounterMetricFamily, GaugeMetricFamily]:
+        return (CounterMetricFamily("rrl_process_cpu_seconds",
+                                    "CPU time (user + system) of a worker process.",
+                                    labels=self._PROC_LABELS),
+                GaugeMetricFamily("rrl_process_resident_memory_bytes",
+                                  "Resident memory of a worker process.",
+                                  labels=self._PROC_LABELS))
+
+    def close(self) -> None:
+        """Stop exporting and release NVML."""
+        self.registry.unregister(self)
+        self.gpu_sampler.close()

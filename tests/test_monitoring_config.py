@@ -1,0 +1,445 @@
+"""monitoring/: Prometheus config, alert rules and Grafana dashboards.
+
+Checks, from cheapest to strongest: files parse and are wired to each other; every PromQL
+expression names only series that resilient_rl.telemetry exports; promtool accepts the config,
+the rules and every dashboard query, and the alerts fire on the scenarios they are written for;
+a real Prometheus server using this config scrapes a live exporter and answers every query.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from resilient_rl.telemetry import (DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
+                                    ProcessSampler, TrainerMetrics)
+from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
+
+MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
+DASHBOARDS = sorted((MONITORING / "grafana" / "dashboards").glob("*.json"))
+RULES = MONITORING / "rules" / "rrl-alerts.yml"
+DATASOURCE_UID = "rrl-prometheus"
+
+PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
+                "group_right", "bool", "offset", "inf", "nan"}
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names referenced by a PromQL expression."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)           # string literals
+    s = re.sub(r"\{[^}]*\}", "", s)                          # label matchers
+    s = re.sub(r"\[[^\]]*\]", "", s)                         # ranges, subqueries
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)
+    found = set()
+    for m in re.finditer(r"(?<![A-Za-z0-9_:.$])[A-Za-z_:][A-Za-z0-9_:]*", s):
+        name = m.group(0)
+        followed_by_call = re.match(r"\s*\(", s[m.end():]) is not None
+        if name.lower() in PROMQL_WORDS or followed_by_call:
+            continue
+        found.add(name)
+    return found
+
+
+def grafana_to_promql(expr: str) -> str:
+    """Replace Grafana's variables by what they expand to on a query."""
+    expr = re.sub(r"\$__\w+", "1m", expr)                   # $__rate_interval, $__range
+    return re.sub(r"\$\{?\w+\}?", ".*", expr)                # $run, ${node} (regex matchers)
+
+
+def load_dashboards() -> list[dict]:
+    return [json.loads(path.read_text()) for path in DASHBOARDS]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target, annotation and variable query."""
+    out = []
+    for board in load_dashboards():
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                out.append((f"{board['uid']}/{panel['title']}/{target['refId']}", target["expr"]))
+        for ann in board["annotations"]["list"]:
+            if "expr" in ann:
+                out.append((f"{board['uid']}/annotation {ann['name']}", ann["expr"]))
+        for var in board["templating"]["list"]:
+            query = var["query"] if isinstance(var["query"], str) else var["query"]["query"]
+            m = re.fullmatch(r"label_values\((\w+),\s*\w+\)", query)
+            assert m, f"{board['uid']}: variable {var['name']} query {query!r} is not label_values"
+            out.append((f"{board['uid']}/variable {var['name']}", m.group(1)))
+    return out
+
+
+def alert_rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def populated_registry():
+    """A registry with every series the telemetry package can export, each with a value."""
+    trainer = TrainerMetrics(run="check")
+    trainer.observe_step(1, 0.5, {"gen": 0.2, "update_actor": 0.1}, tokens=100, reward_mean=0.1,
+                         losses={"actor": 0.5, "critic": 0.25}, kl=0.01, lr={"actor": 1e-5})
+    trainer.set_goodput(8.0, 10.0)
+    trainer.set_workers_up("actor", 0, "n0", True)
+    trainer.set_workers_up("actor", 1, "n1", True)
+    trainer.record_failure("died")
+    trainer.record_restart("actor", 1, "died")
+    trainer.record_recovery(5.0, 2)
+    trainer.record_checkpoint_save(1.0, 0.1, 1024, 1)
+    trainer.record_checkpoint_load(0.2)
+    trainer.record_corrupt_checkpoint()
+    devices = DeviceMetrics(
+        registry=trainer.registry, node="n0",
+        gpu_sampler=GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-0000")]), all_devices=True),
+        process_sampler=ProcessSampler({("actor", 0): os.getpid()}))
+    devices.assign_gpus({"GPU-0000": ("actor", 0)})
+    return trainer, devices
+
+
+def exported_names() -> set[str]:
+    trainer, _ = populated_registry()
+    return {s.name for family in trainer.registry.collect() for s in family.samples}
+
+
+# -- structure -----------------------------------------------------------------------------
+
+def test_metric_name_extraction_finds_names_and_skips_promql_syntax():
+    expr = ('sum by (role, le) (rate(rrl_x_bucket{run=~"$run", a="rrl_not_me"}[$__rate_interval]))'
+            ' / on () group_left () rrl_y offset 10m or vector(0) > bool 1e3')
+    assert metric_names(expr) == {"rrl_x_bucket", "rrl_y"}
+    assert metric_names("rrl_a - (rrl_b offset 10m or rrl_c * 0)") == {"rrl_a", "rrl_b", "rrl_c"}
+
+
+def test_every_query_uses_only_exported_metric_names():
+    exported = exported_names()
+    queries = dashboard_queries() + [(r["alert"], r["expr"]) for r in alert_rules()]
+    assert len(queries) > 50
+    for where, expr in queries:
+        names = metric_names(expr)
+        assert names, f"{where}: no metric name found in {expr!r}"
+        unknown = names - exported
+        assert not unknown, f"{where}: {sorted(unknown)} not exported by resilient_rl.telemetry"
+
+
+def test_every_exported_series_family_is_used_somewhere():
+    # Not a rule of Prometheus, but a series no panel or alert shows is easy to forget.
+    used = set().union(*(metric_names(e) for _, e in dashboard_queries()),
+                       *(metric_names(r["expr"]) for r in alert_rules()))
+    trainer, _ = populated_registry()
+    unused = [f.name for f in trainer.registry.collect()
+              if not any(s.name in used for s in f.samples)]
+    assert not unused, f"series not shown on any dashboard or alert: {unused}"
+
+
+def test_dashboards_are_valid_grafana_json():
+    boards = load_dashboards()
+    assert {b["uid"] for b in boards} == {"rrl-training", "rrl-throughput", "rrl-reliability",
+                                          "rrl-gpus"}
+    for board in boards:
+        assert board["title"].startswith("resilient-rl")
+        assert 36 <= board["schemaVersion"] <= 41
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids)), f"{board['uid']}: duplicate panel ids"
+        for panel in board["panels"]:
+            where = f"{board['uid']}/{panel['title']}"
+            assert panel["type"] in {"timeseries", "stat"}, where
+            assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}, where
+            pos = panel["gridPos"]
+            assert pos["x"] + pos["w"] <= 24 and pos["h"] > 0, where
+            assert panel["targets"], f"{where}: no query"
+            ref_ids = [t["refId"] for t in panel["targets"]]
+            assert len(ref_ids) == len(set(ref_ids)), where
+            assert all(t["expr"].strip() for t in panel["targets"]), where
+
+
+def test_grafana_provisioning_and_compose_are_wired_together():
+    datasources = yaml.safe_load(
+        (MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (ds,) = datasources["datasources"]
+    assert ds["uid"] == DATASOURCE_UID and ds["type"] == "prometheus"
+    providers = yaml.safe_load(
+        (MONITORING / "grafana/provisioning/dashboards/rrl.yml").read_text())["providers"]
+    dashboards_dir = providers[0]["options"]["path"]
+
+    compose = yaml.safe_load((MONITORING / "docker-compose.yml").read_text())
+    mounts = {}
+    for name, service in compose["services"].items():
+        assert service.get("network_mode") == "host" or service.get("ports"), name
+        for volume in service["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith("./"):
+                assert (MONITORING / source).exists(), f"{name} mounts missing {source}"
+                mounts[target] = source
+    assert mounts[dashboards_dir] == "./grafana/dashboards"
+    assert mounts["/etc/grafana/provisioning"] == "./grafana/provisioning"
+    assert mounts["/etc/prometheus/prometheus.yml"] == "./prometheus.yml"
+    assert mounts["/etc/prometheus/rules"] == "./rules"
+    assert mounts["/etc/prometheus/targets"] == "./targets"
+
+
+def test_prometheus_config_uses_file_sd_and_loads_rules():
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    assert config["global"]["scrape_interval"] == "2s"
+    assert any(RULES.match(pattern) for pattern in
+               [str(MONITORING / p) for p in config["rule_files"]])
+    (job,) = config["scrape_configs"]
+    assert job["file_sd_configs"][0]["files"] == ["targets/*.json"]
+
+
+def test_alert_rules_have_for_severity_and_annotations():
+    rules = alert_rules()
+    assert {"RRLNoProgress", "RRLRestartStorm", "RRLWorkerDown", "RRLCheckpointTooOld",
+            "RRLGpuUtilizationLow"} <= {r["alert"] for r in rules}
+    for rule in rules:
+        assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
+        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+# -- promtool ------------------------------------------------------------------------------
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not on PATH "
+                                    "(Debian/Ubuntu: apt-get install prometheus)")
+
+
+def promtool(*args: str, cwd: Path | None = None) -> str:
+    proc = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    return output
+
+
+@needs_promtool
+def test_promtool_accepts_config_and_rules():
+    assert "SUCCESS" in promtool("check", "config", str(MONITORING / "prometheus.yml"))
+    assert "SUCCESS: 8 rules found" in promtool("check", "rules", str(RULES))
+
+
+@needs_promtool
+def test_promtool_accepts_every_dashboard_query(tmp_path):
+    queries = dashboard_queries()
+    rules = {"groups": [{"name": "dashboards", "rules": [
+        {"record": f"rrl_dashboard_query_{i}", "expr": grafana_to_promql(expr)}
+        for i, (_, expr) in enumerate(queries)]}]}
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(yaml.safe_dump(rules))
+    assert f"SUCCESS: {len(queries)} rules found" in promtool("check", "rules", str(path))
+
+
+ALERT_TESTS = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'rrl_worker_up{{instance="c:1", role="actor", rank="1", node="n0"}}'
+        values: '1 1 0x10'
+      - series: 'rrl_worker_up{{instance="c:1", role="actor", rank="0", node="n0"}}'
+        values: '1x30'
+    alert_rule_test:
+      - {{alertname: RRLWorkerDown, eval_time: 3m, exp_alerts: []}}
+      - alertname: RRLWorkerDown
+        eval_time: 5m
+        exp_alerts:
+          - exp_labels: {{severity: critical, instance: "c:1", role: actor, rank: "1", node: n0}}
+            exp_annotations:
+              summary: "Worker actor/1 down on n0"
+              description: "Worker actor rank 1 on node n0 has been down for more than 2 minutes."
+
+  - interval: 1m
+    input_series:
+      # A restart series that first appears inside the window still counts in full.
+      - series: 'rrl_worker_restarts_total{{instance="c:1", role="actor", rank="0", cause="died"}}'
+        values: '_ _ _ 1 2 3 4 5 6 6 6 6'
+      - series: 'rrl_worker_restarts_total{{instance="c:1", role="critic", rank="0", cause="died"}}'
+        values: '0x11'
+    alert_rule_test:
+      - {{alertname: RRLRestartStorm, eval_time: 7m, exp_alerts: []}}
+      - alertname: RRLRestartStorm
+        eval_time: 9m
+        exp_alerts:
+          - exp_labels: {{severity: critical, instance: "c:1"}}
+            exp_annotations:
+              summary: "Restart storm on c:1"
+              description: "6 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
+
+  - interval: 1m
+    input_series:
+      - series: 'rrl_step{{instance="stuck:1"}}'
+        values: '0+1x5 5x40'
+      - series: 'rrl_worker_up{{instance="stuck:1", role="actor", rank="0", node="n0"}}'
+        values: '1x45'
+      - series: 'rrl_step{{instance="busy:1"}}'
+        values: '0+1x45'
+      - series: 'rrl_worker_up{{instance="busy:1", role="actor", rank="0", node="n0"}}'
+        values: '1x45'
+    alert_rule_test:
+      - {{alertname: RRLNoProgress, eval_time: 15m, exp_alerts: []}}
+      - alertname: RRLNoProgress
+        eval_time: 25m
+        exp_alerts:
+          - exp_labels: {{severity: critical, instance: "stuck:1"}}
+            exp_annotations:
+              summary: "No training progress on stuck:1"
+              description: "No training step completed for 15 minutes while workers are up: a hung collective, a stuck rollout or a recovery loop."
+
+  - interval: 1m
+    input_series:
+      - series: 'rrl_checkpoint_age_seconds{{instance="c:1"}}'
+        values: '0+60x60'
+      - series: 'rrl_step{{instance="c:1"}}'
+        values: '0+30x60'
+      - series: 'rrl_checkpoint_last_committed_step{{instance="c:1"}}'
+        values: '0x60'
+    alert_rule_test:
+      - {{alertname: RRLCheckpointTooOld, eval_time: 34m, exp_alerts: []}}
+      - alertname: RRLCheckpointTooOld
+        eval_time: 40m
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "c:1"}}
+            exp_annotations:
+              summary: "No checkpoint committed for 30 minutes on c:1"
+              description: "The last committed checkpoint is 40m 0s old. Check checkpoint storage and rrl_checkpoint_save_duration_seconds."
+      - {{alertname: RRLCheckpointTooFarBehind, eval_time: 20m, exp_alerts: []}}
+      - alertname: RRLCheckpointTooFarBehind
+        eval_time: 25m
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "c:1"}}
+            exp_annotations:
+              summary: "Last checkpoint is more than 500 steps behind on c:1"
+              description: "750 steps were trained since the last committed checkpoint; a crash now would replay them."
+
+  - interval: 1m
+    input_series:
+      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", node="n0", gpu="0", uuid="GPU-a", role="actor", rank="0"}}'
+        values: '0.05x40'
+      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", node="n0", gpu="1", uuid="GPU-b", role="", rank=""}}'
+        values: '0x40'
+      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", node="n0", gpu="2", uuid="GPU-c", role="actor", rank="1"}}'
+        values: '0.9x40'
+      - series: 'rrl_step{{instance="c:1"}}'
+        values: '0+1x40'
+    alert_rule_test:
+      - alertname: RRLGpuUtilizationLow
+        eval_time: 30m
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "n0:1", node: n0, gpu: "0", uuid: GPU-a, role: actor, rank: "0"}}
+            exp_annotations:
+              summary: "GPU 0 on n0 under 20% busy while training"
+              description: "GPU 0 (GPU-a, actor rank 0) averaged 5% utilization over 10 minutes while steps are completing: an input, rollout or communication bottleneck."
+"""
+
+
+@needs_promtool
+def test_alerts_fire_on_their_scenarios_and_only_then(tmp_path):
+    path = tmp_path / "alerts_test.yml"
+    path.write_text(ALERT_TESTS.format(rules=json.dumps(str(RULES))))
+    assert "SUCCESS" in promtool("test", "rules", str(path))
+
+
+# -- a real Prometheus server --------------------------------------------------------------
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(base: str, path: str, **params: str) -> dict:
+    url = f"{base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.loads(response.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def live_prometheus(tmp_path):
+    """This repository's prometheus.yml and rules, scraping a live exporter via file_sd."""
+    if PROMETHEUS is None:
+        pytest.skip("the prometheus server binary is not on PATH")
+    config_dir = tmp_path / "monitoring"
+    config_dir.mkdir()
+    shutil.copy(MONITORING / "prometheus.yml", config_dir)
+    shutil.copytree(MONITORING / "rules", config_dir / "rules")
+    trainer, _ = populated_registry()
+    with MetricsServer(trainer.registry) as server:
+        sd = FileSDWriter(config_dir / "targets" / "check.json")
+        sd.add(server.target, {"job": "resilient-rl", "run": "check", "node": "ctrl"})
+        port = _free_port()
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config_dir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+        try:
+            yield f"http://127.0.0.1:{port}", trainer
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            sd.close()
+
+
+def test_real_prometheus_scrapes_a_run_and_answers_every_query(live_prometheus):
+    base, trainer = live_prometheus
+    # Three scrapes (2s apart) give rate() two or more samples to work with.
+    def scraped_enough():
+        trainer.observe_step(int(time.time()), 0.3, {"gen": 0.1}, tokens=10)
+        result = _api(base, "query", query="count_over_time(rrl_step[1m])")["result"]
+        return result and float(result[0]["value"][1]) >= 3
+    _wait_for(scraped_enough, 60, "three scrapes of the exporter")
+
+    present = {r["metric"]["__name__"] for r in _api(
+        base, "query", query='group by (__name__) ({__name__=~"rrl_.+"})')["result"]}
+    for where, expr in dashboard_queries():
+        missing = metric_names(expr) - present
+        assert not missing, f"{where}: {sorted(missing)} not scraped"
+        _api(base, "query", query=grafana_to_promql(expr))  # raises on a query error
+
+    # honor_labels: the exporter's own node label wins over the target's, not exported_node.
+    up = _api(base, "query", query='rrl_worker_up{role="actor", rank="1"}')["result"]
+    assert [r["metric"]["node"] for r in up] == ["n1"]
+    assert up[0]["metric"]["run"] == "check" and "exported_node" not in up[0]["metric"]
+    assert _api(base, "label/run/values", **{"match[]": "rrl_run_info"}) == ["check"]
+
+    def rules_evaluated():
+        groups = _api(base, "rules")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return rules if rules and all(r["health"] != "unknown" for r in rules) else None
+    rules = _wait_for(rules_evaluated, 30, "a first evaluation of every alert rule")
+    assert len(rules) == len(alert_rules())
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError"))
+                                                     for r in rules if r["health"] != "ok"]
