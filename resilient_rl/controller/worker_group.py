@@ -73,21 +73,25 @@ def _actor_class(ray_cls) -> type:
     return getattr(ray_cls, "__ray_actor_class__", ray_cls)
 
 
-# One ranked remote class per user class, so that Ray exports each class definition once per job
+# One ranked remote class per remote class, so that Ray exports each class definition once per job
 # however many groups are built from it.
 _RANKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _ranked_remote_class(user_cls: type):
-    """A remote subclass of ``user_cls`` whose constructor takes a rank's identity first.
+def _ranked_remote_class(ray_cls):
+    """A remote subclass of ``ray_cls``'s class whose constructor takes a rank's identity first.
 
-    The identity is exported to the process environment before ``user_cls.__init__`` runs, so the
-    worker reads ``RANK``/``WORLD_SIZE`` as usual, also when Ray restarts the actor (it replays the
-    constructor with the same arguments). The subclass gets its own qualified name: Ray keys class
-    definitions by module and qualified name, and the plain class may be used as an actor too.
+    The identity is exported to the process environment before the worker's ``__init__`` runs, so
+    the worker reads ``RANK``/``WORLD_SIZE`` as usual, also when Ray restarts the actor (it replays
+    the constructor with the same arguments). The options of the user's ``@ray.remote(...)``
+    (concurrency groups among them, which ``.options()`` cannot set) carry over. The subclass gets
+    its own qualified name: Ray keys class definitions by module and qualified name, and the plain
+    class may be started as an actor too.
     """
-    ranked = _RANKED.get(user_cls)
+    ranked = _RANKED.get(ray_cls)
     if ranked is None:
+        user_cls = _actor_class(ray_cls)
+
         class Ranked(user_cls):  # type: ignore[valid-type, misc]
             def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
                 export_identity(identity)
@@ -97,7 +101,9 @@ def _ranked_remote_class(user_cls: type):
         Ranked.__qualname__ = f"Ranked({user_cls.__qualname__})"
         Ranked.__module__ = user_cls.__module__
         Ranked.__doc__ = user_cls.__doc__
-        ranked = _RANKED[user_cls] = ray.remote(Ranked)
+        defaults = dict(getattr(ray_cls, "_default_options", None) or {})
+        ranked = ray.remote(**defaults)(Ranked) if defaults else ray.remote(Ranked)
+        _RANKED[ray_cls] = ranked
     return ranked
 
 
@@ -121,10 +127,8 @@ class RayClassWithInitArgs:
         process before the worker is constructed."""
         if identity is None:
             return self.cls.options(**{**options, **self._options}).remote(*self.args, **self.kwargs)
-        # Options given to the user's @ray.remote(...) decorator stay the defaults underneath.
-        defaults = dict(getattr(self.cls, "_default_options", None) or {})
-        ranked = _ranked_remote_class(_actor_class(self.cls))
-        return ranked.options(**{**defaults, **options, **self._options}).remote(identity, *self.args, **self.kwargs)
+        ranked = _ranked_remote_class(self.cls)
+        return ranked.options(**{**options, **self._options}).remote(identity, *self.args, **self.kwargs)
 
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
@@ -297,6 +301,7 @@ class RayWorkerGroup:
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         index = {ref: i for i, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
         pending = list(refs)
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -306,13 +311,14 @@ class RayWorkerGroup:
                 raise WorkerTimeoutError(f"{self.name_prefix}: rank(s) {ranks} did not answer within {timeout_s:g}s",
                                          role=self.name_prefix, rank=ranks[0], cause="timeout")
             for ref in ready:
+                # Keep the value: fetching it again would deserialize (and copy) every result twice.
                 try:
-                    ray.get(ref, timeout=0)
+                    results[index[ref]] = ray.get(ref, timeout=0)
                 except (RayActorError, RayTaskError) as exc:
                     raise classify_error(exc, self.name_prefix, index[ref]) from exc
                 except GetTimeoutError:  # pragma: no cover - ready refs do not time out
                     pending.append(ref)
-        return ray.get(list(refs))
+        return results
 
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
@@ -349,6 +355,18 @@ class RayWorkerGroup:
         kill_process(pid, node_id)
         logger.warning("%s rank %d (pid %d) killed so that Ray restarts it", self.name_prefix, rank, pid)
 
+    def permanently_dead(self) -> list[int]:
+        """Ranks whose actor Ray has given up on (state DEAD: no restarts left)."""
+        dead = []
+        for rank, w in enumerate(self._workers):
+            try:
+                info = ray._private.state.actors(w._actor_id.hex())
+            except Exception:  # the GCS may be briefly unreachable; treat as not known dead
+                continue
+            if info and info.get("State") == "DEAD":
+                dead.append(rank)
+        return dead
+
     def wait_alive(self, timeout_s: float) -> list:
         """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -362,6 +380,11 @@ class RayWorkerGroup:
                 return self.ping(timeout_s=min(remaining, 10.0))
             except (WorkerError, RayActorError) as exc:
                 last = exc
+                dead = self.permanently_dead()
+                if dead:
+                    raise WorkerDiedError(f"{self.name_prefix} rank {dead[0]} is dead and Ray will not restart it "
+                                          f"(max_restarts={self.max_restarts} spent)", role=self.name_prefix,
+                                          rank=dead[0], cause="exhausted") from exc
                 time.sleep(0.2)
 
     def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0,

@@ -1,11 +1,15 @@
 """Fault injectors for worker processes, and a schedule that fires them during a run.
 
-    schedule = FaultSchedule().at_step(3).kill("critic", 1).at_step(5).hang("actor", 0, delay_s=0.2)
+    schedule = (FaultSchedule().at_step(3).kill("critic", 1)
+                .at_step(5).hang("actor", 0, delay_s=0.2)      # lands inside the step's collectives
+                .at_checkpoint(6).kill("actor", 1, delay_s=0.05)  # while the shards are being written
+                .during_recovery("rejoining").kill("critic", 0)   # a second failure inside recovery
+                .at_step(9).corrupt_latest_checkpoint())
     trainer = PPOTrainer(cfg, hooks=[schedule])
 
-Each fault fires once, the first time its step starts (a replayed step after recovery does not
-fire it again), optionally after a delay so it lands mid-step (e.g. inside a collective). Every
-fault records what it did (pid, time) so a test can prove it took effect.
+Each fault fires once, the first time its trigger happens (a replayed step after recovery does not
+fire it again), optionally after a delay so it lands mid-step. Every fault records what it did
+(pid, file, time) so a test can prove it took effect.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from resilient_rl.errors import RRLError
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("sigkill", "sigstop", "ray_kill")
+KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate")
+TRIGGERS = ("step", "checkpoint", "recovery")
 
 
 class FaultError(RRLError):
@@ -35,8 +40,9 @@ class FaultError(RRLError):
 class Fault:
     """One fault: what to do to which worker, when."""
 
-    step: int
+    step: int | str   # a step number, or a recovery state name for trigger "recovery"
     kind: str
+    trigger: str = "step"
     role: str | None = None      # None: a random role
     rank: int | None = None      # None: a random rank
     delay_s: float = 0.0
@@ -45,9 +51,13 @@ class Fault:
     fired_at: float | None = None
     target: tuple[str, int] | None = None
 
+    path: str | None = None
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise FaultError(f"unknown fault kind {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.trigger not in TRIGGERS:
+            raise FaultError(f"unknown fault trigger {self.trigger!r}; allowed: {', '.join(TRIGGERS)}")
 
 
 def process_state(pid: int) -> str | None:
@@ -81,17 +91,33 @@ class FaultSchedule:
 
     seed: int = 0
     faults: list[Fault] = field(default_factory=list)
-    _step: int | None = None
+    _at: tuple[str, int | str] | None = None
 
     def at_step(self, step: int) -> "FaultSchedule":
-        self._step = step
+        """Faults added next fire when step ``step`` starts."""
+        self._at = ("step", step)
+        return self
+
+    def at_checkpoint(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when the save of step ``step`` has started (shards being written)."""
+        self._at = ("checkpoint", step)
+        return self
+
+    def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
+        """Faults added next fire when a recovery enters ``state`` (rejoining or restoring)."""
+        self._at = ("recovery", state)
         return self
 
     def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float) -> "FaultSchedule":
-        if self._step is None:
-            raise FaultError("call at_step(n) before adding a fault")
-        self.faults.append(Fault(self._step, kind, role, rank, delay_s))
+        if self._at is None:
+            raise FaultError("call at_step(n), at_checkpoint(n) or during_recovery(state) before adding a fault")
+        trigger, at = self._at
+        self.faults.append(Fault(at, kind, trigger, role, rank, delay_s))
         return self
+
+    def corrupt_latest_checkpoint(self, truncate: bool = False) -> "FaultSchedule":
+        """Flip a byte in (or truncate) a shard of the newest committed checkpoint."""
+        return self._add("truncate" if truncate else "corrupt", "actor", 0, 0.0)
 
     def kill(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0) -> "FaultSchedule":
         return self._add("sigkill", role, rank, delay_s)
@@ -103,11 +129,24 @@ class FaultSchedule:
         return self._add("ray_kill", role, rank, delay_s)
 
     # ------------------------------------------------------------------ trainer hook
-    def on_step_start(self, trainer, step: int) -> None:
+    def _trigger(self, trainer, trigger: str, at) -> None:
         for fault in self.faults:
-            if fault.step == step and not fault.fired:
+            if fault.trigger == trigger and fault.step == at and not fault.fired:
                 fault.fired = True
-                self._fire(trainer.roles, fault)
+                if fault.kind in ("corrupt", "truncate"):
+                    fault.path = damage_latest_checkpoint(trainer.ckpt.manager, fault.kind)
+                    fault.fired_at = time.time()
+                else:
+                    self._fire(trainer.roles, fault)
+
+    def on_step_start(self, trainer, step: int) -> None:
+        self._trigger(trainer, "step", step)
+
+    def on_checkpoint_started(self, trainer, step: int) -> None:
+        self._trigger(trainer, "checkpoint", step)
+
+    def on_recovery_state(self, trainer, state) -> None:
+        self._trigger(trainer, "recovery", getattr(state, "value", state))
 
     def _choose(self, roles, fault: Fault) -> tuple[str, int]:
         rng = random.Random(f"{self.seed}:{fault.step}:{fault.kind}")
@@ -131,5 +170,33 @@ class FaultSchedule:
             run()
 
     def summary(self) -> list[dict]:
-        return [{"step": f.step, "kind": f.kind, "target": f.target, "pid": f.pid, "fired": f.fired}
-                for f in self.faults]
+        return [{"trigger": f.trigger, "at": f.step, "kind": f.kind, "target": f.target, "pid": f.pid,
+                 "path": f.path, "fired": f.fired} for f in self.faults]
+
+    @classmethod
+    def random(cls, seed: int, steps: int, n_faults: int, roles: list[str], world_sizes: dict[str, int],
+               kinds: tuple[str, ...] = ("sigkill", "sigstop", "ray_kill")) -> "FaultSchedule":
+        """A reproducible random schedule (the soak test prints ``seed`` so a failure can be replayed)."""
+        rng = random.Random(seed)
+        schedule = cls(seed=seed)
+        for step in sorted(rng.sample(range(2, steps + 1), min(n_faults, steps - 1))):
+            role = rng.choice(roles)
+            schedule.at_step(step)._add(rng.choice(kinds), role, rng.randrange(world_sizes[role]),
+                                        round(rng.uniform(0.0, 0.3), 3))
+        return schedule
+
+
+def damage_latest_checkpoint(manager, kind: str = "corrupt", role: str = "actor") -> str:
+    """Flip one byte in the middle of (or truncate) rank 0's shard of ``role`` in the newest committed step."""
+    steps = manager.committed_steps()
+    if not steps:
+        raise FaultError(f"no committed checkpoint under {manager.run_url} to damage")
+    rel = f"{manager.run_name}/step_{steps[-1]:08d}/{role}/shard_00000.safetensors"
+    data = bytearray(manager.storage.read_bytes(rel))
+    if kind == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) * 3 // 4] ^= 0xFF
+    manager.storage.write_bytes_atomic(rel, bytes(data))
+    logger.warning("fault: %s %s", kind, manager.storage.url_for(rel))
+    return manager.storage.url_for(rel)

@@ -44,8 +44,9 @@ class CheckpointCoordinator:
         self.async_save = c.async_save
         self.on_event = on_event or (lambda *a, **k: None)
         self.metrics = metrics
+        self.storage_options = dict(c.storage_options) if c.storage_options else None
         self.manager = CheckpointManager(c.root, cfg.trainer.run_name, c.keep_last, c.keep_every,
-                                         on_corrupt=self._on_corrupt)
+                                         storage_options=self.storage_options, on_corrupt=self._on_corrupt)
         self.pending: dict[str, Any] | None = None
         self.last_committed: int | None = None
         self.timeout_s = cfg.recovery.call_timeout_s
@@ -71,11 +72,12 @@ class CheckpointCoordinator:
         t0 = time.perf_counter()
         self.manager.begin_step(step)
         self.manager.write_trainer_state(step, trainer_state)
-        results = {role: g.save_checkpoint(self.root, None, self._rel(step, role), self.async_save)
+        results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel(step, role), self.async_save)
                    for role, g in self._groups(roles)}
         stall = time.perf_counter() - t0
         self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest,
                         "world_sizes": {role: g.world_size for role, g in self._groups(roles)}}
+        self.on_event("checkpoint_started", step=step, stall_s=stall)
         if not self.async_save:
             self._commit(results)
         return stall
@@ -124,7 +126,7 @@ class CheckpointCoordinator:
             return None
         if resume.startswith("path:"):
             root, run, step = _split_step_url(resume[5:])
-            manager = CheckpointManager(root, run, on_corrupt=self._on_corrupt)
+            manager = CheckpointManager(root, run, storage_options=self.storage_options, on_corrupt=self._on_corrupt)
             if manager.verify(step) != "ok":
                 raise CheckpointError(f"checkpoint {resume[5:]} is {manager.verify(step)}")
             return manager, step
@@ -149,7 +151,7 @@ class CheckpointCoordinator:
             if role not in manifest.world_sizes:
                 raise CheckpointError(f"checkpoint {manager.step_dir(step)} has no {role!r} state")
             files = [r.to_json() for r in manager.role_files(step, role)]
-            g.load_checkpoint(manager.storage.url_for(""), None, self._rel_for(manager, step, role), files,
+            g.load_checkpoint(manager.storage.url_for(""), self.storage_options, self._rel_for(manager, step, role), files,
                               manifest.world_sizes[role])
         duration = time.perf_counter() - t0
         self.last_committed = step

@@ -321,6 +321,7 @@ class CheckpointConfig(_Section):
     keep_every: int = 0
     async_save: bool = True
     resume: str = "auto"
+    storage_options: Optional[Dict[str, Any]] = None
 
     def validate(self) -> None:
         _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")

@@ -21,6 +21,7 @@ from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.trainer.tasks import get_task
+from resilient_rl.trainer.telemetry_hook import TelemetryHook
 from resilient_rl.trainer.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,16 +50,31 @@ class PPOTrainer:
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
-        self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event)
+        self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event)
         self.recovery = Recovery(self)
         self.hooks = list(hooks or [])
         self._roles_factory = roles_factory
         self.roles = None
         self.history: list[dict] = []
+        self.telemetry = TelemetryHook(self) if cfg.telemetry.enabled else None
+
+    def fire(self, name: str, *args) -> None:
+        """Call ``name(trainer, *args)`` on every hook that has it (fault injectors, probes)."""
+        for hook in self.hooks:
+            fn = getattr(hook, name, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def _ckpt_event(self, kind: str, **fields) -> None:
+        self.run_dir.event(kind, **fields)
+        if kind == "checkpoint_started":
+            self.fire("on_checkpoint_started", fields["step"])
 
     # ------------------------------------------------------------------ roles
     def start_roles(self):
         if self.roles is None:
+            if self.telemetry is not None:
+                self.telemetry.start()
             if self._roles_factory is None:
                 from resilient_rl.trainer.ray_roles import RayRoles
 
@@ -66,6 +82,8 @@ class PPOTrainer:
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.cfg.checkpoint.resume != "off" and hasattr(self.roles, "groups"):
                 self.restore(self.cfg.checkpoint.resume)
+            if self.telemetry is not None:
+                self.telemetry.watch_roles(self.roles)
         return self.roles
 
     # ------------------------------------------------------------------ state
@@ -117,6 +135,8 @@ class PPOTrainer:
             self.ckpt.poll(self.roles)
 
     def shutdown(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
@@ -125,8 +145,7 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the next step and record it; returns its metrics row."""
         step = self.step + 1
-        for hook in self.hooks:
-            hook.on_step_start(self, step)
+        self.fire("on_step_start", step)
         batch = self.loader.next_batch()
         t0 = time.perf_counter()
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
@@ -138,6 +157,8 @@ class PPOTrainer:
                "perf/tokens_per_s": metrics["tokens"] / duration if duration > 0 else 0.0}
         self.run_dir.append_metrics(row)
         self.history.append(row)
+        if self.telemetry is not None:
+            self.telemetry.observe_step(row)
         return row
 
     def fit(self) -> list[dict]:

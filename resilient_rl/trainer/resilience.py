@@ -99,9 +99,11 @@ class Recovery:
                     self._abort(verdict.reason if self.cfg.enabled else f"recovery is disabled: {failure.message}",
                                 failure)
                 self.sm.to(S.REJOINING)
+                self.trainer.fire("on_recovery_state", S.REJOINING)
                 self.trainer.roles.rendezvous()
                 self.trainer.roles.init_models()
                 self.sm.to(S.RESTORING)
+                self.trainer.fire("on_recovery_state", S.RESTORING)
                 restored = self.trainer.restore_after_failure()
                 self.sm.to(S.RUNNING)
                 break
@@ -112,7 +114,13 @@ class Recovery:
                 self.trainer.run_dir.event("failure_during_recovery", state=self.sm.state.value, role=failure.role,
                                            rank=failure.rank, cause=failure.cause, message=failure.message)
                 logger.warning("failure during recovery (%s): %s", self.sm.state.value, failure.message)
-                self.sm.to(S.RECOVERING)
+                if self.sm.state is not S.RECOVERING:
+                    self.sm.to(S.RECOVERING)
+                # Failures inside recovery spend the same budget: a worker that never comes back
+                # ends the run instead of looping.
+                verdict = self.policy.decide(failure)
+                if verdict.decision is Decision.RAISE:
+                    self._abort(verdict.reason, failure)
         duration = time.monotonic() - t0
         replayed = max(0, failed_step - 1 - restored)
         self.recoveries += 1

@@ -1,0 +1,105 @@
+"""The chaos suite's shared pieces: one Ray cluster, one fault-free reference run, a summary.
+
+Every scenario trains the same small config (split placement, so every role has its own
+processes: actor 2 ranks, critic, ref and rollout 1 each) under a fault schedule and checks the
+invariants of :mod:`resilient_rl.faults.harness` against the reference computed once.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+
+from resilient_rl.faults.harness import run_training
+
+STEPS = 6
+
+
+def chaos_overrides(tmp: str) -> list[str]:
+    return [
+        f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "trainer.placement=split",
+        "data.batch_size=16", "data.num_prompts=64", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
+        "actor.ppo_epochs=2", "critic.ppo_epochs=2", "actor.world_size=2", "critic.world_size=1",
+        "rollout.world_size=1", "ref.world_size=1", "ray.cpus_per_worker=0.05",
+        "checkpoint.save_every=2", "checkpoint.keep_last=3",
+        "recovery.call_timeout_s=6", "recovery.health_timeout_s=2", "recovery.collective_timeout_s=30",
+        "recovery.restart_timeout_s=60", "recovery.max_restarts=4", "recovery.max_failures=6",
+        f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt",
+    ]
+
+
+RESULTS: list = []
+
+
+def ensure_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=32, include_dashboard=False, namespace="rrl-chaos", object_store_memory=256 * 1024**2,
+                 log_to_driver=False, configure_logging=False)
+    return ray
+
+
+@pytest.fixture
+def chaos_ray():
+    """The suite's local cluster, started on first use (a node-loss scenario replaces it with its own)."""
+    return ensure_ray()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def chaos_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("chaos"))
+
+
+@pytest.fixture(scope="session")
+def reference(chaos_dir):
+    """The fault-free run every scenario is compared with (computed once per session)."""
+    ensure_ray()
+    result = run_training(chaos_overrides(chaos_dir), "reference")
+    assert result.error is None, result.error
+    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
+    assert result.final_files, "the reference run committed no checkpoint"
+    return result
+
+
+@pytest.fixture
+def chaos_run(chaos_ray, chaos_dir, request):
+    """Run the chaos config under a schedule; records the result for the session summary."""
+
+    def run(schedule, *extra: str, name: str | None = None):
+        name = name or request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:60]
+        result = run_training(chaos_overrides(chaos_dir) + list(extra), name, schedule)
+        RESULTS.append(result)
+        return result
+
+    return run
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RESULTS:
+        return
+    faults = sum(sum(1 for f in r.schedule.faults if f.fired) for r in RESULTS if r.schedule)
+    recoveries = [e for r in RESULTS for e in r.events_of("recovered")]
+    durations = [e["duration_s"] for e in recoveries]
+    replayed = sum(e["steps_replayed"] for e in recoveries)
+    useful = sum(sum(row["timing/step_s"] for row in r.history) for r in RESULTS)
+    wall = sum(r.wall_s for r in RESULTS)
+    tr = terminalreporter
+    tr.section("chaos summary")
+    tr.write_line(f"runs under faults: {len(RESULTS)}; faults injected: {faults}; recoveries: {len(recoveries)}")
+    if durations:
+        tr.write_line(f"recovery time: mean {statistics.mean(durations):.1f}s, max {max(durations):.1f}s; "
+                      f"steps replayed: {replayed}")
+    if wall:
+        tr.write_line(f"goodput (useful step time / wall time of the faulted runs): {useful / wall:.2f}")
+    if os.environ.get("RRL_CHAOS_SEED"):
+        tr.write_line(f"soak seed: {os.environ['RRL_CHAOS_SEED']}")

@@ -1,0 +1,61 @@
+"""Faults around checkpoints: a kill mid-write, damaged shards, flaky, slow and full storage."""
+
+from __future__ import annotations
+
+import fsspec
+import pytest
+
+from resilient_rl.faults.harness import check_invariants
+from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.faults.storage import FaultPlan, faulty_url
+
+
+def _storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> tuple[list[str], dict]:
+    url, options = faulty_url(f"{chaos_dir}/ckpt-{name}", plan, name=name)
+    flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",
+            f"checkpoint.storage_options.name={options['name']}"]
+    flat += [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}" for k, v in options["plan"].items()]
+    return flat, options
+
+
+def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run, chaos_dir):
+    """Slow storage keeps step 4's shards in flight; actor rank 1 dies while writing them."""
+    extra, _ = _storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3))
+    schedule = FaultSchedule().at_checkpoint(4).kill("actor", 1, delay_s=0.1)
+    result = chaos_run(schedule, *extra)
+    check_invariants(result, reference)
+    assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [4]
+    assert result.events_of("recovered")[0]["restored_step"] == 2, "the torn step-4 save was never loaded"
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, chaos_run, damage):
+    schedule = FaultSchedule().at_step(6)
+    schedule.corrupt_latest_checkpoint(truncate=damage == "truncate").kill("critic", 0, delay_s=0.05)
+    result = chaos_run(schedule)
+    check_invariants(result, reference)
+    assert schedule.faults[0].path.endswith("step_00000004/actor/shard_00000.safetensors")
+    assert [e["step"] for e in result.events_of("checkpoint_corrupt")] == [4]
+    assert result.events_of("recovered")[0]["restored_step"] == 2
+
+
+def test_transient_storage_errors_are_retried(reference, chaos_run, chaos_dir):
+    extra, options = _storage_overrides(chaos_dir, "flaky", FaultPlan(transient_writes=3, transient_reads=2))
+    result = chaos_run(None, *extra)
+    check_invariants(result, reference, expect_recoveries=0)
+    fs = fsspec.filesystem("faulty", **options)  # the controller's instance (cached by options)
+    assert len(fs.injected) >= 3, "the transient faults were injected (and retried)"
+
+
+def test_full_disk_stops_cleanly_and_resume_finishes(reference, chaos_run, chaos_dir):
+    """ENOSPC on the second save: the run stops naming the problem; the first checkpoint stays latest."""
+    shard = max(reference.extra.get("shard_sizes", {"x": 0}).values(), default=0) or 400_000
+    extra, _ = _storage_overrides(chaos_dir, "full", FaultPlan(enospc_after_bytes=int(shard * 1.5)))
+    result = chaos_run(None, *extra, name="full-disk")
+    assert result.error is not None and "No space left" in str(result.error), result.error
+    assert result.committed and result.latest == result.committed[-1] == 2
+    assert all(v == "ok" for v in result.verify.values())
+    # The same run resumed on healthy storage (same folder) ends where the reference ends.
+    resumed = chaos_run(None, f"checkpoint.root={chaos_dir}/ckpt-full", name="full-disk")
+    assert resumed.events_of("checkpoint_restored")[0]["step"] == 2
+    check_invariants(resumed, reference, expect_recoveries=0)

@@ -1,0 +1,48 @@
+"""The controller dies (SIGKILL, with the local cluster it started); the same command resumes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import chaos_overrides
+from resilient_rl.faults.harness import check_invariants, collect_run
+from resilient_rl.trainer.config import load_config
+from resilient_rl.faults.processes import kill_tree, process_tree, wait_for
+
+
+def _steps(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_controller_killed_and_started_again_resumes(reference, chaos_dir, chaos_ray):
+    name = "controller-restart"
+    overrides = chaos_overrides(chaos_dir) + [f"trainer.run_name={name}"]
+    cmd = [sys.executable, "-m", "resilient_rl.cli", "-q", "train", *overrides]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    metrics = Path(chaos_dir) / "runs" / name / "metrics.jsonl"
+    latest = Path(chaos_dir) / "ckpt" / name / "latest"
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: latest.exists() and len(_steps(metrics)) >= 3, timeout_s=300), \
+            f"the first controller made no progress: {proc.poll()}"
+        tree = process_tree(proc.pid)
+        assert len(tree) > 1, "the controller runs its own local Ray cluster"
+        assert kill_tree(tree) == [], "every process of the killed controller and its cluster is gone"
+    finally:
+        if proc.poll() is None:
+            kill_tree(process_tree(proc.pid))
+    killed_at = max(_steps(metrics))
+    assert killed_at < 6
+
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    result = collect_run(load_config(None, overrides))
+    assert [e for e in result.events if e["event"] == "checkpoint_restored"], "the second controller resumed"
+    check_invariants(result, reference, expect_recoveries=0)

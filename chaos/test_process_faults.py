@@ -1,0 +1,47 @@
+"""SIGKILL, SIGSTOP and ray.kill of every role; each run must end as if nothing had happened."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_rl.faults.harness import check_invariants
+from resilient_rl.faults.injectors import FaultSchedule
+
+ROLES = [("actor", 0), ("actor", 1), ("critic", 0), ("ref", 0), ("rollout", 0)]
+
+
+@pytest.mark.parametrize("role,rank", ROLES)
+def test_sigkill(reference, chaos_run, role, rank):
+    schedule = FaultSchedule().at_step(4).kill(role, rank, delay_s=0.05)
+    result = chaos_run(schedule)
+    check_invariants(result, reference)
+    failure = result.events_of("failure")[0]
+    assert failure["step"] == 4 and failure["cause"] in ("died", "collective")
+    assert result.events_of("recovered")[0]["restored_step"] == 2
+
+
+@pytest.mark.parametrize("role,rank", [("actor", 1), ("critic", 0), ("ref", 0), ("rollout", 0)])
+def test_sigstop(reference, chaos_run, role, rank):
+    """A stopped rank: the call deadline detects it, the health probe finds it, it is killed and restarted."""
+    schedule = FaultSchedule().at_step(3).hang(role, rank, delay_s=0.1)
+    result = chaos_run(schedule)
+    check_invariants(result, reference)
+    fault = schedule.faults[0]
+    killed = result.events_of("kill_unresponsive")
+    assert [e["pid"] for e in killed] == [fault.pid], "the stopped process itself was the one killed"
+    assert result.events_of("failure")[0]["cause"] == "timeout"
+
+
+def test_ray_kill_actor(reference, chaos_run):
+    schedule = FaultSchedule().at_step(5).ray_kill("actor", 0)
+    result = chaos_run(schedule)
+    check_invariants(result, reference)
+    assert result.events_of("recovered")[0]["restored_step"] == 4
+
+
+def test_sigstop_actor_rank_mid_collective(reference, chaos_run):
+    """Rank 0 stops inside the update; rank 1 blocks in the collective but answers health probes."""
+    schedule = FaultSchedule().at_step(4).hang("actor", 0, delay_s=0.3)
+    result = chaos_run(schedule)
+    check_invariants(result, reference)
+    assert [e["rank"] for e in result.events_of("kill_unresponsive")] == [0]

@@ -1,0 +1,357 @@
+"""Telemetry of a training run: the controller's exporter, per-node device exporters, file_sd.
+
+:class:`TelemetryHook` is built by :class:`~resilient_rl.trainer.ppo.PPOTrainer` when
+``telemetry.enabled`` is set. It owns
+
+- a :class:`TrainerMetrics` served by a :class:`MetricsServer` on the controller
+  (``telemetry.bind_address:telemetry.port``, 0 = a free port), fed from each step's row;
+- the ``metrics`` object of :class:`Recovery` and :class:`CheckpointCoordinator`: it forwards
+  their reports to :class:`TrainerMetrics`, translating worker-group names to role names, and
+  keeps the worker up/down series and the goodput in line with failures and recoveries;
+- one device endpoint per node that hosts workers: the controller's node is served by the
+  controller's exporter (a :class:`DeviceMetrics` in the same registry, sampling the worker
+  processes on this node); every other node gets a small Ray actor running a
+  :class:`NodeExporter`, pinned there with a ``NodeAffinitySchedulingStrategy``;
+- a Prometheus ``file_sd`` targets file listing those endpoints (``telemetry.file_sd_path``,
+  default ``{run_dir}/prometheus_targets.json``), labelled with job, run and node.
+
+Goodput is the summed duration of the steps that were kept (a step rolled back by a recovery
+no longer counts; its replay does) over the wall time since the exporter started, which is the
+start of ``fit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any, Mapping
+
+import psutil
+
+from resilient_rl.errors import RRLError, TelemetryError
+from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
+                                    NodeExporter, ProcessSampler, TrainerMetrics)
+
+logger = logging.getLogger(__name__)
+
+JOB = "resilient-rl"
+#: The role a process is reported under when several roles share it (colocated placement).
+ROLE_ORDER = ("actor", "critic", "rollout", "ref")
+#: Row key of each loss kind exported as ``rrl_<kind>_loss``.
+LOSS_KEYS = {"actor": "actor/pg_loss", "critic": "critic/vf_loss"}
+#: Row keys of the actor-vs-reference KL, in order of preference.
+KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")
+# Causes whose error names the failed worker; a collective error names the survivor reporting it.
+_NAMING_CAUSES = ("died", "timeout")
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+Worker = tuple[str, int]  # (role, rank)
+
+
+def _role_rank(role: str) -> int:
+    return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
+
+
+def one_per_process(pids: Mapping[Worker, int]) -> dict[Worker, int]:
+    """Keep one (role, rank) per pid, the first role of :data:`ROLE_ORDER` sharing the process,
+    so that colocated roles do not export the same process's CPU and memory several times."""
+    chosen: dict[int, Worker] = {}
+    for key, pid in pids.items():
+        if pid not in chosen or (_role_rank(key[0]), key[1]) < (_role_rank(chosen[pid][0]), chosen[pid][1]):
+            chosen[pid] = key
+    return {key: pid for pid, key in chosen.items()}
+
+
+def _ray():
+    import ray
+
+    return ray if ray.is_initialized() else None
+
+
+def _node_table() -> dict[str, tuple[str, str]]:
+    """Ray node id -> (label, IP) of every live node: the hostname, made unique when needed."""
+    ray = _ray()
+    if ray is None:
+        return {}
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    hosts = [n.get("NodeManagerHostname") or n["NodeManagerAddress"] for n in nodes]
+    return {n["NodeID"]: (host if hosts.count(host) == 1 else f"{host}-{n['NodeID'][:8]}",
+                          n["NodeManagerAddress"])
+            for n, host in zip(nodes, hosts)}
+
+
+class RemoteNodeExporter:
+    """A :class:`NodeExporter` in a Ray actor pinned to one node."""
+
+    def __init__(self, node_id: str, node: str, bind_address: str, port: int, advertise_host: str,
+                 gpu_max_age_s: float, timeout_s: float) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.node_id, self.node, self.timeout_s = node_id, node, timeout_s
+        cls = ray.remote(NodeExporter).options(
+            num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        self.actor = cls.remote(node, bind_address, port, advertise_host, gpu_max_age_s)
+        try:
+            self.target: str = self._get(self.actor.start.remote())
+        except BaseException:
+            ray.kill(self.actor)
+            raise
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except Exception as exc:  # Ray wraps the actor's error, or the call timed out
+            cause = getattr(exc, "cause", None) or exc
+            if isinstance(cause, TelemetryError):
+                raise TelemetryError(f"node {self.node}: {cause}") from exc
+            raise TelemetryError(f"node {self.node}: device exporter failed: {exc}") from exc
+
+    def set_processes(self, pids: Mapping[Worker, int]) -> None:
+        self._get(self.actor.set_processes.remote(dict(pids)))
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            self._get(self.actor.stop.remote())
+        except TelemetryError as exc:
+            logger.debug("stopping the device exporter of %s: %s", self.node, exc)
+        ray.kill(self.actor)
+
+
+class TelemetryHook:
+    """The telemetry of one :class:`PPOTrainer`; also the ``metrics`` of its recovery and checkpoints."""
+
+    def __init__(self, trainer) -> None:
+        tc = trainer.cfg.telemetry
+        self.trainer = trainer
+        self.cfg = tc
+        self.run = trainer.cfg.trainer.run_name
+        self.timeout_s = trainer.cfg.recovery.call_timeout_s
+        self.metrics = TrainerMetrics(run=self.run)
+        self.server = MetricsServer(self.metrics.registry, tc.bind_address, tc.port)
+        self.node = socket.gethostname()
+        self.node_id: str | None = None
+        self.host = "127.0.0.1"
+        self.devices = DeviceMetrics(
+            registry=self.metrics.registry, node=self.node,
+            gpu_sampler=GpuSampler(all_devices=True, max_age_s=tc.gpu_sample_interval_s),
+            process_sampler=ProcessSampler())
+        self.file_sd = FileSDWriter(tc.file_sd_path or trainer.run_dir.path / "prometheus_targets.json")
+        self.node_exporters: dict[str, RemoteNodeExporter] = {}
+        self._next_port = tc.worker_port_base
+        self._workers: dict[Worker, tuple[int, str | None]] = {}  # (role, rank) -> (pid, node id)
+        self._step_seconds: dict[int, float] = {}
+        self._started_at: float | None = None
+        self._unknown_phases: set[str] = set()
+        trainer.recovery.metrics = self
+        trainer.ckpt.metrics = self
+
+    @property
+    def url(self) -> str | None:
+        """The controller's metrics URL once started."""
+        return self.server.url
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the controller's exporter and publish it; idempotent.
+
+        Raises:
+            TelemetryError: the port is in use or the address cannot be bound (both named).
+        """
+        if self.server.running:
+            return
+        self.server.start()
+        self._started_at = time.monotonic()
+        self._locate_controller()
+        self._publish()
+        logger.info("run %s: metrics at %s (Prometheus targets in %s)", self.run, self.url, self.file_sd.path)
+
+    def watch_roles(self, roles) -> None:
+        """Roles are up (and restored): mark workers up, start node exporters, note a resumed checkpoint."""
+        self.start()
+        self._sync_workers(roles)
+        step = self.trainer.ckpt.last_committed
+        if step is not None:
+            try:
+                committed_at = self.trainer.ckpt.manager.load_manifest(step).created_at
+            except (RRLError, OSError):  # resumed from another run's folder: its time is unknown here
+                committed_at = time.time()
+            self.metrics.set_last_committed(step, committed_at)
+
+    def stop(self) -> None:
+        """Stop every exporter and delete the targets file; idempotent."""
+        for exporter in self.node_exporters.values():
+            exporter.stop()
+        self.node_exporters = {}
+        self.server.stop()
+        self.file_sd.close()
+
+    # ------------------------------------------------------------------ steps
+    def observe_step(self, row: Mapping[str, Any]) -> None:
+        """Record a finished step from its metrics row (``PPOTrainer.train_step``)."""
+        step, duration = int(row["step"]), float(row["timing/step_s"])
+        phases = {}
+        for key, value in row.items():
+            if key.startswith("timing/") and key.endswith("_s") and key != "timing/step_s":
+                phase = key[len("timing/"):-len("_s")]
+                if phase in PHASES:
+                    phases[phase] = float(value)
+                elif phase not in self._unknown_phases:
+                    self._unknown_phases.add(phase)
+                    logger.warning("telemetry: phase %r is not exported (known: %s)", phase, ", ".join(PHASES))
+        kl = next((row[k] for k in KL_KEYS if k in row), None)
+        self.metrics.observe_step(
+            step, duration, phases, tokens=int(row.get("tokens", 0)), reward_mean=row.get("reward/mean"),
+            losses={kind: float(row[key]) for kind, key in LOSS_KEYS.items() if key in row}, kl=kl,
+            lr={role: float(row[f"{role}/lr"]) for role in ("actor", "critic") if f"{role}/lr" in row} or None)
+        self._step_seconds[step] = duration
+        self._update_goodput()
+
+    def _update_goodput(self) -> None:
+        if self._started_at is not None:
+            self.metrics.set_goodput(sum(self._step_seconds.values()), time.monotonic() - self._started_at)
+
+    # ------------------------------------------------------------------ Recovery's metrics
+    def record_failure(self, cause: str, role: str | None = None, rank: int | None = None) -> None:
+        """Count a failure and mark down the workers it took out.
+
+        The down workers are the one the failure names (``role``/``rank``, or those of the
+        :class:`WorkerError` being handled, whose ``role`` is a worker-group name) and every
+        worker on this node whose process is gone.
+        """
+        self.metrics.record_failure(cause)
+        if role is None:
+            exc = sys.exc_info()[1]
+            role, rank = getattr(exc, "role", None), getattr(exc, "rank", None)
+        down: set[Worker] = set()
+        if role is not None and rank is not None and cause in _NAMING_CAUSES:
+            down |= {(r, int(rank)) for r in self._roles_of(role)}
+        local = {key for key, (_, node) in self._workers.items() if node in (None, self.node_id)}
+        pids_gone = {pid for key, (pid, _) in self._workers.items() if key in local and not _alive(pid)}
+        down |= {key for key in local if self._workers[key][0] in pids_gone}
+        for key in sorted(down):
+            if key in self._workers:
+                self.metrics.set_workers_up(key[0], key[1], self._node_label(self._workers[key][1]), False)
+
+    def record_restart(self, role: str, rank: int, cause: str) -> None:
+        """Count a restart of a worker process (``role`` may be a worker-group name)."""
+        roles = self._roles_of(role)
+        self.metrics.record_restart(min(roles, key=_role_rank) if roles else role, rank, cause)
+
+    def record_recovery(self, duration_s: float, steps_replayed: int) -> None:
+        """Count a recovery, forget the steps it rolled back and mark the workers up again."""
+        self.metrics.record_recovery(duration_s, steps_replayed)
+        restored = self.trainer.step
+        self._step_seconds = {s: d for s, d in self._step_seconds.items() if s <= restored}
+        self._update_goodput()
+        roles = self.trainer.roles
+        if roles is not None:
+            try:
+                self._sync_workers(roles)
+            except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a recovered run
+                logger.warning("telemetry: cannot refresh the worker series after recovery: %s", exc)
+
+    # ------------------------------------------------------------------ checkpoints' metrics
+    def record_checkpoint_save(self, duration_s: float, stall_s: float, nbytes: int, step: int) -> None:
+        self.metrics.record_checkpoint_save(duration_s, stall_s, nbytes, step)
+        self.metrics.observe_phase("checkpoint", stall_s)
+
+    def record_checkpoint_load(self, duration_s: float) -> None:
+        self.metrics.record_checkpoint_load(duration_s)
+
+    def record_corrupt_checkpoint(self) -> None:
+        self.metrics.record_corrupt_checkpoint()
+
+    # ------------------------------------------------------------------ workers and nodes
+    def _locate_controller(self) -> None:
+        ray = _ray()
+        if ray is not None:
+            self.node_id = ray.get_runtime_context().get_node_id()
+            self.node, self.host = _node_table().get(self.node_id, (self.node, self.host))
+            self.devices.node = self.node
+
+    def _node_label(self, node_id: str | None) -> str:
+        if node_id is None or node_id == self.node_id:
+            return self.node
+        exporter = self.node_exporters.get(node_id)
+        return exporter.node if exporter is not None else node_id[:12]
+
+    def _roles_of(self, group: str) -> list[str]:
+        """The roles living in the processes of worker group ``group`` (a role name is itself)."""
+        groups = getattr(self.trainer.roles, "groups", None) or {}
+        if group in groups or not groups:
+            return [group]
+        found = []
+        for role, g in groups.items():
+            if g.name_prefix == group or any(p.name_prefix == group and p.workers is g.workers
+                                             for p in self.trainer.roles.distinct_groups()):
+                found.append(role)
+        return found
+
+    def _read_workers(self, roles) -> dict[Worker, tuple[int, str | None]]:
+        if not hasattr(roles, "known_workers"):  # every engine runs in this process
+            names = ["actor", "rollout", "ref"] + (["critic"] if getattr(roles, "critic_enabled", False) else [])
+            return {(name, 0): (os.getpid(), None) for name in names}
+        known, parents = roles.known_workers, roles.distinct_groups()
+        out = {}
+        for role, g in roles.groups.items():
+            parent = next(p for p in parents if p.workers is g.workers)
+            for rank in range(g.world_size):
+                out[(role, rank)] = known[(parent.name_prefix, rank)]
+        return out
+
+    def _sync_workers(self, roles) -> None:
+        workers = self._read_workers(roles)
+        for key in set(self._workers) - set(workers):
+            self.metrics.remove_worker(*key)
+        self._workers = workers
+        by_node: dict[str | None, dict[Worker, int]] = {}
+        for key, (pid, node_id) in workers.items():
+            by_node.setdefault(None if node_id == self.node_id else node_id, {})[key] = pid
+        self.devices.set_processes(one_per_process(by_node.pop(None, {})))
+        for node_id in set(self.node_exporters) - set(by_node):
+            self.node_exporters.pop(node_id).stop()
+        table = _node_table()
+        for node_id, pids in by_node.items():
+            if node_id not in self.node_exporters:
+                self.node_exporters[node_id] = self._start_node_exporter(node_id, table)
+            self.node_exporters[node_id].set_processes(one_per_process(pids))
+        for (role, rank), (_, node_id) in workers.items():
+            self.metrics.set_workers_up(role, rank, self._node_label(node_id), True)
+        self._publish()
+
+    def _start_node_exporter(self, node_id: str, table: dict[str, tuple[str, str]]) -> RemoteNodeExporter:
+        node, ip = table.get(node_id, (node_id[:12], None))
+        port = self._next_port
+        if self._next_port:  # several nodes may share a host (test clusters): one port each
+            self._next_port += 1
+        exporter = RemoteNodeExporter(node_id, node, self.cfg.bind_address, port, ip or "",
+                                      self.cfg.gpu_sample_interval_s, self.timeout_s)
+        logger.info("run %s: device metrics of node %s at http://%s/metrics", self.run, node, exporter.target)
+        return exporter
+
+    def _publish(self) -> None:
+        if not self.server.running:
+            return
+        labels = {"job": JOB, "run": self.run}
+        controller = (f"{self.host}:{self.server.port}" if self.cfg.bind_address in _WILDCARDS
+                      else str(self.server.target))
+        self.file_sd.update([(controller, {**labels, "node": self.node})]
+                            + [(e.target, {**labels, "node": e.node}) for e in self.node_exporters.values()])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # e.g. access denied: it exists
+        return True

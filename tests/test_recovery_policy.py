@@ -1,0 +1,103 @@
+"""FailurePolicy, failure classification and the recovery state machine (pure, no Ray)."""
+
+import pytest
+
+from resilient_rl.controller.recovery import (ALLOWED, Decision, Failure, FailurePolicy, IllegalTransition,
+                                              RecoveryState, RecoveryStateMachine, classify)
+from resilient_rl.errors import (CollectiveError, ConfigError, WorkerDiedError, WorkerError, WorkerTimeoutError)
+
+S = RecoveryState
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def fail(cause="died", role="actor", rank=0, t=0.0):
+    return Failure(role, rank, cause, "boom", t)
+
+
+def test_classify_maps_the_error_tree_to_causes():
+    assert classify(WorkerDiedError("x", role="actor", rank=1)).cause == "died"
+    assert classify(WorkerDiedError("x", role="actor", rank=1)).rank == 1
+    assert classify(WorkerTimeoutError("x", role="critic", rank=0)).cause == "timeout"
+    assert classify(CollectiveError("x", role="actor", rank=0)).cause == "collective"
+    assert classify(WorkerError("x", role="actor", rank=0, cause="exception")).cause == "exception"
+    assert classify(WorkerError("x", role="actor", rank=0, cause="exhausted")).cause == "exhausted"
+    assert classify(ConfigError("bad")).cause == "error"
+    assert classify(ValueError("bug")).cause == "exception"
+
+
+def test_recoverable_failures_are_retried_within_budget():
+    clock = Clock()
+    policy = FailurePolicy(max_restarts=2, max_failures=10, failure_window_s=60, clock=clock)
+    assert policy.decide(fail(), restarted=[("actor", 0)]).decision is Decision.RETRY
+    assert policy.decide(fail(), restarted=[("actor", 0)]).decision is Decision.RETRY
+    verdict = policy.decide(fail(), restarted=[("actor", 0)])
+    assert verdict.decision is Decision.RAISE
+    assert "actor:0 restarted more than max_restarts=2" in verdict.reason
+
+
+def test_restart_budget_is_per_actor():
+    policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=Clock())
+    assert policy.decide(fail(rank=0), restarted=[("actor", 0)]).decision is Decision.RETRY
+    assert policy.decide(fail(rank=1), restarted=[("actor", 1)]).decision is Decision.RETRY
+    assert policy.decide(fail(rank=1), restarted=[("actor", 1)]).decision is Decision.RAISE
+
+
+def test_failure_window_budget_slides():
+    clock = Clock()
+    policy = FailurePolicy(max_restarts=100, max_failures=2, failure_window_s=60, clock=clock)
+    assert policy.decide(fail()).decision is Decision.RETRY
+    clock.t += 10
+    assert policy.decide(fail()).decision is Decision.RETRY
+    clock.t += 10
+    verdict = policy.decide(fail(role="critic", rank=0, cause="timeout"))
+    assert verdict.decision is Decision.RAISE and "3 failures within 60s" in verdict.reason
+    assert "critic rank 0" in verdict.reason
+    clock.t += 120  # older failures leave the window
+    assert policy.decide(fail()).decision is Decision.RETRY
+
+
+@pytest.mark.parametrize("cause", ["exception", "error", "exhausted", "stale_weights"])
+def test_non_recoverable_causes_raise_at_once(cause):
+    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=Clock())
+    verdict = policy.decide(fail(cause=cause, role="ref", rank=0))
+    assert verdict.decision is Decision.RAISE and "ref rank 0" in verdict.reason and cause in verdict.reason
+
+
+def test_policy_state_round_trips():
+    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=Clock())
+    policy.decide(fail(), restarted=[("actor", 1)])
+    other = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60)
+    other.load_state_dict(policy.state_dict())
+    assert other.restarts == {"actor:1": 1} and other.total == 1
+
+
+def test_state_machine_happy_path_and_failure_during_recovery():
+    sm = RecoveryStateMachine()
+    for s in (S.RECOVERING, S.REJOINING, S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING):
+        sm.to(s)
+    assert sm.state is S.RUNNING and len(sm.history) == 6
+    assert [h[2] for h in sm.history][-1] is S.RUNNING
+
+
+def test_state_machine_rejects_illegal_transitions():
+    sm = RecoveryStateMachine()
+    with pytest.raises(IllegalTransition, match="running -> restoring"):
+        sm.to(S.RESTORING)
+    sm.to(S.ABORTING)
+    sm.to(S.FAILED)
+    for s in S:
+        with pytest.raises(IllegalTransition):
+            sm.to(s)
+
+
+def test_every_state_can_abort_except_the_end():
+    for state, allowed in ALLOWED.items():
+        if state not in (S.ABORTING, S.FAILED):
+            assert S.ABORTING in allowed
