@@ -1,16 +1,30 @@
 """The ``resilient-rl`` command line.
 
-    resilient-rl train [--config FILE] [key=value ...]
+    resilient-rl train  [--config FILE] [key=value ...]
+    resilient-rl resume [--config FILE] [key=value ...]      train with checkpoint.resume=auto
+    resilient-rl checkpoints list   RUN [--root ROOT]
+    resilient-rl checkpoints verify RUN [--root ROOT] [--step N]
+    resilient-rl export CHECKPOINT --out DIR [--role actor] [--step N] [--config FILE]
+
+RUN and CHECKPOINT are a run name (under ``--root``, default ``checkpoints``), a run folder URL
+or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.export`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 
 from resilient_rl import env
-from resilient_rl.errors import RRLError
+from resilient_rl.errors import ConfigError, RRLError
+
+#: Exit code of ``checkpoints verify`` when the checked checkpoint is corrupt or missing.
+EXIT_CORRUPT = 1
+#: Exit code of any command that fails with a resilient-rl error (bad config, missing run, ...).
+EXIT_ERROR = 2
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -18,12 +32,11 @@ def _setup_logging(quiet: bool) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _fit(cfg) -> int:
+    """Run the trainer on ``cfg`` to ``trainer.total_steps``; shared by train and resume."""
     from resilient_rl.trainer.cluster import connect, disconnect
-    from resilient_rl.trainer.config import load_config
     from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
 
-    cfg = load_config(args.config, args.overrides)
     trainer = PPOTrainer(cfg)
     started = connect(cfg.ray)
     try:
@@ -34,22 +47,155 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         trainer.shutdown()
         disconnect(started)
+    print(f"run folder: {trainer.run_dir.path}")
+    if not history:
+        print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")
+        return 0
     first, last = reward_summary(history)
     ratio = last / first if first > 0 else float("inf")
-    print(f"run folder: {trainer.run_dir.path}")
     print(f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} (x{ratio:.1f})")
     return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from resilient_rl.trainer.config import load_config
+
+    return _fit(load_config(args.config, args.overrides))
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from resilient_rl.checkpoint.export import require_committed
+    from resilient_rl.trainer.config import load_config
+
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "checkpoint.resume" and value.strip() != "auto":
+            raise ConfigError(f"resume always uses checkpoint.resume=auto, got {item!r}; to start from a given "
+                              "checkpoint use `resilient-rl train checkpoint.resume=path:<step folder URL>`")
+    cfg = load_config(args.config, [*args.overrides, "checkpoint.resume=auto"])
+    step = require_committed(cfg.checkpoint.root, cfg.trainer.run_name, cfg.checkpoint.storage_options)
+    print(f"resuming run {cfg.trainer.run_name!r} from its newest checkpoint (step {step} under "
+          f"{cfg.checkpoint.root})", file=sys.stderr)
+    return _fit(cfg)
+
+
+def _storage_options(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--storage-options must be a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"--storage-options must be a JSON object, got {text!r}")
+    return value
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from resilient_rl.checkpoint.export import describe_status, inspect_run, locate, verify_problem
+
+    deep = args.action == "verify"
+    loc = locate(args.run, args.root, getattr(args, "step", None))
+    if not deep:
+        loc = dataclasses.replace(loc, step=None)  # list shows the whole run, even for a step folder URL
+    report = inspect_run(loc, deep=deep, storage_options=_storage_options(args.storage_options))
+    print(report.format_table())
+    if not deep:
+        return 0
+    problem = verify_problem(report)
+    if problem is not None:
+        print(f"resilient-rl: {problem}", file=sys.stderr)
+        return EXIT_CORRUPT
+    for row in report.rows:
+        if row.status.startswith("corrupt"):  # older than the one a resume would load
+            print(f"resilient-rl: warning: {describe_status(report.manager, row.step, row.status)}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from resilient_rl.checkpoint.export import export_checkpoint
+
+    result = export_checkpoint(args.checkpoint, args.out, role=args.role, root=args.root, step=args.step,
+                               config_path=args.config, output_dir=args.output_dir,
+                               storage_options=_storage_options(args.storage_options))
+    print(f"exported {result.role} of {result.source} (step {result.step}, {result.num_tensors} tensors"
+          f"{', model.kind=' + result.model_kind if result.model_kind else ''}) to {result.out_dir}: "
+          f"{', '.join(result.files)}")
+    return 0
+
+
+def _location_args(p: argparse.ArgumentParser, what: str, step_help: str | None) -> None:
+    p.add_argument("--root", default=None,
+                   help=f"checkpoint root of a {what} given by name (default: checkpoints)")
+    if step_help:
+        p.add_argument("--step", type=int, default=None, help=step_help)
+    p.add_argument("--storage-options", default=None, metavar="JSON",
+                   help="fsspec storage options as a JSON object (e.g. an S3 endpoint)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-rl", description="Fault-tolerant RL (PPO/GRPO) for language models.")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on the console")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train with PPO/GRPO")
-    t.add_argument("--config", default=None, help="YAML config file (defaults are the built-in PPO reverse task)")
-    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
-    t.set_defaults(func=cmd_train)
+    for name, func, text in (("train", cmd_train, "train with PPO/GRPO"),
+                             ("resume", cmd_resume, "continue a run from its newest valid checkpoint "
+                                                    "(train with checkpoint.resume=auto)")):
+        t = sub.add_parser(name, help=text)
+        t.add_argument("--config", default=None, help="YAML config file (defaults are the built-in PPO copy task)")
+        t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
+        t.set_defaults(func=func)
+
+    c = sub.add_parser("checkpoints", help="list or verify a run's checkpoints")
+    csub = c.add_subparsers(dest="action", required=True)
+    run_help = "run name (under --root) or run folder URL, e.g. checkpoints/ppo-copy"
+    ls = csub.add_parser("list", help="step, commit state, size, age and a size check of each checkpoint")
+    ls.add_argument("run", metavar="RUN", help=run_help)
+    _location_args(ls, "run", None)
+    ls.set_defaults(func=cmd_checkpoints)
+    vf = csub.add_parser("verify", help="check every file's sha256; exit 1 if the latest checkpoint "
+                                        "(or --step) is corrupt")
+    vf.add_argument("run", metavar="RUN", help=run_help + ", or a step folder URL")
+    _location_args(vf, "run", "verify only this step")
+    vf.set_defaults(func=cmd_checkpoints)
+
+    e = sub.add_parser("export", help="write a checkpoint's model as model.safetensors + config.json")
+    e.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="step folder URL (checkpoints/ppo-copy/step_00000020), or a run name or run folder "
+                        "URL (then --step, default the newest committed step)")
+    e.add_argument("--out", required=True, help="local folder to write model.safetensors and config.json to")
+    e.add_argument("--role", default="actor", help="role to export (default actor; other roles get weights only)")
+    e.add_argument("--config", default=None,
+                   help="the run's config.yaml (default: {--output-dir}/{run}/config.yaml)")
+    e.add_argument("--output-dir", default="runs", help="the run's trainer.output_dir (default: runs)")
+    _location_args(e, "run", "step to export when CHECKPOINT is a run")
+    e.set_defaults(func=cmd_export)
+
+    m = sub.add_parser("chaos", help="chaos monkey: kill or hang a random worker of a live run now and then")
+    m.add_argument("run", metavar="RUN", help="the run's trainer.run_name (its actors are named rrl_RUN_...)")
+    m.add_argument("--address", default="auto", help="Ray cluster to attach to (default: auto)")
+    m.add_argument("--every", type=float, default=10.0, metavar="MINUTES", help="minutes between faults (default 10)")
+    m.add_argument("--faults", type=int, default=3, metavar="M", help="stop after M faults (default 3)")
+    m.add_argument("--kinds", default="sigkill,sigstop", help="comma-separated: sigkill, sigstop")
+    m.add_argument("--seed", type=int, default=None, help="random seed (printed, to replay a session)")
+    m.add_argument("--dry-run", action="store_true", help="print what would be done, touch nothing")
+    m.set_defaults(func=cmd_chaos)
     return p
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    import ray
+
+    from resilient_rl.faults.monkey import ChaosMonkey
+
+    ray.init(address=args.address, log_to_driver=False)
+    try:
+        monkey = ChaosMonkey(args.run, interval_s=args.every * 60, max_faults=args.faults,
+                             kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), seed=args.seed,
+                             dry_run=args.dry_run)
+        monkey.run()
+    finally:
+        ray.shutdown()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RRLError as exc:
         print(f"resilient-rl: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
