@@ -1,6 +1,15 @@
 """Overhead of telemetry on a training step.
 
-A synthetic step (single-threaded torch matmuls, about ``--step-ms`` long) runs in two modes,
+Two modes. ``--trainer`` measures the real trainer step (PPO, single-process roles, the tiny
+model on CPU): two trainers with the same config, one with ``telemetry.enabled=true`` and one
+with ``false``, train the same steps in interleaved blocks, and while the telemetry trainer runs
+its exporter is scraped every ``--scrape-s`` seconds (2s, as ``monitoring/prometheus.yml``) by
+another thread. Both trainers compute identical steps (same seed, same data), so block ``k`` of
+one is the same work as block ``k`` of the other. Prints the mean step time of each, the overhead
+in percent (median of per-block ratios), and the directly timed cost of the hook's
+``observe_step`` as a share of a step.
+
+Without ``--trainer``, a synthetic step (single-threaded torch matmuls, about ``--step-ms`` long) runs in two modes,
 interleaved round by round so that drift in machine load hits both alike:
 
 - baseline: the step alone;
@@ -13,13 +22,16 @@ rounds), plus the cost of one ``observe_step`` call and of one scrape.
 
     python bench/exporter.py            # ~1 minute
     python bench/exporter.py --quick    # a few seconds
+    python bench/exporter.py --trainer  # the real trainer step, ~1 minute (--quick: seconds)
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
+import tempfile
 import threading
 import time
 
@@ -83,17 +95,103 @@ def run_mode(a: torch.Tensor, reps: int, steps: int, metrics: TrainerMetrics | N
     return (time.perf_counter() - start) / steps
 
 
+# The real-step benchmark's config: the tiny model, a small batch, everything in this process.
+TRAINER_OVERRIDES = ["trainer.progress_bar=false", "data.batch_size=16",
+                     "data.num_prompts=64", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
+                     "actor.ppo_epochs=2", "critic.ppo_epochs=2", "checkpoint.save_every=0"]
+
+
+def run_block(trainer, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``train_step`` (the telemetry hook included)."""
+    durations = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.train_step()
+        durations.append(time.perf_counter() - t0)
+    return durations
+
+
+def main_trainer(args: argparse.Namespace) -> None:
+    """Telemetry on vs off on the real trainer step, interleaved in one process."""
+    from resilient_rl.trainer.config import load_config
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    steps, rounds = (args.steps or 5), (args.rounds or 12)
+    out = tempfile.mkdtemp(prefix="rrl-bench-exporter-")
+    trainers = {}
+    for mode in ("baseline", "telemetry"):
+        cfg = load_config(None, TRAINER_OVERRIDES + [
+            f"trainer.total_steps={steps * rounds + 2}", f"trainer.output_dir={out}", f"trainer.run_name={mode}",
+            f"telemetry.enabled={'true' if mode == 'telemetry' else 'false'}"])
+        trainers[mode] = PPOTrainer(cfg, roles_factory=LocalRoles)
+        trainers[mode].start_roles()
+        run_block(trainers[mode], 2)  # warm-up, identical for both
+    hook = trainers["telemetry"].telemetry
+    scraper = Scraper(hook.url, args.scrape_s)
+    scraper.start()
+    times: dict[str, list[float]] = {"baseline": [], "telemetry": []}
+    ratios = []
+    try:
+        for round_index in range(rounds):
+            order = ("baseline", "telemetry") if round_index % 2 == 0 else ("telemetry", "baseline")
+            block = {}
+            for mode in order:
+                if mode == "telemetry":
+                    scraper.active.set()
+                block[mode] = run_block(trainers[mode], steps)
+                scraper.active.clear()
+                times[mode] += block[mode]
+            ratios.append(statistics.mean(block["telemetry"]) / statistics.mean(block["baseline"]))
+        # The hook's own cost, timed directly on a real row (no step around it to add noise).
+        row = dict(trainers["telemetry"].history[-1])
+        calls = 2000
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            hook.observe_step(row)
+        observe_s = (time.perf_counter() - t0) / calls
+    finally:
+        scraper.stopped.set()
+        scraper.join()
+        for trainer in trainers.values():
+            trainer.shutdown()
+
+    ratio = statistics.median(ratios)
+    base_ms = statistics.mean(times["baseline"]) * 1e3
+    print(f"real trainer step (PPO, single-process roles, CPU): {rounds} rounds x {steps} steps per mode, "
+          f"scrape every {args.scrape_s}s while telemetry runs")
+    print(f"baseline  (telemetry.enabled=false) mean step: {base_ms:8.2f} ms")
+    print(f"telemetry (telemetry.enabled=true)  mean step: {statistics.mean(times['telemetry']) * 1e3:8.2f} ms")
+    print(f"ratio telemetry/baseline (median of per-block ratios): {ratio:.4f} -> overhead "
+          f"{(ratio - 1) * 100:+.2f}% (per-block spread {min(ratios):.3f}..{max(ratios):.3f})")
+    print(f"hook observe_step: {observe_s * 1e6:.1f} us per step = {observe_s * 1e3 / base_ms * 100:.3f}% of a "
+          f"step; scrape: {statistics.median(scraper.durations) * 1e3:.2f} ms median over "
+          f"{len(scraper.durations)} scrapes ({statistics.median(scraper.durations) / args.scrape_s * 100:.3f}% "
+          f"of one core at this interval)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trainer", action="store_true", help="measure the real trainer step")
     parser.add_argument("--step-ms", type=float, default=50.0)
-    parser.add_argument("--steps", type=int, default=20, help="steps per mode per round")
-    parser.add_argument("--rounds", type=int, default=24)
-    parser.add_argument("--scrape-s", type=float, default=0.5)
-    parser.add_argument("--quick", action="store_true", help="4 rounds of 10 steps")
+    parser.add_argument("--steps", type=int, default=None, help="steps per mode per round "
+                        "(default 20, --trainer 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 24, --trainer 12)")
+    parser.add_argument("--scrape-s", type=float, default=None, help="scrape interval "
+                        "(default 0.5s, --trainer 2s)")
+    parser.add_argument("--quick", action="store_true", help="4 rounds of a few steps")
     args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.trainer:
+        logging.basicConfig(level=logging.WARNING)
+        args.scrape_s = args.scrape_s or 2.0
+        if args.quick:
+            args.steps, args.rounds = args.steps or 3, args.rounds or 4
+        main_trainer(args)
+        return
+    args.steps, args.rounds, args.scrape_s = args.steps or 20, args.rounds or 24, args.scrape_s or 0.5
     if args.quick:
         args.steps, args.rounds = 10, 4
-    torch.set_num_threads(1)
 
     metrics = TrainerMetrics(run="bench")
     devices = DeviceMetrics(registry=metrics.registry, node="bench",

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from resilient_rl.errors import TelemetryError
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler,
-                                    MetricsServer, ProcessSampler, TrainerMetrics, scrape)
+                                    MetricsServer, NodeExporter, ProcessSampler, TrainerMetrics,
+                                    scrape)
 from resilient_rl.telemetry.device import resolve_visible_devices
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML, NVMLError_LibraryNotFound
 
@@ -391,3 +394,173 @@ def test_file_sd_writer_rejects_bad_targets(tmp_path, target, labels, match):
 def test_file_sd_path_must_match_prometheus_glob(tmp_path):
     with pytest.raises(TelemetryError, match=r"\.json"):
         FileSDWriter(tmp_path / "targets.yml")
+
+
+def test_gpu_sampler_reuses_a_reading_for_max_age(monkeypatch, clock):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = three_gpus()
+    sampler = GpuSampler(nvml=nvml, max_age_s=5.0, clock=clock)
+    assert sampler.sample()[0].utilization_ratio == 0.75
+    nvml.gpus[0].utilization_percent = 20
+    clock.now += 4.9
+    assert sampler.sample()[0].utilization_ratio == 0.75
+    clock.now += 0.2
+    assert sampler.sample()[0].utilization_ratio == 0.2
+
+
+# -- node exporter -------------------------------------------------------------------------
+
+def test_node_exporter_serves_processes_and_advertises_its_host():
+    exporter = NodeExporter("n7", bind_address="0.0.0.0", advertise_host="10.1.2.3")
+    target = exporter.start()
+    try:
+        assert target == f"10.1.2.3:{exporter.server.port}"
+        exporter.set_processes({("critic", 1): os.getpid()})
+        data = samples(exporter.server.url)
+        assert value(data, "rrl_process_cpu_seconds_total", role="critic", rank="1", node="n7") > 0
+        busy = NodeExporter("n8", port=exporter.server.port)
+        with pytest.raises(TelemetryError, match=f"port {exporter.server.port} is already in use"):
+            busy.start()
+    finally:
+        exporter.stop()
+
+
+# -- the trainer's telemetry hook (single-process roles, no Ray) -----------------------------
+
+def local_trainer(tmp_path, *extra: str):
+    from resilient_rl.trainer.config import load_config
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    cfg = load_config(None, ["trainer.total_steps=3", "trainer.progress_bar=false", "data.batch_size=8",
+                             "data.num_prompts=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
+                             "actor.ppo_epochs=1", "critic.ppo_epochs=1", "model.hidden_size=32",
+                             "model.num_layers=1", "model.intermediate_size=64",
+                             f"trainer.output_dir={tmp_path}", "trainer.run_name=local", *extra])
+    return PPOTrainer(cfg, roles_factory=LocalRoles)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """A 3-step single-process run with telemetry, fitted once; (trainer, rows, log text)."""
+    import logging
+
+    trainer = local_trainer(tmp_path_factory.mktemp("local"))
+    handler = logging.Handler()
+    records: list[str] = []
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("resilient_rl.trainer.telemetry_hook")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        rows = trainer.fit()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    yield trainer, rows, "\n".join(records)
+    trainer.shutdown()
+
+
+def test_every_trainer_phase_is_exported():
+    from resilient_rl.trainer.step import PHASES as STEP_PHASES
+
+    assert set(STEP_PHASES) <= set(PHASES)
+
+
+def test_hook_exports_a_run_and_publishes_its_endpoint(local_run):
+    trainer, rows, log = local_run
+    hook = trainer.telemetry
+    assert trainer.recovery.metrics is hook and trainer.ckpt.metrics is hook
+    url = hook.url
+    assert url in log
+    data = samples(url)
+    last = rows[-1]
+    assert value(data, "rrl_step") == 3
+    assert value(data, "rrl_step_duration_seconds_count") == 3
+    assert value(data, "rrl_step_duration_seconds_sum") == pytest.approx(sum(r["timing/step_s"] for r in rows))
+    assert value(data, "rrl_phase_duration_seconds_sum", phase="old_log_prob") == pytest.approx(
+        sum(r["timing/old_log_prob_s"] for r in rows))
+    assert value(data, "rrl_tokens_total") == sum(r["tokens"] for r in rows)
+    assert value(data, "rrl_reward_mean") == last["reward/mean"]
+    assert value(data, "rrl_actor_loss") == last["actor/pg_loss"]
+    assert value(data, "rrl_critic_loss") == last["critic/vf_loss"]
+    assert value(data, "rrl_kl") == last["actor/reward_kl_penalty"]
+    assert value(data, "rrl_learning_rate", role="critic") == last["critic/lr"]
+    assert 0 < value(data, "rrl_goodput_ratio") <= 1
+    node = hook.node
+    for role in ("actor", "critic", "ref", "rollout"):
+        assert value(data, "rrl_worker_up", role=role, rank="0", node=node) == 1
+    # Every engine runs in this process: its CPU and memory are exported once.
+    cpu = [k for k in data if k[0] == "rrl_process_cpu_seconds_total"]
+    assert cpu == [("rrl_process_cpu_seconds_total",
+                    frozenset({"role": "actor", "rank": "0", "node": node}.items()))]
+    assert json.loads((trainer.run_dir.path / "prometheus_targets.json").read_text()) == [
+        {"targets": [url.split("/")[2]], "labels": {"job": "resilient-rl", "run": "local", "node": node}}]
+
+
+def test_hook_marks_failed_workers_down_and_drops_lost_steps_from_goodput(local_run):
+    from resilient_rl.errors import CollectiveError, WorkerDiedError
+
+    trainer, rows, _ = local_run
+    hook = trainer.telemetry
+    node = hook.node
+    try:  # a survivor reporting a broken collective is not down itself
+        raise CollectiveError("peer gone", role="actor", rank=0)
+    except CollectiveError:
+        hook.record_failure("collective")
+    assert value(samples(hook.url), "rrl_worker_up", role="actor", rank="0", node=node) == 1
+    try:  # Recovery reports the cause; the error being handled names the worker
+        raise WorkerDiedError("actor 0 died", role="actor", rank=0)
+    except WorkerDiedError:
+        hook.record_failure("died")
+    hook.record_restart("actor", 0, "died")
+    data = samples(hook.url)
+    assert value(data, "rrl_worker_up", role="actor", rank="0", node=node) == 0
+    assert value(data, "rrl_worker_up", role="critic", rank="0", node=node) == 1
+    assert value(data, "rrl_failures_total", cause="died") == 1
+    assert value(data, "rrl_worker_restarts_total", role="actor", rank="0", cause="died") == 1
+
+    trainer.step = 1  # what restoring the checkpoint of step 1 does: steps 2 and 3 are lost
+    wall_before = time.monotonic() - hook._started_at
+    hook.record_recovery(1.5, 1)
+    wall_after = time.monotonic() - hook._started_at
+    data = samples(hook.url)
+    useful = rows[0]["timing/step_s"]
+    assert useful / wall_after <= value(data, "rrl_goodput_ratio") <= useful / wall_before
+    assert value(data, "rrl_worker_up", role="actor", rank="0", node=node) == 1
+    assert value(data, "rrl_recoveries_total") == 1 and value(data, "rrl_steps_replayed_total") == 1
+
+    url = hook.url
+    trainer.shutdown()
+    assert not (trainer.run_dir.path / "prometheus_targets.json").exists()
+    with pytest.raises(TelemetryError):
+        scrape(url, timeout=2)
+
+
+def test_hook_port_in_use_is_a_clear_error_and_disabled_telemetry_starts_nothing(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        trainer = local_trainer(tmp_path, f"telemetry.port={port}")
+        with pytest.raises(TelemetryError, match=f"port {port} is already in use"):
+            trainer.fit()
+        assert trainer.roles is None
+    trainer = local_trainer(tmp_path, "telemetry.enabled=false", "trainer.total_steps=1")
+    assert trainer.telemetry is None and trainer.recovery.metrics is None and trainer.ckpt.metrics is None
+    trainer.fit()
+    trainer.shutdown()
+    assert not (trainer.run_dir.path / "prometheus_targets.json").exists()
+
+
+def test_observe_phase_records_a_known_phase_only(trainer):
+    metrics, server = trainer
+    metrics.observe_phase("checkpoint", 0.25)
+    with pytest.raises(TelemetryError, match="'save'"):
+        metrics.observe_phase("save", 0.1)
+    with pytest.raises(TelemetryError, match="checkpoint"):
+        metrics.observe_phase("checkpoint", -1.0)
+    data = samples(server.url)
+    assert value(data, "rrl_phase_duration_seconds_count", phase="checkpoint") == 1
+    assert value(data, "rrl_phase_duration_seconds_sum", phase="checkpoint") == 0.25

@@ -23,7 +23,8 @@ SMALL = ["trainer.total_steps=3", "trainer.progress_bar=false", "data.batch_size
 
 
 def small_cfg(tmp_path, name: str, *extra: str):
-    return load_config(None, SMALL + [f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", *extra])
+    return load_config(None, SMALL + [f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt",
+                                      f"trainer.run_name={name}", *extra])
 
 
 def run(cfg) -> tuple[list[dict], PPOTrainer]:
@@ -59,7 +60,8 @@ def test_hf_llama_backbone_trains(ray_cluster, tmp_path):
     hf = tiny_llama_config(vocab_size=16, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
     path = tmp_path / "hf.yaml"
     path.write_text(yaml.safe_dump({"model": {"kind": "hf", "hf_config": hf}}))
-    cfg = load_config(str(path), SMALL + [f"trainer.output_dir={tmp_path}", "trainer.run_name=hf",
+    cfg = load_config(str(path), SMALL + [f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt",
+                                          "trainer.run_name=hf",
                                           "algorithm.adv_estimator=grpo", "rollout.n=2"])
     rows, _ = run(cfg)
     assert [r["step"] for r in rows] == [1, 2, 3]

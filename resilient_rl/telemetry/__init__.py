@@ -4,6 +4,7 @@ from resilient_rl.telemetry.device import GpuSample, GpuSampler, ProcessSample, 
 from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_values, scrape
 from resilient_rl.telemetry.file_sd import FileSDWriter
 from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASES, DeviceMetrics, TrainerMetrics
+from resilient_rl.telemetry.node_exporter import NodeExporter
 
 __all__ = [
     "DeviceMetrics",
@@ -12,6 +13,7 @@ __all__ = [
     "GpuSampler",
     "LOSS_KINDS",
     "MetricsServer",
+    "NodeExporter",
     "PHASES",
     "ProcessSample",
     "ProcessSampler",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
@@ -106,11 +107,18 @@ class GpuSampler:
         all_devices: sample every device of the machine and ignore ``CUDA_VISIBLE_DEVICES``
             (for a per-node sampler running in a process that was given no GPU). Indices are
             then NVML indices.
+        max_age_s: reuse a reading for this long (``telemetry.gpu_sample_interval_s``), so that
+            frequent scrapes, or several scrapers, do not query the driver every time; 0 reads
+            on every call.
     """
 
-    def __init__(self, nvml: Any | None = None, *, all_devices: bool = False) -> None:
+    def __init__(self, nvml: Any | None = None, *, all_devices: bool = False,
+                 max_age_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._nvml = nvml if nvml is not None else _load_pynvml()
         self._all_devices = all_devices
+        self._max_age_s = max(0.0, float(max_age_s))
+        self._clock = clock
+        self._cached: tuple[float, list[GpuSample]] | None = None
         self._lock = threading.Lock()
         self._handles: list[tuple[int, str, Any]] = []  # (cuda index, uuid, handle)
         self._warned: set[tuple[str, str]] = set()
@@ -147,12 +155,16 @@ class GpuSampler:
         return [(index, uuid) for index, uuid, _ in self._handles]
 
     def sample(self) -> list[GpuSample]:
-        """Read every visible device; an empty list when NVML is unavailable."""
+        """Read every visible device (or reuse a reading younger than ``max_age_s``); an empty
+        list when NVML is unavailable."""
         if not self.available:
             return []
         nvml = self._nvml
         samples = []
         with self._lock:
+            now = self._clock()
+            if self._cached is not None and now - self._cached[0] < self._max_age_s:
+                return list(self._cached[1])
             for index, uuid, handle in self._handles:
                 util = self._read(uuid, "utilization", nvml.nvmlDeviceGetUtilizationRates, handle)
                 memory = self._read(uuid, "memory", nvml.nvmlDeviceGetMemoryInfo, handle)
@@ -171,7 +183,8 @@ class GpuSampler:
                     temperature_celsius=None if temp is None else float(temp),
                     sm_clock_hertz=None if clock is None else float(clock) * _MHZ,
                 ))
-        return samples
+            self._cached = (now, samples)
+        return list(samples)
 
     def _read(self, uuid: str, field: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -191,6 +204,7 @@ class GpuSampler:
             if self.available:
                 self.available = False
                 self._handles = []
+                self._cached = None
                 try:
                     self._nvml.nvmlShutdown()
                 except self._nvml.NVMLError as exc:

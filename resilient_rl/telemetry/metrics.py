@@ -28,8 +28,10 @@ from resilient_rl.errors import TelemetryError
 from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
 
 #: Phases of one training step, the values of the ``phase`` label.
-PHASES: tuple[str, ...] = ("gen", "ref", "values", "adv", "update_actor", "update_critic",
-                           "weight_sync", "checkpoint")
+#: ``old_log_prob`` is the actor's recomputation of the rollout's log-probabilities; ``checkpoint``
+#: is the time a checkpoint save blocked training (its stall), observed when the save commits.
+PHASES: tuple[str, ...] = ("gen", "ref", "old_log_prob", "values", "adv", "update_actor",
+                           "update_critic", "weight_sync", "checkpoint")
 #: Losses accepted by :meth:`TrainerMetrics.observe_step`, each exported as ``rrl_<kind>_loss``.
 LOSS_KINDS: tuple[str, ...] = ("actor", "critic")
 
@@ -235,6 +237,17 @@ class TrainerMetrics:
             rates = lr if isinstance(lr, Mapping) else {"actor": lr}
             for role, rate in rates.items():
                 self.learning_rate.labels(role=role).set(rate)
+
+    def observe_phase(self, phase: str, duration_s: float) -> None:
+        """Record one phase outside a step's row, e.g. the ``checkpoint`` stall once it is known.
+
+        Raises:
+            TelemetryError: on an unknown phase or a negative duration.
+        """
+        if phase not in PHASES:
+            raise TelemetryError(f"observe_phase: unknown phase {phase!r}; known: {list(PHASES)}")
+        self.phase_duration.labels(phase=phase).observe(
+            _non_negative(f"observe_phase: duration_s of {phase!r}", duration_s))
 
     def set_goodput(self, useful_s: float, wall_s: float) -> None:
         """Set the goodput ratio: useful seconds over wall-clock seconds of the run so far."""

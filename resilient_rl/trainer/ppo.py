@@ -145,6 +145,8 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the next step and record it; returns its metrics row."""
         step = self.step + 1
+        if hasattr(self.roles, "groups") and self.ckpt.pending is not None:
+            self.ckpt.poll(self.roles)  # commit a save that finished writing before this step starts
         self.fire("on_step_start", step)
         batch = self.loader.next_batch()
         t0 = time.perf_counter()

@@ -51,7 +51,7 @@ class Recovery:
     def _actor_groups(self):
         return self.trainer.roles.distinct_groups()
 
-    def _repair(self) -> list[tuple[str, int]]:
+    def _repair(self, cause: str = "died") -> list[tuple[str, int]]:
         """Kill ranks that do not answer, wait for Ray to restart the dead; returns restarted (group, rank)."""
         known = self.trainer.roles.known_workers
         restarted = []
@@ -71,7 +71,7 @@ class Recovery:
                     self.trainer.run_dir.event("worker_restarted", group=g.name_prefix, rank=rank, pid=info.pid,
                                                node=info.node_id)
                     if self.metrics is not None:
-                        self.metrics.record_restart(g.name_prefix, rank, "restarted")
+                        self.metrics.record_restart(g.name_prefix, rank, cause)
         self.trainer.roles.refresh_workers()
         return restarted
 
@@ -83,14 +83,14 @@ class Recovery:
         self.trainer.run_dir.event("failure", step=failed_step, role=failure.role, rank=failure.rank,
                                    cause=failure.cause, message=failure.message)
         if self.metrics is not None:
-            self.metrics.record_failure(failure.cause)
+            self.metrics.record_failure(failure.cause, role=failure.role, rank=failure.rank)
         logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, failure.cause, failure.role, failure.rank,
                        failure.message)
         self.sm.to(S.RECOVERING)
         self.trainer.ckpt.abandon()
         while True:
             try:
-                restarted = self._repair() if self.cfg.enabled else []
+                restarted = self._repair(failure.cause) if self.cfg.enabled else []
                 if restarted and failure.cause == "exception":
                     # A survivor's error raced ahead of the death that caused it: the death is the failure.
                     failure = dataclasses.replace(failure, cause="died", role=restarted[0][0], rank=restarted[0][1])

@@ -1,0 +1,224 @@
+"""A real Prometheus scraping a real training run: every dashboard query and alert answers.
+
+Prometheus (the Debian ``prometheus`` binary) runs on loopback with a copy of
+``monitoring/prometheus.yml`` whose file_sd reads the run's targets file and whose scrape and
+rule intervals are 1s. The run trains 8 steps on a local Ray cluster, checkpointing every 2
+steps, with actor rank 1 SIGKILLed during step 4. Everything is then checked through
+Prometheus's HTTP API, over the time range of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from test_monitoring_config import MONITORING, alert_rules, dashboard_queries, grafana_to_promql
+
+from resilient_rl.errors import TelemetryError
+from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.telemetry import GpuSampler, sample_value, scrape
+from resilient_rl.trainer.config import load_config
+from resilient_rl.trainer.ppo import PPOTrainer
+from resilient_rl.trainer.telemetry_hook import RemoteNodeExporter
+
+pytestmark = pytest.mark.ray
+
+PROMETHEUS = shutil.which("prometheus")
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="the prometheus server binary is not on PATH "
+    "(Debian/Ubuntu: apt-get install prometheus; .ci/run installs it)")
+
+STEPS = 8
+SMALL = [f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "data.batch_size=16",
+         "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=2", "critic.ppo_epochs=2",
+         "data.num_prompts=64", "ray.cpus_per_worker=0.05", "checkpoint.save_every=2",
+         "recovery.call_timeout_s=30", "recovery.restart_timeout_s=60"]
+# A comparison with a number at the end of an alert condition (label matchers compare strings).
+THRESHOLD = re.compile(r"\s*(?:==|!=|>=|<=|>|<)\s*(?:bool\s+)?-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?![\w.:])")
+
+
+def without_thresholds(expr: str) -> str:
+    """An alert expression without its comparisons with numbers: the values it tests."""
+    return THRESHOLD.sub("", expr)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """A Prometheus server on loopback, started from ``config`` and stopped by its pid."""
+
+    def __init__(self, config: Path, data_dir: Path, log: Path) -> None:
+        self.base = f"http://127.0.0.1:{_free_port()}"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data_dir}",
+             f"--web.listen-address={self.base[len('http://'):]}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=self._log)
+        wait_for(self._ready, 60, "Prometheus to become ready")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"prometheus exited with {self.proc.returncode}: {Path(self._log.name).read_text()}")
+        with urllib.request.urlopen(f"{self.base}/-/ready", timeout=2) as response:
+            return response.status == 200
+
+    def api(self, path: str, **params: str | float) -> dict | list:
+        url = f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                body = json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # a bad query answers 400 with the reason
+            body = json.loads(exc.read())
+        assert body["status"] == "success", f"{path} {params}: {body.get('error')}"
+        return body["data"]
+
+    def value(self, query: str) -> float | None:
+        """The single value of an instant query, None when it returns nothing."""
+        result = self.api("query", query=query)["result"]
+        assert len(result) <= 1, f"{query}: expected one series, got {result}"
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def prometheus_config(tmp_path: Path, targets_file: Path) -> Path:
+    """A copy of monitoring/ whose file_sd reads ``targets_file``, every interval 1s."""
+    config_dir = tmp_path / "monitoring"
+    shutil.copytree(MONITORING / "rules", config_dir / "rules")
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(config_dir / "rules" / "*.yml")]
+    (job,) = config["scrape_configs"]
+    job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
+    path = config_dir / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@needs_prometheus
+def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_cluster, tmp_path):
+    cfg = load_config(None, SMALL + [f"trainer.output_dir={tmp_path / 'runs'}", "trainer.run_name=e2e",
+                                     f"checkpoint.root={tmp_path / 'ckpt'}"])
+    schedule = FaultSchedule().at_step(4).kill("actor", 1, delay_s=0.1)
+    trainer = PPOTrainer(cfg, hooks=[schedule])
+    targets = trainer.telemetry.file_sd.path
+    assert targets == trainer.run_dir.path / "prometheus_targets.json"
+    prom = Prometheus(prometheus_config(tmp_path, targets), tmp_path / "tsdb", tmp_path / "prometheus.log")
+    try:
+        start = time.time()
+        trainer.fit()
+        assert schedule.faults[0].fired and schedule.faults[0].pid is not None
+        assert trainer.recovery.recoveries == 1
+
+        # The exporter stays up until Prometheus holds the final state of the run.
+        def final_state_scraped():
+            return (prom.value("rrl_step") == STEPS and prom.value("rrl_checkpoint_last_committed_step") == STEPS
+                    and prom.value("rrl_recoveries_total") == 1)
+        wait_for(final_state_scraped, 30, "a scrape of the run's final state")
+        rules = wait_for(lambda: [r for g in prom.api("rules")["groups"] for r in g["rules"]
+                                  if r["health"] != "unknown"], 30, "an evaluation of the alert rules")
+        end = time.time()
+
+        targets_up = prom.api("targets")["activeTargets"]
+        assert [(t["labels"]["run"], t["health"]) for t in targets_up] == [("e2e", "up")]
+        assert targets_up[0]["scrapeUrl"] == trainer.telemetry.url
+
+        # Restarts, recoveries and lost work moved, and agree with the trainer's own account.
+        restarts = prom.api("query", query="rrl_worker_restarts_total")["result"]
+        assert [(r["metric"]["role"], r["metric"]["rank"]) for r in restarts] == [("actor", "1")]
+        assert float(restarts[0]["value"][1]) >= 1
+        assert prom.value("rrl_steps_replayed_total") == trainer.recovery.steps_replayed
+        assert prom.value("sum(rrl_failures_total)") == 1
+        assert 0 < prom.value("rrl_goodput_ratio") < 1
+        window = f"{int(end - start) + 5}s"
+        # The killed worker was seen down, and is up again.
+        assert prom.value(f'min_over_time(rrl_worker_up{{role="actor", rank="1"}}[{window}])') == 0
+        assert prom.value('rrl_worker_up{role="actor", rank="1"}') == 1
+        assert prom.value(f'max_over_time(rrl_phase_duration_seconds_count{{phase="old_log_prob"}}[{window}])') \
+            >= STEPS
+        # Worker processes instead of GPUs: one series per process (colocated roles share one).
+        procs = prom.api("query", query="rrl_process_resident_memory_bytes")["result"]
+        assert sorted((p["metric"]["role"], p["metric"]["rank"]) for p in procs) == [
+            ("actor", "0"), ("actor", "1"), ("critic", "0")]
+
+        present = set(prom.api("label/__name__/values"))
+        has_gpus = any(name.startswith("rrl_gpu_") for name in present)
+        queries = [(where, grafana_to_promql(expr)) for where, expr in dashboard_queries()]
+        queries += [(f"alert {r['alert']}", without_thresholds(r["expr"])) for r in alert_rules()]
+        empty = []
+        for where, query in queries:
+            result = prom.api("query_range", query=query, start=start, end=end, step=1)["result"]
+            if not result and not (not has_gpus and "rrl_gpu_" in query):
+                empty.append(f"{where}: {query}")
+        assert not empty, "queries without data over the run:\n" + "\n".join(empty)
+
+        assert len(rules) == len(alert_rules())
+        assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    finally:
+        trainer.shutdown()
+        prom.stop()
+    assert not targets.exists(), "the targets file is removed when the run stops"
+
+
+def test_alert_thresholds_are_stripped_and_only_they():
+    assert without_thresholds('rrl_worker_up{role!="", x=~"1"} == 0') == 'rrl_worker_up{role!="", x=~"1"}'
+    assert without_thresholds("changes(rrl_step[10m]) == 0\nand on (instance) (max by (instance) (rrl_up) > 0)") \
+        == "changes(rrl_step[10m])\nand on (instance) (max by (instance) (rrl_up))"
+    assert without_thresholds("rrl_a - rrl_b offset 10m > 1e3") == "rrl_a - rrl_b offset 10m"
+    for rule in alert_rules():
+        assert not re.search(r"[<>]|==", without_thresholds(rule["expr"]).replace("!=", "")), rule["alert"]
+
+
+def test_node_exporter_actor_serves_its_node_and_reports_a_busy_port(ray_cluster):
+    node_id = ray_cluster.get_runtime_context().get_node_id()
+    exporter = RemoteNodeExporter(node_id, "n-test", "127.0.0.1", 0, "", 0.0, timeout_s=60)
+    try:
+        exporter.set_processes({("actor", 0): os.getpid()})
+        text = scrape(f"http://{exporter.target}/metrics")
+        labels = {"role": "actor", "rank": "0", "node": "n-test"}
+        assert sample_value(text, "rrl_process_resident_memory_bytes", labels) > 0
+        assert sample_value(text, "rrl_process_cpu_seconds_total", labels) > 0
+        if not GpuSampler().available:
+            assert "rrl_gpu_" not in text  # absent, not zero
+        port = int(exporter.target.rsplit(":", 1)[1])
+        with pytest.raises(TelemetryError, match=f"node n-busy: .*port {port} is already in use"):
+            RemoteNodeExporter(node_id, "n-busy", "127.0.0.1", port, "", 0.0, timeout_s=60)
+    finally:
+        exporter.stop()
+    with pytest.raises(TelemetryError):
+        scrape(f"http://{exporter.target}/metrics", timeout=2)
