@@ -147,6 +147,17 @@ def leftovers(result: RunResult, wait_s: float = 15.0) -> list[str]:
         time.sleep(0.5)
 
 
+def metric_totals(text: str) -> dict[str, float]:
+    """Sum of every sample of each metric in a Prometheus exposition text (counters by their _total name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
 def check_invariants(result: RunResult, reference: RunResult, expect_recoveries: int = 1) -> None:
     """Raise InvariantError naming the first promise ``result`` breaks against ``reference``."""
     if result.error is not None:
@@ -175,6 +186,13 @@ def check_invariants(result: RunResult, reference: RunResult, expect_recoveries:
                              "take effect")
     if any("steps_replayed" not in e for e in recovered):
         raise InvariantError("a recovery did not report its replayed steps")
+    if expect_recoveries and result.metrics_text:
+        totals = metric_totals(result.metrics_text)
+        if totals.get("rrl_recoveries_total", 0) < expect_recoveries:
+            raise InvariantError(f"rrl_recoveries_total is {totals.get('rrl_recoveries_total', 0)} in the exported "
+                                 f"metrics, expected >= {expect_recoveries}")
+        if totals.get("rrl_worker_restarts_total", 0) < 1:
+            raise InvariantError("no restart in rrl_worker_restarts_total of the exported metrics")
     if result.schedule is not None:
         for f in result.schedule.faults:
             if not f.fired:
