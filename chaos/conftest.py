@@ -7,6 +7,7 @@ invariants of :mod:`resilient_rl.faults.harness` against the reference computed 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 
@@ -76,7 +77,9 @@ def chaos_run(chaos_ray, chaos_dir, request):
     """Run the chaos config under a schedule; records the result for the session summary."""
 
     def run(schedule, *extra: str, name: str | None = None):
-        name = name or request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:60]
+        if name is None:
+            digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]
+            name = request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40] + "-" + digest
         result = run_training(chaos_overrides(chaos_dir) + list(extra), name, schedule)
         RESULTS.append(result)
         return result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fsspec
 import pytest
 
 from resilient_rl.faults.harness import check_invariants
@@ -39,12 +38,13 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, cha
     assert result.events_of("recovered")[0]["restored_step"] == 2
 
 
-def test_transient_storage_errors_are_retried(reference, chaos_run, chaos_dir):
-    extra, options = _storage_overrides(chaos_dir, "flaky", FaultPlan(transient_writes=3, transient_reads=2))
-    result = chaos_run(None, *extra)
+def test_transient_storage_errors_are_retried(reference, chaos_run, chaos_dir, caplog):
+    extra, _ = _storage_overrides(chaos_dir, "flaky", FaultPlan(transient_writes=3, transient_reads=2))
+    with caplog.at_level("WARNING", logger="resilient_rl.checkpoint.retry"):
+        result = chaos_run(None, *extra)
     check_invariants(result, reference, expect_recoveries=0)
-    fs = fsspec.filesystem("faulty", **options)  # the controller's instance (cached by options)
-    assert len(fs.injected) >= 3, "the transient faults were injected (and retried)"
+    retried = [r for r in caplog.records if "injected" in r.getMessage() and "retrying" in r.getMessage()]
+    assert len(retried) >= 5, "the controller's 3 write and 2 read faults were injected and retried"
 
 
 def test_full_disk_stops_cleanly_and_resume_finishes(reference, chaos_run, chaos_dir):

@@ -36,7 +36,8 @@ def test_ray_kill_actor(reference, chaos_run):
     schedule = FaultSchedule().at_step(5).ray_kill("actor", 0)
     result = chaos_run(schedule)
     check_invariants(result, reference)
-    assert result.events_of("recovered")[0]["restored_step"] == 4
+    # Step 4's async save is committed once written: at the start of step 5 or after it.
+    assert result.events_of("recovered")[0]["restored_step"] in (2, 4)
 
 
 def test_sigstop_actor_rank_mid_collective(reference, chaos_run):

@@ -15,7 +15,7 @@ from resilient_rl.faults.injectors import FaultSchedule
 @pytest.mark.parametrize("state,role,rank", [("rejoining", "actor", 0), ("restoring", "critic", 0)])
 def test_second_kill_during_recovery(reference, chaos_run, state, role, rank):
     """A survivor dies while the group rendezvous (rejoining) or while state is restored."""
-    schedule = FaultSchedule().at_step(3).kill("actor", 1, delay_s=0.05).during_recovery(state).kill(role, rank)
+    schedule = FaultSchedule().at_step(4).kill("actor", 1, delay_s=0.05).during_recovery(state).kill(role, rank)
     result = chaos_run(schedule)
     check_invariants(result, reference)
     assert len(result.events_of("failure_during_recovery")) >= 1

@@ -86,3 +86,7 @@ class ModelInputError(RRLError, ValueError):
 
 class TokenizerError(RRLError, ValueError):
     """Text holds a character the tokenizer's alphabet does not cover (names it and its position)."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A background checkpoint write did not finish within its deadline (also a TimeoutError)."""

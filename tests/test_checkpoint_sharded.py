@@ -16,7 +16,7 @@ from resilient_rl.checkpoint import (
     AsyncShardWriter, CheckpointManager, FileRecord, Storage, flatten_state, gather_full_state,
     load_shard_into, stage, unflatten_state, write_shard,
 )
-from resilient_rl.errors import CheckpointCorruptError, CheckpointError, StorageError
+from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError, StorageError
 from resilient_rl.faults.storage import FaultPlan, FaultyFileSystem
 from resilient_rl.testing.s3 import MotoServer, MotoUnavailable
 
@@ -244,6 +244,8 @@ def test_async_writer_one_in_flight_and_errors_through_future():
         first = writer.submit(stage({"a": torch.ones(8)}, 0, world_size=1), slow, "s1", 0)
         second = writer.submit(stage({"a": torch.ones(8)}, 0, world_size=1), slow, "s2", 0)
         assert first.done()  # submitting waited for the previous save
+        with pytest.raises(CheckpointTimeoutError):
+            writer.wait(timeout=0)  # still writing (every operation takes 50 ms)
         assert [r.path for r in writer.wait(timeout=60)] == ["shard_00000.safetensors", "shard_00000.json"]
         assert second.done()
         fs.plan.enospc_after_bytes = fs.bytes_written

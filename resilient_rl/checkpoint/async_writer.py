@@ -19,7 +19,7 @@ from typing import Any
 from resilient_rl.checkpoint.manifest import FileRecord
 from resilient_rl.checkpoint.sharded import StagedShard, stage, write_shard
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.errors import CheckpointError
+from resilient_rl.errors import CheckpointError, CheckpointTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,18 @@ class AsyncShardWriter:
     def wait(self, timeout: float | None = None) -> list[FileRecord] | None:
         """Wait for the save in flight (if any) and return its records; re-raises its error.
 
-        Raises CheckpointError when it does not finish within ``timeout`` seconds."""
+        Raises CheckpointTimeoutError (a TimeoutError) when it does not finish within
+        ``timeout`` seconds; ``timeout=0`` polls."""
         pending = self._pending
         if pending is None:
             return None
         try:
             return pending.result(timeout=timeout)
         except cf.TimeoutError as exc:
-            raise CheckpointError(f"the background checkpoint write did not finish within {timeout}s") from exc
+            if pending.done():  # the write itself raised a TimeoutError
+                raise
+            raise CheckpointTimeoutError(
+                f"the background checkpoint write did not finish within {timeout}s") from exc
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the save in flight (its error, if any, is logged, not raised) and stop."""

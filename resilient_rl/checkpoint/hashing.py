@@ -10,12 +10,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 class Sha256Pipe:
     """sha256 of a byte stream, computed on a helper thread so hashing overlaps the caller's
     I/O (hashlib releases the GIL on large buffers). Buffers are hashed in the order given and
-    must stay unchanged until :meth:`hexdigest`. Small buffers are hashed inline."""
+    must stay unchanged until :meth:`hexdigest`. Small buffers are hashed inline. At most
+    ``max_pending`` buffers wait (None: no bound, for views of memory that outlives the hash)."""
 
     _INLINE_BYTES = 1 << 20
-    _MAX_PENDING = 4
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int | None = 4) -> None:
+        self._max_pending = max_pending
         self._digest = hashlib.sha256()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: deque[Future[None]] = deque()
@@ -28,7 +29,7 @@ class Sha256Pipe:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rrl-sha256")
         self._pending.append(self._pool.submit(self._digest.update, view))
-        while len(self._pending) > self._MAX_PENDING:
+        while self._max_pending is not None and len(self._pending) > self._max_pending:
             self._pending.popleft().result()
 
     def _drain(self) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from resilient_rl.checkpoint.hashing import Sha256Pipe
 from resilient_rl.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, parse_step_dirname,
     shard_basename, step_dirname,
@@ -253,10 +254,10 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- verification
     def _sha256(self, path: str, size: int) -> str:
-        digest = hashlib.sha256()
-        for start in range(0, size, _HASH_CHUNK):
-            digest.update(self.storage.read_bytes(path, start, min(size, start + _HASH_CHUNK)))
-        return digest.hexdigest()
+        with Sha256Pipe() as digest:  # hashing a chunk overlaps reading the next
+            for start in range(0, size, _HASH_CHUNK):
+                digest.update(memoryview(self.storage.read_bytes(path, start, min(size, start + _HASH_CHUNK))))
+            return digest.hexdigest()
 
     def _check(self, step: int, manifest: Manifest, present: Mapping[str, int], deep: bool) -> str:
         for rec in manifest.files:
