@@ -17,26 +17,24 @@ Ray (pickle protocol 5) moves them out-of-band instead of copying them into the 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from resilient_rl.errors import DataProtoError
+# The helpers live in protocol_utils; the public ones are re-exported here, where verl has them.
+from resilient_rl.protocol_utils import (as_object_array, batch_from_wire, batch_to_wire, pad_dataproto_to_divisor,
+                                         positive_int, tensordict_class, union_dict, union_numpy_dict,
+                                         union_tensor_dict, unpad_dataproto, values_equal)
 
-__all__ = [
-    "DataProto",
-    "DataProtoItem",
-    "pad_dataproto_to_divisor",
-    "unpad_dataproto",
-    "union_tensor_dict",
-    "union_numpy_dict",
-    "values_equal",
-]
+if TYPE_CHECKING:  # imported on first use at run time, see tensordict_class
+    from tensordict import TensorDict
+
+__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto", "union_tensor_dict",
+           "union_numpy_dict", "values_equal"]
 
 _STATE_VERSION = 1
 # dataloader_kwargs accepted by make_iterator for verl compatibility; only "shuffle" changes
@@ -44,105 +42,6 @@ _STATE_VERSION = 1
 _ITERATOR_KWARGS = frozenset({"shuffle", "drop_last", "num_workers", "pin_memory"})
 
 Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
-
-
-def values_equal(a: Any, b: Any) -> bool:
-    """Strict equality for tensors, numpy arrays (incl. object and NaN) and nested containers.
-
-    Dtypes and shapes must match too: ``torch.equal`` alone treats float32 and float64 as equal.
-    """
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return bool(torch.equal(a.cpu(), b.cpu())) or (
-            a.is_floating_point() and bool(torch.allclose(a.cpu(), b.cpu(), 0.0, 0.0, equal_nan=True)))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        if a.dtype != object:
-            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-        return all(values_equal(x, y) for x, y in zip(a.flat, b.flat))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(values_equal, a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - objects whose == is not a truth value are not equal
-        return False
-
-
-def union_tensor_dict(td1: TensorDict, td2: TensorDict) -> TensorDict:
-    """Add the tensors of ``td2`` to ``td1`` in place; a shared key must hold equal tensors."""
-    if td1.batch_size != td2.batch_size:
-        raise DataProtoError(f"cannot union tensor dicts with batch sizes {tuple(td1.batch_size)} "
-                             f"and {tuple(td2.batch_size)}")
-    for key in td2.keys():
-        if key in td1.keys() and not values_equal(td1[key], td2[key]):
-            raise DataProtoError(f"cannot union: batch key {key!r} is present in both with different values")
-    for key in td2.keys():
-        if key not in td1.keys():
-            td1[key] = td2[key]
-    return td1
-
-
-def _union_dict(d1: dict[str, Any], d2: dict[str, Any], kind: str) -> dict[str, Any]:
-    for key, val in d2.items():
-        if key in d1 and not values_equal(d1[key], val):
-            raise DataProtoError(f"cannot union: {kind} key {key!r} is present in both with different values")
-    d1.update(d2)
-    return d1
-
-
-def union_numpy_dict(d1: dict[str, np.ndarray], d2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Add the arrays of ``d2`` to ``d1`` in place; a shared key must hold equal arrays."""
-    return _union_dict(d1, d2, "non-tensor")
-
-
-def _as_object_array(key: str, value: Any) -> np.ndarray:
-    """A non-tensor column as a numpy array; lists become 1-D object arrays (one cell per row)."""
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, (list, tuple)):
-        # Filled cell by cell so a list of equal-length lists stays 1-D instead of becoming 2-D.
-        out = np.empty(len(value), dtype=object)
-        for i, item in enumerate(value):
-            out[i] = item
-        return out
-    raise DataProtoError(f"non-tensor {key!r} must be a numpy array or a list, got {type(value).__name__}")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise DataProtoError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _tensor_to_wire(tensor: torch.Tensor) -> np.ndarray:
-    """Raw bytes of a tensor as a uint8 numpy array (numpy has no bfloat16/float8: bytes are exact)."""
-    t = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _tensor_from_wire(key: str, raw: np.ndarray, dtype: torch.dtype, shape: torch.Size,
-                      device: torch.device) -> torch.Tensor:
-    # Buffers received zero-copy (Ray object store, bytes) are read-only; torch needs writable memory.
-    if not raw.flags.writeable:
-        raw = raw.copy()
-    tensor = torch.from_numpy(raw).view(dtype).reshape(shape)
-    if device.type == "cpu":
-        return tensor
-    try:
-        return tensor.to(device)
-    except (RuntimeError, AssertionError) as exc:  # e.g. a CUDA tensor arriving in a CPU-only process
-        raise DataProtoError(f"cannot restore batch key {key!r} on {device} here ({exc}); "
-                             "move the DataProto to('cpu') before sending it") from exc
 
 
 @dataclass(eq=False)
@@ -173,7 +72,7 @@ class DataProto:
     def check_consistency(self) -> None:
         """Raise DataProtoError unless every tensor and non-tensor has the same leading length."""
         if self.batch is not None:
-            if not isinstance(self.batch, TensorDict):
+            if not isinstance(self.batch, tensordict_class()):
                 raise DataProtoError(f"batch must be a TensorDict or None, got {type(self.batch).__name__}")
             if self.batch.batch_dims != 1:
                 raise DataProtoError(f"batch must have exactly one batch dimension, got batch_size "
@@ -210,8 +109,8 @@ class DataProto:
                 length, first_key = tensor.shape[0], key
             elif tensor.shape[0] != length:
                 raise DataProtoError(f"tensor {key!r} has length {tensor.shape[0]} but {first_key!r} has {length}")
-        batch = TensorDict(tensors, batch_size=[length]) if tensors else None
-        non_tensor_batch = {k: _as_object_array(k, v) for k, v in (non_tensors or {}).items()}
+        batch = tensordict_class()(tensors, batch_size=[length]) if tensors else None
+        non_tensor_batch = {k: as_object_array(k, v) for k, v in (non_tensors or {}).items()}
         return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(meta_info or {}))
 
     @classmethod
@@ -283,7 +182,7 @@ class DataProto:
         batch = None
         if self.batch is not None:
             rows = int(idx.sum()) if idx.dtype == torch.bool else idx.shape[0]
-            batch = TensorDict({k: v[idx.to(v.device)] for k, v in self.batch.items()},
+            batch = tensordict_class()({k: v[idx.to(v.device)] for k, v in self.batch.items()},
                                batch_size=[rows], device=self.batch.device)
         return self._new(batch, {k: v[idx_np] for k, v in self.non_tensor_batch.items()})
 
@@ -323,7 +222,7 @@ class DataProto:
         batch = None
         if batch_keys:
             assert self.batch is not None  # _check_keys guarantees it
-            batch = TensorDict({k: self.batch.pop(k) for k in batch_keys}, batch_size=self.batch.batch_size,
+            batch = tensordict_class()({k: self.batch.pop(k) for k in batch_keys}, batch_size=self.batch.batch_size,
                                device=self.batch.device)
         non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys or []}
         meta = {k: self.meta_info.pop(k) for k in meta_info_keys or []}
@@ -365,7 +264,7 @@ class DataProto:
             batch = union_tensor_dict(batch.select(*batch.keys()), other.batch) if batch is not None \
                 else other.batch.select(*other.batch.keys())
         non_tensor = union_numpy_dict(dict(self.non_tensor_batch), other.non_tensor_batch)
-        meta = _union_dict(dict(self.meta_info), other.meta_info, "meta_info")
+        meta = union_dict(dict(self.meta_info), other.meta_info, "meta_info")
         # Everything was checked on copies above, so a conflict leaves self untouched.
         self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor, meta
         self.check_consistency()
@@ -374,7 +273,7 @@ class DataProto:
     # ----------------------------------------------------------------- splitting and joining
     def chunk(self, chunks: int) -> list[DataProto]:
         """Split into ``chunks`` equal parts; uneven lengths are an error (pad first if needed)."""
-        chunks = _positive_int("chunks", chunks)
+        chunks = positive_int("chunks", chunks)
         if len(self) % chunks:
             raise DataProtoError(f"cannot split a DataProto of length {len(self)} into {chunks} equal chunks; "
                                  "pad it with pad_dataproto_to_divisor first")
@@ -383,7 +282,7 @@ class DataProto:
 
     def split(self, split_size: int) -> list[DataProto]:
         """Split into parts of ``split_size`` rows; the last one may be shorter."""
-        split_size = _positive_int("split_size", split_size)
+        split_size = positive_int("split_size", split_size)
         return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
 
     @staticmethod
@@ -408,19 +307,19 @@ class DataProto:
                     tensors[key] = torch.cat([d.batch[key] for d in data], dim=0)  # type: ignore[index]
                 except RuntimeError as exc:
                     raise DataProtoError(f"cannot concat batch key {key!r}: {exc}") from exc
-            batch = TensorDict(tensors, batch_size=[sum(len(d) for d in data)], device=first.batch.device)
+            batch = tensordict_class()(tensors, batch_size=[sum(len(d) for d in data)], device=first.batch.device)
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data], axis=0)
                       for k in first.non_tensor_batch}
         return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(first.meta_info))
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Repeat every row: ``interleave`` gives a,a,b,b; otherwise the whole batch is tiled a,b,a,b."""
-        times = _positive_int("repeat_times", repeat_times)
+        times = positive_int("repeat_times", repeat_times)
         batch = None
         if self.batch is not None:
             rep = (lambda t: t.repeat_interleave(times, dim=0)) if interleave \
                 else (lambda t: t.repeat(times, *([1] * (t.dim() - 1))))
-            batch = TensorDict({k: rep(v) for k, v in self.batch.items()}, batch_size=[len(self) * times],
+            batch = tensordict_class()({k: rep(v) for k, v in self.batch.items()}, batch_size=[len(self) * times],
                                device=self.batch.device)
         non_tensor = {k: np.repeat(v, times, axis=0) if interleave else np.tile(v, (times,) + (1,) * (v.ndim - 1))
                       for k, v in self.non_tensor_batch.items()}
@@ -445,7 +344,7 @@ class DataProto:
         ``dataloader_kwargs={"shuffle": True}`` asks for shuffling from torch's global generator.
         ``{"shuffle": False}`` turns shuffling off even with a seed.
         """
-        mini_batch_size = _positive_int("mini_batch_size", mini_batch_size)
+        mini_batch_size = positive_int("mini_batch_size", mini_batch_size)
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise DataProtoError(f"epochs must be a non-negative integer, got {epochs!r}")
         if len(self) % mini_batch_size:
@@ -486,26 +385,14 @@ class DataProto:
 
     def __getstate__(self) -> dict[str, Any]:
         """Tensors travel as raw uint8 numpy arrays, which pickle 5 (and Ray) send out-of-band."""
-        batch_state = None
-        if self.batch is not None:
-            batch_state = {
-                "batch_size": tuple(self.batch.batch_size),
-                "device": self.batch.device,
-                "tensors": [(k, v.dtype, tuple(v.shape), v.device, _tensor_to_wire(v)) for k, v in self.batch.items()],
-            }
-        return {"version": _STATE_VERSION, "batch": batch_state,
+        return {"version": _STATE_VERSION, "batch": batch_to_wire(self.batch),
                 "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
             raise DataProtoError(f"cannot unpickle DataProto state version {state.get('version')!r}, "
                                  f"this build reads version {_STATE_VERSION}")
-        batch_state = state["batch"]
-        self.batch = None
-        if batch_state is not None:
-            tensors = {k: _tensor_from_wire(k, raw, dtype, torch.Size(shape), dev)
-                       for k, dtype, shape, dev, raw in batch_state["tensors"]}
-            self.batch = TensorDict(tensors, batch_size=list(batch_state["batch_size"]), device=batch_state["device"])
+        self.batch = batch_from_wire(state["batch"])
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
 
@@ -521,22 +408,3 @@ class DataProto:
         if not values_equal(self.non_tensor_batch, other.non_tensor_batch):
             return False
         return not check_meta_info or values_equal(self.meta_info, other.meta_info)
-
-
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
-    when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
-    size_divisor = _positive_int("size_divisor", size_divisor)
-    n = len(data)
-    pad_size = (-n) % size_divisor
-    if pad_size == 0:  # includes the empty proto: nothing to pad, no rows to repeat
-        return data, 0
-    padding = data.select_idxs(torch.arange(pad_size) % n)
-    return DataProto.concat([data, padding]), pad_size
-
-
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
-    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
-    if isinstance(pad_size, bool) or not isinstance(pad_size, (int, np.integer)) or not 0 <= pad_size <= len(data):
-        raise DataProtoError(f"pad_size must be an integer in [0, {len(data)}], got {pad_size!r}")
-    return data if pad_size == 0 else data.slice(0, len(data) - int(pad_size))

@@ -1,0 +1,202 @@
+"""Helpers behind :class:`~resilient_rl.protocol.DataProto`: strict equality, unions,
+column checks, padding and the wire format of its tensors.
+
+They are re-exported by :mod:`resilient_rl.protocol` (verl keeps ``union_tensor_dict`` and friends
+in ``verl.protocol``), so importing them from either module works.
+
+The wire format sends every tensor as its raw bytes in a ``uint8`` numpy array, with dtype, shape
+and device beside it: numpy has no bfloat16 or float8, raw bytes are exact for every dtype, and
+numpy arrays travel out-of-band under pickle protocol 5, so Ray does not copy them into the
+pickle stream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from resilient_rl.errors import DataProtoError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    # protocol imports this module; the functions below only call DataProto's methods.
+    from resilient_rl.protocol import DataProto
+
+__all__ = [
+    "tensordict_class",
+    "values_equal",
+    "union_tensor_dict",
+    "union_numpy_dict",
+    "union_dict",
+    "as_object_array",
+    "positive_int",
+    "tensor_to_wire",
+    "tensor_from_wire",
+    "batch_to_wire",
+    "batch_from_wire",
+    "pad_dataproto_to_divisor",
+    "unpad_dataproto",
+]
+
+
+def tensordict_class() -> type[TensorDict]:
+    """``tensordict.TensorDict``, imported on first use.
+
+    Importing tensordict imports ``torch._dynamo`` (about as much CPU time as torch itself). A
+    process that never touches a batch (the CLI, a health check, a worker before its first
+    DataProto arrives) does not pay for it; one that does pays it once, on its first batch.
+    """
+    from tensordict import TensorDict
+
+    return TensorDict
+
+
+def values_equal(a: Any, b: Any) -> bool:
+    """Strict equality for tensors, numpy arrays (incl. object and NaN) and nested containers.
+
+    Dtypes and shapes must match too: ``torch.equal`` alone treats float32 and float64 as equal.
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return bool(torch.equal(a.cpu(), b.cpu())) or (
+            a.is_floating_point() and bool(torch.allclose(a.cpu(), b.cpu(), 0.0, 0.0, equal_nan=True)))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.dtype != object:
+            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+        return all(values_equal(x, y) for x, y in zip(a.flat, b.flat))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(values_equal, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects whose == is not a truth value are not equal
+        return False
+
+
+def union_tensor_dict(td1: TensorDict, td2: TensorDict) -> TensorDict:
+    """Add the tensors of ``td2`` to ``td1`` in place; a shared key must hold equal tensors."""
+    if td1.batch_size != td2.batch_size:
+        raise DataProtoError(f"cannot union tensor dicts with batch sizes {tuple(td1.batch_size)} "
+                             f"and {tuple(td2.batch_size)}")
+    for key in td2.keys():
+        if key in td1.keys() and not values_equal(td1[key], td2[key]):
+            raise DataProtoError(f"cannot union: batch key {key!r} is present in both with different values")
+    for key in td2.keys():
+        if key not in td1.keys():
+            td1[key] = td2[key]
+    return td1
+
+
+def union_dict(d1: dict[str, Any], d2: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Add the entries of ``d2`` to ``d1`` in place; a shared key must hold equal values.
+
+    ``kind`` names the dict in the error (``"non-tensor"``, ``"meta_info"``).
+    """
+    for key, val in d2.items():
+        if key in d1 and not values_equal(d1[key], val):
+            raise DataProtoError(f"cannot union: {kind} key {key!r} is present in both with different values")
+    d1.update(d2)
+    return d1
+
+
+def union_numpy_dict(d1: dict[str, np.ndarray], d2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add the arrays of ``d2`` to ``d1`` in place; a shared key must hold equal arrays."""
+    return union_dict(d1, d2, "non-tensor")
+
+
+def as_object_array(key: str, value: Any) -> np.ndarray:
+    """A non-tensor column as a numpy array; lists become 1-D object arrays (one cell per row)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        # Filled cell by cell so a list of equal-length lists stays 1-D instead of becoming 2-D.
+        out = np.empty(len(value), dtype=object)
+        for i, item in enumerate(value):
+            out[i] = item
+        return out
+    raise DataProtoError(f"non-tensor {key!r} must be a numpy array or a list, got {type(value).__name__}")
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an int, or DataProtoError naming ``name`` unless it is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise DataProtoError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def tensor_to_wire(tensor: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a tensor as a uint8 numpy array (numpy has no bfloat16/float8: bytes are exact)."""
+    t = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_from_wire(key: str, raw: np.ndarray, dtype: torch.dtype, shape: torch.Size,
+                      device: torch.device) -> torch.Tensor:
+    # Buffers received zero-copy (Ray object store, bytes) are read-only; torch needs writable memory.
+    if not raw.flags.writeable:
+        raw = raw.copy()
+    tensor = torch.from_numpy(raw).view(dtype).reshape(shape)
+    if device.type == "cpu":
+        return tensor
+    try:
+        return tensor.to(device)
+    except (RuntimeError, AssertionError) as exc:  # e.g. a CUDA tensor arriving in a CPU-only process
+        raise DataProtoError(f"cannot restore batch key {key!r} on {device} here ({exc}); "
+                             "move the DataProto to('cpu') before sending it") from exc
+
+
+def batch_to_wire(batch: TensorDict | None) -> dict[str, Any] | None:
+    """The picklable state of a batch: each tensor as raw bytes plus its dtype, shape and device.
+
+    The byte arrays are numpy arrays, which pickle protocol 5 (and so Ray) sends out-of-band
+    instead of copying them into the pickle stream.
+    """
+    if batch is None:
+        return None
+    return {
+        "batch_size": tuple(batch.batch_size),
+        "device": batch.device,
+        "tensors": [(k, v.dtype, tuple(v.shape), v.device, tensor_to_wire(v)) for k, v in batch.items()],
+    }
+
+
+def batch_from_wire(state: dict[str, Any] | None) -> TensorDict | None:
+    """Rebuild the batch written by :func:`batch_to_wire`."""
+    if state is None:
+        return None
+    tensors = {k: tensor_from_wire(k, raw, dtype, torch.Size(shape), dev)
+               for k, dtype, shape, dev, raw in state["tensors"]}
+    return tensordict_class()(tensors, batch_size=list(state["batch_size"]), device=state["device"])
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
+    when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
+    size_divisor = positive_int("size_divisor", size_divisor)
+    n = len(data)
+    pad_size = (-n) % size_divisor
+    if pad_size == 0:  # includes the empty proto: nothing to pad, no rows to repeat
+        return data, 0
+    padding = data.select_idxs(torch.arange(pad_size) % n)
+    return type(data).concat([data, padding]), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
+    if isinstance(pad_size, bool) or not isinstance(pad_size, (int, np.integer)) or not 0 <= pad_size <= len(data):
+        raise DataProtoError(f"pad_size must be an integer in [0, {len(data)}], got {pad_size!r}")
+    return data if pad_size == 0 else data.slice(0, len(data) - int(pad_size))
