@@ -20,52 +20,15 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from resilient_rl.controller.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
+                                           kill_process)
 from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.worker import Worker, export_identity
-from resilient_rl.errors import (CollectiveError, DispatchError, WorkerDiedError, WorkerError,
-                                 WorkerTimeoutError)
+from resilient_rl.errors import (DispatchError, WorkerTimeoutError)
 from resilient_rl.protocol import DataProto, unpad_dataproto
 
 logger = logging.getLogger(__name__)
-
-
-#: Class attribute of worker classes whose ``health`` method runs in its own concurrency group.
-HEALTH_ATTR = "_rrl_health_group"
-#: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``.
-HEALTH_GROUPS = {"health": 1}
-
-
-@ray.remote(num_cpus=0)
-def _sigkill(pid: int) -> None:
-    import os
-    import signal
-
-    os.kill(pid, signal.SIGKILL)
-
-
-def kill_process(pid: int, node_id: str) -> None:
-    """SIGKILL ``pid`` on node ``node_id`` (directly when it is this node, else by a task pinned there)."""
-    import os
-    import signal
-
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    try:
-        local = ray.get_runtime_context().get_node_id() == node_id
-    except Exception:
-        local = False
-    if local:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
-    try:
-        ray.get(_sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(pid),
-                timeout=30)
-    except Exception as exc:  # the node may be gone with the process
-        logger.warning("could not kill pid %d on node %s: %s", pid, node_id, exc)
 
 
 def _actor_class(ray_cls) -> type:
@@ -131,31 +94,7 @@ class RayClassWithInitArgs:
         return ranked.options(**{**options, **self._options}).remote(identity, *self.args, **self.kwargs)
 
 
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
-                      "socket timeout", "timed out waiting for")
-
-
-def _looks_collective(exc: BaseException) -> bool:
-    """A torch.distributed failure (a peer died or hung) rather than a bug in the method."""
-    name = type(exc).__name__
-    text = str(exc).lower()
-    return "DistBackendError" in name or "DistNetworkError" in name or any(m in text for m in _COLLECTIVE_MARKERS)
-
-
-def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
-    """Map an exception raised by ``ray.get`` on rank ``rank`` of ``group`` to the project's error tree."""
-    where = f"{group} rank {rank}"
-    if isinstance(exc, RayActorError):
-        return WorkerDiedError(f"{where} died: {exc}", role=group, rank=rank, cause="died")
-    if isinstance(exc, RayTaskError):
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        if isinstance(cause, CollectiveError) or _looks_collective(cause):
-            return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
-        return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
-    return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
-
-
-class RayWorkerGroup:
+class RayWorkerGroup(HealthMixin):
     """One Ray actor per bundle of ``resource_pool``, driven as one object by the controller."""
 
     def __init__(self, resource_pool: RayResourcePool | None, ray_cls_with_init: RayClassWithInitArgs | None,
@@ -323,69 +262,6 @@ class RayWorkerGroup:
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
         return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s)
-
-    # ------------------------------------------------------------------ health and repair
-    def _has_health_group(self) -> bool:
-        cls = self.ray_cls_with_init.cls if self.ray_cls_with_init is not None else None
-        return cls is not None and getattr(_actor_class(cls), HEALTH_ATTR, False)
-
-    def probe(self, timeout_s: float = 2.0) -> dict[int, object]:
-        """Health of every rank without waiting behind running calls where the class allows it.
-
-        Returns rank -> WorkerInfo, or the exception (died, unavailable) or None (no answer within
-        ``timeout_s``: hung, stopped, or queued behind a long call on a class without a health group).
-        """
-        method = "health" if self._has_health_group() else "ping"
-        refs = [getattr(w, method).remote() for w in self._workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready = set(ready)
-        out: dict[int, object] = {}
-        for rank, ref in enumerate(refs):
-            if ref not in ready:
-                out[rank] = None
-                continue
-            try:
-                out[rank] = ray.get(ref)
-            except Exception as exc:  # died or restarting
-                out[rank] = exc
-        return out
-
-    def kill_rank(self, rank: int, pid: int, node_id: str) -> None:
-        """SIGKILL rank ``rank``'s process (a hung or stopped one); Ray then restarts the actor."""
-        kill_process(pid, node_id)
-        logger.warning("%s rank %d (pid %d) killed so that Ray restarts it", self.name_prefix, rank, pid)
-
-    def permanently_dead(self) -> list[int]:
-        """Ranks whose actor Ray has given up on (state DEAD: no restarts left)."""
-        dead = []
-        for rank, w in enumerate(self._workers):
-            try:
-                info = ray._private.state.actors(w._actor_id.hex())
-            except Exception:  # the GCS may be briefly unreachable; treat as not known dead
-                continue
-            if info and info.get("State") == "DEAD":
-                dead.append(rank)
-        return dead
-
-    def wait_alive(self, timeout_s: float) -> list:
-        """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        last: Exception | None = None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerDiedError(f"{self.name_prefix}: not every rank came back within {timeout_s:g}s: {last}",
-                                      role=self.name_prefix, rank=getattr(last, "rank", None), cause="died")
-            try:
-                return self.ping(timeout_s=min(remaining, 10.0))
-            except (WorkerError, RayActorError) as exc:
-                last = exc
-                dead = self.permanently_dead()
-                if dead:
-                    raise WorkerDiedError(f"{self.name_prefix} rank {dead[0]} is dead and Ray will not restart it "
-                                          f"(max_restarts={self.max_restarts} spent)", role=self.name_prefix,
-                                          rank=dead[0], cause="exhausted") from exc
-                time.sleep(0.2)
 
     def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0,
                            collective_timeout_s: float | None = None) -> int:

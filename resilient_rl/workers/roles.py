@@ -15,9 +15,9 @@ import hashlib
 import ray
 import torch
 
-from resilient_rl.controller.dispatch import Dispatch, Execute, register
+from resilient_rl.controller.dispatch import Dispatch, register
 from resilient_rl.controller.worker import Worker
-from resilient_rl.controller.worker_group import HEALTH_GROUPS
+from resilient_rl.controller.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.trainer.config import config_from_dict
 from resilient_rl.workers import weight_bus

@@ -1,0 +1,488 @@
+"""Recovery time: in-place recovery against a full restart of the job and against Ray Train, in one run.
+
+Four measurements, each in its own Ray cluster (``ray.init`` ... ``ray.shutdown``) and temp dir:
+
+1. **in-place**: a :class:`FaultSchedule` SIGKILLs actor rank 1 ``--delay`` seconds into step
+   ``--fault-step``; the trainer recovers by itself. Time from the kill to the completion of the
+   failed step (the first step completed after recovery, once the lost steps are replayed), split
+   from the run's events into detect (kill -> ``failure``), restart (-> last ``worker_restarted``:
+   every rank answers), rejoin (rendezvous + model re-init, -> start of the checkpoint load),
+   restore (checkpoint load + weight sync, -> ``recovered``) and replay (-> the failed step's
+   metrics row).
+2. **full restart**: the same run is "killed" at the same point (step start + ``--delay``) by
+   shutting the trainer and Ray down, then a new ``ray.init`` and a new trainer with
+   ``checkpoint.resume=auto`` carry on. Split into teardown (trainer + Ray shutdown, which a real
+   crash would replace by the scheduler noticing it), ray start, worker start (trainer, actors,
+   rendezvous, models), restore and replay.
+3. **Ray Train v2** (skip with ``--skip-ray-train``): ``TorchTrainer`` with 2 CPU workers training
+   a small MLP with DDP on gloo, a checkpoint reported every step, ``FailureConfig(max_failures=2)``.
+   Worker rank 1 is SIGKILLed ``--delay`` s after its ``--rt-kill-after``-th step; time to the
+   next completed step, split into detect (kill -> the controller's ``after_exception`` callback),
+   restart (-> every new worker entered the training function), restore and first step.
+4. **hang**: a SIGSTOP of actor rank 1 with ``recovery.call_timeout_s=--hang-timeout``; the time
+   from the SIGSTOP to the ``failure`` event against that deadline (it must be within deadline + 1 s).
+
+Step completion times come from polling ``metrics.jsonl`` (10 ms); step starts from a hook that
+writes ``bench_step_start`` events. Printed: one row per repeat and the median, then the ratios
+in-place / Ray Train and in-place / full restart.
+
+    python bench/recovery.py                       # all parts, once (3-6 minutes on 2 busy cores)
+    python bench/recovery.py --repeats 3
+    python bench/recovery.py --skip-ray-train model.num_layers=4    # any config override
+"""
+
+from __future__ import annotations
+
+import os
+
+# Ray Train v2 is chosen when ray.train is first imported (2.60 defaults to it; be explicit).
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import ray  # noqa: E402
+
+from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
+from resilient_rl.trainer.config import load_config  # noqa: E402
+from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
+
+INPLACE = ("detect", "restart", "rejoin", "restore", "replay")
+FULL = ("teardown", "ray_start", "worker_start", "restore", "replay")
+RAYTRAIN = ("detect", "restart", "restore", "first_step")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=1, help="measurements of each part (default: 1)")
+    p.add_argument("--skip-ray-train", action="store_true", help="do not measure Ray Train")
+    p.add_argument("--fault-step", type=int, default=4, help="step during which the fault lands (default: 4)")
+    p.add_argument("--delay", type=float, default=0.3, help="seconds into that step (default: 0.3)")
+    p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.call_timeout_s of the hang run (default: 5)")
+    p.add_argument("--rt-kill-after", type=int, default=5, help="Ray Train: kill after this step (default: 5)")
+    p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.num_layers=4")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.fault_step < 2 or args.delay < 0 or args.hang_timeout <= 0 or args.rt_kill_after < 1:
+        p.error("need --repeats >= 1, --fault-step >= 2, --delay >= 0, --hang-timeout > 0, --rt-kill-after >= 1")
+    return args
+
+
+def build_config(args, root: str, extra=()):
+    return load_config(None, [
+        "trainer.progress_bar=false", "data.batch_size=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
+        "data.num_prompts=64", f"trainer.total_steps={args.fault_step}", "checkpoint.save_every=2",
+        "checkpoint.resume=auto", f"trainer.output_dir={root}/runs", f"checkpoint.root={root}/ckpt",
+        "trainer.run_name=bench", "recovery.call_timeout_s=8", "recovery.collective_timeout_s=30",
+        *args.overrides, *extra])
+
+
+# ---------------------------------------------------------------------------- instruments
+def process_start_time(pid: int) -> float:
+    """Wall-clock time ``pid`` was created, to the clock tick (psutil's rounds the boot time to 1 s)."""
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
+
+
+class StepClock:
+    """Trainer hook: a ``bench_step_start`` event at the start of every step.
+
+    It also notes when the process of every restarted worker was created (``spawned``: pid ->
+    time), which splits a restart into Ray respawning the process and the process getting ready
+    (imports, constructor). A pid created before the fault is a pre-started idle Ray worker."""
+
+    def __init__(self):
+        self.spawned: dict[int, float] = {}
+
+    def on_step_start(self, trainer, step: int) -> None:
+        trainer.run_dir.event("bench_step_start", step=step)
+        for e in read_events(trainer.run_dir.path):
+            if e["event"] == "worker_restarted" and e["pid"] not in self.spawned:
+                try:
+                    self.spawned[e["pid"]] = process_start_time(e["pid"])
+                except (OSError, IndexError, ValueError):
+                    pass
+
+
+class JobKill:
+    """Trainer hook: at ``step``, wait ``delay_s`` (the job runs into the step) and end the job."""
+
+    class Killed(Exception):
+        pass
+
+    def __init__(self, step: int, delay_s: float):
+        self.step, self.delay_s, self.fired_at = step, delay_s, None
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if step == self.step and self.fired_at is None:
+            time.sleep(self.delay_s)
+            self.fired_at = time.time()
+            raise JobKill.Killed(f"job killed during step {step}")
+
+
+class MetricsWatcher:
+    """Polls ``metrics.jsonl`` and records (time first seen, step) of every new row, truncations included."""
+
+    def __init__(self, path: Path, interval_s: float = 0.01):
+        self.path, self.interval_s = path, interval_s
+        self.seen: list[tuple[float, int]] = []
+        self._lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._stop.wait(self.interval_s)
+        self._poll()
+
+    def _poll(self) -> None:
+        try:
+            lines = [ln for ln in self.path.read_text().splitlines() if ln.endswith("}")]
+        except FileNotFoundError:
+            return
+        now = time.time()
+        same = 0
+        while same < min(len(lines), len(self._lines)) and lines[same] == self._lines[same]:
+            same += 1
+        self.seen += [(now, json.loads(ln)["step"]) for ln in lines[same:]]
+        self._lines = lines
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def completed(self, step: int, after: float) -> float:
+        """When the row of ``step`` first appeared after ``after``."""
+        return min(t for t, s in self.seen if s == step and t > after)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    with open(run_dir / "events.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def first(events, kind: str, after: float = 0.0) -> dict:
+    return next(e for e in events if e["event"] == kind and e["time"] > after)
+
+
+def start_cluster(cfg) -> None:
+    """A new local Ray cluster with ``cfg.ray``'s resources, as ``cluster.connect`` starts one.
+
+    ``address="local"`` because every measurement needs a cluster of its own: a bare ``ray.init()``
+    would join whatever ``/tmp/ray/ray_current_cluster`` names (another ``ray start`` on the machine)."""
+    r = cfg.ray
+    kwargs = dict(address="local", num_cpus=r.num_cpus, include_dashboard=False, namespace=r.namespace,
+                  log_to_driver=False, configure_logging=False)
+    if r.num_gpus is not None:
+        kwargs["num_gpus"] = r.num_gpus
+    if r.object_store_memory:
+        kwargs["object_store_memory"] = r.object_store_memory
+    ray.init(**kwargs)
+
+
+def ray_session(cfg, fn, on_started=None):
+    """Run ``fn()`` inside a Ray cluster of its own (``on_started()`` once it is up)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    start_cluster(cfg)
+    try:
+        if on_started is not None:
+            on_started()
+        return fn()
+    finally:
+        ray.shutdown()
+
+
+def run_trainer(cfg, hooks: list) -> None:
+    trainer = PPOTrainer(cfg, hooks=hooks)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+
+
+# ---------------------------------------------------------------------------- parts
+def measure_inplace(args, root: str) -> dict:
+    cfg = build_config(args, root)
+    sched = FaultSchedule().at_step(args.fault_step).kill("actor", 1, delay_s=args.delay)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    watcher = MetricsWatcher(run_dir / "metrics.jsonl")
+
+    clock = StepClock()
+    try:
+        ray_session(cfg, lambda: run_trainer(cfg, [sched, clock]))
+    finally:
+        watcher.stop()
+    ev = read_events(run_dir)
+    t_kill = sched.faults[0].fired_at
+    fail = first(ev, "failure")  # the run's only fault
+    restarts = [e["time"] for e in ev if e["event"] == "worker_restarted" and e["time"] > fail["time"]]
+    t_up = max(restarts) if restarts else fail["time"]
+    rec = first(ev, "recovered", fail["time"])
+    restored = [e for e in ev if e["event"] == "checkpoint_restored" and fail["time"] < e["time"] <= rec["time"]]
+    t_load = restored[0]["time"] - restored[0]["duration_s"] if restored else rec["time"]
+    t_done = watcher.completed(args.fault_step, rec["time"])
+    spawned = [clock.spawned[e["pid"]] for e in ev if e["event"] == "worker_restarted" and e["time"] > fail["time"]
+               and e["pid"] in clock.spawned]
+    return {"spawn": (max(spawned) if spawned else float("nan")) - t_kill, "ready": t_up - max(spawned, default=t_up),
+            "detect": fail["time"] - t_kill, "restart": t_up - fail["time"], "rejoin": t_load - t_up,
+            "restore": rec["time"] - t_load, "replay": t_done - rec["time"], "total": t_done - t_kill,
+            "replayed": rec["steps_replayed"], "from_step": rec["restored_step"],
+            "cause": fail["cause"], "recovery_duration_s": rec["duration_s"]}
+
+
+def measure_full_restart(args, root: str) -> dict:
+    cfg = build_config(args, root)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    marks: list[float] = []
+    kill = JobKill(args.fault_step, args.delay)
+    trainer = None
+    start_cluster(cfg)
+    try:
+        trainer = PPOTrainer(cfg, hooks=[kill, StepClock()])
+        trainer.fit()
+        raise RuntimeError(f"the job was not killed at step {args.fault_step}")
+    except JobKill.Killed:
+        pass
+    finally:  # the kill: the controller's state and the whole cluster are gone
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+    t_kill, t_down = kill.fired_at, time.time()
+    watcher = MetricsWatcher(run_dir / "metrics.jsonl")
+    t0 = time.time()
+    try:
+        ray_session(cfg, lambda: run_trainer(cfg, [StepClock()]), on_started=lambda: marks.append(time.time()))
+    finally:
+        watcher.stop()
+    t_ray = marks[0]
+    ev = read_events(run_dir)
+    restored = first(ev, "checkpoint_restored", t0)
+    t_load = restored["time"] - restored["duration_s"]
+    t_resumed = first(ev, "bench_step_start", restored["time"])["time"]
+    t_done = watcher.completed(args.fault_step, t_resumed)
+    return {"teardown": t_down - t_kill, "ray_start": t_ray - t0, "worker_start": t_load - t_ray,
+            "restore": t_resumed - t_load, "replay": t_done - t_resumed, "total": t_done - t_kill,
+            "no_teardown": t_done - t0,
+            "from_step": restored["step"], "replayed": args.fault_step - 1 - restored["step"]}
+
+
+def measure_hang(args, root: str) -> dict:
+    cfg = build_config(args, root, [f"recovery.call_timeout_s={args.hang_timeout}"])
+    sched = FaultSchedule().at_step(args.fault_step).hang("actor", 1, delay_s=args.delay)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    ray_session(cfg, lambda: run_trainer(cfg, [sched]))
+    ev = read_events(run_dir)
+    t_stop = sched.faults[0].fired_at
+    fail = first(ev, "failure")
+    rec = first(ev, "recovered", fail["time"])
+    return {"detect": fail["time"] - t_stop, "deadline": args.hang_timeout, "cause": fail["cause"],
+            "within": fail["time"] - t_stop <= args.hang_timeout + 1.0, "recovery_duration_s": rec["duration_s"],
+            "killed": any(e["event"] == "kill_unresponsive" for e in ev)}
+
+
+# ---------------------------------------------------------------------------- Ray Train v2
+def _rt_note(path: str, kind: str, **fields) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), "kind": kind, "pid": os.getpid(), **fields}) + "\n")
+
+
+def _rt_train_loop(config: dict) -> None:
+    """Training function of every Ray Train worker: DDP on a small MLP, a checkpoint every step."""
+    import torch
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    log = config["log"]
+    _rt_note(log, "start", rank=rank)
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        step = int(state["step"])
+    _rt_note(log, "restored", rank=rank, step=step)
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    while step < config["steps"]:
+        step += 1
+        x = torch.randn(64, 64, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        time.sleep(config["pause_s"])
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = None
+            if rank == 0:
+                torch.save({"model": model.module.state_dict(), "optim": optim.state_dict(), "step": step},
+                           os.path.join(d, "state.pt"))
+                ckpt = ray.train.Checkpoint.from_directory(d)
+            ray.train.report({"step": step, "loss": loss.item()}, checkpoint=ckpt)
+        _rt_note(log, "step", rank=rank, step=step)
+
+
+def _rt_records(log: str) -> list[dict]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [json.loads(line) for line in f if line.endswith("}\n")]
+
+
+def measure_ray_train(args, root: str) -> dict:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    if __name__ != "__main__":  # imported (not run as a script): ship this module's functions by value
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    log, cb_log = f"{root}/workers.jsonl", f"{root}/controller.jsonl"
+
+    class FailureClock(ray.train.UserCallback):
+        """Runs in the Ray Train controller: notes when it saw the worker failure."""
+
+        def after_exception(self, run_context, worker_exceptions):
+            _rt_note(cb_log, "exception", ranks=sorted(worker_exceptions))
+
+    killed: dict = {}
+
+    def killer():
+        while "time" not in killed:
+            recs = _rt_records(log)
+            if any(r["kind"] == "step" and r["rank"] == 1 and r["step"] >= args.rt_kill_after for r in recs):
+                time.sleep(args.delay)
+                pid = [r["pid"] for r in recs if r["kind"] == "start" and r["rank"] == 1][-1]
+                os.kill(pid, signal.SIGKILL)
+                killed.update(time=time.time(), pid=pid)
+                return
+            time.sleep(0.01)
+
+    cfg = build_config(args, root)
+    steps = args.rt_kill_after + 5
+
+    def run():
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        trainer = TorchTrainer(
+            _rt_train_loop, train_loop_config={"log": log, "steps": steps, "pause_s": args.rt_pause},
+            scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+            run_config=ray.train.RunConfig(
+                name="bench", storage_path=f"{root}/ray_train", callbacks=[FailureClock()],
+                failure_config=ray.train.FailureConfig(max_failures=2),
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)))
+        trainer.fit()
+        killed.setdefault("time", None)  # stops the killer if the run ended first
+        thread.join()
+    ray_session(cfg, run)
+    t_kill = killed["time"]
+    if t_kill is None:
+        raise RuntimeError("Ray Train finished before the kill; raise --rt-kill-after's margin")
+    recs = _rt_records(log)
+    starts = [r["time"] for r in recs if r["kind"] == "start" and r["time"] > t_kill]
+    t_up = max(starts)
+    t_restored = max(r["time"] for r in recs if r["kind"] == "restored" and r["time"] > t_kill)
+    done = min((r for r in recs if r["kind"] == "step" and r["time"] > t_restored), key=lambda r: r["time"])
+    exc = [r["time"] for r in _rt_records(cb_log) if r["time"] > t_kill]
+    t_detect = min(exc) if exc else min(starts)
+    restored_step = [r["step"] for r in recs if r["kind"] == "restored" and r["time"] > t_kill][0]
+    killed_at = max(r["step"] for r in recs if r["kind"] == "step" and r["time"] < t_kill)
+    return {"detect": t_detect - t_kill, "restart": t_up - t_detect, "restore": t_restored - t_up,
+            "first_step": done["time"] - t_restored, "total": done["time"] - t_kill,
+            "from_step": restored_step, "replayed": max(0, killed_at - restored_step)}
+
+
+# ---------------------------------------------------------------------------- report
+def in_tmp(fn, args, prefix: str) -> dict:
+    """Run one measurement in a temp dir of its own (removed after), and show its figures at once."""
+    root = tempfile.mkdtemp(prefix=f"rrl-bench-recovery-{prefix}-")
+    try:
+        out = fn(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("   ", " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()), flush=True)
+    return out
+
+
+def median_row(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k, v in rows[0].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def table(title: str, cols: tuple[str, ...], rows: list[dict], extra: tuple[str, ...] = ()) -> dict:
+    print(f"\n{title} (seconds)")
+    head = (*cols, "total", *extra)
+    print(f"{'':<8}" + "".join(f"{c:>13}" for c in head))
+    for i, r in enumerate(rows):
+        print(f"{'#' + str(i + 1):<8}" + "".join(f"{r[c]:>13.2f}" for c in head))
+    med = median_row(rows)
+    if len(rows) > 1:
+        print(f"{'median':<8}" + "".join(f"{med[c]:>13.2f}" for c in head))
+    return med
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    t0 = time.time()
+    res: dict[str, list[dict]] = {"inplace": [], "full": [], "raytrain": [], "hang": []}
+    for i in range(args.repeats):
+        print(f"[repeat {i + 1}/{args.repeats}] in-place ...", flush=True)
+        res["inplace"].append(in_tmp(measure_inplace, args, "inplace"))
+        print(f"[repeat {i + 1}/{args.repeats}] full restart ...", flush=True)
+        res["full"].append(in_tmp(measure_full_restart, args, "full"))
+        if not args.skip_ray_train:
+            print(f"[repeat {i + 1}/{args.repeats}] Ray Train v2 ...", flush=True)
+            res["raytrain"].append(in_tmp(measure_ray_train, args, "raytrain"))
+        print(f"[repeat {i + 1}/{args.repeats}] hang ...", flush=True)
+        res["hang"].append(in_tmp(measure_hang, args, "hang"))
+
+    cfg = build_config(args, "unused")
+    print(f"\nfault: SIGKILL of actor rank 1, {args.delay:g} s into step {args.fault_step}; checkpoint every "
+          f"{cfg.checkpoint.save_every} steps; measured in {time.time() - t0:.0f} s")
+    ip = table("in-place recovery: kill -> failed step completed", INPLACE, res["inplace"],
+               ("replayed", "from_step"))
+    for i, r in enumerate(res["inplace"]):
+        print(f"  #{i + 1}: failure cause {r['cause']}; recovered.duration_s {r['recovery_duration_s']:.2f}; restart: "
+              f"the new process was created {r['spawn']:.2f} s after the kill (< 0: a pre-started idle worker) "
+              f"and answered {r['ready']:.2f} s after its creation")
+    fr = table("full restart from checkpoint: kill -> failed step completed", FULL, res["full"],
+               ("no_teardown", "replayed", "from_step"))
+    ratios = [("in-place / full restart", ip["total"] / fr["total"], 0.5),
+              ("in-place / full restart without teardown", ip["total"] / fr["no_teardown"], 0.5)]
+    if res["raytrain"]:
+        rt = table(f"Ray Train v2 (2 workers, DDP gloo, checkpoint every step, +{args.rt_pause:g} s/step): "
+                   "kill -> next step completed", RAYTRAIN, res["raytrain"], ("replayed", "from_step"))
+        ratios.insert(0, ("in-place / Ray Train", ip["total"] / rt["total"], 0.3))
+    print("\nratios (medians):")
+    for name, value, target in ratios:
+        print(f"  {name:<44}{value:6.2f}x   target <= {target}x  {'ok' if value <= target else 'MISSED'}")
+    print(f"\nSIGSTOP of actor rank 1 with recovery.call_timeout_s={args.hang_timeout:g}: "
+          "failure event - SIGSTOP, against deadline + 1 s")
+    for i, h in enumerate(res["hang"]):
+        print(f"  #{i + 1}: detected in {h['detect']:.2f} s (deadline {h['deadline']:g} s, cause {h['cause']}, "
+              f"unresponsive rank killed: {h['killed']}) -> {'ok' if h['within'] else 'LATE'}; "
+              f"recovery took {h['recovery_duration_s']:.2f} s more")
+
+
+if __name__ == "__main__":
+    main()
