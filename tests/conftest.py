@@ -19,3 +19,21 @@ def ray_cluster():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moto():
+    """A moto S3 server on loopback with buckets ``ckpt`` and ``store``, or the reason it cannot start."""
+    from resilient_rl.testing.s3 import MotoServer, MotoUnavailable
+
+    try:
+        server = MotoServer.start()
+    except MotoUnavailable as exc:
+        yield str(exc)
+        return
+    server.create_bucket("ckpt")
+    server.create_bucket("store")
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -17,23 +17,10 @@ from resilient_rl.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError, StorageError,
 )
 from resilient_rl.faults.storage import FaultPlan, faulty_url
-from resilient_rl.testing.s3 import MotoServer, MotoUnavailable
 
 FAST = RetryPolicy(attempts=5, initial_s=0.001, max_s=0.01)
 
 
-@pytest.fixture(scope="module")
-def moto():
-    try:
-        server = MotoServer.start()
-    except MotoUnavailable as exc:
-        yield str(exc)
-        return
-    server.create_bucket("ckpt")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _root(kind: str, tmp_path, moto) -> tuple[str, dict | None]:

@@ -18,23 +18,8 @@ from resilient_rl.checkpoint import (
 )
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError, StorageError
 from resilient_rl.faults.storage import FaultPlan, FaultyFileSystem
-from resilient_rl.testing.s3 import MotoServer, MotoUnavailable
 
 
-# --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def moto():
-    """A moto S3 server for the module, or the reason it cannot start."""
-    try:
-        server = MotoServer.start()
-    except MotoUnavailable as exc:
-        yield str(exc)
-        return
-    server.create_bucket("ckpt")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture()

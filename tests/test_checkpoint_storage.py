@@ -13,23 +13,10 @@ import pytest
 from resilient_rl.checkpoint.storage import RetryPolicy, Storage, is_transient
 from resilient_rl.errors import StorageError
 from resilient_rl.faults.storage import FaultPlan, FaultyFileSystem, faulty_url
-from resilient_rl.testing.s3 import MotoServer, MotoUnavailable
 
 FAST = RetryPolicy(attempts=4, initial_s=0.001, max_s=0.01)
 
 
-@pytest.fixture(scope="module")
-def moto():
-    try:
-        server = MotoServer.start()
-    except MotoUnavailable as exc:
-        yield str(exc)
-        return
-    server.create_bucket("store")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["local", "file-url", "memory", "s3"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_monitoring_config import MONITORING, alert_rules, dashboard_queries, grafana_to_promql
+from test_monitoring_config import _wait_for as wait_for
 
 from resilient_rl.errors import TelemetryError
 from resilient_rl.faults.injectors import FaultSchedule
@@ -101,19 +102,6 @@ class Prometheus:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 def prometheus_config(tmp_path: Path, targets_file: Path) -> Path:
