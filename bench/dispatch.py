@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--skip-round-trip", action="store_true")
     args = parser.parse_args()
 
-    ray.init(num_cpus=16, include_dashboard=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False)
     try:
         lines = []
         if not args.skip_startup:

@@ -38,8 +38,8 @@ def ensure_ray():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=32, include_dashboard=False, namespace="rrl-chaos", object_store_memory=256 * 1024**2,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=32, include_dashboard=False, namespace="rrl-chaos",
+                 object_store_memory=256 * 1024**2, log_to_driver=False, configure_logging=False)
     return ray
 
 

@@ -13,8 +13,8 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=16, include_dashboard=False, namespace="rrl-tests", object_store_memory=256 * 1024**2,
-             log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, namespace="rrl-tests",
+             object_store_memory=256 * 1024**2, log_to_driver=False, configure_logging=False)
     try:
         yield ray
     finally:

@@ -19,7 +19,9 @@ def connect(ray_cfg) -> bool:
     if address:
         ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
         return False
-    kwargs = dict(num_cpus=ray_cfg.num_cpus, include_dashboard=False, namespace=ray_cfg.namespace,
+    # address="local": always start a new cluster, never attach to one a stale
+    # /tmp/ray/ray_current_cluster file points at.
+    kwargs = dict(address="local", num_cpus=ray_cfg.num_cpus, include_dashboard=False, namespace=ray_cfg.namespace,
                   log_to_driver=True, configure_logging=False)
     if ray_cfg.num_gpus is not None:
         kwargs["num_gpus"] = ray_cfg.num_gpus

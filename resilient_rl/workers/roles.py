@@ -11,6 +11,7 @@ store from actor rank 0.
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import ray
 import torch
@@ -19,6 +20,7 @@ from resilient_rl.controller.dispatch import Dispatch, register
 from resilient_rl.controller.worker import Worker
 from resilient_rl.controller.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
+from resilient_rl.protocol_utils import tensordict_class
 from resilient_rl.trainer.config import config_from_dict
 from resilient_rl.workers import weight_bus
 from resilient_rl.workers.checkpointing import CheckpointMixin
@@ -59,6 +61,9 @@ class RoleWorker(Worker):
         if self.plan.device.type == "cpu":
             torch.set_num_threads(1)
         torch.manual_seed(self.cfg.trainer.seed)
+        # A (re)started worker answers its first ping before the slow tensordict import is done:
+        # the import then overlaps the controller's rendezvous instead of the restart wait.
+        threading.Thread(target=tensordict_class, name="warm-imports", daemon=True).start()
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
