@@ -75,16 +75,12 @@ class CheckpointMixin:
         if self._writer is None:
             return []
         try:
-            records = self._writer.wait(timeout=timeout_s) if timeout_s else self._poll()
+            if not timeout_s and self._writer.busy:
+                return None
+            records = self._writer.wait(timeout=timeout_s or 0)
         except cf.TimeoutError:
             return None
         return None if records is None else _records(records)
-
-    def _poll(self):
-        pending = self._writer._pending
-        if pending is not None and not pending.done():
-            return None
-        return self._writer.wait(timeout=0)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
