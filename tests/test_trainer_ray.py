@@ -101,3 +101,24 @@ def test_two_fsdp_ranks_match_a_single_process_step(ray_cluster, tmp_path):
     assert max(diffs.values()) < 2e-4, diffs
     moved = max(float((single_weights[k] - w).abs().max()) for k, w in local.ref.model.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights
+
+
+def test_colocated_ppo_puts_every_role_in_actor_world_size_processes(ray_cluster, tmp_path):
+    """Colocated PPO: actor, critic, ref and rollout share ``actor.world_size`` processes, and the run
+    equals the split placement with the same world sizes (every role in its own processes)."""
+    cfg = small_cfg(tmp_path, "coloc")
+    assert cfg.critic.enabled and cfg.critic.world_size == cfg.actor.world_size == 2
+    trainer = PPOTrainer(cfg)
+    try:
+        roles = trainer.start_roles()
+        pids = roles.worker_pids()
+        assert {role for role, _ in pids} == {"actor", "critic", "ref", "rollout"}
+        assert len(set(pids.values())) == cfg.actor.world_size
+        assert len(roles.distinct_groups()) == 1
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    colocated = trainer.run_dir.read_metrics()
+    split, _ = run(small_cfg(tmp_path, "split2", "trainer.placement=split", "critic.world_size=2",
+                             "rollout.world_size=2", "ref.world_size=2"))
+    assert deterministic_view(colocated) == deterministic_view(split)

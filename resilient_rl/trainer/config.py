@@ -83,6 +83,7 @@ class Config(_Section):
             # Colocated roles share the actor's processes, so their world sizes are the actor's.
             self.rollout.world_size = self.actor.world_size
             self.ref.world_size = self.actor.world_size
+            self.critic.world_size = self.actor.world_size
         _require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
                  "algorithm.adv_estimator='grpo' needs rollout.n >= 2 samples per prompt")
         sequences = self.data.batch_size * self.rollout.n

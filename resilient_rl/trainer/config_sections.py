@@ -175,7 +175,7 @@ class ActorConfig(_Section):
 
 @dataclass
 class CriticConfig(_Section):
-    """The value model (PPO with GAE); switched off for GRPO."""
+    """The value model (PPO with GAE); switched off for GRPO. ``world_size`` follows the actor's when colocated."""
 
     enabled: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -7,10 +7,11 @@ reference a distributed step is tested against.
 from __future__ import annotations
 
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import full_state_dict, plan_device
+from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
+from resilient_rl.workers.weight_sync import write_into
 
 
 class LocalRoles:
@@ -47,7 +48,8 @@ class LocalRoles:
         return [self.actor.update(data, int(data.meta_info["step"]))]
 
     def sync_weights(self, version: int) -> None:
-        self.rollout.load_weights(full_state_dict(self.actor.model), version)
+        write_into(self.actor.model, dict(self.rollout.model.named_parameters()))
+        self.rollout.version = int(version)
 
     def shutdown(self) -> None:
         pass

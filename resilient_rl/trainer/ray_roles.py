@@ -1,11 +1,10 @@
 """Role backend on Ray: worker groups for actor, critic, ref and rollout, in either placement.
 
-- ``colocated``: actor, rollout and ref share one process per device (one resource pool); weights
-  reach the rollout through process memory.
-- ``split``: every role has its own resource pool and processes; weights travel from actor rank 0
-  through Ray's object store.
-
-The critic always has its own group (its world size may differ from the actor's).
+- ``colocated``: actor, rollout, ref and (PPO) critic share one process per device: one resource
+  pool, ``actor.world_size`` worker processes in all, every role on every device. The actor writes
+  its weights straight into the rollout's parameters on the device (:mod:`resilient_rl.workers.weight_sync`).
+- ``split``: every role has its own resource pool and processes (the critic's world size may
+  differ from the actor's); weights travel from actor rank 0 through Ray's object store.
 """
 
 from __future__ import annotations
@@ -42,24 +41,19 @@ class RayRoles:
         self.process_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
         self.groups: dict[str, RayWorkerGroup] = {}
         try:
+            classes = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": RefWorker}
+            if self.critic_enabled:
+                classes["critic"] = CriticWorker
             if self.colocated:
-                cls = create_colocated_worker_cls({
-                    "actor": RayClassWithInitArgs(ActorWorker, **init),
-                    "rollout": RayClassWithInitArgs(RolloutWorker, **init),
-                    "ref": RayClassWithInitArgs(RefWorker, **init)})
+                cls = create_colocated_worker_cls({role: RayClassWithInitArgs(c, **init) for role, c in classes.items()})
                 main = self._group("main", cfg.actor.world_size, cls)
                 self.process_groups.append(main)
-                self.groups.update(main.spawn(prefix_set=("actor", "rollout", "ref")))
+                self.groups.update(main.spawn(prefix_set=tuple(classes)))
             else:
-                for role, cls, n in (("actor", ActorWorker, cfg.actor.world_size),
-                                     ("rollout", RolloutWorker, cfg.rollout.world_size),
-                                     ("ref", RefWorker, cfg.ref.world_size)):
-                    self.groups[role] = self._group(role, n, RayClassWithInitArgs(cls, **init))
-                self.process_groups += [self.groups["actor"], self.groups["ref"]]
-            if self.critic_enabled:
-                self.groups["critic"] = self._group("critic", cfg.critic.world_size,
-                                                    RayClassWithInitArgs(CriticWorker, **init))
-                self.process_groups.append(self.groups["critic"])
+                for role, c in classes.items():
+                    self.groups[role] = self._group(role, getattr(cfg, role).world_size, RayClassWithInitArgs(c, **init))
+                # The rollout is unsharded: it needs no process group.
+                self.process_groups += [g for role, g in self.groups.items() if role != "rollout"]
             self.known_workers: dict[tuple[str, int], tuple[int, str]] = {}
             self.refresh_workers()
             self.rendezvous()

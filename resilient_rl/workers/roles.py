@@ -22,7 +22,7 @@ from resilient_rl.controller.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol_utils import tensordict_class
 from resilient_rl.trainer.config import config_from_dict
-from resilient_rl.workers import weight_bus
+from resilient_rl.workers import weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.fsdp import full_state_dict, plan_device
 from resilient_rl.workers.policy import PolicyEngine
@@ -91,11 +91,12 @@ class ActorWorker(CheckpointMixin, RoleWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_weights(self, version: int, colocated: bool):
-        """Gather the full weights. Colocated: leave them in this process for the rollout; split: rank 0 returns them."""
-        state = full_state_dict(self.engine.model, all_ranks=colocated)
+        """Colocated: write the weights into the rollout of this process, on the device; split: rank 0
+        returns the gathered weights on CPU (for the object store)."""
         if colocated:
-            weight_bus.publish(state, version)
+            weight_sync.push(self.engine.model, version)
             return None
+        state = full_state_dict(self.engine.model, all_ranks=False)
         return state if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -164,6 +165,8 @@ class RolloutWorker(RoleWorker):
         c = self.cfg
         self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
                                     self.eos_token_id, self.pad_token_id)
+        # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
+        weight_sync.register_sink(self.engine.model)
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -172,9 +175,11 @@ class RolloutWorker(RoleWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_weights(self, state: dict | None, version: int) -> int:
-        """Load weights sent by the actor, or (colocated) the ones it left in this process."""
+        """Load weights sent by the actor, or (colocated) check that the actor of this process wrote ``version``."""
         if state is None:
-            state = weight_bus.take(version)
+            weight_sync.take(version)
+            self.engine.version = int(version)
+            return self.engine.version
         return self.engine.load_weights(state, version)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
