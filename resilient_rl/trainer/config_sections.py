@@ -162,6 +162,9 @@ class ActorConfig(_Section):
     kl_loss_type: str = "low_var_kl"
     loss_agg_mode: str = "token-mean"
     world_size: int = 2
+    #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
+    #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
+    reshard_after_forward: bool = False
 
     def validate(self) -> None:
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
@@ -183,6 +186,9 @@ class CriticConfig(_Section):
     mini_batch_size: int = 32
     cliprange_value: float = 0.5
     world_size: int = 1
+    #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
+    #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
+    reshard_after_forward: bool = False
 
     def validate(self) -> None:
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
@@ -212,6 +218,9 @@ class RefConfig(_Section):
     """The frozen reference policy; ``world_size`` follows the actor's when colocated."""
 
     world_size: int = 1
+    #: FSDP2: false keeps the full parameters after the first forward (the ref never changes, so it
+    #: then runs without collectives); true gathers them for every forward and frees them after.
+    reshard_after_forward: bool = False
 
     def validate(self) -> None:
         _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")

@@ -1,9 +1,13 @@
 """FSDP2 wrapping, device and precision choice, optimizers and LR schedules.
 
-``fully_shard`` is applied to every transformer block, then to the root, as the FSDP2 docs
-recommend: each block's parameters are gathered just before it runs and freed after. On CUDA the
-parameters compute in bf16 with fp32 gradient reduction; on CPU everything stays fp32 (gloo has no
-bf16 reductions worth having, and fp32 keeps CPU runs bit-reproducible).
+On CUDA, ``fully_shard`` is applied to every transformer block, then to the root, as the FSDP2 docs
+recommend: each block's parameters are gathered (and prefetched by NCCL while the previous block
+computes) just before it runs and freed after. On CPU the model is one FSDP unit: gloo overlaps
+nothing with compute and every collective costs a round of latency, so one all-gather and one
+reduce-scatter per mini-batch beat one per block (measured: about 2x less CPU per update for the
+tiny model on 2 ranks). On CUDA the parameters compute in bf16 with fp32 gradient reduction; on CPU
+everything stays fp32 (gloo has no bf16 reductions worth having, and fp32 keeps CPU runs
+bit-reproducible).
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
 
     mesh = init_device_mesh(plan.device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
-    for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if plan.device.type == "cuda":
+        # Per block, so that NCCL gathers the next block's parameters while this one computes.
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
 
@@ -68,8 +74,9 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, from an OptimConfig."""
     params = [p for p in model.parameters() if p.requires_grad]
+    # foreach: one multi-tensor kernel per update instead of one (DTensor-dispatched) op per parameter.
     return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay, foreach=False)
+                             weight_decay=optim_cfg.weight_decay, foreach=True)
 
 
 def lr_lambda(optim_cfg, total_steps: int):
@@ -96,15 +103,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: in
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip gradients across all shards; returns the total norm before clipping."""
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip gradients across all shards; returns the total norm before clipping (a 0-dim tensor, so
+    that reading it does not force a device sync per mini-batch)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=False)
+        return torch.zeros(())
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch.Tensor]:
@@ -122,10 +130,10 @@ def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch
     return {k: v.detach().to("cpu") for k, v in sd.items()}
 
 
-def global_token_count(mask: torch.Tensor) -> torch.Tensor:
-    """Number of valid tokens in ``mask`` summed over the data-parallel group."""
-    count = mask.sum().to(torch.float64)
+def global_token_counts(masks: list[torch.Tensor]) -> torch.Tensor:
+    """Valid tokens of each mini-batch mask summed over the data-parallel group: one all-reduce for
+    all of them (instead of one per mini-batch)."""
+    counts = torch.stack([m.sum().to(torch.float64) for m in masks])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        count = count.to(mask.device)
-        dist.all_reduce(count)
-    return count
+        dist.all_reduce(counts)
+    return counts

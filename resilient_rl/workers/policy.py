@@ -16,7 +16,7 @@ from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits,
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler, clip_grad_norm,
-                                       global_token_count, wrap_fsdp2)
+                                       global_token_counts, wrap_fsdp2)
 
 
 def dp_world_size() -> int:
@@ -36,14 +36,14 @@ class PolicyEngine:
     """A causal LM that scores responses and, when trainable, takes PPO steps."""
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
-                 total_steps: int = 1, trainable: bool = True):
+                 total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True):
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
         model = build_causal_lm(model_cfg, vocab_size, seed)
         if not trainable:
             model.requires_grad_(False)
-        self.model = wrap_fsdp2(model, plan)
+        self.model = wrap_fsdp2(model, plan, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
@@ -71,12 +71,13 @@ class PolicyEngine:
         n_updates = 0
         # Mini-batch order is a pure function of (seed, step): replays after recovery shuffle identically.
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step
-        for mb in data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed):
+        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
+        masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
+        token_counts = global_token_counts(masks).clamp(min=1.0)
+        for mb, mask, tokens in zip(mini_batches, masks, token_counts):
             b = mb.batch
-            mask = b["response_mask"].to(self.plan.device).float()
             logits = response_logits(self.model, mb, self.plan.device)
             logp = logprobs_from_logits(logits, b["responses"].to(self.plan.device))
-            tokens = global_token_count(mask).clamp(min=1.0)
             scale = world * mask.sum() / tokens  # local token-mean -> global token-mean
             pg = ppo_policy_loss(b["old_log_probs"].to(self.plan.device), logp, b["advantages"].to(self.plan.device),
                                  mask, clip_ratio=cfg.clip_ratio, loss_agg_mode="token-mean")
@@ -88,7 +89,7 @@ class PolicyEngine:
                 kl = kl_penalty(logp, b["ref_log_prob"].to(self.plan.device), cfg.kl_loss_type)
                 kl_loss = (kl * mask).sum() / mask.sum().clamp(min=1.0)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl_loss)
+                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + kl_loss.detach().double()
             (loss * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             self.optimizer.step()
@@ -96,9 +97,9 @@ class PolicyEngine:
             n_updates += 1
             for k, v in (("actor/pg_loss", pg["pg_loss"]), ("actor/pg_clipfrac", pg["pg_clipfrac"]),
                          ("actor/ppo_kl", pg["ppo_kl"]), ("actor/entropy", entropy), ("actor/grad_norm", grad_norm)):
-                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+                sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
         self.scheduler.step()
         self.model.train(False)
-        metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
+        metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics

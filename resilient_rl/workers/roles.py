@@ -77,7 +77,8 @@ class ActorWorker(CheckpointMixin, RoleWorker):
         c = self.cfg
         self.reset_checkpoint_writer()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
-                                   total_steps=c.trainer.total_steps, trainable=True)
+                                   total_steps=c.trainer.total_steps, trainable=True,
+                                   reshard_after_forward=c.actor.reshard_after_forward)
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -145,7 +146,8 @@ class RefWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
-        self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False)
+        self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
+                                   reshard_after_forward=c.ref.reshard_after_forward)
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -8,7 +8,7 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler, clip_grad_norm,
-                                       global_token_count, wrap_fsdp2)
+                                       global_token_counts, wrap_fsdp2)
 from resilient_rl.workers.policy import dp_world_size
 
 
@@ -27,7 +27,8 @@ class ValueEngine:
     def __init__(self, model_cfg, critic_cfg, vocab_size: int, seed: int, plan: DevicePlan, total_steps: int = 1):
         self.plan = plan
         self.cfg = critic_cfg
-        self.model = wrap_fsdp2(build_value_model(model_cfg, vocab_size, seed), plan)
+        self.model = wrap_fsdp2(build_value_model(model_cfg, vocab_size, seed), plan,
+                                reshard_after_forward=critic_cfg.reshard_after_forward)
         self.model.train(False)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
@@ -46,11 +47,12 @@ class ValueEngine:
         sums: dict[str, float] = {}
         n = 0
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
-        for mb in data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed):
+        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
+        masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
+        token_counts = global_token_counts(masks).clamp(min=1.0)
+        for mb, mask, tokens in zip(mini_batches, masks, token_counts):
             b = mb.batch
-            mask = b["response_mask"].to(self.plan.device).float()
             vpreds = response_values(self.model, mb, self.plan.device)
-            tokens = global_token_count(mask).clamp(min=1.0)
             scale = world * mask.sum() / tokens
             vf_loss, vf_clipfrac = value_loss(vpreds, b["values"].to(self.plan.device),
                                               b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
@@ -62,9 +64,9 @@ class ValueEngine:
             for k, v in (("critic/vf_loss", vf_loss), ("critic/vf_clipfrac", vf_clipfrac),
                          ("critic/grad_norm", grad_norm),
                          ("critic/vpred_mean", (vpreds * mask).sum() / mask.sum().clamp(min=1.0))):
-                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+                sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
         self.scheduler.step()
         self.model.train(False)
-        metrics = {k: v / max(1, n) for k, v in sums.items()}
+        metrics = {k: float(v) / max(1, n) for k, v in sums.items()}
         metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics

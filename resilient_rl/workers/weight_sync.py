@@ -107,7 +107,9 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], sink: dict[str, torch
         if n:
             send[offset:offset + n].copy_(p.to_local().reshape(-1))
         offset += n
-    dist.all_gather_into_tensor(recv, send.clone() if recv.device.type == "cpu" else send, group=group)
+    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(recv, send.clone() if recv.device.type == "cpu" else send, group=group)
     for r in range(world):
         base, offset = r * width, 0
         for i, (name, _) in enumerate(bucket):
