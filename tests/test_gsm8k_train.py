@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from resilient_rl.data.make_tokenizer import train_tokenizer
+from resilient_rl.errors import ConfigError
 from resilient_rl.trainer.config import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.paths import resolve_path
@@ -103,3 +104,12 @@ def test_gsm8k_llama_trains_on_ray(ray_cluster, gsm8k_setup):
     finally:
         trainer.shutdown()
     _check_history(trainer, rows, sys.modules[module].CALLS, steps=2)
+
+
+def test_too_small_model_vocabulary_fails_before_any_worker_starts(gsm8k_setup):
+    overrides, _ = gsm8k_setup
+    cfg = load_config(resolve_path("pkg://resilient_rl/configs/gsm8k_llama.yaml"),
+                      overrides + ["model.hf_config.vocab_size=100"])
+    with pytest.raises(ConfigError, match=r"model.hf_config.vocab_size=100 is smaller than the tokenizer's "
+                                          r"vocabulary \(300 ids"):
+        PPOTrainer(cfg, roles_factory=LocalRoles)
