@@ -28,7 +28,7 @@ from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.trainer.config import config_digest, config_from_dict
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.tasks import get_task
-from resilient_rl.trainer.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from resilient_rl.trainer.tokenizer import build_tokenizer
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
@@ -65,7 +65,7 @@ def _make_run(base: Path, model: dict, steps=(1, 2)) -> dict:
                                                         "total_steps": 4, "device": "cpu"},
                             "checkpoint": {"root": str(root)}})
     RunDir(str(output_dir), RUN).save_config(cfg)
-    tokenizer = CharTokenizer(getattr(get_task(cfg.data), "alphabet", DEFAULT_ALPHABET))
+    tokenizer = build_tokenizer(cfg.data, get_task(cfg.data))
     engine = PolicyEngine(cfg.model, tokenizer.vocab_size, cfg.trainer.seed, plan_device("cpu"),
                           actor_cfg=cfg.actor, total_steps=cfg.trainer.total_steps)
     actor = _LocalActor(engine)

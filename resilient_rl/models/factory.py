@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.models.hf import hf_layers, load_hf_causal_lm
+from resilient_rl.models.hf import hf_layers, load_hf_causal_lm, load_hf_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.models.value import CausalLMWithValueHead
 
-__all__ = ["build_causal_lm", "build_value_model", "seeded_init", "tiny_config", "transformer_blocks"]
+__all__ = ["build_causal_lm", "build_value_model", "model_vocab_size", "seeded_init", "tiny_config",
+           "transformer_blocks"]
 
 _KINDS = ("tiny", "hf")
 
@@ -103,11 +104,39 @@ def _dtype(model_cfg: Any) -> torch.dtype:
     return dtype
 
 
+def model_vocab_size(model_cfg: Any, vocab_size: int | None) -> int | None:
+    """The vocabulary the model described by ``model_cfg`` will have, for a tokenizer of ``vocab_size`` ids.
+
+    The one place the model's vocabulary is decided: the tiny model and a Hugging Face
+    ``hf_config`` without ``vocab_size`` take the tokenizer's; an explicit ``hf_config.vocab_size``
+    or a ``model.path``'s ``config.json`` keep theirs, which must not be smaller than the
+    tokenizer's (a larger one leaves spare rows the tokenizer never produces). Raises
+    :class:`ConfigError` naming the key otherwise. Cheap: a model path's config is read, not its weights.
+    """
+    if _kind(model_cfg) == "tiny" or vocab_size is None:
+        return vocab_size
+    path = getattr(model_cfg, "path", None)
+    if path is not None:
+        config = load_hf_config(path)
+        declared, where = getattr(config, "vocab_size", None), f"model.path={path!r} (config.json vocab_size)"
+    else:
+        declared, where = dict(getattr(model_cfg, "hf_config", None) or {}).get("vocab_size"), "model.hf_config.vocab_size"
+    if declared is None:
+        return vocab_size
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise ConfigError(f"{where}={declared!r} must be a positive int")
+    if declared < vocab_size:
+        raise ConfigError(f"{where}={declared} is smaller than the tokenizer's vocabulary ({vocab_size} ids, "
+                          "len(tokenizer)): leave hf_config.vocab_size unset to take the tokenizer's, or raise it")
+    return declared
+
+
 def _build_hf(model_cfg: Any, vocab_size: int | None) -> nn.Module:
     path = getattr(model_cfg, "path", None)
     hf_config = getattr(model_cfg, "hf_config", None)
-    if hf_config is not None and vocab_size is not None and path is None:
-        hf_config = {"vocab_size": vocab_size, **dict(hf_config)}
+    resolved = model_vocab_size(model_cfg, vocab_size)
+    if hf_config is not None and resolved is not None and path is None:
+        hf_config = {**dict(hf_config), "vocab_size": resolved}
     model = load_hf_causal_lm(path=path, hf_config=hf_config, dtype=_dtype(model_cfg))
     model_vocab = model.get_input_embeddings().num_embeddings
     if vocab_size is not None and model_vocab < vocab_size:

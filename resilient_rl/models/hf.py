@@ -15,7 +15,7 @@ from torch import nn
 
 from resilient_rl.errors import ConfigError
 
-__all__ = ["hf_layers", "load_hf_causal_lm", "tiny_llama_config"]
+__all__ = ["hf_layers", "load_hf_causal_lm", "load_hf_config", "tiny_llama_config"]
 
 # Where decoder families keep their block list, tried in order; the first ModuleList found wins.
 _LAYER_PATHS = (
@@ -71,6 +71,19 @@ def load_hf_causal_lm(path: str | None = None, hf_config: dict[str, Any] | None 
         return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"model.hf_config (model_type={model_type!r}) cannot build a causal LM: {exc}") from exc
+
+
+def load_hf_config(path: str) -> Any:
+    """The ``transformers`` config of the local model directory ``path`` (no weights are read)."""
+    transformers = _transformers()
+    local = os.path.expanduser(str(path))
+    if not os.path.exists(local):
+        raise ConfigError(f"model.path={path!r} does not exist (models are loaded from local "
+                          "files only, never downloaded)")
+    try:
+        return transformers.AutoConfig.from_pretrained(local, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.path={path!r} holds no loadable model config: {exc}") from exc
 
 
 def hf_layers(model: nn.Module) -> nn.ModuleList:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from resilient_rl.errors import ConfigError
+from resilient_rl.trainer.rewards import REWARDS
 
 KL_ESTIMATORS = ("k1", "abs", "mse", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -121,6 +122,9 @@ class ModelConfig(_Section):
         _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
                  f"must be divisible by num_heads={self.num_heads}")
         _require(self.max_seq_len >= 2, "max_seq_len", self.max_seq_len, "must be >= 2")
+        positions = (self.hf_config or {}).get("max_position_embeddings") if self.kind == "hf" else None
+        _require(not isinstance(positions, int) or positions >= self.max_seq_len, "max_seq_len", self.max_seq_len,
+                 f"must be <= model.hf_config.max_position_embeddings={positions}")
 
 
 @dataclass
@@ -276,6 +280,8 @@ class DataConfig(_Section):
     shuffle: bool = True
     seed: int = 0
     partial_credit: bool = True
+    tokenizer: Optional[str] = None
+    chat_template: Optional[bool] = None
 
     def validate(self) -> None:
         _choice("task", self.task, BUILTIN_TASKS + ("jsonl",))
@@ -284,8 +290,13 @@ class DataConfig(_Section):
             _require(self.reward_fn is not None, "reward_fn", self.reward_fn,
                      "data.task='jsonl' needs data.reward_fn ('package.module:function')")
         if self.reward_fn is not None:
-            _require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None, "reward_fn", self.reward_fn,
-                     "must be an import path 'package.module:function'")
+            _require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in REWARDS,
+                     "reward_fn", self.reward_fn, "must be an import path 'package.module:function' or one of "
+                     + ", ".join(repr(r) for r in REWARDS))
+        _require(self.tokenizer is None or self.tokenizer.strip() != "", "tokenizer", self.tokenizer,
+                 "must be a local tokenizer folder (or 'pkg://package/dir'), or null for the character tokenizer")
+        _require(not self.chat_template or self.tokenizer is not None, "chat_template", self.chat_template,
+                 "needs data.tokenizer (the character tokenizer has no chat template)")
         _require(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
         _require(self.min_digits >= 1, "min_digits", self.min_digits, "must be >= 1")
         _require(self.max_digits >= self.min_digits, "max_digits", self.max_digits,

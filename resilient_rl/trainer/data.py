@@ -14,7 +14,7 @@ import torch
 from resilient_rl.errors import CheckpointError, ConfigError, TokenizerError
 from resilient_rl.trainer.config import DataConfig
 from resilient_rl.trainer.tasks import Sample, Task, get_task
-from resilient_rl.trainer.tokenizer import CharTokenizer
+from resilient_rl.trainer.tokenizer import Tokenizer
 
 
 class PromptDataset:
@@ -22,17 +22,18 @@ class PromptDataset:
 
     Padding to the dataset's longest prompt (not the batch's) keeps every batch the same shape,
     which keeps generation and checkpoints independent of which prompts a batch happens to hold.
-    Each prompt starts with bos. Attributes: ``input_ids`` and ``attention_mask`` (int64 [N, P]),
+    Each prompt is encoded by ``tokenizer.encode_prompt`` (bos first; a Hugging Face tokenizer's
+    chat template when it applies). Attributes: ``input_ids`` and ``attention_mask`` (int64 [N, P]),
     ``prompts`` and ``answers`` (numpy object arrays [N]), ``prompt_len`` (P) and ``task``.
     """
 
-    def __init__(self, samples: Sequence[Sample], tokenizer: CharTokenizer, task: Optional[Task] = None):
+    def __init__(self, samples: Sequence[Sample], tokenizer: Tokenizer, task: Optional[Task] = None):
         if not samples:
             raise ConfigError("a prompt dataset needs at least one sample")
         encoded = []
         for i, sample in enumerate(samples):
             try:
-                encoded.append(tokenizer.encode(sample.prompt, add_bos=True))
+                encoded.append(tokenizer.encode_prompt(sample.prompt))
             except TokenizerError as e:
                 raise TokenizerError(f"prompt {sample.source or f'#{i}'}: {e}") from None
         self.prompt_len = max(len(ids) for ids in encoded)
@@ -46,12 +47,12 @@ class PromptDataset:
         self.tokenizer, self.task = tokenizer, task
 
     @classmethod
-    def from_task(cls, task: Task, tokenizer: CharTokenizer, num_prompts: int, seed: int) -> "PromptDataset":
+    def from_task(cls, task: Task, tokenizer: Tokenizer, num_prompts: int, seed: int) -> "PromptDataset":
         """``num_prompts`` samples of ``task``, generated from ``numpy.random.default_rng(seed)``."""
         return cls(task.make_prompts(num_prompts, np.random.default_rng(seed)), tokenizer, task)
 
     @classmethod
-    def from_config(cls, data_cfg: DataConfig, tokenizer: CharTokenizer) -> "PromptDataset":
+    def from_config(cls, data_cfg: DataConfig, tokenizer: Tokenizer) -> "PromptDataset":
         """The dataset described by the ``data`` config section."""
         return cls.from_task(get_task(data_cfg), tokenizer, data_cfg.num_prompts, data_cfg.seed)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import WorkerError
+from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.config import config_digest
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
@@ -22,7 +23,7 @@ from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.trainer.tasks import get_task
 from resilient_rl.trainer.telemetry_hook import TelemetryHook
-from resilient_rl.trainer.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from resilient_rl.trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class PPOTrainer:
     def __init__(self, cfg, roles_factory: Callable | None = None, hooks: list | None = None):
         self.cfg = cfg
         self.task = get_task(cfg.data)
-        self.tokenizer = CharTokenizer(getattr(self.task, "alphabet", DEFAULT_ALPHABET))
+        self.tokenizer = build_tokenizer(cfg.data, self.task)
+        model_vocab_size(cfg.model, self.tokenizer.vocab_size)  # fail here, not in a worker, if too small
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.dataset.check_fits(cfg.model.max_seq_len, cfg.rollout.max_new_tokens)
         self.loader = StatefulPromptLoader.from_config(self.dataset, cfg.data)

@@ -2,7 +2,9 @@
 
 Built in: ``reverse`` ("123>" -> "321"), ``copy`` ("123=" -> "123") and ``add`` ("12+7=" -> "19"),
 generated from a seeded numpy Generator. ``jsonl`` reads ``{"prompt": ..., "answer": ...}`` lines
-from a file and scores responses with a user function given by import path ``module:function``.
+(or GSM8K's ``{"question": ..., "answer": ...}``) from a file and scores responses with a registered
+reward (:mod:`resilient_rl.trainer.rewards`: ``exact_match``, ``partial_match``, ``gsm8k``) or a user
+function given by import path ``module:function``.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import importlib
 import importlib.resources
 import json
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 import fsspec
 import numpy as np
 
 from resilient_rl.errors import ConfigError, DataProtoError
 from resilient_rl.trainer.config import DataConfig
-from resilient_rl.trainer.tokenizer import CharTokenizer
+from resilient_rl.trainer.paths import resolve_path
+from resilient_rl.trainer.rewards import RewardFn, exact_match, get_reward, partial_match
+from resilient_rl.trainer.tokenizer import Tokenizer
 
-RewardFn = Callable[[str, str], float]
+__all__ = ["AddTask", "CopyTask", "JsonlTask", "ReverseTask", "RewardFn", "Sample", "Task", "compute_rewards",
+           "exact_match", "example_prompts_path", "get_task", "load_reward_fn", "partial_match", "read_jsonl"]
 
 
 @dataclass(frozen=True)
@@ -44,25 +49,6 @@ class Task(Protocol):
     def reward(self, response: str, answer: str) -> float:
         """Score of ``response`` (decoded, up to eos) against ``answer``."""
         ...
-
-
-def exact_match(response: str, answer: str) -> float:
-    """1.0 when the response equals the answer, else 0.0."""
-    return 1.0 if response == answer else 0.0
-
-
-def partial_match(response: str, answer: str) -> float:
-    """1.0 for an exact match, else half the fraction of positions that agree.
-
-    The fraction is over the longer of the two strings, so trailing junk is not free, and it is
-    scaled by 0.5 so that any exact match outranks every partial one. An empty response scores 0.
-    """
-    if response == answer:
-        return 1.0
-    if not response or not answer:
-        return 0.0
-    agree = sum(r == a for r, a in zip(response, answer))
-    return 0.5 * agree / max(len(response), len(answer))
 
 
 class _DigitTask:
@@ -131,7 +117,9 @@ class AddTask(_DigitTask):
 
 
 def load_reward_fn(import_path: str) -> RewardFn:
-    """Import ``package.module:function``; every error names the import path."""
+    """A registered reward by name, or ``package.module:function`` imported; errors name the value."""
+    if ":" not in import_path:
+        return get_reward(import_path)
     module_name, sep, attr = import_path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"data.reward_fn={import_path!r} must have the form 'package.module:function'")
@@ -154,10 +142,15 @@ def example_prompts_path() -> str:
     return str(importlib.resources.files("resilient_rl") / "data" / "example_prompts.jsonl")
 
 
+#: Field names of a record's prompt, tried in order ("question" is GSM8K's).
+PROMPT_KEYS = ("prompt", "question")
+
+
 def read_jsonl(path: str) -> list[Sample]:
-    """Samples from a JSONL file (any fsspec URL); blank lines are skipped, errors name file:line."""
+    """Samples from a JSONL file (any fsspec URL or ``pkg://package/file``); blank lines are skipped,
+    errors name file:line. A record's prompt is its ``prompt`` field, or ``question`` (GSM8K)."""
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
+        with fsspec.open(resolve_path(path, "data.path"), "r", encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.path={path!r}: cannot read prompt file: {e}") from e
@@ -172,12 +165,13 @@ def read_jsonl(path: str) -> list[Sample]:
             raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{where}: expected an object with 'prompt' and 'answer', got {type(record).__name__}")
-        for key in ("prompt", "answer"):
+        prompt_key = next((k for k in PROMPT_KEYS if k in record), PROMPT_KEYS[0])
+        for key in (prompt_key, "answer"):
             if not isinstance(record.get(key), str):
                 raise ConfigError(f"{where}: field {key!r} must be a string, got {record.get(key)!r}")
-        if not record["prompt"]:
-            raise ConfigError(f"{where}: field 'prompt' must not be empty")
-        samples.append(Sample(prompt=record["prompt"], answer=record["answer"], source=where))
+        if not record[prompt_key]:
+            raise ConfigError(f"{where}: field {prompt_key!r} must not be empty")
+        samples.append(Sample(prompt=record[prompt_key], answer=record["answer"], source=where))
     if not samples:
         raise ConfigError(f"data.path={path!r}: the prompt file holds no samples")
     return samples
@@ -192,6 +186,13 @@ class JsonlTask:
         self.path, self.reward_fn_path = path, reward_fn
         self._reward_fn = load_reward_fn(reward_fn)
         self._samples = read_jsonl(path)
+        check = getattr(self._reward_fn, "check_reference", None)
+        if check is not None:
+            for sample in self._samples:
+                try:
+                    check(sample.answer)
+                except ConfigError as e:
+                    raise ConfigError(f"{sample.source}: {e}") from None
 
     def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
         """Every sample of the file, in file order: a file task has a fixed set, so ``n`` is ignored."""
@@ -218,7 +219,7 @@ def get_task(data_cfg: DataConfig) -> Task:
     raise ConfigError(f"data.task={data_cfg.task!r}: allowed values are {', '.join(builtin)}, 'jsonl'")
 
 
-def compute_rewards(task: Task, tokenizer: CharTokenizer, responses: Iterable[Sequence[int]],
+def compute_rewards(task: Task, tokenizer: Tokenizer, responses: Iterable[Sequence[int]],
                     answers: Sequence[str]) -> np.ndarray:
     """Score a batch of generated responses (token ids, cut at eos) against their answers: float32 [B]."""
     texts = [tokenizer.decode_response(row) for row in responses]

@@ -1,19 +1,48 @@
-"""A character-level tokenizer for the built-in tasks and small JSONL prompt sets.
+"""Tokenizers: a character-level one for the built-in tasks, and Hugging Face tokenizers from a folder.
 
-Ids 0, 1 and 2 are the special tokens pad, bos and eos; the alphabet's characters follow in order.
+:class:`CharTokenizer`: ids 0, 1 and 2 are the special tokens pad, bos and eos; the alphabet's
+characters follow in order. :class:`HFTokenizer` wraps a ``transformers`` tokenizer loaded from a
+local folder (``data.tokenizer``), applying its chat template to prompts when it has one.
+:func:`build_tokenizer` picks one from the ``data`` config section; the trainer only needs what
+:class:`Tokenizer` lists, and the workers only the vocabulary size and the eos/pad ids.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import string
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
-from resilient_rl.errors import TokenizerError
+from resilient_rl.errors import ConfigError, TokenizerError
+from resilient_rl.trainer.paths import resolve_path
+
+logger = logging.getLogger(__name__)
 
 #: Digits, the task separators and lowercase letters: enough for every built-in task.
 DEFAULT_ALPHABET = string.digits + "+=|> " + string.ascii_lowercase
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+class Tokenizer(Protocol):
+    """What the trainer needs from a tokenizer."""
+
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a prompt as the model should see it (bos, chat template, ...)."""
+        ...
+
+    def decode_response(self, ids: Iterable[int]) -> str:
+        """A generated response as text: everything before the first eos, specials dropped."""
+        ...
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable description of the tokenizer."""
+        ...
 
 
 class CharTokenizer:
@@ -48,6 +77,10 @@ class CharTokenizer:
             ids.append(self.eos_token_id)
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids: bos, then its characters."""
+        return self.encode(text, add_bos=True)
+
     def decode(self, ids: Iterable[int], skip_special: bool = True, stop_at_eos: bool = False) -> str:
         """Text of ``ids`` (ints, or a 1-D tensor/array); ``stop_at_eos`` cuts at the first eos."""
         out = []
@@ -79,3 +112,103 @@ class CharTokenizer:
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size}, alphabet={self.alphabet!r})"
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (``transformers``) behind the :class:`Tokenizer` interface.
+
+    ``vocab_size`` is ``len(tokenizer)``: the base vocabulary plus added special tokens, i.e. every
+    id the tokenizer can produce, which is what the model's embedding must cover. A tokenizer
+    without a pad token pads with its eos token (left padding is masked, so any id works).
+    ``chat_template``: None applies the tokenizer's chat template when it has one, True requires
+    one, False never applies it.
+    """
+
+    def __init__(self, tokenizer: Any, source: str, chat_template: Optional[bool] = None):
+        self.hf, self.source = tokenizer, source
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"data.tokenizer={source!r} has no eos token: generation needs one to know where "
+                              "a response ends (set eos_token in its tokenizer_config.json)")
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        if tokenizer.pad_token_id is None:
+            logger.info("data.tokenizer=%r has no pad token: padding with its eos token %r (id %d)",
+                        source, tokenizer.eos_token, self.eos_token_id)
+            self.pad_token_id = self.eos_token_id
+        else:
+            self.pad_token_id = int(tokenizer.pad_token_id)
+        self.bos_token_id = tokenizer.bos_token_id
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if chat_template and not has_template:
+            raise ConfigError(f"data.chat_template=true but data.tokenizer={source!r} has no chat template")
+        self.use_chat_template = has_template if chat_template is None else bool(chat_template)
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str, chat_template: Optional[bool] = None) -> "HFTokenizer":
+        """Load the tokenizer folder ``path`` (a directory or ``pkg://package/dir``); never downloads."""
+        local = resolve_path(path, "data.tokenizer")
+        if not os.path.isdir(local):
+            raise ConfigError(f"data.tokenizer={path!r}: {local!r} is not a directory (tokenizers are loaded "
+                              "from a local folder only, never downloaded)")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - transformers is installed in dev setups
+            raise ConfigError("data.tokenizer needs the transformers package: pip install 'resilient-rl[hf]'") from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"data.tokenizer={path!r} holds no loadable tokenizer: {exc}") from exc
+        return cls(tokenizer, path, chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (bos)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def format_prompt(self, text: str) -> str:
+        """The prompt as text: wrapped as a user turn plus the assistant's opening if a chat template applies."""
+        if not self.use_chat_template:
+            return text
+        return self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids: through the chat template (which writes its own special tokens), else with bos."""
+        if self.use_chat_template:
+            return self.encode(self.format_prompt(text), add_special_tokens=False)
+        return self.encode(text, add_special_tokens=True)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of ``ids``; ids outside the vocabulary (a model may have spare rows) are dropped."""
+        kept = [i for i in (int(x) for x in ids) if 0 <= i < self.vocab_size]
+        return self.hf.decode(kept, skip_special_tokens=skip_special)
+
+    def decode_response(self, ids: Iterable[int]) -> str:
+        """A generated response as text: everything before the first eos, specials dropped."""
+        out = []
+        for raw in ids:
+            i = int(raw)
+            if i == self.eos_token_id:
+                break
+            out.append(i)
+        return self.decode(out)
+
+    def batch_decode_responses(self, rows: Sequence[Iterable[int]]) -> list[str]:
+        """:meth:`decode_response` for each row of a batch (e.g. a [B, R] tensor)."""
+        return [self.decode_response(row) for row in rows]
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable description: where the tokenizer came from and whether prompts are templated."""
+        return {"kind": "hf", "path": self.source, "chat_template": self.use_chat_template,
+                "vocab_size": self.vocab_size}
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size}, eos={self.eos_token_id}, "
+                f"pad={self.pad_token_id}, chat_template={self.use_chat_template})")
+
+
+def build_tokenizer(data_cfg: Any, task: Any = None) -> "CharTokenizer | HFTokenizer":
+    """The run's tokenizer: ``data.tokenizer``'s folder if set, else characters of the task's alphabet."""
+    path = getattr(data_cfg, "tokenizer", None)
+    if path is None:
+        return CharTokenizer(getattr(task, "alphabet", DEFAULT_ALPHABET))
+    return HFTokenizer.from_pretrained(path, getattr(data_cfg, "chat_template", None))
