@@ -26,16 +26,16 @@ def test_defaults_match_documented_values():
     assert cfg == Config()
     assert cfg.model.kind == "tiny" and cfg.model.hidden_size == 64 and cfg.model.max_seq_len == 64
     assert cfg.actor.optim.betas == [0.9, 0.999] and cfg.actor.world_size == 2
-    assert cfg.critic.enabled is True and cfg.critic.world_size == 1
+    assert cfg.critic.enabled is True
     assert cfg.algorithm.kl_ctrl.type == "fixed" and cfg.algorithm.kl_ctrl.horizon == 10000
     assert cfg.checkpoint.resume == "auto" and cfg.recovery.failure_window_s == 3600.0
     # Colocated roles run in the actor's processes, so their world sizes follow the actor's.
-    assert cfg.rollout.world_size == 2 and cfg.ref.world_size == 2
+    assert cfg.rollout.world_size == 2 and cfg.ref.world_size == 2 and cfg.critic.world_size == 2
 
 
 def test_split_placement_keeps_own_world_sizes():
     cfg = load_config(overrides=["trainer.placement=split", "rollout.world_size=1", "ref.world_size=1"])
-    assert (cfg.rollout.world_size, cfg.ref.world_size) == (1, 1)
+    assert (cfg.rollout.world_size, cfg.ref.world_size, cfg.critic.world_size) == (1, 1, 1)
 
 
 @pytest.mark.parametrize("override, fragments", [
@@ -119,7 +119,7 @@ def test_direct_construction_validates_and_widens_ints():
 @pytest.mark.parametrize("overrides, match", [
     (["algorithm.adv_estimator=grpo"], r"rollout\.n=1.*grpo"),
     (["data.batch_size=3"], r"actor\.world_size=2.*data\.batch_size \* rollout\.n = 3"),
-    (["critic.world_size=3"], r"critic\.world_size=3.*= 64 must be divisible"),
+    (["trainer.placement=split", "critic.world_size=3"], r"critic\.world_size=3.*= 64 must be divisible"),
     (["actor.mini_batch_size=128"], r"actor\.mini_batch_size=128.*= 64"),
     (["data.task=jsonl"], r"data\.path"),
     (["data.task=jsonl", "data.path=x.jsonl"], r"data\.reward_fn"),
