@@ -224,6 +224,10 @@ def _checkpoint(run: RunFiles, root: str | None) -> CheckpointInfo:
     if newest is not None:
         info.step, info.age_s, info.check = newest.step, newest.age_s, newest.status
         info.url = report.manager.step_dir(newest.step)
+        try:  # age as of when the run folder was read, like every other age in the status
+            info.age_s = max(0.0, run.read_at - report.manager.load_manifest(newest.step).created_at)
+        except RRLError:
+            pass  # a corrupt manifest: keep the listing's age (None), its check says why
     return info
 
 

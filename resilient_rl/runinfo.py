@@ -127,9 +127,9 @@ def open_run(target: str, output_dir: str | None = None) -> RunFiles:
     except (json.JSONDecodeError, OSError) as exc:
         logger.warning("cannot read %s: %s", targets_path, exc)
     metrics_path = path / "metrics.jsonl"
-    return RunFiles(path=path, config=config, metrics=_read_jsonl(metrics_path), events=_read_jsonl(path / "events.jsonl"),
-                    controller=read_controller_record(path), targets=targets if isinstance(targets, list) else None,
-                    targets_path=targets_path,
+    return RunFiles(path=path, config=config, metrics=_read_jsonl(metrics_path),
+                    events=_read_jsonl(path / "events.jsonl"), controller=read_controller_record(path),
+                    targets=targets if isinstance(targets, list) else None, targets_path=targets_path,
                     metrics_mtime=metrics_path.stat().st_mtime if metrics_path.exists() else None)
 
 
