@@ -31,6 +31,7 @@ KL_SERIES = (("actor/ppo_kl", "PPO KL (new vs old policy)"),
              ("actor/kl_loss", "KL to reference (loss term)"))
 # Step-time panels draw bars up to this many steps, a line beyond (bars would be sub-pixel).
 _MAX_BARS = 150
+_MAX_LABELS = 12
 _BLUE, _ORANGE, _RED, _GREEN, _GREY = "#1f77b4", "#ff7f0e", "#d62728", "#2ca02c", "#7f7f7f"
 
 
@@ -54,7 +55,7 @@ def _title(run: RunFiles, episodes, rows) -> str:
     if episodes:
         lost = sum(float(f.recovery_s or 0.0) for f in recovered)
         parts.append(f"{len(episodes)} failure{'s' if len(episodes) != 1 else ''}, {len(recovered)} recovered "
-                     f"({lost:.1f} s recovering, {sum(f.steps_replayed for f in recovered)} steps replayed)")
+                     f"({lost:.1f} s recovering, {sum(f.steps_replayed for f in recovered)} step(s) replayed)")
     else:
         parts.append("no failures")
     gp = goodput(run)
@@ -89,7 +90,7 @@ def build_figure(run: RunFiles) -> Figure:
     if exact:
         ax_r.plot(ex_steps, exact, color=_BLUE, lw=1.0, ls=":", alpha=0.8, label="exact-match ratio")
     ax_r.set_ylabel("reward")
-    ax_r.legend(loc="lower right", fontsize=8, frameon=False)
+    ax_r.legend(loc="best", fontsize=8, frameon=False)
 
     t_steps, t = _series(rows, "timing/step_s")
     colors = [_ORANGE if s in replayed else _BLUE for s in t_steps]
@@ -134,27 +135,34 @@ def build_figure(run: RunFiles) -> Figure:
         if ckpts:
             ax.plot(ckpts, [0.0] * len(ckpts), ls="", marker="^", ms=7, color=_GREEN, clip_on=False, zorder=5,
                     transform=ax.get_xaxis_transform(), gid="checkpoints")
-    for i, f in enumerate(episodes):
+    last = max([int(r["step"]) for r in rows] + [f.step for f in episodes])   # a failed last step too
+    ax_k.set_xlim(0.4, last + 0.6)
+    # Past a dozen failures the labels would cover the bars; the title still counts them.
+    for i, f in enumerate(episodes if len(episodes) <= _MAX_LABELS else []):
         if f.outcome == "recovered":
             what = f"recovered in {float(f.recovery_s or 0):.1f} s\nreplayed {f.steps_replayed} step(s)"
         elif f.outcome == "aborted":
             what = "run aborted"
         else:
             what = "no recovery recorded"
+        colour = "black" if f.outcome == "aborted" else _RED
+        right = f.step > 0.7 * last   # near the right edge the label goes left of its line
         ax_t.annotate(f"{f.cause}: {f.who}\n{what}", xy=(f.step, 1.0), xycoords=ax_t.get_xaxis_transform(),
-                      xytext=(10, -4 - 30 * (i % 2)), textcoords="offset points", ha="left", va="top", fontsize=8,
-                      color=_RED, gid="recovery-label",
-                      bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": _RED, "lw": 0.6, "alpha": 0.9})
+                      xytext=(-10 if right else 10, -4 - 30 * (i % 2)), textcoords="offset points",
+                      ha="right" if right else "left", va="top", fontsize=8,
+                      color=colour, gid="recovery-label",
+                      bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": colour, "lw": 0.6, "alpha": 0.9})
 
     handles = [Line2D([], [], color=_RED, ls="--", label="failure (step that failed)"),
                Patch(color=_RED, alpha=0.15, label="steps lost, replayed"),
                Patch(color=_ORANGE, alpha=0.85, label="replayed step"),
                Patch(fc=_RED, alpha=0.35, hatch="///", ec=_RED, label="recovery (wall time)"),
                Line2D([], [], color=_GREEN, marker="^", ls="", label="checkpoint committed")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=5, fontsize=8, frameon=False)
+    if any(f.outcome == "aborted" for f in episodes):
+        handles.append(Line2D([], [], color="black", ls="--", label="run aborted"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles) if len(handles) <= 5 else 3,
+               fontsize=8, frameon=False)
     fig.suptitle(_title(run, episodes, rows), fontsize=11)
-    last = max(int(r["step"]) for r in rows)
-    ax_k.set_xlim(0.4, last + 0.6)
     return fig
 
 

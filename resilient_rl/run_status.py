@@ -119,8 +119,10 @@ class RunStatus:
         if self.goodput is not None:
             lines.append(f"goodput:     {self.goodput:.1%} (steps kept {_dur(self.useful_s)} of "
                          f"{_dur(self.wall_s)} wall time)")
-        else:
+        elif self.controller is None:
             lines.append("goodput:     unknown (no controller record)")
+        else:
+            lines.append("goodput:     unknown (training had not started)")
         m = self.metrics
         if m.urls:
             where = ", ".join(f"{u} ({n})" if n else u for u, n in zip(m.urls, m.nodes))

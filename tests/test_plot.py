@@ -91,3 +91,14 @@ def test_nothing_to_plot_and_bad_arguments_are_errors(tmp_path, capsys):
     assert main(["-q", "plot", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
     assert "no steps to plot yet" in err and "x.jpg" in err and str(tmp_path / "absent") in err
+
+
+def test_long_run_draws_lines_and_marks_replayed_steps(tmp_path):
+    run = FakeRun(tmp_path, total_steps=200, save_every=50)
+    run.train(120)
+    run.fail()
+    run.train(200)
+    step_time = build_figure(open_run(str(run.path))).get_axes()[1]
+    assert not [c for c in step_time.containers if c.patches[0].get_gid() is None]  # no per-step bars
+    total, replayed = [line for line in step_time.get_lines() if line.get_gid() is None]
+    assert len(total.get_xdata()) == 200 and list(replayed.get_xdata()) == list(range(101, 122))
