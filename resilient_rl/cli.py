@@ -9,7 +9,9 @@
     resilient-rl plot   RUN [--out FILE.png] [--output-dir runs]
 
 RUN and CHECKPOINT are a run name (under ``--root``, default ``checkpoints``), a run folder URL
-or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.export`.
+or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.export`. For ``status`` and
+``plot``, RUN is a run name under ``--output-dir`` (default ``runs``) or a run folder path; their
+logic lives in :mod:`resilient_rl.run_status` and :mod:`resilient_rl.plot`.
 """
 
 from __future__ import annotations
