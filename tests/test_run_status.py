@@ -187,3 +187,43 @@ def test_a_reused_pid_is_not_the_controller():
     assert controller_alive(rec) is True
     rec.process_started_at -= 3600  # the recorded controller started an hour before this process
     assert controller_alive(rec) is False
+
+
+def _local_trainer(tmp_path, hooks=(), roles_factory=None):
+    from resilient_rl.trainer.config import load_config
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    cfg = load_config(None, ["trainer.total_steps=2", "trainer.progress_bar=false", "data.batch_size=8",
+                             "data.num_prompts=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
+                             "actor.ppo_epochs=1", "critic.ppo_epochs=1", "model.hidden_size=32",
+                             "model.num_layers=1", "model.intermediate_size=64", "telemetry.enabled=false",
+                             f"trainer.output_dir={tmp_path}/runs", f"checkpoint.root={tmp_path}/ckpt",
+                             "trainer.run_name=local"])
+    return PPOTrainer(cfg, roles_factory=roles_factory or LocalRoles, hooks=list(hooks))
+
+
+def test_the_trainer_records_its_controller_while_it_runs_and_how_it_ended(tmp_path):
+    seen = []
+
+    class Probe:
+        def on_step_start(self, trainer, step):
+            seen.append(gather_status(str(trainer.run_dir.path)))
+
+    trainer = _local_trainer(tmp_path, hooks=[Probe()])
+    rows = trainer.fit()
+    during = seen[-1]
+    assert during.state == "running" and during.controller.pid == os.getpid() and during.controller.alive
+    assert during.step == 1
+    after = gather_status(str(trainer.run_dir.path))
+    assert after.state == "finished" and after.step == 2 and after.controller.ended_at is not None
+    assert after.useful_s == pytest.approx(sum(r["timing/step_s"] for r in rows))
+
+    def broken_roles(cfg, tokenizer):
+        raise RuntimeError("no workers today")
+
+    with pytest.raises(RuntimeError):
+        _local_trainer(tmp_path, roles_factory=broken_roles).fit()
+    failed = gather_status(str(trainer.run_dir.path))
+    assert failed.state == "failed" and failed.detail == "RuntimeError: no workers today"
+    assert failed.goodput is None  # training never started
