@@ -5,9 +5,13 @@
     resilient-rl checkpoints list   RUN [--root ROOT]
     resilient-rl checkpoints verify RUN [--root ROOT] [--step N]
     resilient-rl export CHECKPOINT --out DIR [--role actor] [--step N] [--config FILE]
+    resilient-rl status RUN [--json] [--output-dir runs] [--root ROOT]
+    resilient-rl plot   RUN [--out FILE.png] [--output-dir runs]
 
 RUN and CHECKPOINT are a run name (under ``--root``, default ``checkpoints``), a run folder URL
-or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.export`.
+or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.export`. For ``status`` and
+``plot``, RUN is a run name under ``--output-dir`` (default ``runs``) or a run folder path; their
+logic lives in :mod:`resilient_rl.run_status` and :mod:`resilient_rl.plot`.
 """
 
 from __future__ import annotations
@@ -124,6 +128,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from resilient_rl.run_status import gather_status
+
+    status = gather_status(args.run, args.output_dir, args.root)
+    print(json.dumps(status.to_json(), indent=1) if args.json else status.format_text())
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from resilient_rl.plot import write_plot  # matplotlib is loaded only here
+
+    print(f"wrote {write_plot(args.run, args.out, args.output_dir)}")
+    return 0
+
+
 def _location_args(p: argparse.ArgumentParser, what: str, step_help: str | None) -> None:
     p.add_argument("--root", default=None,
                    help=f"checkpoint root of a {what} given by name (default: checkpoints)")
@@ -169,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output-dir", default="runs", help="the run's trainer.output_dir (default: runs)")
     _location_args(e, "run", "step to export when CHECKPOINT is a run")
     e.set_defaults(func=cmd_export)
+
+    folder_help = "run name (under --output-dir) or run folder path, e.g. runs/ppo-copy"
+    st = sub.add_parser("status", help="is the run alive, its step and rate, last checkpoint, failures, goodput, "
+                                       "metrics endpoint")
+    st.add_argument("run", metavar="RUN", help=folder_help)
+    st.add_argument("--json", action="store_true", help="print the status as JSON (for scripts)")
+    st.add_argument("--output-dir", default=None, help="the run's trainer.output_dir (default: runs)")
+    st.add_argument("--root", default=None, help="checkpoint root (default: the run's checkpoint.root)")
+    st.set_defaults(func=cmd_status)
+    pl = sub.add_parser("plot", help="PNG of reward, step time and KL over steps with failures, recoveries "
+                                     "and checkpoints marked")
+    pl.add_argument("run", metavar="RUN", help=folder_help)
+    pl.add_argument("--out", default=None, help="PNG file to write (default: RUN folder/plot.png)")
+    pl.add_argument("--output-dir", default=None, help="the run's trainer.output_dir (default: runs)")
+    pl.set_defaults(func=cmd_plot)
 
     m = sub.add_parser("chaos", help="chaos monkey: kill or hang a random worker of a live run now and then")
     m.add_argument("run", metavar="RUN", help="the run's trainer.run_name (its actors are named rrl_RUN_...)")

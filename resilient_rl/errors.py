@@ -90,3 +90,7 @@ class TokenizerError(RRLError, ValueError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A background checkpoint write did not finish within its deadline (also a TimeoutError)."""
+
+
+class RunFolderError(RRLError):
+    """A run folder (``{trainer.output_dir}/{run_name}``) is missing or is not a run's folder."""

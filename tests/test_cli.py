@@ -374,3 +374,20 @@ def test_resume_continues_a_real_run_from_its_latest_checkpoint(trained, tmp_pat
     assert CheckpointManager(str(root), "cli-ray").latest_step() == 3
     steps = [json.loads(line)["step"] for line in (runs / "cli-ray" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.ray
+def test_status_and_plot_of_a_real_run(trained, tmp_path, capsys):
+    runs = trained / "runs"
+    code, out, err = _cli(capsys, "status", "cli-ray", "--output-dir", str(runs), "--json")
+    assert code == 0, err
+    status = json.loads(out)
+    assert status["state"] == "finished" and status["step"] == 2 and status["total_steps"] == 2
+    assert status["controller"]["ended_at"] is not None and status["failures"] == []
+    assert status["checkpoint"]["step"] == 2 and status["checkpoint"]["check"] == "ok"
+    assert 0 < status["goodput"] <= 1 and status["useful_s"] > 0
+    assert "not running" in status["metrics"]["note"]  # the targets file goes when the run ends
+    png = tmp_path / "run.png"
+    code, _, err = _cli(capsys, "plot", str(runs / "cli-ray"), "--out", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,6 +17,7 @@ from resilient_rl.errors import WorkerError
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.config import config_digest
+from resilient_rl.trainer.controller_record import controller_session
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
 from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
@@ -166,10 +167,18 @@ class PPOTrainer:
         return row
 
     def fit(self) -> list[dict]:
-        """Train to ``total_steps``; returns the metric history of this run."""
+        """Train to ``total_steps``; returns the metric history of this run.
+
+        ``controller.json`` in the run folder names this process while it runs and says how it ended."""
+        with controller_session(self.run_dir.path, lambda: self.step) as record:
+            self.start_roles()
+            record.start_step = self.step
+            record.write(self.run_dir.path)
+            return self._train_to_total()
+
+    def _train_to_total(self) -> list[dict]:
         from tqdm import tqdm
 
-        self.start_roles()
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
                    dynamic_ncols=True)
