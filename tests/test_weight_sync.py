@@ -59,3 +59,25 @@ def test_push_without_a_rollout_in_the_process_is_an_error():
     weight_sync.clear_sink()
     with pytest.raises(WorkerError, match="no rollout"):
         weight_sync.push(_model(0), version=1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_buckets_pack_and_unpack_uneven_shards_of_every_rank(world):
+    """What an all-gather does, done by hand: every rank packs its Shard(0) chunks into its segment."""
+    gen = torch.Generator().manual_seed(world)
+    full = {"a": torch.randn(5, 3, generator=gen), "b": torch.randn(2, generator=gen), "c": torch.randn(7, 2, 2, generator=gen),
+            "d": torch.randn(1, 4, generator=gen)}
+    buckets = weight_sync.plan_buckets([(k, tuple(v.shape)) for k, v in full.items()], world, 4, bucket_bytes=64)
+    assert len(buckets) > 1 and [n for b in buckets for n in b.names] == list(full)
+    out = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+    for bucket in buckets:
+        recv = torch.full((bucket.numel,), float("nan"))
+        for rank in range(world):
+            shards = []
+            for name in bucket.names:
+                chunks = full[name].chunk(world)
+                shards.append(chunks[rank] if rank < len(chunks) else full[name][:0])
+            bucket.pack(shards, rank, recv[rank * bucket.width:(rank + 1) * bucket.width])
+        bucket.unpack(recv, out)
+    for name in full:
+        assert torch.equal(out[name], full[name]), name

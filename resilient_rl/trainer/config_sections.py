@@ -202,15 +202,23 @@ class CriticConfig(_Section):
 
 @dataclass
 class RolloutConfig(_Section):
-    """Sampling of responses; ``world_size`` is ignored (= actor's) when placement is colocated."""
+    """Sampling of responses; ``world_size`` is ignored (= actor's) when placement is colocated.
+
+    ``weight_transfer`` (split placement only; colocated rollouts get the weights in their process):
+    ``channel`` broadcasts them from actor rank 0 over a process group of their own (NCCL on GPU:
+    the bytes stay on the devices), ``object_store`` sends them through host memory and Ray's
+    object store, ``auto`` is ``channel`` on GPU and ``object_store`` on CPU.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4
     n: int = 1
     world_size: int = 1
+    weight_transfer: str = "auto"
 
     def validate(self) -> None:
+        _choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))
         _require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         for name in ("max_new_tokens", "n", "world_size"):

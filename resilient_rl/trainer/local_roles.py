@@ -6,6 +6,8 @@ reference a distributed step is tested against.
 
 from __future__ import annotations
 
+import time
+
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
@@ -47,9 +49,11 @@ class LocalRoles:
     def update_actor(self, data: DataProto) -> list[dict]:
         return [self.actor.update(data, int(data.meta_info["step"]))]
 
-    def sync_weights(self, version: int) -> None:
-        write_into(self.actor.model, dict(self.rollout.model.named_parameters()))
+    def sync_weights(self, version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        nbytes = write_into(self.actor.model, dict(self.rollout.model.named_parameters()))
         self.rollout.version = int(version)
+        return {"perf/weight_sync_bytes": float(nbytes), "perf/weight_sync_worker_s": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
         pass

@@ -4,7 +4,9 @@
   pool, ``actor.world_size`` worker processes in all, every role on every device. The actor writes
   its weights straight into the rollout's parameters on the device (:mod:`resilient_rl.workers.weight_sync`).
 - ``split``: every role has its own resource pool and processes (the critic's world size may
-  differ from the actor's); weights travel from actor rank 0 through Ray's object store.
+  differ from the actor's); actor rank 0 broadcasts the weights to the rollout ranks over a weight
+  channel (a process group of their own; NCCL on GPU) or, on CPU by default, sends them through
+  Ray's object store (``rollout.weight_transfer``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class RayRoles:
         self.use_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
                                                         and ray.cluster_resources().get("GPU", 0) > 0)
         self.backend = "nccl" if self.use_gpu else "gloo"
+        transfer = cfg.rollout.weight_transfer
+        self.weight_channel = not self.colocated and (transfer == "channel" or (transfer == "auto" and self.use_gpu))
         self.generation = 0
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -100,9 +104,18 @@ class RayRoles:
     def rendezvous(self) -> None:
         """Join every process group with a new generation (also after a failure)."""
         self.generation += 1
+        rc = self.cfg.recovery
         for g in self.process_groups:
-            g.init_process_group(self.generation, backend=self.backend, timeout_s=self.cfg.recovery.rendezvous_timeout_s,
-                                 collective_timeout_s=self.cfg.recovery.collective_timeout_s)
+            g.init_process_group(self.generation, backend=self.backend, timeout_s=rc.rendezvous_timeout_s,
+                                 collective_timeout_s=rc.collective_timeout_s)
+        if self.weight_channel:
+            actor, rollout = self.groups["actor"], self.groups["rollout"]
+            addr, port = actor.get([actor.workers[0].get_master_addr_port.remote()], timeout_s=rc.rendezvous_timeout_s)[0]
+            args = (self.generation, addr, port, rollout.world_size + 1, self.backend, rc.collective_timeout_s)
+            refs = (actor.execute_all_async("join_weight_channel", *args),
+                    rollout.execute_all_async("join_weight_channel", *args))
+            for g, r in zip((actor, rollout), refs):
+                g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
 
     def init_models(self) -> None:
         for role in ("actor", "ref", "rollout", "critic"):
@@ -138,10 +151,25 @@ class RayRoles:
     def update_actor(self, data: DataProto) -> list[dict]:
         return self.groups["actor"].update_actor(data)
 
-    def sync_weights(self, version: int) -> None:
-        states = self.groups["actor"].export_weights(version, self.colocated)
-        payload = None if self.colocated else ray.put(states[0])
-        versions = self.groups["rollout"].update_weights(payload, version)
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Give the rollout the actor's weights as ``version``; returns the bytes moved and, where the
+        workers time it, the seconds they spent (the slowest rank)."""
+        actor, rollout = self.groups["actor"], self.groups["rollout"]
+        stats: list = []
+        if self.colocated:
+            stats = actor.export_weights(version, True)
+            versions = rollout.update_weights(None, version)
+        elif self.weight_channel:
+            refs = (actor.execute_all_async("send_weights", version),
+                    rollout.execute_all_async("receive_weights", version, actor.world_size))
+            stats, versions = actor.get(refs[0]), rollout.get(refs[1])
+        else:
+            states = actor.export_weights(version, False)
+            versions = rollout.update_weights(ray.put(states[0]), version)
         if set(versions) != {version}:
             raise WorkerError(f"weight sync: rollout ranks report versions {versions}, expected {version}",
                               role="rollout", cause="stale_weights")
+        if not stats:
+            return {}
+        return {"perf/weight_sync_bytes": float(stats[0][0]),
+                "perf/weight_sync_worker_s": max(float(s[1]) for s in stats)}

@@ -35,7 +35,7 @@ class Roles(Protocol):
     def compute_values(self, data: DataProto) -> DataProto: ...
     def update_critic(self, data: DataProto) -> dict: ...
     def update_actor(self, data: DataProto) -> dict: ...
-    def sync_weights(self, version: int) -> None: ...
+    def sync_weights(self, version: int) -> dict[str, float]: ...
 
 
 class PhaseTimer:
@@ -128,7 +128,7 @@ def run_step(roles: Roles, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl
     with timer("update_actor"):
         metrics.update(_mean_metrics(roles.update_actor(data)))
     with timer("weight_sync"):
-        roles.sync_weights(version + 1)
+        metrics.update(roles.sync_weights(version + 1))
 
     tokens = int(data.batch["attention_mask"].sum())
     metrics.update({

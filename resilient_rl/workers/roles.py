@@ -2,16 +2,18 @@
 
 Each role is a :class:`~resilient_rl.Worker` whose ``@register``-ed methods the controller calls
 through a worker group. A role builds its model in ``init_model`` (after the controller's
-rendezvous, because FSDP2 needs the process group). In the colocated placement the actor, rollout
-and ref share one process per device (``create_colocated_worker_cls``) and weights move from
-actor to rollout through process memory; in the split placement they travel through Ray's object
-store from actor rank 0.
+rendezvous, because FSDP2 needs the process group). In the colocated placement every role shares
+one process per device (``create_colocated_worker_cls``) and the actor writes its weights into the
+rollout's parameters on the device (:mod:`~resilient_rl.workers.weight_sync`); in the split
+placement actor rank 0 broadcasts them over a weight channel
+(:mod:`~resilient_rl.workers.weight_channel`) or returns them for Ray's object store.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 import ray
 import torch
@@ -22,7 +24,7 @@ from resilient_rl.controller.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol_utils import tensordict_class
 from resilient_rl.trainer.config import config_from_dict
-from resilient_rl.workers import weight_sync
+from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.fsdp import full_state_dict, plan_device
 from resilient_rl.workers.policy import PolicyEngine
@@ -92,13 +94,29 @@ class ActorWorker(CheckpointMixin, RoleWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_weights(self, version: int, colocated: bool):
-        """Colocated: write the weights into the rollout of this process, on the device; split: rank 0
-        returns the gathered weights on CPU (for the object store)."""
+        """Colocated: write the weights into the rollout of this process, on the device, and return
+        (bytes, seconds); split: rank 0 returns the gathered weights on CPU (for the object store)."""
         if colocated:
-            weight_sync.push(self.engine.model, version)
-            return None
+            t0 = time.perf_counter()
+            nbytes = weight_sync.push(self.engine.model, version)
+            return nbytes, time.perf_counter() - t0
         state = full_state_dict(self.engine.model, all_ranks=False)
         return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join_weight_channel(self, generation: int, addr: str, port: int, size: int, backend: str,
+                            timeout_s: float) -> int | None:
+        """Actor rank 0 hosts and joins the weight channel to the rollout (channel rank 0)."""
+        if self.rank != 0:
+            return None
+        return weight_channel.join(generation, addr, port, 0, size, backend, timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self, version: int):
+        """Every actor rank gathers; rank 0 broadcasts over the weight channel. Returns (bytes, seconds)."""
+        t0 = time.perf_counter()
+        nbytes = weight_channel.send(self.engine.model, self.plan.param_dtype, is_root=self.rank == 0)
+        return nbytes, time.perf_counter() - t0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_digest(self) -> str | None:
@@ -183,6 +201,19 @@ class RolloutWorker(RoleWorker):
             self.engine.version = int(version)
             return self.engine.version
         return self.engine.load_weights(state, version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join_weight_channel(self, generation: int, addr: str, port: int, size: int, backend: str,
+                            timeout_s: float) -> int:
+        """Join the actor's weight channel as channel rank ``rank + 1``."""
+        return weight_channel.join(generation, addr, port, self.rank + 1, size, backend, timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def receive_weights(self, version: int, actor_world_size: int) -> int:
+        """Receive the weights actor rank 0 broadcasts over the weight channel; returns the new version."""
+        weight_channel.receive(self.engine.model, actor_world_size)
+        self.engine.version = int(version)
+        return self.engine.version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_version(self) -> int:

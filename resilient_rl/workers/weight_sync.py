@@ -1,15 +1,19 @@
-"""Weight sync from the actor to a rollout in the same process, without leaving the device.
+"""Weight sync from the actor to the rollout, on the device.
 
-Colocated roles share a process (and, on a GPU machine, the device), so the actor's weights need
-not travel through host memory or Ray. The rollout registers its own parameter tensors as the
-*sink* of this process; after an update the actor writes its weights straight into them:
+The actor's FSDP2 parameters are ``Shard(0)`` DTensors. A sync gathers them bucket by bucket: each
+rank packs its local shards of a bucket's parameters into one flat buffer in the rollout's dtype,
+and one ``all_gather_single`` on the actor's process group (NCCL on GPU, gloo on CPU) fills a
+rank-major receive buffer that a :class:`Bucket` knows how to unpack into full tensors. Buckets
+bound the extra memory to about ``world_size + 1`` bucket sizes.
 
-- unsharded (one rank): one device copy per tensor (``copy_`` also casts fp32 master weights to
-  the rollout's bf16 on a GPU);
-- FSDP2-sharded: the ``Shard(0)`` local shards are packed, bucket by bucket, into one flat buffer
-  in the rollout's dtype; one ``all_gather_into_tensor`` per bucket on the actor's process group
-  (NCCL on GPU, gloo on CPU) fills every rank's receive buffer, which is unpacked into the sink.
-  Buckets bound the extra memory to about ``world_size + 1`` bucket sizes.
+- Colocated (the rollout lives in the actor's process): the rollout registers its parameters as
+  the *sink* of its process and the actor unpacks straight into them (:func:`push`). Unsharded
+  (one rank), that is one device copy per tensor (``copy_`` also casts fp32 master weights to the
+  rollout's bf16 on a GPU).
+- Split (:mod:`resilient_rl.workers.weight_channel`): actor rank 0 broadcasts each gathered
+  receive buffer to the rollout ranks over a process group of their own, and every rollout rank
+  unpacks it with the same :class:`Bucket` layout (computed independently on both sides from the
+  parameter names and shapes).
 
 The sink records the version it holds; the rollout accepts exactly the version the controller
 names, so a stale or missing sync is an error, never a silent stale generation.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,10 +31,165 @@ from torch import nn
 
 from resilient_rl.errors import WorkerError
 
-#: Default bucket size of a sharded sync (bytes in the rollout's dtype).
+#: Default bucket size of a sync (bytes in the rollout's dtype).
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
 _LOCK = threading.Lock()
+
+
+def shard_rows(rows: int, world: int) -> list[int]:
+    """Rows of each rank under ``Shard(0)`` (``torch.chunk`` semantics; trailing ranks may get none)."""
+    chunk = -(-rows // world) if rows else 0
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Layout of one bucket's rank-major receive buffer: rank r's segment holds, parameter after
+    parameter, the rows of each parameter that rank r owns."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    world: int
+
+    def rows(self, i: int) -> list[int]:
+        return shard_rows(self.shapes[i][0], self.world) if self.shapes[i] else [1] + [0] * (self.world - 1)
+
+    def row_numel(self, i: int) -> int:
+        n = 1
+        for d in self.shapes[i][1:]:
+            n *= d
+        return n
+
+    @property
+    def width(self) -> int:
+        """Elements of one rank's segment (the largest rank's; the others are padded)."""
+        return max(sum(self.rows(i)[r] * self.row_numel(i) for i in range(len(self.names))) for r in range(self.world))
+
+    @property
+    def numel(self) -> int:
+        return self.world * self.width
+
+    def pack(self, shards: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
+        """Write this rank's local shards (one per parameter, in order) into ``out`` (its segment)."""
+        offset = 0
+        for i, shard in enumerate(shards):
+            n = self.rows(i)[rank] * self.row_numel(i)
+            if n:
+                out[offset:offset + n].copy_(shard.reshape(-1))
+            offset += n
+
+    def unpack(self, recv: torch.Tensor, dst: dict[str, torch.Tensor]) -> None:
+        """Copy a filled receive buffer into the full tensors ``dst`` (contiguous, keyed by name)."""
+        width = self.width
+        for r in range(self.world):
+            offset = r * width
+            for i, name in enumerate(self.names):
+                rows, row_numel = self.rows(i), self.row_numel(i)
+                n = rows[r] * row_numel
+                if n:
+                    start = sum(rows[:r]) * row_numel
+                    dst[name].view(-1)[start:start + n].copy_(recv[offset:offset + n])
+                offset += n
+
+
+def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], world: int, element_size: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Consecutive parameters grouped into buckets of at most ``bucket_bytes`` (one at least)."""
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = element_size
+        for d in shape:
+            nbytes *= d
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tuple(shape)))
+        size += nbytes
+    return [Bucket(tuple(n for n, _ in g), tuple(s for _, s in g), world) for g in groups if g]
+
+
+def _local(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(local shard, sharded?) of a parameter; only FSDP2's ``Shard(0)`` sharding is supported."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return p.detach(), False
+    if tuple(p.placements) != (Shard(0),):
+        raise WorkerError(f"weight sync supports FSDP2 Shard(0) parameters, got {p.placements}", role="actor")
+    return p.to_local().detach(), True
+
+
+def model_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                  ) -> tuple[list[Bucket], dict[str, torch.Tensor], object]:
+    """The buckets of ``model``'s parameters, their local shards, and the process group they are
+    sharded over (None when unsharded)."""
+    params = list(model.named_parameters())
+    locals_, group = {}, None
+    for name, p in params:
+        locals_[name], sharded = _local(p)
+        if sharded and group is None:
+            group = p.device_mesh.get_group()
+    world = dist.get_world_size(group) if group is not None else 1
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return plan_buckets([(n, tuple(p.shape)) for n, p in params], world, element_size, bucket_bytes), locals_, group
+
+
+@torch.no_grad()
+def gather_buckets(model: nn.Module, dtype: torch.dtype, consume: Callable[[Bucket, torch.Tensor], None],
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Gather ``model``'s weights bucket by bucket and hand each filled receive buffer to ``consume``.
+
+    A collective over the model's process group when the model is sharded: every rank calls it.
+    Returns the bytes of full weights gathered.
+    """
+    buckets, shards, group = model_buckets(model, dtype, bucket_bytes)
+    device = next(iter(shards.values())).device
+    rank = dist.get_rank(group) if group is not None else 0
+    total = 0
+    for bucket in buckets:
+        recv = torch.empty(bucket.numel, dtype=dtype, device=device)
+        width = bucket.width
+        if group is None:
+            bucket.pack([shards[n] for n in bucket.names], 0, recv)
+        else:
+            send = torch.empty(width, dtype=dtype, device=device)
+            bucket.pack([shards[n] for n in bucket.names], rank, send)
+            # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there).
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(recv, send, group=group)
+        consume(bucket, recv)
+        total += sum(int(torch.Size(s).numel()) for s in bucket.shapes) * recv.element_size()
+    return total
+
+
+def check_same_parameters(model: nn.Module, dst: dict[str, torch.Tensor]) -> None:
+    names = {name for name, _ in model.named_parameters()}
+    if names != set(dst):
+        raise WorkerError(f"weight sync: actor and rollout parameters differ: actor only "
+                          f"{sorted(names - set(dst))[:5]}, rollout only {sorted(set(dst) - names)[:5]}",
+                          role="rollout")
+
+
+def write_into(model: nn.Module, dst: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Write ``model``'s (possibly sharded) weights into the full tensors ``dst``; returns bytes written.
+
+    Unsharded, one device copy per tensor; sharded, a collective over the model's process group
+    (every rank calls it).
+    """
+    check_same_parameters(model, dst)
+    params = dict(model.named_parameters())
+    if not any(_local(p)[1] for p in params.values()):
+        with torch.no_grad():
+            torch._foreach_copy_([dst[n] for n in params], [p.detach() for p in params.values()])
+        return sum(t.numel() * t.element_size() for t in dst.values())
+    dtype = next(iter(dst.values())).dtype
+    return gather_buckets(model, dtype, lambda bucket, recv: bucket.unpack(recv, dst), bucket_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sink of a colocated rollout
 
 
 @dataclass
@@ -58,89 +218,6 @@ def _sink() -> _Sink:
         raise WorkerError("weight sync: no rollout in this process registered its weights", role="actor",
                           cause="stale_weights")
     return sink
-
-
-def shard_rows(rows: int, world: int) -> list[int]:
-    """Rows of each rank under ``Shard(0)`` (``torch.chunk`` semantics; trailing ranks may get none)."""
-    chunk = -(-rows // world) if rows else 0
-    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
-
-
-def _is_sharded(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(p, DTensor):
-        return False
-    if tuple(p.placements) != (Shard(0),):
-        raise WorkerError(f"weight sync supports FSDP2 Shard(0) parameters, got {p.placements}", role="actor")
-    return True
-
-
-def _buckets(params: list[tuple[str, torch.Tensor]], sink: dict[str, torch.Tensor],
-             bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, p in params:
-        nbytes = sink[name].numel() * sink[name].element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, p))
-        size += nbytes
-    return buckets
-
-
-@torch.no_grad()
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], sink: dict[str, torch.Tensor], group) -> None:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dst0 = sink[bucket[0][0]]
-    # rows[i][r]: rows of parameter i held by rank r; a row is the numel of one dim-0 slice.
-    rows = [shard_rows(sink[name].shape[0], world) for name, _ in bucket]
-    row_numel = [sink[name][0].numel() if sink[name].dim() else 1 for name, _ in bucket]
-    seg = [sum(rows[i][r] * row_numel[i] for i in range(len(bucket))) for r in range(world)]
-    width = max(seg)
-    recv = torch.empty(world * width, dtype=dst0.dtype, device=dst0.device)
-    send = recv[rank * width:(rank + 1) * width]  # packing in place saves one buffer and one copy
-    offset = 0
-    for i, (_, p) in enumerate(bucket):
-        n = rows[i][rank] * row_numel[i]
-        if n:
-            send[offset:offset + n].copy_(p.to_local().reshape(-1))
-        offset += n
-    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there).
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(recv, send.clone() if recv.device.type == "cpu" else send, group=group)
-    for r in range(world):
-        base, offset = r * width, 0
-        for i, (name, _) in enumerate(bucket):
-            n = rows[i][r] * row_numel[i]
-            if n:
-                start = sum(rows[i][:r]) * row_numel[i]
-                sink[name].view(-1)[start:start + n].copy_(recv[base + offset:base + offset + n])
-            offset += n
-
-
-@torch.no_grad()
-def write_into(model: nn.Module, dst: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Write ``model``'s (possibly sharded) weights into the full tensors ``dst``; returns bytes written.
-
-    A collective over the model's process group when the model is sharded: every rank calls it.
-    """
-    params = list(model.named_parameters())
-    names = {name for name, _ in params}
-    if names != set(dst):
-        raise WorkerError(f"weight sync: actor and rollout parameters differ: actor only "
-                          f"{sorted(names - set(dst))[:5]}, rollout only {sorted(set(dst) - names)[:5]}",
-                          role="rollout")
-    sharded = [(n, p) for n, p in params if _is_sharded(p)]
-    local = [(n, p) for n, p in params if not _is_sharded(p)]
-    if local:
-        torch._foreach_copy_([dst[n] for n, _ in local], [p.detach() for _, p in local])
-    if sharded:
-        group = sharded[0][1].device_mesh.get_group()
-        for bucket in _buckets(sharded, dst, bucket_bytes):
-            _gather_bucket(bucket, dst, group)
-    return sum(t.numel() * t.element_size() for t in dst.values())
 
 
 def push(model: nn.Module, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
