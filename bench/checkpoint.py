@@ -7,8 +7,11 @@ A state of ``--mib`` MiB of fp32 DTensors (``Shard(0)``, the FSDP2 layout) is sp
 - our synchronous save (``stage(copy=False)`` + write + fsync: no staging copy, as the caller
   waits anyway) and the step stall of an async save (stage +
   submit: the time the training loop is blocked), for a first save (staging into fresh memory)
-  and a following one (reusing the staging buffers, the steady state of a training run); then
-  our load (with sha256 verification and without);
+  and a following one (reusing the staging buffers, the steady state of a training run), both
+  without and with the staging buffers allocated ahead of the first save
+  (``AsyncShardWriter.preallocate``, as a role does after building its model and after its first
+  optimizer step; its own time is printed, it runs off the training thread); then our load
+  (with sha256 verification and without);
 - DCP's default ``FileSystemWriter`` save and ``FileSystemReader`` load of the same state.
 
 Loads read cold files (their pages are dropped from the page cache with ``posix_fadvise``) unless
@@ -121,20 +124,26 @@ def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool,
         manifest = [r for rs in gathered for r in rs]
 
         # Two async saves in a row, as in training: the first stages into fresh memory, the
-        # second reuses its buffers (the steady state).
-        with AsyncShardWriter() as writer:
-            for label in ("first", "steady"):
-                dist.barrier()
-                t0 = time.perf_counter()
-                future = writer.stage_and_submit(state, storage, f"async_{label}_{i}", rank)
-                stall = time.perf_counter() - t0
-                future.result()
-                dist.barrier()
-                total = time.perf_counter() - t0
-                stalls = [None] * ranks
-                dist.all_gather_object(stalls, stall)
-                times[f"ours_stall_{label}"].append(max(stalls))
-                times[f"ours_async_total_{label}"].append(total)
+        # second reuses its buffers (the steady state). Then the same with the buffers
+        # allocated before the first save (off the training thread in a run).
+        for prefix in ("ours", "prealloc"):
+            with AsyncShardWriter() as writer:
+                if prefix == "prealloc":
+                    t0 = time.perf_counter()
+                    writer.preallocate(state, rank).result()
+                    times["prealloc_allocate"].append(time.perf_counter() - t0)
+                for label in ("first", "steady"):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    future = writer.stage_and_submit(state, storage, f"{prefix}_async_{label}_{i}", rank)
+                    stall = time.perf_counter() - t0
+                    future.result()
+                    dist.barrier()
+                    total = time.perf_counter() - t0
+                    stalls = [None] * ranks
+                    dist.all_gather_object(stalls, stall)
+                    times[f"{prefix}_stall_{label}"].append(max(stalls))
+                    times[f"{prefix}_async_total_{label}"].append(total)
 
         peer = f"{root}/dcp_{i}"
         timed("dcp_save", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(peer)))
@@ -152,7 +161,8 @@ def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool,
         assert all(torch.equal(template["model"][k].to_local(), v.to_local()) for k, v in state["model"].items())
         dist.barrier()
         if rank == 0:
-            for name in (ours, f"async_first_{i}", f"async_steady_{i}", f"dcp_{i}"):
+            for name in (ours, *(f"{p}_async_{label}_{i}" for p in ("ours", "prealloc")
+                                 for label in ("first", "steady")), f"dcp_{i}"):
                 shutil.rmtree(f"{root}/{name}", ignore_errors=True)
         dist.barrier()
 
@@ -165,6 +175,9 @@ def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool,
 RATIOS = [  # (label, numerator, denominator, target)
     ("stall / sync save (2nd+ save)", "ours_stall_steady", "ours_save", "<= 0.10"),
     ("stall / sync save (1st save)", "ours_stall_first", "ours_save", "fresh memory"),
+    ("1st / 2nd+ save stall", "ours_stall_first", "ours_stall_steady", "fresh memory"),
+    ("1st / 2nd+ save stall, preallocated", "prealloc_stall_first", "prealloc_stall_steady", "<= 1.2"),
+    ("1st save stall: preallocated / not", "prealloc_stall_first", "ours_stall_first", "< 1"),
     ("ours / dd write throughput", "dd", "ours_save", ">= 0.70"),
     ("ours / DCP save throughput", "dcp_save", "ours_save", ">= 0.90"),
     ("ours / DCP load speed (verified)", "dcp_load", "ours_load", ">= 1.0"),
@@ -202,6 +215,9 @@ def main() -> None:
             ("ours: async save 1, total", "ours_async_total_first"),
             ("ours: async save 2+, step stall", "ours_stall_steady"),
             ("ours: async save 2+, total", "ours_async_total_steady"),
+            ("preallocating the buffers (bg)", "prealloc_allocate"),
+            ("preallocated: save 1, step stall", "prealloc_stall_first"),
+            ("preallocated: save 2+, step stall", "prealloc_stall_steady"),
             ("DCP FileSystemWriter save", "dcp_save"), ("ours: load (sha256 verified)", "ours_load"),
             ("ours: load (no verification)", "ours_load_noverify"), ("DCP FileSystemReader load", "dcp_load")]
     print(f"  {'(best of the rounds)':34s} {'time':>8s}  {'throughput':>13s}")
@@ -209,10 +225,10 @@ def main() -> None:
         print(f"  {label:34s} {best[key]:7.3f}s  {mib / best[key]:8.1f} MiB/s")
     # Ratios of the best figures, and the median of the ratios within each round (the two
     # sides of a paired ratio ran seconds apart, under the same load from other processes).
-    print(f"  {'ratios':34s} {'best':>8s}  {'paired median':>13s}  target")
+    print(f"  {'ratios':36s} {'best':>8s}  {'paired median':>13s}  target")
     for label, num, den, target in RATIOS:
         paired = statistics.median(a / b for a, b in zip(times[num], times[den]))
-        print(f"  {label:34s} {best[num] / best[den]:8.3f}  {paired:13.3f}  {target}")
+        print(f"  {label:36s} {best[num] / best[den]:8.3f}  {paired:13.3f}  {target}")
 
 
 if __name__ == "__main__":
