@@ -14,6 +14,10 @@ A state of ``--mib`` MiB of fp32 DTensors (``Shard(0)``, the FSDP2 layout) is sp
   (with sha256 verification and without);
 - DCP's default ``FileSystemWriter`` save and ``FileSystemReader`` load of the same state.
 
+With ``--device cuda`` the state lives on the GPUs (one per rank, nccl): staging then copies
+into pinned host memory, whose allocation is what makes a first save without preallocated
+buffers stall for seconds on a large state.
+
 Loads read cold files (their pages are dropped from the page cache with ``posix_fadvise``) unless
 ``--warm``. Each figure is the best of the rounds; ratios are printed both from the best figures
 and as the median of the per-round (paired) ratios, with the load average of the machine, as
@@ -21,6 +25,7 @@ other processes sharing the CPUs skew the CPU-bound parts (staging, hashing) the
 Everything is written under a temporary folder in ``--dir`` and removed at the end.
 
     python bench/checkpoint.py --mib 512 --ranks 2 --dir /tmp
+    python bench/checkpoint.py --mib 8192 --ranks 1 --device cuda --dir /local/nvme
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def _drop_cache(folder: str) -> None:
                 os.close(fd)
 
 
-def _make_state(mib: int, mesh, rank: int, ranks: int) -> dict:
+def _make_state(mib: int, mesh, rank: int, ranks: int, device: str = "cpu") -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     count = max(1, mib // TENSOR_MIB)
@@ -65,7 +70,7 @@ def _make_state(mib: int, mesh, rank: int, ranks: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     state = {}
     for i in range(count):
-        local = torch.randn(rows // ranks, COLS, generator=g)
+        local = torch.randn(rows // ranks, COLS, generator=g).to(device)
         state[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                          shape=(rows, COLS), stride=(COLS, 1))
     return {"model": state}
@@ -79,16 +84,20 @@ def _template(state: dict) -> dict:
                       for k, v in state["model"].items()}}
 
 
-def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool, out_file: str) -> None:
+def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool, out_file: str,
+            device: str = "cpu") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     from resilient_rl.checkpoint import AsyncShardWriter, Storage, load_shard_into, stage, write_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/pg-init", rank=rank, world_size=ranks)
-    mesh = init_device_mesh("cpu", (ranks,))
-    state = _make_state(mib, mesh, rank, ranks)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{root}/pg-init",
+                            rank=rank, world_size=ranks)
+    mesh = init_device_mesh(device, (ranks,))
+    state = _make_state(mib, mesh, rank, ranks, device)
     nbytes = sum(v.numel() * 4 for v in state["model"].values())  # global sizes
     storage = Storage(root)
     times: dict[str, list[float]] = defaultdict(list)
@@ -192,12 +201,17 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp", help="parent folder of the temporary files (default /tmp)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--warm", action="store_true", help="load from the page cache instead of the disk")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the state lives (cuda: one GPU per rank, nccl; default cpu)")
     args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} GPU(s) for "
+                     f"{args.ranks} ranks")
     root = tempfile.mkdtemp(prefix="rrl-ckpt-bench-", dir=args.dir)
     out_file = os.path.join(root, "result.json")
     load_before = os.getloadavg()[0]
     try:
-        mp.spawn(_worker, args=(args.ranks, root, args.mib, args.repeat, args.warm, out_file),
+        mp.spawn(_worker, args=(args.ranks, root, args.mib, args.repeat, args.warm, out_file, args.device),
                  nprocs=args.ranks, join=True)
         with open(out_file) as f:
             result = json.load(f)
@@ -207,7 +221,8 @@ def main() -> None:
     times: dict[str, list[float]] = result["times"]
     best = {k: min(v) for k, v in times.items()}
 
-    print(f"checkpoint benchmark: {mib:.0f} MiB of fp32 DTensors over {args.ranks} ranks (gloo), folder "
+    backend = "nccl, on GPU" if args.device == "cuda" else "gloo"
+    print(f"checkpoint benchmark: {mib:.0f} MiB of fp32 DTensors over {args.ranks} ranks ({backend}), folder "
           f"{args.dir}, {args.repeat} rounds, {'warm' if args.warm else 'cold'} loads, load average "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     rows = [("dd bs=16M conv=fdatasync", "dd"), ("ours: sync save", "ours_save"),
