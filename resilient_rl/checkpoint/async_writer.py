@@ -141,14 +141,18 @@ class AsyncShardWriter:
             raise CheckpointTimeoutError(
                 f"the background checkpoint write did not finish within {timeout}s") from exc
 
-    def close(self, timeout: float | None = None) -> None:
-        """Wait for the save in flight (its error, if any, is logged, not raised) and stop."""
+    def close(self, timeout: float | None = None) -> StagedShard | None:
+        """Wait for the save in flight (its error, if any, is logged, not raised) and stop.
+
+        Returns the staging buffers (a preallocation still running is waited for, one not
+        started is skipped) for a new writer to reuse, or None when a write may still be
+        reading them (it did not finish within ``timeout``)."""
         with self._lock:
             self._closed = True
-            self._buffers = None
-            if self._preparing is not None:
-                self._preparing.cancel()  # not started yet: skip; running: its result is dropped
-                self._preparing = None
+            buffers, self._buffers = self._buffers, None
+            preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            preparing.cancel()  # only succeeds if it has not started; else the shutdown waits for it
         pending = self._pending
         if pending is not None:
             done, _ = cf.wait([pending], timeout=timeout)
@@ -156,7 +160,14 @@ class AsyncShardWriter:
                 log.warning("closing AsyncShardWriter with a save still being written")
             elif pending.exception() is not None:
                 log.warning("the last background checkpoint write failed: %r", pending.exception())
-        self._pool.shutdown(wait=pending is None or pending.done())
+        idle = pending is None or pending.done()
+        self._pool.shutdown(wait=idle)
+        if not idle:
+            return None
+        if preparing is not None and preparing.done() and not preparing.cancelled() \
+                and preparing.exception() is None:
+            buffers = preparing.result()
+        return buffers
 
     def __enter__(self) -> "AsyncShardWriter":
         return self

@@ -164,6 +164,7 @@ class TelemetryHook:
         self.metrics.registry.register(self.torch_memory)
         self.device_reports = DeviceReportPoller(tc.gpu_sample_interval_s)
         self._process_roles: dict[str, tuple[str, ...]] = {}  # worker group name -> roles in its processes
+        self._local_roles: tuple[str, ...] | None = None  # roles run by this process (no Ray workers)
         self._sent_assignments: dict[str, dict[str, tuple[str, str]]] = {}  # node id -> last sent
         self.file_sd = FileSDWriter(tc.file_sd_path or trainer.run_dir.path / "prometheus_targets.json")
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
@@ -358,12 +359,13 @@ class TelemetryHook:
     def _reset_device_reports(self, roles) -> None:
         """After start or recovery: the ping replies of every process label the GPUs at once."""
         if hasattr(roles, "distinct_groups"):
+            self._local_roles = None
             self._process_roles = {p.name_prefix: tuple(role for role, g in roles.groups.items()
                                                         if g.workers is p.workers)
                                    for p in roles.distinct_groups()}
             self.device_reports.reset(getattr(roles, "worker_info", {}))
         else:  # every engine runs in this process
-            self._process_roles = {"local": tuple(role for role, _ in self._workers)}
+            self._local_roles = tuple(role for role, _ in self._workers)
             self.device_reports.reset({})
         self._sent_assignments = {}
         self._apply_device_reports(wait=True)
@@ -381,8 +383,8 @@ class TelemetryHook:
             self._apply_device_reports(wait=False)
 
     def _device_processes(self) -> list[ProcessDevices]:
-        if set(self._process_roles) == {"local"}:
-            return [ProcessDevices(self._process_roles["local"], 0, None, device_report(compute_cuda_device()))]
+        if self._local_roles is not None:
+            return [ProcessDevices(self._local_roles, 0, None, device_report(compute_cuda_device()))]
         return processes_from_reports(self.device_reports.reports, self._process_roles, self.node_id)
 
     def _apply_device_reports(self, wait: bool) -> None:

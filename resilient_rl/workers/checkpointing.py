@@ -62,9 +62,8 @@ class CheckpointMixin:
         writer, self._writer = self._writer, None
         self._staging_prepared = frozenset()
         if writer is not None:
-            buffers = writer.buffers
-            writer.close(timeout=30)
-            if not writer.busy and buffers is not None:
+            buffers = writer.close(timeout=30)
+            if buffers is not None:
                 self._writer = self._new_writer(buffers)
 
     def _new_writer(self, buffers=None) -> AsyncShardWriter:
