@@ -7,9 +7,16 @@ A state of ``--mib`` MiB of fp32 DTensors (``Shard(0)``, the FSDP2 layout) is sp
 - our synchronous save (``stage(copy=False)`` + write + fsync: no staging copy, as the caller
   waits anyway) and the step stall of an async save (stage +
   submit: the time the training loop is blocked), for a first save (staging into fresh memory)
-  and a following one (reusing the staging buffers, the steady state of a training run); then
-  our load (with sha256 verification and without);
+  and a following one (reusing the staging buffers, the steady state of a training run), both
+  without and with the staging buffers allocated ahead of the first save
+  (``AsyncShardWriter.preallocate``, as a role does after building its model and after its first
+  optimizer step; its own time is printed, it runs off the training thread); then our load
+  (with sha256 verification and without);
 - DCP's default ``FileSystemWriter`` save and ``FileSystemReader`` load of the same state.
+
+With ``--device cuda`` the state lives on the GPUs (one per rank, nccl): staging then copies
+into pinned host memory, whose allocation is what makes a first save without preallocated
+buffers stall for seconds on a large state.
 
 Loads read cold files (their pages are dropped from the page cache with ``posix_fadvise``) unless
 ``--warm``. Each figure is the best of the rounds; ratios are printed both from the best figures
@@ -18,6 +25,7 @@ other processes sharing the CPUs skew the CPU-bound parts (staging, hashing) the
 Everything is written under a temporary folder in ``--dir`` and removed at the end.
 
     python bench/checkpoint.py --mib 512 --ranks 2 --dir /tmp
+    python bench/checkpoint.py --mib 8192 --ranks 1 --device cuda --dir /local/nvme
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ def _drop_cache(folder: str) -> None:
                 os.close(fd)
 
 
-def _make_state(mib: int, mesh, rank: int, ranks: int) -> dict:
+def _make_state(mib: int, mesh, rank: int, ranks: int, device: str = "cpu") -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     count = max(1, mib // TENSOR_MIB)
@@ -62,7 +70,7 @@ def _make_state(mib: int, mesh, rank: int, ranks: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     state = {}
     for i in range(count):
-        local = torch.randn(rows // ranks, COLS, generator=g)
+        local = torch.randn(rows // ranks, COLS, generator=g).to(device)
         state[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                          shape=(rows, COLS), stride=(COLS, 1))
     return {"model": state}
@@ -76,16 +84,20 @@ def _template(state: dict) -> dict:
                       for k, v in state["model"].items()}}
 
 
-def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool, out_file: str) -> None:
+def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool, out_file: str,
+            device: str = "cpu") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     from resilient_rl.checkpoint import AsyncShardWriter, Storage, load_shard_into, stage, write_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/pg-init", rank=rank, world_size=ranks)
-    mesh = init_device_mesh("cpu", (ranks,))
-    state = _make_state(mib, mesh, rank, ranks)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{root}/pg-init",
+                            rank=rank, world_size=ranks)
+    mesh = init_device_mesh(device, (ranks,))
+    state = _make_state(mib, mesh, rank, ranks, device)
     nbytes = sum(v.numel() * 4 for v in state["model"].values())  # global sizes
     storage = Storage(root)
     times: dict[str, list[float]] = defaultdict(list)
@@ -121,20 +133,26 @@ def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool,
         manifest = [r for rs in gathered for r in rs]
 
         # Two async saves in a row, as in training: the first stages into fresh memory, the
-        # second reuses its buffers (the steady state).
-        with AsyncShardWriter() as writer:
-            for label in ("first", "steady"):
-                dist.barrier()
-                t0 = time.perf_counter()
-                future = writer.stage_and_submit(state, storage, f"async_{label}_{i}", rank)
-                stall = time.perf_counter() - t0
-                future.result()
-                dist.barrier()
-                total = time.perf_counter() - t0
-                stalls = [None] * ranks
-                dist.all_gather_object(stalls, stall)
-                times[f"ours_stall_{label}"].append(max(stalls))
-                times[f"ours_async_total_{label}"].append(total)
+        # second reuses its buffers (the steady state). Then the same with the buffers
+        # allocated before the first save (off the training thread in a run).
+        for prefix in ("ours", "prealloc"):
+            with AsyncShardWriter() as writer:
+                if prefix == "prealloc":
+                    t0 = time.perf_counter()
+                    writer.preallocate(state, rank).result()
+                    times["prealloc_allocate"].append(time.perf_counter() - t0)
+                for label in ("first", "steady"):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    future = writer.stage_and_submit(state, storage, f"{prefix}_async_{label}_{i}", rank)
+                    stall = time.perf_counter() - t0
+                    future.result()
+                    dist.barrier()
+                    total = time.perf_counter() - t0
+                    stalls = [None] * ranks
+                    dist.all_gather_object(stalls, stall)
+                    times[f"{prefix}_stall_{label}"].append(max(stalls))
+                    times[f"{prefix}_async_total_{label}"].append(total)
 
         peer = f"{root}/dcp_{i}"
         timed("dcp_save", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(peer)))
@@ -152,7 +170,8 @@ def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool,
         assert all(torch.equal(template["model"][k].to_local(), v.to_local()) for k, v in state["model"].items())
         dist.barrier()
         if rank == 0:
-            for name in (ours, f"async_first_{i}", f"async_steady_{i}", f"dcp_{i}"):
+            for name in (ours, *(f"{p}_async_{label}_{i}" for p in ("ours", "prealloc")
+                                 for label in ("first", "steady")), f"dcp_{i}"):
                 shutil.rmtree(f"{root}/{name}", ignore_errors=True)
         dist.barrier()
 
@@ -165,6 +184,9 @@ def _worker(rank: int, ranks: int, root: str, mib: int, repeat: int, warm: bool,
 RATIOS = [  # (label, numerator, denominator, target)
     ("stall / sync save (2nd+ save)", "ours_stall_steady", "ours_save", "<= 0.10"),
     ("stall / sync save (1st save)", "ours_stall_first", "ours_save", "fresh memory"),
+    ("1st / 2nd+ save stall", "ours_stall_first", "ours_stall_steady", "fresh memory"),
+    ("1st / 2nd+ save stall, preallocated", "prealloc_stall_first", "prealloc_stall_steady", "<= 1.2"),
+    ("1st save stall: preallocated / not", "prealloc_stall_first", "ours_stall_first", "< 1"),
     ("ours / dd write throughput", "dd", "ours_save", ">= 0.70"),
     ("ours / DCP save throughput", "dcp_save", "ours_save", ">= 0.90"),
     ("ours / DCP load speed (verified)", "dcp_load", "ours_load", ">= 1.0"),
@@ -179,12 +201,17 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp", help="parent folder of the temporary files (default /tmp)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--warm", action="store_true", help="load from the page cache instead of the disk")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the state lives (cuda: one GPU per rank, nccl; default cpu)")
     args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} GPU(s) for "
+                     f"{args.ranks} ranks")
     root = tempfile.mkdtemp(prefix="rrl-ckpt-bench-", dir=args.dir)
     out_file = os.path.join(root, "result.json")
     load_before = os.getloadavg()[0]
     try:
-        mp.spawn(_worker, args=(args.ranks, root, args.mib, args.repeat, args.warm, out_file),
+        mp.spawn(_worker, args=(args.ranks, root, args.mib, args.repeat, args.warm, out_file, args.device),
                  nprocs=args.ranks, join=True)
         with open(out_file) as f:
             result = json.load(f)
@@ -194,7 +221,8 @@ def main() -> None:
     times: dict[str, list[float]] = result["times"]
     best = {k: min(v) for k, v in times.items()}
 
-    print(f"checkpoint benchmark: {mib:.0f} MiB of fp32 DTensors over {args.ranks} ranks (gloo), folder "
+    backend = "nccl, on GPU" if args.device == "cuda" else "gloo"
+    print(f"checkpoint benchmark: {mib:.0f} MiB of fp32 DTensors over {args.ranks} ranks ({backend}), folder "
           f"{args.dir}, {args.repeat} rounds, {'warm' if args.warm else 'cold'} loads, load average "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     rows = [("dd bs=16M conv=fdatasync", "dd"), ("ours: sync save", "ours_save"),
@@ -202,6 +230,9 @@ def main() -> None:
             ("ours: async save 1, total", "ours_async_total_first"),
             ("ours: async save 2+, step stall", "ours_stall_steady"),
             ("ours: async save 2+, total", "ours_async_total_steady"),
+            ("preallocating the buffers (bg)", "prealloc_allocate"),
+            ("preallocated: save 1, step stall", "prealloc_stall_first"),
+            ("preallocated: save 2+, step stall", "prealloc_stall_steady"),
             ("DCP FileSystemWriter save", "dcp_save"), ("ours: load (sha256 verified)", "ours_load"),
             ("ours: load (no verification)", "ours_load_noverify"), ("DCP FileSystemReader load", "dcp_load")]
     print(f"  {'(best of the rounds)':34s} {'time':>8s}  {'throughput':>13s}")
@@ -209,10 +240,10 @@ def main() -> None:
         print(f"  {label:34s} {best[key]:7.3f}s  {mib / best[key]:8.1f} MiB/s")
     # Ratios of the best figures, and the median of the ratios within each round (the two
     # sides of a paired ratio ran seconds apart, under the same load from other processes).
-    print(f"  {'ratios':34s} {'best':>8s}  {'paired median':>13s}  target")
+    print(f"  {'ratios':36s} {'best':>8s}  {'paired median':>13s}  target")
     for label, num, den, target in RATIOS:
         paired = statistics.median(a / b for a, b in zip(times[num], times[den]))
-        print(f"  {label:34s} {best[num] / best[den]:8.3f}  {paired:13.3f}  {target}")
+        print(f"  {label:36s} {best[num] / best[den]:8.3f}  {paired:13.3f}  {target}")
 
 
 if __name__ == "__main__":

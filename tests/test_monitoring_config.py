@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resilient_rl.telemetry import (DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
-                                    ProcessSampler, TrainerMetrics)
+from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, FileSDWriter, GpuSampler, MetricsServer,
+                                    ProcessDevices, ProcessSampler, TorchMemoryMetrics, TrainerMetrics)
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
 
 MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
@@ -106,6 +106,10 @@ def populated_registry():
         gpu_sampler=GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-0000")]), all_devices=True),
         process_sampler=ProcessSampler({("actor", 0): os.getpid()}))
     devices.assign_gpus({"GPU-0000": ("actor", 0)})
+    torch_memory = TorchMemoryMetrics()
+    trainer.registry.register(torch_memory)
+    torch_memory.set_processes([ProcessDevices(("actor",), 0, None, DeviceReport(("GPU-0000",), 2**30, 2**31))],
+                               {None: "n0"})
     return trainer, devices
 
 
@@ -368,7 +372,7 @@ def promtool(*args: str, cwd: Path | None = None) -> str:
 @needs_promtool
 def test_promtool_accepts_config_and_rules():
     assert "SUCCESS" in promtool("check", "config", str(MONITORING / "prometheus.yml"))
-    assert "SUCCESS: 8 rules found" in promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 9 rules found" in promtool("check", "rules", str(RULES))
 
 
 @needs_promtool

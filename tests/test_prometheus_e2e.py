@@ -132,6 +132,12 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
         trainer.fit()
         assert schedule.faults[0].fired and schedule.faults[0].pid is not None
         assert trainer.recovery.recoveries == 1
+        # Every worker process (the restarted one too) gave a device report: on CPU, no GPU and
+        # no torch counters, so no rrl_gpu_* or rrl_torch_* series.
+        reports = trainer.telemetry.device_reports.reports
+        assert set(reports) == set(trainer.roles.known_workers)
+        assert {r.pid for r in reports.values()} == {pid for pid, _ in trainer.roles.known_workers.values()}
+        assert all((r.gpu_uuids, r.torch_allocated_bytes) == ((), None) for r in reports.values())
 
         # The exporter stays up until Prometheus holds the final state of the run.
         def final_state_scraped():

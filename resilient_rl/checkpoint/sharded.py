@@ -35,8 +35,9 @@ from resilient_rl.checkpoint.storage import Storage
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
-    "StagedShard", "StagedTensor", "flatten_state", "gather_full_state", "load_shard_into",
-    "stage", "unflatten_state", "write_shard",
+    "BufferSpec", "StagedShard", "StagedTensor", "allocate_staging", "flatten_state",
+    "gather_full_state", "load_shard_into", "stage", "staging_spec", "unflatten_state",
+    "write_shard",
 ]
 
 KIND_SHARD = "shard"          # a chunk of a DTensor
@@ -78,13 +79,22 @@ def _default_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _pinned(t: torch.Tensor) -> bool:
+    """Whether a host buffer for ``t`` is pinned: only for a CUDA source on a CUDA machine, where
+    page-locked memory makes the device-to-host copy asynchronous and fast."""
+    return t.device.type == "cuda" and torch.cuda.is_available()
+
+
+def _host_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+
 def _host_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """A host copy of ``t``, written into ``into`` when it fits (a buffer of an earlier save:
     reusing memory skips the page faults that dominate copying into fresh memory)."""
     blocking = t.device.type == "cpu"
     if into is None or into.shape != t.shape or into.dtype != t.dtype:
-        # Pinned host memory makes the device-to-host copy asynchronous and fast.
-        into = torch.empty(t.shape, dtype=t.dtype, pin_memory=not blocking)
+        into = _host_buffer(t.shape, t.dtype, _pinned(t))
     into.copy_(t.detach(), non_blocking=not blocking)
     return into
 
@@ -128,29 +138,87 @@ def stage(state: Mapping[str, Any], rank: int | None = None, *, world_size: int 
     staged: dict[str, StagedTensor] = {}
     any_device = False
     with torch.no_grad():
-        for key, t in tensors.items():
-            if isinstance(t, DTensor):
-                chunk = _dtensor_chunk(key, t)
-                if chunk is None:
-                    continue
-                local, offset = chunk
-                kind = KIND_SHARD
-            else:
-                kind = KIND_LOCAL if is_under(key, rank_local) else KIND_REPLICATED
-                if kind == KIND_REPLICATED and rank != 0:
-                    continue
-                local, offset = t, (0,) * t.ndim
-            dtype_name(t.dtype, key)  # refuse unstorable dtypes before anything is written
+        for key, local, kind, global_shape, offset in _local_chunks(tensors, rank, rank_local):
             any_device |= local.device.type != "cpu"
             if not copy and local.device.type == "cpu" and local.is_contiguous():
                 data = local.detach()
             else:
                 previous = reuse.tensors.get(key) if reuse is not None else None
                 data = _host_copy(local, previous.data if previous is not None else None)
-            staged[key] = StagedTensor(data, kind, tuple(t.shape), offset)
+            staged[key] = StagedTensor(data, kind, global_shape, offset)
     if any_device and torch.cuda.is_available():
         torch.cuda.synchronize()
     return StagedShard(rank, world_size, staged, extras, tuple(rank_local))
+
+
+def _local_chunks(tensors: Mapping[str, torch.Tensor], rank: int, rank_local: tuple[str, ...]):
+    """(key, local tensor, kind, global shape, global offset) of every chunk this rank writes."""
+    for key, t in tensors.items():
+        if isinstance(t, DTensor):
+            chunk = _dtensor_chunk(key, t)
+            if chunk is None:
+                continue
+            local, offset = chunk
+            kind = KIND_SHARD
+        else:
+            kind = KIND_LOCAL if is_under(key, rank_local) else KIND_REPLICATED
+            if kind == KIND_REPLICATED and rank != 0:
+                continue
+            local, offset = t, (0,) * t.ndim
+        dtype_name(t.dtype, key)  # refuse unstorable dtypes before anything is written
+        yield key, local, kind, tuple(t.shape), offset
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """Shape, dtype and placement of the host buffer one chunk is staged into."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pinned: bool
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+def staging_spec(state: Mapping[str, Any], rank: int | None = None, *,
+                 rank_local: tuple[str, ...] = ()) -> dict[str, BufferSpec]:
+    """The host buffers :func:`stage` would fill for ``state``, without copying anything.
+
+    Cheap (metadata only), so it can run on the training thread while
+    :func:`allocate_staging` allocates the buffers elsewhere."""
+    rank = default_rank() if rank is None else rank
+    tensors, _ = flatten_state(state)
+    return {key: BufferSpec(kind, tuple(local.shape), local.dtype, _pinned(local), global_shape, offset)
+            for key, local, kind, global_shape, offset in _local_chunks(tensors, rank, rank_local)}
+
+
+def allocate_staging(spec: Mapping[str, BufferSpec], rank: int, world_size: int, *,
+                     rank_local: tuple[str, ...] = (), reuse: StagedShard | None = None) -> StagedShard:
+    """Host buffers for every chunk of ``spec``, ready to be passed to :func:`stage` as ``reuse``.
+
+    The first save of a run otherwise pays for allocating them inside the step stall: for a
+    state on GPU, registering gigabytes of pinned (page-locked) host memory takes seconds; on
+    CPU, the first touch of every fresh page. Buffers of ``reuse`` that already fit are kept.
+    Pinned buffers are locked in memory at allocation; plain ones are written once here so that
+    their pages are faulted in before a save needs them. The buffers hold no state: the shard
+    returned is not a checkpoint and must not be written. Buffers of ``reuse`` for keys outside
+    ``spec`` are kept (the next :func:`stage` drops those its state does not have)."""
+    previous = reuse.tensors if reuse is not None else {}
+    tensors: dict[str, StagedTensor] = {}
+    for key, b in spec.items():
+        old = previous.get(key)
+        if old is not None and tuple(old.data.shape) == b.shape and old.data.dtype == b.dtype \
+                and old.data.is_pinned() == b.pinned:
+            data = old.data
+        else:
+            data = _host_buffer(b.shape, b.dtype, b.pinned)
+            if not b.pinned:
+                data.zero_()
+        tensors[key] = StagedTensor(data, b.kind, b.global_shape, b.global_offset)
+    for key, old in previous.items():  # e.g. the model's, when ``spec`` covers only the optimizer
+        tensors.setdefault(key, old)
+    return StagedShard(rank, world_size, tensors, {}, tuple(rank_local))
 
 
 def _index_bytes(staged: StagedShard, data_file: str) -> bytes:

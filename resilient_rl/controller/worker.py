@@ -31,16 +31,22 @@ import torch.distributed as dist
 from resilient_rl import env
 from resilient_rl.controller.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
+from resilient_rl.telemetry.gpu_owners import device_report
 
 logger = logging.getLogger(__name__)
 
 _PG_LOCK = threading.Lock()
-_PG_STATE = {"generation": None}
+# "cuda_device": the CUDA index the rendezvous made current (CUDA's current device is per thread,
+# and health calls run on another thread than the one that set it).
+_PG_STATE: dict = {"generation": None, "cuda_device": None}
 
 
 @dataclass
 class WorkerInfo:
-    """What the controller learns from a cheap health call."""
+    """What the controller learns from a cheap health call.
+
+    ``gpu_uuids`` names the GPU(s) the process computes on (empty on CPU); the torch counters
+    are its caching allocator's allocated and reserved bytes there (None on CPU)."""
 
     rank: int
     world_size: int
@@ -48,6 +54,9 @@ class WorkerInfo:
     pid: int
     node_id: str
     node_ip: str
+    gpu_uuids: tuple[str, ...] = ()
+    torch_allocated_bytes: int | None = None
+    torch_reserved_bytes: int | None = None
 
 
 def _node_ip() -> str:
@@ -87,6 +96,21 @@ def find_free_port(host: str = "") -> int:
 def default_backend() -> str:
     """nccl on CUDA machines, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def cuda_device_index(local_rank: int) -> int:
+    """The CUDA device a rank computes on: one per local rank among the visible devices."""
+    return local_rank % torch.cuda.device_count()
+
+
+def compute_cuda_device() -> int | None:
+    """The CUDA index this process computes on: the one its rendezvous selected, else CUDA's
+    current device once CUDA is initialised (a worker that built its model before joining a
+    group), else None (on CPU, or nothing on the GPU yet)."""
+    index = _PG_STATE["cuda_device"]
+    if index is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    return index
 
 
 class Worker:
@@ -139,9 +163,14 @@ class Worker:
 
     # ------------------------------------------------------------------ health
     def ping(self) -> WorkerInfo:
-        """Cheap health call: answers from the actor's process without touching the process group."""
+        """Cheap health call: answers from the actor's process without touching the process group.
+
+        It also says which GPU the process computes on and how much memory torch holds there
+        (see :mod:`resilient_rl.telemetry.gpu_owners`); it never initialises CUDA."""
+        report = device_report(compute_cuda_device())
         return WorkerInfo(self._rank, self._world_size, _PG_STATE["generation"], os.getpid(), self._node_id,
-                          self._node_ip)
+                          self._node_ip, report.gpu_uuids, report.torch_allocated_bytes,
+                          report.torch_reserved_bytes)
 
     def pid(self) -> int:
         return os.getpid()
@@ -161,7 +190,8 @@ class Worker:
                 destroy_process_group()
             backend = backend or default_backend()
             if backend == "nccl" and torch.cuda.is_available():
-                torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
+                _PG_STATE["cuda_device"] = cuda_device_index(self._local_rank)
+                torch.cuda.set_device(_PG_STATE["cuda_device"])
                 # CPU-side collectives (checkpoint metadata, object gathers) ride on gloo next to nccl.
                 backend = "cpu:gloo,cuda:nccl"
             dist.init_process_group(

@@ -3,11 +3,14 @@
 from resilient_rl.telemetry.device import GpuSample, GpuSampler, ProcessSample, ProcessSampler
 from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_values, scrape
 from resilient_rl.telemetry.file_sd import FileSDWriter
+from resilient_rl.telemetry.gpu_owners import (DeviceReport, ProcessDevices, TorchMemoryMetrics,
+                                               device_report, gpu_assignments)
 from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASES, DeviceMetrics, TrainerMetrics
 from resilient_rl.telemetry.node_exporter import NodeExporter
 
 __all__ = [
     "DeviceMetrics",
+    "DeviceReport",
     "FileSDWriter",
     "GpuSample",
     "GpuSampler",
@@ -15,9 +18,13 @@ __all__ = [
     "MetricsServer",
     "NodeExporter",
     "PHASES",
+    "ProcessDevices",
     "ProcessSample",
     "ProcessSampler",
+    "TorchMemoryMetrics",
     "TrainerMetrics",
+    "device_report",
+    "gpu_assignments",
     "sample_value",
     "sample_values",
     "scrape",

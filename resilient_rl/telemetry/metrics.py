@@ -327,8 +327,9 @@ def _normalize_uuid(uuid: str) -> str:
 class DeviceMetrics(Collector):
     """Per-node device series, read on every scrape.
 
-    GPU series carry ``node``, ``gpu`` (CUDA index), ``uuid`` and the ``role``/``rank`` the GPU
-    is assigned to (empty while unassigned). A reading NVML cannot take is left out, and without
+    GPU series carry ``node``, ``gpu`` (CUDA index), ``uuid`` and the ``role``/``rank`` of the
+    worker process(es) computing on the GPU (empty while unassigned; several roles of one
+    process are ``+``-joined, see :mod:`resilient_rl.telemetry.gpu_owners`). A reading NVML cannot take is left out, and without
     NVML there is no GPU series at all. Process series cover the pids given to
     :meth:`set_processes`.
 
@@ -363,8 +364,10 @@ class DeviceMetrics(Collector):
         self._assignments: dict[str, tuple[str, str]] = {}
         self.registry.register(self)
 
-    def assign_gpus(self, assignments: Mapping[str, tuple[str, int]]) -> None:
-        """Set which (role, rank) uses each GPU, keyed by UUID (with or without ``GPU-``)."""
+    def assign_gpus(self, assignments: Mapping[str, tuple[str, int | str]]) -> None:
+        """Set which (role, rank) uses each GPU, keyed by UUID (with or without ``GPU-``); the
+        GPUs left out are unassigned. Labels of shared GPUs come from
+        :func:`~resilient_rl.telemetry.gpu_owners.gpu_assignments` (e.g. ``actor+ref+rollout``)."""
         with self._lock:
             self._assignments = {_normalize_uuid(uuid): (role, str(rank))
                                  for uuid, (role, rank) in assignments.items()}

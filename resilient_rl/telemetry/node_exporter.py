@@ -8,7 +8,7 @@ does not depend on Ray, so the exporter can be tested and used on its own.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
 from resilient_rl.telemetry.exporter import MetricsServer
@@ -27,13 +27,15 @@ class NodeExporter:
         advertise_host: the host Prometheus should use when ``bind_address`` is a wildcard
             (the node's IP address); ignored otherwise.
         gpu_max_age_s: reuse a GPU reading for this long (``telemetry.gpu_sample_interval_s``).
+        nvml: an NVML module for the GPU sampler (a test double); None imports ``pynvml``.
     """
 
     def __init__(self, node: str, bind_address: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, gpu_max_age_s: float = 0.0) -> None:
+                 advertise_host: str | None = None, gpu_max_age_s: float = 0.0,
+                 nvml: Any | None = None) -> None:
         # The exporter process is given no GPU of its own: sample every device of the machine.
         self.devices = DeviceMetrics(node=node,
-                                     gpu_sampler=GpuSampler(all_devices=True,
+                                     gpu_sampler=GpuSampler(nvml, all_devices=True,
                                                             max_age_s=gpu_max_age_s),
                                      process_sampler=ProcessSampler())
         self.server = MetricsServer(self.devices.registry, bind_address, port)
@@ -53,6 +55,11 @@ class NodeExporter:
     def set_processes(self, pids: Mapping[tuple[str, int], int]) -> None:
         """Set the worker processes of this node, keyed by (role, rank)."""
         self.devices.set_processes(pids)
+
+    def set_gpu_assignments(self, assignments: Mapping[str, tuple[str, int | str]]) -> None:
+        """Set the ``role``/``rank`` labels of this node's GPUs, keyed by UUID (GPUs left out
+        are unassigned)."""
+        self.devices.assign_gpus(assignments)
 
     def stop(self) -> None:
         """Stop serving and release NVML."""

@@ -85,12 +85,15 @@ class RayRoles:
         return groups
 
     def refresh_workers(self) -> None:
-        """Remember every rank's pid and node (to tell restarted actors and to kill hung ones)."""
-        known = {}
+        """Remember every rank's pid and node (to tell restarted actors and to kill hung ones),
+        and its whole ping reply in ``worker_info`` (its GPU, for telemetry)."""
+        known, infos = {}, {}
         for g in self.distinct_groups():
             for rank, info in enumerate(g.ping()):
                 known[(g.name_prefix, rank)] = (info.pid, info.node_id)
+                infos[(g.name_prefix, rank)] = info
         self.known_workers = known
+        self.worker_info = infos
 
     def worker_pids(self) -> dict[tuple[str, int], int]:
         """(role, rank) -> pid of every role's processes (colocated roles share a pid)."""

@@ -5,6 +5,12 @@
 
 - a :class:`TrainerMetrics` served by a :class:`MetricsServer` on the controller
   (``telemetry.bind_address:telemetry.port``, 0 = a free port), fed from each step's row;
+- the GPU owners: every worker's health reply names the GPU its process computes on and torch's
+  memory there (:mod:`resilient_rl.telemetry.gpu_owners`); the replies of the pings made when
+  workers start or recover, refreshed by non-blocking health calls every
+  ``telemetry.gpu_sample_interval_s`` from :meth:`TelemetryHook.observe_step`, label each GPU
+  series with its ``role``/``rank`` on the exporter of the node where the GPU is, and feed the
+  controller's ``rrl_torch_memory_*`` gauges;
 - the ``metrics`` object of :class:`Recovery` and :class:`CheckpointCoordinator`: it forwards
   their reports to :class:`TrainerMetrics`, translating worker-group names to role names, and
   keeps the worker up/down series and the goodput in line with failures and recoveries;
@@ -31,9 +37,13 @@ from typing import Any, Mapping
 
 import psutil
 
+from resilient_rl.controller.device_poller import DeviceReportPoller
+from resilient_rl.controller.worker import compute_cuda_device
 from resilient_rl.errors import RRLError, TelemetryError
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
-                                    NodeExporter, ProcessSampler, TrainerMetrics)
+                                    NodeExporter, ProcessDevices, ProcessSampler, TorchMemoryMetrics,
+                                    TrainerMetrics, device_report, gpu_assignments)
+from resilient_rl.telemetry.gpu_owners import processes_from_reports
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +126,12 @@ class RemoteNodeExporter:
     def set_processes(self, pids: Mapping[Worker, int]) -> None:
         self._get(self.actor.set_processes.remote(dict(pids)))
 
+    def set_gpu_assignments(self, assignments: Mapping[str, tuple[str, str]], wait: bool = True) -> None:
+        """Label this node's GPUs; ``wait=False`` sends without waiting (from the training loop)."""
+        ref = self.actor.set_gpu_assignments.remote(dict(assignments))
+        if wait:
+            self._get(ref)
+
     def stop(self) -> None:
         import ray
 
@@ -144,6 +160,12 @@ class TelemetryHook:
             registry=self.metrics.registry, node=self.node,
             gpu_sampler=GpuSampler(all_devices=True, max_age_s=tc.gpu_sample_interval_s),
             process_sampler=ProcessSampler())
+        self.torch_memory = TorchMemoryMetrics()
+        self.metrics.registry.register(self.torch_memory)
+        self.device_reports = DeviceReportPoller(tc.gpu_sample_interval_s)
+        self._process_roles: dict[str, tuple[str, ...]] = {}  # worker group name -> roles in its processes
+        self._local_roles: tuple[str, ...] | None = None  # roles run by this process (no Ray workers)
+        self._sent_assignments: dict[str, dict[str, tuple[str, str]]] = {}  # node id -> last sent
         self.file_sd = FileSDWriter(tc.file_sd_path or trainer.run_dir.path / "prometheus_targets.json")
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
         self._next_port = tc.worker_port_base
@@ -214,6 +236,10 @@ class TelemetryHook:
             lr={role: float(row[f"{role}/lr"]) for role in ("actor", "critic") if f"{role}/lr" in row} or None)
         self._step_seconds[step] = duration
         self._update_goodput()
+        try:
+            self._poll_device_reports()
+        except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a training step
+            logger.warning("telemetry: device reports not refreshed: %s", exc)
 
     def _update_goodput(self) -> None:
         if self._started_at is not None:
@@ -326,7 +352,53 @@ class TelemetryHook:
             self.node_exporters[node_id].set_processes(one_per_process(pids))
         for (role, rank), (_, node_id) in workers.items():
             self.metrics.set_workers_up(role, rank, self._node_label(node_id), True)
+        self._reset_device_reports(roles)
         self._publish()
+
+    # ------------------------------------------------------------------ GPU owners
+    def _reset_device_reports(self, roles) -> None:
+        """After start or recovery: the ping replies of every process label the GPUs at once."""
+        if hasattr(roles, "distinct_groups"):
+            self._local_roles = None
+            self._process_roles = {p.name_prefix: tuple(role for role, g in roles.groups.items()
+                                                        if g.workers is p.workers)
+                                   for p in roles.distinct_groups()}
+            self.device_reports.reset(getattr(roles, "worker_info", {}))
+        else:  # every engine runs in this process
+            self._local_roles = tuple(role for role, _ in self._workers)
+            self.device_reports.reset({})
+        self._sent_assignments = {}
+        self._apply_device_reports(wait=True)
+
+    def _poll_device_reports(self) -> None:
+        """Take the health replies that arrived, send new calls when due; never waits."""
+        roles = self.trainer.roles
+        if roles is None:
+            return
+        if hasattr(roles, "distinct_groups"):
+            changed = self.device_reports.poll(roles.distinct_groups())
+        else:
+            changed = True
+        if changed:
+            self._apply_device_reports(wait=False)
+
+    def _device_processes(self) -> list[ProcessDevices]:
+        if self._local_roles is not None:
+            return [ProcessDevices(self._local_roles, 0, None, device_report(compute_cuda_device()))]
+        return processes_from_reports(self.device_reports.reports, self._process_roles, self.node_id)
+
+    def _apply_device_reports(self, wait: bool) -> None:
+        """Label the GPU series on the exporter of each GPU's node and refresh torch's memory gauges."""
+        processes = self._device_processes()
+        assignments = gpu_assignments(processes)
+        self.devices.assign_gpus(assignments.pop(None, {}))
+        for node_id, exporter in self.node_exporters.items():
+            wanted = assignments.get(node_id, {})
+            if self._sent_assignments.get(node_id) != wanted:
+                exporter.set_gpu_assignments(wanted, wait=wait)
+                self._sent_assignments[node_id] = wanted
+        labels = {node_id: self._node_label(node_id) for node_id in {p.node_id for p in processes}}
+        self.torch_memory.set_processes(processes, labels)
 
     def _start_node_exporter(self, node_id: str, table: dict[str, tuple[str, str]]) -> RemoteNodeExporter:
         node, ip = table.get(node_id, (node_id[:12], None))

@@ -6,6 +6,10 @@ waits for) and writes them in a background thread; the controller asks later whe
 finished and commits the step once every rank of every role has written. Loading fills the
 current (possibly differently sharded) state from the saved chunks, so a run saved on N ranks
 resumes on M.
+
+The host buffers an async save stages into are allocated ahead of the first save
+(:meth:`CheckpointMixin.prepare_checkpoint_staging`, in the writer's thread), because allocating
+them inside the first save's stall costs seconds on a GPU (registering pinned host memory).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class CheckpointMixin:
 
     _writer: AsyncShardWriter | None = None
     _storages: dict | None = None
+    _staging_prepared: frozenset = frozenset()  # parts of the state whose buffers are allocated
 
     def _storage(self, root: str, storage_options: dict | None) -> Storage:
         if self._storages is None:
@@ -51,10 +56,48 @@ class CheckpointMixin:
         }
 
     def reset_checkpoint_writer(self) -> None:
-        """Drop a write left over from before a recovery (its step is never committed)."""
-        if self._writer is not None:
-            self._writer.close(timeout=30)
-            self._writer = None
+        """Drop a write left over from before a recovery (its step is never committed).
+
+        The staging buffers are kept for the next writer when nothing is writing from them."""
+        writer, self._writer = self._writer, None
+        self._staging_prepared = frozenset()
+        if writer is not None:
+            buffers = writer.close(timeout=30)
+            if buffers is not None:
+                self._writer = self._new_writer(buffers)
+
+    def _new_writer(self, buffers=None) -> AsyncShardWriter:
+        return AsyncShardWriter(name=f"ckpt-{getattr(self, 'role', 'worker')}-{self.rank}", buffers=buffers)
+
+    def _checkpoint_writer(self) -> AsyncShardWriter:
+        if self._writer is None:
+            self._writer = self._new_writer()
+        return self._writer
+
+    def prepare_checkpoint_staging(self) -> bool:
+        """Allocate the host buffers of the next async save now, in the writer's thread.
+
+        Call it once the model is built (sizes the model's buffers) and after every update
+        (sizes the optimizer's once it has state; a no-op afterwards). AdamW's moments exist only
+        after its first step, and they must not be created early: ``get_optimizer_state_dict``
+        on an optimizer without state runs a zero-learning-rate step, which AdamW counts as its
+        first, changing every later update. Nothing is allocated while checkpoints are off or
+        synchronous. Returns whether an allocation was started."""
+        cfg = getattr(self, "cfg", None)  # hosts without a run config (export tools) only load
+        e = getattr(self, "engine", None)
+        if cfg is None or e is None or "optim" in self._staging_prepared:
+            return False
+        if not (cfg.checkpoint.async_save and cfg.checkpoint.save_every > 0):
+            return False
+        if e.optimizer.state:
+            state, part = self._state(), "optim"
+        elif "model" not in self._staging_prepared:
+            state, part = {"model": get_model_state_dict(e.model)}, "model"
+        else:
+            return False
+        self._checkpoint_writer().preallocate(state, self.rank, world_size=self.world_size, rank_local=RANK_LOCAL)
+        self._staging_prepared = self._staging_prepared | {part}
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
@@ -64,9 +107,7 @@ class CheckpointMixin:
         if not async_save:
             return _records(write_shard(stage(state, self.rank, rank_local=RANK_LOCAL, copy=False), storage, rel_dir,
                                         self.rank))
-        if self._writer is None:
-            self._writer = AsyncShardWriter(name=f"ckpt-{self.role}-{self.rank}")
-        self._writer.stage_and_submit(state, storage, rel_dir, self.rank, rank_local=RANK_LOCAL)
+        self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, self.rank, rank_local=RANK_LOCAL)
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -97,4 +138,5 @@ class CheckpointMixin:
         e.scheduler.load_state_dict(loaded["scheduler"])
         if saved_world_size == self.world_size and "rng" in loaded:
             torch.set_rng_state(loaded["rng"]["torch"])
+        self.prepare_checkpoint_staging()
         return True

@@ -81,6 +81,7 @@ class ActorWorker(CheckpointMixin, RoleWorker):
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True,
                                    reshard_after_forward=c.actor.reshard_after_forward)
+        self.prepare_checkpoint_staging()  # the first save then stalls no longer than later ones
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -90,7 +91,9 @@ class ActorWorker(CheckpointMixin, RoleWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict:
-        return self.engine.update(data, int(data.meta_info["step"]))
+        metrics = self.engine.update(data, int(data.meta_info["step"]))
+        self.prepare_checkpoint_staging()  # the optimizer's buffers, once it has state
+        return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_weights(self, version: int, colocated: bool):
@@ -144,6 +147,7 @@ class CriticWorker(CheckpointMixin, RoleWorker):
         # A different seed from the actor's: the critic's backbone is its own model.
         self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
                                   total_steps=c.trainer.total_steps)
+        self.prepare_checkpoint_staging()
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -152,7 +156,9 @@ class CriticWorker(CheckpointMixin, RoleWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_critic(self, data: DataProto) -> dict:
-        return self.engine.update(data, int(data.meta_info["step"]))
+        metrics = self.engine.update(data, int(data.meta_info["step"]))
+        self.prepare_checkpoint_staging()
+        return metrics
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
