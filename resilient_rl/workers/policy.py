@@ -88,7 +88,7 @@ class PolicyEngine:
                 kl = kl_penalty(logp, b["ref_log_prob"].to(self.plan.device), cfg.kl_loss_type)
                 kl_loss = (kl * mask).sum() / mask.sum().clamp(min=1.0)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl_loss)
+                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
             (loss * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             self.optimizer.step()
