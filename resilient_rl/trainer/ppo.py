@@ -19,6 +19,7 @@ from resilient_rl.trainer.config import config_digest
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
 from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.trainer.run_log import RunLog
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.trainer.tasks import get_task
 from resilient_rl.trainer.telemetry_hook import TelemetryHook
@@ -56,6 +57,7 @@ class PPOTrainer:
         self._roles_factory = roles_factory
         self.roles = None
         self.history: list[dict] = []
+        self.trackers = None  # the trainer.loggers backends, open while fit() runs
         self.telemetry = TelemetryHook(self) if cfg.telemetry.enabled else None
 
     def fire(self, name: str, *args) -> None:
@@ -161,12 +163,29 @@ class PPOTrainer:
         self.history.append(row)
         if self.telemetry is not None:
             self.telemetry.observe_step(row)
+        if self.trackers is not None:
+            self.trackers.log_metrics(step, row)
         return row
 
     def fit(self) -> list[dict]:
-        """Train to ``total_steps``; returns the metric history of this run."""
+        """Train to ``total_steps``; returns the metric history of this run.
+
+        The whole log goes to ``train.log`` in the run folder; metrics and events go to the
+        trackers of ``trainer.loggers`` (the console gets a summary every ``trainer.log_every`` steps).
+        """
         from tqdm import tqdm
 
+        from resilient_rl.trainer.trackers import build_trackers
+
+        with RunLog(self.run_dir.path / "train.log"):
+            self.trackers = build_trackers(self.cfg, self.run_dir)
+            try:
+                return self._fit_loop(tqdm)
+            finally:
+                self.trackers.close()
+                self.trackers = None
+
+    def _fit_loop(self, tqdm) -> list[dict]:
         self.start_roles()
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
@@ -183,9 +202,6 @@ class PPOTrainer:
                     continue
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['timing/step_s']:.2f}")
-                if self.cfg.trainer.log_every and row["step"] % self.cfg.trainer.log_every == 0:
-                    logger.info("step %d %s", row["step"], " ".join(
-                        f"{k}={v:.4g}" for k, v in row.items() if k != "step" and not k.startswith("timing/")))
             if hasattr(self.roles, "groups"):
                 self.ckpt.wait(self.roles)
         finally:
