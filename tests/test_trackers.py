@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -127,7 +128,7 @@ def test_mlflow_file_store_holds_metrics_and_events(tmp_path, monkeypatch):
     assert [(m.step, round(m.value, 6)) for m in history] == [(1, 0.1), (2, 0.2), (3, 0.3), (3, 0.3)]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "events/recovered")] == [(4, 1.0)]
     local = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
-    kinds = [json.loads(line)["event"] for line in open(local)]
+    kinds = [json.loads(line)["event"] for line in Path(local).read_text().splitlines()]
     assert kinds == ["checkpoint_committed", "failure", "recovered"]
 
 

@@ -123,8 +123,12 @@ class WandbTracker:
     def __init__(self, run_dir: str, project: str, name: str, config: dict, mode: str | None = None):
         wandb = _require_extra("wandb", "wandb")
         self.wandb = wandb
-        self.run = wandb.init(dir=run_dir, project=project, name=name, config=config, mode=mode,
-                              settings=wandb.Settings(silent=True, console="off"))
+        try:
+            self.run = wandb.init(dir=run_dir, project=project, name=name, config=config, mode=mode,
+                                  settings=wandb.Settings(silent=True, console="off"))
+        except Exception as exc:  # not logged in (no TTY to ask), no network, bad settings
+            raise ConfigError(f"trainer.loggers: wandb could not start a run: {exc}; log in with `wandb login` "
+                              "or set WANDB_MODE=offline (then `wandb sync` the run folder's wandb/ later)") from exc
         self.run.define_metric("trainer/step")
         self.run.define_metric("*", step_metric="trainer/step")
         self.counts: dict[str, int] = {}
