@@ -161,3 +161,26 @@ def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_lo
     assert len(steps) == 5 and all("critic/vf_loss=" in s and "perf/tokens_per_s=" in s for s in steps)
     assert log.count("resilient_rl.trainer.trackers: step ") == 3
     assert len((tmp_path / "console" / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_run_log_is_reentrant_and_routes_worker_lines(tmp_path, capsys):
+    from resilient_rl.trainer.run_log import QUIET_RAY_LOGGERS, RunLog, _log_worker_lines
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    path = tmp_path / "train.log"
+    line = {"lines": ["boom"], "pid": 42, "ip": "10.0.0.1", "actor_name": "actor_0", "is_err": True}
+    with RunLog(path):
+        with RunLog(path):  # the CLI's and fit()'s: one file handler
+            assert len(root.handlers) == len(before) + 1
+            _log_worker_lines(line)
+            _log_worker_lines({**line, "lines": ["hello"], "is_err": False})
+        assert len(root.handlers) == len(before) + 1
+        assert not logging.getLogger(QUIET_RAY_LOGGERS[0]).propagate
+    assert root.handlers == before and logging.getLogger(QUIET_RAY_LOGGERS[0]).propagate
+    text = path.read_text()
+    assert "WARNING resilient_rl.worker_output: (actor_0 pid=42, 10.0.0.1) boom" in text
+    assert "INFO resilient_rl.worker_output: (actor_0 pid=42, 10.0.0.1) hello" in text
+    assert "boom" not in capsys.readouterr().err
+    _log_worker_lines(line)  # no run log open: printed, as Ray would, not lost
+    assert "(actor_0 pid=42, 10.0.0.1) boom" in capsys.readouterr().err

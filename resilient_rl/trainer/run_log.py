@@ -113,6 +113,12 @@ def _log_worker_lines(data: dict) -> None:
     who = data.get("actor_name") or data.get("task_name") or ""
     tag = f"({who} pid={data.get('pid')}, {data.get('ip')})" if data.get("pid") not in ("raylet", "autoscaler") \
         else f"({data.get('pid')})"
+    if not RunLog._open:  # no run log open (Ray used outside a run): print as Ray would
+        from tqdm import tqdm
+
+        for line in lines:
+            tqdm.write(f"{tag} {line}", file=sys.stderr if data.get("is_err") else sys.stdout)
+        return
     level = logging.WARNING if data.get("is_err") else logging.INFO
     for line in lines:
         WORKER_LOG.log(level, "%s %s", tag, line)
