@@ -184,3 +184,13 @@ def test_run_log_is_reentrant_and_routes_worker_lines(tmp_path, capsys):
     assert "boom" not in capsys.readouterr().err
     _log_worker_lines(line)  # no run log open: printed, as Ray would, not lost
     assert "(actor_0 pid=42, 10.0.0.1) boom" in capsys.readouterr().err
+
+
+def test_a_chosen_backend_that_is_not_installed_fails_before_anything_starts(tmp_path, monkeypatch):
+    from resilient_rl.trainer import trackers
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", "resilient_rl_no_such_package")
+    with pytest.raises(ConfigError, match=r"'wandb'.*pip install 'resilient-rl\[wandb\]'"):
+        PPOTrainer(_cfg(tmp_path, "console", "wandb"))
+    assert not (tmp_path / "trk").exists()  # no run folder, no workers

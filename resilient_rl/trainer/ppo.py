@@ -24,6 +24,7 @@ from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.trainer.tasks import get_task
 from resilient_rl.trainer.telemetry_hook import TelemetryHook
 from resilient_rl.trainer.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from resilient_rl.trainer.trackers import build_trackers, check_available
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class PPOTrainer:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
         self.step = 0
+        check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
@@ -174,8 +176,6 @@ class PPOTrainer:
         trackers of ``trainer.loggers`` (the console gets a summary every ``trainer.log_every`` steps).
         """
         from tqdm import tqdm
-
-        from resilient_rl.trainer.trackers import build_trackers
 
         with RunLog(self.run_dir.path / "train.log"):
             self.trackers = build_trackers(self.cfg, self.run_dir)

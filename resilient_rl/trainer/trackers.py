@@ -241,6 +241,21 @@ def validate_loggers(names: list[str]) -> None:
             raise ConfigError(f"trainer.loggers: unknown logger {name!r}; choose from {', '.join(BACKENDS)}")
 
 
+#: The package each optional backend needs (its pip extra has the backend's name).
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def check_available(names: list[str]) -> None:
+    """Fail early, before any worker starts, when a chosen backend's package is not installed."""
+    import importlib.util
+
+    for name in names:
+        package = PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"trainer.loggers includes {name!r} but {package!r} is not installed; "
+                              f"install it with: pip install 'resilient-rl[{name}]'")
+
+
 def build_trackers(cfg, run_dir) -> TrackerSet:
     """The trackers ``cfg.trainer.loggers`` names, writing under ``run_dir``, subscribed to its events."""
     from resilient_rl import env
