@@ -27,7 +27,7 @@ def _cfg(tmp_path, *loggers: str, **extra: str):
 
 
 def _log_a_run(cfg) -> RunDir:
-    """Three steps, a checkpoint at step 2, a failure at step 3 and its recovery to step 2, one replayed step."""
+    """Three steps, a checkpoint at step 2, a failure at step 4, its recovery to step 2, a replay and a checkpoint."""
     run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
     trackers = build_trackers(cfg, run_dir)
     try:
@@ -38,6 +38,7 @@ def _log_a_run(cfg) -> RunDir:
         run_dir.event("failure", step=4, role="actor", rank=1, cause="died")
         run_dir.event("recovered", failed_step=4, restored_step=2, replayed_steps=2)
         trackers.log_metrics(3, ROWS[2])  # replayed
+        run_dir.event("checkpoint_committed", step=3, duration_s=0.4, bytes=1234)
     finally:
         trackers.close()
     run_dir.event("after_close", step=9)  # no longer forwarded
@@ -88,7 +89,7 @@ def test_tensorboard_scalars_and_events_read_back(tmp_path):
     acc = EventAccumulator(str(run_dir.path / "tensorboard"))
     acc.Reload()
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("reward/mean")] == [(1, 0.1), (2, 0.2), (3, 0.3), (3, 0.3)]
-    assert [e.step for e in acc.Scalars("events/checkpoint_committed")] == [2]
+    assert [e.step for e in acc.Scalars("events/checkpoint_committed")] == [2, 3]
     assert [(e.step, e.value) for e in acc.Scalars("events/recovered")] == [(4, 1.0)]
     texts = acc.Tensors("events/failure/text_summary")
     assert texts and texts[0].step == 4
@@ -105,11 +106,12 @@ def test_wandb_offline_run_holds_metrics_and_events(tmp_path, monkeypatch):
     steps = [(r["trainer/step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     assert [(s, round(v, 6)) for s, v in steps] == [(1, 0.1), (2, 0.2), (3, 0.3), (3, 0.3)]
     events = {k: r["trainer/step"] for r in rows for k in r if k.startswith("events/")}
-    assert events == {"events/checkpoint_committed": 2, "events/failure": 4, "events/recovered": 4}
+    assert events == {"events/checkpoint_committed": 3, "events/failure": 4, "events/recovered": 4}
     tables = [r for r in rows if "event_log/path" in r]
-    assert [t["event_log/nrows"] for t in tables] == [1, 2, 3]
+    assert [t["event_log/nrows"] for t in tables] == [2, 3, 4]  # checkpoints wait for the next event or close
     table = json.loads((find_run_file(run_dir.path).parent / "files" / tables[-1]["event_log/path"]).read_text())
-    assert [row[:2] for row in table["data"]] == [[2, "checkpoint_committed"], [4, "failure"], [4, "recovered"]]
+    assert [row[:2] for row in table["data"]] == [[2, "checkpoint_committed"], [4, "failure"], [4, "recovered"],
+                                                  [3, "checkpoint_committed"]]
     assert json.loads(table["data"][2][2]) == {"failed_step": 4, "restored_step": 2, "replayed_steps": 2}
 
 
@@ -129,7 +131,7 @@ def test_mlflow_file_store_holds_metrics_and_events(tmp_path, monkeypatch):
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "events/recovered")] == [(4, 1.0)]
     local = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
     kinds = [json.loads(line)["event"] for line in Path(local).read_text().splitlines()]
-    assert kinds == ["checkpoint_committed", "failure", "recovered"]
+    assert kinds == ["checkpoint_committed", "failure", "recovered", "checkpoint_committed"]
 
 
 def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_log(tmp_path, capsys):

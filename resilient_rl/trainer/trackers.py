@@ -35,6 +35,9 @@ SUMMARY_KEYS = (("reward/mean", "reward"), ("actor/pg_loss", "pg_loss"), ("criti
 #: Events the console reports (failures and recoveries are already logged as warnings where they happen).
 CONSOLE_EVENTS = ("checkpoint_committed", "checkpoint_restored", "checkpoint_corrupt", "worker_restarted",
                   "kill_unresponsive")
+#: Events of every checkpoint: the full event log (wandb table, MLflow artifact) is rewritten for them
+#: only with the next other event or at close, so a long run does not write one copy per checkpoint.
+ROUTINE_EVENTS = ("checkpoint_started", "checkpoint_committed")
 
 
 class Tracker(Protocol):
@@ -117,7 +120,7 @@ class WandbTracker:
 
     wandb's own step must only grow, and a recovery replays steps, so every row carries
     ``trainer/step`` and all charts use it as their x axis. Events are ``events/<kind>`` counts
-    and a table ``event_log`` (step, event, fields) re-logged on each event.
+    and a table ``event_log`` (step, event, fields) re-logged with each event (see ROUTINE_EVENTS).
     """
 
     def __init__(self, run_dir: str, project: str, name: str, config: dict, mode: str | None = None):
@@ -133,6 +136,7 @@ class WandbTracker:
         self.run.define_metric("*", step_metric="trainer/step")
         self.counts: dict[str, int] = {}
         self.events: list[list] = []
+        self.dirty = False  # events not yet in a logged event_log table
 
     def log_metrics(self, step: int, row: dict[str, Any]) -> None:
         self.run.log({**_scalars(row), "trainer/step": step})
@@ -140,10 +144,18 @@ class WandbTracker:
     def log_event(self, step: int, kind: str, fields: dict[str, Any]) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.events.append([step, kind, json.dumps(fields, default=str)])
-        table = self.wandb.Table(columns=["step", "event", "fields"], data=list(self.events))
-        self.run.log({f"events/{kind}": self.counts[kind], "event_log": table, "trainer/step": step})
+        row: dict[str, Any] = {f"events/{kind}": self.counts[kind], "trainer/step": step}
+        self.dirty = kind in ROUTINE_EVENTS
+        if not self.dirty:
+            row["event_log"] = self._table()
+        self.run.log(row)
+
+    def _table(self):
+        return self.wandb.Table(columns=["step", "event", "fields"], data=list(self.events))
 
     def close(self) -> None:
+        if self.dirty:
+            self.run.log({"event_log": self._table(), "trainer/step": self.events[-1][0]})
         self.run.finish()
 
 
@@ -169,6 +181,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=flat[i:i + 100])
         self.counts: dict[str, int] = {}
         self.events: list[str] = []
+        self.dirty = False  # events not yet in the events.jsonl artifact
 
     def _now_ms(self) -> int:
         import time
@@ -185,9 +198,16 @@ class MlflowTracker:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.client.log_metric(self.run_id, f"events/{kind}", self.counts[kind], self._now_ms(), step)
         self.events.append(json.dumps({"step": step, "event": kind, **fields}, default=str))
+        self.dirty = kind in ROUTINE_EVENTS
+        if not self.dirty:
+            self._write_events()
+
+    def _write_events(self) -> None:
         self.client.log_text(self.run_id, "\n".join(self.events) + "\n", "events.jsonl")
 
     def close(self) -> None:
+        if self.dirty:
+            self._write_events()
         self.client.set_terminated(self.run_id)
 
 
