@@ -3,7 +3,8 @@
 ``trainer.loggers`` (verl's ``trainer.logger``) lists the backends:
 
 - ``console``: a short summary line every ``trainer.log_every`` steps and a line per checkpoint or
-  worker restart, written through the progress bar; the full per-step line goes to ``train.log``.
+  worker restart, written through the progress bar. The full per-step line goes to ``train.log``
+  whatever the list holds.
 - ``jsonl``: the run folder's ``metrics.jsonl`` and ``events.jsonl``. Always written, listed or not,
   because resume and recovery read them back.
 - ``tensorboard``, ``wandb``, ``mlflow``: optional extras (``pip install 'resilient-rl[wandb]'``),
@@ -68,14 +69,13 @@ def _require_extra(module: str, extra: str):
 
 
 class ConsoleTracker:
-    """Full per-step line to ``train.log``; a short summary every ``log_every`` steps on the console."""
+    """A short summary every ``log_every`` steps (and at the last step) and checkpoint/restart lines."""
 
     def __init__(self, log_every: int, total_steps: int):
         self.log_every = log_every
         self.total_steps = total_steps
 
     def log_metrics(self, step: int, row: dict[str, Any]) -> None:
-        STEP_LOG.info("step %d %s", step, " ".join(f"{k}={v:.6g}" for k, v in _scalars(row).items()))
         if step % self.log_every and step != self.total_steps:
             return
         parts = [f"{label} {row[key]:.4g}" for key, label in SUMMARY_KEYS if key in row]
@@ -224,7 +224,9 @@ class TrackerSet:
         self._unsubscribe: Callable[[], None] | None = None
 
     def log_metrics(self, step: int, row: dict[str, Any]) -> None:
+        """Send ``row`` to every tracker, and all its metrics as one line to ``train.log``."""
         self.last_step = step
+        STEP_LOG.info("step %d %s", step, " ".join(f"{k}={v:.6g}" for k, v in _scalars(row).items()))
         for t in self.trackers:
             t.log_metrics(step, row)
 
