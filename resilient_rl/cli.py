@@ -32,8 +32,9 @@ EXIT_ERROR = 2
 
 
 def _setup_logging(quiet: bool) -> None:
-    level = logging.WARNING if quiet else getattr(logging, env.log_level(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from resilient_rl.trainer.run_log import setup_console
+
+    setup_console(logging.WARNING if quiet else getattr(logging, env.log_level(), logging.INFO))
 
 
 def _fit(cfg) -> int:
@@ -41,16 +42,23 @@ def _fit(cfg) -> int:
     from resilient_rl.trainer.cluster import connect, disconnect
     from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
 
+    from resilient_rl.trainer.run_log import RunLog
+
     trainer = PPOTrainer(cfg)
-    started = connect(cfg.ray)
-    try:
-        history = trainer.fit()
-    except KeyboardInterrupt:
-        print(f"\ninterrupted at step {trainer.step}; stopping workers", file=sys.stderr)
-        return 130
-    finally:
-        trainer.shutdown()
-        disconnect(started)
+    log_path = trainer.run_dir.path / "train.log"
+    with RunLog(log_path):  # Ray's start-up notices and the workers' output land here, off the console
+        started = connect(cfg.ray)
+        try:
+            history = trainer.fit()
+        except KeyboardInterrupt:
+            print(f"\ninterrupted at step {trainer.step}; stopping workers", file=sys.stderr)
+            return 130
+        except RRLError:
+            print(f"resilient-rl: the full log, with the workers' output, is in {log_path}", file=sys.stderr)
+            raise
+        finally:
+            trainer.shutdown()
+            disconnect(started)
     print(f"run folder: {trainer.run_dir.path}")
     if not history:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")

@@ -29,3 +29,13 @@ def ray_address() -> str | None:
 def log_level() -> str:
     """``RRL_LOG_LEVEL`` (default INFO)."""
     return os.environ.get("RRL_LOG_LEVEL", "INFO").upper()
+
+
+def mlflow_tracking_uri() -> str | None:
+    """``MLFLOW_TRACKING_URI``: the MLflow server or store the ``mlflow`` logger uses, if the user set one."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def allow_mlflow_file_store() -> None:
+    """Let mlflow use a local file store (``MLFLOW_ALLOW_FILE_STORE=true``) unless the user decided otherwise."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

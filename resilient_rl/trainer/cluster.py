@@ -1,4 +1,9 @@
-"""Connecting to Ray: a local cluster by default, an existing one when ``ray.address`` is set."""
+"""Connecting to Ray: a local cluster by default, an existing one when ``ray.address`` is set.
+
+What the workers print (warnings, tracebacks) is sent to the run's ``train.log`` instead of the
+driver's terminal, where it would tear the progress bar (see :mod:`resilient_rl.trainer.run_log`).
+A worker's exception still reaches the controller with its traceback and is reported there.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import ray
 
 from resilient_rl import env
+from resilient_rl.trainer.run_log import capture_worker_output, release_worker_output
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +24,7 @@ def connect(ray_cfg) -> bool:
     address = ray_cfg.address or env.ray_address()
     if address:
         ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
+        capture_worker_output()
         return False
     # address="local": always start a new cluster, never attach to one a stale
     # /tmp/ray/ray_current_cluster file points at.
@@ -28,6 +35,7 @@ def connect(ray_cfg) -> bool:
     if ray_cfg.object_store_memory:
         kwargs["object_store_memory"] = ray_cfg.object_store_memory
     ray.init(**kwargs)
+    capture_worker_output()
     return True
 
 
@@ -35,3 +43,4 @@ def disconnect(started: bool) -> None:
     """Leave Ray clean: shut down the connection (and the local cluster if we started it)."""
     if ray.is_initialized():
         ray.shutdown()
+    release_worker_output()

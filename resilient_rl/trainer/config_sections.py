@@ -325,8 +325,11 @@ class TrainerConfig(_Section):
     output_dir: str = "runs"
     device: str = "auto"
     placement: str = "colocated"
-    log_every: int = 1
+    log_every: int = 10
     progress_bar: bool = True
+    # Experiment trackers (verl: trainer.logger): console, jsonl, tensorboard, wandb, mlflow.
+    loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "resilient-rl"
 
     def validate(self) -> None:
         _require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
@@ -337,6 +340,9 @@ class TrainerConfig(_Section):
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("placement", self.placement, ("colocated", "split"))
         _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        for name in self.loggers:
+            _choice("loggers", name, ("console", "jsonl", "tensorboard", "wandb", "mlflow"))
+        _require(bool(self.project_name), "project_name", self.project_name, "must be non-empty")
 
 
 @dataclass

@@ -21,10 +21,12 @@ from resilient_rl.trainer.controller_record import controller_session
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
 from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.trainer.run_log import RunLog
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.trainer.tasks import get_task
 from resilient_rl.trainer.telemetry_hook import TelemetryHook
 from resilient_rl.trainer.tokenizer import build_tokenizer
+from resilient_rl.trainer.trackers import build_trackers, check_available
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class PPOTrainer:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
         self.step = 0
+        check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
@@ -59,6 +62,7 @@ class PPOTrainer:
         self._roles_factory = roles_factory
         self.roles = None
         self.history: list[dict] = []
+        self.trackers = None  # the trainer.loggers backends, open while fit() runs
         self.telemetry = TelemetryHook(self) if cfg.telemetry.enabled else None
 
     def fire(self, name: str, *args) -> None:
@@ -164,21 +168,32 @@ class PPOTrainer:
         self.history.append(row)
         if self.telemetry is not None:
             self.telemetry.observe_step(row)
+        if self.trackers is not None:
+            self.trackers.log_metrics(step, row)
         return row
 
     def fit(self) -> list[dict]:
         """Train to ``total_steps``; returns the metric history of this run.
 
-        ``controller.json`` in the run folder names this process while it runs and says how it ended."""
-        with controller_session(self.run_dir.path, lambda: self.step) as record:
-            self.start_roles()
-            record.start_step = self.step
-            record.write(self.run_dir.path)
-            return self._train_to_total()
-
-    def _train_to_total(self) -> list[dict]:
+        ``controller.json`` in the run folder names this process while it runs and says how it ended.
+        The whole log goes to ``train.log`` in the run folder; metrics and events go to the
+        trackers of ``trainer.loggers`` (the console gets a summary every ``trainer.log_every`` steps).
+        """
         from tqdm import tqdm
 
+        with RunLog(self.run_dir.path / "train.log"):
+            self.trackers = build_trackers(self.cfg, self.run_dir)
+            try:
+                with controller_session(self.run_dir.path, lambda: self.step) as record:
+                    self.start_roles()
+                    record.start_step = self.step
+                    record.write(self.run_dir.path)
+                    return self._fit_loop(tqdm)
+            finally:
+                self.trackers.close()
+                self.trackers = None
+
+    def _fit_loop(self, tqdm) -> list[dict]:
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
                    dynamic_ncols=True)
@@ -194,9 +209,6 @@ class PPOTrainer:
                     continue
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['timing/step_s']:.2f}")
-                if self.cfg.trainer.log_every and row["step"] % self.cfg.trainer.log_every == 0:
-                    logger.info("step %d %s", row["step"], " ".join(
-                        f"{k}={v:.4g}" for k, v in row.items() if k != "step" and not k.startswith("timing/")))
             if hasattr(self.roles, "groups"):
                 self.ckpt.wait(self.roles)
         finally:

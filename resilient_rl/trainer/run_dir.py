@@ -10,7 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from resilient_rl.trainer.config import save_config
 
@@ -23,6 +23,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
         self.events_path = self.path / "events.jsonl"
+        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     def save_config(self, cfg) -> None:
         save_config(cfg, str(self.path / "config.yaml"))
@@ -48,9 +49,19 @@ class RunDir:
             return [json.loads(line) for line in f if line.strip()]
 
     def event(self, kind: str, **fields: Any) -> None:
-        """Append one event (failure, recovery, checkpoint, ...) with a wall-clock timestamp."""
+        """Append one event (failure, recovery, checkpoint, ...) with a wall-clock timestamp.
+
+        Then passes ``(kind, fields)`` to every subscriber (the experiment trackers).
+        """
         with open(self.events_path, "a") as f:
             f.write(json.dumps({"time": time.time(), "event": kind, **fields}) + "\n")
+        for listener in list(self._listeners):
+            listener(kind, dict(fields))
+
+    def subscribe(self, listener: Callable[[str, dict[str, Any]], None]) -> Callable[[], None]:
+        """Call ``listener(kind, fields)`` on every later event; returns a function that unsubscribes."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
 
 def deterministic_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,72 @@
+"""What `resilient-rl train` shows on the console, and what goes to ``runs/<run>/train.log`` instead.
+
+The console keeps the progress bar and a summary every ``trainer.log_every`` steps; the per-step
+metrics, Ray's start-up notices and everything the workers print go to the run's ``train.log``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkeypatch):
+    import ray
+
+    from resilient_rl.trainer.cluster import connect, disconnect
+    from resilient_rl.trainer.config import load_config
+    from resilient_rl.trainer.run_log import RunLog
+
+    cfg = load_config(None, ["ray.num_cpus=2", "ray.object_store_memory=100000000"])
+    log = tmp_path / "train.log"
+    # A process that started a cluster before has RAY_AUTH_MODE set by Ray, which silences the notice.
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+
+    @ray.remote
+    def noisy() -> int:
+        print("hello from a worker's stdout", flush=True)
+        print("Consider using tensor.detach() first (a worker's stderr)", file=sys.stderr, flush=True)
+        return 7
+
+    with RunLog(log):
+        started = connect(cfg.ray)
+        try:
+            assert ray.get(noisy.remote()) == 7
+            from resilient_rl.faults.processes import wait_for
+
+            assert wait_for(lambda: "a worker's stderr" in log.read_text(), timeout_s=30), log.read_text()[-2000:]
+        finally:
+            disconnect(started)
+    out, err = capfd.readouterr()
+    assert "hello from a worker" not in out + err and "a worker's stderr" not in out + err
+    assert "Token authentication" not in out + err
+    text = log.read_text()
+    assert "INFO resilient_rl.worker_output: (noisy pid=" in text and "hello from a worker's stdout" in text
+    assert "WARNING resilient_rl.worker_output: (noisy pid=" in text
+    assert "Token authentication is enabled" in text  # Ray's notice, moved here
+
+
+def test_train_console_has_a_summary_every_log_every_steps_and_train_log_has_every_step(tmp_path):
+    run = tmp_path / "runs" / "console"
+    proc = subprocess.run([sys.executable, "-m", "resilient_rl.cli", "train", "trainer.total_steps=4",
+                           "trainer.log_every=2", "data.batch_size=16", "actor.mini_batch_size=8",
+                           "critic.mini_batch_size=8", "data.num_prompts=64", "checkpoint.save_every=0",
+                           "trainer.run_name=console", f"trainer.output_dir={tmp_path / 'runs'}",
+                           f"checkpoint.root={tmp_path / 'ckpt'}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    summaries = [part.split("step ", 1)[1].split(" ", 1)[0] for part in console.split("trackers: ")[1:]]
+    assert summaries == ["2/4", "4/4"], console[-3000:]
+    assert "resilient_rl.steps" not in console and "actor/pg_clipfrac" not in console
+    assert "Token authentication" not in console and "(autoscaler" not in console
+    assert "mean reward: first 10% of steps" in proc.stdout
+    log = (run / "train.log").read_text()
+    steps = [line for line in log.splitlines() if "resilient_rl.steps: step " in line]
+    assert [s.split("step ")[1].split(" ")[0] for s in steps] == ["1", "2", "3", "4"]
+    assert all("actor/pg_clipfrac=" in s and "timing/update_actor_s=" in s for s in steps)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
