@@ -243,3 +243,14 @@ def test_checkpoints_list_shows_the_lease_and_set_aside_timelines(tmp_path):
     manager.lease.close()
     table = inspect_run(CheckpointLocation(str(tmp_path), "run"), deep=False).format_table()
     assert "lease: released by" in table
+
+
+def test_transient_errors_while_claiming_are_retried(tmp_path):
+    url, options = faulty_url(str(tmp_path), FaultPlan(transient_writes=2, transient_reads=1), name=uuid.uuid4().hex)
+    storage = Storage(url, options, FAST)
+    lease = RunLease(storage, "run", ttl_s=60)
+    assert lease.acquire().token == 1
+    assert sum(e.startswith("transient write") for e in storage.fs.injected) == 2
+    assert read_lease(Storage(str(tmp_path)), "run").holder == lease.holder
+    assert [p.name for p in (tmp_path / "run" / "lease").iterdir()] == ["token_00000001.json"]
+    lease.close()

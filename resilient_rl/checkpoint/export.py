@@ -110,7 +110,7 @@ def require_committed(root: str, run: str, storage_options: dict[str, Any] | Non
     """The newest committed step of ``run`` whose files have the manifest's sizes; raises
     CheckpointNotFoundError naming the run and root when there is none (a run to resume)."""
     manager = CheckpointManager(root, run, storage_options=storage_options)
-    committed = manager.committed_steps()
+    committed = manager.timeline_steps()
     if not committed:
         raise CheckpointNotFoundError(
             f"cannot resume run {run!r}: it has no committed checkpoint under checkpoint.root={root!r} "
