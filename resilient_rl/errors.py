@@ -68,6 +68,18 @@ class StorageError(CheckpointError):
     """The storage backend failed permanently (after retries)."""
 
 
+class LeaseError(CheckpointError):
+    """The run's single-writer lease cannot be taken or was lost (see ``checkpoint/lease.py``)."""
+
+
+class LeaseHeldError(LeaseError):
+    """Another controller holds a live lease on the run: this one refuses to write it."""
+
+
+class LeaseLostError(LeaseError):
+    """Another controller took the run over: this one stops without writing or deleting anything."""
+
+
 class RecoveryError(RRLError):
     """Recovery gave up: the failure budget is spent or the failure is not recoverable."""
 

@@ -2,8 +2,9 @@
 
 A step folder ``{root}/{run}/step_{N:08d}/`` is *committed* once its ``MANIFEST.json`` exists.
 The manifest lists every file of the step (path relative to the step folder, size, sha256), the
-world size each role saved with, and a digest of the config, so a loader can verify what it
-reads and a resumed run can notice a changed config. Everything here is plain JSON: reading a
+world size each role saved with, a digest of the config, and the fencing token of the lease its
+writer held (``checkpoint/lease.py``), so a loader can verify what it reads, a resumed run can notice
+a changed config, and steps of a superseded writer can be told apart. Everything here is plain JSON: reading a
 checkpoint never unpickles anything.
 """
 
@@ -80,6 +81,7 @@ class Manifest:
     config_digest: str = ""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    fencing_token: int | None = None  # None: written without a lease (older runs, tools)
 
     def files_under(self, prefix: str) -> list[FileRecord]:
         """Records of the files in sub-folder ``prefix`` (e.g. a role), relative to it."""
@@ -96,6 +98,8 @@ class Manifest:
             "config_digest": self.config_digest,
             "files": [r.to_json() for r in self.files],
         }
+        if self.fencing_token is not None:
+            obj["fencing_token"] = self.fencing_token
         return json.dumps(obj, indent=1).encode()
 
     @classmethod
@@ -117,10 +121,13 @@ class Manifest:
             files = tuple(FileRecord.from_json(r, where) for r in obj["files"])
             created_at = float(obj["created_at"])
             digest = obj.get("config_digest", "")
+            token = obj.get("fencing_token")
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"{where}: missing or malformed field ({exc!r})") from exc
         if not isinstance(step, int) or not isinstance(world_sizes, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) for k, v in world_sizes.items()):
             raise CheckpointCorruptError(f"{where}: malformed step or world_sizes")
-        return cls(step=step, files=files, world_sizes=world_sizes,
-                   config_digest=str(digest), created_at=created_at, format_version=version)
+        if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
+            raise CheckpointCorruptError(f"{where}: malformed fencing_token {token!r}")
+        return cls(step=step, files=files, world_sizes=world_sizes, config_digest=str(digest),
+                   created_at=created_at, format_version=version, fencing_token=token)

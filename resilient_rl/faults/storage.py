@@ -175,6 +175,8 @@ class FaultyFileSystem(AbstractFileSystem):
                 raise fault
             return self.target.open(path, mode, **kwargs)
         fault = self._next_op("write", path)
+        if fault is not None and "x" in mode:
+            raise fault  # an exclusive create dropped before it reached the target created nothing
         return _FaultyWriteFile(self, self.target.open(path, mode, **kwargs), path, fault)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None,

@@ -356,6 +356,9 @@ class CheckpointConfig(_Section):
     async_save: bool = True
     resume: str = "auto"
     storage_options: Optional[Dict[str, Any]] = None
+    lease_ttl_s: float = 60.0
+    lease_renew_s: float = 20.0
+    takeover: bool = False
 
     def validate(self) -> None:
         _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
@@ -364,6 +367,9 @@ class CheckpointConfig(_Section):
         _require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
         _require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
                  "resume", self.resume, "allowed values are 'auto', 'off' or 'path:<checkpoint URL>'")
+        _require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0 seconds")
+        _require(0 < self.lease_renew_s < self.lease_ttl_s, "lease_renew_s", self.lease_renew_s,
+                 f"must be > 0 and < lease_ttl_s={self.lease_ttl_s} (renew well before the lease expires)")
 
 
 @dataclass

@@ -86,8 +86,10 @@ class PPOTrainer:
                 from resilient_rl.trainer.ray_roles import RayRoles
 
                 self._roles_factory = RayRoles
+            if getattr(self._roles_factory, "writes_checkpoints", True):
+                self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
-            if self.cfg.checkpoint.resume != "off" and hasattr(self.roles, "groups"):
+            if hasattr(self.roles, "groups"):  # resume=off too: it sets the run's older steps aside
                 self.restore(self.cfg.checkpoint.resume)
             if self.telemetry is not None:
                 self.telemetry.watch_roles(self.roles)
@@ -142,11 +144,14 @@ class PPOTrainer:
             self.ckpt.poll(self.roles)
 
     def shutdown(self) -> None:
-        if self.telemetry is not None:
+        # Never started (e.g. refused by the run's lease): stopping would delete the live
+        # controller's Prometheus targets file in the shared run folder.
+        if self.telemetry is not None and self.telemetry.server.running:
             self.telemetry.stop()
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
+        self.ckpt.release_lease()
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict:
@@ -160,6 +165,7 @@ class PPOTrainer:
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
                                    version=self.step)
         duration = time.perf_counter() - t0
+        self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
                **{f"timing/{p}_s": phases[p] for p in PHASES if p in phases},

@@ -27,7 +27,7 @@ import time
 
 from resilient_rl.controller.recovery import (Decision, FailurePolicy, RecoveryState, RecoveryStateMachine,
                                               classify)
-from resilient_rl.errors import RecoveryError, RRLError, WorkerError
+from resilient_rl.errors import LeaseError, RecoveryError, RRLError, WorkerError
 
 logger = logging.getLogger(__name__)
 S = RecoveryState
@@ -107,8 +107,8 @@ class Recovery:
                 restored = self.trainer.restore_after_failure()
                 self.sm.to(S.RUNNING)
                 break
-            except RecoveryError:
-                raise
+            except (RecoveryError, LeaseError):
+                raise  # another controller owns the run now: recovering would fight it
             except (WorkerError, RRLError, TimeoutError) as again:
                 failure = classify(again)
                 self.trainer.run_dir.event("failure_during_recovery", state=self.sm.state.value, role=failure.role,
