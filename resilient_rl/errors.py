@@ -72,6 +72,10 @@ class RecoveryError(RRLError):
     """Recovery gave up: the failure budget is spent or the failure is not recoverable."""
 
 
+class RunFolderError(RRLError):
+    """A file of the run folder (metrics.jsonl, events.jsonl) is damaged beyond a torn last line."""
+
+
 class TelemetryError(RRLError):
     """The metrics exporter cannot start (e.g. its port is in use)."""
 

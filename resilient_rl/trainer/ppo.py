@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections import deque
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -26,10 +27,15 @@ from resilient_rl.trainer.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
 logger = logging.getLogger(__name__)
 
+#: Rows of the metric history kept in memory (``PPOTrainer.history``); the whole history is in
+#: the run folder's ``metrics.jsonl``, so a week-long run does not grow the controller.
+HISTORY_WINDOW = 1000
 
-def reward_summary(rows: list[dict]) -> tuple[float, float]:
-    """Mean reward of the first and of the last 10% of steps (at least one step each)."""
-    rewards = [r["reward/mean"] for r in rows]
+
+def reward_summary(rows: Sequence[dict] | Sequence[float]) -> tuple[float, float]:
+    """Mean reward of the first and of the last 10% of steps (at least one step each); ``rows``
+    are metric rows or their ``reward/mean`` values (``RunDir.read_column("reward/mean")``)."""
+    rewards = [r["reward/mean"] if isinstance(r, dict) else r for r in rows]
     k = max(1, len(rewards) // 10)
     return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
 
@@ -55,7 +61,7 @@ class PPOTrainer:
         self.hooks = list(hooks or [])
         self._roles_factory = roles_factory
         self.roles = None
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=HISTORY_WINDOW)  # the newest rows
         self.telemetry = TelemetryHook(self) if cfg.telemetry.enabled else None
 
     def fire(self, name: str, *args) -> None:
@@ -108,7 +114,7 @@ class PPOTrainer:
         self.load_state_dict(state)
         self.roles.sync_weights(self.step)
         self.run_dir.truncate_metrics_after(self.step)
-        self.history = self.run_dir.read_metrics()
+        self.history = deque(self.run_dir.read_metrics(last=HISTORY_WINDOW), maxlen=HISTORY_WINDOW)
         return self.step
 
     def restore_after_failure(self) -> int:
@@ -121,7 +127,7 @@ class PPOTrainer:
             self.step = 0
             self.roles.sync_weights(0)
             self.run_dir.truncate_metrics_after(0)
-            self.history = []
+            self.history.clear()
             step = 0
         return step
 
@@ -164,7 +170,8 @@ class PPOTrainer:
         return row
 
     def fit(self) -> list[dict]:
-        """Train to ``total_steps``; returns the metric history of this run."""
+        """Train to ``total_steps``; returns the newest rows of the metric history (at most
+        :data:`HISTORY_WINDOW`; the whole history is ``self.run_dir.read_metrics()``)."""
         from tqdm import tqdm
 
         self.start_roles()
@@ -190,4 +197,4 @@ class PPOTrainer:
                 self.ckpt.wait(self.roles)
         finally:
             bar.close()
-        return self.history
+        return list(self.history)
