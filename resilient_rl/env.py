@@ -29,3 +29,12 @@ def ray_address() -> str | None:
 def log_level() -> str:
     """``RRL_LOG_LEVEL`` (default INFO)."""
     return os.environ.get("RRL_LOG_LEVEL", "INFO").upper()
+
+
+#: Opt-in for the chaos suite's fault-injecting ``faulty://`` filesystem (never on in production).
+FAULT_INJECTION = "RRL_FAULT_INJECTION"
+
+
+def fault_injection() -> bool:
+    """``RRL_FAULT_INJECTION``: whether this process may open ``faulty://`` storage URLs."""
+    return os.environ.get(FAULT_INJECTION, "").strip().lower() not in ("", "0", "false", "no")

@@ -48,8 +48,26 @@ class CheckpointCoordinator:
         self.manager = CheckpointManager(c.root, cfg.trainer.run_name, c.keep_last, c.keep_every,
                                          storage_options=self.storage_options, on_corrupt=self._on_corrupt)
         self.pending: dict[str, Any] | None = None
+        self.abandoned: int | None = None  # a save given up on: a surviving rank may still be writing it
         self.last_committed: int | None = None
         self.timeout_s = cfg.recovery.call_timeout_s
+
+    def prepare(self) -> None:
+        """Before the cluster starts, when this run saves checkpoints: check that the checkpoint
+        root takes writes, then clear what killed writers of this run left behind."""
+        if self.save_every == 0:
+            return
+        try:
+            self.manager.storage.check_writable(self.run_name)
+        except CheckpointError as exc:
+            raise ConfigError(f"checkpoint.root={self.root!r} cannot be written: {exc}") from exc
+        self.cleanup()
+
+    def cleanup(self) -> list[int]:
+        """Delete uncommitted step folders, stray temp files and incomplete uploads of this run,
+        sparing a save in flight (or abandoned, whose surviving ranks may still be writing)."""
+        keep = [s for s in ((self.pending or {}).get("step"), self.abandoned) if s is not None]
+        return self.manager.cleanup_uncommitted(exclude_step=keep)
 
     def _on_corrupt(self, step: int, reason: str) -> None:
         self.on_event("checkpoint_corrupt", step=step, reason=reason)
@@ -105,6 +123,7 @@ class CheckpointCoordinator:
         """Forget the save in flight (its ranks died or were reset): it is never committed."""
         if self.pending is not None:
             self.on_event("checkpoint_abandoned", step=self.pending["step"])
+            self.abandoned = self.pending["step"]
         self.pending = None
 
     def _commit(self, results: dict[str, list]) -> None:
@@ -142,6 +161,7 @@ class CheckpointCoordinator:
         if found is None:
             if resume.startswith("path:"):
                 raise CheckpointNotFoundError(f"no checkpoint at {resume[5:]}")
+            self.cleanup()
             return None
         manager, step = found
         t0 = time.perf_counter()
@@ -155,6 +175,7 @@ class CheckpointCoordinator:
                               manifest.world_sizes[role])
         duration = time.perf_counter() - t0
         self.last_committed = step
+        self.cleanup()  # what the failure left half-written (the restored ranks' writers are closed)
         self.on_event("checkpoint_restored", step=step, duration_s=duration, source=manager.step_dir(step))
         if self.metrics is not None:
             self.metrics.record_checkpoint_load(duration)

@@ -92,6 +92,12 @@ class Config(_Section):
                      f"data.batch_size * rollout.n = {sequences} must be divisible by it")
             _require(section.mini_batch_size <= sequences, f"{role}.mini_batch_size", section.mini_batch_size,
                      f"must be <= data.batch_size * rollout.n = {sequences}")
+            # Each rank updates on mini_batch_size // world_size rows of its share of the step's
+            # sequences: exact only when both divisions are.
+            _require(section.mini_batch_size % section.world_size == 0, f"{role}.mini_batch_size",
+                     section.mini_batch_size, f"must be divisible by {role}.world_size={section.world_size}")
+            _require(sequences % section.mini_batch_size == 0, f"{role}.mini_batch_size", section.mini_batch_size,
+                     f"must divide data.batch_size * rollout.n = {sequences}")
         if self.data.task in BUILTIN_TASKS:
             # The longest answer (a sum carries one extra digit) must fit in the response.
             longest = self.data.max_digits + (1 if self.data.task == "add" else 0)

@@ -57,6 +57,7 @@ class PPOTrainer:
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event)
+        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
         self.recovery = Recovery(self)
         self.hooks = list(hooks or [])
         self._roles_factory = roles_factory
