@@ -192,6 +192,20 @@ def _build(layers: Sequence[DictConfig]) -> Config:
                                None if prefix else e.owner) from None
     except OmegaConfBaseException as e:
         raise _translate(e) from None
+    except OverflowError as e:  # OmegaConf lets float(<int with 400 digits>) through unwrapped
+        key = next((k for layer in layers for k in _huge_ints(OmegaConf.to_container(layer, resolve=False))), None)
+        raise ConfigError(f"invalid config value {key or '?'}: {e}") from None
+
+
+def _huge_ints(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of integers too large for a float (they overflow a float field)."""
+    if isinstance(node, dict):
+        return [k for key, value in node.items() for k in _huge_ints(value, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, value in enumerate(node) for k in _huge_ints(value, f"{prefix}[{i}].")]
+    if isinstance(node, int) and not isinstance(node, bool) and abs(node) > 1.7976931348623157e308:
+        return [prefix.rstrip(".")]
+    return []
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
