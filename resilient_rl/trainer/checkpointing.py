@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
-from resilient_rl.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,9 @@ class CheckpointCoordinator:
         t0 = time.perf_counter()
         manifest = manager.load_manifest(step)
         state = manager.load_trainer_state(step)
+        if state.get("step") != step or isinstance(state.get("step"), bool):
+            raise CheckpointCorruptError(f"{manager.step_dir(step)}/trainer_state.json: holds step "
+                                         f"{str(state.get('step'))[:40]}, the manifest step {step}")
         for role, g in self._groups(roles):
             if role not in manifest.world_sizes:
                 raise CheckpointError(f"checkpoint {manager.step_dir(step)} has no {role!r} state")
