@@ -19,15 +19,16 @@ import logging
 import sys
 
 from resilient_rl import env
-from resilient_rl.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RecoveryError,
-                                 RRLError)
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointTimeoutError, ConfigError,
+                                 RecoveryError, RRLError, StorageError)
 
 # Exit codes (documented in README.md, "Exit codes"): one meaning each, stable for scripts.
 EXIT_OK = 0
 #: A checkpoint is damaged (``checkpoints verify`` of a corrupt or uncommitted one, or any
 #: command that met a damaged checkpoint); the message reads ``corrupt: <file>: <why>``.
 EXIT_CORRUPT = 1
-#: Bad input: command-line usage (argparse exits 2 too), config, or a run/checkpoint named that does not exist.
+#: Bad input: command-line usage (argparse exits 2 too), config, a run/checkpoint named that does not
+#: exist or does not fit the config.
 EXIT_ERROR = 2
 #: Training stopped because recovery gave up (failure budget spent, or a failure it cannot recover from).
 EXIT_RECOVERY = 3
@@ -43,10 +44,12 @@ def exit_code(exc: BaseException) -> int:
     """The exit code for an error that ended a command (see the constants above)."""
     if isinstance(exc, CheckpointCorruptError):
         return EXIT_CORRUPT
-    if isinstance(exc, (ConfigError, CheckpointNotFoundError)):
-        return EXIT_ERROR
     if isinstance(exc, RecoveryError):
         return EXIT_RECOVERY
+    if isinstance(exc, (StorageError, CheckpointTimeoutError)):
+        return EXIT_RUNTIME
+    if isinstance(exc, (ConfigError, CheckpointError)):  # e.g. weights that do not fit the given config
+        return EXIT_ERROR
     if isinstance(exc, RRLError):
         return EXIT_RUNTIME
     if isinstance(exc, KeyboardInterrupt):

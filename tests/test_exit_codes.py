@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl import cli
-from resilient_rl.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RecoveryError,
-                                 StorageError, WorkerDiedError)
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
+                                 CheckpointTimeoutError, ConfigError, RecoveryError, StorageError, WorkerDiedError)
 
 
 def test_exit_codes_are_distinct():
@@ -19,6 +19,7 @@ def test_exit_codes_are_distinct():
     (CheckpointCorruptError("x"), cli.EXIT_CORRUPT), (ConfigError("x"), cli.EXIT_ERROR),
     (CheckpointNotFoundError("x"), cli.EXIT_ERROR), (RecoveryError("x"), cli.EXIT_RECOVERY),
     (StorageError("x"), cli.EXIT_RUNTIME), (WorkerDiedError("x"), cli.EXIT_RUNTIME),
+    (CheckpointError("weights do not fit"), cli.EXIT_ERROR), (CheckpointTimeoutError("x"), cli.EXIT_RUNTIME),
     (KeyboardInterrupt(), cli.EXIT_INTERRUPTED), (TypeError("x"), cli.EXIT_INTERNAL),
 ])
 def test_exit_code_of_each_error(exc, code):

@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
-from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
+                                 StorageError)
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,12 @@ class CheckpointCoordinator:
         """Delete uncommitted step folders, stray temp files and incomplete uploads of this run,
         sparing a save in flight (or abandoned, whose surviving ranks may still be writing)."""
         keep = [s for s in ((self.pending or {}).get("step"), self.abandoned) if s is not None]
-        return self.manager.cleanup_uncommitted(exclude_step=keep)
+        try:
+            return self.manager.cleanup_uncommitted(exclude_step=keep)
+        except StorageError as exc:  # housekeeping: never the reason a run stops
+            logger.warning("cleaning up leftovers under %s failed (retried at the next start or "
+                           "restore): %s", self.manager.run_url, exc)
+            return []
 
     def _on_corrupt(self, step: int, reason: str) -> None:
         self.on_event("checkpoint_corrupt", step=step, reason=reason)
@@ -146,8 +152,11 @@ class CheckpointCoordinator:
         if resume.startswith("path:"):
             root, run, step = _split_step_url(resume[5:])
             manager = CheckpointManager(root, run, storage_options=self.storage_options, on_corrupt=self._on_corrupt)
-            if manager.verify(step) != "ok":
-                raise CheckpointError(f"checkpoint {resume[5:]} is {manager.verify(step)}")
+            status = manager.verify(step)
+            if status.startswith("corrupt"):
+                raise CheckpointCorruptError(f"checkpoint {resume[5:]} is {status}")
+            if status != "ok":
+                raise CheckpointNotFoundError(f"checkpoint {resume[5:]} is {status}")
             return manager, step
         step = self.manager.find_latest_valid()
         return (self.manager, step) if step is not None else None

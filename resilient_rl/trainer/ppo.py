@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
-from resilient_rl.errors import WorkerError
+from resilient_rl.errors import CheckpointCorruptError, WorkerError
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.config import config_digest
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
@@ -112,7 +112,11 @@ class PPOTrainer:
         state = self.ckpt.restore(self.roles, resume)
         if state is None:
             return None
-        self.load_state_dict(state)
+        try:
+            self.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # checksummed, so crafted
+            raise CheckpointCorruptError(f"trainer_state.json of step {state.get('step')}: malformed "
+                                         f"controller state ({exc!r})") from exc
         self.roles.sync_weights(self.step)
         self.run_dir.truncate_metrics_after(self.step)
         self.history = deque(self.run_dir.read_metrics(last=HISTORY_WINDOW), maxlen=HISTORY_WINDOW)
