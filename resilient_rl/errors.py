@@ -105,4 +105,5 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 
 class RunFolderError(RRLError):
-    """A run folder (``{trainer.output_dir}/{run_name}``) is missing or is not a run's folder."""
+    """A run folder (``{trainer.output_dir}/{run_name}``) is missing, is not a run's folder, or holds a
+    file (metrics.jsonl, events.jsonl) damaged beyond a torn last line."""

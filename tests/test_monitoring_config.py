@@ -637,3 +637,14 @@ def test_real_prometheus_scrapes_a_run_and_answers_every_query(live_prometheus):
     assert len(rules) == len(alert_rules())
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError"))
                                                      for r in rules if r["health"] != "ok"]
+
+
+def test_grafana_is_loopback_only_and_has_no_default_password():
+    import re
+
+    grafana = yaml.safe_load((MONITORING / "docker-compose.yml").read_text())["services"]["grafana"]
+    env = grafana["environment"]
+    assert re.fullmatch(r"\$\{GRAFANA_LISTEN:-127\.0\.0\.1\}", env["GF_SERVER_HTTP_ADDR"])
+    # ${VAR:?message} makes `docker compose up` fail while the variable is unset or empty.
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"

@@ -24,10 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from resilient_rl.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, parse_step_dirname,
     shard_basename, step_dirname,
 )
-from resilient_rl.checkpoint.storage import RetryPolicy, Storage
+from resilient_rl.checkpoint.storage import TEMP_NAME_RE, RetryPolicy, Storage
 from resilient_rl.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
 )
@@ -385,14 +386,34 @@ class CheckpointManager:
         return None
 
     # ----------------------------------------------------------------- cleanup
-    def cleanup_uncommitted(self, exclude_step: int | None = None) -> list[int]:
-        """Delete step folders without a manifest (except ``exclude_step``, being written)."""
+    def cleanup_uncommitted(self, exclude_step: int | Iterable[int] | None = None) -> list[int]:
+        """Remove what killed writers left in the run: step folders without a manifest, temp
+        files of atomic writes that never got renamed, and (S3) incomplete multipart uploads.
+
+        ``exclude_step`` (one step or several) names saves that may still be in flight: their
+        folders, temp files and uploads are left alone, as are temp files of this process
+        (a writer thread of it may be between write and rename). Returns the deleted steps."""
         self._fence()  # they may be another writer's steps in flight
+        excluded = {exclude_step} if isinstance(exclude_step, int) else set(exclude_step or ())
+
+        def step_of(rel: str) -> int | None:
+            return parse_step_dirname(rel.split("/", 1)[0]) if "/" in rel else None
+
         doomed = [s for s, files in sorted(self._steps().items())
-                  if MANIFEST_NAME not in files and s != exclude_step]
+                  if MANIFEST_NAME not in files and s not in excluded]
         for step in doomed:
             log.info("deleting uncommitted checkpoint folder %s", self.step_dir(step))
             self.storage.rm(self._step_rel(step), recursive=True)
+        gone = excluded | set(doomed)
+        for rel in self.storage.find(self.run_name):
+            match = TEMP_NAME_RE.search(rel)
+            if match and int(match.group(1)) != os.getpid() and step_of(rel) not in gone:
+                log.info("deleting temp file %s left by a killed writer", self.storage.url_for(
+                    Storage.join(self.run_name, rel)))
+                self.storage.rm(Storage.join(self.run_name, rel))
+        for rel in self.storage.abort_incomplete_uploads(self.run_name, skip=lambda r: step_of(r) in excluded):
+            log.info("aborted an incomplete multipart upload of %s", self.storage.url_for(
+                Storage.join(self.run_name, rel)))
         return doomed
 
     def apply_retention(self) -> list[int]:

@@ -11,6 +11,7 @@ checkpoint never unpickles anything.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -61,8 +62,9 @@ class FileRecord:
             path, size, sha = obj["path"], obj["size"], obj["sha256"]
         except (TypeError, KeyError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed file record {obj!r}") from exc
-        if not isinstance(path, str) or not isinstance(size, int) or not isinstance(sha, str):
-            raise CheckpointCorruptError(f"{where}: malformed file record {obj!r}")
+        if (not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/")
+                or isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(sha, str)):
+            raise CheckpointCorruptError(f"{where}: malformed file record {str(obj)[:200]}")
         return cls(path, size, sha)
 
     def with_prefix(self, prefix: str) -> "FileRecord":
@@ -107,7 +109,7 @@ class Manifest:
         """Parse a manifest; any defect is a CheckpointCorruptError naming ``where``."""
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise CheckpointCorruptError(f"{where}: expected a JSON object")
@@ -118,14 +120,19 @@ class Manifest:
         try:
             step = obj["step"]
             world_sizes = obj["world_sizes"]
+            if not isinstance(obj["files"], list):
+                raise TypeError("files is not a list")
             files = tuple(FileRecord.from_json(r, where) for r in obj["files"])
             created_at = float(obj["created_at"])
             digest = obj.get("config_digest", "")
             token = obj.get("fencing_token")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CheckpointCorruptError(f"{where}: missing or malformed field ({exc!r})") from exc
-        if not isinstance(step, int) or not isinstance(world_sizes, dict) or not all(
-                isinstance(k, str) and isinstance(v, int) for k, v in world_sizes.items()):
+        if not math.isfinite(created_at):
+            raise CheckpointCorruptError(f"{where}: created_at {created_at} is not a time")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(world_sizes, dict) \
+                or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                           for k, v in world_sizes.items()):
             raise CheckpointCorruptError(f"{where}: malformed step or world_sizes")
         if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
             raise CheckpointCorruptError(f"{where}: malformed fencing_token {token!r}")

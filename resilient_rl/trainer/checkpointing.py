@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
 from resilient_rl.checkpoint.lease import Lease, RunLease
-from resilient_rl.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
+                                 StorageError)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class CheckpointCoordinator:
         self.manager = CheckpointManager(c.root, cfg.trainer.run_name, c.keep_last, c.keep_every,
                                          storage_options=self.storage_options, on_corrupt=self._on_corrupt)
         self.pending: dict[str, Any] | None = None
+        self.abandoned: int | None = None  # a save given up on: a surviving rank may still be writing it
         self.last_committed: int | None = None
         self.timeout_s = cfg.recovery.call_timeout_s
         self.lease: RunLease | None = None
@@ -83,6 +85,28 @@ class CheckpointCoordinator:
             self.lease.close()
             self.manager.lease = None
             self.lease = None
+
+    def prepare(self) -> None:
+        """Before the cluster starts, when this run saves checkpoints: check that the checkpoint
+        root takes writes. (What killed writers left behind is cleared once this controller
+        holds the run's lease: at the restore that starts every run.)"""
+        if self.save_every == 0:
+            return
+        try:
+            self.manager.storage.check_writable(self.run_name)
+        except CheckpointError as exc:
+            raise ConfigError(f"checkpoint.root={self.root!r} cannot be written: {exc}") from exc
+
+    def cleanup(self) -> list[int]:
+        """Delete uncommitted step folders, stray temp files and incomplete uploads of this run,
+        sparing a save in flight (or abandoned, whose surviving ranks may still be writing)."""
+        keep = [s for s in ((self.pending or {}).get("step"), self.abandoned) if s is not None]
+        try:
+            return self.manager.cleanup_uncommitted(exclude_step=keep)
+        except StorageError as exc:  # housekeeping: never the reason a run stops
+            logger.warning("cleaning up leftovers under %s failed (retried at the next start or "
+                           "restore): %s", self.manager.run_url, exc)
+            return []
 
     def _on_corrupt(self, step: int, reason: str) -> None:
         self.on_event("checkpoint_corrupt", step=step, reason=reason)
@@ -140,6 +164,7 @@ class CheckpointCoordinator:
         """Forget the save in flight (its ranks died or were reset): it is never committed."""
         if self.pending is not None:
             self.on_event("checkpoint_abandoned", step=self.pending["step"])
+            self.abandoned = self.pending["step"]
         self.pending = None
 
     def _check_lease(self) -> None:
@@ -172,8 +197,11 @@ class CheckpointCoordinator:
         if resume.startswith("path:"):
             root, run, step = _split_step_url(resume[5:])
             manager = CheckpointManager(root, run, storage_options=self.storage_options, on_corrupt=self._on_corrupt)
-            if manager.verify(step) != "ok":
-                raise CheckpointError(f"checkpoint {resume[5:]} is {manager.verify(step)}")
+            status = manager.verify(step)
+            if status.startswith("corrupt"):
+                raise CheckpointCorruptError(f"checkpoint {resume[5:]} is {status}")
+            if status != "ok":
+                raise CheckpointNotFoundError(f"checkpoint {resume[5:]} is {status}")
             return manager, step
         step = self.manager.find_latest_valid()
         if step is not None:
@@ -218,11 +246,15 @@ class CheckpointCoordinator:
             if resume.startswith("path:"):
                 raise CheckpointNotFoundError(f"no checkpoint at {resume[5:]}")
             self._begin_timeline(None, None, resume)
+            self.cleanup()
             return None
         manager, step = found
         t0 = time.perf_counter()
         manifest = manager.load_manifest(step)
         state = manager.load_trainer_state(step)
+        if state.get("step") != step or isinstance(state.get("step"), bool):
+            raise CheckpointCorruptError(f"{manager.step_dir(step)}/trainer_state.json: holds step "
+                                         f"{str(state.get('step'))[:40]}, the manifest step {step}")
         for role, g in self._groups(roles):
             if role not in manifest.world_sizes:
                 raise CheckpointError(f"checkpoint {manager.step_dir(step)} has no {role!r} state")
@@ -232,6 +264,7 @@ class CheckpointCoordinator:
         self._begin_timeline(manager, step, resume)
         duration = time.perf_counter() - t0
         self.last_committed = step
+        self.cleanup()  # what the failure left half-written (the restored ranks' writers are closed)
         self.on_event("checkpoint_restored", step=step, duration_s=duration, source=manager.step_dir(step))
         if self.metrics is not None:
             self.metrics.record_checkpoint_load(duration)

@@ -10,7 +10,9 @@ in ``config.py`` with the cross-section rules and the YAML loading.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import threading
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -71,10 +73,28 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, dict), value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
+        try:
+            return ok, float(value) if ok else value
+        except OverflowError:  # an int too large for a float
+            return False, value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     return isinstance(value, tp), value
+
+
+#: The longest duration (seconds) a ``*_s`` field may hold: what ``threading`` and Ray can wait on.
+MAX_SECONDS = float(threading.TIMEOUT_MAX)
+
+
+def _check_finite(key: str, value: Any) -> None:
+    """Reject nan and +-inf in a float field (or a list of floats): every ``> 0`` check lets
+    inf through, and it overflows timeouts or turns a loss into NaN at once. Durations
+    (``*_s``) must also be waitable."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, float):
+            _require(math.isfinite(v), key, value, "must be a finite number (not nan or inf)")
+            _require(not key.endswith("_s") or v <= MAX_SECONDS, key, value,
+                     f"must be <= {MAX_SECONDS:.0f} seconds")
 
 
 class _Section:
@@ -88,6 +108,7 @@ class _Section:
             for f in dataclasses.fields(self):  # type: ignore[arg-type]
                 ok, value = _coerce(getattr(self, f.name), hints[f.name])
                 _require(ok, f.name, getattr(self, f.name), f"expected {_type_name(hints[f.name])}")
+                _check_finite(f.name, value)
                 setattr(self, f.name, value)
             self.validate()
         except ConfigFieldError as e:
