@@ -171,13 +171,15 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
             ("actor", "0"), ("actor", "1"), ("critic", "0")]
 
         present = set(prom.api("label/__name__/values"))
-        has_gpus = any(name.startswith("rrl_gpu_") for name in present)
+        # GPU series and torch's GPU memory per rank exist only on a machine with GPUs.
+        device_only = ("rrl_gpu_", "rrl_torch_")
+        has_gpus = any(name.startswith(device_only) for name in present)
         queries = [(where, grafana_to_promql(expr)) for where, expr in dashboard_queries()]
         queries += [(f"alert {r['alert']}", without_thresholds(r["expr"])) for r in alert_rules()]
         empty = []
         for where, query in queries:
             result = prom.api("query_range", query=query, start=start, end=end, step=1)["result"]
-            if not result and not (not has_gpus and "rrl_gpu_" in query):
+            if not result and not (not has_gpus and any(prefix in query for prefix in device_only)):
                 empty.append(f"{where}: {query}")
         assert not empty, "queries without data over the run:\n" + "\n".join(empty)
 
