@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_monitoring_config import MONITORING, alert_rules, dashboard_queries, grafana_to_promql
-from test_monitoring_config import _wait_for as wait_for
 
 from resilient_rl.errors import TelemetryError
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.telemetry import GpuSampler, sample_value, scrape
+from resilient_rl.testing.monitoring import (MONITORING, alert_rules, dashboard_queries, free_port,
+                                             grafana_to_promql, wait_for)
 from resilient_rl.trainer.config import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.telemetry_hook import RemoteNodeExporter
@@ -54,17 +53,11 @@ def without_thresholds(expr: str) -> str:
     return THRESHOLD.sub("", expr)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     """A Prometheus server on loopback, started from ``config`` and stopped by its pid."""
 
     def __init__(self, config: Path, data_dir: Path, log: Path) -> None:
-        self.base = f"http://127.0.0.1:{_free_port()}"
+        self.base = f"http://127.0.0.1:{free_port()}"
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data_dir}",
