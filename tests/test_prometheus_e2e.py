@@ -158,10 +158,11 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
         assert prom.value('rrl_worker_up{role="actor", rank="1"}') == 1
         assert prom.value(f'max_over_time(rrl_phase_duration_seconds_count{{phase="old_log_prob"}}[{window}])') \
             >= STEPS
-        # Worker processes instead of GPUs: one series per process (colocated roles share one).
+        # Worker processes instead of GPUs: one series per process, under its first role (the
+        # colocated placement hosts every role, the critic too, in the actor's processes).
         procs = prom.api("query", query="rrl_process_resident_memory_bytes")["result"]
-        assert sorted((p["metric"]["role"], p["metric"]["rank"]) for p in procs) == [
-            ("actor", "0"), ("actor", "1"), ("critic", "0")]
+        assert sorted((p["metric"]["role"], p["metric"]["rank"]) for p in procs) == [("actor", "0"), ("actor", "1")]
+        assert len(procs) == len(trainer.roles.known_workers)
 
         present = set(prom.api("label/__name__/values"))
         # GPU series and torch's GPU memory per rank exist only on a machine with GPUs.
