@@ -44,18 +44,17 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-NO_GPU = "bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure (bench/train.py runs on CPU)"
+NO_GPU = ("bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure "
+          "(bench/train.py runs on CPU)")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "resilient_rl" / "configs" / "grpo_add.yaml"
 #: Dense bf16 tensor-core peak per device, matched in order against the CUDA device name.
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                    ("A100", 312e12))
-FORWARD_PHASES = ("gen", "ref", "old_log_prob", "values")
 
 
 # ------------------------------------------------------------------ pure helpers (tested on CPU)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.telemetry.device import GpuSampler
