@@ -386,6 +386,8 @@ class CheckpointConfig(_Section):
         _require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
         _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
         _require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
+        if self.resume in ("False", "false"):  # YAML reads `resume=off` (and `false`) as a boolean
+            self.resume = "off"
         _require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
                  "resume", self.resume, "allowed values are 'auto', 'off' or 'path:<checkpoint URL>'")
         _require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0 seconds")
