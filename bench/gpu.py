@@ -32,7 +32,7 @@ On a machine without a CUDA device it prints one line saying so and exits 0.
     python bench/gpu.py                                # GRPO add, colocated, 1 GPU, 3 + 10 steps
     python bench/gpu.py model.hidden_size=2048 model.num_layers=16 model.num_heads=16 \\
         model.intermediate_size=8192 data.batch_size=64 rollout.n=4
-    python bench/gpu.py --config resilient_rl/configs/ppo_reverse.yaml actor.world_size=2
+    python bench/gpu.py --config resilient_rl/configs/ppo_copy.yaml actor.world_size=2
     python bench/gpu.py --peak-tflops 756 checkpoint.save_every=3    # H100 PCIe; checkpoint stalls
 """
 

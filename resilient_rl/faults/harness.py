@@ -1,6 +1,6 @@
 """Running a training under faults and checking the promises the trainer makes.
 
-Used by the chaos suite (``pytest chaos/``) and by ``resilient-rl chaos --local``: run a config
+Used by the chaos suite (``pytest chaos/``): run a config
 once without faults (the reference), run it again with a :class:`FaultSchedule`, and compare.
 The invariants, checked by :func:`check_invariants`:
 

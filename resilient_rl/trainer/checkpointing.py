@@ -119,9 +119,6 @@ class CheckpointCoordinator:
     def _groups(self, roles) -> list[tuple[str, Any]]:
         return [(r, roles.groups[r]) for r in STATEFUL_ROLES if r in roles.groups]
 
-    def _rel(self, step: int, role: str) -> str:
-        return Storage.join(self.run_name, step_dirname(step), role)
-
     # ------------------------------------------------------------------ save
     def save(self, roles, step: int, trainer_state: dict, digest: str) -> float:
         """Start the save of ``step``; returns the time the step was blocked (stall)."""
@@ -130,7 +127,7 @@ class CheckpointCoordinator:
         t0 = time.perf_counter()
         self.manager.begin_step(step)
         self.manager.write_trainer_state(step, trainer_state)
-        results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel(step, role), self.async_save)
+        results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel_for(self.manager, step, role), self.async_save)
                    for role, g in self._groups(roles)}
         stall = time.perf_counter() - t0
         self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest,
@@ -232,9 +229,6 @@ class CheckpointCoordinator:
         if moved:
             self.on_event("checkpoints_set_aside", steps=moved, continued_from=step,
                           source=manager.step_dir(step) if manager is not None else None)
-
-    def latest_valid(self) -> int | None:
-        return self.manager.find_latest_valid()
 
     def restore(self, roles, resume: str = "auto") -> dict | None:
         """Load the checkpoint named by ``resume`` into every stateful role; returns its trainer state
