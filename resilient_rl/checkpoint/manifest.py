@@ -3,7 +3,9 @@
 A step folder ``{root}/{run}/step_{N:08d}/`` is *committed* once its ``MANIFEST.json`` exists.
 The manifest lists every file of the step (path relative to the step folder, size, sha256), the
 world size each role saved with, and a digest of the config, so a loader can verify what it
-reads and a resumed run can notice a changed config. Everything here is plain JSON: reading a
+reads and a resumed run can notice a changed config. ``known_good`` says that no NaN or Inf was
+seen in the run since the previous known-good checkpoint (a checkpoint whose tensors are not
+finite is never committed at all); retention always keeps the newest known-good one. Everything here is plain JSON: reading a
 checkpoint never unpickles anything.
 """
 
@@ -80,6 +82,7 @@ class Manifest:
     config_digest: str = ""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    known_good: bool = True
 
     def files_under(self, prefix: str) -> list[FileRecord]:
         """Records of the files in sub-folder ``prefix`` (e.g. a role), relative to it."""
@@ -94,6 +97,7 @@ class Manifest:
             "created_at": self.created_at,
             "world_sizes": dict(self.world_sizes),
             "config_digest": self.config_digest,
+            "known_good": self.known_good,
             "files": [r.to_json() for r in self.files],
         }
         return json.dumps(obj, indent=1).encode()
@@ -117,10 +121,13 @@ class Manifest:
             files = tuple(FileRecord.from_json(r, where) for r in obj["files"])
             created_at = float(obj["created_at"])
             digest = obj.get("config_digest", "")
+            known_good = obj.get("known_good", True)  # manifests written before the flag existed
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"{where}: missing or malformed field ({exc!r})") from exc
         if not isinstance(step, int) or not isinstance(world_sizes, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) for k, v in world_sizes.items()):
             raise CheckpointCorruptError(f"{where}: malformed step or world_sizes")
-        return cls(step=step, files=files, world_sizes=world_sizes,
-                   config_digest=str(digest), created_at=created_at, format_version=version)
+        if not isinstance(known_good, bool):
+            raise CheckpointCorruptError(f"{where}: known_good must be true or false, got {known_good!r}")
+        return cls(step=step, files=files, world_sizes=world_sizes, config_digest=str(digest),
+                   created_at=created_at, format_version=version, known_good=known_good)

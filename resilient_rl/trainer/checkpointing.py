@@ -3,13 +3,15 @@
 The controller writes ``trainer_state.json`` (step, data loader position, KL controller, failure
 counters, RNG), asks every rank of the trainable roles to stage and write its shards, and commits
 the step (manifest, then ``latest``) only after every rank has reported its files. At most one save
-is in flight. Restoring picks the newest committed checkpoint that verifies (a corrupt one is
+is in flight. A step whose state holds a NaN or Inf (a worker's shard, or the controller's own
+state) is never committed: the save is refused with a ``checkpoint_refused`` event. Restoring picks the newest committed checkpoint that verifies (a corrupt one is
 reported and skipped), loads every role into its current world size and returns the controller
 state to continue from.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -65,17 +67,33 @@ class CheckpointCoordinator:
     def _rel(self, step: int, role: str) -> str:
         return Storage.join(self.run_name, step_dirname(step), role)
 
+    def _refuse(self, step: int, role: str, reason: str) -> None:
+        """A save whose state is not finite: never committed (its folder is cleaned up later)."""
+        logger.error("checkpoint of step %d not committed: %s", step, reason)
+        self.on_event("nonfinite", step=step, quantity="checkpoint", role=role, action="refused")
+        self.on_event("checkpoint_refused", step=step, role=role, reason=reason)
+        if self.metrics is not None and hasattr(self.metrics, "record_nonfinite"):
+            self.metrics.record_nonfinite("checkpoint", "refused")
+
     # ------------------------------------------------------------------ save
-    def save(self, roles, step: int, trainer_state: dict, digest: str) -> float:
-        """Start the save of ``step``; returns the time the step was blocked (stall)."""
+    def save(self, roles, step: int, trainer_state: dict, digest: str, known_good: bool = True) -> float:
+        """Start the save of ``step``; returns the time the step was blocked (stall).
+
+        ``known_good`` goes into the manifest: False when the run met a NaN/Inf since the last
+        known-good checkpoint (the state saved is still checked to be finite)."""
         self.wait(roles)
+        try:  # strict JSON: a NaN here would be written, then refused by the loader at resume
+            json.dumps(trainer_state, allow_nan=False)
+        except ValueError as exc:
+            self._refuse(step, "controller", f"trainer state is not finite ({exc})")
+            return 0.0
         t0 = time.perf_counter()
         self.manager.begin_step(step)
         self.manager.write_trainer_state(step, trainer_state)
         results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel(step, role), self.async_save)
                    for role, g in self._groups(roles)}
         stall = time.perf_counter() - t0
-        self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest,
+        self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest, "known_good": known_good,
                         "world_sizes": {role: g.world_size for role, g in self._groups(roles)}}
         self.on_event("checkpoint_started", step=step, stall_s=stall)
         if not self.async_save:
@@ -109,14 +127,21 @@ class CheckpointCoordinator:
 
     def _commit(self, results: dict[str, list]) -> None:
         p = self.pending
+        bad = sorted({role for role, rs in results.items() for per_rank in rs for rec in per_rank
+                      if not rec.get("finite", True)})
+        if bad:
+            self.pending = None
+            self._refuse(p["step"], ",".join(bad), f"the saved state of {', '.join(bad)} holds NaN or Inf")
+            return
         files = {role: [FileRecord.from_json(rec) for per_rank in rs for rec in per_rank]
                  for role, rs in results.items()}
-        self.manager.commit(p["step"], files, p["world_sizes"], p["digest"])
+        self.manager.commit(p["step"], files, p["world_sizes"], p["digest"], known_good=p.get("known_good", True))
         duration = time.perf_counter() - p["t0"]
         nbytes = sum(r.size for rs in files.values() for r in rs)
         self.last_committed = p["step"]
         self.pending = None
-        self.on_event("checkpoint_committed", step=p["step"], duration_s=duration, stall_s=p["stall"], bytes=nbytes)
+        self.on_event("checkpoint_committed", step=p["step"], duration_s=duration, stall_s=p["stall"], bytes=nbytes,
+                      known_good=p.get("known_good", True))
         if self.metrics is not None:
             self.metrics.record_checkpoint_save(duration, p["stall"], nbytes, p["step"])
 
@@ -130,14 +155,29 @@ class CheckpointCoordinator:
             if manager.verify(step) != "ok":
                 raise CheckpointError(f"checkpoint {resume[5:]} is {manager.verify(step)}")
             return manager, step
+        if resume == "known_good":
+            return self._latest_known_good()
         step = self.manager.find_latest_valid()
         return (self.manager, step) if step is not None else None
+
+    def _latest_known_good(self) -> tuple[CheckpointManager, int] | None:
+        """The newest committed checkpoint that verifies and is known good (a rollback after a NaN)."""
+        for step in reversed(self.manager.committed_steps()):
+            try:
+                if self.manager.load_manifest(step).known_good and self.manager.verify(step) == "ok":
+                    return self.manager, step
+            except CheckpointError as exc:
+                logger.error("checkpoint of step %d skipped for a rollback: %s", step, exc)
+        return None
 
     def latest_valid(self) -> int | None:
         return self.manager.find_latest_valid()
 
     def restore(self, roles, resume: str = "auto") -> dict | None:
-        """Load the checkpoint named by ``resume`` into every stateful role; returns its trainer state."""
+        """Load the checkpoint named by ``resume`` into every stateful role; returns its trainer state.
+
+        ``resume``: ``auto`` (newest valid), ``known_good`` (newest valid and known good),
+        ``path:...`` (that step folder) or ``off``."""
         found = self._source(resume)
         if found is None:
             if resume.startswith("path:"):
