@@ -127,6 +127,19 @@ def all_finite(*values: torch.Tensor) -> bool:
     return not bool(bad)
 
 
+def step_scheduler(scheduler, applied: int) -> None:
+    """One LR-schedule step per training step, even when every update of the step was skipped
+    (the schedule stays a function of the step; torch's order warning does not apply then)."""
+    if applied:
+        scheduler.step()
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        scheduler.step()
+
+
 def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch.Tensor]:
     """Unsharded parameters on CPU (a collective when the model is sharded).
 

@@ -16,7 +16,7 @@ from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits,
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, wrap_fsdp2)
+                                       clip_grad_norm, global_token_counts, step_scheduler, wrap_fsdp2)
 
 
 def dp_world_size() -> int:
@@ -108,7 +108,7 @@ class PolicyEngine:
                 terms.append(("actor/kl_loss", kl_loss))
             for k, v in terms:
                 sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-        self.scheduler.step()
+        step_scheduler(self.scheduler, n_updates)
         self.model.train(False)
         metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]

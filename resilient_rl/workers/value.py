@@ -8,7 +8,7 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, wrap_fsdp2)
+                                       clip_grad_norm, global_token_counts, step_scheduler, wrap_fsdp2)
 from resilient_rl.workers.policy import dp_world_size
 
 
@@ -71,7 +71,7 @@ class ValueEngine:
                          ("critic/grad_norm", grad_norm),
                          ("critic/vpred_mean", (vpreds * mask).sum() / mask.sum().clamp(min=1.0))):
                 sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-        self.scheduler.step()
+        step_scheduler(self.scheduler, n)
         self.model.train(False)
         metrics = {k: float(v) / max(1, n) for k, v in sums.items()}
         metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
