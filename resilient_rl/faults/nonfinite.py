@@ -68,3 +68,23 @@ class NonFiniteAdvantage:
             return original(data)
 
         roles.update_actor = poisoned
+
+
+def nonfinite_tensors(root: str, run_name: str, storage_options: dict | None = None) -> list[str]:
+    """``step/file:tensor`` of every non-finite tensor in the committed checkpoints of a run
+    (an empty list is what a run must leave behind)."""
+    from safetensors.torch import load as load_safetensors
+
+    from resilient_rl.checkpoint import CheckpointManager, Storage, step_dirname
+
+    manager = CheckpointManager(root, run_name, storage_options=storage_options)
+    bad = []
+    for step in manager.committed_steps():
+        for rec in manager.load_manifest(step).files:
+            if not rec.path.endswith(".safetensors"):
+                continue
+            data = manager.storage.read_bytes(Storage.join(run_name, step_dirname(step), rec.path))
+            for name, t in load_safetensors(data).items():
+                if (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all()):
+                    bad.append(f"{step}/{rec.path}:{name}")
+    return bad
