@@ -4,9 +4,10 @@ The controller writes ``trainer_state.json`` (step, data loader position, KL con
 counters, RNG), asks every rank of the trainable roles to stage and write its shards, and commits
 the step (manifest, then ``latest``) only after every rank has reported its files. At most one save
 is in flight. A step whose state holds a NaN or Inf (a worker's shard, or the controller's own
-state) is never committed: the save is refused with a ``checkpoint_refused`` event. Restoring picks the newest committed checkpoint that verifies (a corrupt one is
-reported and skipped), loads every role into its current world size and returns the controller
-state to continue from.
+state) is never committed: the save is refused with a ``checkpoint_refused`` event. Restoring
+picks the newest committed checkpoint that verifies (a corrupt one is reported and skipped), or
+the newest known-good one for a rollback after a NaN, loads every role into its current world
+size and returns the controller state to continue from.
 """
 
 from __future__ import annotations
