@@ -256,3 +256,18 @@ def test_raise_policy_and_the_budget_stop_the_run_naming_step_and_quantity(tmp_p
         trainer.fit()
     assert [e["action"] for e in _events(trainer, "nonfinite")] == ["zeroed", "raised"]
     trainer.shutdown()
+
+
+def test_the_budget_counts_steps_in_a_row_and_refused_saves(tmp_path):
+    trainer = _local_trainer(tmp_path, [], "trainer.max_nonfinite=1")
+    guard = trainer.nonfinite
+    assert guard.after_step({"step": 1, "reward/nonfinite": 1.0})
+    assert guard.after_step({"step": 2, "reward/nonfinite": 0.0}) and guard.in_a_row == 0  # a clean step ends a row
+    assert guard.after_step({"step": 3, "critic/nonfinite_skipped": 2.0})
+    assert not guard.take_known_good() and guard.take_known_good()  # only the interval with the NaN
+    guard.on_checkpoint_event("checkpoint_refused", {"step": 3})
+    with pytest.raises(NonFiniteError, match=r"step 4: non-finite loss/critic.*3 step\(s\) in a row"):
+        guard.after_step({"step": 4, "critic/nonfinite_skipped": 1.0})
+    trainer = _local_trainer(tmp_path / "rb", [], "trainer.nonfinite=rollback")
+    with pytest.raises(NonFiniteError, match="rollback needs the Ray roles"):
+        trainer.nonfinite.after_step({"step": 1, "actor/nonfinite_skipped": 1.0})

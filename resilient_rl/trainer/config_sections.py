@@ -333,7 +333,7 @@ class TrainerConfig(_Section):
     # What a step that meets NaN/Inf (loss, grad norm, reward, KL) does: skip the poisoned update,
     # roll back to the newest known-good checkpoint, or raise. See trainer/nonfinite.py.
     nonfinite: str = "skip"
-    # Steps with non-finite values tolerated in a row (rollback: without a known-good commit between).
+    # Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
     max_nonfinite: int = 3
 
     def validate(self) -> None:

@@ -23,8 +23,8 @@ What happens then is ``trainer.nonfinite``:
 
 Budget: ``trainer.max_nonfinite`` steps with non-finite values in a row are tolerated; the next
 stops the run with a NonFiniteError naming the step and the quantities. "In a row" ends with a
-clean step (skip) or with a known-good checkpoint committed (rollback: clean steps after a
-rollback prove nothing while the same fault can come back). Every occurrence is an event
+clean step, or, once the run has rolled back, only with a known-good checkpoint committed (clean
+steps after a rollback prove nothing while the same fault can come back). Every occurrence is an event
 ``nonfinite`` (step, quantity, role, action, count) and counts in ``rrl_nonfinite_total``.
 The guard's counters are not checkpointed: a resumed run starts with a fresh budget.
 """
@@ -81,6 +81,7 @@ class NonFiniteGuard:
         self.budget = tc.max_nonfinite
         self.in_a_row = 0       # steps with non-finite values, see the module docstring
         self.dirty = False      # a non-finite value met since the last save started
+        self.awaiting_good = False  # rolled back; only a known-good commit ends the row
         self.total = 0          # steps with non-finite values in this process
 
     # ------------------------------------------------------------------ reporting
@@ -109,7 +110,7 @@ class NonFiniteGuard:
         rollback. Raises NonFiniteError per policy or when the budget is spent."""
         findings = find_nonfinite(row)
         if not findings:
-            if self.mode != "rollback":
+            if not self.awaiting_good:
                 self.in_a_row = 0
             return True
         step = int(row["step"])
@@ -138,6 +139,7 @@ class NonFiniteGuard:
             self.in_a_row += 1
         elif kind == "checkpoint_committed" and fields.get("known_good", True):
             self.in_a_row = 0
+            self.awaiting_good = False
 
     def take_known_good(self) -> bool:
         """Whether the save starting now is known good; starts a new interval."""
@@ -167,6 +169,7 @@ class NonFiniteGuard:
         tr.run_dir.truncate_metrics_after(tr.step)
         tr.history = tr.run_dir.read_metrics()
         self.dirty = False
+        self.awaiting_good = True
         tr.run_dir.event("nonfinite_rollback", failed_step=step, restored_step=tr.step, quantity=what)
         logger.warning("step %d: non-finite %s; rolled back to step %d, continuing with the next data",
                        step, what, tr.step)
