@@ -107,3 +107,9 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 class RunFolderError(RRLError):
     """A run folder (``{trainer.output_dir}/{run_name}``) is missing, is not a run's folder, or holds a
     file (metrics.jsonl, events.jsonl) damaged beyond a torn last line."""
+
+
+class NonFiniteError(RRLError):
+    """Training met NaN or Inf values (loss, gradient norm, reward, KL, saved state) and the
+    ``trainer.nonfinite`` policy or its ``trainer.max_nonfinite`` budget ends the run; names the
+    step and the quantities."""

@@ -119,7 +119,7 @@ def promtool(*args: str, cwd: Path | None = None) -> str:
 @needs_promtool
 def test_promtool_accepts_config_and_rules():
     assert "SUCCESS" in promtool("check", "config", str(MONITORING / "prometheus.yml"))
-    assert "SUCCESS: 9 rules found" in promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 10 rules found" in promtool("check", "rules", str(RULES))
 
 
 @needs_promtool
@@ -234,6 +234,25 @@ tests:
             exp_annotations:
               summary: "GPU 0 on n0 under 20% busy while training"
               description: "GPU 0 (GPU-a, actor rank 0) averaged 5% utilization over 10 minutes while steps are completing: an input, rollout or communication bottleneck."
+
+  - interval: 1m
+    input_series:
+      # A NaN loss skipped at minute 3 (its series appears then); nothing after: the alert
+      # holds for the 30-minute window, then clears.
+      - series: 'rrl_nonfinite_total{{instance="c:1", quantity="loss", action="skipped"}}'
+        values: '_ _ _ 1x40'
+      - series: 'rrl_nonfinite_total{{instance="ok:1", quantity="reward", action="zeroed"}}'
+        values: '0x40'
+    alert_rule_test:
+      - {{alertname: RRLNonFiniteValues, eval_time: 2m, exp_alerts: []}}
+      - alertname: RRLNonFiniteValues
+        eval_time: 4m
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "c:1", quantity: loss, action: skipped}}
+            exp_annotations:
+              summary: "Non-finite loss on c:1 (skipped)"
+              description: "1 step(s) met NaN or Inf in loss in the last 30 minutes and the trainer skipped them (trainer.nonfinite). Look at the run's nonfinite events: a diverging learning rate, a reward function returning NaN, or a poisoned checkpoint."
+      - {{alertname: RRLNonFiniteValues, eval_time: 40m, exp_alerts: []}}
 """
 
 

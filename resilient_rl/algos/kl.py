@@ -111,9 +111,18 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Adapt the coefficient to the KL measured over the last ``n_steps`` samples."""
-        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        """Adapt the coefficient to the KL measured over the last ``n_steps`` samples.
+
+        A non-finite ``current_kl`` (a NaN or Inf log-prob upstream) leaves the coefficient as it
+        is: once ``beta`` is NaN every later reward is NaN, and a checkpoint of it cannot be
+        resumed. The caller reports such a KL (see :func:`apply_kl_penalty`)."""
+        current_kl = float(current_kl)
+        if not math.isfinite(current_kl):
+            return
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        value = self.value * (1.0 + error * n_steps / self.horizon)
+        if math.isfinite(value):  # an absurd n_steps/horizon must not overflow it either
+            self.value = value
 
     def state_dict(self) -> dict[str, float]:
         """The current coefficient (the only part that changes during training)."""
@@ -154,7 +163,8 @@ def apply_kl_penalty(
     ``beta`` is the controller's value before this batch. The batch's KL (per-sequence masked
     mean, averaged over sequences) is then fed to ``kl_ctrl.update`` with ``n_steps`` = batch
     size. Metrics: ``actor/reward_kl_penalty`` (that KL) and ``actor/reward_kl_penalty_coeff``
-    (``beta``), as plain floats.
+    (``beta``), as plain floats, and ``actor/reward_kl_nonfinite`` (1.0 when the batch's KL was
+    NaN or Inf: the controller was not updated and the step's rewards are not to be trusted).
     """
     kld = kl_penalty(logprob, ref_logprob, kind)
     kld = torch.where(response_mask.bool(), kld, torch.zeros_like(kld))
@@ -162,5 +172,6 @@ def apply_kl_penalty(
     token_level_rewards = token_level_scores - beta * kld
     current_kl = masked_mean(kld, response_mask, dim=-1).mean().item()
     kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
-    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta,
+               "actor/reward_kl_nonfinite": 0.0 if math.isfinite(current_kl) else 1.0}
     return token_level_rewards, metrics

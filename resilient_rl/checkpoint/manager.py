@@ -137,7 +137,7 @@ class CheckpointManager:
         self.storage.rm(rel, recursive=True)
 
     def commit(self, step: int, files: Mapping[str, list[FileRecord]], world_sizes: Mapping[str, int],
-               config_digest: str = "") -> Manifest:
+               config_digest: str = "", known_good: bool = True) -> Manifest:
         """Commit ``step`` once every rank of every role has written its shards.
 
         ``files`` maps each role to its ranks' records (paths relative to the role folder, as
@@ -170,7 +170,7 @@ class CheckpointManager:
             records.append(FileRecord(TRAINER_STATE_NAME, len(data), hashlib.sha256(data).hexdigest()))
         self._fence()
         manifest = Manifest(step=step, files=tuple(sorted(records, key=lambda r: r.path)),
-                            world_sizes=dict(world_sizes), config_digest=config_digest,
+                            world_sizes=dict(world_sizes), config_digest=config_digest, known_good=known_good,
                             fencing_token=self.lease.token if self.lease is not None else None)
         self.storage.write_bytes_atomic(Storage.join(rel, MANIFEST_NAME), manifest.to_bytes())
         self._write_latest(step)
@@ -416,15 +416,28 @@ class CheckpointManager:
                 Storage.join(self.run_name, rel)))
         return doomed
 
+    def newest_known_good(self, committed: list[int] | None = None) -> int | None:
+        """The newest committed step whose manifest says ``known_good`` (an unreadable manifest
+        does not count), or None."""
+        for step in reversed(self.committed_steps() if committed is None else committed):
+            try:
+                if self.load_manifest(step).known_good:
+                    return step
+            except CheckpointError:
+                continue
+        return None
+
     def apply_retention(self) -> list[int]:
-        """Keep the last ``keep_last`` committed steps, every step divisible by ``keep_every``
-        and the one ``latest`` names; delete the other committed steps (all older than the
-        newest committed one, so a step is only deleted once a newer one is committed)."""
+        """Keep the last ``keep_last`` committed steps, every step divisible by ``keep_every``,
+        the one ``latest`` names and the newest known-good one (so checkpoints written after a
+        NaN never push the last trustworthy state out); delete the other committed steps (all
+        older than the newest committed one, so a step is only deleted once a newer one is
+        committed)."""
         committed = self.committed_steps()
         if not committed:
             return []
         latest = committed[-1]
-        keep = set(committed[-self.keep_last:]) | {self._pointer()}
+        keep = set(committed[-self.keep_last:]) | {self._pointer(), self.newest_known_good(committed)}
         if self.keep_every:
             keep |= {s for s in committed if s % self.keep_every == 0}
         doomed = [s for s in committed if s not in keep and s < latest]

@@ -4,7 +4,9 @@ A step folder ``{root}/{run}/step_{N:08d}/`` is *committed* once its ``MANIFEST.
 The manifest lists every file of the step (path relative to the step folder, size, sha256), the
 world size each role saved with, a digest of the config, and the fencing token of the lease its
 writer held (``checkpoint/lease.py``), so a loader can verify what it reads, a resumed run can notice
-a changed config, and steps of a superseded writer can be told apart. Everything here is plain JSON: reading a
+a changed config, and steps of a superseded writer can be told apart. ``known_good`` says that no NaN
+or Inf was seen in the run since the previous known-good checkpoint (a checkpoint whose tensors are
+not finite is never committed at all); retention always keeps the newest known-good one. Everything here is plain JSON: reading a
 checkpoint never unpickles anything.
 """
 
@@ -84,6 +86,7 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     fencing_token: int | None = None  # None: written without a lease (older runs, tools)
+    known_good: bool = True
 
     def files_under(self, prefix: str) -> list[FileRecord]:
         """Records of the files in sub-folder ``prefix`` (e.g. a role), relative to it."""
@@ -98,6 +101,7 @@ class Manifest:
             "created_at": self.created_at,
             "world_sizes": dict(self.world_sizes),
             "config_digest": self.config_digest,
+            "known_good": self.known_good,
             "files": [r.to_json() for r in self.files],
         }
         if self.fencing_token is not None:
@@ -126,6 +130,7 @@ class Manifest:
             created_at = float(obj["created_at"])
             digest = obj.get("config_digest", "")
             token = obj.get("fencing_token")
+            known_good = obj.get("known_good", True)  # manifests written before the flag existed
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CheckpointCorruptError(f"{where}: missing or malformed field ({exc!r})") from exc
         if not math.isfinite(created_at):
@@ -136,5 +141,7 @@ class Manifest:
             raise CheckpointCorruptError(f"{where}: malformed step or world_sizes")
         if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
             raise CheckpointCorruptError(f"{where}: malformed fencing_token {token!r}")
+        if not isinstance(known_good, bool):
+            raise CheckpointCorruptError(f"{where}: known_good must be true or false, got {known_good!r}")
         return cls(step=step, files=files, world_sizes=world_sizes, config_digest=str(digest),
-                   created_at=created_at, format_version=version, fencing_token=token)
+                   created_at=created_at, format_version=version, fencing_token=token, known_good=known_good)

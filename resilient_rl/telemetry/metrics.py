@@ -179,6 +179,10 @@ class TrainerMetrics:
                                            buckets=RECOVERY_BUCKETS, registry=r)
         self.steps_replayed = Counter("rrl_steps_replayed", "Steps lost to failures and "
                                       "trained again after a restore.", registry=r)
+        self.nonfinite = Counter("rrl_nonfinite", "NaN or Inf values met by training steps, by "
+                                 "quantity (loss, reward, kl, metric, checkpoint) and the action "
+                                 "taken (skipped, zeroed, rolled_back, raised, refused, reported).",
+                                 ["quantity", "action"], registry=r)
 
         # Checkpoints.
         self.checkpoint_save_duration = Histogram(
@@ -293,6 +297,10 @@ class TrainerMetrics:
         self.recovery_duration.observe(_non_negative("record_recovery: duration_s", duration_s))
         self.steps_replayed.inc(_non_negative("record_recovery: steps_replayed", steps_replayed))
         self.recoveries.inc()
+
+    def record_nonfinite(self, quantity: str, action: str) -> None:
+        """Count a step's non-finite ``quantity`` and what the trainer did about it."""
+        self.nonfinite.labels(quantity=quantity, action=action).inc()
 
     # -- checkpoints ---------------------------------------------------------------------
     def record_checkpoint_save(self, duration_s: float, stall_s: float, nbytes: int, step: int,

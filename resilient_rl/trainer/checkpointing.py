@@ -1,7 +1,7 @@
 """Controller side of checkpoints: when to save, the commit once every rank has written, restore.
 
-The controller writes ``trainer_state.json`` (step, data loader position, KL controller, failure
-counters, RNG), asks every rank of the trainable roles to stage and write its shards, and commits
+The controller writes ``trainer_state.json`` (its registered state: step, data loader position,
+KL controller), asks every rank of the trainable roles to stage and write its shards, and commits
 the step (manifest, then ``latest``) only after every rank has reported its files. At most one save
 is in flight. Restoring picks the newest committed checkpoint that verifies (a corrupt one is
 reported and skipped), loads every role into its current world size and returns the controller
@@ -12,10 +12,14 @@ One writer per run: before writing, the controller takes the run's lease (``acqu
 each manifest. One timeline per run: restoring step S (from ``auto``, a ``path:`` or, with
 ``resume=off``, nothing) sets the run's newer committed steps aside, and a later recovery restores
 from this timeline only: the run's own newest commit, else the checkpoint it was resumed from.
+A step whose state holds a NaN or Inf (a worker's shard, or the controller's own state) is never
+committed: the save is refused with a ``checkpoint_refused`` event; a rollback after a NaN
+restores the newest known-good checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -119,18 +123,34 @@ class CheckpointCoordinator:
     def _groups(self, roles) -> list[tuple[str, Any]]:
         return [(r, roles.groups[r]) for r in STATEFUL_ROLES if r in roles.groups]
 
+    def _refuse(self, step: int, role: str, reason: str) -> None:
+        """A save whose state is not finite: never committed (its folder is cleaned up later)."""
+        logger.error("checkpoint of step %d not committed: %s", step, reason)
+        self.on_event("nonfinite", step=step, quantity="checkpoint", role=role, action="refused")
+        self.on_event("checkpoint_refused", step=step, role=role, reason=reason)
+        if self.metrics is not None and hasattr(self.metrics, "record_nonfinite"):
+            self.metrics.record_nonfinite("checkpoint", "refused")
+
     # ------------------------------------------------------------------ save
-    def save(self, roles, step: int, trainer_state: dict, digest: str) -> float:
-        """Start the save of ``step``; returns the time the step was blocked (stall)."""
+    def save(self, roles, step: int, trainer_state: dict, digest: str, known_good: bool = True) -> float:
+        """Start the save of ``step``; returns the time the step was blocked (stall).
+
+        ``known_good`` goes into the manifest: False when the run met a NaN/Inf since the last
+        known-good checkpoint (the state saved is still checked to be finite)."""
         self._check_lease()
         self.wait(roles)
+        try:  # strict JSON: a NaN here would be written, then refused by the loader at resume
+            json.dumps(trainer_state, allow_nan=False)
+        except ValueError as exc:
+            self._refuse(step, "controller", f"trainer state is not finite ({exc})")
+            return 0.0
         t0 = time.perf_counter()
         self.manager.begin_step(step)
         self.manager.write_trainer_state(step, trainer_state)
         results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel_for(self.manager, step, role), self.async_save)
                    for role, g in self._groups(roles)}
         stall = time.perf_counter() - t0
-        self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest,
+        self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest, "known_good": known_good,
                         "world_sizes": {role: g.world_size for role, g in self._groups(roles)}}
         self.on_event("checkpoint_started", step=step, stall_s=stall)
         if not self.async_save:
@@ -176,14 +196,21 @@ class CheckpointCoordinator:
 
     def _commit(self, results: dict[str, list]) -> None:
         p = self.pending
+        bad = sorted({role for role, rs in results.items() for per_rank in rs for rec in per_rank
+                      if not rec.get("finite", True)})
+        if bad:
+            self.pending = None
+            self._refuse(p["step"], ",".join(bad), f"the saved state of {', '.join(bad)} holds NaN or Inf")
+            return
         files = {role: [FileRecord.from_json(rec) for per_rank in rs for rec in per_rank]
                  for role, rs in results.items()}
-        self.manager.commit(p["step"], files, p["world_sizes"], p["digest"])
+        self.manager.commit(p["step"], files, p["world_sizes"], p["digest"], known_good=p.get("known_good", True))
         duration = time.perf_counter() - p["t0"]
         nbytes = sum(r.size for rs in files.values() for r in rs)
         self.last_committed = p["step"]
         self.pending = None
-        self.on_event("checkpoint_committed", step=p["step"], duration_s=duration, stall_s=p["stall"], bytes=nbytes)
+        self.on_event("checkpoint_committed", step=p["step"], duration_s=duration, stall_s=p["stall"], bytes=nbytes,
+                      known_good=p.get("known_good", True))
         if self.metrics is not None:
             self.metrics.record_checkpoint_save(duration, p["stall"], nbytes, p["step"])
 
@@ -200,6 +227,8 @@ class CheckpointCoordinator:
             if status != "ok":
                 raise CheckpointNotFoundError(f"checkpoint {resume[5:]} is {status}")
             return manager, step
+        if resume == "known_good":
+            return self._latest_known_good()
         step = self.manager.find_latest_valid()
         if step is not None:
             return self.manager, step
@@ -209,6 +238,16 @@ class CheckpointCoordinator:
             if status == "ok":
                 return manager, step
             logger.error("the checkpoint this run was resumed from, %s, is now %s", manager.step_dir(step), status)
+        return None
+
+    def _latest_known_good(self) -> tuple[CheckpointManager, int] | None:
+        """The newest committed checkpoint that verifies and is known good (a rollback after a NaN)."""
+        for step in reversed(self.manager.committed_steps()):
+            try:
+                if self.manager.load_manifest(step).known_good and self.manager.verify(step) == "ok":
+                    return self.manager, step
+            except CheckpointError as exc:
+                logger.error("checkpoint of step %d skipped for a rollback: %s", step, exc)
         return None
 
     def _same_run(self, manager: CheckpointManager) -> bool:
@@ -233,7 +272,10 @@ class CheckpointCoordinator:
     def restore(self, roles, resume: str = "auto") -> dict | None:
         """Load the checkpoint named by ``resume`` into every stateful role; returns its trainer state
         (None when there is none: the run starts from scratch). The run's committed steps that are
-        not on the resumed timeline are set aside (see :meth:`_begin_timeline`)."""
+        not on the resumed timeline are set aside (see :meth:`_begin_timeline`).
+
+        ``resume``: ``auto`` (newest valid), ``known_good`` (newest valid and known good: a
+        rollback after a NaN), ``path:...`` (that step folder) or ``off``."""
         self.fence()  # a controller that lost the run must not even choose what to load
         found = self._source(resume)
         if found is None:

@@ -351,9 +351,16 @@ class TrainerConfig(_Section):
     # Experiment trackers (verl: trainer.logger): console, jsonl, tensorboard, wandb, mlflow.
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     project_name: str = "resilient-rl"
+    # What a step that meets NaN/Inf (loss, grad norm, reward, KL) does: skip the poisoned update,
+    # roll back to the newest known-good checkpoint, or raise. See trainer/nonfinite.py.
+    nonfinite: str = "skip"
+    # Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
+    max_nonfinite: int = 3
 
     def validate(self) -> None:
         _require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
+        _choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
+        _require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")
         _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
         # The run name becomes a directory in checkpoint URLs and a metrics label.
         _require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name) is not None, "run_name",

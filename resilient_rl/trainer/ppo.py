@@ -20,6 +20,7 @@ from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.config import config_digest
 from resilient_rl.trainer.controller_record import controller_session
 from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
+from resilient_rl.trainer.nonfinite import NonFiniteGuard
 from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.run_log import RunLog
@@ -62,6 +63,7 @@ class PPOTrainer:
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
+        self.nonfinite = NonFiniteGuard(self)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event)
         self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
         self.recovery = Recovery(self)
@@ -81,6 +83,7 @@ class PPOTrainer:
 
     def _ckpt_event(self, kind: str, **fields) -> None:
         self.run_dir.event(kind, **fields)
+        self.nonfinite.on_checkpoint_event(kind, fields)
         if kind == "checkpoint_started":
             self.fire("on_checkpoint_started", fields["step"])
 
@@ -150,7 +153,8 @@ class PPOTrainer:
         if not hasattr(self.roles, "groups"):
             return
         if self.ckpt.due(self.step):
-            self.ckpt.save(self.roles, self.step, self.state_dict(), self.digest)
+            self.ckpt.save(self.roles, self.step, self.state_dict(), self.digest,
+                           known_good=self.nonfinite.take_known_good())
         else:
             self.ckpt.poll(self.roles)
 
@@ -219,6 +223,10 @@ class PPOTrainer:
             while self.step < total:
                 try:
                     row = self.train_step()
+                    if not self.nonfinite.after_step(row):  # rolled back past a NaN/Inf
+                        bar.n = self.step
+                        bar.refresh()
+                        continue
                     self.maybe_checkpoint()
                 except WorkerError as exc:
                     self.recovery.handle(exc, self.step + 1)

@@ -93,6 +93,10 @@ def run_step(roles: Roles, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl
     mask = data.batch["response_mask"]
     scores = compute_rewards(task, tokenizer, data.batch["responses"] * mask + tokenizer.pad_token_id * (1 - mask),
                              list(data.non_tensor_batch["answers"]))
+    # A NaN/Inf score would poison the advantages of its whole group (GRPO) or batch (whitening):
+    # it scores as a failed response instead, and the trainer's non-finite guard reports the count.
+    bad_scores = ~np.isfinite(scores)
+    scores = np.where(bad_scores, np.float32(0.0), scores)
     data.batch["token_level_scores"] = token_level_scores(scores, mask)
 
     need_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss
@@ -135,6 +139,7 @@ def run_step(roles: Roles, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl
     metrics.update({
         "reward/mean": float(scores.mean()),
         "reward/exact_ratio": float((scores >= 1.0).mean()),
+        "reward/nonfinite": float(bad_scores.sum()),
         "response_length/mean": float(mask.sum(dim=1).float().mean()),
         "tokens": float(tokens),
     })

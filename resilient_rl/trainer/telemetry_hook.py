@@ -313,6 +313,10 @@ class TelemetryHook:
             except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a recovered run
                 logger.warning("telemetry: cannot refresh the worker series after recovery: %s", exc)
 
+    def record_nonfinite(self, quantity: str, action: str) -> None:
+        """Count a NaN/Inf met by a step (see :mod:`resilient_rl.trainer.nonfinite`)."""
+        self.metrics.record_nonfinite(quantity, action)
+
     # ------------------------------------------------------------------ checkpoints' metrics
     def record_checkpoint_save(self, duration_s: float, stall_s: float, nbytes: int, step: int) -> None:
         self.metrics.record_checkpoint_save(duration_s, stall_s, nbytes, step)

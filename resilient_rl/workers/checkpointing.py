@@ -27,8 +27,33 @@ from resilient_rl.controller.dispatch import Dispatch, register
 RANK_LOCAL = ("rng",)
 
 
-def _records(records: list[FileRecord]) -> list[dict]:
-    return [r.to_json() for r in records]
+def _records(records: list[FileRecord], finite: bool = True) -> list[dict]:
+    """The records as JSON, each marked with whether this rank's saved tensors were all finite
+    (the controller refuses to commit a step with any ``"finite": false``)."""
+    return [{**r.to_json(), "finite": finite} for r in records]
+
+
+def state_is_finite(state) -> bool:
+    """Whether every floating-point tensor in a (nested) state dict is finite on this rank.
+
+    DTensors are checked through their local shard (each rank checks its own); one reduction per
+    tensor and a single host sync for the whole state."""
+    flags: list[torch.Tensor] = []
+
+    def walk(obj) -> None:
+        if isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+        elif torch.is_tensor(obj):
+            t = obj.to_local() if hasattr(obj, "to_local") else obj
+            if (t.is_floating_point() or t.is_complex()) and t.numel():
+                flags.append(torch.isfinite(t).all())
+
+    walk(state)
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 class CheckpointMixin:
@@ -37,6 +62,7 @@ class CheckpointMixin:
     _writer: AsyncShardWriter | None = None
     _storages: dict | None = None
     _staging_prepared: frozenset = frozenset()  # parts of the state whose buffers are allocated
+    _save_finite: bool = True  # whether the state of the save in flight was all finite
 
     def _storage(self, root: str, storage_options: dict | None) -> Storage:
         if self._storages is None:
@@ -104,9 +130,10 @@ class CheckpointMixin:
         """Save this rank's shards under ``rel_dir``; async returns None at once (poll with checkpoint_done)."""
         storage = self._storage(root, storage_options)
         state = self._state()
+        self._save_finite = state_is_finite(state)
         if not async_save:
             return _records(write_shard(stage(state, self.rank, rank_local=RANK_LOCAL, copy=False), storage, rel_dir,
-                                        self.rank))
+                                        self.rank), self._save_finite)
         self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, self.rank, rank_local=RANK_LOCAL)
         return None
 
@@ -121,7 +148,7 @@ class CheckpointMixin:
             records = self._writer.wait(timeout=timeout_s or 0)
         except cf.TimeoutError:
             return None
-        return None if records is None else _records(records)
+        return None if records is None else _records(records, self._save_finite)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],

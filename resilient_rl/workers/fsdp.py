@@ -115,6 +115,31 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def all_finite(*values: torch.Tensor) -> bool:
+    """Whether every value is finite on every rank of the data-parallel group: the same answer
+    on all ranks, so they all step or all skip together (one tiny all-reduce, one host sync).
+
+    The gradient norm from :func:`clip_grad_norm` is already global; a rank's loss is local, and a
+    non-finite loss usually, but not always (``inf * 0`` in a masked term), poisons the norm."""
+    bad = torch.stack([(~torch.isfinite(v.detach())).any() for v in values]).any().to(torch.float32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad)
+
+
+def step_scheduler(scheduler, applied: int) -> None:
+    """One LR-schedule step per training step, even when every update of the step was skipped
+    (the schedule stays a function of the step; torch's order warning does not apply then)."""
+    if applied:
+        scheduler.step()
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        scheduler.step()
+
+
 def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch.Tensor]:
     """Unsharded parameters on CPU (a collective when the model is sharded).
 

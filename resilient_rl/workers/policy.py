@@ -15,8 +15,8 @@ from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler, clip_grad_norm,
-                                       global_token_counts, wrap_fsdp2)
+from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
+                                       clip_grad_norm, global_token_counts, step_scheduler, wrap_fsdp2)
 
 
 def dp_world_size() -> int:
@@ -60,7 +60,11 @@ class PolicyEngine:
         return DataProto.from_dict({"log_probs": torch.cat(logps), "entropys": torch.cat(ents)})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
-        """PPO epochs over mini-batches of ``data`` (this rank's share); one scheduler step."""
+        """PPO epochs over mini-batches of ``data`` (this rank's share); one scheduler step.
+
+        A mini-batch whose loss or gradient norm is NaN or Inf (on any rank) is not applied: its
+        gradients are dropped, the optimizer does not step, and ``actor/nonfinite_skipped``
+        counts it (its losses stay out of the reported means)."""
         cfg = self.cfg
         world = dp_world_size()
         local_mb = max(1, cfg.mini_batch_size // world)
@@ -68,7 +72,7 @@ class PolicyEngine:
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
                 "advantages"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
         sums: dict[str, float] = {}
-        n_updates = 0
+        n_updates = skipped = 0
         # Mini-batch order is a pure function of (seed, step): replays after recovery shuffle identically.
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
@@ -92,21 +96,30 @@ class PolicyEngine:
                 kl = kl_penalty(logp, b["ref_log_prob"].to(self.plan.device), cfg.kl_loss_type)
                 kl_loss = (kl * mask).sum() / mask.sum().clamp(min=1.0)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + kl_loss.detach().double()
             if cfg.loss_agg_mode == "token-mean":
                 (loss * scale).backward()
             else:
                 seq_scale = world * mask.bool().any(dim=-1).sum() / seqs
                 (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
+            if not all_finite(loss, grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             n_updates += 1
-            for k, v in (("actor/pg_loss", pg["pg_loss"]), ("actor/pg_clipfrac", pg["pg_clipfrac"]),
-                         ("actor/ppo_kl", pg["ppo_kl"]), ("actor/entropy", entropy), ("actor/grad_norm", grad_norm)):
+            if cfg.use_kl_loss:
+                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + kl_loss.detach().double()
+            terms = [("actor/pg_loss", pg["pg_loss"]), ("actor/pg_clipfrac", pg["pg_clipfrac"]),
+                     ("actor/ppo_kl", pg["ppo_kl"]), ("actor/entropy", entropy), ("actor/grad_norm", grad_norm)]
+            if cfg.use_kl_loss:
+                terms.append(("actor/kl_loss", kl_loss))
+            for k, v in terms:
                 sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-        self.scheduler.step()
+        step_scheduler(self.scheduler, n_updates)
         self.model.train(False)
         metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["actor/nonfinite_skipped"] = float(skipped)
         return metrics

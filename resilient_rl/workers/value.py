@@ -7,8 +7,8 @@ import torch
 from resilient_rl.algos.losses import value_loss
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler, clip_grad_norm,
-                                       global_token_counts, wrap_fsdp2)
+from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
+                                       clip_grad_norm, global_token_counts, step_scheduler, wrap_fsdp2)
 from resilient_rl.workers.policy import dp_world_size
 
 
@@ -39,13 +39,15 @@ class ValueEngine:
         return DataProto.from_dict({"values": values.cpu()})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
+        """Value-loss epochs over mini-batches of ``data``; one scheduler step. A mini-batch with a
+        NaN/Inf loss or gradient norm is skipped (``critic/nonfinite_skipped`` counts it)."""
         cfg = self.cfg
         world = dp_world_size()
         local_mb = max(1, cfg.mini_batch_size // world)
         self.model.train(True)
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns"]
         sums: dict[str, float] = {}
-        n = 0
+        n = skipped = 0
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
@@ -58,6 +60,10 @@ class ValueEngine:
                                               b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
             (vf_loss * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
+            if not all_finite(vf_loss, grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             n += 1
@@ -65,8 +71,9 @@ class ValueEngine:
                          ("critic/grad_norm", grad_norm),
                          ("critic/vpred_mean", (vpreds * mask).sum() / mask.sum().clamp(min=1.0))):
                 sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-        self.scheduler.step()
+        step_scheduler(self.scheduler, n)
         self.model.train(False)
         metrics = {k: float(v) / max(1, n) for k, v in sums.items()}
         metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["critic/nonfinite_skipped"] = float(skipped)
         return metrics

@@ -1,0 +1,46 @@
+"""One rank of a trainable role hosted in this process, with the worker-group calls that
+:class:`~resilient_rl.trainer.checkpointing.CheckpointCoordinator` makes.
+
+It runs the real worker checkpoint code (:class:`~resilient_rl.workers.checkpointing.CheckpointMixin`)
+around a single-process engine, so the controller's save/commit/restore protocol can be tested
+without Ray. A group call returns one result per rank, as a Ray worker group's does.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from resilient_rl.workers.checkpointing import CheckpointMixin
+
+
+class LocalRank(CheckpointMixin):
+    """Rank 0 of a world of 1 holding ``engine`` (model, optimizer, scheduler)."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, role: str, engine, cfg=None):
+        self.role, self.engine, self.cfg = role, engine, cfg
+
+
+class LocalGroup:
+    """A worker group of one :class:`LocalRank`."""
+
+    world_size = 1
+
+    def __init__(self, rank: LocalRank):
+        self.rank = rank
+
+    def save_checkpoint(self, *args) -> list:
+        return [self.rank.save_checkpoint(*args)]
+
+    def checkpoint_done(self, timeout_s: float = 0.0) -> list:
+        return [self.rank.checkpoint_done(timeout_s)]
+
+    def load_checkpoint(self, *args) -> list:
+        return [self.rank.load_checkpoint(*args)]
+
+
+def local_roles(**engines) -> SimpleNamespace:
+    """What the coordinator needs of the roles: ``groups`` by role name."""
+    return SimpleNamespace(groups={role: LocalGroup(LocalRank(role, e)) for role, e in engines.items()})
