@@ -76,6 +76,23 @@ def test_policy_state_round_trips():
     other = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60)
     other.load_state_dict(policy.state_dict())
     assert other.restarts == {"actor:1": 1} and other.total == 1
+    assert list(other.recent) == list(policy.recent)
+
+
+def test_a_restarted_controller_keeps_the_spent_budget_and_a_rollback_never_refills_it():
+    clock = Clock()
+    policy = FailurePolicy(max_restarts=5, max_failures=2, failure_window_s=60, clock=clock)
+    policy.decide(fail(), restarted=[("actor", 1)])
+    saved = policy.state_dict()  # what the next checkpoint records
+    clock.t += 1
+    policy.decide(fail(), restarted=[("actor", 1)])
+    policy.load_state_dict(saved)  # an in-process recovery restores the older checkpoint
+    assert policy.restarts == {"actor:1": 2} and policy.total == 2 and len(policy.recent) == 2
+    # A new controller (fresh budget) resumes from the checkpoint: the failure it recorded counts.
+    fresh = FailurePolicy(max_restarts=5, max_failures=2, failure_window_s=60, clock=clock)
+    fresh.load_state_dict(policy.state_dict())
+    clock.t += 1
+    assert fresh.decide(fail()).decision is Decision.RAISE  # 3 failures within the window > 2
 
 
 def test_state_machine_happy_path_and_failure_during_recovery():
@@ -101,3 +118,18 @@ def test_every_state_can_abort_except_the_end():
     for state, allowed in ALLOWED.items():
         if state not in (S.ABORTING, S.FAILED):
             assert S.ABORTING in allowed
+
+
+def test_the_trainer_checkpoint_carries_the_failure_budget(tmp_path):
+    from resilient_rl.trainer.config import load_config
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt",
+                             "telemetry.enabled=false"])
+    trainer = PPOTrainer(cfg, roles_factory=LocalRoles)
+    trainer.recovery.policy.decide(fail(), restarted=[("actor", 1)])
+    state = trainer.state_dict()
+    restarted = PPOTrainer(cfg, roles_factory=LocalRoles)  # a new controller on the same run
+    restarted.load_state_dict(state)
+    assert restarted.recovery.policy.restarts == {"actor:1": 1} and restarted.recovery.policy.total == 1

@@ -108,11 +108,19 @@ class FailurePolicy:
         return Verdict(Decision.RETRY, f"{where} {failure.cause}: recovering")
 
     def state_dict(self) -> dict:
-        return {"restarts": dict(self.restarts), "total": self.total}
+        """The budget spent (JSON): restarts per actor, failure times (wall clock) in the window, total."""
+        return {"restarts": dict(self.restarts), "recent": list(self.recent), "total": self.total}
 
     def load_state_dict(self, state: dict) -> None:
-        self.restarts = {str(k): int(v) for k, v in state.get("restarts", {}).items()}
-        self.total = int(state.get("total", 0))
+        """Take over a saved budget without giving back what this process has spent since.
+
+        A restarted controller gets the budget its checkpoint recorded; a recovery in this process
+        restores an older checkpoint but keeps the failures counted after it (per actor the larger
+        count, the union of failure times), so rolling back never refills the budget."""
+        for k, v in state.get("restarts", {}).items():
+            self.restarts[str(k)] = max(self.restarts.get(str(k), 0), int(v))
+        self.recent = deque(sorted(set(self.recent) | {float(t) for t in state.get("recent", [])}))
+        self.total = max(self.total, int(state.get("total", 0)))
 
 
 class RecoveryState(Enum):

@@ -109,12 +109,14 @@ class PPOTrainer:
     def state_dict(self) -> dict:
         """The controller's part of a checkpoint (JSON)."""
         return {"step": self.step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "config_digest": self.digest}
+                "failure_budget": self.recovery.policy.state_dict(), "config_digest": self.digest}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if "failure_budget" in state:  # checkpoints written before the budget was saved have none
+            self.recovery.policy.load_state_dict(state["failure_budget"])
         if state.get("config_digest") not in (None, self.digest):
             logger.warning("resuming a checkpoint written with a different config (digest %s, now %s)",
                            state.get("config_digest"), self.digest)
