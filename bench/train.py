@@ -10,8 +10,10 @@ round alternates too), so drift in the load of a shared machine hits both alike.
 Printed per trainer: tokens per second (prompt + response tokens of a step over its wall time),
 the ratio Ray / single process, the mean step time, and each phase's share of the step time
 (``other`` is the step time not inside any phase: prompt building, rewards, bookkeeping). Then the
-cost of an empty Ray round trip to the workers, times the number of worker-group calls per step:
-a floor on what the Ray trainer pays for remote calls before any data moves.
+weight sync as the workers time it (``perf/weight_sync_worker_s``) against a plain copy of the same
+bytes into a preallocated tensor in this process (the floor for moving them), and the cost of an
+empty Ray round trip to the workers, times the number of worker-group calls per step: a floor on
+what the Ray trainer pays for remote calls before any data moves.
 
     python bench/train.py                          # colocated, 30 steps each (a few minutes)
     python bench/train.py --placement split
@@ -90,11 +92,15 @@ def run_block(trainer: PPOTrainer, n: int, rows: list[dict] | None) -> None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Tokens/s, mean step time and each phase's share of the summed step time."""
+    """Tokens/s, mean step time, each phase's share of the summed step time, and the weight sync's
+    bytes and mean worker seconds (None where the backend does not report them)."""
     total = sum(r["timing/step_s"] for r in rows)
     phases = {p: sum(r.get(f"timing/{p}_s", 0.0) for r in rows) for p in PHASES}
     phases["other"] = total - sum(phases.values())
+    synced = [r for r in rows if "perf/weight_sync_worker_s" in r]
     return {
+        "weight_sync_bytes": synced[-1]["perf/weight_sync_bytes"] if synced else None,
+        "weight_sync_worker_s": statistics.fmean(r["perf/weight_sync_worker_s"] for r in synced) if synced else None,
         "tokens_per_s": sum(r["tokens"] for r in rows) / total,
         "step_s": total / len(rows),
         "median_step_s": statistics.median(r["timing/step_s"] for r in rows),
@@ -102,6 +108,44 @@ def summarize(rows: list[dict]) -> dict:
         "phase_s": {p: v / len(rows) for p, v in phases.items()},
         "share": {p: 100.0 * v / total for p, v in phases.items()},
     }
+
+
+def plain_copy_s(nbytes: int, device: str | torch.device = "cpu", repeats: int = 50) -> float:
+    """Median seconds of one copy of ``nbytes`` bytes into a preallocated tensor on ``device``.
+
+    The destination is allocated once, as the rollout's parameters are: a fresh ``empty_like`` per
+    copy would time page faults on CPU rather than the copy.
+    """
+    device = torch.device(device)
+    src = torch.ones(int(nbytes), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = []
+    for _ in range(repeats + 1):  # the first copy warms caches and is not counted
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def weight_sync_line(results: dict[str, dict], copy_s: float | None) -> str:
+    """``weight sync / plain copy: ...`` for each result that reports its weight sync."""
+    cells = []
+    for name, r in results.items():
+        if r["weight_sync_worker_s"] is None or not copy_s:
+            cells.append(f"{name} n/a")
+        else:
+            cells.append(f"{name} {r['weight_sync_worker_s'] / copy_s:.1f}x "
+                         f"({1e3 * r['weight_sync_worker_s']:.2f} ms)")
+    nbytes = next((r["weight_sync_bytes"] for r in results.values() if r["weight_sync_bytes"]), None)
+    base = f"plain copy of {nbytes / 2**20:.1f} MiB {1e3 * copy_s:.2f} ms" if nbytes and copy_s else "no bytes reported"
+    return f"weight sync / plain copy: {', '.join(cells)}; {base}"
 
 
 def probe_ray_call(trainer: PPOTrainer, n: int) -> float:
@@ -122,7 +166,8 @@ def group_calls_per_step(cfg) -> int:
     return 5 + (1 if need_ref else 0) + critic
 
 
-def report(args, cfg, results: dict[str, dict], ray_call_s: float | None, wall_s: float) -> None:
+def report(args, cfg, results: dict[str, dict], ray_call_s: float | None, wall_s: float,
+           copy_s: float | None = None) -> None:
     ray, local = results[RAY], results[LOCAL]
     name = f"ray {args.placement} ({cfg.actor.world_size} ranks)"
     print()
@@ -145,6 +190,7 @@ def report(args, cfg, results: dict[str, dict], ray_call_s: float | None, wall_s
         print(f"  {p:<16}{cells[0]:>{w}}{cells[1]:>{w}}")
     print()
     print(f"tokens/s ratio ray / single process: {ray['tokens_per_s'] / local['tokens_per_s']:.2f}x")
+    print(weight_sync_line({"ray": ray, "single process": local}, copy_s))
     if ray_call_s is not None:
         calls = group_calls_per_step(cfg)
         floor = calls * ray_call_s
@@ -176,7 +222,10 @@ def main(argv=None) -> None:
                 order.reverse()
             wall = time.perf_counter() - t0
             ray_call_s = probe_ray_call(trainers[RAY], args.probe_calls) if args.probe_calls else None
-            report(args, cfg, {k: summarize(v) for k, v in rows.items()}, ray_call_s, wall)
+            results = {k: summarize(v) for k, v in rows.items()}
+            nbytes = next((r["weight_sync_bytes"] for r in results.values() if r["weight_sync_bytes"]), None)
+            copy_s = plain_copy_s(int(nbytes)) if nbytes else None
+            report(args, cfg, results, ray_call_s, wall, copy_s)
         finally:
             for t in trainers.values():
                 t.shutdown()

@@ -14,6 +14,11 @@ import statistics
 import pytest
 
 from resilient_rl.faults.harness import run_training
+from resilient_rl.faults.storage import register as register_faulty_storage
+
+# The fault-injecting faulty:// storage is opt-in: on here, before the suite's Ray cluster starts,
+# so its workers can open it too.
+register_faulty_storage()
 
 STEPS = 6
 

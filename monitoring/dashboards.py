@@ -39,7 +39,10 @@ PROMETHEUS_ANNOTATION_EXTRAS = ("step", "titleFormat", "textFormat")
 
 RUN = 'run=~"$run"'
 RUN_NODE = 'run=~"$run", node=~"$node"'
-GPU_LEGEND = "{{node}} gpu{{gpu}} {{role}}/{{rank}}"
+# GPU series name the worker process computing on the GPU; a colocated process joins its
+# roles with "+" (role="actor+critic+ref+rollout"), an unused GPU has role="" and rank="".
+GPU_LEGEND = "{{node}} gpu{{gpu}} {{role}} r{{rank}}"
+TORCH_LEGEND = "{{role}} r{{rank}} {{node}}"
 PROCESS_LEGEND = "{{role}}/{{rank}} on {{node}}"
 
 
@@ -328,7 +331,8 @@ def reliability() -> dict:
 
 
 def gpus() -> dict:
-    """Per-GPU readings (NVML) by node and rank; CPU and memory of worker processes."""
+    """Per-GPU readings (NVML) by node and rank, torch memory per rank; CPU and memory of
+    worker processes."""
     def gpu(metric: str) -> str:
         return sel(metric, RUN_NODE)
     cpu = f"rate({gpu('rrl_process_cpu_seconds_total')}[$__rate_interval])"
@@ -348,6 +352,13 @@ def gpus() -> dict:
                  "percentunit", min_val=0, max_val=1),
         ts_panel("GPU memory used", [(gpu("rrl_gpu_memory_used_bytes"), GPU_LEGEND)], "bytes",
                  min_val=0),
+        ts_panel("Torch memory per rank", [
+            (gpu("rrl_torch_memory_allocated_bytes"), f"allocated {TORCH_LEGEND}"),
+            (gpu("rrl_torch_memory_reserved_bytes"), f"reserved {TORCH_LEGEND}")], "bytes",
+            min_val=0, w=WIDTH,
+            description="torch's view of each worker process's GPU memory: live tensors (allocated) "
+                        "and what the caching allocator holds (reserved), as of the last health "
+                        "reply. Absent on CPU."),
         ts_panel("GPU memory used / total", [(
             f"{gpu('rrl_gpu_memory_used_bytes')} / {gpu('rrl_gpu_memory_total_bytes')}",
             GPU_LEGEND)], "percentunit", min_val=0, max_val=1),

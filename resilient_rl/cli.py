@@ -23,12 +23,42 @@ import logging
 import sys
 
 from resilient_rl import env
-from resilient_rl.errors import ConfigError, RRLError
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointTimeoutError, ConfigError,
+                                 RecoveryError, RRLError, RunFolderError, StorageError)
 
-#: Exit code of ``checkpoints verify`` when the checked checkpoint is corrupt or missing.
+# Exit codes (documented in README.md, "Exit codes"): one meaning each, stable for scripts.
+EXIT_OK = 0
+#: A checkpoint is damaged (``checkpoints verify`` of a corrupt or uncommitted one, or any
+#: command that met a damaged checkpoint); the message reads ``corrupt: <file>: <why>``.
 EXIT_CORRUPT = 1
-#: Exit code of any command that fails with a resilient-rl error (bad config, missing run, ...).
+#: Bad input: command-line usage (argparse exits 2 too), config, a run/checkpoint named that does not
+#: exist or does not fit the config.
 EXIT_ERROR = 2
+#: Training stopped because recovery gave up (failure budget spent, or a failure it cannot recover from).
+EXIT_RECOVERY = 3
+#: Any other resilient-rl error at run time: storage, cluster, worker, telemetry.
+EXIT_RUNTIME = 4
+#: An unexpected exception (a bug): the traceback is printed. 70 is EX_SOFTWARE of sysexits.h.
+EXIT_INTERNAL = 70
+#: Interrupted (Ctrl-C), 128 + SIGINT.
+EXIT_INTERRUPTED = 130
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for an error that ended a command (see the constants above)."""
+    if isinstance(exc, CheckpointCorruptError):
+        return EXIT_CORRUPT
+    if isinstance(exc, RecoveryError):
+        return EXIT_RECOVERY
+    if isinstance(exc, (StorageError, CheckpointTimeoutError)):
+        return EXIT_RUNTIME
+    if isinstance(exc, (ConfigError, CheckpointError, RunFolderError)):  # e.g. weights that do not fit the config
+        return EXIT_ERROR
+    if isinstance(exc, RRLError):
+        return EXIT_RUNTIME
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_INTERNAL
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -52,7 +82,7 @@ def _fit(cfg) -> int:
             history = trainer.fit()
         except KeyboardInterrupt:
             print(f"\ninterrupted at step {trainer.step}; stopping workers", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
         except RRLError:
             print(f"resilient-rl: the full log, with the workers' output, is in {log_path}", file=sys.stderr)
             raise
@@ -63,7 +93,8 @@ def _fit(cfg) -> int:
     if not history:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")
         return 0
-    first, last = reward_summary(history)
+    # From the run folder: the whole history (also the steps before a resume), not the in-memory window.
+    first, last = reward_summary(trainer.run_dir.read_column("reward/mean"))
     ratio = last / first if first > 0 else float("inf")
     print(f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} (x{ratio:.1f})")
     return 0
@@ -245,9 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.quiet)
     try:
         return args.func(args)
+    except CheckpointCorruptError as exc:
+        print(f"resilient-rl: corrupt: {exc}", file=sys.stderr)
+        return EXIT_CORRUPT
     except RRLError as exc:
         print(f"resilient-rl: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return exit_code(exc)
+    except Exception as exc:  # noqa: BLE001 -- a bug: say so, with the traceback, under its own code
+        import traceback
+
+        traceback.print_exc()
+        print(f"resilient-rl: internal error ({type(exc).__name__}: {exc}); please report it with the "
+              "traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -39,3 +39,12 @@ def mlflow_tracking_uri() -> str | None:
 def allow_mlflow_file_store() -> None:
     """Let mlflow use a local file store (``MLFLOW_ALLOW_FILE_STORE=true``) unless the user decided otherwise."""
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+#: Opt-in for the chaos suite's fault-injecting ``faulty://`` filesystem (never on in production).
+FAULT_INJECTION = "RRL_FAULT_INJECTION"
+
+
+def fault_injection() -> bool:
+    """``RRL_FAULT_INJECTION``: whether this process may open ``faulty://`` storage URLs."""
+    return os.environ.get(FAULT_INJECTION, "").strip().lower() not in ("", "0", "false", "no")

@@ -76,6 +76,18 @@ class StorageError(CheckpointError):
     """The storage backend failed permanently (after retries)."""
 
 
+class LeaseError(CheckpointError):
+    """The run's single-writer lease cannot be taken or was lost (see ``checkpoint/lease.py``)."""
+
+
+class LeaseHeldError(LeaseError):
+    """Another controller holds a live lease on the run: this one refuses to write it."""
+
+
+class LeaseLostError(LeaseError):
+    """Another controller took the run over: this one stops without writing or deleting anything."""
+
+
 class RecoveryError(RRLError):
     """Recovery gave up: the failure budget is spent or the failure is not recoverable."""
 
@@ -101,4 +113,5 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 
 class RunFolderError(RRLError):
-    """A run folder (``{trainer.output_dir}/{run_name}``) is missing or is not a run's folder."""
+    """A run folder (``{trainer.output_dir}/{run_name}``) is missing, is not a run's folder, or holds a
+    file (metrics.jsonl, events.jsonl) damaged beyond a torn last line."""

@@ -49,6 +49,8 @@ class CheckpointInfo:
     check: str | None = None      # "ok" or why its files do not match the manifest (sizes only)
     committed: int = 0
     error: str | None = None      # the checkpoints could not be read
+    lease: str | None = None      # who holds (or last held) the run's writer lease, and until when
+    lease_live: bool | None = None
 
 
 @dataclass
@@ -115,6 +117,9 @@ class RunStatus:
                 parts.append(f"last write {_ago(self.last_write_age_s)}")
             lines.append("step:        " + ", ".join(parts))
         lines.append("checkpoint:  " + self._checkpoint_text())
+        if self.checkpoint.lease is not None:
+            held = "held by" if self.checkpoint.lease_live else "last held by"
+            lines.append(f"lease:       {held} {self.checkpoint.lease}")
         lines.extend(self._failure_lines())
         if self.goodput is not None:
             lines.append(f"goodput:     {self.goodput:.1%} (steps kept {_dur(self.useful_s)} of "
@@ -221,6 +226,9 @@ def _checkpoint(run: RunFiles, root: str | None) -> CheckpointInfo:
     except (RRLError, OSError, ValueError) as exc:  # unreachable storage must not hide the rest
         info.error = str(exc)
         return info
+    if report.lease is not None:
+        info.lease = report.lease.describe(run.read_at)
+        info.lease_live = report.lease.live(run.read_at)
     newest = report.newest_committed()
     info.committed = sum(1 for r in report.rows if r.committed)
     if newest is not None:

@@ -54,3 +54,28 @@ def test_monkey_finds_and_hits_the_runs_workers(ray_cluster):
         ChaosMonkey("nothing", interval_s=0, max_faults=1, echo=lambda s: None).run()
     with pytest.raises(FaultError, match="unknown fault kind"):
         ChaosMonkey("x", 1, 1, kinds=("explode",))
+
+
+def test_worker_names_parse_from_the_right():
+    from resilient_rl.faults.monkey import parse_worker_name
+
+    assert parse_worker_name("rrl_ppo_ab12cd_actor_1") == ("ppo", "ab12cd", "actor", 1)
+    assert parse_worker_name("rrl_ppo_v2_ab12cd_main_0") == ("ppo_v2", "ab12cd", "main", 0)
+    assert parse_worker_name("rrl_my_run.1_0f0f0f_critic_12") == ("my_run.1", "0f0f0f", "critic", 12)
+    for bad in ("rrl_ppo_actor_0", "rrl_ppo_ab12cd_actor_x", "other_ppo_ab12cd_actor_0", "rrl__ab12cd_actor_0",
+                "rrl_ppo_zz12cd_actor_0"):
+        assert parse_worker_name(bad) is None, bad
+
+
+def test_monkey_hits_only_the_named_run_not_one_sharing_its_prefix(ray_cluster):
+    groups = [RayWorkerGroup(RayResourcePool([1], name_prefix=f"rrl_{run}_ab12cd_actor", cpus_per_bundle=0.05),
+                             RayClassWithInitArgs(Idle)) for run in ("ppo", "ppo_v2")]
+    try:
+        (ppo,), (v2,) = ([i.pid for i in g.ping()] for g in groups)
+        assert [(t.name, t.pid) for t in find_run_workers("ppo")] == [("rrl_ppo_ab12cd_actor_0", ppo)]
+        assert [t.pid for t in find_run_workers("ppo_v2")] == [v2]
+        hit = ChaosMonkey("ppo", interval_s=0, max_faults=5, seed=0, dry_run=True, echo=lambda s: None).run()
+        assert {target.pid for _, target in hit} == {ppo}
+    finally:
+        for g in groups:
+            g.shutdown()

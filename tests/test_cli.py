@@ -258,7 +258,7 @@ def test_export_refuses_a_corrupt_checkpoint(run_copy, tiny_run, tmp_path, capsy
     out = tmp_path / "export"
     code, _, err = _cli(capsys, "export", str(run_copy / RUN), "--out", str(out),
                         "--output-dir", str(tiny_run["output_dir"]))
-    assert code == 2 and "corrupt" in err and str(index) in err
+    assert code == 1 and "corrupt" in err and str(index) in err  # EXIT_CORRUPT, as verify
     assert not (out / "model.safetensors").exists()
 
 

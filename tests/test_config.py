@@ -199,3 +199,9 @@ def test_interpolations_resolve_and_bad_ones_name_the_key(tmp_path):
     assert load_config(str(path)).critic.optim.lr == 0.02
     with pytest.raises(ConfigError, match=r"critic\.optim\.lr.*nope\.x"):
         load_config(overrides=["critic.optim.lr=${nope.x}"])
+
+
+def test_resume_off_on_the_command_line_is_off_not_a_boolean():
+    # YAML reads the bare word `off` as a boolean; the key still means "start fresh".
+    assert load_config(overrides=["checkpoint.resume=off"]).checkpoint.resume == "off"
+    assert load_config(overrides=["checkpoint.resume=false"]).checkpoint.resume == "off"

@@ -1,19 +1,18 @@
-"""monitoring/: Prometheus config, alert rules and Grafana dashboards.
+"""monitoring/: Prometheus config and alert rules, and the queries of every dashboard.
 
 Checks, from cheapest to strongest: files parse and are wired to each other; every PromQL
 expression names only series that resilient_rl.telemetry exports; promtool accepts the config,
 the rules and every dashboard query, and the alerts fire on the scenarios they are written for;
 a real Prometheus server using this config scrapes a live exporter and answers every query.
+The dashboards themselves (generator, Grafana schema, grid, variables) are checked in
+test_dashboards.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -23,99 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, FileSDWriter, GpuSampler, MetricsServer,
-                                    ProcessDevices, ProcessSampler, TorchMemoryMetrics, TrainerMetrics)
-from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
-
-MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
-DASHBOARDS = sorted((MONITORING / "grafana" / "dashboards").glob("*.json"))
-RULES = MONITORING / "rules" / "rrl-alerts.yml"
-DATASOURCE_UID = "rrl-prometheus"
-
-PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-                "group_right", "bool", "offset", "inf", "nan"}
-
-
-# -- helpers -------------------------------------------------------------------------------
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names referenced by a PromQL expression."""
-    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)           # string literals
-    s = re.sub(r"\{[^}]*\}", "", s)                          # label matchers
-    s = re.sub(r"\[[^\]]*\]", "", s)                         # ranges, subqueries
-    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)
-    found = set()
-    for m in re.finditer(r"(?<![A-Za-z0-9_:.$])[A-Za-z_:][A-Za-z0-9_:]*", s):
-        name = m.group(0)
-        followed_by_call = re.match(r"\s*\(", s[m.end():]) is not None
-        if name.lower() in PROMQL_WORDS or followed_by_call:
-            continue
-        found.add(name)
-    return found
-
-
-def grafana_to_promql(expr: str) -> str:
-    """Replace Grafana's variables by what they expand to on a query."""
-    expr = re.sub(r"\$__\w+", "1m", expr)                   # $__rate_interval, $__range
-    return re.sub(r"\$\{?\w+\}?", ".*", expr)                # $run, ${node} (regex matchers)
-
-
-def load_dashboards() -> list[dict]:
-    return [json.loads(path.read_text()) for path in DASHBOARDS]
-
-
-def dashboard_queries() -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target, annotation and variable query."""
-    out = []
-    for board in load_dashboards():
-        for panel in board["panels"]:
-            for target in panel.get("targets", []):
-                out.append((f"{board['uid']}/{panel['title']}/{target['refId']}", target["expr"]))
-        for ann in board["annotations"]["list"]:
-            if "expr" in ann:
-                out.append((f"{board['uid']}/annotation {ann['name']}", ann["expr"]))
-        for var in board["templating"]["list"]:
-            query = var["query"] if isinstance(var["query"], str) else var["query"]["query"]
-            m = re.fullmatch(r"label_values\((\w+(?:\{[^}]*\})?),\s*\w+\)", query)
-            assert m, f"{board['uid']}: variable {var['name']} query {query!r} is not label_values"
-            out.append((f"{board['uid']}/variable {var['name']}", m.group(1)))
-    return out
-
-
-def alert_rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
-            for rule in group["rules"]]
-
-
-def populated_registry():
-    """A registry with every series the telemetry package can export, each with a value."""
-    trainer = TrainerMetrics(run="check")
-    trainer.observe_step(1, 0.5, {"gen": 0.2, "update_actor": 0.1}, tokens=100, reward_mean=0.1,
-                         losses={"actor": 0.5, "critic": 0.25}, kl=0.01, lr={"actor": 1e-5})
-    trainer.set_goodput(8.0, 10.0)
-    trainer.set_workers_up("actor", 0, "n0", True)
-    trainer.set_workers_up("actor", 1, "n1", True)
-    trainer.record_failure("died")
-    trainer.record_restart("actor", 1, "died")
-    trainer.record_recovery(5.0, 2)
-    trainer.record_checkpoint_save(1.0, 0.1, 1024, 1)
-    trainer.record_checkpoint_load(0.2)
-    trainer.record_corrupt_checkpoint()
-    devices = DeviceMetrics(
-        registry=trainer.registry, node="n0",
-        gpu_sampler=GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-0000")]), all_devices=True),
-        process_sampler=ProcessSampler({("actor", 0): os.getpid()}))
-    devices.assign_gpus({"GPU-0000": ("actor", 0)})
-    torch_memory = TorchMemoryMetrics()
-    trainer.registry.register(torch_memory)
-    torch_memory.set_processes([ProcessDevices(("actor",), 0, None, DeviceReport(("GPU-0000",), 2**30, 2**31))],
-                               {None: "n0"})
-    return trainer, devices
-
-
-def exported_names() -> set[str]:
-    trainer, _ = populated_registry()
-    return {s.name for family in trainer.registry.collect() for s in family.samples}
+from resilient_rl.telemetry import FileSDWriter, MetricsServer
+from resilient_rl.testing.monitoring import (DATASOURCE_UID, MONITORING, RULES, alert_rules, dashboard_queries,
+                                             exported_names, free_port, grafana_to_promql, load_dashboards,
+                                             metric_names, populated_registry, wait_for)
 
 
 # -- structure -----------------------------------------------------------------------------
@@ -146,169 +56,6 @@ def test_every_exported_series_family_is_used_somewhere():
     unused = [f.name for f in trainer.registry.collect()
               if not any(s.name in used for s in f.samples)]
     assert not unused, f"series not shown on any dashboard or alert: {unused}"
-
-
-def provisioned_datasource_uid() -> str:
-    (ds,) = yaml.safe_load(
-        (MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
-    assert ds["type"] == "prometheus"
-    return ds["uid"]
-
-
-def _overlaps(a: dict, b: dict) -> bool:
-    return (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
-            and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
-
-
-def dashboard_problems(board: dict, datasource_uid: str, panel_types: set[str]) -> list[str]:
-    """What would make Grafana show a broken dashboard: every problem found, as text."""
-    problems = []
-    uid = board.get("uid", "?")
-    ds = {"type": "prometheus", "uid": datasource_uid}
-    variables = {v["name"] for v in board["templating"]["list"]}
-    exprs = [(f"variable {v['name']}", v["query"]) for v in board["templating"]["list"]]
-    for v in board["templating"]["list"]:
-        if v.get("datasource") != ds:
-            problems.append(f"{uid}/variable {v['name']}: datasource {v.get('datasource')}")
-    for ann in board["annotations"]["list"]:
-        if ann.get("datasource") != ds or not ann.get("expr", "").strip():
-            problems.append(f"{uid}/annotation {ann.get('name')}: needs datasource {ds} and an expr")
-        exprs.append((f"annotation {ann.get('name')}", ann.get("expr", "")))
-    ids = [p.get("id") for p in board["panels"]]
-    if len(ids) != len(set(ids)) or None in ids:
-        problems.append(f"{uid}: panel ids {ids} are not unique")
-    for i, panel in enumerate(board["panels"]):
-        where = f"{uid}/{panel.get('title')}"
-        if panel.get("type") not in panel_types:
-            problems.append(f"{where}: unknown panel type {panel.get('type')!r}")
-        if panel.get("datasource") != ds:
-            problems.append(f"{where}: datasource {panel.get('datasource')}, not {ds}")
-        pos = panel["gridPos"]
-        if not (pos["x"] >= 0 and pos["y"] >= 0 and pos["w"] > 0 and pos["h"] > 0
-                and pos["x"] + pos["w"] <= 24):
-            problems.append(f"{where}: gridPos {pos} is outside the 24-column grid")
-        problems += [f"{where}: overlaps {other['title']}" for other in board["panels"][:i]
-                     if _overlaps(pos, other["gridPos"])]
-        targets = panel.get("targets") or []
-        if not targets:
-            problems.append(f"{where}: no query")
-        ref_ids = [t.get("refId") for t in targets]
-        if len(ref_ids) != len(set(ref_ids)):
-            problems.append(f"{where}: refIds {ref_ids} are not unique")
-        for t in targets:
-            if t.get("datasource") != ds or not t.get("expr", "").strip():
-                problems.append(f"{where}/{t.get('refId')}: needs datasource {ds} and an expr")
-            exprs.append((f"{panel.get('title')}/{t.get('refId')}", t.get("expr", "")))
-    for where, expr in exprs:
-        used = {m.group(1) or m.group(2) for m in re.finditer(r"\$(\w+)|\$\{(\w+)", expr)}
-        undefined = {v for v in used if not v.startswith("__")} - variables
-        if undefined:
-            problems.append(f"{uid}/{where}: undefined variable(s) {sorted(undefined)}")
-    return problems
-
-
-def test_dashboards_are_valid_grafana_json():
-    panel_types = known_panel_types()
-    boards = load_dashboards()
-    assert {b["uid"] for b in boards} == {"rrl-training", "rrl-throughput", "rrl-reliability",
-                                          "rrl-gpus"}
-    assert [p.stem for p in DASHBOARDS] == sorted(b["uid"] for b in boards)
-    for board in boards:
-        assert board["title"].startswith("resilient-rl")
-        assert 36 <= board["schemaVersion"] <= 41
-        assert dashboard_problems(board, provisioned_datasource_uid(), panel_types) == []
-
-
-def test_dashboard_check_finds_each_kind_of_breakage():
-    # The check above must be able to fail: break a good dashboard in every way it looks for.
-    uid, panel_types = provisioned_datasource_uid(), known_panel_types()
-    board = json.loads((MONITORING / "grafana/dashboards/rrl-training.json").read_text())
-    first, second = board["panels"][0], board["panels"][1]
-    first["type"] = "timeserie"
-    first["gridPos"] = dict(second["gridPos"], w=30)
-    second["id"] = first["id"]
-    second["datasource"] = {"type": "prometheus", "uid": "other"}
-    second["targets"][0]["expr"] = 'rrl_step{run=~"$run", node=~"$nod"}'
-    board["panels"][2]["targets"] = []
-    problems = "\n".join(dashboard_problems(board, uid, panel_types))
-    for expected in ["unknown panel type 'timeserie'", "outside the 24-column grid",
-                     "overlaps", "are not unique", "datasource {'type': 'prometheus', 'uid': "
-                     "'other'}", "undefined variable(s) ['nod']", "no query"]:
-        assert expected in problems
-
-
-# -- the generator (monitoring/dashboards.py, grafana-foundation-sdk) -----------------------
-
-def generator():
-    """monitoring/dashboards.py as a module (it is a script, not part of the package)."""
-    pytest.importorskip("grafana_foundation_sdk", reason="the dev extra is not installed")
-    spec = importlib.util.spec_from_file_location("rrl_dashboards", MONITORING / "dashboards.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def known_panel_types() -> set[str]:
-    """The panel plugins Grafana ships, as grafana-foundation-sdk knows them."""
-    pytest.importorskip("grafana_foundation_sdk", reason="the dev extra is not installed")
-    from grafana_foundation_sdk.cog import plugins, runtime
-    plugins.register_default_plugins()
-    return set(runtime.Runtime().panelcfg_variants)
-
-
-def test_committed_dashboards_are_the_generators_output():
-    gen = generator()
-    boards = gen.dashboards()
-    assert sorted(boards) == [p.name for p in DASHBOARDS]
-    for name, board in boards.items():
-        assert (gen.DASHBOARDS_DIR / name).read_text() == gen.render(board), \
-            f"{name} is not monitoring/dashboards.py's output: run it with --write"
-    assert gen.DATASOURCE_UID == provisioned_datasource_uid()
-
-
-def test_generator_check_and_write(tmp_path, monkeypatch, capsys):
-    gen = generator()
-    monkeypatch.setattr(gen, "DASHBOARDS_DIR", tmp_path)
-    assert gen.main(["--check"]) == 1                       # nothing written yet
-    (tmp_path / "hand-made.json").write_text("{}")
-    assert gen.main(["--write"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in DASHBOARDS]
-    assert gen.main(["--check"]) == 0
-    path = tmp_path / "rrl-gpus.json"
-    path.write_text(path.read_text().replace('"w": 12', '"w": 13', 1))
-    assert gen.main(["--check"]) == 1
-    assert "out of date: rrl-gpus.json" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="does not fit a 24-column grid"):
-        gen.ts_panel("too wide", [("rrl_step", "")], w=25)
-
-
-def sdk_round_trip(board: dict) -> dict:
-    """``board`` decoded into grafana-foundation-sdk's types and encoded again."""
-    known_panel_types()  # registers the panel and query types, so their fields are decoded
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.dashboard import Dashboard
-    return json.loads(json.dumps(Dashboard.from_json(board), cls=JSONEncoder))
-
-
-def test_committed_dashboards_use_only_fields_grafanas_schema_knows():
-    # Decoding drops what the schema does not know (a misspelt option, a stray key), so a
-    # dashboard that survives the round trip unchanged has no such field.
-    extras = generator().PROMETHEUS_ANNOTATION_EXTRAS
-    for board in load_dashboards():
-        for ann in board["annotations"]["list"]:
-            assert ann["datasource"]["type"] == "prometheus"
-            for key in extras:  # read by Grafana's Prometheus datasource, not in the SDK's type
-                ann.pop(key)
-        assert sdk_round_trip(board) == board, board["uid"]
-
-    broken = load_dashboards()[0]
-    broken["panels"][-1]["fieldConfig"]["defaults"]["custom"]["fillOpacityy"] = 10
-    broken["panels"][-1]["targets"][0]["legend"] = "{{instance}}"
-    broken["templating"]["list"][0]["multiple"] = True
-    round_tripped = sdk_round_trip(broken)
-    assert "fillOpacityy" not in round_tripped["panels"][-1]["fieldConfig"]["defaults"]["custom"]
-    assert "legend" not in round_tripped["panels"][-1]["targets"][0]
-    assert "multiple" not in round_tripped["templating"]["list"][0]
 
 
 def test_grafana_provisioning_and_compose_are_wired_together():
@@ -549,31 +296,12 @@ def test_restart_and_worker_down_panels_show_what_happened(tmp_path):
 PROMETHEUS = shutil.which("prometheus")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _api(base: str, path: str, **params: str) -> dict:
     url = f"{base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
     with urllib.request.urlopen(url, timeout=10) as response:
         body = json.loads(response.read())
     assert body["status"] == "success", body
     return body["data"]
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -589,7 +317,7 @@ def live_prometheus(tmp_path):
     with MetricsServer(trainer.registry) as server:
         sd = FileSDWriter(config_dir / "targets" / "check.json")
         sd.add(server.target, {"job": "resilient-rl", "run": "check", "node": "ctrl"})
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config_dir / 'prometheus.yml'}",
              f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -614,7 +342,7 @@ def test_real_prometheus_scrapes_a_run_and_answers_every_query(live_prometheus):
         trainer.observe_step(int(time.time()), 0.3, {"gen": 0.1}, tokens=10)
         result = _api(base, "query", query="count_over_time(rrl_step[1m])")["result"]
         return result and float(result[0]["value"][1]) >= 3
-    _wait_for(scraped_enough, 60, "three scrapes of the exporter")
+    wait_for(scraped_enough, 60, "three scrapes of the exporter")
 
     present = {r["metric"]["__name__"] for r in _api(
         base, "query", query='group by (__name__) ({__name__=~"rrl_.+"})')["result"]}
@@ -633,7 +361,18 @@ def test_real_prometheus_scrapes_a_run_and_answers_every_query(live_prometheus):
         groups = _api(base, "rules")["groups"]
         rules = [r for g in groups for r in g["rules"]]
         return rules if rules and all(r["health"] != "unknown" for r in rules) else None
-    rules = _wait_for(rules_evaluated, 30, "a first evaluation of every alert rule")
+    rules = wait_for(rules_evaluated, 30, "a first evaluation of every alert rule")
     assert len(rules) == len(alert_rules())
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError"))
                                                      for r in rules if r["health"] != "ok"]
+
+
+def test_grafana_is_loopback_only_and_has_no_default_password():
+    import re
+
+    grafana = yaml.safe_load((MONITORING / "docker-compose.yml").read_text())["services"]["grafana"]
+    env = grafana["environment"]
+    assert re.fullmatch(r"\$\{GRAFANA_LISTEN:-127\.0\.0\.1\}", env["GF_SERVER_HTTP_ADDR"])
+    # ${VAR:?message} makes `docker compose up` fail while the variable is unset or empty.
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_monitoring_config import MONITORING, alert_rules, dashboard_queries, grafana_to_promql
-from test_monitoring_config import _wait_for as wait_for
 
 from resilient_rl.errors import TelemetryError
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.telemetry import GpuSampler, sample_value, scrape
+from resilient_rl.testing.monitoring import (MONITORING, alert_rules, dashboard_queries, free_port,
+                                             grafana_to_promql, wait_for)
 from resilient_rl.trainer.config import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.telemetry_hook import RemoteNodeExporter
@@ -54,17 +53,11 @@ def without_thresholds(expr: str) -> str:
     return THRESHOLD.sub("", expr)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     """A Prometheus server on loopback, started from ``config`` and stopped by its pid."""
 
     def __init__(self, config: Path, data_dir: Path, log: Path) -> None:
-        self.base = f"http://127.0.0.1:{_free_port()}"
+        self.base = f"http://127.0.0.1:{free_port()}"
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data_dir}",
@@ -165,19 +158,22 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
         assert prom.value('rrl_worker_up{role="actor", rank="1"}') == 1
         assert prom.value(f'max_over_time(rrl_phase_duration_seconds_count{{phase="old_log_prob"}}[{window}])') \
             >= STEPS
-        # Worker processes instead of GPUs: one series per process (colocated roles share one).
+        # Worker processes instead of GPUs: one series per process, under its first role (the
+        # colocated placement hosts every role, the critic too, in the actor's processes).
         procs = prom.api("query", query="rrl_process_resident_memory_bytes")["result"]
-        assert sorted((p["metric"]["role"], p["metric"]["rank"]) for p in procs) == [
-            ("actor", "0"), ("actor", "1"), ("critic", "0")]
+        assert sorted((p["metric"]["role"], p["metric"]["rank"]) for p in procs) == [("actor", "0"), ("actor", "1")]
+        assert len(procs) == len(trainer.roles.known_workers)
 
         present = set(prom.api("label/__name__/values"))
-        has_gpus = any(name.startswith("rrl_gpu_") for name in present)
+        # GPU series and torch's GPU memory per rank exist only on a machine with GPUs.
+        device_only = ("rrl_gpu_", "rrl_torch_")
+        has_gpus = any(name.startswith(device_only) for name in present)
         queries = [(where, grafana_to_promql(expr)) for where, expr in dashboard_queries()]
         queries += [(f"alert {r['alert']}", without_thresholds(r["expr"])) for r in alert_rules()]
         empty = []
         for where, query in queries:
             result = prom.api("query_range", query=query, start=start, end=end, step=1)["result"]
-            if not result and not (not has_gpus and "rrl_gpu_" in query):
+            if not result and not (not has_gpus and any(prefix in query for prefix in device_only)):
                 empty.append(f"{where}: {query}")
         assert not empty, "queries without data over the run:\n" + "\n".join(empty)
 

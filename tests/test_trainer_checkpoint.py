@@ -62,3 +62,21 @@ def test_resume_on_another_world_size(ray_cluster, tmp_path, world_size):
         assert t.roles.groups["actor"].world_size == world_size
     finally:
         t.shutdown()
+
+
+def test_resume_from_an_earlier_step_keeps_its_timeline(ray_cluster, tmp_path):
+    _, w_first = fit(cfg(tmp_path, "timeline", "trainer.total_steps=4"))  # commits steps 2 and 4
+    step_2 = f"{tmp_path}/ckpt/timeline/step_00000002"
+    t = PPOTrainer(cfg(tmp_path, "timeline", "trainer.total_steps=4", f"checkpoint.resume=path:{step_2}"))
+    try:
+        t.start_roles()
+        assert t.step == 2 and t.ckpt.manager.committed_steps() == [2], "step 4 was set aside"
+        assert t.restore_after_failure() == 2, "a recovery before the next commit keeps the resumed timeline"
+        t.fit()
+        assert [r["step"] for r in t.run_dir.read_metrics()] == [1, 2, 3, 4]
+        w_again = actor_weights(t)
+        assert all(torch.equal(w_first[k], w_again[k]) for k in w_first)
+        assert t.ckpt.manager.load_manifest(4).fencing_token == 2  # the second controller's lease
+    finally:
+        t.shutdown()
+    assert len(list((tmp_path / "ckpt" / "timeline" / "abandoned").glob("*/step_00000004"))) == 1

@@ -75,7 +75,8 @@ def test_hf_llama_backbone_trains(ray_cluster, tmp_path):
     assert all(np.isfinite(r["actor/pg_loss"]) for r in rows) and "critic/vf_loss" not in rows[0]
 
 
-def test_two_fsdp_ranks_match_a_single_process_step(ray_cluster, tmp_path):
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_fsdp_ranks_match_a_single_process_step(ray_cluster, tmp_path, loss_agg_mode):
     """One optimizer step on the same batch: 2 FSDP ranks (gloo) vs one process without FSDP.
 
     Tolerance: the gradient norm agrees to 1e-5 relative and the weights after one AdamW step to
@@ -83,7 +84,7 @@ def test_two_fsdp_ranks_match_a_single_process_step(ray_cluster, tmp_path):
     additions differs).
     """
     cfg = small_cfg(tmp_path, "match", "actor.ppo_epochs=1", "actor.mini_batch_size=16", "actor.optim.warmup_steps=0",
-                    "actor.optim.grad_clip=1000")
+                    "actor.optim.grad_clip=1000", f"actor.loss_agg_mode={loss_agg_mode}")
     trainer = PPOTrainer(cfg)
     local = LocalRoles(cfg, trainer.tokenizer)
     prompts = make_prompts(trainer.loader.next_batch(), 1, {"seed": 1, "step": 1, "weights_version": 0})

@@ -31,7 +31,8 @@ import fsspec
 import torch
 import yaml
 
-from resilient_rl.checkpoint.manager import CheckpointManager
+from resilient_rl.checkpoint.lease import Lease, read_lease
+from resilient_rl.checkpoint.manager import ABANDONED_DIR, CheckpointManager
 from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname, step_dirname
 from resilient_rl.checkpoint.safetensors_io import build_header, iter_file_chunks
 from resilient_rl.checkpoint.sharded import gather_full_state
@@ -109,7 +110,7 @@ def require_committed(root: str, run: str, storage_options: dict[str, Any] | Non
     """The newest committed step of ``run`` whose files have the manifest's sizes; raises
     CheckpointNotFoundError naming the run and root when there is none (a run to resume)."""
     manager = CheckpointManager(root, run, storage_options=storage_options)
-    committed = manager.committed_steps()
+    committed = manager.timeline_steps()
     if not committed:
         raise CheckpointNotFoundError(
             f"cannot resume run {run!r}: it has no committed checkpoint under checkpoint.root={root!r} "
@@ -144,6 +145,9 @@ class RunReport:
     deep: bool
     pointer: int | None
     step: int | None = None  # the one step asked for, if any
+    lease: Lease | None = None  # who writes (or last wrote) the run
+    resumed: int | None = None  # the step a resume would start from (the timeline's newest)
+    set_aside: int = 0  # timelines moved to {run}/abandoned/
 
     @property
     def run_url(self) -> str:
@@ -168,8 +172,15 @@ class RunReport:
             out.append("(no step folders)")
         newest = self.newest_committed()
         if self.step is None and newest is not None and self.pointer != newest.step:
+            why = ("it is the one resumed from" if self.resumed in (None, newest.step) else
+                   f"committed before step {self.pointer}: not on the run's timeline; a resume loads step {self.resumed}")
             out.append(f"note: `{LATEST_NAME}` names {self.pointer if self.pointer is not None else 'nothing'}; "
-                       f"the newest committed step is {newest.step} (it is the one resumed from)")
+                       f"the newest committed step is {newest.step} ({why})")
+        if self.lease is not None:
+            state = "released by" if self.lease.released else "held by"
+            out.append(f"lease: {state} {self.lease.describe()}")
+        if self.set_aside:
+            out.append(f"set aside: {self.set_aside} abandoned timeline(s) under {self.run_url}/{ABANDONED_DIR}/")
         return "\n".join(out)
 
     def _check(self, row: CheckpointRow) -> str:
@@ -218,7 +229,9 @@ def inspect_run(loc: CheckpointLocation, deep: bool, storage_options: dict[str, 
     if loc.step is not None and not rows:
         raise CheckpointNotFoundError(f"run {loc.run!r} has no step {loc.step} ({manager.step_dir(loc.step)} "
                                       "does not exist)")
-    return RunReport(manager, rows, deep, pointer, loc.step)
+    lease = read_lease(manager.storage, loc.run)
+    set_aside = len(manager.storage.ls(Storage.join(loc.run, ABANDONED_DIR)))
+    return RunReport(manager, rows, deep, pointer, loc.step, lease, manager.latest_step(), set_aside)
 
 
 def verify_problem(report: RunReport) -> str | None:

@@ -6,11 +6,17 @@ Layout under ``root`` (any fsspec URL)::
     {run}/step_{N:08d}/trainer_state.json                            written by the controller
     {run}/step_{N:08d}/MANIFEST.json                                 written last: the commit
     {run}/latest                                                     "step_{N:08d}", after it
+    {run}/lease/token_{T:08d}.json                                   the writer's lease (lease.py)
+    {run}/abandoned/{stamp}/step_{N:08d}/...                         steps of a timeline set aside
 
 A step without a manifest is not committed: it is never loaded and is cleaned up later. The
 ``latest`` pointer is written atomically after the manifest; a committed step newer than it
-(a crash between the two writes) is still found. Old steps are deleted only after a newer one
-is committed, manifest first, so a half-deleted step reads as uncommitted, never as valid.
+(a crash between the two writes) is still found, but one that was committed *before* the step
+``latest`` names (by a superseded writer or an abandoned timeline) is not. Old steps are deleted
+only after a newer one is committed, manifest first, so a half-deleted step reads as uncommitted,
+never as valid. When a run continues from an earlier step, the newer committed steps are moved
+aside to ``abandoned/``, not deleted. With a lease attached (:attr:`CheckpointManager.lease`),
+every commit and deletion first checks that this writer still holds the run.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +37,7 @@ from resilient_rl.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, parse_step_dirname,
     shard_basename, step_dirname,
 )
-from resilient_rl.checkpoint.storage import RetryPolicy, Storage
+from resilient_rl.checkpoint.storage import TEMP_NAME_RE, RetryPolicy, Storage
 from resilient_rl.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
 )
@@ -37,6 +45,8 @@ from resilient_rl.errors import (
 log = logging.getLogger(__name__)
 
 _HASH_CHUNK = 16 * 1024 * 1024
+ABANDONED_DIR = "abandoned"
+SET_ASIDE_NAME = "SET_ASIDE.json"
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,9 @@ class CheckpointManager:
         self.on_corrupt = on_corrupt
         self.storage = Storage(root, storage_options, retry)
         self.storage_options = dict(storage_options or {})
+        #: The writer's :class:`~resilient_rl.checkpoint.lease.RunLease`, checked before every
+        #: commit and deletion; None for readers and tools that do not write a live run.
+        self.lease = None
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.run_url!r})"
@@ -92,6 +105,11 @@ class CheckpointManager:
         """URL of a role's folder in a step: where its workers write their shards."""
         return self.storage.url_for(Storage.join(self._step_rel(step), _check_name("role", role)))
 
+    def _fence(self) -> None:
+        """Raise LeaseLostError when another writer took the run over (no-op without a lease)."""
+        if self.lease is not None:
+            self.lease.check()
+
     # ----------------------------------------------------------------- writing
     def write_trainer_state(self, step: int, state: Mapping[str, Any]) -> FileRecord:
         """Write the controller's state for ``step`` as JSON (tuples become lists)."""
@@ -105,6 +123,7 @@ class CheckpointManager:
         """Clear leftovers of an earlier attempt at ``step`` so its save starts from an empty
         folder. A committed ``step`` (from a timeline abandoned by a restore to an earlier step)
         is un-committed first, and ``latest`` moved off it."""
+        self._fence()
         rel = self._step_rel(step)
         if self.is_committed(step):
             log.warning("re-saving step %d: un-committing its earlier checkpoint %s", step, self.step_dir(step))
@@ -149,13 +168,14 @@ class CheckpointManager:
         if TRAINER_STATE_NAME in present:
             data = self.storage.read_bytes(Storage.join(rel, TRAINER_STATE_NAME))
             records.append(FileRecord(TRAINER_STATE_NAME, len(data), hashlib.sha256(data).hexdigest()))
+        self._fence()
         manifest = Manifest(step=step, files=tuple(sorted(records, key=lambda r: r.path)),
-                            world_sizes=dict(world_sizes), config_digest=config_digest)
+                            world_sizes=dict(world_sizes), config_digest=config_digest,
+                            fencing_token=self.lease.token if self.lease is not None else None)
         self.storage.write_bytes_atomic(Storage.join(rel, MANIFEST_NAME), manifest.to_bytes())
         self._write_latest(step)
-        for newer in [s for s in self.committed_steps() if s > step]:
-            log.warning("deleting step %d: superseded by step %d after a restore to an earlier step", newer, step)
-            self._delete_step(newer)
+        # Normally already done when the run was restored to an earlier step; kept, not deleted.
+        self.set_aside_newer(step, f"superseded by step {step}, committed after a restore to an earlier step")
         self.apply_retention()
         return manifest
 
@@ -194,11 +214,79 @@ class CheckpointManager:
             return None
         return parse_step_dirname(data.decode(errors="replace").strip())
 
-    def latest_step(self) -> int | None:
-        """The newest committed step (the one ``latest`` names, unless the process died between
-        writing a manifest and the pointer), or None."""
+    def _commit_order(self, step: int) -> tuple[int, float] | None:
+        """(fencing token, commit time) of a committed step; None when its manifest is unreadable."""
+        try:
+            m = self.load_manifest(step)
+        except CheckpointError:
+            return None
+        return (m.fencing_token or 0, m.created_at)
+
+    def timeline_steps(self) -> list[int]:
+        """The committed steps of the run's current timeline, oldest first: every committed step
+        up to the one ``latest`` names, and a newer one only if it was committed after that one
+        (the writer died between a manifest and the pointer), judged by fencing token, then
+        commit time. Without a valid pointer, every committed step."""
         committed = self.committed_steps()
-        return committed[-1] if committed else None
+        pointer = self._pointer()
+        if pointer not in committed or committed[-1] == pointer:
+            return committed
+        base = self._commit_order(pointer)
+        if base is None:
+            return committed
+        keep = []
+        for s in committed:
+            order = self._commit_order(s) if s > pointer else None
+            if s <= pointer or order is None or order >= base:
+                keep.append(s)  # an unreadable newer manifest is kept: verification reports it
+            else:
+                log.warning("ignoring committed step %d: it was committed before step %d, which `%s` names "
+                            "(a superseded writer or an abandoned timeline)", s, pointer, LATEST_NAME)
+        return keep
+
+    def latest_step(self) -> int | None:
+        """The newest step of the current timeline (the one ``latest`` names, unless the process
+        died between writing a manifest and the pointer), or None."""
+        timeline = self.timeline_steps()
+        return timeline[-1] if timeline else None
+
+    def newest_fencing_token(self) -> int:
+        """The highest fencing token among the newest committed manifests (0 if none): a floor
+        for a new lease, so tokens keep growing even if the lease folder was removed."""
+        tokens = [(self._commit_order(s) or (0, 0.0))[0] for s in self.committed_steps()[-3:]]
+        return max(tokens, default=0)
+
+    def set_aside_newer(self, step: int | None, reason: str) -> list[int]:
+        """Move every committed step newer than ``step`` (every one, when None) out of the run
+        into ``{run}/abandoned/{stamp}/``, with a ``SET_ASIDE.json`` saying why, and point
+        ``latest`` at the newest step left. Nothing is deleted that is not copied first: locally
+        a step folder moves in one rename; elsewhere it is copied, then un-committed (manifest
+        first) and removed. Returns the steps moved."""
+        doomed = [s for s in self.committed_steps() if step is None or s > step]
+        if not doomed:
+            return []
+        self._fence()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+        dest = Storage.join(self.run_name, ABANDONED_DIR, stamp)
+        note = {"reason": reason, "steps": doomed, "at": time.time(), "kept_up_to": step,
+                "fencing_token": self.lease.token if self.lease is not None else None}
+        self.storage.write_bytes_atomic(Storage.join(dest, SET_ASIDE_NAME), json.dumps(note, indent=1).encode())
+        for s in doomed:
+            src, dst = self._step_rel(s), Storage.join(dest, step_dirname(s))
+            if self.storage.strategy == "local":
+                self.storage.rename_local(src, dst)
+            else:
+                for path in self.storage.find(src):
+                    self.storage.copy_file(Storage.join(src, path), Storage.join(dst, path))
+                self._delete_step(s)
+        remaining = self.committed_steps()
+        if remaining:
+            self._write_latest(remaining[-1])
+        else:
+            self.storage.rm(Storage.join(self.run_name, LATEST_NAME))
+        log.warning("set aside step(s) %s of run %s in %s: %s", doomed, self.run_url, self.storage.url_for(dest),
+                    reason)
+        return doomed
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """Every step folder, oldest first, with a shallow (sizes only) status."""
@@ -287,7 +375,7 @@ class CheckpointManager:
     def find_latest_valid(self, deep: bool = True) -> int | None:
         """The newest committed step that verifies; each corrupt one on the way is reported
         through ``on_corrupt(step, reason)`` and logged. None when there is none."""
-        for step in reversed(self.committed_steps()):
+        for step in reversed(self.timeline_steps()):
             status = self.verify(step, deep=deep)
             if status == "ok":
                 return step
@@ -298,13 +386,34 @@ class CheckpointManager:
         return None
 
     # ----------------------------------------------------------------- cleanup
-    def cleanup_uncommitted(self, exclude_step: int | None = None) -> list[int]:
-        """Delete step folders without a manifest (except ``exclude_step``, being written)."""
+    def cleanup_uncommitted(self, exclude_step: int | Iterable[int] | None = None) -> list[int]:
+        """Remove what killed writers left in the run: step folders without a manifest, temp
+        files of atomic writes that never got renamed, and (S3) incomplete multipart uploads.
+
+        ``exclude_step`` (one step or several) names saves that may still be in flight: their
+        folders, temp files and uploads are left alone, as are temp files of this process
+        (a writer thread of it may be between write and rename). Returns the deleted steps."""
+        self._fence()  # they may be another writer's steps in flight
+        excluded = {exclude_step} if isinstance(exclude_step, int) else set(exclude_step or ())
+
+        def step_of(rel: str) -> int | None:
+            return parse_step_dirname(rel.split("/", 1)[0]) if "/" in rel else None
+
         doomed = [s for s, files in sorted(self._steps().items())
-                  if MANIFEST_NAME not in files and s != exclude_step]
+                  if MANIFEST_NAME not in files and s not in excluded]
         for step in doomed:
             log.info("deleting uncommitted checkpoint folder %s", self.step_dir(step))
             self.storage.rm(self._step_rel(step), recursive=True)
+        gone = excluded | set(doomed)
+        for rel in self.storage.find(self.run_name):
+            match = TEMP_NAME_RE.search(rel)
+            if match and int(match.group(1)) != os.getpid() and step_of(rel) not in gone:
+                log.info("deleting temp file %s left by a killed writer", self.storage.url_for(
+                    Storage.join(self.run_name, rel)))
+                self.storage.rm(Storage.join(self.run_name, rel))
+        for rel in self.storage.abort_incomplete_uploads(self.run_name, skip=lambda r: step_of(r) in excluded):
+            log.info("aborted an incomplete multipart upload of %s", self.storage.url_for(
+                Storage.join(self.run_name, rel)))
         return doomed
 
     def apply_retention(self) -> list[int]:

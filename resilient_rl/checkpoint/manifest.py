@@ -2,14 +2,16 @@
 
 A step folder ``{root}/{run}/step_{N:08d}/`` is *committed* once its ``MANIFEST.json`` exists.
 The manifest lists every file of the step (path relative to the step folder, size, sha256), the
-world size each role saved with, and a digest of the config, so a loader can verify what it
-reads and a resumed run can notice a changed config. Everything here is plain JSON: reading a
+world size each role saved with, a digest of the config, and the fencing token of the lease its
+writer held (``checkpoint/lease.py``), so a loader can verify what it reads, a resumed run can notice
+a changed config, and steps of a superseded writer can be told apart. Everything here is plain JSON: reading a
 checkpoint never unpickles anything.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -60,8 +62,9 @@ class FileRecord:
             path, size, sha = obj["path"], obj["size"], obj["sha256"]
         except (TypeError, KeyError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed file record {obj!r}") from exc
-        if not isinstance(path, str) or not isinstance(size, int) or not isinstance(sha, str):
-            raise CheckpointCorruptError(f"{where}: malformed file record {obj!r}")
+        if (not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/")
+                or isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(sha, str)):
+            raise CheckpointCorruptError(f"{where}: malformed file record {str(obj)[:200]}")
         return cls(path, size, sha)
 
     def with_prefix(self, prefix: str) -> "FileRecord":
@@ -80,6 +83,7 @@ class Manifest:
     config_digest: str = ""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    fencing_token: int | None = None  # None: written without a lease (older runs, tools)
 
     def files_under(self, prefix: str) -> list[FileRecord]:
         """Records of the files in sub-folder ``prefix`` (e.g. a role), relative to it."""
@@ -96,6 +100,8 @@ class Manifest:
             "config_digest": self.config_digest,
             "files": [r.to_json() for r in self.files],
         }
+        if self.fencing_token is not None:
+            obj["fencing_token"] = self.fencing_token
         return json.dumps(obj, indent=1).encode()
 
     @classmethod
@@ -103,7 +109,7 @@ class Manifest:
         """Parse a manifest; any defect is a CheckpointCorruptError naming ``where``."""
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise CheckpointCorruptError(f"{where}: expected a JSON object")
@@ -114,13 +120,21 @@ class Manifest:
         try:
             step = obj["step"]
             world_sizes = obj["world_sizes"]
+            if not isinstance(obj["files"], list):
+                raise TypeError("files is not a list")
             files = tuple(FileRecord.from_json(r, where) for r in obj["files"])
             created_at = float(obj["created_at"])
             digest = obj.get("config_digest", "")
-        except (KeyError, TypeError, ValueError) as exc:
+            token = obj.get("fencing_token")
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CheckpointCorruptError(f"{where}: missing or malformed field ({exc!r})") from exc
-        if not isinstance(step, int) or not isinstance(world_sizes, dict) or not all(
-                isinstance(k, str) and isinstance(v, int) for k, v in world_sizes.items()):
+        if not math.isfinite(created_at):
+            raise CheckpointCorruptError(f"{where}: created_at {created_at} is not a time")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(world_sizes, dict) \
+                or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                           for k, v in world_sizes.items()):
             raise CheckpointCorruptError(f"{where}: malformed step or world_sizes")
-        return cls(step=step, files=files, world_sizes=world_sizes,
-                   config_digest=str(digest), created_at=created_at, format_version=version)
+        if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
+            raise CheckpointCorruptError(f"{where}: malformed fencing_token {token!r}")
+        return cls(step=step, files=files, world_sizes=world_sizes, config_digest=str(digest),
+                   created_at=created_at, format_version=version, fencing_token=token)

@@ -32,6 +32,19 @@ from resilient_rl.checkpoint.storage import Storage
 from resilient_rl.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 _INDEX_RE = re.compile(r"^shard_(\d{5,})\.json$")
+_DATA_RE = re.compile(r"^shard_\d{5,}\.safetensors$")  # a name in the folder, never a path out of it
+_KINDS = ("shard", "replicated", "local")
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _uints(value: Any) -> tuple[int, ...]:
+    """A JSON list of non-negative integers as a tuple, or ValueError."""
+    if not isinstance(value, list) or not all(_is_uint(v) for v in value):
+        raise ValueError(f"{str(value)[:80]} is not a list of non-negative integers")
+    return tuple(value)
 SCRATCH_BYTES = 16 * 1024 * 1024
 GROUP_BYTES = 64 * 1024 * 1024
 
@@ -96,15 +109,18 @@ class CheckpointDir:
             index = self._load_index(name)
             self.indexes[index["rank"]] = index
         sizes = {ix["world_size"] for ix in self.indexes.values()}
-        self.world_size = sizes.pop()
-        if sizes or sorted(self.indexes) != list(range(self.world_size)):
+        self.world_size = max(sizes)
+        # Compared without building range(world_size): a crafted index may claim a huge one.
+        if len(sizes) > 1 or len(self.indexes) != self.world_size or not all(
+                0 <= r < self.world_size for r in self.indexes):
             raise CheckpointCorruptError(
-                f"{self.where}: shard indexes are inconsistent: ranks {sorted(self.indexes)} with "
-                f"world sizes {sorted(sizes | {self.world_size})}")
+                f"{self.where}: shard indexes are inconsistent: ranks {sorted(self.indexes)[:8]} with "
+                f"world sizes {sorted(sizes)[:8]}")
         self.chunks: dict[str, list[SavedChunk]] = defaultdict(list)
         for rank, index in sorted(self.indexes.items()):
             for key, meta in index["tensors"].items():
                 self.chunks[key].append(self._chunk(rank, index, key, meta))
+        self._check_extents()
         self._headers: dict[str, SafetensorsHeader] = {}
 
     # ------------------------------------------------------------- metadata
@@ -122,13 +138,20 @@ class CheckpointDir:
         self._check_digest(name, hashlib.sha256(raw).hexdigest())
         try:
             index = json.loads(raw)
-            ok = (index["format_version"] == FORMAT_VERSION and isinstance(index["rank"], int)
-                  and isinstance(index["world_size"], int) and isinstance(index["tensors"], dict)
-                  and isinstance(index["data_file"], str) and isinstance(index["extras"], dict))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            ok = (index["format_version"] == FORMAT_VERSION and _is_uint(index["rank"])
+                  and _is_uint(index["world_size"]) and index["world_size"] >= 1
+                  and isinstance(index["tensors"], dict) and isinstance(index["extras"], dict)
+                  and isinstance(index["extras"].get("values", {}), dict)
+                  and isinstance(index["extras"].get("containers", {}), dict)
+                  and isinstance(index["data_file"], str) and _DATA_RE.match(index["data_file"]) is not None
+                  and isinstance(index.get("rank_local") or [], list)
+                  and all(isinstance(p, str) for p in index.get("rank_local") or []))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise CheckpointCorruptError(f"{self.where}: {name}: malformed shard index ({exc!r})") from exc
         if not ok:
             raise CheckpointCorruptError(f"{self.where}: {name}: malformed or unsupported shard index")
+        if index["rank"] in self.indexes:
+            raise CheckpointCorruptError(f"{self.where}: {name}: rank {index['rank']} has two indexes")
         index["rank_local"] = tuple(index.get("rank_local") or ())
         return index
 
@@ -140,14 +163,46 @@ class CheckpointDir:
     def _chunk(self, rank: int, index: dict[str, Any], key: str, meta: Any) -> SavedChunk:
         where = f"{self.where}: shard_{rank:05d}.json: key {key!r}"
         try:
-            chunk = SavedChunk(rank, index["data_file"], str(meta["kind"]), dtype_of(meta["dtype"], where),
-                               tuple(meta["global_shape"]), tuple(meta["global_offset"]), tuple(meta["shape"]))
-        except (KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed entry") from exc
+            if not isinstance(meta, dict) or meta.get("kind") not in _KINDS or not isinstance(meta.get("dtype"), str):
+                raise ValueError("not an object with a known kind and a dtype")
+            chunk = SavedChunk(rank, index["data_file"], meta["kind"], dtype_of(meta["dtype"], where),
+                               _uints(meta.get("global_shape")), _uints(meta.get("global_offset")),
+                               _uints(meta.get("shape")))
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{where}: malformed entry ({exc})") from None
         if not (len(chunk.global_shape) == len(chunk.offset) == len(chunk.shape)) or any(
                 o < 0 or o + s > g for o, s, g in zip(chunk.offset, chunk.shape, chunk.global_shape)):
             raise CheckpointCorruptError(f"{where}: chunk lies outside its tensor")
         return chunk
+
+    def _check_extents(self) -> None:
+        """Bound what loading may allocate by the bytes actually stored: the chunks an index
+        lists must fit in its data file, and a tensor's global shape must be covered by its
+        chunks, so a crafted index cannot make a reader allocate more than the files hold."""
+        listed: dict[str, int] = defaultdict(int)
+        for key, chunks in self.chunks.items():
+            first = chunks[0]
+            where = f"{self.where}: key {key!r}"
+            if any((c.global_shape, c.dtype, c.kind) != (first.global_shape, first.dtype, first.kind)
+                   for c in chunks):
+                raise CheckpointCorruptError(f"{where}: its chunks disagree on global shape, dtype or kind")
+            for c in chunks:
+                listed[c.file] += math.prod(c.shape) * c.dtype.itemsize
+            if first.kind == "local":
+                covered = min(math.prod(c.shape) for c in chunks)
+            else:
+                covered = sum(math.prod(shape) for _, shape in {(c.offset, c.shape) for c in chunks})
+            if math.prod(first.global_shape) > covered:
+                raise CheckpointCorruptError(
+                    f"{where}: global shape {list(first.global_shape)} is larger than its saved chunks "
+                    f"({covered} elements)")
+        for file, nbytes in sorted(listed.items()):
+            if file not in self.sizes:
+                raise CheckpointCorruptError(f"{self.where}: {file}: file is missing")
+            if nbytes > self.sizes[file]:
+                raise CheckpointCorruptError(
+                    f"{self.where}: {file}: the shard indexes list {nbytes} bytes of tensors in it, but it "
+                    f"has {self.sizes[file]} bytes")
 
     def index_files(self) -> list[str]:
         return [f"shard_{r:05d}.json" for r in sorted(self.indexes)]
@@ -192,7 +247,7 @@ class CheckpointDir:
             if file not in self.sizes:
                 raise CheckpointCorruptError(f"{where}: file is missing")
             probe = self.storage.read_bytes(path, 0, min(HEADER_PROBE_BYTES, self.sizes[file]))
-            header = parse_header(probe, lambda s, e: self.storage.read_bytes(path, s, e), where)
+            header = parse_header(probe, lambda s, e: self.storage.read_bytes(path, s, e), where, self.sizes[file])
             if header.file_size != self.sizes[file]:
                 raise CheckpointCorruptError(
                     f"{where}: size {self.sizes[file]} differs from the {header.file_size} its header describes")

@@ -107,38 +107,62 @@ class SafetensorsHeader:
     file_size: int
 
 
-def parse_header(probe: bytes, read_rest, where: str) -> SafetensorsHeader:
+def _uint(value: object) -> int:
+    """A non-negative JSON integer (not a bool, not a float), or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _uint_list(value: object, length: int | None = None) -> tuple[int, ...]:
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        raise ValueError(f"{value!r} is not a list of {length or 'some'} non-negative integers")
+    return tuple(_uint(v) for v in value)
+
+
+def parse_header(probe: bytes, read_rest, where: str, file_size: int | None = None) -> SafetensorsHeader:
     """Parse a header from the file's first bytes (``probe``), calling ``read_rest(start, end)``
-    when the header is longer than the probe. Every inconsistency is a CheckpointCorruptError."""
+    when the header is longer than the probe. With ``file_size`` every extent is checked against
+    it before anything is read or allocated. Every inconsistency is a CheckpointCorruptError."""
     if len(probe) < 8:
         raise CheckpointCorruptError(f"{where}: file too short for a safetensors header")
     (n,) = struct.unpack("<Q", probe[:8])
     if n > MAX_HEADER_BYTES:
         raise CheckpointCorruptError(f"{where}: safetensors header length {n} is implausible")
+    if file_size is not None and 8 + n > file_size:
+        raise CheckpointCorruptError(f"{where}: safetensors header length {n} runs past the end of the "
+                                     f"{file_size}-byte file")
     raw = probe[8:8 + n] if len(probe) >= 8 + n else probe[8:] + read_rest(len(probe), 8 + n)
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{where}: safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(obj, dict):
         raise CheckpointCorruptError(f"{where}: safetensors header is not a JSON object")
     metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointCorruptError(f"{where}: safetensors __metadata__ is not a map of strings")
     data_start = 8 + n
     entries: dict[str, TensorEntry] = {}
     end_of_data = 0
     for key, info in obj.items():
         try:
+            if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+                raise ValueError("not an object with a string dtype")
             dtype = dtype_of(info["dtype"], where)
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed header entry {key!r}") from exc
+            shape = _uint_list(info.get("shape"))
+            begin, end = _uint_list(info.get("data_offsets"), 2)
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{where}: malformed header entry {key!r} ({exc})") from None
         numel = 1
         for s in shape:
             numel *= s
-        if end - begin != numel * torch.empty((), dtype=dtype).element_size() or begin < 0:
+        if end < begin or end - begin != numel * dtype.itemsize:
             raise CheckpointCorruptError(
-                f"{where}: header entry {key!r} spans {end - begin} bytes for shape {shape} {dtype}")
+                f"{where}: header entry {key!r} spans bytes [{begin}, {end}) for shape {list(shape)} {dtype}")
+        if file_size is not None and data_start + end > file_size:
+            raise CheckpointCorruptError(
+                f"{where}: header entry {key!r} ends at byte {data_start + end}, past the {file_size}-byte file")
         entries[key] = TensorEntry(dtype, shape, data_start + begin, data_start + end)
         end_of_data = max(end_of_data, end)
     return SafetensorsHeader(entries, dict(metadata), data_start, data_start + end_of_data)

@@ -315,7 +315,12 @@ def _fill(ckpt: CheckpointDir, tensors: dict[str, torch.Tensor], rank: int, stri
         out[key] = torch.empty(shape, dtype=dtype)
         targets.append(ReadTarget(key, out[key], (0,) * len(shape), shape))
     read_targets(ckpt, targets, rank)
-    return unflatten_state(out, ckpt.extras_for(rank))
+    try:
+        return unflatten_state(out, ckpt.extras_for(rank))
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        if isinstance(exc, CheckpointCorruptError):
+            raise
+        raise CheckpointCorruptError(f"{ckpt.where}: shard indexes: malformed state structure ({exc})") from exc
 
 
 def gather_full_state(storage: Storage, dir_path: str, manifest_files: list[FileRecord] | None = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -24,20 +25,24 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from resilient_rl import env
 from resilient_rl.checkpoint.hashing import Sha256Pipe
 from resilient_rl.checkpoint.manifest import FileRecord
 from resilient_rl.checkpoint.retry import RetryPolicy, call_with_retry, is_transient
 from resilient_rl.errors import StorageError
 
-__all__ = ["OBJECT_STORE_PROTOCOLS", "RetryPolicy", "Sha256Pipe", "Storage", "is_transient"]
+__all__ = ["OBJECT_STORE_PROTOCOLS", "TEMP_NAME_RE", "RetryPolicy", "Sha256Pipe", "Storage", "is_transient"]
 
 T = TypeVar("T")
 Chunk = bytes | bytearray | memoryview
 
-# The fault-injecting wrapper is addressable by URL (``faulty://...``) so a chaos run can
-# configure it through ordinary storage options, in any process, without importing it first.
-fsspec.register_implementation(
-    "faulty", "resilient_rl.faults.storage.FaultyFileSystem", clobber=True)
+#: Temp files of atomic writes are named ``{name}.tmp-{pid}-{8 hex}`` next to their target;
+#: a writer killed before its rename leaves one behind (see ``CheckpointManager.cleanup_uncommitted``).
+TEMP_NAME_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")
+
+
+def _temp_name(full: str) -> str:
+    return f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 OBJECT_STORE_PROTOCOLS = frozenset(
     {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "r2"})
@@ -96,10 +101,17 @@ class Storage:
         self.retry = retry
         self.storage_options = dict(storage_options or {})
         if fs is None:
+            faulty = url.startswith("faulty://")
+            if faulty and env.fault_injection():
+                from resilient_rl.faults.storage import register
+
+                register()
             try:
                 fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
             except (ImportError, ValueError, TypeError) as exc:
-                raise StorageError(f"cannot open storage {url!r}: {exc}") from exc
+                hint = (f" (faulty:// is the chaos suite's fault-injecting filesystem; it opens only where "
+                        f"{env.FAULT_INJECTION}=1)") if faulty else ""
+                raise StorageError(f"cannot open storage {url!r}: {exc}{hint}") from exc
         else:
             root = fs._strip_protocol(url)
         self.fs: fsspec.AbstractFileSystem = fs
@@ -281,7 +293,7 @@ class Storage:
     def _write_local(self, full: str, chunks: Callable[[], Iterable[Chunk]]) -> tuple[int, str]:
         folder = os.path.dirname(full) or "."
         os.makedirs(folder, exist_ok=True)
-        tmp = f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = _temp_name(full)
         size = 0
         try:
             # The hash may lag behind the writes (the chunks are views of memory that outlives
@@ -334,7 +346,7 @@ class Storage:
         if parent:
             with contextlib.suppress(FileExistsError):
                 self.fs.makedirs(parent, exist_ok=True)
-        tmp = f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = _temp_name(full)
         try:
             result = self._stream_to(tmp, chunks)
             self.fs.mv(tmp, full)
@@ -344,6 +356,98 @@ class Storage:
             raise
         self._invalidate(full)
         return result
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` only if it does not exist; True when this call
+        created it, False when it already existed (possibly written by an earlier attempt of
+        this very call: a caller that must know reads it back).
+
+        Exclusive where the backend can be: locally a hard link of a complete temp file
+        (``link`` fails if the name exists, and a reader never sees a partial file); elsewhere
+        mode ``"xb"`` (a conditional put, ``If-None-Match: *``, on S3; an ``O_EXCL`` open on
+        files). A backend that knows no ``"xb"`` falls back to exists-then-write, which leaves a
+        race window between two creators; callers verify by reading back."""
+        full = self.full_path(path)
+        view = _as_bytes_view(data)
+
+        def _create() -> bool:
+            if self.strategy == "local":
+                folder = os.path.dirname(full) or "."
+                os.makedirs(folder, exist_ok=True)
+                tmp = f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(view)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, full)
+                    except FileExistsError:
+                        return False
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                _fsync_dir(folder)
+                return True
+            self._invalidate(full)
+            parent = full.rsplit("/", 1)[0] if "/" in full else ""
+            if parent and self.strategy == "rename":
+                with contextlib.suppress(FileExistsError):
+                    self.fs.makedirs(parent, exist_ok=True)
+            try:
+                f = self.fs.open(full, "xb")
+            except FileExistsError:
+                return False
+            except (ValueError, NotImplementedError, TypeError):
+                if self.fs.exists(full):  # no exclusive mode here: see the docstring
+                    return False
+                self._write_rename(full, lambda: (view,)) if self.strategy == "rename" \
+                    else self._write_put(full, lambda: (view,))
+                return True
+            try:
+                f.write(view)
+                f.close()
+            except FileExistsError:  # object stores check the condition when publishing
+                return False
+            finally:
+                self._invalidate(full)
+            return True
+        return self._call("create", path, _create)
+
+    def copy_file(self, src: str, dst: str) -> None:
+        """Copy one file (server-side where the backend can; else streamed, atomically)."""
+        full_src, full_dst = self.full_path(src), self.full_path(dst)
+
+        def _copy() -> None:
+            parent = full_dst.rsplit("/", 1)[0] if "/" in full_dst else ""
+            if parent and self.strategy in ("local", "rename"):
+                with contextlib.suppress(FileExistsError):
+                    self.fs.makedirs(parent, exist_ok=True)
+            self.fs.cp_file(full_src, full_dst)
+            self._invalidate(full_dst)
+        try:
+            self._call("copy", dst, _copy)
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, NotImplementedError):
+                raise
+            size = self.size(src)
+            step = 64 * 1024 * 1024
+            self.write_stream(dst, lambda: (self.read_bytes(src, lo, min(size, lo + step))
+                                            for lo in range(0, size, step)))
+
+    def rename_local(self, src: str, dst: str) -> None:
+        """Rename a file or folder on a local filesystem (one atomic ``rename``); the parent of
+        ``dst`` is created. Only for ``strategy == "local"``."""
+        if self.strategy != "local":
+            raise StorageError(f"rename_local needs a local filesystem, {self.url!r} is not")
+        full_src, full_dst = self.full_path(src), self.full_path(dst)
+
+        def _rename() -> None:
+            os.makedirs(os.path.dirname(full_dst) or ".", exist_ok=True)
+            os.rename(full_src, full_dst)
+            _fsync_dir(os.path.dirname(full_dst) or ".")
+            _fsync_dir(os.path.dirname(full_src) or ".")
+        self._call("rename", dst, _rename)
 
     # ----------------------------------------------------------------- deletes
     def rm(self, path: str, recursive: bool = False) -> None:
@@ -358,3 +462,37 @@ class Storage:
                 pass
             self._invalidate(full)
         self._call("rm", path, _rm)
+
+    # ----------------------------------------------------------------- housekeeping
+    def check_writable(self, path: str = "") -> None:
+        """Create and delete a small probe file in folder ``path``: a root that cannot be
+        written is found before a run starts, not at its first checkpoint. Raises StorageError."""
+        probe = Storage.join(path, f".rrl-write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.write_bytes_atomic(probe, b"resilient-rl write probe\n")
+        self.rm(probe)
+
+    def abort_incomplete_uploads(self, path: str, skip: Callable[[str], bool] = lambda rel: False) -> list[str]:
+        """Abort the incomplete multipart uploads under folder ``path`` (S3 only: a writer killed
+        mid-upload leaves its parts stored, and billed, until aborted), except those whose key
+        relative to ``path`` satisfies ``skip`` (an upload in flight). Returns the aborted keys,
+        relative to ``path``; [] on other filesystems."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None or not {"s3", "s3a"} & self._protocols:
+            return []
+        bucket, _, prefix = self.full_path(path).partition("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        aborted: list[str] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self._call("list uploads", path, lambda: call(
+                "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers))
+            for upload in page.get("Uploads") or []:
+                rel = upload["Key"][len(prefix):]
+                if not upload["Key"].startswith(prefix) or skip(rel):
+                    continue
+                self._call("abort upload", path, lambda u=upload: call(
+                    "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]))
+                aborted.append(rel)
+            if not page.get("IsTruncated"):
+                return aborted
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}

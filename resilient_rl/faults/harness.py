@@ -1,6 +1,6 @@
 """Running a training under faults and checking the promises the trainer makes.
 
-Used by the chaos suite (``pytest chaos/``) and by ``resilient-rl chaos --local``: run a config
+Used by the chaos suite (``pytest chaos/``): run a config
 once without faults (the reference), run it again with a :class:`FaultSchedule`, and compare.
 The invariants, checked by :func:`check_invariants`:
 
@@ -14,10 +14,8 @@ The invariants, checked by :func:`check_invariants`:
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -115,17 +113,10 @@ def collect_run(cfg) -> RunResult:
         sizes = {r.path: r.size for r in manifest.files if r.path.endswith(".safetensors")}
         final_state = {k: v for k, v in manager.load_trainer_state(last).items() if k != "config_digest"}
     return RunResult(
-        name=cfg.trainer.run_name, history=run_dir.read_metrics(), events=_read_events(run_dir.events_path),
+        name=cfg.trainer.run_name, history=run_dir.read_metrics(), events=run_dir.read_events(),
         final_files=final_files, final_trainer_state=final_state, committed=committed,
         latest=manager.latest_step(), verify={s: manager.verify(s) for s in committed}, pids=set(),
         run_prefix=f"rrl_{cfg.trainer.run_name}_", wall_s=0.0, extra={"shard_sizes": sizes})
-
-
-def _read_events(path: Path) -> list[dict]:
-    if not Path(path).exists():
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def leftovers(result: RunResult, wait_s: float = 15.0) -> list[str]:

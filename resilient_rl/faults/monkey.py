@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -36,19 +37,30 @@ class Target:
     node_id: str
 
 
+def parse_worker_name(name: str) -> tuple[str, str, str, int] | None:
+    """(run, instance, group, rank) of a worker actor name ``rrl_{run}_{instance}_{group}_{rank}``,
+    or None. Parsed from the right: instance (hex) and group (a role) hold no ``_``, while a
+    run name may, so ``rrl_ppo_v2_...`` belongs to run ``ppo_v2``, never to run ``ppo``."""
+    if not name.startswith("rrl_"):
+        return None
+    parts = name[len("rrl_"):].rsplit("_", 3)
+    if len(parts) != 4:
+        return None
+    run, instance, group, rank = parts
+    if not run or not rank.isdigit() or not re.fullmatch(r"[0-9a-f]+", instance) or not group.isalpha():
+        return None
+    return run, instance, group, int(rank)
+
+
 def find_run_workers(run_name: str) -> list[Target]:
-    """Alive worker actors of run ``run_name`` in the connected cluster."""
-    prefix = f"rrl_{run_name}_"
+    """Alive worker actors of run ``run_name`` (exactly that run) in the connected cluster."""
     out = []
     for info in ray._private.state.actors().values():
         name = info.get("Name") or ""
-        if not name.startswith(prefix) or info.get("State") != "ALIVE" or not info.get("Pid"):
+        parsed = parse_worker_name(name)
+        if parsed is None or parsed[0] != run_name or info.get("State") != "ALIVE" or not info.get("Pid"):
             continue
-        head, rank = name.rsplit("_", 1)
-        if not rank.isdigit():
-            continue
-        out.append(Target(name, head[len(prefix):].split("_", 1)[-1], int(rank), int(info["Pid"]),
-                          info["Address"]["NodeID"]))
+        out.append(Target(name, parsed[2], parsed[3], int(info["Pid"]), info["Address"]["NodeID"]))
     return sorted(out, key=lambda t: t.name)
 
 

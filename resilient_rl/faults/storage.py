@@ -9,8 +9,11 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
 - every data operation is delayed by ``slow_s`` seconds;
 - once ``enospc_after_bytes`` bytes have been written, writes fail with ``ENOSPC`` (permanent).
 
-It is registered with fsspec as protocol ``faulty``, so it can be configured by URL and storage
-options in any process (``faulty_url`` builds both)::
+It is never registered in production. :func:`register` (called by :func:`faulty_url` and the chaos
+suite) registers it with fsspec as protocol ``faulty`` in this process and sets
+``RRL_FAULT_INJECTION=1`` for the processes started afterwards (a local Ray cluster's workers
+then register it on first use), so it can be configured by URL and storage options
+(``faulty_url`` builds both)::
 
     url, options = faulty_url("s3://bucket/ckpt", FaultPlan(transient_writes=2), {"key": ...})
     manager = CheckpointManager(url, "run", storage_options=options)
@@ -34,6 +37,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
+from resilient_rl import env
 from resilient_rl.checkpoint.storage import OBJECT_STORE_PROTOCOLS
 
 PROTOCOL = "faulty"
@@ -175,6 +179,8 @@ class FaultyFileSystem(AbstractFileSystem):
                 raise fault
             return self.target.open(path, mode, **kwargs)
         fault = self._next_op("write", path)
+        if fault is not None and "x" in mode:
+            raise fault  # an exclusive create dropped before it reached the target created nothing
         return _FaultyWriteFile(self, self.target.open(path, mode, **kwargs), path, fault)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None,
@@ -229,11 +235,18 @@ class FaultyFileSystem(AbstractFileSystem):
         self.target.invalidate_cache(path)
 
 
+def register() -> None:
+    """Let ``faulty://`` URLs open a :class:`FaultyFileSystem` here and in processes started later."""
+    fsspec.register_implementation(PROTOCOL, FaultyFileSystem, clobber=True)
+    os.environ[env.FAULT_INJECTION] = "1"
+
+
 def faulty_url(url: str, plan: FaultPlan | None = None,
                storage_options: dict[str, Any] | None = None,
                name: str = "") -> tuple[str, dict[str, Any]]:
     """A ``faulty://`` URL and storage options that wrap ``url`` (opened with
-    ``storage_options``) in a :class:`FaultyFileSystem` following ``plan``."""
+    ``storage_options``) in a :class:`FaultyFileSystem` following ``plan`` (registers it)."""
+    register()
     target, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     protocol = target.protocol if isinstance(target.protocol, str) else target.protocol[0]
     options = {"target_protocol": protocol, "target_options": dict(storage_options or {}),

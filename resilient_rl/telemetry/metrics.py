@@ -27,11 +27,13 @@ from prometheus_client.registry import Collector
 from resilient_rl.errors import TelemetryError
 from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
 
-#: Phases of one training step, the values of the ``phase`` label.
-#: ``old_log_prob`` is the actor's recomputation of the rollout's log-probabilities; ``checkpoint``
-#: is the time a checkpoint save blocked training (its stall), observed when the save commits.
-PHASES: tuple[str, ...] = ("gen", "ref", "old_log_prob", "values", "adv", "update_actor",
-                           "update_critic", "weight_sync", "checkpoint")
+#: The phases of one training step, in the order a step runs them (trainer/step.py times them).
+#: ``old_log_prob`` is the actor's recomputation of the rollout's log-probabilities.
+STEP_PHASES: tuple[str, ...] = ("gen", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor",
+                                "weight_sync")
+#: The values of the ``phase`` label: the step's phases and ``checkpoint``, the time a checkpoint
+#: save blocked training (its stall), observed when the save commits.
+PHASES: tuple[str, ...] = STEP_PHASES + ("checkpoint",)
 #: Losses accepted by :meth:`TrainerMetrics.observe_step`, each exported as ``rrl_<kind>_loss``.
 LOSS_KINDS: tuple[str, ...] = ("actor", "critic")
 

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import re
 import typing
 from dataclasses import dataclass, field
@@ -48,11 +49,14 @@ from resilient_rl.trainer.config_sections import (
     _type_name,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "BUILTIN_TASKS", "KL_ESTIMATORS", "LOSS_AGG_MODES", "ActorConfig", "AlgorithmConfig", "CheckpointConfig",
     "Config", "ConfigFieldError", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
     "RayConfig", "RecoveryConfig", "RefConfig", "RolloutConfig", "TelemetryConfig", "TrainerConfig",
-    "config_digest", "config_from_dict", "config_to_dict", "load_config", "save_config",
+    "REDACTED", "config_digest", "config_from_dict", "config_to_dict", "load_config", "redact_secrets",
+    "redacted_config_dict", "save_config",
 ]
 
 
@@ -76,6 +80,9 @@ class Config(_Section):
     _root = True
 
     def validate(self) -> None:
+        if self.checkpoint.storage_options:
+            self.checkpoint.storage_options = _drop_redacted(self.checkpoint.storage_options,
+                                                             "checkpoint.storage_options")
         grpo = self.algorithm.adv_estimator == "grpo"
         if grpo:
             self.critic.enabled = False  # GRPO's baseline is the group mean: no value model.
@@ -93,6 +100,12 @@ class Config(_Section):
                      f"data.batch_size * rollout.n = {sequences} must be divisible by it")
             _require(section.mini_batch_size <= sequences, f"{role}.mini_batch_size", section.mini_batch_size,
                      f"must be <= data.batch_size * rollout.n = {sequences}")
+            # Each rank updates on mini_batch_size // world_size rows of its share of the step's
+            # sequences: exact only when both divisions are.
+            _require(section.mini_batch_size % section.world_size == 0, f"{role}.mini_batch_size",
+                     section.mini_batch_size, f"must be divisible by {role}.world_size={section.world_size}")
+            _require(sequences % section.mini_batch_size == 0, f"{role}.mini_batch_size", section.mini_batch_size,
+                     f"must divide data.batch_size * rollout.n = {sequences}")
         if self.data.task in BUILTIN_TASKS:
             # The longest answer (a sum carries one extra digit) must fit in the response.
             longest = self.data.max_digits + (1 if self.data.task == "add" else 0)
@@ -187,6 +200,20 @@ def _build(layers: Sequence[DictConfig]) -> Config:
                                None if prefix else e.owner) from None
     except OmegaConfBaseException as e:
         raise _translate(e) from None
+    except OverflowError as e:  # OmegaConf lets float(<int with 400 digits>) through unwrapped
+        key = next((k for layer in layers for k in _huge_ints(OmegaConf.to_container(layer, resolve=False))), None)
+        raise ConfigError(f"invalid config value {key or '?'}: {e}") from None
+
+
+def _huge_ints(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of integers too large for a float (they overflow a float field)."""
+    if isinstance(node, dict):
+        return [k for key, value in node.items() for k in _huge_ints(value, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, value in enumerate(node) for k in _huge_ints(value, f"{prefix}[{i}].")]
+    if isinstance(node, int) and not isinstance(node, bool) and abs(node) > 1.7976931348623157e308:
+        return [prefix.rstrip(".")]
+    return []
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
@@ -226,13 +253,56 @@ def config_to_dict(cfg: Config) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+#: What a credential in ``checkpoint.storage_options`` becomes in a saved or logged config.
+REDACTED = "<redacted>"
+# Option names that carry credentials in fsspec backends (s3fs key/secret/token, gcsfs token,
+# adlfs account_key/sas_token/connection_string/client_secret, ...), at any depth.
+_SECRET_RE = re.compile(r"(?:^|_)(?:key|secret|token|password|passwd|credentials?|signature|sas|auth)(?:_|$)"
+                        r"|connection_string", re.IGNORECASE)
+
+
+def redact_secrets(options: Any) -> Any:
+    """``options`` with the value of every credential-like key (at any depth) replaced by
+    :data:`REDACTED`; other keys and values are kept, so non-secret options survive a save."""
+    if isinstance(options, dict):
+        return {k: (REDACTED if isinstance(k, str) and _SECRET_RE.search(k) and v is not None
+                    else redact_secrets(v)) for k, v in options.items()}
+    if isinstance(options, list):
+        return [redact_secrets(v) for v in options]
+    return options
+
+
+def _drop_redacted(options: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    """A config read back from a saved ``config.yaml``: redacted credentials are not values;
+    drop them so the backend takes credentials from the environment (or the command line)."""
+    out = {}
+    for key, value in options.items():
+        if value == REDACTED:
+            logger.warning("%s.%s was redacted when the config was saved; give it on the command line "
+                           "or through the environment (e.g. AWS_SECRET_ACCESS_KEY)", prefix, key)
+        else:
+            out[key] = _drop_redacted(value, f"{prefix}.{key}") if isinstance(value, dict) else value
+    return out
+
+
+def redacted_config_dict(cfg: Config) -> Dict[str, Any]:
+    """:func:`config_to_dict` with credentials in ``checkpoint.storage_options`` redacted: what
+    is saved with the run and what may be logged."""
+    data = config_to_dict(cfg)
+    if data["checkpoint"].get("storage_options"):
+        data["checkpoint"]["storage_options"] = redact_secrets(data["checkpoint"]["storage_options"])
+    return data
+
+
 def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config as YAML to ``path`` (any fsspec URL); load_config reads it back."""
+    """Write the resolved config as YAML to ``path`` (any fsspec URL), credentials redacted;
+    load_config reads it back (redacted options then come from the environment)."""
     with fsspec.open(path, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+        yaml.safe_dump(redacted_config_dict(cfg), f, sort_keys=False)
 
 
 def config_digest(cfg: Config) -> str:
-    """First 16 hex chars of the sha256 of the config's canonical JSON (sorted keys, no spaces)."""
-    canonical = json.dumps(config_to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    """First 16 hex chars of the sha256 of the config's canonical JSON (sorted keys, no spaces).
+    Credentials are left out (redacted): rotating a key does not make a resume warn."""
+    canonical = json.dumps(redacted_config_dict(cfg), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

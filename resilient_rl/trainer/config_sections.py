@@ -10,7 +10,9 @@ in ``config.py`` with the cross-section rules and the YAML loading.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import threading
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -71,10 +73,28 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, dict), value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
+        try:
+            return ok, float(value) if ok else value
+        except OverflowError:  # an int too large for a float
+            return False, value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     return isinstance(value, tp), value
+
+
+#: The longest duration (seconds) a ``*_s`` field may hold: what ``threading`` and Ray can wait on.
+MAX_SECONDS = float(threading.TIMEOUT_MAX)
+
+
+def _check_finite(key: str, value: Any) -> None:
+    """Reject nan and +-inf in a float field (or a list of floats): every ``> 0`` check lets
+    inf through, and it overflows timeouts or turns a loss into NaN at once. Durations
+    (``*_s``) must also be waitable."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, float):
+            _require(math.isfinite(v), key, value, "must be a finite number (not nan or inf)")
+            _require(not key.endswith("_s") or v <= MAX_SECONDS, key, value,
+                     f"must be <= {MAX_SECONDS:.0f} seconds")
 
 
 class _Section:
@@ -88,6 +108,7 @@ class _Section:
             for f in dataclasses.fields(self):  # type: ignore[arg-type]
                 ok, value = _coerce(getattr(self, f.name), hints[f.name])
                 _require(ok, f.name, getattr(self, f.name), f"expected {_type_name(hints[f.name])}")
+                _check_finite(f.name, value)
                 setattr(self, f.name, value)
             self.validate()
         except ConfigFieldError as e:
@@ -356,14 +377,22 @@ class CheckpointConfig(_Section):
     async_save: bool = True
     resume: str = "auto"
     storage_options: Optional[Dict[str, Any]] = None
+    lease_ttl_s: float = 60.0
+    lease_renew_s: float = 20.0
+    takeover: bool = False
 
     def validate(self) -> None:
         _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
         _require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
         _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
         _require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
+        if self.resume in ("False", "false"):  # YAML reads `resume=off` (and `false`) as a boolean
+            self.resume = "off"
         _require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
                  "resume", self.resume, "allowed values are 'auto', 'off' or 'path:<checkpoint URL>'")
+        _require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0 seconds")
+        _require(0 < self.lease_renew_s < self.lease_ttl_s, "lease_renew_s", self.lease_renew_s,
+                 f"must be > 0 and < lease_ttl_s={self.lease_ttl_s} (renew well before the lease expires)")
 
 
 @dataclass

@@ -19,6 +19,9 @@ from resilient_rl.workers.weight_sync import write_into
 class LocalRoles:
     """Actor, critic, ref and rollout engines in this process."""
 
+    #: This backend saves no checkpoints, so the trainer takes no lease on the run for it.
+    writes_checkpoints = False
+
     def __init__(self, cfg, tokenizer):
         plan = plan_device(cfg.trainer.device)
         vocab, seed, steps = tokenizer.vocab_size, cfg.trainer.seed, cfg.trainer.total_steps

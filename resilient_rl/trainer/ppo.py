@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections import deque
+from typing import Callable, Sequence
 
 import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
-from resilient_rl.errors import WorkerError
+from resilient_rl.errors import CheckpointCorruptError, WorkerError
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.config import config_digest
@@ -30,10 +31,15 @@ from resilient_rl.trainer.trackers import build_trackers, check_available
 
 logger = logging.getLogger(__name__)
 
+#: Rows of the metric history kept in memory (``PPOTrainer.history``); the whole history is in
+#: the run folder's ``metrics.jsonl``, so a week-long run does not grow the controller.
+HISTORY_WINDOW = 1000
 
-def reward_summary(rows: list[dict]) -> tuple[float, float]:
-    """Mean reward of the first and of the last 10% of steps (at least one step each)."""
-    rewards = [r["reward/mean"] for r in rows]
+
+def reward_summary(rows: Sequence[dict] | Sequence[float]) -> tuple[float, float]:
+    """Mean reward of the first and of the last 10% of steps (at least one step each); ``rows``
+    are metric rows or their ``reward/mean`` values (``RunDir.read_column("reward/mean")``)."""
+    rewards = [r["reward/mean"] if isinstance(r, dict) else r for r in rows]
     k = max(1, len(rewards) // 10)
     return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
 
@@ -57,11 +63,12 @@ class PPOTrainer:
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event)
+        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
         self.recovery = Recovery(self)
         self.hooks = list(hooks or [])
         self._roles_factory = roles_factory
         self.roles = None
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=HISTORY_WINDOW)  # the newest rows
         self.trackers = None  # the trainer.loggers backends, open while fit() runs
         self.telemetry = TelemetryHook(self) if cfg.telemetry.enabled else None
 
@@ -86,8 +93,10 @@ class PPOTrainer:
                 from resilient_rl.trainer.ray_roles import RayRoles
 
                 self._roles_factory = RayRoles
+            if getattr(self._roles_factory, "writes_checkpoints", True):
+                self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
-            if self.cfg.checkpoint.resume != "off" and hasattr(self.roles, "groups"):
+            if hasattr(self.roles, "groups"):  # resume=off too: it sets the run's older steps aside
                 self.restore(self.cfg.checkpoint.resume)
             if self.telemetry is not None:
                 self.telemetry.watch_roles(self.roles)
@@ -112,10 +121,14 @@ class PPOTrainer:
         state = self.ckpt.restore(self.roles, resume)
         if state is None:
             return None
-        self.load_state_dict(state)
+        try:
+            self.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # checksummed, so crafted
+            raise CheckpointCorruptError(f"trainer_state.json of step {state.get('step')}: malformed "
+                                         f"controller state ({exc!r})") from exc
         self.roles.sync_weights(self.step)
         self.run_dir.truncate_metrics_after(self.step)
-        self.history = self.run_dir.read_metrics()
+        self.history = deque(self.run_dir.read_metrics(last=HISTORY_WINDOW), maxlen=HISTORY_WINDOW)
         return self.step
 
     def restore_after_failure(self) -> int:
@@ -128,7 +141,7 @@ class PPOTrainer:
             self.step = 0
             self.roles.sync_weights(0)
             self.run_dir.truncate_metrics_after(0)
-            self.history = []
+            self.history.clear()
             step = 0
         return step
 
@@ -142,11 +155,14 @@ class PPOTrainer:
             self.ckpt.poll(self.roles)
 
     def shutdown(self) -> None:
-        if self.telemetry is not None:
+        # Never started (e.g. refused by the run's lease): stopping would delete the live
+        # controller's Prometheus targets file in the shared run folder.
+        if self.telemetry is not None and self.telemetry.server.running:
             self.telemetry.stop()
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
+        self.ckpt.release_lease()
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict:
@@ -160,6 +176,7 @@ class PPOTrainer:
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
                                    version=self.step)
         duration = time.perf_counter() - t0
+        self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
                **{f"timing/{p}_s": phases[p] for p in PHASES if p in phases},
@@ -173,7 +190,8 @@ class PPOTrainer:
         return row
 
     def fit(self) -> list[dict]:
-        """Train to ``total_steps``; returns the metric history of this run.
+        """Train to ``total_steps``; returns the newest rows of the metric history (at most
+        :data:`HISTORY_WINDOW`; the whole history is ``self.run_dir.read_metrics()``).
 
         ``controller.json`` in the run folder names this process while it runs and says how it ended.
         The whole log goes to ``train.log`` in the run folder; metrics and events go to the
@@ -213,4 +231,4 @@ class PPOTrainer:
                 self.ckpt.wait(self.roles)
         finally:
             bar.close()
-        return self.history
+        return list(self.history)

@@ -30,7 +30,7 @@ import time
 
 from resilient_rl.controller.recovery import (Decision, FailurePolicy, RecoveryState, RecoveryStateMachine,
                                               classify)
-from resilient_rl.errors import RecoveryError, RRLError, WorkerError, WorkerTimeoutError
+from resilient_rl.errors import LeaseError, RecoveryError, RRLError, WorkerError, WorkerTimeoutError
 
 logger = logging.getLogger(__name__)
 S = RecoveryState
@@ -166,8 +166,8 @@ class Recovery:
                 restored = self.trainer.restore_after_failure()
                 self.sm.to(S.RUNNING)
                 break
-            except RecoveryError:
-                raise
+            except (RecoveryError, LeaseError):
+                raise  # another controller owns the run now: recovering would fight it
             except (WorkerError, RRLError, TimeoutError) as again:
                 failure = classify(again)
                 exc = again

@@ -18,10 +18,11 @@ import torch
 from resilient_rl.algos.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
 from resilient_rl.algos.kl import apply_kl_penalty
 from resilient_rl.protocol import DataProto
+from resilient_rl.telemetry.metrics import STEP_PHASES
 from resilient_rl.trainer.tasks import compute_rewards
 
-#: Phases of a step, in order (also the ``phase`` label values of the duration metrics).
-PHASES = ("gen", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor", "weight_sync")
+#: Phases of a step, in order (also ``phase`` label values of the duration metrics).
+PHASES = STEP_PHASES
 
 
 class Roles(Protocol):

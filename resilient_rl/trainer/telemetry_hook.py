@@ -28,6 +28,7 @@ start of ``fit``.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
@@ -142,6 +143,34 @@ class RemoteNodeExporter:
         ray.kill(self.actor)
 
 
+class UsefulTime:
+    """Seconds spent in steps that count (goodput's numerator), kept up in O(1) per step.
+
+    Steps are recorded in order; a recovery rolls back to its restored step, dropping the
+    steps after it (they are replayed and recorded again). Running totals per step, in flat
+    arrays (16 bytes a step), make both a record and the total O(1) over a week-long run."""
+
+    def __init__(self) -> None:
+        self._steps = array.array("q")
+        self._totals = array.array("d")
+
+    @property
+    def total(self) -> float:
+        return self._totals[-1] if self._totals else 0.0
+
+    def record(self, step: int, seconds: float) -> None:
+        """Count step ``step`` (an earlier record of it, or of a later step, is replaced)."""
+        self.rollback(step - 1)
+        self._totals.append(self.total + seconds)
+        self._steps.append(step)
+
+    def rollback(self, step: int) -> None:
+        """Forget the steps after ``step``."""
+        while self._steps and self._steps[-1] > step:
+            self._steps.pop()
+            self._totals.pop()
+
+
 class TelemetryHook:
     """The telemetry of one :class:`PPOTrainer`; also the ``metrics`` of its recovery and checkpoints."""
 
@@ -170,7 +199,7 @@ class TelemetryHook:
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
         self._next_port = tc.worker_port_base
         self._workers: dict[Worker, tuple[int, str | None]] = {}  # (role, rank) -> (pid, node id)
-        self._step_seconds: dict[int, float] = {}
+        self._useful = UsefulTime()
         self._started_at: float | None = None
         self._unknown_phases: set[str] = set()
         trainer.recovery.metrics = self
@@ -234,7 +263,7 @@ class TelemetryHook:
             step, duration, phases, tokens=int(row.get("tokens", 0)), reward_mean=row.get("reward/mean"),
             losses={kind: float(row[key]) for kind, key in LOSS_KEYS.items() if key in row}, kl=kl,
             lr={role: float(row[f"{role}/lr"]) for role in ("actor", "critic") if f"{role}/lr" in row} or None)
-        self._step_seconds[step] = duration
+        self._useful.record(step, duration)
         self._update_goodput()
         try:
             self._poll_device_reports()
@@ -243,7 +272,7 @@ class TelemetryHook:
 
     def _update_goodput(self) -> None:
         if self._started_at is not None:
-            self.metrics.set_goodput(sum(self._step_seconds.values()), time.monotonic() - self._started_at)
+            self.metrics.set_goodput(self._useful.total, time.monotonic() - self._started_at)
 
     # ------------------------------------------------------------------ Recovery's metrics
     def record_failure(self, cause: str, role: str | None = None, rank: int | None = None) -> None:
@@ -275,8 +304,7 @@ class TelemetryHook:
     def record_recovery(self, duration_s: float, steps_replayed: int) -> None:
         """Count a recovery, forget the steps it rolled back and mark the workers up again."""
         self.metrics.record_recovery(duration_s, steps_replayed)
-        restored = self.trainer.step
-        self._step_seconds = {s: d for s, d in self._step_seconds.items() if s <= restored}
+        self._useful.rollback(self.trainer.step)
         self._update_goodput()
         roles = self.trainer.roles
         if roles is not None:

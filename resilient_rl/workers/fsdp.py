@@ -131,9 +131,11 @@ def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch
 
 
 def global_token_counts(masks: list[torch.Tensor]) -> torch.Tensor:
-    """Valid tokens of each mini-batch mask summed over the data-parallel group: one all-reduce for
-    all of them (instead of one per mini-batch)."""
-    counts = torch.stack([m.sum().to(torch.float64) for m in masks])
+    """For each mini-batch mask, its valid tokens and its sequences with at least one valid token,
+    summed over the data-parallel group: a ``[len(masks), 2]`` float64 tensor from one all-reduce
+    for all of them (instead of one per mini-batch)."""
+    counts = torch.stack([torch.stack([m.sum().to(torch.float64), m.bool().any(dim=-1).sum().to(torch.float64)])
+                          for m in masks])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
     return counts

@@ -75,15 +75,18 @@ class PolicyEngine:
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
-        token_counts = global_token_counts(masks).clamp(min=1.0)
-        for mb, mask, tokens in zip(mini_batches, masks, token_counts):
+        counts = global_token_counts(masks).clamp(min=1.0)
+        for mb, mask, (tokens, seqs) in zip(mini_batches, masks, counts):
             progress.advance("mini-batch")
             b = mb.batch
             logits = response_logits(self.model, mb, self.plan.device)
             logp = logprobs_from_logits(logits, b["responses"].to(self.plan.device))
-            scale = world * mask.sum() / tokens  # local token-mean -> global token-mean
+            # A local mean times world * (local units / global units) is this rank's share of the
+            # global mean (FSDP averages gradients over ranks): units are tokens for token means,
+            # sequences with a valid token for the policy loss's sequence means.
+            scale = world * mask.sum() / tokens
             pg = ppo_policy_loss(b["old_log_probs"].to(self.plan.device), logp, b["advantages"].to(self.plan.device),
-                                 mask, clip_ratio=cfg.clip_ratio, loss_agg_mode="token-mean")
+                                 mask, clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
             loss = pg["pg_loss"]
             entropy = (entropy_from_logits(logits) * mask).sum() / mask.sum().clamp(min=1.0)
             if cfg.entropy_coeff:
@@ -93,7 +96,11 @@ class PolicyEngine:
                 kl_loss = (kl * mask).sum() / mask.sum().clamp(min=1.0)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + kl_loss.detach().double()
-            (loss * scale).backward()
+            if cfg.loss_agg_mode == "token-mean":
+                (loss * scale).backward()
+            else:
+                seq_scale = world * mask.bool().any(dim=-1).sum() / seqs
+                (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -102,6 +102,7 @@ class ActorWorker(CheckpointMixin, RoleWorker):
         if colocated:
             t0 = time.perf_counter()
             nbytes = weight_sync.push(self.engine.model, version)
+            self._device_sync()
             return nbytes, time.perf_counter() - t0
         state = full_state_dict(self.engine.model, all_ranks=False)
         return state if self.rank == 0 else None
@@ -119,7 +120,13 @@ class ActorWorker(CheckpointMixin, RoleWorker):
         """Every actor rank gathers; rank 0 broadcasts over the weight channel. Returns (bytes, seconds)."""
         t0 = time.perf_counter()
         nbytes = weight_channel.send(self.engine.model, self.plan.param_dtype, is_root=self.rank == 0)
+        self._device_sync()
         return nbytes, time.perf_counter() - t0
+
+    def _device_sync(self) -> None:
+        """Wait for the device's queued copies, so that a reported sync time is the copy's, not its launch's."""
+        if self.plan.device.type == "cuda":
+            torch.cuda.synchronize(self.plan.device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_digest(self) -> str | None:

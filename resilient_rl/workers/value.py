@@ -50,8 +50,8 @@ class ValueEngine:
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
-        token_counts = global_token_counts(masks).clamp(min=1.0)
-        for mb, mask, tokens in zip(mini_batches, masks, token_counts):
+        counts = global_token_counts(masks).clamp(min=1.0)
+        for mb, mask, (tokens, _) in zip(mini_batches, masks, counts):
             progress.advance("mini-batch")
             b = mb.batch
             vpreds = response_values(self.model, mb, self.plan.device)

@@ -1,0 +1,316 @@
+"""The Ray trainer on real GPUs: phase shares, tokens/s, NVML utilization, MFU and weight-sync cost.
+
+Runs ``--warmup`` then ``--steps`` measured steps of the Ray trainer (by default the GRPO "add"
+config, colocated, on one GPU) and prints:
+
+- tokens per second and each phase's share of the step time, with the FLOP/s each phase achieved;
+- GPU utilization per device, read from NVML in a background thread every ``--sample-interval``
+  seconds during the measured steps (mean and max, and the most memory used);
+- model FLOPs utilization (MFU): the step's model FLOPs (below) over step time x peak dense bf16
+  FLOP/s of the device (a table by device name, or ``--peak-tflops``) x GPUs used;
+- the weight sync (``perf/weight_sync_worker_s`` of the metrics rows, and the controller's
+  ``weight_sync`` phase) against a plain device copy of the same bytes timed in this process
+  (``perf/weight_sync_bytes`` bytes into a preallocated tensor, median of ``--copy-repeats``), and
+  its share of the step. The worker time is host time around the sync: with one rank on CUDA the
+  copies are asynchronous and may still run when it is taken, so the controller's phase (one Ray
+  round trip more) is printed too;
+- with ``checkpoint.save_every`` set, the stall of the first checkpoint save against later ones.
+
+Model FLOPs of one step (N = parameters used in matrix products: every weight except embedding
+tables, so a tied LM head counts once; T = prompt + response tokens of the step, from the
+attention mask; attention-score FLOPs and padding are left out, so this is a lower bound)::
+
+    gen            2·N·T                      prompt prefill + one decode per generated token (KV cache)
+    ref            2·N·T                      when the KL term needs the reference policy
+    old_log_prob   2·N·T
+    values         2·N·T                      PPO critic (its backbone counted as N)
+    update_actor   6·N·T · actor.ppo_epochs   forward + backward, every sequence once per epoch
+    update_critic  6·N·T · critic.ppo_epochs
+
+On a machine without a CUDA device it prints one line saying so and exits 0.
+
+    python bench/gpu.py                                # GRPO add, colocated, 1 GPU, 3 + 10 steps
+    python bench/gpu.py model.hidden_size=2048 model.num_layers=16 model.num_heads=16 \\
+        model.intermediate_size=8192 data.batch_size=64 rollout.n=4
+    python bench/gpu.py --config resilient_rl/configs/ppo_copy.yaml actor.world_size=2
+    python bench/gpu.py --peak-tflops 756 checkpoint.save_every=3    # H100 PCIe; checkpoint stalls
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+NO_GPU = ("bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure "
+          "(bench/train.py runs on CPU)")
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "resilient_rl" / "configs" / "grpo_add.yaml"
+#: Dense bf16 tensor-core peak per device, matched in order against the CUDA device name.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                   ("A100", 312e12))
+
+
+# ------------------------------------------------------------------ pure helpers (tested on CPU)
+def matmul_params(model: nn.Module) -> int:
+    """Parameters used in matrix products: every parameter except those of embedding tables.
+
+    A tied LM head is counted through the head (it multiplies), an untied input embedding is not
+    (a lookup costs no FLOPs).
+    """
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Embedding):
+            total += sum(p.numel() for p in module.parameters(recurse=False))
+    return total
+
+
+def step_flops(n_params: int, tokens: float, *, ppo_epochs: int, need_ref: bool,
+               critic_epochs: int | None = None) -> dict[str, float]:
+    """Model FLOPs of one step per phase (see the module docstring); ``critic_epochs`` None: no critic."""
+    fwd = 2.0 * n_params * tokens
+    flops = {"gen": fwd, "old_log_prob": fwd, "update_actor": 3.0 * fwd * ppo_epochs}
+    if need_ref:
+        flops["ref"] = fwd
+    if critic_epochs is not None:
+        flops["values"] = fwd
+        flops["update_critic"] = 3.0 * fwd * critic_epochs
+    return flops
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a device by its CUDA name; None when the table does not know it."""
+    for key, peak in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def si(value: float, unit: str) -> str:
+    """``value`` with an SI prefix: ``si(3.2e13, "FLOP/s")`` is ``'32.0 TFLOP/s'``."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.1f} {unit}"
+
+
+def utilization_summary(readings: list[list]) -> dict[int, dict]:
+    """Per CUDA index: mean and max utilization ratio and most memory used over NVML readings
+    (lists of :class:`~resilient_rl.telemetry.device.GpuSample`); unreadable fields are skipped."""
+    per: dict[int, dict] = {}
+    for reading in readings:
+        for s in reading:
+            d = per.setdefault(s.index, {"uuid": s.uuid, "util": [], "memory": []})
+            if s.utilization_ratio is not None:
+                d["util"].append(s.utilization_ratio)
+            if s.memory_used_bytes is not None:
+                d["memory"].append(s.memory_used_bytes)
+    return {i: {"uuid": d["uuid"], "samples": len(d["util"]),
+                "mean_util": statistics.fmean(d["util"]) if d["util"] else None,
+                "max_util": max(d["util"]) if d["util"] else None,
+                "max_memory_bytes": max(d["memory"]) if d["memory"] else None}
+            for i, d in sorted(per.items())}
+
+
+def format_report(rows: list[dict], *, n_params: int, ppo_epochs: int, need_ref: bool,
+                  critic_epochs: int | None, device_name: str, peak: float | None, n_gpus: int,
+                  util: dict[int, dict], copy_s: float | None, stalls: list[tuple[int, float]]) -> list[str]:
+    """The printed figures, as lines, from the measured steps' metrics rows and the side measurements."""
+    from train import summarize  # bench/train.py (an importer puts bench/ on sys.path)
+
+    s = summarize(rows)
+    tokens = s["tokens_per_step"]
+    flops = step_flops(n_params, tokens, ppo_epochs=ppo_epochs, need_ref=need_ref, critic_epochs=critic_epochs)
+    total_flops = sum(flops.values())
+    lines = [f"{len(rows)} measured steps on {n_gpus} x {device_name}; model {n_params / 1e6:.1f} M matmul params; "
+             f"{tokens:.0f} tokens/step",
+             f"tokens/s: {s['tokens_per_s']:.0f}   mean step: {1e3 * s['step_s']:.1f} ms   "
+             f"median step: {1e3 * s['median_step_s']:.1f} ms",
+             "phase share of step time, % (mean ms, achieved model FLOP/s):"]
+    for phase, share in s["share"].items():
+        if share == 0 and phase not in flops:
+            continue
+        secs = s["phase_s"][phase]
+        rate = si(flops[phase] / secs, "FLOP/s") if phase in flops and secs > 0 else ""
+        lines.append(f"  {phase:<14}{share:6.1f}% ({1e3 * secs:9.1f} ms)  {rate:>14}".rstrip())
+    lines.append("model FLOPs/step = 2NT x (gen + old_log_prob" + (" + ref" if need_ref else "")
+                 + (" + values" if critic_epochs is not None else "") + f") + 6NT x {ppo_epochs} epochs"
+                 + (f" + 6NT x {critic_epochs} critic epochs" if critic_epochs is not None else "")
+                 + f" = {si(total_flops, 'FLOP')}")
+    achieved = total_flops / s["step_s"]
+    if peak:
+        lines.append(f"MFU: {100 * achieved / (peak * n_gpus):.2f}% ({si(achieved, 'FLOP/s')} over "
+                     f"{n_gpus} x {si(peak, 'FLOP/s')} dense bf16 peak)")
+    else:
+        lines.append(f"MFU: n/a (no peak known for {device_name!r}; pass --peak-tflops); "
+                     f"achieved {si(achieved, 'FLOP/s')}")
+    for index, u in util.items():
+        if u["mean_util"] is None:
+            lines.append(f"GPU {index} ({u['uuid']}): utilization not readable")
+            continue
+        mem = f", memory used max {u['max_memory_bytes'] / 2**30:.1f} GiB" if u["max_memory_bytes"] else ""
+        lines.append(f"GPU {index} ({u['uuid']}): utilization mean {100 * u['mean_util']:.0f}% "
+                     f"max {100 * u['max_util']:.0f}% over {u['samples']} NVML samples{mem}")
+    if not util:
+        lines.append("GPU utilization: no NVML readings (pynvml missing or NVML unavailable)")
+    lines.append(f"weight sync: {s['share']['weight_sync']:.1f}% of the step "
+                 f"({1e3 * s['phase_s']['weight_sync']:.2f} ms as the controller times it)")
+    if s["weight_sync_worker_s"] is None:
+        lines.append("weight sync vs plain copy: n/a (the workers report no weight-sync bytes)")
+    elif copy_s:
+        ws, phase_s = s["weight_sync_worker_s"], s["phase_s"]["weight_sync"]
+        lines.append(f"weight sync / plain device copy of {s['weight_sync_bytes'] / 2**20:.1f} MiB "
+                     f"({1e3 * copy_s:.3f} ms): worker-timed {ws / copy_s:.1f}x ({1e3 * ws:.3f} ms), "
+                     f"controller-timed {phase_s / copy_s:.1f}x")
+    if stalls:
+        later = [stall for _, stall in stalls[1:]]
+        first = f"first checkpoint save (step {stalls[0][0]}) stalled {1e3 * stalls[0][1]:.1f} ms"
+        lines.append(first + (f"; later saves median {1e3 * statistics.median(later):.1f} ms ({len(later)} saves)"
+                              if later else "; no later save measured"))
+    return lines
+
+
+def gpus_used(cfg) -> int:
+    """GPUs the Ray trainer takes: one pool of actor.world_size colocated, else one pool per role."""
+    if cfg.trainer.placement == "colocated":
+        return cfg.actor.world_size
+    return (cfg.actor.world_size + cfg.rollout.world_size + cfg.ref.world_size
+            + (cfg.critic.world_size if cfg.critic.enabled else 0))
+
+
+# ------------------------------------------------------------------ measurement
+class Sampling:
+    """Reads ``sampler`` every ``interval_s`` seconds in a background thread while the block runs."""
+
+    def __init__(self, sampler, interval_s: float) -> None:
+        self.sampler, self.interval_s = sampler, interval_s
+        self.readings: list[list] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-bench-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.readings.append(self.sampler.sample())
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> Sampling:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: the GRPO add config)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default: 3)")
+    p.add_argument("--sample-interval", type=float, default=0.2, help="seconds between NVML readings (default: 0.2)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense bf16 TFLOP/s per GPU for MFU (default: from the device name)")
+    p.add_argument("--copy-repeats", type=int, default=20, help="plain copies timed (default: 20)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.batch_size=64")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.copy_repeats < 1 or args.sample_interval <= 0:
+        p.error("--steps and --copy-repeats must be >= 1, --warmup >= 0, --sample-interval > 0")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    return args
+
+
+def build_config(args: argparse.Namespace, output_dir: str):
+    from resilient_rl.trainer.config import load_config
+
+    defaults = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false",
+                f"trainer.total_steps={args.warmup + args.steps}", "trainer.device=cuda", "actor.world_size=1",
+                f"checkpoint.root={output_dir}/checkpoints", "checkpoint.save_every=0"]
+    return load_config(args.config, defaults + list(args.overrides))
+
+
+def count_params(cfg, vocab_size: int) -> int:
+    """Matmul parameters of the actor, built on the meta device (no memory, no weights read)."""
+    from resilient_rl.models.factory import build_causal_lm, model_vocab_size
+
+    with torch.device("meta"):
+        model = build_causal_lm(cfg.model, model_vocab_size(cfg.model, vocab_size), cfg.trainer.seed)
+    return matmul_params(model)
+
+
+def run(args: argparse.Namespace, tmp: str) -> dict:
+    """Warm up, then measure; returns what :func:`format_report` needs besides the copy time."""
+    from resilient_rl.telemetry.device import GpuSampler
+    from resilient_rl.trainer.cluster import connect, disconnect
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    cfg = build_config(args, tmp)
+    started = connect(cfg.ray)
+    trainer = None
+    stalls: list[tuple[int, float]] = []
+    try:
+        trainer = PPOTrainer(cfg)
+        trainer.run_dir.subscribe(lambda kind, f: stalls.append((f["step"], f["stall_s"]))
+                                  if kind == "checkpoint_started" else None)
+        trainer.start_roles()
+
+        def step() -> dict:
+            row = trainer.train_step()
+            trainer.maybe_checkpoint()  # a no-op unless checkpoint.save_every is set
+            return row
+
+        for _ in range(args.warmup):
+            step()
+        sampler = GpuSampler()
+        with Sampling(sampler, args.sample_interval) as sampling:
+            rows = [step() for _ in range(args.steps)]
+        sampler.close()
+        trainer.ckpt.wait(trainer.roles)
+        vocab = trainer.tokenizer.vocab_size
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        disconnect(started)
+    return {"cfg": cfg, "rows": rows, "readings": sampling.readings, "stalls": stalls,
+            "n_params": count_params(cfg, vocab)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return 0
+    from train import plain_copy_s  # bench/train.py: this script's folder is first on sys.path
+
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
+        r = run(args, tmp)
+    cfg, rows = r["cfg"], r["rows"]
+    nbytes = next((row["perf/weight_sync_bytes"] for row in rows if "perf/weight_sync_bytes" in row), None)
+    # Timed after the workers are gone, so the copy has the device to itself: the floor.
+    copy_s = plain_copy_s(int(nbytes), "cuda", args.copy_repeats) if nbytes else None
+    name = torch.cuda.get_device_name(0)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
+    m = cfg.model
+    print(f"\nconfig {args.config}: {cfg.trainer.placement}, model {m.kind} hidden={m.hidden_size} "
+          f"layers={m.num_layers}; batch {cfg.data.batch_size} prompts x n={cfg.rollout.n}, "
+          f"{cfg.rollout.max_new_tokens} new tokens; ppo_epochs={cfg.actor.ppo_epochs}; {args.warmup} warm-up steps")
+    lines = format_report(rows, n_params=r["n_params"], ppo_epochs=cfg.actor.ppo_epochs,
+                          need_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
+                          critic_epochs=cfg.critic.ppo_epochs if cfg.critic.enabled else None,
+                          device_name=name, peak=peak, n_gpus=gpus_used(cfg),
+                          util=utilization_summary(r["readings"]), copy_s=copy_s, stalls=r["stalls"])
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

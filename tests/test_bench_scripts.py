@@ -1,0 +1,150 @@
+"""The benchmark scripts' CPU paths: bench/gpu.py without a GPU, its FLOPs and report helpers, and
+bench/train.py's weight-sync comparison. Figures are made up; nothing here times anything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
+from resilient_rl.telemetry.device import GpuSampler
+from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The bench scripts as modules (``gpu``, ``train``), importable as they import each other."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gpu
+    import train
+
+    return gpu, train
+
+
+def test_gpu_bench_without_gpu_says_so_and_exits_0():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines() == ["bench/gpu.py: no CUDA device visible to torch on this machine; "
+                                                "nothing to measure (bench/train.py runs on CPU)"]
+
+
+def test_gpu_bench_rejects_bad_arguments(bench):
+    gpu, _ = bench
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--peak-tflops", "-1"])
+    args = gpu.parse_args(["data.batch_size=64", "rollout.n=4"])
+    assert args.overrides == ["data.batch_size=64", "rollout.n=4"] and args.config.endswith("grpo_add.yaml")
+
+
+def test_step_flops_formula(bench):
+    gpu, _ = bench
+    n, t = 1_000, 50
+    grpo = gpu.step_flops(n, t, ppo_epochs=2, need_ref=True)
+    assert grpo == {"gen": 2 * n * t, "ref": 2 * n * t, "old_log_prob": 2 * n * t, "update_actor": 6 * n * t * 2}
+    ppo = gpu.step_flops(n, t, ppo_epochs=4, need_ref=False, critic_epochs=3)
+    assert set(ppo) == {"gen", "old_log_prob", "update_actor", "values", "update_critic"}
+    assert ppo["update_critic"] == 6 * n * t * 3 and ppo["values"] == 2 * n * t
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_matmul_params_leave_out_embedding_lookups(bench, tie):
+    gpu, _ = bench
+    cfg = TinyLMConfig(vocab_size=20, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                       tie_embeddings=tie)
+    model = TinyCausalLM(cfg)
+    embeddings = cfg.vocab_size * cfg.hidden_size + cfg.max_seq_len * cfg.hidden_size
+    # Tied, the head's matrix is the token embedding: counted once (through the head), untied it
+    # is a parameter of its own and the embedding table is not counted.
+    head = cfg.vocab_size * cfg.hidden_size
+    all_params = sum(p.numel() for p in model.parameters())
+    assert gpu.matmul_params(model) == all_params - embeddings + (head if tie else 0)
+
+
+def test_peak_flops_table(bench):
+    gpu, _ = bench
+    assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu.peak_flops("NVIDIA H200") == 989e12
+    assert gpu.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu.peak_flops("Tesla T4") is None
+
+
+def test_utilization_summary_from_nvml_readings(bench):
+    gpu, _ = bench
+    a, b = FakeGpu(uuid="GPU-aaaa", utilization_percent=20), FakeGpu(uuid="GPU-bbbb", utilization_percent=50)
+    b.unsupported = {"utilization"}
+    sampler = GpuSampler(nvml=FakeNVML([a, b]))
+    readings = []
+    for percent in (20, 60, 100):
+        a.utilization_percent = percent
+        readings.append(sampler.sample())
+    util = gpu.utilization_summary(readings)
+    assert util[0]["mean_util"] == pytest.approx(0.6) and util[0]["max_util"] == 1.0 and util[0]["samples"] == 3
+    assert util[1]["mean_util"] is None and util[1]["uuid"] == "GPU-bbbb"
+    assert gpu.utilization_summary([[], []]) == {}
+
+
+def test_sampling_thread_collects_readings(bench):
+    gpu, _ = bench
+    sampler = GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-aaaa", utilization_percent=40)]))
+    with gpu.Sampling(sampler, 0.01) as sampling:
+        pass
+    assert sampling.readings and all(len(r) == 1 for r in sampling.readings)
+
+
+def _rows(n=4):
+    # 1 s steps of 1000 tokens: gen 0.4 s, ref 0.1, old_log_prob 0.1, update_actor 0.3, sync 0.05
+    return [{"timing/step_s": 1.0, "tokens": 1000.0, "timing/gen_s": 0.4, "timing/ref_s": 0.1,
+             "timing/old_log_prob_s": 0.1, "timing/adv_s": 0.01, "timing/update_actor_s": 0.3,
+             "timing/weight_sync_s": 0.05, "perf/weight_sync_bytes": 2.0 * 2**20,
+             "perf/weight_sync_worker_s": 0.002} for _ in range(n)]
+
+
+def test_format_report_mfu_weight_sync_and_stalls(bench):
+    gpu, _ = bench
+    n = 10**9  # 1 B matmul params, 1000 tokens, 2 epochs: (2 + 2 + 2 + 6*2) * 1e12 = 18 TFLOP per 1 s step
+    lines = gpu.format_report(_rows(), n_params=n, ppo_epochs=2, need_ref=True, critic_epochs=None,
+                              device_name="NVIDIA H100 80GB HBM3", peak=100e12, n_gpus=2,
+                              util={0: {"uuid": "GPU-a", "samples": 5, "mean_util": 0.5, "max_util": 0.9,
+                                        "max_memory_bytes": 3 * 2**30}},
+                              copy_s=0.001, stalls=[(2, 0.5), (4, 0.1), (6, 0.2)])
+    text = "\n".join(lines)
+    assert "= 18.0 TFLOP" in text
+    assert "MFU: 9.00% (18.0 TFLOP/s over 2 x 100.0 TFLOP/s" in text
+    assert "utilization mean 50% max 90% over 5 NVML samples, memory used max 3.0 GiB" in text
+    assert "weight sync: 5.0% of the step" in text
+    assert "worker-timed 2.0x (2.000 ms), controller-timed 50.0x" in text
+    assert "first checkpoint save (step 2) stalled 500.0 ms; later saves median 150.0 ms (2 saves)" in text
+    gen = next(line for line in lines if line.strip().startswith("gen"))
+    assert "40.0%" in gen and "5.0 TFLOP/s" in gen  # 2e12 FLOP in 0.4 s
+
+
+def test_format_report_without_peak_or_sync(bench):
+    gpu, _ = bench
+    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in _rows()]
+    text = "\n".join(gpu.format_report(rows, n_params=1000, ppo_epochs=1, need_ref=False, critic_epochs=1,
+                                       device_name="Tesla T4", peak=None, n_gpus=1, util={}, copy_s=None,
+                                       stalls=[]))
+    assert "MFU: n/a (no peak known for 'Tesla T4'; pass --peak-tflops)" in text
+    assert "weight sync vs plain copy: n/a" in text and "+ values" in text and "checkpoint" not in text
+
+
+def test_train_bench_weight_sync_line(bench):
+    _, train = bench
+    copy_s = train.plain_copy_s(1 << 16, "cpu", repeats=3)
+    assert copy_s > 0
+    results = {"ray": train.summarize(_rows()), "single process": train.summarize(_rows()[:1])}
+    results["single process"]["weight_sync_worker_s"] = None
+    line = train.weight_sync_line(results, 0.001)
+    assert line == "weight sync / plain copy: ray 2.0x (2.00 ms), single process n/a; plain copy of 2.0 MiB 1.00 ms"

@@ -1,0 +1,122 @@
+"""Resume means what it says: a run continued from a step keeps that timeline; newer steps of the
+abandoned one are set aside (not deleted), and recovery restores from this timeline only."""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+import uuid
+
+import pytest
+
+from resilient_rl.checkpoint import CheckpointManager, Manifest
+from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.trainer.config import load_config
+
+from test_checkpoint_manager import FAST, _root, _save
+
+NO_ROLES = types.SimpleNamespace(groups={})  # controller state only: the source choice is under test
+
+
+def _rewrite_manifest(manager: CheckpointManager, step: int, **changes) -> None:
+    m = manager.load_manifest(step)
+    fields = {**m.__dict__, **changes}
+    manager.storage.write_bytes_atomic(f"{manager.run_name}/step_{step:08d}/MANIFEST.json",
+                                       Manifest(**fields).to_bytes())
+
+
+def test_latest_step_honours_the_pointer_over_an_abandoned_newer_step(tmp_path):
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=5)
+    for step in (2, 4, 6):
+        _save(manager, step)
+    # Step 6 belongs to a writer superseded by the one that committed step 4 (token 2 > 1).
+    _rewrite_manifest(manager, 6, fencing_token=1)
+    _rewrite_manifest(manager, 4, fencing_token=2)
+    manager.storage.write_bytes_atomic("run/latest", b"step_00000004")
+    assert manager.latest_step() == 4 and manager.find_latest_valid() == 4
+    assert manager.timeline_steps() == [2, 4] and manager.committed_steps() == [2, 4, 6]
+    # Same writer, step 4 re-committed after step 6 (a replay): the commit time decides.
+    _rewrite_manifest(manager, 6, fencing_token=2, created_at=time.time() - 100)
+    assert manager.latest_step() == 4
+    # A crash between step 6's manifest and the pointer: step 6 is newer in every way and is found.
+    _rewrite_manifest(manager, 6, fencing_token=2, created_at=time.time() + 100)
+    assert manager.latest_step() == 6 and manager.find_latest_valid() == 6
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_set_aside_moves_newer_steps_out_of_the_run(kind, tmp_path, moto):
+    root, options = _root(kind, tmp_path, moto)
+    manager = CheckpointManager(root, "run", keep_last=5, storage_options=options, retry=FAST)
+    for step in (2, 4, 6, 8):
+        _save(manager, step)
+    assert manager.set_aside_newer(4, "resumed from step 4") == [6, 8]
+    assert manager.committed_steps() == [2, 4] and manager.latest_step() == 4
+    assert manager.storage.read_bytes("run/latest") == b"step_00000004"
+    [stamp] = manager.storage.ls("run/abandoned")
+    aside = CheckpointManager(f"{root}/run/abandoned", stamp, storage_options=options, retry=FAST)
+    assert aside.committed_steps() == [6, 8] and aside.verify(8) == "ok"  # intact, loadable by hand
+    note = json.loads(manager.storage.read_bytes(f"run/abandoned/{stamp}/SET_ASIDE.json"))
+    assert note["steps"] == [6, 8] and note["reason"] == "resumed from step 4"
+    assert manager.set_aside_newer(4, "again") == []
+
+
+def _cfg(root: str, run: str, resume: str = "auto"):
+    return load_config(None, [f"checkpoint.root={root}", f"trainer.run_name={run}", f"checkpoint.resume={resume}",
+                              "checkpoint.keep_last=5"])
+
+
+def _coordinator(root: str, run: str, resume: str = "auto") -> CheckpointCoordinator:
+    ckpt = CheckpointCoordinator(_cfg(root, run, resume))
+    ckpt.manager.retry = FAST
+    return ckpt
+
+
+def test_resume_from_an_earlier_step_keeps_that_timeline_through_recovery():
+    root = f"memory://timeline-{uuid.uuid4().hex}"
+    first = _coordinator(root, "run")
+    for step in (2, 4, 6, 8):
+        _save(first.manager, step)
+    ckpt = _coordinator(root, "run", f"path:{root}/run/step_00000004")
+    ckpt.acquire_lease()
+    try:
+        assert ckpt.restore(NO_ROLES, ckpt.cfg.checkpoint.resume)["step"] == 4
+        assert ckpt.manager.committed_steps() == [2, 4] and ckpt.manager.latest_step() == 4
+        # A failure before the next commit: recovery restores step 4 again, never 8 nor step 0.
+        assert ckpt.restore(NO_ROLES, "auto")["step"] == 4
+        _save(ckpt.manager, 6)
+        assert ckpt.restore(NO_ROLES, "auto")["step"] == 6
+        assert ckpt.manager.load_manifest(6).fencing_token == ckpt.lease.token
+        [stamp] = ckpt.manager.storage.ls("run/abandoned")
+        assert sorted(ckpt.manager.storage.ls(f"run/abandoned/{stamp}")) == [
+            "SET_ASIDE.json", "step_00000006", "step_00000008"]
+    finally:
+        ckpt.release_lease()
+
+
+def test_resume_from_another_run_recovers_to_that_checkpoint_until_it_commits():
+    root = f"memory://timeline-{uuid.uuid4().hex}"
+    src = _coordinator(root, "src")
+    for step in (2, 4):
+        _save(src.manager, step)
+    dst_old = _coordinator(root, "dst")
+    _save(dst_old.manager, 6)  # an earlier, unrelated attempt under the same run name
+    ckpt = _coordinator(root, "dst", f"path:{root}/src/step_00000002")
+    assert ckpt.restore(NO_ROLES, ckpt.cfg.checkpoint.resume)["step"] == 2
+    assert ckpt.manager.committed_steps() == [] and ckpt.manager.latest_step() is None
+    state = ckpt.restore(NO_ROLES, "auto")  # recovery before dst committed anything
+    assert state is not None and state["step"] == 2
+    _save(ckpt.manager, 4)
+    assert ckpt.restore(NO_ROLES, "auto")["step"] == 4
+    assert src.manager.committed_steps() == [2, 4]  # the source run is never touched
+
+
+def test_resume_off_sets_the_runs_old_steps_aside():
+    root = f"memory://timeline-{uuid.uuid4().hex}"
+    old = _coordinator(root, "run")
+    for step in (2, 4):
+        _save(old.manager, step)
+    fresh = _coordinator(root, "run")  # restore("off"): what checkpoint.resume=off starts with
+    assert fresh.restore(NO_ROLES, "off") is None
+    assert fresh.manager.committed_steps() == [] and not fresh.manager.storage.exists("run/latest")
+    assert fresh.restore(NO_ROLES, "auto") is None  # a recovery starts over from step 0, not old step 4

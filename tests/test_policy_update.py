@@ -1,0 +1,39 @@
+"""The policy update honours actor.loss_agg_mode (one process, no process group)."""
+
+from __future__ import annotations
+
+import torch
+
+from resilient_rl.protocol import DataProto
+from resilient_rl.trainer.config import load_config
+from resilient_rl.workers.fsdp import plan_device
+from resilient_rl.workers.policy import PolicyEngine
+
+
+def _batch(n: int = 8, prompt: int = 4, resp: int = 4, vocab: int = 12) -> DataProto:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, prompt + resp), generator=gen)
+    mask = torch.ones(n, resp)
+    mask[: n // 2, 1:] = 0  # half the responses are one token long: sequence and token means differ
+    data = DataProto.from_dict({
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, prompt:],
+        "position_ids": torch.arange(prompt + resp).expand(n, -1).clone(), "response_mask": mask,
+        "old_log_probs": -torch.rand(n, resp, generator=gen) - 2.0, "advantages": torch.randn(n, resp, generator=gen)})
+    data.meta_info["seed"] = 1
+    return data
+
+
+def _weights_after_update(mode: str) -> dict[str, torch.Tensor]:
+    cfg = load_config(None, [f"actor.loss_agg_mode={mode}", "actor.ppo_epochs=1", "actor.mini_batch_size=8",
+                             "actor.optim.warmup_steps=0", "model.hidden_size=16", "model.num_layers=1",
+                             "model.num_heads=2", "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    engine.update(_batch(), step=1)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def test_loss_agg_mode_changes_the_update_and_is_deterministic():
+    token = _weights_after_update("token-mean")
+    assert all(torch.equal(token[k], v) for k, v in _weights_after_update("token-mean").items())
+    seq = _weights_after_update("seq-mean-token-mean")
+    assert any(not torch.equal(token[k], seq[k]) for k in token)
