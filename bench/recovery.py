@@ -19,8 +19,9 @@ Four measurements, each in its own Ray cluster (``ray.init`` ... ``ray.shutdown`
    Worker rank 1 is SIGKILLed ``--delay`` s after its ``--rt-kill-after``-th step; time to the
    next completed step, split into detect (kill -> the controller's ``after_exception`` callback),
    restart (-> every new worker entered the training function), restore and first step.
-4. **hang**: a SIGSTOP of actor rank 1 with ``recovery.call_timeout_s=--hang-timeout``; the time
-   from the SIGSTOP to the ``failure`` event against that deadline (it must be within deadline + 1 s).
+4. **hang**: a SIGSTOP of actor rank 1 with ``recovery.hang_timeout_s=--hang-timeout``; the time
+   from the SIGSTOP to the ``failure`` event against that deadline (it must be within deadline + 1 s;
+   a stopped rank is found sooner, when its health call goes unanswered for ``health_timeout_s``).
 
 Step completion times come from polling ``metrics.jsonl`` (10 ms); step starts from a hook that
 writes ``bench_step_start`` events. Printed: one row per repeat and the median, then the ratios
@@ -68,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-ray-train", action="store_true", help="do not measure Ray Train")
     p.add_argument("--fault-step", type=int, default=4, help="step during which the fault lands (default: 4)")
     p.add_argument("--delay", type=float, default=0.3, help="seconds into that step (default: 0.3)")
-    p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.call_timeout_s of the hang run (default: 5)")
+    p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.hang_timeout_s of the hang run (default: 5)")
     p.add_argument("--rt-kill-after", type=int, default=5, help="Ray Train: kill after this step (default: 5)")
     p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.num_layers=4")
@@ -282,7 +283,7 @@ def measure_full_restart(args, root: str) -> dict:
 
 
 def measure_hang(args, root: str) -> dict:
-    cfg = build_config(args, root, [f"recovery.call_timeout_s={args.hang_timeout}"])
+    cfg = build_config(args, root, [f"recovery.hang_timeout_s={args.hang_timeout}"])
     sched = FaultSchedule().at_step(args.fault_step).hang("actor", 1, delay_s=args.delay)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
     ray_session(cfg, lambda: run_trainer(cfg, [sched]))
@@ -479,7 +480,7 @@ def main(argv=None) -> None:
     print("\nratios (medians):")
     for name, value, target in ratios:
         print(f"  {name:<44}{value:6.2f}x   target <= {target}x  {'ok' if value <= target else 'MISSED'}")
-    print(f"\nSIGSTOP of actor rank 1 with recovery.call_timeout_s={args.hang_timeout:g}: "
+    print(f"\nSIGSTOP of actor rank 1 with recovery.hang_timeout_s={args.hang_timeout:g}: "
           "failure event - SIGSTOP, against deadline + 1 s")
     for i, h in enumerate(res["hang"]):
         print(f"  #{i + 1}: detected in {h['detect']:.2f} s (deadline {h['deadline']:g} s, cause {h['cause']}, "

@@ -45,7 +45,15 @@ class WorkerDiedError(WorkerError):
 
 
 class WorkerTimeoutError(WorkerError):
-    """A call to the worker did not finish within its deadline (hung or stopped process)."""
+    """A worker is hung (cause "hang": it stopped answering its health call, or stopped advancing
+    inside a call; ``hang_kind`` says which and ``pid`` names its process where known) or a call
+    passed its ceiling (cause "timeout")."""
+
+    def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
+                 cause: str | None = None, pid: int | None = None, hang_kind: str | None = None):
+        super().__init__(message, role=role, rank=rank, cause=cause)
+        self.pid = pid
+        self.hang_kind = hang_kind
 
 
 class CollectiveError(WorkerError):

@@ -182,7 +182,7 @@ def failure_episodes(events: list[dict[str, Any]], run: str | None = None) -> li
             episodes.append(current)
         elif current is None:
             continue
-        elif kind == "kill_unresponsive":
+        elif kind in ("kill_unresponsive", "kill_hung"):  # stopped, or inside a call without progress
             current.killed_unresponsive.append(f"{short_group(e.get('group'), run)} rank {e.get('rank')}")
         elif kind == "failure_during_recovery":
             current.failures_during_recovery += 1

@@ -32,6 +32,7 @@ from resilient_rl.checkpoint.reader import CheckpointDir, ReadTarget, read_targe
 from resilient_rl.checkpoint.safetensors_io import build_header, dtype_name, iter_file_chunks
 from resilient_rl.checkpoint.state_tree import flatten_state, is_under, unflatten_state
 from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.controller import progress
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
@@ -255,7 +256,7 @@ def write_shard(staged: StagedShard, storage: Storage, dir_path: str, rank: int 
     data = {key: st.data for key, st in staged.tensors.items()}
     header = build_header(data, {"format": "pt", "rrl_format_version": str(FORMAT_VERSION)})
     written = storage.write_stream(Storage.join(dir_path, data_name),
-                                   lambda: iter_file_chunks(header, data, chunk_bytes))
+                                   lambda: progress.advancing(iter_file_chunks(header, data, chunk_bytes), "ckpt"))
     index = storage.write_bytes_atomic(Storage.join(dir_path, index_name),
                                        _index_bytes(staged, data_name))
     return [FileRecord(data_name, written.size, written.sha256),

@@ -13,6 +13,7 @@ import functools
 from enum import Enum
 from typing import Any, Callable
 
+from resilient_rl.controller import progress
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor
 
@@ -196,7 +197,14 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
         @functools.wraps(func)
         def inner(*args, **kwargs):
             kwargs.pop(PAD_SIZE_KEY, None)
-            return func(*args, **kwargs)
+            # Runs in the worker process: its health replies say which call it is in (liveness).
+            progress.begin(name)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                progress.end()
+
+        name = func.__name__
 
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,
                                     "blocking": blocking})

@@ -23,7 +23,7 @@ from typing import Callable
 from resilient_rl.errors import (CollectiveError, RRLError, WorkerDiedError, WorkerError, WorkerTimeoutError)
 
 #: Causes a replay can fix: infrastructure failures, not bugs.
-RECOVERABLE_CAUSES = frozenset({"died", "timeout", "collective", "node_lost", "unavailable"})
+RECOVERABLE_CAUSES = frozenset({"died", "timeout", "hang", "collective", "node_lost", "unavailable"})
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def classify(exc: BaseException, now: float | None = None) -> Failure:
     if isinstance(exc, WorkerDiedError):
         cause = "died"
     elif isinstance(exc, WorkerTimeoutError):
-        cause = "timeout"
+        cause = "hang" if exc.cause == "hang" else "timeout"
     elif isinstance(exc, CollectiveError):
         cause = "collective"
     elif isinstance(exc, WorkerError):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_rl import env
+from resilient_rl.controller import progress
 from resilient_rl.controller.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
 from resilient_rl.telemetry.gpu_owners import device_report
@@ -46,7 +47,10 @@ class WorkerInfo:
     """What the controller learns from a cheap health call.
 
     ``gpu_uuids`` names the GPU(s) the process computes on (empty on CPU); the torch counters
-    are its caching allocator's allocated and reserved bytes there (None on CPU)."""
+    are its caching allocator's allocated and reserved bytes there (None on CPU). ``call``,
+    ``progress_age_s`` and ``advances`` are the process's progress
+    (:mod:`resilient_rl.controller.progress`): the registered call it is in (None when idle), the
+    seconds since it last advanced, and how many times it has advanced."""
 
     rank: int
     world_size: int
@@ -57,6 +61,9 @@ class WorkerInfo:
     gpu_uuids: tuple[str, ...] = ()
     torch_allocated_bytes: int | None = None
     torch_reserved_bytes: int | None = None
+    call: str | None = None
+    progress_age_s: float | None = None
+    advances: int = 0
 
 
 def _node_ip() -> str:
@@ -168,9 +175,16 @@ class Worker:
         It also says which GPU the process computes on and how much memory torch holds there
         (see :mod:`resilient_rl.telemetry.gpu_owners`); it never initialises CUDA."""
         report = device_report(compute_cuda_device())
+        done = progress.snapshot()
         return WorkerInfo(self._rank, self._world_size, _PG_STATE["generation"], os.getpid(), self._node_id,
                           self._node_ip, report.gpu_uuids, report.torch_allocated_bytes,
-                          report.torch_reserved_bytes)
+                          report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
+                          advances=done.advances)
+
+    def inject_slowdown(self, seconds_per_advance: float, advances: int) -> None:
+        """Fault injection (chaos suite): the next ``advances`` progress points of this process each
+        sleep ``seconds_per_advance`` first, so its calls get slow while staying live."""
+        progress.slow_down(seconds_per_advance, advances)
 
     def pid(self) -> int:
         return os.getpid()

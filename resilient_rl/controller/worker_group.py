@@ -4,7 +4,9 @@ A worker group starts one Ray actor per bundle of a :class:`RayResourcePool`, al
 binds every ``@register``-ed method of the worker class onto itself: calling ``wg.method(x)``
 dispatches ``x`` over the ranks, runs the method on them and collects the results.
 
-Every wait on the workers has a deadline (``call_timeout_s``), and errors crossing the Ray
+Every wait on the workers watches the ranks' liveness (a rank that stops answering its health call
+or stops advancing for ``hang_timeout_s`` is hung, see :mod:`resilient_rl.controller.liveness`)
+under a generous ceiling (``call_timeout_s``), and errors crossing the Ray
 boundary are classified into :class:`WorkerDiedError`, :class:`WorkerTimeoutError`,
 :class:`CollectiveError` or :class:`WorkerError`, each naming the group and the rank.
 """
@@ -23,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from resilient_rl.controller.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
                                            kill_process)
 from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
+from resilient_rl.controller.liveness import LivenessWatch
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.worker import Worker, export_identity
 from resilient_rl.errors import (DispatchError, WorkerTimeoutError)
@@ -99,13 +102,17 @@ class RayWorkerGroup(HealthMixin):
 
     def __init__(self, resource_pool: RayResourcePool | None, ray_cls_with_init: RayClassWithInitArgs | None,
                  name_prefix: str | None = None, *, max_restarts: int = 0, max_task_retries: int = 0,
-                 runtime_env: dict | None = None, call_timeout_s: float | None = 600.0,
-                 actor_options: dict | None = None, detached: bool = False, **_ignored) -> None:
+                 runtime_env: dict | None = None, call_timeout_s: float | None = 3600.0,
+                 actor_options: dict | None = None, detached: bool = False, hang_timeout_s: float | None = 300.0,
+                 health_timeout_s: float = 2.0, **_ignored) -> None:
         self._workers: list = []
         self._worker_names: list[str] = []
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
         self.call_timeout_s = call_timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self._watch: LivenessWatch | None = None
         self.name_prefix = name_prefix or (resource_pool.name_prefix if resource_pool else "rrl")
         self.max_restarts = max_restarts
         self.max_task_retries = max_task_retries
@@ -147,7 +154,8 @@ class RayWorkerGroup(HealthMixin):
                 self._worker_names.append(name)
                 rank += 1
         # Constructors run in parallel; wait for all of them (a failing constructor names its rank).
-        self.get([w.ping.remote() for w in self._workers], timeout_s=max(self.call_timeout_s or 0, 300.0))
+        self.get([w.ping.remote() for w in self._workers], timeout_s=max(self.call_timeout_s or 0, 300.0),
+                 liveness=False)
 
     def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
         self._remote_prefix = remote_prefix
@@ -232,23 +240,25 @@ class RayWorkerGroup(HealthMixin):
 
     execute_rank_zero = execute_rank_zero_async
 
-    def get(self, refs: list, timeout_s: float | None = None) -> list:
+    def get(self, refs: list, timeout_s: float | None = None, liveness: bool = True) -> list:
         """Results of ``refs`` (one per rank, in rank order), failing fast on the first error.
 
-        Raises WorkerTimeoutError naming the ranks still running when the deadline passes.
+        While results are pending, the ranks still running are watched for liveness (when the
+        group has ``hang_timeout_s`` and a health concurrency group): WorkerTimeoutError with cause
+        "hang" names a rank that stopped answering or stopped advancing. ``timeout_s`` (default
+        ``call_timeout_s``) is only a ceiling on the whole wait: WorkerTimeoutError with cause
+        "timeout" names the ranks still running when it passes.
         """
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         index = {ref: i for i, ref in enumerate(refs)}
+        watch = self._liveness_watch(len(refs)) if liveness else None
         results: list = [None] * len(refs)
         pending = list(refs)
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if not ready:
-                ranks = sorted(index[r] for r in pending)
-                raise WorkerTimeoutError(f"{self.name_prefix}: rank(s) {ranks} did not answer within {timeout_s:g}s",
-                                         role=self.name_prefix, rank=ranks[0], cause="timeout")
+            wait_s = remaining if watch is None else min(watch.poll_interval_s, remaining or watch.poll_interval_s)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             for ref in ready:
                 # Keep the value: fetching it again would deserialize (and copy) every result twice.
                 try:
@@ -257,11 +267,35 @@ class RayWorkerGroup(HealthMixin):
                     raise classify_error(exc, self.name_prefix, index[ref]) from exc
                 except GetTimeoutError:  # pragma: no cover - ready refs do not time out
                     pending.append(ref)
+            if not pending:
+                break
+            if watch is not None:
+                hung = watch.poll(index[r] for r in pending)
+                if hung is not None:
+                    raise WorkerTimeoutError(f"{self.name_prefix} rank {hung.rank} is hung: {hung.detail}",
+                                             role=self.name_prefix, rank=hung.rank, cause="hang", pid=hung.pid,
+                                             hang_kind=hung.kind)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                ranks = sorted(index[r] for r in pending)
+                raise WorkerTimeoutError(f"{self.name_prefix}: rank(s) {ranks} did not finish within the "
+                                         f"{timeout_s:g}s ceiling", role=self.name_prefix, rank=ranks[0],
+                                         cause="timeout")
         return results
+
+    def _liveness_watch(self, n_refs: int) -> LivenessWatch | None:
+        """The group's health poller, or None where liveness cannot be watched (no hang timeout, no
+        health concurrency group: a health call would queue behind the call it should watch)."""
+        if self.hang_timeout_s is None or n_refs > self.world_size or not self._has_health_group():
+            return None
+        if self._watch is None or self._watch.workers is not self._workers:
+            self._watch = LivenessWatch(self._workers, self.hang_timeout_s, self.health_timeout_s,
+                                        poll_interval_s=min(1.0, self.hang_timeout_s / 3))
+        self._watch.fresh()
+        return self._watch
 
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
-        return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s)
+        return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s, liveness=False)
 
     def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0,
                            collective_timeout_s: float | None = None) -> int:
@@ -283,7 +317,8 @@ class RayWorkerGroup(HealthMixin):
         for prefix in prefix_set:
             if prefix not in role_classes:
                 raise DispatchError(f"no colocated role {prefix!r}; roles: {sorted(role_classes)}")
-            g = RayWorkerGroup(None, None, name_prefix=f"{self.name_prefix}:{prefix}", call_timeout_s=self.call_timeout_s)
+            g = RayWorkerGroup(None, None, name_prefix=f"{self.name_prefix}:{prefix}", call_timeout_s=self.call_timeout_s,
+                               hang_timeout_s=self.hang_timeout_s, health_timeout_s=self.health_timeout_s)
             g._workers, g._worker_names = self._workers, self._worker_names
             g.resource_pool, g.ray_cls_with_init = self.resource_pool, self.ray_cls_with_init
             g._bind_worker_methods(role_classes[prefix], remote_prefix=f"{prefix}_")

@@ -4,7 +4,8 @@
                 .at_step(5).hang("actor", 0, delay_s=0.2)      # lands inside the step's collectives
                 .at_checkpoint(6).kill("actor", 1, delay_s=0.05)  # while the shards are being written
                 .during_recovery("rejoining").kill("critic", 0)   # a second failure inside recovery
-                .at_step(9).corrupt_latest_checkpoint())
+                .at_step(9).corrupt_latest_checkpoint()
+                .at_step(10).slow("actor", 1, seconds_per_advance=1.0, advances=8))  # slow, not hung
     trainer = PPOTrainer(cfg, hooks=[schedule])
 
 Each fault fires once, the first time its trigger happens (a replayed step after recovery does not
@@ -28,7 +29,7 @@ from resilient_rl.errors import RRLError
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate")
+KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
 TRIGGERS = ("step", "checkpoint", "recovery")
 
 
@@ -52,6 +53,9 @@ class Fault:
     target: tuple[str, int] | None = None
 
     path: str | None = None
+    # "slow": the worker's next ``slow_advances`` progress points each sleep ``slow_s`` first.
+    slow_s: float = 0.0
+    slow_advances: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,6 +87,17 @@ def inject(kind: str, roles, role: str, rank: int) -> int:
         ray.kill(roles.groups[role].workers[rank], no_restart=False)
     logger.warning("fault: %s %s rank %d (pid %d)", kind, role, rank, pid)
     return pid
+
+
+def slow_down(roles, role: str, rank: int, seconds_per_advance: float, advances: int) -> int:
+    """Make (role, rank) of a running :class:`RayRoles` slow but live; returns its pid."""
+    pids = roles.worker_pids()
+    if (role, rank) not in pids:
+        raise FaultError(f"no worker {role} rank {rank}; workers: {sorted(pids)}")
+    ray.get(roles.groups[role].workers[rank].inject_slowdown.remote(seconds_per_advance, advances), timeout=60)
+    logger.warning("fault: slow %s rank %d (pid %d): %d advance(s) %.2fs slower", role, rank, pids[(role, rank)],
+                   advances, seconds_per_advance)
+    return pids[(role, rank)]
 
 
 @dataclass
@@ -128,6 +143,17 @@ class FaultSchedule:
     def ray_kill(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0) -> "FaultSchedule":
         return self._add("ray_kill", role, rank, delay_s)
 
+    def slow(self, role: str | None = None, rank: int | None = None, seconds_per_advance: float = 1.0,
+             advances: int = 8) -> "FaultSchedule":
+        """Make a worker slow but live: its next ``advances`` progress points (mini-batches, token
+        blocks, ...) each take ``seconds_per_advance`` longer. A healthy slow step: no recovery."""
+        if seconds_per_advance <= 0 or advances < 1:
+            raise FaultError(f"slow needs seconds_per_advance > 0 and advances >= 1, got {seconds_per_advance} "
+                             f"and {advances}")
+        self._add("slow", role, rank, 0.0)
+        self.faults[-1].slow_s, self.faults[-1].slow_advances = float(seconds_per_advance), int(advances)
+        return self
+
     # ------------------------------------------------------------------ trainer hook
     def _trigger(self, trainer, trigger: str, at) -> None:
         for fault in self.faults:
@@ -161,7 +187,10 @@ class FaultSchedule:
         def run():
             if fault.delay_s:
                 time.sleep(fault.delay_s)
-            fault.pid = inject(fault.kind, roles, role, rank)
+            if fault.kind == "slow":
+                fault.pid = slow_down(roles, role, rank, fault.slow_s, fault.slow_advances)
+            else:
+                fault.pid = inject(fault.kind, roles, role, rank)
             fault.fired_at = time.time()
 
         if fault.delay_s:

@@ -19,9 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from resilient_rl.controller import progress
 from resilient_rl.errors import ConfigError, ModelInputError
 
 __all__ = ["GenerationOutput", "compute_position_ids", "generate", "sample_next_token"]
+
+#: Tokens per progress report (liveness): a long generation advances, so it is never taken for a hang.
+TOKEN_BLOCK = 8
 
 
 @dataclass
@@ -124,6 +128,8 @@ def generate(
     seq, seq_mask, seq_pos = input_ids, prompt_mask, prompt_pos
     past: Any = None
     for step in range(max_new_tokens):
+        if step % TOKEN_BLOCK == 0:
+            progress.advance("tokens")
         if use_cache and past is not None:
             out = model(input_ids=seq[:, -1:], attention_mask=seq_mask, position_ids=seq_pos[:, -1:],
                         past_key_values=past, use_cache=True)

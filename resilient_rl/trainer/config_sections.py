@@ -404,19 +404,26 @@ class CheckpointConfig(_Section):
 
 @dataclass
 class RecoveryConfig(_Section):
-    """Failure budget and the deadline of every blocking call."""
+    """Failure budget, liveness and the deadline of every blocking call.
+
+    A rank is hung when it stops answering its health call for ``health_timeout_s`` (a stopped
+    process) or, inside a call, stops advancing for ``hang_timeout_s`` (longer than the slowest
+    single mini-batch, token block or checkpoint chunk); a long call that keeps advancing is
+    healthy. ``call_timeout_s`` is only a generous ceiling on one whole worker call (it also bounds
+    the wait for a background checkpoint write and the telemetry calls)."""
 
     enabled: bool = True
     max_restarts: int = 3
     max_task_retries: int = 0
     max_failures: int = 5
     failure_window_s: float = 3600.0
-    call_timeout_s: float = 120.0
+    call_timeout_s: float = 3600.0
     rendezvous_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
     restart_timeout_s: float = 120.0
     placement_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
+    hang_timeout_s: float = 300.0
 
     def validate(self) -> None:
         for name in ("max_restarts", "max_task_retries", "max_failures"):
@@ -424,6 +431,9 @@ class RecoveryConfig(_Section):
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
                 _require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+        # A stopped rank must be named before its peers, which stall waiting for it in a collective.
+        _require(self.hang_timeout_s > self.health_timeout_s, "hang_timeout_s", self.hang_timeout_s,
+                 f"must be greater than recovery.health_timeout_s ({self.health_timeout_s:g})")
 
 
 @dataclass

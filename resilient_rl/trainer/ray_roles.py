@@ -72,7 +72,8 @@ class RayRoles:
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
                                placement_timeout_s=c.recovery.placement_timeout_s)
         return RayWorkerGroup(pool, cls, max_restarts=c.recovery.max_restarts,
-                              max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s)
+                              max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s,
+                              hang_timeout_s=c.recovery.hang_timeout_s, health_timeout_s=c.recovery.health_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     def distinct_groups(self) -> list[RayWorkerGroup]:

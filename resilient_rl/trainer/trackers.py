@@ -35,7 +35,7 @@ SUMMARY_KEYS = (("reward/mean", "reward"), ("actor/pg_loss", "pg_loss"), ("criti
                 ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"), ("actor/entropy", "entropy"))
 #: Events the console reports (failures and recoveries are already logged as warnings where they happen).
 CONSOLE_EVENTS = ("checkpoint_committed", "checkpoint_restored", "checkpoint_corrupt", "worker_restarted",
-                  "kill_unresponsive")
+                  "kill_unresponsive", "kill_hung")
 #: Events of every checkpoint: the full event log (wandb table, MLflow artifact) is rewritten for them
 #: only with the next other event or at close, so a long run does not write one copy per checkpoint.
 ROUTINE_EVENTS = ("checkpoint_started", "checkpoint_committed")

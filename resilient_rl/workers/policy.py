@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss
+from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
@@ -54,6 +55,7 @@ class PolicyEngine:
         parts = [data] if not micro_batch_size else data.split(micro_batch_size)
         logps, ents = [], []
         for part in parts:
+            progress.advance("micro-batch")
             logits = response_logits(self.model, part, self.plan.device)
             logps.append(logprobs_from_logits(logits, part.batch["responses"].to(self.plan.device)).cpu())
             ents.append(entropy_from_logits(logits).cpu())
@@ -79,6 +81,7 @@ class PolicyEngine:
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
         counts = global_token_counts(masks).clamp(min=1.0)
         for mb, mask, (tokens, seqs) in zip(mini_batches, masks, counts):
+            progress.advance("mini-batch")
             b = mb.batch
             logits = response_logits(self.model, mb, self.plan.device)
             logp = logprobs_from_logits(logits, b["responses"].to(self.plan.device))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from resilient_rl.algos.losses import value_loss
+from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
@@ -53,6 +54,7 @@ class ValueEngine:
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
         counts = global_token_counts(masks).clamp(min=1.0)
         for mb, mask, (tokens, _) in zip(mini_batches, masks, counts):
+            progress.advance("mini-batch")
             b = mb.batch
             vpreds = response_values(self.model, mb, self.plan.device)
             scale = world * mask.sum() / tokens

@@ -1,0 +1,111 @@
+"""Liveness of the ranks running a call: hung means "stopped advancing", not "took long".
+
+While a worker group waits for a call's results, it asks the ranks still running for their
+health every ``poll_interval_s`` (through the health concurrency group, one call in flight per
+rank at most, never blocking) and judges with :func:`judge`:
+
+- a rank whose health call has not answered for ``health_timeout_s`` is *unresponsive*: its
+  process is stopped (SIGSTOP) or wedged below Python;
+- a rank that answers, is inside a registered call, and reports no progress
+  (:mod:`resilient_rl.controller.progress`) for ``hang_timeout_s`` is *stalled*: stuck in a
+  collective, a deadlock, an endless loop.
+
+A call that keeps advancing is healthy however long it runs; ``recovery.call_timeout_s`` remains
+only as a generous ceiling on a whole call. When several ranks stall together (the peers of a hung
+rank wait for it in a collective), the one that stopped advancing first is named.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from resilient_rl.controller.progress import ProgressSnapshot
+
+
+@dataclass
+class RankWatch:
+    """What the controller knows of one rank's liveness.
+
+    ``sent_at`` is when the health call now in flight was sent (None: none in flight);
+    ``snapshot`` the progress from the latest reply; ``pid`` the process that sent it."""
+
+    sent_at: float | None = None
+    last_sent: float | None = None
+    snapshot: ProgressSnapshot | None = None
+    pid: int | None = None
+    ref: object | None = None
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A rank judged hung: ``kind`` is "unresponsive" or "stalled"."""
+
+    rank: int
+    kind: str
+    detail: str
+    pid: int | None = None
+
+
+def judge(watches: dict[int, RankWatch], now: float, hang_timeout_s: float, health_timeout_s: float) -> Hung | None:
+    """The hung rank among ``watches`` at time ``now`` (monotonic seconds), or None when all are live.
+
+    Pure: no Ray, no clock of its own, so the decision is unit-tested with a fake clock."""
+    silent = [(now - w.sent_at, r) for r, w in watches.items()
+              if w.sent_at is not None and now - w.sent_at > health_timeout_s]
+    if silent:
+        waited, rank = max(silent)
+        return Hung(rank, "unresponsive", f"its health call has not answered for {waited:.1f}s "
+                    f"(recovery.health_timeout_s={health_timeout_s:g}): the process is stopped or wedged",
+                    watches[rank].pid)
+    stalled = [(w.snapshot.age_s, r) for r, w in watches.items()
+               if w.snapshot is not None and w.snapshot.call is not None and w.snapshot.age_s > hang_timeout_s]
+    if stalled:
+        age, rank = max(stalled)
+        call = watches[rank].snapshot.call
+        return Hung(rank, "stalled", f"it is inside {call!r} and has not advanced for {age:.1f}s "
+                    f"(recovery.hang_timeout_s={hang_timeout_s:g})", watches[rank].pid)
+    return None
+
+
+class LivenessWatch:
+    """Non-blocking health polling of a worker group's ranks (Ray side of :func:`judge`)."""
+
+    def __init__(self, workers: list, hang_timeout_s: float, health_timeout_s: float,
+                 poll_interval_s: float = 1.0, clock=time.monotonic) -> None:
+        self.workers = workers
+        self.hang_timeout_s = hang_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.clock = clock
+        self.watches: dict[int, RankWatch] = {}
+
+    def fresh(self) -> None:
+        """Forget replies of an earlier wait (a health call still in flight stays: one per rank)."""
+        for watch in self.watches.values():
+            watch.snapshot = None
+
+    def poll(self, ranks) -> Hung | None:
+        """Collect the replies that arrived, send calls where due to ``ranks``, judge those ranks."""
+        import ray
+
+        now = self.clock()
+        ranks = list(ranks)
+        inflight = {w.ref: r for r, w in self.watches.items() if w.ref is not None}
+        if inflight:
+            ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0)
+            for ref in ready:
+                watch = self.watches[inflight[ref]]
+                watch.ref = watch.sent_at = None
+                try:
+                    info = ray.get(ref, timeout=0)
+                except Exception:  # the rank died: the call's own result says so
+                    continue
+                watch.snapshot = ProgressSnapshot(info.call, info.progress_age_s or 0.0, info.advances)
+                watch.pid = info.pid
+        for rank in ranks:
+            watch = self.watches.setdefault(rank, RankWatch())
+            if watch.ref is None and (watch.last_sent is None or now - watch.last_sent >= self.poll_interval_s):
+                watch.ref = self.workers[rank].health.remote()
+                watch.sent_at = watch.last_sent = now
+        return judge({r: self.watches[r] for r in ranks}, now, self.hang_timeout_s, self.health_timeout_s)

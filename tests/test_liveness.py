@@ -1,0 +1,152 @@
+"""Unit tests of liveness: the progress tracker and the hung-rank decision, with a fake clock (no Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from resilient_rl.controller import progress
+from resilient_rl.controller.dispatch import register
+from resilient_rl.controller.liveness import RankWatch, judge
+from resilient_rl.controller.progress import ProgressSnapshot, ProgressTracker
+from resilient_rl.errors import WorkerTimeoutError
+from resilient_rl.controller.recovery import classify
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_tracker_reports_call_age_and_advances():
+    clock = FakeClock()
+    tr = ProgressTracker(clock=clock, sleep=clock.sleep)
+    assert tr.snapshot() == ProgressSnapshot(None, 0.0, 0)
+    tr.begin("update_actor")
+    clock.t += 5
+    assert tr.snapshot() == ProgressSnapshot("update_actor", 5.0, 0)
+    tr.advance("mini-batch")
+    clock.t += 1.5
+    assert tr.snapshot() == ProgressSnapshot("update_actor", 1.5, 1)
+    tr.end()
+    assert tr.snapshot() == ProgressSnapshot(None, 0.0, 1)
+
+
+def test_nested_calls_report_the_outer_one_and_context_manager_ends_on_error():
+    tr = ProgressTracker()
+    with pytest.raises(RuntimeError):
+        with tr.track("actor_update_actor"):
+            with tr.track("update_actor"):
+                assert tr.snapshot().call == "actor_update_actor"
+                raise RuntimeError("boom")
+    assert tr.snapshot().call is None
+
+
+def test_slow_down_sleeps_before_the_next_advances_only():
+    clock = FakeClock()
+    tr = ProgressTracker(clock=clock, sleep=clock.sleep)
+    tr.slow_down(2.0, 2)
+    for _ in range(3):
+        tr.advance()
+    assert clock.t == 104.0 and tr.snapshot().advances == 3
+    with pytest.raises(ValueError, match="seconds_per_advance"):
+        tr.slow_down(-1, 1)
+
+
+def test_advances_from_threads_are_all_counted():
+    tr = ProgressTracker()
+
+    def work():
+        for _ in range(1000):
+            tr.advance()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Unlocked increments may race; the count only has to grow (liveness reads age, not the count).
+    assert 1000 <= tr.snapshot().advances <= 4000
+
+
+def test_register_marks_the_call_in_this_process():
+    seen = []
+
+    class W:
+        @register()
+        def work(self):
+            seen.append(progress.snapshot().call)
+            progress.advance("step")
+            return 1
+
+    assert W().work() == 1
+    assert seen == ["work"] and progress.snapshot().call is None
+
+
+def test_advancing_counts_one_advance_per_item():
+    before = progress.snapshot().advances
+    assert list(progress.advancing([b"a", b"b", b"c"], "chunk")) == [b"a", b"b", b"c"]
+    assert progress.snapshot().advances == before + 3
+
+
+def _w(call=None, age=0.0, sent_at=None, pid=7):
+    return RankWatch(sent_at=sent_at, snapshot=ProgressSnapshot(call, age, 3) if call or age else None, pid=pid)
+
+
+def test_a_long_call_that_advances_is_live():
+    watches = {0: _w("update_actor", age=0.5), 1: _w("update_actor", age=2.9)}
+    assert judge(watches, now=1000.0, hang_timeout_s=3.0, health_timeout_s=2.0) is None
+
+
+def test_a_rank_inside_a_call_without_progress_is_stalled():
+    watches = {0: _w("update_actor", age=0.5), 1: _w("update_actor", age=3.5, pid=42)}
+    hung = judge(watches, now=1000.0, hang_timeout_s=3.0, health_timeout_s=2.0)
+    assert (hung.rank, hung.kind, hung.pid) == (1, "stalled", 42)
+    assert "update_actor" in hung.detail and "hang_timeout_s" in hung.detail
+
+
+def test_an_idle_rank_is_never_stalled():
+    assert judge({0: _w(None, age=999.0)}, now=5.0, hang_timeout_s=3.0, health_timeout_s=2.0) is None
+
+
+def test_the_first_to_stop_is_named_when_its_peers_wait_on_it():
+    # Rank 2 stopped advancing first; 0 and 1 stalled later in the collective waiting for it.
+    watches = {0: _w("update", age=4.0), 1: _w("update", age=4.2), 2: _w("update", age=9.0)}
+    assert judge(watches, now=0.0, hang_timeout_s=3.0, health_timeout_s=2.0).rank == 2
+
+
+def test_an_unanswered_health_call_beats_stalled_peers():
+    # A stopped rank cannot reply; its peer answers but waits in the collective.
+    clock = FakeClock(50.0)
+    watches = {0: _w("update", age=1.0, sent_at=clock.t), 1: _w("update", age=1.0)}
+    assert judge(watches, clock(), 3.0, 2.0) is None
+    clock.t += 2.5
+    watches[1] = _w("update", age=3.5)
+    hung = judge(watches, clock(), 3.0, 2.0)
+    assert (hung.rank, hung.kind) == (0, "unresponsive")
+    assert "health_timeout_s" in hung.detail
+
+
+def test_a_hang_is_its_own_recoverable_cause():
+    exc = WorkerTimeoutError("actor rank 1 is hung", role="actor", rank=1, cause="hang", pid=9, hang_kind="stalled")
+    assert classify(exc).cause == "hang"
+    assert classify(WorkerTimeoutError("ceiling", role="actor", rank=0, cause="timeout")).cause == "timeout"
+    from resilient_rl.controller.recovery import RECOVERABLE_CAUSES
+
+    assert "hang" in RECOVERABLE_CAUSES
+
+
+def test_hang_timeout_is_validated_against_the_health_timeout():
+    from resilient_rl.errors import ConfigError
+    from resilient_rl.trainer.config import load_config
+
+    with pytest.raises(ConfigError, match="hang_timeout_s"):
+        load_config(None, ["recovery.hang_timeout_s=1", "recovery.health_timeout_s=2"])
+    assert load_config(None, []).recovery.hang_timeout_s > load_config(None, []).recovery.health_timeout_s

@@ -1,0 +1,170 @@
+"""Liveness on a local Ray cluster: a long call that advances is healthy, a rank that stops
+advancing or is SIGSTOPped is named, and killing a stalled rank frees its peer from the collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from resilient_rl import Dispatch, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker, register
+from resilient_rl.controller import progress
+from resilient_rl.controller.health import HEALTH_GROUPS
+from resilient_rl.errors import CollectiveError, WorkerError, WorkerTimeoutError
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.ray
+
+HANG_S = 3.0
+HEALTH_S = 1.5
+
+
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
+class LoopWorker(Worker):
+    _rrl_health_group = True
+
+    def __init__(self):
+        super().__init__()
+        self.released = threading.Event()
+
+    @ray.method(concurrency_group="health")
+    def health(self):
+        return self.ping()
+
+    @ray.method(concurrency_group="health")
+    def release(self):
+        """End a stalled loop (from the health thread, since the main one is busy in it)."""
+        self.released.set()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def work(self, seconds: float, tick_s: float, stall_rank: int = -1):
+        """Loop for ``seconds`` (or until released), advancing every ``tick_s``; ``stall_rank`` never advances."""
+        self.released.clear()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not self.released.is_set():
+            time.sleep(tick_s)
+            if self.rank != stall_rank:
+                progress.advance("tick")
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stall_or_reduce(self, stall_rank: int):
+        """``stall_rank`` stops advancing (an endless loop); the others advance, then wait for it in a collective."""
+        if self.rank == stall_rank:
+            self.released.clear()
+            while not self.released.wait(0.2):
+                pass
+            return self.rank
+        time.sleep(0.5)
+        progress.advance("before collective")
+        t = torch.ones(1)
+        try:
+            dist.all_reduce(t)
+        except Exception as exc:
+            raise CollectiveError(f"rank {self.rank}: {exc}", rank=self.rank, cause="collective") from exc
+        return self.rank
+
+
+def make_group(prefix: str, **kw) -> RayWorkerGroup:
+    pool = RayResourcePool([2], use_gpu=False, name_prefix=prefix, cpus_per_bundle=0.1)
+    return RayWorkerGroup(pool, RayClassWithInitArgs(LoopWorker), hang_timeout_s=HANG_S, health_timeout_s=HEALTH_S,
+                          **kw)
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    wg = make_group("live", call_timeout_s=60)
+    try:
+        yield wg
+    finally:
+        wg.shutdown()
+
+
+def test_a_long_call_that_keeps_advancing_is_not_a_hang(group):
+    # Twice the hang timeout in total; no gap between advances comes near it.
+    assert group.work(2.5 * HANG_S, 0.25) == [0, 1]
+    info = group.ping()
+    assert all(i.call is None and i.advances > 0 for i in info)
+
+
+def test_the_ceiling_still_bounds_a_whole_call(ray_cluster):
+    wg = make_group("ceiling", call_timeout_s=2.0)
+    try:
+        with pytest.raises(WorkerTimeoutError) as err:
+            wg.work(4.0, 0.2)
+        assert err.value.cause == "timeout"
+    finally:
+        wg.shutdown()
+
+
+def test_a_rank_that_stops_advancing_is_named(group):
+    refs = group.execute_all_async("work", 30.0, 0.2, 1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeoutError) as err:
+            group.get(refs)
+        waited = time.monotonic() - t0
+        print(f"stalled rank detected after {waited:.1f}s (hang_timeout_s={HANG_S:g})")
+        assert err.value.cause == "hang" and err.value.hang_kind == "stalled" and err.value.rank == 1
+        assert err.value.pid == ray.get(group.workers[1].health.remote(), timeout=10).pid
+        assert "'work'" in str(err.value) and "hang_timeout_s" in str(err.value)
+        assert waited < 30.0, "liveness, not the end of the call, ended the wait"
+    finally:
+        ray.get([w.release.remote() for w in group.workers], timeout=30)
+        assert ray.get(refs, timeout=60) == [0, 1]  # both loops end; the group is idle again
+
+
+def test_killing_a_stalled_rank_frees_its_peer_for_the_next_rendezvous(ray_cluster):
+    wg = make_group("stallpeer", call_timeout_s=60, max_restarts=1)
+    try:
+        wg.init_process_group(generation=1, backend="gloo", timeout_s=20, collective_timeout_s=120)
+        infos = wg.ping()
+        pids = [i.pid for i in infos]
+        refs = wg.execute_all_async("stall_or_reduce", 1)
+        with pytest.raises(WorkerTimeoutError) as err:
+            wg.get(refs)
+        # Rank 0 waits in the collective and stops advancing too, but rank 1 stopped first.
+        assert err.value.rank == 1 and err.value.hang_kind == "stalled" and err.value.pid == pids[1]
+        wg.kill_rank(1, pids[1], infos[1].node_id)
+        # The survivor's collective fails at once (not after the group's 120 s timeout), so the
+        # rendezvous of the next generation does not queue behind its call.
+        with pytest.raises(WorkerError) as peer:
+            wg.get([refs[0]], timeout_s=30)
+        assert peer.value.cause in ("collective", "exception")
+        wg.wait_alive(60)
+        wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+        assert wg.ping()[1].pid != pids[1]
+    finally:
+        wg.shutdown()
+
+
+def test_a_sigstopped_rank_is_named(ray_cluster):
+    wg = make_group("sigstop", call_timeout_s=60)
+    stopped = None
+    try:
+        pid = wg.ping()[1].pid
+        refs = wg.execute_all_async("work", 30.0, 0.2)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = pid
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as err:
+            wg.get(refs)
+        print(f"stopped rank detected after {time.monotonic() - t0:.1f}s (health_timeout_s={HEALTH_S:g})")
+        assert err.value.cause == "hang" and err.value.hang_kind == "unresponsive" and err.value.rank == 1
+        assert "health_timeout_s" in str(err.value)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+            os.kill(stopped, signal.SIGKILL)
+        wg.shutdown()
