@@ -101,6 +101,7 @@ def populated_registry() -> tuple[TrainerMetrics, DeviceMetrics]:
     trainer.record_checkpoint_save(1.0, 0.1, 1024, 1)
     trainer.record_checkpoint_load(0.2)
     trainer.record_corrupt_checkpoint()
+    trainer.record_checkpoint_skipped("storage")
     devices = DeviceMetrics(
         registry=trainer.registry, node="n0",
         gpu_sampler=GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-0000")]), all_devices=True),
