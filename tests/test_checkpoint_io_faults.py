@@ -48,7 +48,8 @@ def test_a_rank_restarted_during_an_async_save_abandons_it_for_recovery(tmp_path
     coord, events = _coordinator(tmp_path, FaultPlan(slow_s=0.05), name="lost")
     with LocalCheckpointRoles() as roles:
         _save(coord, roles, 2)
-        assert coord.wait(roles)
+        coord.wait(roles)
+        assert coord.manager.latest_step() == 2
         _save(coord, roles, 4)
         roles.groups["critic"].restart(0)  # the process died while writing step 4 and came back
         with pytest.raises(WorkerDiedError, match="critic rank 0 holds no shard of the checkpoint of step 4") as info:
