@@ -327,6 +327,12 @@ def reliability() -> dict:
             f"{sel('rrl_step')} - {sel('rrl_checkpoint_last_committed_step')}", "{{instance}}")]),
         ts_panel("Corrupt checkpoints", [(increments("rrl_checkpoint_corrupt_total", "$__interval"),
                                           "corrupt")]),
+        ts_panel("Skipped checkpoints", [(increments("rrl_checkpoint_skipped_total", "$__interval",
+                                                     by="reason"), "{{reason}}")], stacked=True,
+                 description="Saves skipped while training went on: storage (an outage past the "
+                             "retries) or slow (the previous save still writing after "
+                             "checkpoint.save_timeout_s). More than checkpoint.max_skipped in a row "
+                             "stop the run."),
     ], [run_variable()], [RECOVERY_ANNOTATION])
 
 

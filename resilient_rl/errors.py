@@ -73,7 +73,20 @@ class CheckpointCorruptError(CheckpointError):
 
 
 class StorageError(CheckpointError):
-    """The storage backend failed permanently (after retries)."""
+    """The storage backend failed permanently (after retries).
+
+    ``outage`` is True when the error was transient but outlasted the retries (a later attempt
+    may get through): a checkpoint save meeting it is skipped, not fatal."""
+
+    def __init__(self, *args, outage: bool = False):
+        super().__init__(*args)
+        self.outage = outage
+
+
+class CheckpointsSkippedError(StorageError):
+    """Checkpoint saves failed ``checkpoint.max_skipped`` times in a row and one more failed: the
+    run stops, its last committed checkpoint intact (``checkpoint/`` storage outage, see
+    ``trainer/checkpointing.py``)."""
 
 
 class LeaseError(CheckpointError):

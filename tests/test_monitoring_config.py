@@ -119,7 +119,7 @@ def promtool(*args: str, cwd: Path | None = None) -> str:
 @needs_promtool
 def test_promtool_accepts_config_and_rules():
     assert "SUCCESS" in promtool("check", "config", str(MONITORING / "prometheus.yml"))
-    assert "SUCCESS: 10 rules found" in promtool("check", "rules", str(RULES))
+    assert f"SUCCESS: {len(alert_rules())} rules found" in promtool("check", "rules", str(RULES))
 
 
 @needs_promtool
@@ -215,6 +215,24 @@ tests:
             exp_annotations:
               summary: "Last checkpoint is more than 500 steps behind on c:1"
               description: "750 steps were trained since the last committed checkpoint; a crash now would replay them."
+
+  - interval: 1m
+    input_series:
+      # Exported at 0 from the start (every reason); two saves skipped at 71m and 72m.
+      - series: 'rrl_checkpoint_skipped_total{{instance="c:1", run="r", reason="storage"}}'
+        values: '0x70 1 2 2x80'
+      - series: 'rrl_checkpoint_skipped_total{{instance="c:1", run="r", reason="slow"}}'
+        values: '0x152'
+    alert_rule_test:
+      - {{alertname: RRLCheckpointsSkipped, eval_time: 70m, exp_alerts: []}}
+      - alertname: RRLCheckpointsSkipped
+        eval_time: 75m
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "c:1", reason: storage}}
+            exp_annotations:
+              summary: "Checkpoints skipped (storage) on c:1"
+              description: "2 checkpoint save(s) skipped in the last hour (storage). Check the checkpoint storage; the run stops after checkpoint.max_skipped skips in a row, its last committed checkpoint intact."
+      - {{alertname: RRLCheckpointsSkipped, eval_time: 140m, exp_alerts: []}}
 
   - interval: 1m
     input_series:

@@ -75,6 +75,15 @@ def is_transient(exc: BaseException) -> bool:
     return bool(_EXTRA_TRANSIENT) and isinstance(exc, _EXTRA_TRANSIENT)
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether a StorageError is a storage outage (transient errors that outlasted the retries,
+    which a later attempt may get through) rather than a permanent error (no space left, no
+    permission): what :func:`call_with_retry` raised for a transient error that kept failing."""
+    if not isinstance(exc, StorageError):
+        return False
+    return bool(getattr(exc, "outage", False)) or (exc.__cause__ is not None and is_transient(exc.__cause__))
+
+
 def call_with_retry(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T]) -> T:
     """Run ``fn``, retrying transient errors per ``policy``; any failure that remains is raised
     as StorageError("<op> failed for <where>: ...") chained to the original error."""
@@ -102,4 +111,5 @@ def call_with_retry(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T
         raise
     except Exception as exc:
         why = f"still failing after {attempts} attempts" if is_transient(exc) else "permanent error"
-        raise StorageError(f"{op} failed for {where}: {why}: {type(exc).__name__}: {exc}") from exc
+        raise StorageError(f"{op} failed for {where}: {why}: {type(exc).__name__}: {exc}",
+                           outage=is_transient(exc)) from exc

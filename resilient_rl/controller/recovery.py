@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from resilient_rl.errors import (CollectiveError, RRLError, WorkerDiedError, WorkerError, WorkerTimeoutError)
+from resilient_rl.errors import (CollectiveError, RRLError, StorageError, WorkerDiedError, WorkerError,
+                                 WorkerTimeoutError)
 
 #: Causes a replay can fix: infrastructure failures, not bugs.
-RECOVERABLE_CAUSES = frozenset({"died", "timeout", "hang", "collective", "node_lost", "unavailable"})
+RECOVERABLE_CAUSES = frozenset({"died", "timeout", "hang", "collective", "node_lost", "unavailable", "storage"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ def classify(exc: BaseException, now: float | None = None) -> Failure:
         cause = "collective"
     elif isinstance(exc, WorkerError):
         cause = exc.cause or "exception"
+    elif isinstance(exc, StorageError) and exc.outage:
+        # Storage unreachable past the retries (e.g. while restoring): it may come back, so it
+        # spends the failure budget like a dead worker instead of ending the run at once.
+        # Checkpoint saves never get here: they skip the checkpoint (trainer/checkpointing.py).
+        cause = "storage"
     elif isinstance(exc, RRLError):
         cause = "error"
     else:

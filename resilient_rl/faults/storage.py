@@ -7,7 +7,11 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
   operations fail with a transient ``OSError`` (``EIO`` by default). A failing streamed write
   fails part-way, after some bytes went through, like a dropped connection;
 - every data operation is delayed by ``slow_s`` seconds;
-- once ``enospc_after_bytes`` bytes have been written, writes fail with ``ENOSPC`` (permanent).
+- once ``enospc_after_bytes`` bytes have been written, writes fail with ``ENOSPC`` (permanent);
+- every write to a path containing one of the comma-separated ``outage_paths`` (e.g.
+  ``"step_00000004/,step_00000006/actor"``) fails with the transient error, however often it is
+  retried: a storage outage longer than the retries, for those saves only (the lease and the
+  other steps are untouched, in every process that opens the plan).
 
 It is never registered in production. :func:`register` (called by :func:`faulty_url` and the chaos
 suite) registers it with fsspec as protocol ``faulty`` in this process and sets
@@ -52,8 +56,10 @@ class FaultPlan:
     transient_errno: int = errno.EIO
     slow_s: float = 0.0
     enospc_after_bytes: int | None = None
+    outage_paths: str = ""
 
     def __post_init__(self) -> None:
+        self.outage_paths = self.outage_paths or ""  # an empty `key=` override reads as None
         if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0:
             raise ValueError(f"FaultPlan counts and delays must be >= 0, got {self}")
 
@@ -157,7 +163,8 @@ class FaultyFileSystem(AbstractFileSystem):
         with self._lock:
             if kind == "write":
                 self.writes += 1
-                failing = self.writes <= self.plan.transient_writes
+                failing = self.writes <= self.plan.transient_writes or any(
+                    part and part in path for part in self.plan.outage_paths.split(","))
             else:
                 self.reads += 1
                 failing = self.reads <= self.plan.transient_reads

@@ -27,6 +27,9 @@ from prometheus_client.registry import Collector
 from resilient_rl.errors import TelemetryError
 from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
 
+#: Why a checkpoint save was skipped (``rrl_checkpoint_skipped_total{reason}``).
+SKIP_REASONS = ("storage", "slow")
+
 #: The phases of one training step, in the order a step runs them (trainer/step.py times them).
 #: ``old_log_prob`` is the actor's recomputation of the rollout's log-probabilities.
 STEP_PHASES: tuple[str, ...] = ("gen", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor",
@@ -200,6 +203,11 @@ class TrainerMetrics:
                                         registry=r)
         self.checkpoint_corrupt = Counter("rrl_checkpoint_corrupt", "Committed checkpoints that "
                                           "failed verification when loaded.", registry=r)
+        self.checkpoint_skipped = Counter("rrl_checkpoint_skipped", "Checkpoint saves skipped while training "
+                                          "went on, by reason (storage: an outage past the retries; slow: "
+                                          "the previous save was still being written).", ["reason"], registry=r)
+        for reason in SKIP_REASONS:  # exported at 0 from the start, so an increase() alert sees the first
+            self.checkpoint_skipped.labels(reason=reason)
         self._commits = _CheckpointCommitCollector(clock)
         r.register(self._commits)
 
@@ -324,6 +332,10 @@ class TrainerMetrics:
     def record_corrupt_checkpoint(self) -> None:
         """Count a committed checkpoint that failed verification."""
         self.checkpoint_corrupt.inc()
+
+    def record_checkpoint_skipped(self, reason: str) -> None:
+        """Count a checkpoint save that was skipped (``reason``: ``storage`` or ``slow``)."""
+        self.checkpoint_skipped.labels(reason=reason).inc()
 
     def checkpoint_age(self) -> float:
         """Seconds since the last commit (since start while none); exported on every scrape."""

@@ -102,6 +102,7 @@ def populated_registry() -> tuple[TrainerMetrics, DeviceMetrics]:
     trainer.record_checkpoint_load(0.2)
     trainer.record_corrupt_checkpoint()
     trainer.record_nonfinite("loss", "skipped")
+    trainer.record_checkpoint_skipped("storage")
     devices = DeviceMetrics(
         registry=trainer.registry, node="n0",
         gpu_sampler=GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-0000")]), all_devices=True),

@@ -3,7 +3,12 @@
 The controller writes ``trainer_state.json`` (its registered state: step, data loader position,
 KL controller), asks every rank of the trainable roles to stage and write its shards, and commits
 the step (manifest, then ``latest``) only after every rank has reported its files. At most one save
-is in flight. Restoring picks the newest committed checkpoint that verifies (a corrupt one is
+is in flight. Checkpoint I/O failures do not end the run: a save whose rank lost its writer
+(the process restarted) is abandoned and the run recovers; a due save finding the previous one
+still writing after ``checkpoint.save_timeout_s`` is skipped; a storage outage (transient errors
+past the retries) skips the checkpoint while training goes on, until more than
+``checkpoint.max_skipped`` were skipped in a row (CheckpointsSkippedError; the last committed
+checkpoint stays intact). A permanent storage error (no space left) still stops the run. Restoring picks the newest committed checkpoint that verifies (a corrupt one is
 reported and skipped), loads every role into its current world size and returns the controller
 state to continue from.
 
@@ -26,8 +31,9 @@ from typing import Any, Callable
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
 from resilient_rl.checkpoint.lease import Lease, RunLease
-from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
-                                 StorageError)
+from resilient_rl.checkpoint.retry import is_outage
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
+                                 CheckpointsSkippedError, ConfigError, StorageError, WorkerDiedError)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +68,11 @@ class CheckpointCoordinator:
         self.pending: dict[str, Any] | None = None
         self.abandoned: int | None = None  # a save given up on: a surviving rank may still be writing it
         self.last_committed: int | None = None
-        self.timeout_s = cfg.recovery.call_timeout_s
+        self.timeout_s = cfg.recovery.call_timeout_s  # the deadline of one call on the workers
+        self.save_timeout_s = c.save_timeout_s  # how long a due save waits for the previous one
+        self.max_skipped = c.max_skipped
+        self.skipped_in_row = 0  # checkpoints skipped since the last commit
+        self._leftovers = False  # a skipped save may have left files behind
         self.lease: RunLease | None = None
         # Where this run's timeline starts when it was resumed from another run's checkpoint:
         # recovery falls back to it until the run commits a step of its own.
@@ -135,52 +145,134 @@ class CheckpointCoordinator:
     def save(self, roles, step: int, trainer_state: dict, digest: str, known_good: bool = True) -> float:
         """Start the save of ``step``; returns the time the step was blocked (stall).
 
-        ``known_good`` goes into the manifest: False when the run met a NaN/Inf since the last
-        known-good checkpoint (the state saved is still checked to be finite)."""
+        The previous save, if still writing, is waited for up to ``checkpoint.save_timeout_s``;
+        past that this save is skipped (reason ``slow``). A storage outage skips it too
+        (reason ``storage``); see :meth:`_skip`. ``known_good`` goes into the manifest: False when
+        the run met a NaN/Inf since the last known-good checkpoint (the state saved is still
+        checked to be finite)."""
         self._check_lease()
-        self.wait(roles)
+        if self.pending is not None and not self.wait(roles):
+            self._skip(step, "slow", f"the save of step {self.pending['step']} is still being written after "
+                                     f"checkpoint.save_timeout_s={self.save_timeout_s:g}s")
+            return 0.0
         try:  # strict JSON: a NaN here would be written, then refused by the loader at resume
             json.dumps(trainer_state, allow_nan=False)
         except ValueError as exc:
             self._refuse(step, "controller", f"trainer state is not finite ({exc})")
             return 0.0
         t0 = time.perf_counter()
-        self.manager.begin_step(step)
-        self.manager.write_trainer_state(step, trainer_state)
-        results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel_for(self.manager, step, role), self.async_save)
+        try:
+            self.manager.begin_step(step)
+            self.manager.write_trainer_state(step, trainer_state)
+        except StorageError as exc:
+            if not is_outage(exc):
+                raise
+            self._leftovers = True
+            self._skip(step, "storage", str(exc))
+            return time.perf_counter() - t0
+        results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel_for(self.manager, step, role),
+                                           self.async_save)
                    for role, g in self._groups(roles)}
         stall = time.perf_counter() - t0
         self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest, "known_good": known_good,
                         "world_sizes": {role: g.world_size for role, g in self._groups(roles)}}
         self.on_event("checkpoint_started", step=step, stall_s=stall)
         if not self.async_save:
-            self._commit(results)
+            self._settle(results)
         return stall
 
+    def _answers(self, roles, timeout_s: float) -> dict[str, list]:
+        return {role: g.checkpoint_done(timeout_s) for role, g in self._groups(roles)}
+
     def poll(self, roles) -> bool:
-        """Commit the save in flight if every rank has written; True when nothing is pending any more."""
+        """Commit (or skip) the save in flight if every rank has written; True when nothing is
+        pending any more. Raises WorkerDiedError when a rank lost its writer (see :meth:`_settle`)."""
         self._check_lease()
         if self.pending is None:
             return True
-        results = {role: g.checkpoint_done(0.0) for role, g in self._groups(roles)}
+        return self._settle(self._answers(roles, 0.0))
+
+    def wait(self, roles, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (default ``checkpoint.save_timeout_s``) for the save in flight
+        to be written, then commit (or skip) it; False when it is still being written."""
+        if self.pending is None:
+            return True
+        timeout_s = self.save_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        # Each worker-side wait stays well inside the deadline of one group call
+        # (recovery.call_timeout_s): a long save is waited for in slices, never as one long call.
+        slice_s = max(0.05, min(1.0, self.timeout_s / 4))
+        while True:
+            remaining = deadline - time.monotonic()
+            if self._settle(self._answers(roles, min(slice_s, remaining) if remaining > 0 else 0.0)):
+                return True
+            if remaining <= 0:
+                return False
+
+    def finish(self, roles) -> bool:
+        """At the end of a run: wait (bounded) for the last save and commit it. A save still
+        being written after ``checkpoint.save_timeout_s`` is reported and abandoned (the run's
+        last committed checkpoint is the one before); returns whether nothing was left behind."""
+        if self.wait(roles):
+            return True
+        step = self.pending["step"]
+        logger.error("the checkpoint of step %d was still being written after checkpoint.save_timeout_s=%gs "
+                     "at the end of the run: abandoned; the last committed checkpoint is step %s",
+                     step, self.save_timeout_s, self.last_committed)
+        self.abandon(reason="slow")
+        return False
+
+    def _settle(self, results: dict[str, list]) -> bool:
+        """Act on every rank's answer about the save in flight: commit it, skip it (storage
+        outage) or give it up; False while a rank is still writing.
+
+        A rank answering ``[]`` holds no save: its process was restarted, so its shard is lost
+        and the worker group is broken. The save is abandoned and WorkerDiedError raised, for
+        the caller's recovery. A permanent storage error (no space left) raises StorageError."""
+        step = self.pending["step"]
+        lost = [(role, rank) for role, rs in results.items() for rank, r in enumerate(rs) if r == []]
+        if lost:
+            role, rank = lost[0]
+            self.abandon(reason="writer_lost")
+            raise WorkerDiedError(f"{role} rank {rank} holds no shard of the checkpoint of step {step}: its "
+                                  "process was restarted while the save was written", role=role, rank=rank,
+                                  cause="died")
         if any(r is None for rs in results.values() for r in rs):
             return False
+        failed = [(role, rank, r) for role, rs in results.items() for rank, r in enumerate(rs) if isinstance(r, dict)]
+        if failed:
+            role, rank, r = failed[0]
+            detail = f"{role} rank {rank} could not write its shards: {r.get('storage_error')}"
+            if not r.get("outage"):
+                self.abandon(reason="storage")
+                raise StorageError(f"checkpoint of step {step}: {detail}")
+            self.pending = None
+            self._leftovers = True
+            self._skip(step, "storage", detail)
+            return True
         self._commit(results)
         return True
 
-    def wait(self, roles) -> None:
-        """Block until the save in flight is written and committed."""
-        if self.pending is None:
-            return
-        results = {role: g.checkpoint_done(self.timeout_s) for role, g in self._groups(roles)}
-        if any(r is None for rs in results.values() for r in rs):
-            raise CheckpointError(f"checkpoint of step {self.pending['step']} was not written within {self.timeout_s}s")
-        self._commit(results)
+    def _skip(self, step: int, reason: str, detail: str) -> None:
+        """Record a checkpoint that was not saved (training goes on); raise
+        CheckpointsSkippedError once more than ``checkpoint.max_skipped`` were skipped in a row."""
+        self.skipped_in_row += 1
+        logger.warning("checkpoint of step %d skipped (%s, %d in a row): %s", step, reason, self.skipped_in_row,
+                       detail)
+        self.on_event("checkpoint_skipped", step=step, reason=reason, in_row=self.skipped_in_row,
+                      detail=detail[:500])
+        if self.metrics is not None:
+            self.metrics.record_checkpoint_skipped(reason)
+        if self.skipped_in_row > self.max_skipped:
+            raise CheckpointsSkippedError(
+                f"{self.skipped_in_row} checkpoints in a row could not be saved (checkpoint.max_skipped="
+                f"{self.max_skipped}); the last: step {step}, {reason}: {detail[:300]}; the last committed "
+                f"checkpoint is step {self.last_committed}")
 
-    def abandon(self) -> None:
+    def abandon(self, reason: str = "recovery") -> None:
         """Forget the save in flight (its ranks died or were reset): it is never committed."""
         if self.pending is not None:
-            self.on_event("checkpoint_abandoned", step=self.pending["step"])
+            self.on_event("checkpoint_abandoned", step=self.pending["step"], reason=reason)
             self.abandoned = self.pending["step"]
         self.pending = None
 
@@ -204,15 +296,27 @@ class CheckpointCoordinator:
             return
         files = {role: [FileRecord.from_json(rec) for per_rank in rs for rec in per_rank]
                  for role, rs in results.items()}
-        self.manager.commit(p["step"], files, p["world_sizes"], p["digest"], known_good=p.get("known_good", True))
+        try:
+            self.manager.commit(p["step"], files, p["world_sizes"], p["digest"], known_good=p.get("known_good", True))
+        except StorageError as exc:  # manifest, ``latest`` or retention: the storage went away
+            if not is_outage(exc):
+                raise
+            self.pending = None
+            self._leftovers = True
+            self._skip(p["step"], "storage", f"commit: {exc}")
+            return
         duration = time.perf_counter() - p["t0"]
         nbytes = sum(r.size for rs in files.values() for r in rs)
         self.last_committed = p["step"]
         self.pending = None
+        self.skipped_in_row = 0
         self.on_event("checkpoint_committed", step=p["step"], duration_s=duration, stall_s=p["stall"], bytes=nbytes,
                       known_good=p.get("known_good", True))
         if self.metrics is not None:
             self.metrics.record_checkpoint_save(duration, p["stall"], nbytes, p["step"])
+        if self._leftovers:  # what skipped saves left half-written, now that storage answers again
+            self._leftovers = False
+            self.cleanup()
 
     # ------------------------------------------------------------------ restore
     def _source(self, resume: str) -> tuple[CheckpointManager, int] | None:

@@ -387,8 +387,14 @@ class CheckpointConfig(_Section):
     lease_ttl_s: float = 60.0
     lease_renew_s: float = 20.0
     takeover: bool = False
+    save_timeout_s: float = 600.0
+    max_skipped: int = 3
 
     def validate(self) -> None:
+        _require(self.save_timeout_s > 0, "save_timeout_s", self.save_timeout_s,
+                 "must be > 0 seconds (how long a due save waits for the previous one to finish writing)")
+        _require(self.max_skipped >= 0, "max_skipped", self.max_skipped,
+                 "must be >= 0 (checkpoints skipped in a row before the run stops; 0 = stop at the first)")
         _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
         _require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
         _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")

@@ -230,6 +230,10 @@ class PPOTrainer:
                         bar.refresh()
                         continue
                     self.maybe_checkpoint()
+                    if self.step >= total and hasattr(self.roles, "groups"):
+                        # The last save, waited for (bounded) inside the recovery: a rank that lost
+                        # it rolls the run back to the last commit and the final steps are replayed.
+                        self.ckpt.finish(self.roles)
                 except WorkerError as exc:
                     self.recovery.handle(exc, self.step + 1)
                     bar.n = self.step
@@ -237,8 +241,6 @@ class PPOTrainer:
                     continue
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['timing/step_s']:.2f}")
-            if hasattr(self.roles, "groups"):
-                self.ckpt.wait(self.roles)
         finally:
             bar.close()
         return list(self.history)

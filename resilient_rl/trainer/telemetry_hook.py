@@ -328,6 +328,9 @@ class TelemetryHook:
     def record_corrupt_checkpoint(self) -> None:
         self.metrics.record_corrupt_checkpoint()
 
+    def record_checkpoint_skipped(self, reason: str) -> None:
+        self.metrics.record_checkpoint_skipped(reason)
+
     # ------------------------------------------------------------------ workers and nodes
     def _locate_controller(self) -> None:
         ray = _ray()

@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from resilient_rl.checkpoint import AsyncShardWriter, FileRecord, Storage, load_shard_into, stage, write_shard
+from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.controller.dispatch import Dispatch, register
+from resilient_rl.errors import StorageError
 
 #: Flat-key prefixes whose values differ per rank (each rank saves and restores its own).
 RANK_LOCAL = ("rng",)
@@ -54,6 +56,13 @@ def state_is_finite(state) -> bool:
 
     walk(state)
     return bool(torch.stack(flags).all()) if flags else True
+
+
+def storage_failure(exc: StorageError) -> dict:
+    """What a rank reports instead of its records when its shards could not be written: the
+    controller skips the checkpoint (an outage) or stops the run (a permanent error) instead of
+    treating a storage failure as a crashed worker."""
+    return {"storage_error": str(exc)[:1000], "outage": is_outage(exc)}
 
 
 class CheckpointMixin:
@@ -127,19 +136,27 @@ class CheckpointMixin:
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
-        """Save this rank's shards under ``rel_dir``; async returns None at once (poll with checkpoint_done)."""
+        """Save this rank's shards under ``rel_dir``; async returns None at once (poll with checkpoint_done).
+
+        A synchronous save that the storage refuses returns :func:`storage_failure`."""
         storage = self._storage(root, storage_options)
         state = self._state()
         self._save_finite = state_is_finite(state)
         if not async_save:
-            return _records(write_shard(stage(state, self.rank, rank_local=RANK_LOCAL, copy=False), storage, rel_dir,
-                                        self.rank), self._save_finite)
+            try:
+                return _records(write_shard(stage(state, self.rank, rank_local=RANK_LOCAL, copy=False), storage,
+                                            rel_dir, self.rank), self._save_finite)
+            except StorageError as exc:
+                return storage_failure(exc)
         self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, self.rank, rank_local=RANK_LOCAL)
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def checkpoint_done(self, timeout_s: float = 0.0):
-        """Records of the last async save once written; None while it is still being written."""
+        """Records of the last async save once written; None while it is still being written;
+        ``[]`` when this process holds no save (it was restarted, or its writer was reset: the
+        save the controller waits for is lost); :func:`storage_failure` when the storage
+        refused the write."""
         if self._writer is None:
             return []
         try:
@@ -148,7 +165,9 @@ class CheckpointMixin:
             records = self._writer.wait(timeout=timeout_s or 0)
         except cf.TimeoutError:
             return None
-        return None if records is None else _records(records, self._save_finite)
+        except StorageError as exc:
+            return storage_failure(exc)
+        return [] if records is None else _records(records, self._save_finite)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
