@@ -11,6 +11,7 @@ placement actor rank 0 broadcasts them over a weight channel
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import threading
 import time
@@ -67,6 +68,17 @@ class RoleWorker(Worker):
         # the import then overlaps the controller's rendezvous instead of the restart wait.
         threading.Thread(target=tensordict_class, name="warm-imports", daemon=True).start()
 
+    def release_engine(self) -> None:
+        """Drop the engine of an earlier generation before building the next one.
+
+        FSDP modules hold reference cycles, so an old engine (with its optimizer, device mesh and,
+        through them, the destroyed process group's sockets and threads) is freed only by the
+        cycle collector: collect now, or every recovery leaves a survivor a few more open files
+        and threads (found by bench/soak.py)."""
+        if getattr(self, "engine", None) is not None:
+            self.engine = None
+            gc.collect()
+
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
 class ActorWorker(CheckpointMixin, RoleWorker):
@@ -77,6 +89,7 @@ class ActorWorker(CheckpointMixin, RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
+        self.release_engine()
         self.reset_checkpoint_writer()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True,
@@ -150,6 +163,7 @@ class CriticWorker(CheckpointMixin, RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
+        self.release_engine()
         self.reset_checkpoint_writer()
         # A different seed from the actor's: the critic's backbone is its own model.
         self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
@@ -177,6 +191,7 @@ class RefWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
+        self.release_engine()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
                                    reshard_after_forward=c.ref.reshard_after_forward)
         return True
@@ -196,6 +211,7 @@ class RolloutWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> bool:
         c = self.cfg
+        self.release_engine()
         self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
                                     self.eos_token_id, self.pad_token_id)
         # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
