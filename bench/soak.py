@@ -246,9 +246,9 @@ def format_table(samples: list[Sample]) -> str:
 def build_config(args, root: str, name: str, plan_len: int):
     budget = plan_len + 5  # the soak's faults are planned: the failure budget must not end the run
     return load_config(None, [*SMALL, f"trainer.total_steps={args.steps}", f"trainer.output_dir={root}/runs",
-                              f"checkpoint.root={root}/ckpt", f"trainer.run_name={name}", f"trainer.seed={args.seed + 1}",
-                              f"recovery.max_restarts={budget}", f"recovery.max_failures={budget}",
-                              *args.overrides])
+                              f"checkpoint.root={root}/ckpt", f"trainer.run_name={name}",
+                              f"trainer.seed={args.seed + 1}", f"recovery.max_restarts={budget}",
+                              f"recovery.max_failures={budget}", *args.overrides])
 
 
 def run(cfg, schedule: FaultSchedule | None, nan: NanRewards, sample_every: int) -> dict:
@@ -257,24 +257,32 @@ def run(cfg, schedule: FaultSchedule | None, nan: NanRewards, sample_every: int)
     trainer = PPOTrainer(cfg, hooks=[sampler, nan] + ([schedule] if schedule else []))
     nan.attach(trainer)
     t0 = time.time()
+    digest, finite, error = None, None, None
     try:
-        trainer.fit()
+        try:
+            trainer.fit()
+        except Exception as exc:  # e.g. aborted past the failure budget: report what the run did until then
+            error = exc
         wall = time.time() - t0
-        sampler.take(trainer, trainer.step)
-        actor = trainer.roles.groups["actor"]
-        digest = next(d for d in actor.weights_digest() if d is not None)
-        weights = next(w for w in actor.full_weights() if w is not None)
-        finite = all(bool(t.float().isfinite().all()) for t in weights.values())
+        if error is None:
+            sampler.take(trainer, trainer.step)
+            actor = trainer.roles.groups["actor"]
+            digest = next(d for d in actor.weights_digest() if d is not None)
+            weights = next(w for w in actor.full_weights() if w is not None)
+            finite = all(bool(t.float().isfinite().all()) for t in weights.values())
     finally:
         trainer.shutdown()
     rd = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
-    return {"samples": sampler.samples, "wall": wall, "digest": digest, "finite": finite,
+    return {"samples": sampler.samples, "wall": wall, "digest": digest, "finite": finite, "error": error,
             "events": rd.read_events(), "metrics": rd.read_metrics(), "nan_injected": nan.injected}
 
 
 def report(args, res: dict, plan: list[dict], schedule: FaultSchedule | None, ref: dict | None) -> dict:
     """Print the figures; returns them (and the verdicts) as a dict."""
     samples, ev = res["samples"], res["events"]
+    for name, r in (("faulted run", res), ("reference run", ref)):
+        if r is not None and r["error"] is not None:
+            print(f"\n{name} FAILED at step {r['metrics'][-1]['step'] if r['metrics'] else 0}: {r['error']!r}")
     print("\nresources over time (RSS MB / open fds / threads; exec = step starts incl. replays)")
     print(format_table(samples))
     labels = sorted({k for s in samples for k in s.proc}, key=lambda k: (k != "controller", k))
@@ -301,7 +309,7 @@ def report(args, res: dict, plan: list[dict], schedule: FaultSchedule | None, re
     kept = sum(r["timing/step_s"] for r in res["metrics"])
     print(f"\nfaults planned {len(plan)}, injected {len(fired)}, failures seen {len(failures)}, recovered "
           f"{len(recovered)}{', ABORTED' if 'aborted' in kinds else ''} -> "
-          f"{'ok' if len(recovered) >= len(fired) and 'aborted' not in kinds else 'MISSED'}")
+          f"{'ok' if len(recovered) >= len(fired) and 'aborted' not in kinds and res['error'] is None else 'MISSED'}")
     for f in fired:
         print(f"  step {f.step}: SIGKILL {f.target[0]} rank {f.target[1]} (pid {f.pid}) {f.delay_s:g} s into the step")
     print(f"steps lost (replayed) {lost}; recovery time {sum(e['duration_s'] for e in recovered):.1f} s; "
@@ -311,8 +319,9 @@ def report(args, res: dict, plan: list[dict], schedule: FaultSchedule | None, re
               f" final actor weights finite: {res['finite']}")
     verdicts.update(injected=len(fired), failures=len(failures), recovered=len(recovered),
                     aborted="aborted" in kinds, steps_lost=lost, goodput=kept / res["wall"],
-                    finite=res["finite"], nan_injected=res["nan_injected"])
-    if ref is not None:
+                    finite=res["finite"], nan_injected=res["nan_injected"],
+                    error=None if res["error"] is None else repr(res["error"]))
+    if ref is not None and res["digest"] is not None and ref["digest"] is not None:
         same = res["digest"] == ref["digest"]
         hist = deterministic_view(res["metrics"]) == deterministic_view(ref["metrics"])
         print(f"\nfinal actor weights vs the same run without process faults ({ref['wall']:.0f} s): "
