@@ -18,15 +18,22 @@ Then the same run without process faults (same seed, same NaN schedule) and its 
 weights digest against the faulted run's: MATCH or DIFFER (and the same for the metric history).
 
 Targets: RSS growth <= 50 MB per 10k steps, no fd or thread growth, every fault recovered, MATCH.
+The RSS verdict needs >= 500 steps of fitted samples; a shorter run prints the slope, no verdict.
 
-    python bench/soak.py                                   # 200 steps, a fault every 50 (~6 minutes here)
+    python bench/soak.py                                   # 200 steps, a fault every 50 (~4 minutes here)
     python bench/soak.py --steps 150 --fault-every 50
-    python bench/soak.py --steps 10000 --fault-every 100 --sample-every 100   # the real soak (~9 h here x2)
+    python bench/soak.py --steps 10000 --fault-every 100 --sample-every 100   # the real soak
     python bench/soak.py --nan-every 40                    # once the trainer skips non-finite steps
     python bench/soak.py --skip-reference model.num_layers=2   # any config override
 
-Timing here (2 shared cores): about 0.9 s per step of the small config and ~10 s per recovery,
-so ``--steps 10000`` takes about 3 hours per run, twice that with the reference run.
+Timing here (2 shared cores): about 0.25 s per step of the small config, 10-15 s per recovery
+plus its replayed steps, ~15 s to start the workers. ``--steps 150 --fault-every 50`` took 108 s
+(faulted) + 91 s (reference); ``--steps 10000 --fault-every 100`` comes to about an hour for the
+faulted run and 45 minutes for the reference.
+
+Without the trainer's non-finite handling, ``--nan-every`` ends the run: the first NaN reward
+makes the weights NaN and the next rollout fails ("probability tensor contains ... nan"), which
+recovery cannot cure (the replay injects the same NaN); the bench then reports the failed run.
 """
 
 from __future__ import annotations
@@ -282,7 +289,8 @@ def report(args, res: dict, plan: list[dict], schedule: FaultSchedule | None, re
     samples, ev = res["samples"], res["events"]
     for name, r in (("faulted run", res), ("reference run", ref)):
         if r is not None and r["error"] is not None:
-            print(f"\n{name} FAILED at step {r['metrics'][-1]['step'] if r['metrics'] else 0}: {r['error']!r}")
+            print(f"\n{name} FAILED after step {r['metrics'][-1]['step'] if r['metrics'] else 0} "
+                  f"(the last one completed): {r['error']!r}")
     print("\nresources over time (RSS MB / open fds / threads; exec = step starts incl. replays)")
     print(format_table(samples))
     labels = sorted({k for s in samples for k in s.proc}, key=lambda k: (k != "controller", k))
