@@ -75,9 +75,12 @@ def test_growth_fits_a_line_after_warmup_and_per_process_lifetime(soak):
     assert soak.growth(_samples(soak, pts[:3]), "controller", warmup=10) == (None, 0, 0)
 
 
-def test_settled_delta_counts_growth_within_the_newest_lifetime(soak):
-    samples = [soak.Sample(x, x, 0.0, {"w": (1 if x < 50 else 2, 0, 10 + x, 5)}) for x in range(0, 100, 10)]
-    assert soak.settled_delta(samples, "w", warmup=0, metric=2) == 40  # 60 -> 100 of pid 2
+def test_settled_delta_is_the_largest_growth_of_any_lifetime(soak):
+    # pid 1 survives recoveries and keeps their fds (10 -> 50), then is killed; pid 2 stays flat
+    samples = [soak.Sample(x, x, 0.0, {"w": (1 if x < 50 else 2, 0, 10 + x if x < 50 else 60, 5)})
+               for x in range(0, 100, 10)]
+    assert soak.settled_delta(samples, "w", warmup=0, metric=2) == 40
+    assert soak.settled_delta(samples, "w", warmup=20, metric=2) == 20  # 30 -> 50 after pid 1's warm-up
     assert soak.settled_delta(samples, "w", warmup=0, metric=3) == 0
     assert soak.settled_delta(samples, "nobody", 0, 2) is None
 
