@@ -99,13 +99,13 @@ def test_arguments_are_checked(soak):
         with pytest.raises(SystemExit):
             soak.parse_args(bad)
     args = soak.parse_args(["--steps", "1000", "model.num_layers=2"])
-    assert args.warmup == 200 and args.nan_every == 0 and args.overrides == ["model.num_layers=2"]
+    assert args.warmup == 200 and args.nan_every == 40 and args.overrides == ["model.num_layers=2"]
 
 
 @pytest.mark.slow
 def test_short_soak_recovers_its_fault_and_matches_the_fault_free_run(soak, ray_cluster, capsys):
     out = soak.main(["--steps", "30", "--fault-every", "15", "--sample-every", "5", "--warmup", "5",
-                     "--nan-every", "0"])
+                     "--nan-every", "10"])
     assert out["injected"] == 1 and out["recovered"] >= 1 and not out["aborted"]
     assert out["weights_match"] and out["history_match"] and out["finite"]
     assert {"controller", "worker0", "worker1"} <= set(out["processes"])
