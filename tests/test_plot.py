@@ -10,7 +10,7 @@ from resilient_rl.cli import main
 from resilient_rl.errors import RunFolderError
 from resilient_rl.plot import build_figure
 from resilient_rl.runinfo import open_run
-from resilient_rl.testing.run_folder import FakeRun
+from resilient_rl.testing.run_folder import FakeRun, play_two_failures
 
 
 def _by_gid(ax, gid: str) -> list:
@@ -20,13 +20,7 @@ def _by_gid(ax, gid: str) -> list:
 @pytest.fixture
 def run_with_failures(tmp_path) -> FakeRun:
     """12 steps, checkpoints every 3; failures at steps 8 (restores 6) and 11 (restores 9)."""
-    run = FakeRun(tmp_path, total_steps=12, save_every=3)
-    run.train(7)
-    run.fail("actor", 1, "died", recovery_s=4.0)
-    run.train(10)
-    run.fail("critic", 0, "timeout", recovery_s=9.0, hung=True)
-    run.train(12)
-    return run
+    return play_two_failures(FakeRun(tmp_path, total_steps=12, save_every=3))
 
 
 def test_figure_has_three_panels_with_failures_recoveries_and_checkpoints(run_with_failures):

@@ -18,7 +18,7 @@ from resilient_rl.errors import RecoveryError
 from resilient_rl.run_status import gather_status
 from resilient_rl.runinfo import failure_episodes, open_run
 from resilient_rl.telemetry import FileSDWriter
-from resilient_rl.testing.run_folder import FakeRun
+from resilient_rl.testing.run_folder import FakeRun, play_two_failures
 from resilient_rl.trainer.controller_record import (ControllerRecord, controller_alive, controller_session,
                                                     read_controller_record)
 
@@ -36,11 +36,7 @@ def _finished_run(tmp_path) -> FakeRun:
     with controller_session(run.path, lambda: run.step) as record:
         record.start_step = 0
         record.write(run.path)
-        run.train(7)
-        run.fail("actor", 1, "died", recovery_s=4.0)
-        run.train(10)
-        run.fail("critic", 0, "timeout", recovery_s=9.0, hung=True)
-        run.train(12)
+        play_two_failures(run)
     return run
 
 

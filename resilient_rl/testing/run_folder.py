@@ -92,3 +92,14 @@ class FakeRun:
                            message=f"{group} rank {rank} died")
         self.run_dir.event("aborted", reason=f"{group} rank {rank} exceeded max_restarts=0", role=group,
                            rank=rank, last_committed_step=self.manager.latest_step())
+
+
+def play_two_failures(run: FakeRun) -> FakeRun:
+    """Steps 1-12 of ``run`` (checkpoints every 3): actor rank 1 dies at step 8 (restores 6,
+    replays 7), a hung critic at step 11 (restores 9, replays 10)."""
+    run.train(7)
+    run.fail("actor", 1, "died", recovery_s=4.0)
+    run.train(10)
+    run.fail("critic", 0, "timeout", recovery_s=9.0, hung=True)
+    run.train(12)
+    return run
