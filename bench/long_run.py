@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from resilient_rl.trainer.run_dir import RunDir
-from resilient_rl.trainer.telemetry_hook import UsefulTime
+from resilient_rl.trainer.goodput import UsefulTime
 
 BLOCK = 1000
 

@@ -30,7 +30,7 @@ from resilient_rl.testing.monitoring import (MONITORING, alert_rules, dashboard_
                                              grafana_to_promql, wait_for)
 from resilient_rl.trainer.config import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.telemetry_hook import RemoteNodeExporter
+from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter
 
 pytestmark = pytest.mark.ray
 

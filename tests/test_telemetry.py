@@ -567,7 +567,7 @@ def test_observe_phase_records_a_known_phase_only(trainer):
 
 
 def test_useful_time_is_a_running_total_that_rolls_back():
-    from resilient_rl.trainer.telemetry_hook import UsefulTime
+    from resilient_rl.trainer.goodput import UsefulTime
 
     u = UsefulTime()
     for step, seconds in ((1, 1.0), (2, 2.0), (3, 4.0)):

@@ -1,9 +1,10 @@
 """Typed configuration: the root :class:`Config`, YAML files and ``key=value`` overrides.
 
 The sections (one dataclass per component) live in :mod:`resilient_rl.trainer.config_sections`
-and are re-exported here; :class:`Config` adds the checks that span sections. :func:`load_config`
-layers the defaults, a YAML file and command-line overrides with OmegaConf structured configs, so
-unknown keys and wrong types are caught before any value is used. Every error is a
+and :mod:`resilient_rl.trainer.config_runtime` and are re-exported here; :class:`Config` adds the
+checks that span sections. :func:`load_config` layers the defaults, a YAML file and command-line
+overrides with OmegaConf structured configs, so unknown keys and wrong types are caught before any
+value is used. Every error is a
 :class:`~resilient_rl.errors.ConfigError` naming the full dotted key.
 """
 
@@ -25,25 +26,27 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from resilient_rl.errors import ConfigError
+from resilient_rl.trainer.config_runtime import (
+    CheckpointConfig,
+    RayConfig,
+    RecoveryConfig,
+    TelemetryConfig,
+    TrainerConfig,
+)
 from resilient_rl.trainer.config_sections import (
     BUILTIN_TASKS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     ActorConfig,
     AlgorithmConfig,
-    CheckpointConfig,
     ConfigFieldError,
     CriticConfig,
     DataConfig,
     KLControlConfig,
     ModelConfig,
     OptimConfig,
-    RayConfig,
-    RecoveryConfig,
     RefConfig,
     RolloutConfig,
-    TelemetryConfig,
-    TrainerConfig,
     _require,
     _Section,
     _type_name,

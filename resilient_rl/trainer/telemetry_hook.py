@@ -17,18 +17,18 @@
 - one device endpoint per node that hosts workers: the controller's node is served by the
   controller's exporter (a :class:`DeviceMetrics` in the same registry, sampling the worker
   processes on this node); every other node gets a small Ray actor running a
-  :class:`NodeExporter`, pinned there with a ``NodeAffinitySchedulingStrategy``;
+  :class:`NodeExporter`, pinned there with a ``NodeAffinitySchedulingStrategy``
+  (:mod:`resilient_rl.trainer.telemetry_nodes`);
 - a Prometheus ``file_sd`` targets file listing those endpoints (``telemetry.file_sd_path``,
   default ``{run_dir}/prometheus_targets.json``), labelled with job, run and node.
 
 Goodput is the summed duration of the steps that were kept (a step rolled back by a recovery
-no longer counts; its replay does) over the wall time since the exporter started, which is the
-start of ``fit``.
+no longer counts; its replay does; :mod:`resilient_rl.trainer.goodput`) over the wall time since
+the exporter started, which is the start of ``fit``.
 """
 
 from __future__ import annotations
 
-import array
 import logging
 import os
 import socket
@@ -40,11 +40,13 @@ import psutil
 
 from resilient_rl.controller.device_poller import DeviceReportPoller
 from resilient_rl.controller.worker import compute_cuda_device
-from resilient_rl.errors import RRLError, TelemetryError
+from resilient_rl.errors import RRLError
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
-                                    NodeExporter, ProcessDevices, ProcessSampler, TorchMemoryMetrics,
+                                    ProcessDevices, ProcessSampler, TorchMemoryMetrics,
                                     TrainerMetrics, device_report, gpu_assignments)
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
+from resilient_rl.trainer.goodput import UsefulTime
+from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter, Worker, node_table, ray_if_initialized
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,6 @@ KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")
 _NAMING_CAUSES = ("died", "timeout")
 _WILDCARDS = ("", "0.0.0.0", "::")
 
-Worker = tuple[str, int]  # (role, rank)
-
 
 def _role_rank(role: str) -> int:
     return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
@@ -74,101 +74,6 @@ def one_per_process(pids: Mapping[Worker, int]) -> dict[Worker, int]:
         if pid not in chosen or (_role_rank(key[0]), key[1]) < (_role_rank(chosen[pid][0]), chosen[pid][1]):
             chosen[pid] = key
     return {key: pid for pid, key in chosen.items()}
-
-
-def _ray():
-    import ray
-
-    return ray if ray.is_initialized() else None
-
-
-def _node_table() -> dict[str, tuple[str, str]]:
-    """Ray node id -> (label, IP) of every live node: the hostname, made unique when needed."""
-    ray = _ray()
-    if ray is None:
-        return {}
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    hosts = [n.get("NodeManagerHostname") or n["NodeManagerAddress"] for n in nodes]
-    return {n["NodeID"]: (host if hosts.count(host) == 1 else f"{host}-{n['NodeID'][:8]}",
-                          n["NodeManagerAddress"])
-            for n, host in zip(nodes, hosts)}
-
-
-class RemoteNodeExporter:
-    """A :class:`NodeExporter` in a Ray actor pinned to one node."""
-
-    def __init__(self, node_id: str, node: str, bind_address: str, port: int, advertise_host: str,
-                 gpu_max_age_s: float, timeout_s: float) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        self.node_id, self.node, self.timeout_s = node_id, node, timeout_s
-        cls = ray.remote(NodeExporter).options(
-            num_cpus=0, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        self.actor = cls.remote(node, bind_address, port, advertise_host, gpu_max_age_s)
-        try:
-            self.target: str = self._get(self.actor.start.remote())
-        except BaseException:
-            ray.kill(self.actor)
-            raise
-
-    def _get(self, ref: Any) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except Exception as exc:  # Ray wraps the actor's error, or the call timed out
-            cause = getattr(exc, "cause", None) or exc
-            if isinstance(cause, TelemetryError):
-                raise TelemetryError(f"node {self.node}: {cause}") from exc
-            raise TelemetryError(f"node {self.node}: device exporter failed: {exc}") from exc
-
-    def set_processes(self, pids: Mapping[Worker, int]) -> None:
-        self._get(self.actor.set_processes.remote(dict(pids)))
-
-    def set_gpu_assignments(self, assignments: Mapping[str, tuple[str, str]], wait: bool = True) -> None:
-        """Label this node's GPUs; ``wait=False`` sends without waiting (from the training loop)."""
-        ref = self.actor.set_gpu_assignments.remote(dict(assignments))
-        if wait:
-            self._get(ref)
-
-    def stop(self) -> None:
-        import ray
-
-        try:
-            self._get(self.actor.stop.remote())
-        except TelemetryError as exc:
-            logger.debug("stopping the device exporter of %s: %s", self.node, exc)
-        ray.kill(self.actor)
-
-
-class UsefulTime:
-    """Seconds spent in steps that count (goodput's numerator), kept up in O(1) per step.
-
-    Steps are recorded in order; a recovery rolls back to its restored step, dropping the
-    steps after it (they are replayed and recorded again). Running totals per step, in flat
-    arrays (16 bytes a step), make both a record and the total O(1) over a week-long run."""
-
-    def __init__(self) -> None:
-        self._steps = array.array("q")
-        self._totals = array.array("d")
-
-    @property
-    def total(self) -> float:
-        return self._totals[-1] if self._totals else 0.0
-
-    def record(self, step: int, seconds: float) -> None:
-        """Count step ``step`` (an earlier record of it, or of a later step, is replaced)."""
-        self.rollback(step - 1)
-        self._totals.append(self.total + seconds)
-        self._steps.append(step)
-
-    def rollback(self, step: int) -> None:
-        """Forget the steps after ``step``."""
-        while self._steps and self._steps[-1] > step:
-            self._steps.pop()
-            self._totals.pop()
 
 
 class TelemetryHook:
@@ -333,10 +238,10 @@ class TelemetryHook:
 
     # ------------------------------------------------------------------ workers and nodes
     def _locate_controller(self) -> None:
-        ray = _ray()
+        ray = ray_if_initialized()
         if ray is not None:
             self.node_id = ray.get_runtime_context().get_node_id()
-            self.node, self.host = _node_table().get(self.node_id, (self.node, self.host))
+            self.node, self.host = node_table().get(self.node_id, (self.node, self.host))
             self.devices.node = self.node
 
     def _node_label(self, node_id: str | None) -> str:
@@ -380,7 +285,7 @@ class TelemetryHook:
         self.devices.set_processes(one_per_process(by_node.pop(None, {})))
         for node_id in set(self.node_exporters) - set(by_node):
             self.node_exporters.pop(node_id).stop()
-        table = _node_table()
+        table = node_table()
         for node_id, pids in by_node.items():
             if node_id not in self.node_exporters:
                 self.node_exporters[node_id] = self._start_node_exporter(node_id, table)

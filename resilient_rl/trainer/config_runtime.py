@@ -1,0 +1,163 @@
+"""The run-time config sections: the fit loop, checkpointing, recovery, telemetry and Ray.
+
+These say how a run is driven and kept alive rather than what is trained; the model, optimiser,
+role and data sections, and the shared validation machinery (:class:`_Section`, ``_require``,
+``_choice``), live in :mod:`resilient_rl.trainer.config_sections`. The root config in
+:mod:`resilient_rl.trainer.config` re-exports every section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from resilient_rl.trainer.config_sections import _choice, _require, _Section
+
+
+@dataclass
+class TrainerConfig(_Section):
+    """The fit loop: length, seeds, where results go, device and placement of the roles."""
+
+    total_steps: int = 250
+    seed: int = 1
+    run_name: str = "ppo-copy"
+    output_dir: str = "runs"
+    device: str = "auto"
+    placement: str = "colocated"
+    log_every: int = 10
+    progress_bar: bool = True
+    # Experiment trackers (verl: trainer.logger): console, jsonl, tensorboard, wandb, mlflow.
+    loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "resilient-rl"
+    # What a step that meets NaN/Inf (loss, grad norm, reward, KL) does: skip the poisoned update,
+    # roll back to the newest known-good checkpoint, or raise. See trainer/nonfinite.py.
+    nonfinite: str = "skip"
+    # Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
+    max_nonfinite: int = 3
+
+    def validate(self) -> None:
+        _require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
+        _choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
+        _require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")
+        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        # The run name becomes a directory in checkpoint URLs and a metrics label.
+        _require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name) is not None, "run_name",
+                 self.run_name, "must be letters, digits, '.', '_' or '-' (it names directories)")
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("placement", self.placement, ("colocated", "split"))
+        _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        for name in self.loggers:
+            _choice("loggers", name, ("console", "jsonl", "tensorboard", "wandb", "mlflow"))
+        _require(bool(self.project_name), "project_name", self.project_name, "must be non-empty")
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    """Where and how often checkpoints are written, how many are kept, what to resume from."""
+
+    root: str = "checkpoints"
+    save_every: int = 20
+    keep_last: int = 2
+    keep_every: int = 0
+    async_save: bool = True
+    resume: str = "auto"
+    storage_options: Optional[Dict[str, Any]] = None
+    lease_ttl_s: float = 60.0
+    lease_renew_s: float = 20.0
+    takeover: bool = False
+    save_timeout_s: float = 600.0
+    max_skipped: int = 3
+
+    def validate(self) -> None:
+        _require(self.save_timeout_s > 0, "save_timeout_s", self.save_timeout_s,
+                 "must be > 0 seconds (how long a due save waits for the previous one to finish writing)")
+        _require(self.max_skipped >= 0, "max_skipped", self.max_skipped,
+                 "must be >= 0 (checkpoints skipped in a row before the run stops; 0 = stop at the first)")
+        _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
+        _require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
+        _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+        _require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
+        if self.resume in ("False", "false"):  # YAML reads `resume=off` (and `false`) as a boolean
+            self.resume = "off"
+        _require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
+                 "resume", self.resume, "allowed values are 'auto', 'off' or 'path:<checkpoint URL>'")
+        _require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0 seconds")
+        _require(0 < self.lease_renew_s < self.lease_ttl_s, "lease_renew_s", self.lease_renew_s,
+                 f"must be > 0 and < lease_ttl_s={self.lease_ttl_s} (renew well before the lease expires)")
+
+
+@dataclass
+class RecoveryConfig(_Section):
+    """Failure budget, liveness and the deadline of every blocking call.
+
+    A rank is hung when it stops answering its health call for ``health_timeout_s`` (a stopped
+    process) or, inside a call, stops advancing for ``hang_timeout_s`` (longer than the slowest
+    single mini-batch, token block or checkpoint chunk); a long call that keeps advancing is
+    healthy. ``call_timeout_s`` is only a generous ceiling on one whole worker call (it also bounds
+    the wait for a background checkpoint write and the telemetry calls)."""
+
+    enabled: bool = True
+    max_restarts: int = 3
+    max_task_retries: int = 0
+    max_failures: int = 5
+    failure_window_s: float = 3600.0
+    call_timeout_s: float = 3600.0
+    rendezvous_timeout_s: float = 60.0
+    collective_timeout_s: float = 60.0
+    restart_timeout_s: float = 120.0
+    placement_timeout_s: float = 60.0
+    health_timeout_s: float = 2.0
+    hang_timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        for name in ("max_restarts", "max_task_retries", "max_failures"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_s"):
+                _require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+        # A stopped rank must be named before its peers, which stall waiting for it in a collective.
+        _require(self.hang_timeout_s > self.health_timeout_s, "hang_timeout_s", self.hang_timeout_s,
+                 f"must be greater than recovery.health_timeout_s ({self.health_timeout_s:g})")
+
+
+@dataclass
+class TelemetryConfig(_Section):
+    """The Prometheus exporter and the GPU sampler."""
+
+    enabled: bool = True
+    bind_address: str = "127.0.0.1"
+    port: int = 0
+    worker_port_base: int = 0
+    file_sd_path: Optional[str] = None
+    gpu_sample_interval_s: float = 5.0
+
+    def validate(self) -> None:
+        _require(bool(self.bind_address), "bind_address", self.bind_address, "must be a non-empty address")
+        for name in ("port", "worker_port_base"):
+            _require(0 <= getattr(self, name) <= 65535, name, getattr(self, name), "must be in [0, 65535] (0 = any)")
+        _require(self.gpu_sample_interval_s > 0, "gpu_sample_interval_s", self.gpu_sample_interval_s, "must be > 0")
+
+
+@dataclass
+class RayConfig(_Section):
+    """The Ray cluster: join one (``address``) or start a local one with these resources."""
+
+    address: Optional[str] = None
+    num_cpus: int = 16
+    num_gpus: Optional[int] = None
+    cpus_per_worker: float = 0.1
+    namespace: str = "resilient-rl"
+    object_store_memory: Optional[int] = None
+
+    def validate(self) -> None:
+        _require(self.address is None or self.address == "auto"
+                 or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address) is not None, "address", self.address,
+                 "must be null (start a local cluster), 'auto' or 'host:port'")
+        _require(self.num_cpus >= 1, "num_cpus", self.num_cpus, "must be >= 1")
+        _require(self.num_gpus is None or self.num_gpus >= 0, "num_gpus", self.num_gpus, "must be >= 0 or null")
+        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0")
+        _require(bool(self.namespace), "namespace", self.namespace, "must be non-empty")
+        _require(self.object_store_memory is None or self.object_store_memory > 0, "object_store_memory",
+                 self.object_store_memory, "must be > 0 bytes or null")
