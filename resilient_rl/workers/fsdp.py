@@ -115,16 +115,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def all_finite(*values: torch.Tensor) -> bool:
-    """Whether every value is finite on every rank of the data-parallel group: the same answer
-    on all ranks, so they all step or all skip together (one tiny all-reduce, one host sync).
+def update_is_finite(grad_norm: torch.Tensor) -> bool:
+    """Whether an update may be applied: its global gradient norm is finite.
 
-    The gradient norm from :func:`clip_grad_norm` is already global; a rank's loss is local, and a
-    non-finite loss usually, but not always (``inf * 0`` in a masked term), poisons the norm."""
-    bad = torch.stack([(~torch.isfinite(v.detach())).any() for v in values]).any().to(torch.float32)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bool(bad)
+    The norm from :func:`clip_grad_norm` is reduced over the group, so every rank reads the same
+    value and all step or all skip together, without a collective of their own. A rank whose loss
+    is not finite poisons the gradients it reduces into every shard, hence the norm; a non-finite
+    loss with finite gradients (``inf * 0`` in a masked term) changes no weight and is flagged from
+    the step's metrics by the controller."""
+    return bool(torch.isfinite(grad_norm))
 
 
 def step_scheduler(scheduler, applied: int) -> None:

@@ -16,8 +16,9 @@ from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits,
 from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, step_scheduler, wrap_fsdp2)
+from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler,
+                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
+                                       wrap_fsdp2)
 
 
 def dp_world_size() -> int:
@@ -105,7 +106,7 @@ class PolicyEngine:
                 seq_scale = world * mask.bool().any(dim=-1).sum() / seqs
                 (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
-            if not all_finite(loss, grad_norm):
+            if not update_is_finite(grad_norm):
                 self.optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue

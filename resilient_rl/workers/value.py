@@ -8,8 +8,9 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import (DevicePlan, all_finite, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, step_scheduler, wrap_fsdp2)
+from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler,
+                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
+                                       wrap_fsdp2)
 from resilient_rl.workers.policy import dp_world_size
 
 
@@ -62,7 +63,7 @@ class ValueEngine:
                                               b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
             (vf_loss * scale).backward()
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
-            if not all_finite(vf_loss, grad_norm):
+            if not update_is_finite(grad_norm):
                 self.optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
