@@ -186,6 +186,9 @@ class TrainerMetrics:
                                  "quantity (loss, reward, kl, metric, checkpoint) and the action "
                                  "taken (skipped, zeroed, rolled_back, raised, refused, reported).",
                                  ["quantity", "action"], registry=r)
+        # A refused checkpoint can happen under every trainer.nonfinite policy: its series exists
+        # at 0 from the start (the other pairs appear when first met; the alert handles both).
+        self.nonfinite.labels(quantity="checkpoint", action="refused")
 
         # Checkpoints.
         self.checkpoint_save_duration = Histogram(
