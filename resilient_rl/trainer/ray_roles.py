@@ -16,6 +16,7 @@ import uuid
 
 import ray
 
+from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from resilient_rl.errors import WorkerError
@@ -58,7 +59,7 @@ class RayRoles:
                     self.groups[role] = self._group(role, getattr(cfg, role).world_size, RayClassWithInitArgs(c, **init))
                 # The rollout is unsharded: it needs no process group.
                 self.process_groups += [g for role, g in self.groups.items() if role != "rollout"]
-            self.known_workers: dict[tuple[str, int], tuple[int, str]] = {}
+            self.worker_info: dict[tuple[str, int], WorkerInfo] = {}
             self.refresh_workers()
             self.rendezvous()
             self.init_models()
@@ -86,15 +87,15 @@ class RayRoles:
         return groups
 
     def refresh_workers(self) -> None:
-        """Remember every rank's pid and node (to tell restarted actors and to kill hung ones),
-        and its whole ping reply in ``worker_info`` (its GPU, for telemetry)."""
-        known, infos = {}, {}
-        for g in self.distinct_groups():
-            for rank, info in enumerate(g.ping()):
-                known[(g.name_prefix, rank)] = (info.pid, info.node_id)
-                infos[(g.name_prefix, rank)] = info
-        self.known_workers = known
-        self.worker_info = infos
+        """Remember every rank's ping reply in ``worker_info``, keyed by (group, rank): its pid and
+        node (to tell restarted actors and to kill hung ones) and its GPU (for telemetry)."""
+        self.worker_info = {(g.name_prefix, rank): info for g in self.distinct_groups()
+                            for rank, info in enumerate(g.ping())}
+
+    @property
+    def known_workers(self) -> dict[tuple[str, int], tuple[int, str]]:
+        """(group, rank) -> (pid, node id) of every rank, as of the last :meth:`refresh_workers`."""
+        return {key: (info.pid, info.node_id) for key, info in self.worker_info.items()}
 
     def worker_pids(self) -> dict[tuple[str, int], int]:
         """(role, rank) -> pid of every role's processes (colocated roles share a pid)."""
