@@ -64,7 +64,10 @@ class LoopWorker(Worker):
             while not self.released.wait(0.2):
                 pass
             return self.rank
-        time.sleep(0.5)
+        # Advance well after the stalled rank entered its call (the two calls may start a good
+        # fraction of a second apart on a loaded machine), so the stalled rank is the one that
+        # stopped first, as in a real stall; still well inside the hang timeout.
+        time.sleep(1.5)
         progress.advance("before collective")
         t = torch.ones(1)
         try:
