@@ -24,10 +24,13 @@ def _run(chaos_dir: str, name: str, hooks: tuple, *extra: str):
 
 
 def _nonfinite_counts(text: str) -> dict[tuple[str, str], float]:
-    """(quantity, action) -> rrl_nonfinite_total from the controller's exposition text."""
+    """(quantity, action) -> rrl_nonfinite_total from the controller's exposition text.
+
+    Series still at 0 are left out: some are exported from the start so alerts have data.
+    """
     return {(s.labels["quantity"], s.labels["action"]): s.value
             for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "rrl_nonfinite_total"}
+            if s.name == "rrl_nonfinite_total" and s.value != 0}
 
 
 def _check_finished_and_finite(result, chaos_dir: str) -> CheckpointManager:

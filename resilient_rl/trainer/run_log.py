@@ -28,21 +28,25 @@ for _quiet in (STEP_LOG, WORKER_LOG):
     _quiet.setLevel(logging.INFO)
 
 
-class TqdmConsoleHandler(logging.StreamHandler):
-    """A console handler that writes through ``tqdm.write``, so an active progress bar stays whole."""
+class TqdmConsoleHandler(logging.Handler):
+    """A console handler that writes through ``tqdm.write``, so an active progress bar stays whole.
+
+    It writes to whatever ``sys.stderr`` is when a record arrives, never to a stream it kept: a
+    caller that swaps stderr (a test harness, a notebook) and closes the old one loses nothing.
+    """
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # logging must never raise into the caller
             self.handleError(record)
 
 
 def setup_console(level: int) -> None:
     """Log to stderr at ``level`` through tqdm; the root logger lets INFO through for ``train.log``."""
-    handler = TqdmConsoleHandler(sys.stderr)
+    handler = TqdmConsoleHandler()
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     root = logging.getLogger()
