@@ -113,7 +113,7 @@ def run_block(trainer, steps: int) -> list[float]:
 
 def main_trainer(args: argparse.Namespace) -> None:
     """Telemetry on vs off on the real trainer step, interleaved in one process."""
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer
 

@@ -229,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace, output_dir: str):
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
 
     defaults = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false",
                 f"trainer.total_steps={args.warmup + args.steps}", "trainer.device=cuda", "actor.world_size=1",

@@ -54,7 +54,7 @@ from pathlib import Path  # noqa: E402
 import ray  # noqa: E402
 
 from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
-from resilient_rl.trainer.config import load_config  # noqa: E402
+from resilient_rl.config.schema import load_config  # noqa: E402
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
 
 INPLACE = ("detect", "restart", "rejoin", "restore", "replay")

@@ -52,7 +52,7 @@ import psutil
 
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.trainer import cluster
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.run_dir import RunDir, deterministic_view
 

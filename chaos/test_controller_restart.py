@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, collect_run
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.faults.processes import kill_tree, process_tree, wait_for
 
 

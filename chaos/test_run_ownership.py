@@ -28,7 +28,7 @@ from resilient_rl.errors import LeaseHeldError
 from resilient_rl.faults.harness import check_invariants, collect_run, run_training
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.processes import kill_tree, process_tree, wait_for
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 
 

@@ -101,14 +101,14 @@ def _fit(cfg) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
 
     return _fit(load_config(args.config, args.overrides))
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from resilient_rl.checkpoint.export import require_committed
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
 
     for item in args.overrides:
         key, _, value = item.partition("=")

@@ -12,7 +12,7 @@ from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step
 from resilient_rl.cli import main
 from resilient_rl.errors import ConfigError
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 
 RUN = "clean"
 OTHER_PID = 999_999_999  # a writer that no longer exists

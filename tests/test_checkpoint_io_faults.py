@@ -17,7 +17,7 @@ from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.telemetry.metrics import TrainerMetrics
 from resilient_rl.testing.checkpoint_roles import LocalCheckpointRoles
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 
 RUN = "io"
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from resilient_rl.checkpoint import AsyncShardWriter, Storage, load_shard_into
 from resilient_rl.checkpoint.sharded import allocate_staging, staging_spec
-from resilient_rl.trainer.config_runtime import CheckpointConfig
+from resilient_rl.config.runtime import CheckpointConfig
 from resilient_rl.workers.checkpointing import RANK_LOCAL, CheckpointMixin
 
 

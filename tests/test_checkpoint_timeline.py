@@ -12,7 +12,7 @@ import pytest
 
 from resilient_rl.checkpoint import CheckpointManager, Manifest
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 
 from test_checkpoint_manager import FAST, _root, _save
 

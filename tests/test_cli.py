@@ -25,10 +25,10 @@ from resilient_rl.cli import main
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.hf import tiny_llama_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
-from resilient_rl.trainer.config import config_digest, config_from_dict
+from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.trainer.run_dir import RunDir
-from resilient_rl.trainer.tasks import get_task
-from resilient_rl.trainer.tokenizer import build_tokenizer
+from resilient_rl.data.tasks import get_task
+from resilient_rl.data.tokenizer import build_tokenizer
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine

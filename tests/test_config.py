@@ -8,7 +8,7 @@ import pytest
 
 import resilient_rl
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.config import (
+from resilient_rl.config.schema import (
     Config,
     OptimConfig,
     config_digest,

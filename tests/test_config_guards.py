@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 
 
 @pytest.mark.parametrize("override, key", [

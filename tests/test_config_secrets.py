@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from resilient_rl.trainer.config import REDACTED, config_digest, load_config
+from resilient_rl.config.schema import REDACTED, config_digest, load_config
 from resilient_rl.trainer.run_dir import RunDir
 
 SECRETS = ["checkpoint.storage_options.key=AKIAEXAMPLEKEY", "checkpoint.storage_options.secret=s3cr3t-value",
@@ -22,7 +22,7 @@ def test_saved_config_redacts_credentials_and_keeps_other_options(tmp_path, capl
     for secret in ("AKIAEXAMPLEKEY", "s3cr3t-value", "session-tok"):
         assert secret not in text
     assert text.count(REDACTED) == 3 and "http://127.0.0.1:9000" in text
-    with caplog.at_level(logging.WARNING, logger="resilient_rl.trainer.config"):
+    with caplog.at_level(logging.WARNING, logger="resilient_rl.config.schema"):
         back = load_config(str(run_dir.path / "config.yaml"))
     assert back.checkpoint.storage_options == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"},
                                                "requester_pays": True}

@@ -18,7 +18,7 @@ def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkey
     import ray
 
     from resilient_rl.trainer.cluster import connect, disconnect
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.run_log import RunLog
 
     cfg = load_config(None, ["ray.num_cpus=2", "ray.object_store_memory=100000000"])

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from resilient_rl.errors import CheckpointError, ConfigError, TokenizerError
-from resilient_rl.trainer.config import DataConfig
-from resilient_rl.trainer.data import PromptDataset, StatefulPromptLoader
-from resilient_rl.trainer.tasks import (
+from resilient_rl.config.schema import DataConfig
+from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
+from resilient_rl.data.tasks import (
     AddTask,
     CopyTask,
     JsonlTask,
@@ -23,7 +23,7 @@ from resilient_rl.trainer.tasks import (
     load_reward_fn,
     read_jsonl,
 )
-from resilient_rl.trainer.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from resilient_rl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
 # ---------------------------------------------------------------- tokenizer
 
@@ -129,7 +129,7 @@ def test_get_task_from_config():
 
 
 def test_jsonl_task_with_shipped_file_and_reward_by_import_path():
-    cfg = DataConfig(task="jsonl", path=example_prompts_path(), reward_fn="resilient_rl.trainer.tasks:exact_match")
+    cfg = DataConfig(task="jsonl", path=example_prompts_path(), reward_fn="resilient_rl.data.tasks:exact_match")
     task = get_task(cfg)
     assert isinstance(task, JsonlTask)
     samples = task.make_prompts(5, np.random.default_rng(0))  # a file task returns its whole set
@@ -159,9 +159,9 @@ def test_custom_reward_fn_module(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("path, fragment", [
     ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-    ("resilient_rl.trainer.tasks:no_such_fn", "has no attribute 'no_such_fn'"),
-    ("resilient_rl.trainer.tasks", "'package.module:function'"),
-    ("resilient_rl.trainer.tasks:DataConfig.task", "not callable"),
+    ("resilient_rl.data.tasks:no_such_fn", "has no attribute 'no_such_fn'"),
+    ("resilient_rl.data.tasks", "'package.module:function'"),
+    ("resilient_rl.data.tasks:DataConfig.task", "not callable"),
 ])
 def test_bad_reward_import_path(path, fragment):
     with pytest.raises(ConfigError) as info:

@@ -15,11 +15,11 @@ import pytest
 
 from resilient_rl.data.make_tokenizer import train_tokenizer
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
-from resilient_rl.trainer.paths import resolve_path
+from resilient_rl.config.paths import resolve_path
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.tokenizer import HFTokenizer
+from resilient_rl.data.tokenizer import HFTokenizer
 
 PROBLEMS = [("Ann has 3 pens and buys 4 more. How many pens?", "3+4=<<3+4=7>>7\n#### 7"),
             ("A box has 6 eggs. How many eggs are in 2 boxes?", "6*2=<<6*2=12>>12\n#### 12"),
@@ -27,7 +27,7 @@ PROBLEMS = [("Ann has 3 pens and buys 4 more. How many pens?", "3+4=<<3+4=7>>7\n
             ("A cup costs $5. How much do 3 cups cost?", "5*3=<<5*3=15>>15\n#### 15")]
 
 PROBE = '''
-from resilient_rl.trainer.rewards import gsm8k
+from resilient_rl.data.rewards import gsm8k
 
 CALLS = []
 

@@ -16,12 +16,12 @@ from resilient_rl.data.make_tokenizer import IM_END, PAD, jsonl_texts, train_tok
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.factory import build_causal_lm, model_vocab_size
 from resilient_rl.models.hf import tiny_llama_config
-from resilient_rl.trainer.config import config_from_dict, load_config
-from resilient_rl.trainer.config_sections import DataConfig, ModelConfig
-from resilient_rl.trainer.data import PromptDataset
-from resilient_rl.trainer.paths import resolve_path
-from resilient_rl.trainer.tasks import Sample, compute_rewards, get_task
-from resilient_rl.trainer.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer
+from resilient_rl.config.schema import config_from_dict, load_config
+from resilient_rl.config.sections import DataConfig, ModelConfig
+from resilient_rl.data.loader import PromptDataset
+from resilient_rl.config.paths import resolve_path
+from resilient_rl.data.tasks import Sample, compute_rewards, get_task
+from resilient_rl.data.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer
 
 TEXTS = ["Tom has 3 apples and buys 12 more. How many apples does he have?",
          "3+12=<<3+12=15>>15 apples.\n#### 15",
@@ -67,7 +67,7 @@ def test_chat_template_applied_by_default_and_switchable(tok_dirs):
 
 
 def test_tokenizer_without_pad_pads_with_eos_and_says_so(tok_dirs, caplog):
-    with caplog.at_level(logging.INFO, logger="resilient_rl.trainer.tokenizer"):
+    with caplog.at_level(logging.INFO, logger="resilient_rl.data.tokenizer"):
         tok = HFTokenizer.from_pretrained(tok_dirs["nopad"])
     assert tok.hf.pad_token_id is None and tok.pad_token_id == tok.eos_token_id
     assert "has no pad token: padding with its eos token" in caplog.text

@@ -15,7 +15,7 @@ from resilient_rl.checkpoint import CheckpointManager, Storage
 from resilient_rl.checkpoint.lease import Lease, RunLease, holder_alive, read_lease
 from resilient_rl.errors import ConfigError, LeaseHeldError, LeaseLostError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 
 from test_checkpoint_manager import FAST, _root, _save
 

@@ -145,7 +145,7 @@ def test_a_hang_is_its_own_recoverable_cause():
 
 def test_hang_timeout_is_validated_against_the_health_timeout():
     from resilient_rl.errors import ConfigError
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
 
     with pytest.raises(ConfigError, match="hang_timeout_s"):
         load_config(None, ["recovery.hang_timeout_s=1", "recovery.health_timeout_s=2"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from resilient_rl.protocol import DataProto
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
 

@@ -28,7 +28,7 @@ from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.telemetry import GpuSampler, sample_value, scrape
 from resilient_rl.testing.monitoring import (MONITORING, alert_rules, dashboard_queries, free_port,
                                              grafana_to_promql, wait_for)
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter
 

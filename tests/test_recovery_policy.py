@@ -121,7 +121,7 @@ def test_every_state_can_abort_except_the_end():
 
 
 def test_the_trainer_checkpoint_carries_the_failure_budget(tmp_path):
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer
 

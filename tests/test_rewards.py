@@ -7,8 +7,8 @@ import json
 import pytest
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.rewards import REWARDS, extract_final_answer, gsm8k, parse_numbers
-from resilient_rl.trainer.tasks import JsonlTask, load_reward_fn
+from resilient_rl.data.rewards import REWARDS, extract_final_answer, gsm8k, parse_numbers
+from resilient_rl.data.tasks import JsonlTask, load_reward_fn
 
 REF = "She buys 3*4=<<3*4=12>>12 apples.\nThen 12+30=<<12+30=42>>42.\n#### 42"
 

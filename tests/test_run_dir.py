@@ -103,7 +103,7 @@ def test_read_metrics_last_and_column(tmp_path):
 
 
 def test_history_window_is_bounded(tmp_path):
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.ppo import PPOTrainer
 
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt",

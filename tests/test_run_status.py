@@ -186,7 +186,7 @@ def test_a_reused_pid_is_not_the_controller():
 
 
 def _local_trainer(tmp_path, hooks=(), roles_factory=None):
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resilient_rl.trainer.tasks import CopyTask
+from resilient_rl.data.tasks import CopyTask
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -428,7 +428,7 @@ def test_node_exporter_serves_processes_and_advertises_its_host():
 # -- the trainer's telemetry hook (single-process roles, no Ray) -----------------------------
 
 def local_trainer(tmp_path, *extra: str):
-    from resilient_rl.trainer.config import load_config
+    from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer
 

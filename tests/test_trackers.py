@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.trackers import TrackerSet, _require_extra, build_trackers
 

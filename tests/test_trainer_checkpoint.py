@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.run_dir import deterministic_view
 

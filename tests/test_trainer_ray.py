@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from resilient_rl.models.hf import tiny_llama_config
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.ray_roles import RayRoles

@@ -269,7 +269,7 @@ class ExportResult:
 
 def _run_model_config(run: str, config_path: str | None, output_dir: str) -> tuple[Any, str | None, str]:
     """(model section, config digest or None, path) of the run's saved ``config.yaml``."""
-    from resilient_rl.trainer.config import config_digest, config_from_dict
+    from resilient_rl.config.schema import config_digest, config_from_dict
 
     path = config_path or f"{output_dir.rstrip('/')}/{run}/config.yaml"
     try:

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from resilient_rl.faults.injectors import FaultSchedule, process_state
-from resilient_rl.trainer.config import load_config
+from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.run_dir import deterministic_view
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from resilient_rl.checkpoint import CheckpointManager
-from resilient_rl.trainer.config import config_digest, config_from_dict
+from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.trainer.run_dir import RunDir
 
 #: The worker-group name prefix of the colocated group, as ``RayRoles`` names it.

@@ -21,7 +21,7 @@ from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
-from resilient_rl.trainer.config import config_to_dict
+from resilient_rl.config.schema import config_to_dict
 from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from resilient_rl.errors import RunFolderError
-from resilient_rl.trainer.config import save_config
+from resilient_rl.config.schema import save_config
 
 logger = logging.getLogger(__name__)
 

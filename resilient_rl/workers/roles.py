@@ -24,7 +24,7 @@ from resilient_rl.controller.worker import Worker
 from resilient_rl.controller.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol_utils import tensordict_class
-from resilient_rl.trainer.config import config_from_dict
+from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.fsdp import full_state_dict, plan_device

@@ -1,9 +1,9 @@
 """The run-time config sections: the fit loop, checkpointing, recovery, telemetry and Ray.
 
 These say how a run is driven and kept alive rather than what is trained; the model, optimiser,
-role and data sections, and the shared validation machinery (:class:`_Section`, ``_require``,
-``_choice``), live in :mod:`resilient_rl.trainer.config_sections`. The root config in
-:mod:`resilient_rl.trainer.config` re-exports every section.
+role and data sections, and the shared validation machinery (:class:`Section`, ``require``,
+``choice``), live in :mod:`resilient_rl.config.sections`. The root config in
+:mod:`resilient_rl.config.schema` re-exports every section.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from resilient_rl.trainer.config_sections import _choice, _require, _Section
+from resilient_rl.config.sections import choice, require, Section
 
 
 @dataclass
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     """The fit loop: length, seeds, where results go, device and placement of the roles."""
 
     total_steps: int = 250
@@ -38,23 +38,23 @@ class TrainerConfig(_Section):
     max_nonfinite: int = 3
 
     def validate(self) -> None:
-        _require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
-        _choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
-        _require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")
-        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
+        choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
+        require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")
+        require(self.seed >= 0, "seed", self.seed, "must be >= 0")
         # The run name becomes a directory in checkpoint URLs and a metrics label.
-        _require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name) is not None, "run_name",
+        require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name) is not None, "run_name",
                  self.run_name, "must be letters, digits, '.', '_' or '-' (it names directories)")
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("placement", self.placement, ("colocated", "split"))
-        _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        choice("device", self.device, ("auto", "cpu", "cuda"))
+        choice("placement", self.placement, ("colocated", "split"))
+        require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         for name in self.loggers:
-            _choice("loggers", name, ("console", "jsonl", "tensorboard", "wandb", "mlflow"))
-        _require(bool(self.project_name), "project_name", self.project_name, "must be non-empty")
+            choice("loggers", name, ("console", "jsonl", "tensorboard", "wandb", "mlflow"))
+        require(bool(self.project_name), "project_name", self.project_name, "must be non-empty")
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Where and how often checkpoints are written, how many are kept, what to resume from."""
 
     root: str = "checkpoints"
@@ -71,25 +71,25 @@ class CheckpointConfig(_Section):
     max_skipped: int = 3
 
     def validate(self) -> None:
-        _require(self.save_timeout_s > 0, "save_timeout_s", self.save_timeout_s,
+        require(self.save_timeout_s > 0, "save_timeout_s", self.save_timeout_s,
                  "must be > 0 seconds (how long a due save waits for the previous one to finish writing)")
-        _require(self.max_skipped >= 0, "max_skipped", self.max_skipped,
+        require(self.max_skipped >= 0, "max_skipped", self.max_skipped,
                  "must be >= 0 (checkpoints skipped in a row before the run stops; 0 = stop at the first)")
-        _require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
-        _require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
-        _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
-        _require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
+        require(bool(self.root), "root", self.root, "must be a non-empty path or fsspec URL")
+        require(self.save_every >= 0, "save_every", self.save_every, "must be >= 0 (0 = off)")
+        require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+        require(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0 (0 = off)")
         if self.resume in ("False", "false"):  # YAML reads `resume=off` (and `false`) as a boolean
             self.resume = "off"
-        _require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
+        require(self.resume in ("auto", "off") or (self.resume.startswith("path:") and len(self.resume) > 5),
                  "resume", self.resume, "allowed values are 'auto', 'off' or 'path:<checkpoint URL>'")
-        _require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0 seconds")
-        _require(0 < self.lease_renew_s < self.lease_ttl_s, "lease_renew_s", self.lease_renew_s,
+        require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0 seconds")
+        require(0 < self.lease_renew_s < self.lease_ttl_s, "lease_renew_s", self.lease_renew_s,
                  f"must be > 0 and < lease_ttl_s={self.lease_ttl_s} (renew well before the lease expires)")
 
 
 @dataclass
-class RecoveryConfig(_Section):
+class RecoveryConfig(Section):
     """Failure budget, liveness and the deadline of every blocking call.
 
     A rank is hung when it stops answering its health call for ``health_timeout_s`` (a stopped
@@ -113,17 +113,17 @@ class RecoveryConfig(_Section):
 
     def validate(self) -> None:
         for name in ("max_restarts", "max_task_retries", "max_failures"):
-            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
-                _require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+                require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
         # A stopped rank must be named before its peers, which stall waiting for it in a collective.
-        _require(self.hang_timeout_s > self.health_timeout_s, "hang_timeout_s", self.hang_timeout_s,
+        require(self.hang_timeout_s > self.health_timeout_s, "hang_timeout_s", self.hang_timeout_s,
                  f"must be greater than recovery.health_timeout_s ({self.health_timeout_s:g})")
 
 
 @dataclass
-class TelemetryConfig(_Section):
+class TelemetryConfig(Section):
     """The Prometheus exporter and the GPU sampler."""
 
     enabled: bool = True
@@ -134,14 +134,14 @@ class TelemetryConfig(_Section):
     gpu_sample_interval_s: float = 5.0
 
     def validate(self) -> None:
-        _require(bool(self.bind_address), "bind_address", self.bind_address, "must be a non-empty address")
+        require(bool(self.bind_address), "bind_address", self.bind_address, "must be a non-empty address")
         for name in ("port", "worker_port_base"):
-            _require(0 <= getattr(self, name) <= 65535, name, getattr(self, name), "must be in [0, 65535] (0 = any)")
-        _require(self.gpu_sample_interval_s > 0, "gpu_sample_interval_s", self.gpu_sample_interval_s, "must be > 0")
+            require(0 <= getattr(self, name) <= 65535, name, getattr(self, name), "must be in [0, 65535] (0 = any)")
+        require(self.gpu_sample_interval_s > 0, "gpu_sample_interval_s", self.gpu_sample_interval_s, "must be > 0")
 
 
 @dataclass
-class RayConfig(_Section):
+class RayConfig(Section):
     """The Ray cluster: join one (``address``) or start a local one with these resources."""
 
     address: Optional[str] = None
@@ -152,12 +152,12 @@ class RayConfig(_Section):
     object_store_memory: Optional[int] = None
 
     def validate(self) -> None:
-        _require(self.address is None or self.address == "auto"
+        require(self.address is None or self.address == "auto"
                  or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address) is not None, "address", self.address,
                  "must be null (start a local cluster), 'auto' or 'host:port'")
-        _require(self.num_cpus >= 1, "num_cpus", self.num_cpus, "must be >= 1")
-        _require(self.num_gpus is None or self.num_gpus >= 0, "num_gpus", self.num_gpus, "must be >= 0 or null")
-        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0")
-        _require(bool(self.namespace), "namespace", self.namespace, "must be non-empty")
-        _require(self.object_store_memory is None or self.object_store_memory > 0, "object_store_memory",
+        require(self.num_cpus >= 1, "num_cpus", self.num_cpus, "must be >= 1")
+        require(self.num_gpus is None or self.num_gpus >= 0, "num_gpus", self.num_gpus, "must be >= 0 or null")
+        require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0")
+        require(bool(self.namespace), "namespace", self.namespace, "must be non-empty")
+        require(self.object_store_memory is None or self.object_store_memory > 0, "object_store_memory",
                  self.object_store_memory, "must be > 0 bytes or null")

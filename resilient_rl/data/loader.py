@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from resilient_rl.errors import CheckpointError, ConfigError, TokenizerError
-from resilient_rl.trainer.config import DataConfig
-from resilient_rl.trainer.tasks import Sample, Task, get_task
-from resilient_rl.trainer.tokenizer import Tokenizer
+from resilient_rl.config.schema import DataConfig
+from resilient_rl.data.tasks import Sample, Task, get_task
+from resilient_rl.data.tokenizer import Tokenizer
 
 
 class PromptDataset:

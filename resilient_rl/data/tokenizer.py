@@ -15,7 +15,7 @@ import string
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
 from resilient_rl.errors import ConfigError, TokenizerError
-from resilient_rl.trainer.paths import resolve_path
+from resilient_rl.config.paths import resolve_path
 
 logger = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@ dataclass each, and the validation machinery every section shares.
 
 Every section type-checks its fields and validates ranges and allowed values in ``__post_init__``.
 A section does not know where it sits in the tree, so its errors name the field relative to the
-section (``OptimConfig.lr``); :func:`resilient_rl.trainer.config.load_config` turns that into the
-full dotted key (``actor.optim.lr``). The root :class:`~resilient_rl.trainer.config.Config` lives
+section (``OptimConfig.lr``); :func:`resilient_rl.config.schema.load_config` turns that into the
+full dotted key (``actor.optim.lr``). The root :class:`~resilient_rl.config.schema.Config` lives
 in ``config.py`` with the cross-section rules and the YAML loading; the run-time sections (trainer,
-checkpoint, recovery, telemetry, Ray) in :mod:`resilient_rl.trainer.config_runtime`.
+checkpoint, recovery, telemetry, Ray) in :mod:`resilient_rl.config.runtime`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.rewards import REWARDS
+from resilient_rl.data.rewards import REWARDS
 
 KL_ESTIMATORS = ("k1", "abs", "mse", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -36,22 +36,22 @@ class ConfigFieldError(ConfigError):
         super().__init__(f"invalid config value {where}={value!r}: {allowed}")
 
 
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigFieldError(key, value, allowed)
 
 
-def _choice(key: str, value: Any, options: Sequence[str]) -> None:
-    _require(value in options, key, value, "allowed values are " + ", ".join(repr(o) for o in options))
+def choice(key: str, value: Any, options: Sequence[str]) -> None:
+    require(value in options, key, value, "allowed values are " + ", ".join(repr(o) for o in options))
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:
         inner = [a for a in args if a is not type(None)]
-        return " or ".join(_type_name(a) for a in inner) + " or null"
+        return " or ".join(type_name(a) for a in inner) + " or null"
     if origin in (list, List):
-        return f"list of {_type_name(args[0])}" if args else "list"
+        return f"list of {type_name(args[0])}" if args else "list"
     if origin in (dict, Dict):
         return "mapping"
     return getattr(tp, "__name__", str(tp))
@@ -94,12 +94,12 @@ def _check_finite(key: str, value: Any) -> None:
     (``*_s``) must also be waitable."""
     for v in value if isinstance(value, list) else [value]:
         if isinstance(v, float):
-            _require(math.isfinite(v), key, value, "must be a finite number (not nan or inf)")
-            _require(not key.endswith("_s") or v <= MAX_SECONDS, key, value,
+            require(math.isfinite(v), key, value, "must be a finite number (not nan or inf)")
+            require(not key.endswith("_s") or v <= MAX_SECONDS, key, value,
                      f"must be <= {MAX_SECONDS:.0f} seconds")
 
 
-class _Section:
+class Section:
     """Base of every config section: type-checks its fields, then runs :meth:`validate`."""
 
     _root = False  # True for Config, whose errors already carry full dotted keys
@@ -109,7 +109,7 @@ class _Section:
             hints = typing.get_type_hints(type(self))
             for f in dataclasses.fields(self):  # type: ignore[arg-type]
                 ok, value = _coerce(getattr(self, f.name), hints[f.name])
-                _require(ok, f.name, getattr(self, f.name), f"expected {_type_name(hints[f.name])}")
+                require(ok, f.name, getattr(self, f.name), f"expected {type_name(hints[f.name])}")
                 _check_finite(f.name, value)
                 setattr(self, f.name, value)
             self.validate()
@@ -124,7 +124,7 @@ class _Section:
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The policy/value backbone: the built-in tiny LM or a Hugging Face causal LM."""
 
     kind: str = "tiny"
@@ -137,21 +137,21 @@ class ModelConfig(_Section):
     max_seq_len: int = 64
 
     def validate(self) -> None:
-        _choice("kind", self.kind, ("tiny", "hf"))
-        _require(self.kind != "hf" or self.path is not None or self.hf_config is not None, "path", self.path,
+        choice("kind", self.kind, ("tiny", "hf"))
+        require(self.kind != "hf" or self.path is not None or self.hf_config is not None, "path", self.path,
                  "model.kind='hf' needs model.path (a local HF directory) or model.hf_config")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
                  f"must be divisible by num_heads={self.num_heads}")
-        _require(self.max_seq_len >= 2, "max_seq_len", self.max_seq_len, "must be >= 2")
+        require(self.max_seq_len >= 2, "max_seq_len", self.max_seq_len, "must be >= 2")
         positions = (self.hf_config or {}).get("max_position_embeddings") if self.kind == "hf" else None
-        _require(not isinstance(positions, int) or positions >= self.max_seq_len, "max_seq_len", self.max_seq_len,
+        require(not isinstance(positions, int) or positions >= self.max_seq_len, "max_seq_len", self.max_seq_len,
                  f"must be <= model.hf_config.max_position_embeddings={positions}")
 
 
 @dataclass
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW and its learning-rate schedule, one per trained role."""
 
     lr: float = 3e-3
@@ -164,19 +164,19 @@ class OptimConfig(_Section):
     grad_clip: float = 1.0
 
     def validate(self) -> None:
-        _require(self.lr > 0, "lr", self.lr, "must be > 0")
-        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
+        require(self.lr > 0, "lr", self.lr, "must be > 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
                  "must be two numbers in [0, 1)")
-        _require(self.eps > 0, "eps", self.eps, "must be > 0")
-        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
-        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        _require(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+        require(self.eps > 0, "eps", self.eps, "must be > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        choice("schedule", self.schedule, ("constant", "cosine", "linear"))
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        require(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
 
 
 @dataclass
-class ActorConfig(_Section):
+class ActorConfig(Section):
     """The policy being trained (PPO clipped objective)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -195,16 +195,16 @@ class ActorConfig(_Section):
 
     def validate(self) -> None:
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
-        _require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
-        _require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
-        _choice("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
-        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
+        require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
+        require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        choice("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
+        choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 @dataclass
-class CriticConfig(_Section):
+class CriticConfig(Section):
     """The value model (PPO with GAE); switched off for GRPO. ``world_size`` follows the actor's when colocated."""
 
     enabled: bool = True
@@ -219,12 +219,12 @@ class CriticConfig(_Section):
 
     def validate(self) -> None:
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _require(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
 
 
 @dataclass
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """Sampling of responses; ``world_size`` is ignored (= actor's) when placement is colocated.
 
     ``weight_transfer`` (split placement only; colocated rollouts get the weights in their process):
@@ -241,15 +241,15 @@ class RolloutConfig(_Section):
     weight_transfer: str = "auto"
 
     def validate(self) -> None:
-        _choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))
-        _require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
-        _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))
+        require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         for name in ("max_new_tokens", "n", "world_size"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
 
 
 @dataclass
-class RefConfig(_Section):
+class RefConfig(Section):
     """The frozen reference policy; ``world_size`` follows the actor's when colocated."""
 
     world_size: int = 1
@@ -258,11 +258,11 @@ class RefConfig(_Section):
     reshard_after_forward: bool = False
 
     def validate(self) -> None:
-        _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")
+        require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")
 
 
 @dataclass
-class KLControlConfig(_Section):
+class KLControlConfig(Section):
     """Coefficient of the KL penalty in the reward: fixed, or adapted towards ``target_kl``."""
 
     type: str = "fixed"
@@ -271,14 +271,14 @@ class KLControlConfig(_Section):
     horizon: int = 10000
 
     def validate(self) -> None:
-        _choice("type", self.type, ("fixed", "adaptive"))
-        _require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
-        _require(self.target_kl > 0, "target_kl", self.target_kl, "must be > 0")
-        _require(self.horizon >= 1, "horizon", self.horizon, "must be >= 1")
+        choice("type", self.type, ("fixed", "adaptive"))
+        require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        require(self.target_kl > 0, "target_kl", self.target_kl, "must be > 0")
+        require(self.horizon >= 1, "horizon", self.horizon, "must be >= 1")
 
 
 @dataclass
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     """Advantage estimation and the KL penalty."""
 
     adv_estimator: str = "gae"
@@ -291,14 +291,14 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
     def validate(self) -> None:
-        _choice("adv_estimator", self.adv_estimator, ("gae", "grpo"))
-        _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
-        _require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
-        _choice("kl_penalty", self.kl_penalty, KL_ESTIMATORS)
+        choice("adv_estimator", self.adv_estimator, ("gae", "grpo"))
+        require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
+        choice("kl_penalty", self.kl_penalty, KL_ESTIMATORS)
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     """Prompts: a built-in task or a JSONL file, and how they are batched."""
 
     task: str = "copy"
@@ -315,24 +315,24 @@ class DataConfig(_Section):
     chat_template: Optional[bool] = None
 
     def validate(self) -> None:
-        _choice("task", self.task, BUILTIN_TASKS + ("jsonl",))
+        choice("task", self.task, BUILTIN_TASKS + ("jsonl",))
         if self.task == "jsonl":
-            _require(self.path is not None, "path", self.path, "data.task='jsonl' needs data.path (a JSONL file)")
-            _require(self.reward_fn is not None, "reward_fn", self.reward_fn,
+            require(self.path is not None, "path", self.path, "data.task='jsonl' needs data.path (a JSONL file)")
+            require(self.reward_fn is not None, "reward_fn", self.reward_fn,
                      "data.task='jsonl' needs data.reward_fn ('package.module:function')")
         if self.reward_fn is not None:
-            _require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in REWARDS,
+            require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in REWARDS,
                      "reward_fn", self.reward_fn, "must be an import path 'package.module:function' or one of "
                      + ", ".join(repr(r) for r in REWARDS))
-        _require(self.tokenizer is None or self.tokenizer.strip() != "", "tokenizer", self.tokenizer,
+        require(self.tokenizer is None or self.tokenizer.strip() != "", "tokenizer", self.tokenizer,
                  "must be a local tokenizer folder (or 'pkg://package/dir'), or null for the character tokenizer")
-        _require(not self.chat_template or self.tokenizer is not None, "chat_template", self.chat_template,
+        require(not self.chat_template or self.tokenizer is not None, "chat_template", self.chat_template,
                  "needs data.tokenizer (the character tokenizer has no chat template)")
-        _require(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
-        _require(self.min_digits >= 1, "min_digits", self.min_digits, "must be >= 1")
-        _require(self.max_digits >= self.min_digits, "max_digits", self.max_digits,
+        require(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
+        require(self.min_digits >= 1, "min_digits", self.min_digits, "must be >= 1")
+        require(self.max_digits >= self.min_digits, "max_digits", self.max_digits,
                  f"must be >= min_digits={self.min_digits}")
-        _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
-        _require(self.task == "jsonl" or self.batch_size <= self.num_prompts, "batch_size", self.batch_size,
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        require(self.task == "jsonl" or self.batch_size <= self.num_prompts, "batch_size", self.batch_size,
                  f"must be <= num_prompts={self.num_prompts}")
-        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        require(self.seed >= 0, "seed", self.seed, "must be >= 0")

@@ -1,7 +1,7 @@
 """Typed configuration: the root :class:`Config`, YAML files and ``key=value`` overrides.
 
-The sections (one dataclass per component) live in :mod:`resilient_rl.trainer.config_sections`
-and :mod:`resilient_rl.trainer.config_runtime` and are re-exported here; :class:`Config` adds the
+The sections (one dataclass per component) live in :mod:`resilient_rl.config.sections`
+and :mod:`resilient_rl.config.runtime` and are re-exported here; :class:`Config` adds the
 checks that span sections. :func:`load_config` layers the defaults, a YAML file and command-line
 overrides with OmegaConf structured configs, so unknown keys and wrong types are caught before any
 value is used. Every error is a
@@ -26,14 +26,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.config_runtime import (
+from resilient_rl.config.runtime import (
     CheckpointConfig,
     RayConfig,
     RecoveryConfig,
     TelemetryConfig,
     TrainerConfig,
 )
-from resilient_rl.trainer.config_sections import (
+from resilient_rl.config.sections import (
     BUILTIN_TASKS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -47,9 +47,9 @@ from resilient_rl.trainer.config_sections import (
     OptimConfig,
     RefConfig,
     RolloutConfig,
-    _require,
-    _Section,
-    _type_name,
+    require,
+    Section,
+    type_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ __all__ = [
 
 
 @dataclass
-class Config(_Section):
+class Config(Section):
     """The whole run. Cross-section rules are checked here; keys in errors are full dotted paths."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -94,30 +94,30 @@ class Config(_Section):
             self.rollout.world_size = self.actor.world_size
             self.ref.world_size = self.actor.world_size
             self.critic.world_size = self.actor.world_size
-        _require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
+        require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
                  "algorithm.adv_estimator='grpo' needs rollout.n >= 2 samples per prompt")
         sequences = self.data.batch_size * self.rollout.n
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.critic.enabled else [])
         for role, section in roles:
-            _require(sequences % section.world_size == 0, f"{role}.world_size", section.world_size,
+            require(sequences % section.world_size == 0, f"{role}.world_size", section.world_size,
                      f"data.batch_size * rollout.n = {sequences} must be divisible by it")
-            _require(section.mini_batch_size <= sequences, f"{role}.mini_batch_size", section.mini_batch_size,
+            require(section.mini_batch_size <= sequences, f"{role}.mini_batch_size", section.mini_batch_size,
                      f"must be <= data.batch_size * rollout.n = {sequences}")
             # Each rank updates on mini_batch_size // world_size rows of its share of the step's
             # sequences: exact only when both divisions are.
-            _require(section.mini_batch_size % section.world_size == 0, f"{role}.mini_batch_size",
+            require(section.mini_batch_size % section.world_size == 0, f"{role}.mini_batch_size",
                      section.mini_batch_size, f"must be divisible by {role}.world_size={section.world_size}")
-            _require(sequences % section.mini_batch_size == 0, f"{role}.mini_batch_size", section.mini_batch_size,
+            require(sequences % section.mini_batch_size == 0, f"{role}.mini_batch_size", section.mini_batch_size,
                      f"must divide data.batch_size * rollout.n = {sequences}")
         if self.data.task in BUILTIN_TASKS:
             # The longest answer (a sum carries one extra digit) must fit in the response.
             longest = self.data.max_digits + (1 if self.data.task == "add" else 0)
-            _require(self.rollout.max_new_tokens >= longest, "rollout.max_new_tokens", self.rollout.max_new_tokens,
+            require(self.rollout.max_new_tokens >= longest, "rollout.max_new_tokens", self.rollout.max_new_tokens,
                      f"must be >= {longest}, the longest answer of data.task={self.data.task!r}")
         if self.trainer.device == "cuda":
             import torch  # only here: importing torch is slow and most configs never need it
 
-            _require(torch.cuda.is_available(), "trainer.device", self.trainer.device,
+            require(torch.cuda.is_available(), "trainer.device", self.trainer.device,
                      "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
 
 
@@ -166,7 +166,7 @@ def _translate(e: OmegaConfBaseException) -> ConfigError:
         return ConfigError(f"cannot resolve config key '{full_key}': {getattr(e, 'msg', str(e)).splitlines()[0]}")
     if full_key:
         value = getattr(e, "value", None)
-        return ConfigError(f"invalid type for config key '{full_key}': expected {_type_name(_schema_at(full_key))}, "
+        return ConfigError(f"invalid type for config key '{full_key}': expected {type_name(_schema_at(full_key))}, "
                            f"got {value!r} ({getattr(e, 'msg', str(e)).splitlines()[0]})")
     return ConfigError(f"invalid config: {str(e).splitlines()[0]}")
 

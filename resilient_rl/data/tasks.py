@@ -3,7 +3,7 @@
 Built in: ``reverse`` ("123>" -> "321"), ``copy`` ("123=" -> "123") and ``add`` ("12+7=" -> "19"),
 generated from a seeded numpy Generator. ``jsonl`` reads ``{"prompt": ..., "answer": ...}`` lines
 (or GSM8K's ``{"question": ..., "answer": ...}``) from a file and scores responses with a registered
-reward (:mod:`resilient_rl.trainer.rewards`: ``exact_match``, ``partial_match``, ``gsm8k``) or a user
+reward (:mod:`resilient_rl.data.rewards`: ``exact_match``, ``partial_match``, ``gsm8k``) or a user
 function given by import path ``module:function``.
 """
 
@@ -19,10 +19,10 @@ import fsspec
 import numpy as np
 
 from resilient_rl.errors import ConfigError, DataProtoError
-from resilient_rl.trainer.config import DataConfig
-from resilient_rl.trainer.paths import resolve_path
-from resilient_rl.trainer.rewards import RewardFn, exact_match, get_reward, partial_match
-from resilient_rl.trainer.tokenizer import Tokenizer
+from resilient_rl.config.schema import DataConfig
+from resilient_rl.config.paths import resolve_path
+from resilient_rl.data.rewards import RewardFn, exact_match, get_reward, partial_match
+from resilient_rl.data.tokenizer import Tokenizer
 
 __all__ = ["AddTask", "CopyTask", "JsonlTask", "ReverseTask", "RewardFn", "Sample", "Task", "compute_rewards",
            "exact_match", "example_prompts_path", "get_task", "load_reward_fn", "partial_match", "read_jsonl"]
