@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import json
 import time
-import types
 import uuid
 
 import pytest
 
 from resilient_rl.checkpoint import CheckpointManager, Manifest
+from resilient_rl.testing.local_group import CheckpointOnlyPool
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
 
 from test_checkpoint_manager import FAST, _root, _save
 
-NO_ROLES = types.SimpleNamespace(groups={})  # controller state only: the source choice is under test
+NO_ROLES = CheckpointOnlyPool({})  # controller state only: the source choice is under test
 
 
 def _rewrite_manifest(manager: CheckpointManager, step: int, **changes) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from resilient_rl.controller.recovery import (ALLOWED, Decision, Failure, FailurePolicy, IllegalTransition,
+from resilient_rl.controller.recovery import (ALLOWED, Cause, Decision, Failure, FailurePolicy, IllegalTransition,
                                               RecoveryState, RecoveryStateMachine, classify)
 from resilient_rl.errors import (CollectiveError, ConfigError, WorkerDiedError, WorkerError, WorkerTimeoutError)
 
@@ -18,7 +18,13 @@ class Clock:
 
 
 def fail(cause="died", role="actor", rank=0, t=0.0):
-    return Failure(role, rank, cause, "boom", t)
+    return Failure(role, rank, Cause(cause), "boom", t)
+
+
+def spend(policy, failure, restarted):
+    """A failure decided before its restarts, then the restarts spent: the recovery's order."""
+    verdict = policy.decide(failure, restarting=restarted)
+    return verdict if verdict.decision is Decision.RAISE else policy.record_restarts(restarted)
 
 
 def test_classify_maps_the_error_tree_to_causes():
@@ -35,18 +41,26 @@ def test_classify_maps_the_error_tree_to_causes():
 def test_recoverable_failures_are_retried_within_budget():
     clock = Clock()
     policy = FailurePolicy(max_restarts=2, max_failures=10, failure_window_s=60, clock=clock)
-    assert policy.decide(fail(), restarted=[("actor", 0)]).decision is Decision.RETRY
-    assert policy.decide(fail(), restarted=[("actor", 0)]).decision is Decision.RETRY
-    verdict = policy.decide(fail(), restarted=[("actor", 0)])
+    assert spend(policy, fail(), [("actor", 0)]).decision is Decision.RETRY
+    assert spend(policy, fail(), [("actor", 0)]).decision is Decision.RETRY
+    verdict = spend(policy, fail(), [("actor", 0)])
     assert verdict.decision is Decision.RAISE
-    assert "actor:0 restarted more than max_restarts=2" in verdict.reason
+    assert "actor:0 already restarted max_restarts=2 times" in verdict.reason
+    assert policy.restarts == {"actor:0": 2}, "a refused restart is not spent"
+
+
+def test_restarts_nobody_asked_for_spend_the_budget_too():
+    policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=Clock())
+    assert spend(policy, fail(rank=0), [("actor", 0), ("actor", 1)]).decision is Decision.RETRY
+    verdict = policy.record_restarts([("actor", 1)])  # rank 1 came back once more on its own
+    assert verdict.decision is Decision.RAISE and "actor:1 restarted more than max_restarts=1" in verdict.reason
 
 
 def test_restart_budget_is_per_actor():
     policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=Clock())
-    assert policy.decide(fail(rank=0), restarted=[("actor", 0)]).decision is Decision.RETRY
-    assert policy.decide(fail(rank=1), restarted=[("actor", 1)]).decision is Decision.RETRY
-    assert policy.decide(fail(rank=1), restarted=[("actor", 1)]).decision is Decision.RAISE
+    assert spend(policy, fail(rank=0), [("actor", 0)]).decision is Decision.RETRY
+    assert spend(policy, fail(rank=1), [("actor", 1)]).decision is Decision.RETRY
+    assert spend(policy, fail(rank=1), [("actor", 1)]).decision is Decision.RAISE
 
 
 def test_failure_window_budget_slides():
@@ -72,7 +86,7 @@ def test_non_recoverable_causes_raise_at_once(cause):
 
 def test_policy_state_round_trips():
     policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=Clock())
-    policy.decide(fail(), restarted=[("actor", 1)])
+    spend(policy, fail(), [("actor", 1)])
     other = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60)
     other.load_state_dict(policy.state_dict())
     assert other.restarts == {"actor:1": 1} and other.total == 1
@@ -82,10 +96,10 @@ def test_policy_state_round_trips():
 def test_a_restarted_controller_keeps_the_spent_budget_and_a_rollback_never_refills_it():
     clock = Clock()
     policy = FailurePolicy(max_restarts=5, max_failures=2, failure_window_s=60, clock=clock)
-    policy.decide(fail(), restarted=[("actor", 1)])
+    spend(policy, fail(), [("actor", 1)])
     saved = policy.state_dict()  # what the next checkpoint records
     clock.t += 1
-    policy.decide(fail(), restarted=[("actor", 1)])
+    spend(policy, fail(), [("actor", 1)])
     policy.load_state_dict(saved)  # an in-process recovery restores the older checkpoint
     assert policy.restarts == {"actor:1": 2} and policy.total == 2 and len(policy.recent) == 2
     # A new controller (fresh budget) resumes from the checkpoint: the failure it recorded counts.
@@ -128,7 +142,7 @@ def test_the_trainer_checkpoint_carries_the_failure_budget(tmp_path):
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt",
                              "telemetry.enabled=false"])
     trainer = PPOTrainer(cfg, roles_factory=LocalRoles)
-    trainer.recovery.policy.decide(fail(), restarted=[("actor", 1)])
+    spend(trainer.recovery.policy, fail(), [("actor", 1)])
     state = trainer.state_dict()
     restarted = PPOTrainer(cfg, roles_factory=LocalRoles)  # a new controller on the same run
     restarted.load_state_dict(state)

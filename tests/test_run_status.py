@@ -217,6 +217,7 @@ def test_the_trainer_records_its_controller_while_it_runs_and_how_it_ended(tmp_p
 
     def broken_roles(cfg, tokenizer):
         raise RuntimeError("no workers today")
+    broken_roles.writes_checkpoints = False
 
     with pytest.raises(RuntimeError):
         _local_trainer(tmp_path, roles_factory=broken_roles).fit()

@@ -471,7 +471,7 @@ def test_every_trainer_phase_is_exported():
 def test_hook_exports_a_run_and_publishes_its_endpoint(local_run):
     trainer, rows, log = local_run
     hook = trainer.telemetry
-    assert trainer.recovery.metrics is hook and trainer.ckpt.metrics is hook
+    assert trainer.ckpt.metrics is hook
     url = hook.url
     assert url in log
     data = samples(url)
@@ -500,30 +500,29 @@ def test_hook_exports_a_run_and_publishes_its_endpoint(local_run):
 
 
 def test_hook_marks_failed_workers_down_and_drops_lost_steps_from_goodput(local_run):
-    from resilient_rl.errors import CollectiveError, WorkerDiedError
 
     trainer, rows, _ = local_run
     hook = trainer.telemetry
     node = hook.node
-    try:  # a survivor reporting a broken collective is not down itself
-        raise CollectiveError("peer gone", role="actor", rank=0)
-    except CollectiveError:
-        hook.record_failure("collective")
+    emit = trainer.run_dir.event  # the hook counts the run's events
+    # a survivor reporting a broken collective is not down itself
+    emit("failure", step=2, role="actor", rank=0, group="local", cause="collective", message="peer gone")
     assert value(samples(hook.url), "rrl_worker_up", role="actor", rank="0", node=node) == 1
-    try:  # Recovery reports the cause; the error being handled names the worker
-        raise WorkerDiedError("actor 0 died", role="actor", rank=0)
-    except WorkerDiedError:
-        hook.record_failure("died")
-    hook.record_restart("actor", 0, "died")
+    # a death names the process: every role in it is down
+    emit("failure", step=2, role="actor", rank=0, group="local", cause="died", message="actor 0 died")
+    emit("worker_restarted", group="local", rank=0, pid=1, node="n", role="actor", cause="died")
+    emit("nonfinite", step=2, quantity="loss", role="actor", action="skipped", count=1.0)
     data = samples(hook.url)
     assert value(data, "rrl_worker_up", role="actor", rank="0", node=node) == 0
-    assert value(data, "rrl_worker_up", role="critic", rank="0", node=node) == 1
+    assert value(data, "rrl_worker_up", role="critic", rank="0", node=node) == 0
     assert value(data, "rrl_failures_total", cause="died") == 1
     assert value(data, "rrl_worker_restarts_total", role="actor", rank="0", cause="died") == 1
+    assert value(data, "rrl_nonfinite_total", quantity="loss", action="skipped") == 1
 
     trainer.step = 1  # what restoring the checkpoint of step 1 does: steps 2 and 3 are lost
     wall_before = time.monotonic() - hook._started_at
-    hook.record_recovery(1.5, 1)
+    emit("recovered", failed_step=3, restored_step=1, steps_replayed=1, duration_s=1.5, restarted=[["local", 0]],
+         generation=2)
     wall_after = time.monotonic() - hook._started_at
     data = samples(hook.url)
     useful = rows[0]["timing/step_s"]
@@ -548,7 +547,7 @@ def test_hook_port_in_use_is_a_clear_error_and_disabled_telemetry_starts_nothing
             trainer.fit()
         assert trainer.roles is None
     trainer = local_trainer(tmp_path, "telemetry.enabled=false", "trainer.total_steps=1")
-    assert trainer.telemetry is None and trainer.recovery.metrics is None and trainer.ckpt.metrics is None
+    assert trainer.telemetry is None and trainer.ckpt.metrics is None
     trainer.fit()
     trainer.shutdown()
     assert not (trainer.run_dir.path / "prometheus_targets.json").exists()

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
+from resilient_rl.testing.local_group import CheckpointOnlyPool
 from resilient_rl.workers.checkpointing import CheckpointMixin
 
 
@@ -85,15 +86,15 @@ class LocalCheckpointGroup:
             r.close()
 
 
-class LocalCheckpointRoles:
+class LocalCheckpointRoles(CheckpointOnlyPool):
     """``groups`` of trainable roles (default: actor and critic, one rank each).
 
     The ranks hold whole tensors, not FSDP shards: a group of several ranks saves and commits
     like a sharded one, but only a one-rank group's checkpoint loads back."""
 
     def __init__(self, world_sizes: dict[str, int] | None = None):
-        self.groups = {role: LocalCheckpointGroup(role, n)
-                       for role, n in (world_sizes or {"actor": 1, "critic": 1}).items()}
+        super().__init__({role: LocalCheckpointGroup(role, n)
+                          for role, n in (world_sizes or {"actor": 1, "critic": 1}).items()})
 
     def train_step(self, step: int) -> None:
         for g in self.groups.values():

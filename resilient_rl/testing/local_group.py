@@ -8,8 +8,8 @@ without Ray. A group call returns one result per rank, as a Ray worker group's d
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
+from resilient_rl.trainer.pool import STATEFUL_ROLES
 from resilient_rl.workers.checkpointing import CheckpointMixin
 
 
@@ -41,6 +41,16 @@ class LocalGroup:
         return [self.rank.load_checkpoint(*args)]
 
 
-def local_roles(**engines) -> SimpleNamespace:
-    """What the coordinator needs of the roles: ``groups`` by role name."""
-    return SimpleNamespace(groups={role: LocalGroup(LocalRank(role, e)) for role, e in engines.items()})
+class CheckpointOnlyPool:
+    """The part of a worker pool the checkpoint coordinator uses: the groups it saves and loads."""
+
+    def __init__(self, groups: dict[str, LocalGroup]):
+        self.groups = groups
+
+    def checkpoint_groups(self) -> list[tuple[str, LocalGroup]]:
+        return [(role, self.groups[role]) for role in STATEFUL_ROLES if role in self.groups]
+
+
+def local_roles(**engines) -> CheckpointOnlyPool:
+    """Engines of this process as the stateful roles of a pool, for the checkpoint coordinator."""
+    return CheckpointOnlyPool({role: LocalGroup(LocalRank(role, e)) for role, e in engines.items()})

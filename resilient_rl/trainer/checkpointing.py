@@ -33,12 +33,9 @@ from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step
 from resilient_rl.checkpoint.lease import Lease, RunLease
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
-                                 CheckpointsSkippedError, ConfigError, StorageError, WorkerDiedError)
+                                 CheckpointsSkippedError, ConfigError, RRLError, StorageError, WorkerDiedError)
 
 logger = logging.getLogger(__name__)
-
-#: Roles whose state lives in checkpoints (ref is rebuilt from its source, rollout gets the actor's weights).
-STATEFUL_ROLES = ("actor", "critic")
 
 
 def _split_step_url(url: str) -> tuple[str, str, int]:
@@ -127,19 +124,29 @@ class CheckpointCoordinator:
         if self.metrics is not None:
             self.metrics.record_corrupt_checkpoint()
 
+    def last_committed_at(self) -> tuple[int, float] | None:
+        """(step, commit time) of the last committed checkpoint of this timeline, if any; a
+        checkpoint resumed from another run's folder, whose manifest is not readable here, is
+        dated now."""
+        step = self.last_committed
+        if step is None:
+            return None
+        try:
+            return step, self.manager.load_manifest(step).created_at
+        except (RRLError, OSError):
+            return step, time.time()
+
     def due(self, step: int) -> bool:
         return self.save_every > 0 and (step % self.save_every == 0 or step == self.cfg.trainer.total_steps)
 
     def _groups(self, roles) -> list[tuple[str, Any]]:
-        return [(r, roles.groups[r]) for r in STATEFUL_ROLES if r in roles.groups]
+        return roles.checkpoint_groups()
 
     def _refuse(self, step: int, role: str, reason: str) -> None:
         """A save whose state is not finite: never committed (its folder is cleaned up later)."""
         logger.error("checkpoint of step %d not committed: %s", step, reason)
         self.on_event("nonfinite", step=step, quantity="checkpoint", role=role, action="refused")
         self.on_event("checkpoint_refused", step=step, role=role, reason=reason)
-        if self.metrics is not None and hasattr(self.metrics, "record_nonfinite"):
-            self.metrics.record_nonfinite("checkpoint", "refused")
 
     # ------------------------------------------------------------------ save
     def save(self, roles, step: int, trainer_state: dict, digest: str, known_good: bool = True) -> float:

@@ -6,9 +6,13 @@ reference a distributed step is tested against.
 
 from __future__ import annotations
 
+import os
 import time
 
+from resilient_rl.controller.worker import WorkerInfo, compute_cuda_device
+from resilient_rl.errors import RRLError
 from resilient_rl.protocol import DataProto
+from resilient_rl.telemetry.gpu_owners import device_report
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -16,13 +20,31 @@ from resilient_rl.workers.value import ValueEngine
 from resilient_rl.workers.weight_sync import write_into
 
 
-class LocalRoles:
-    """Actor, critic, ref and rollout engines in this process."""
+def _controller_node_id() -> str | None:
+    """The Ray node id of this process where Ray runs (what telemetry calls the controller's node)."""
+    import ray
 
-    #: This backend saves no checkpoints, so the trainer takes no lease on the run for it.
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+class LocalRoles:
+    """Actor, critic, ref and rollout engines in this process: a
+    :class:`~resilient_rl.trainer.pool.WorkerPool` of one process group, ``local``, of one rank.
+
+    It saves no checkpoints (so the trainer takes no lease on the run for it), and its only
+    process is the controller's: a failure here is the controller's own and is not recovered.
+    """
+
     writes_checkpoints = False
+    GROUP = "local"
 
     def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.generation = 1
+        self.init_models()
+
+    def init_models(self) -> None:
+        cfg, tokenizer = self.cfg, self.tokenizer
         plan = plan_device(cfg.trainer.device)
         vocab, seed, steps = tokenizer.vocab_size, cfg.trainer.seed, cfg.trainer.total_steps
         self.actor = PolicyEngine(cfg.model, vocab, seed, plan, actor_cfg=cfg.actor, total_steps=steps)
@@ -57,6 +79,50 @@ class LocalRoles:
         nbytes = write_into(self.actor.model, dict(self.rollout.model.named_parameters()))
         self.rollout.version = int(version)
         return {"perf/weight_sync_bytes": float(nbytes), "perf/weight_sync_worker_s": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ processes
+    def _info(self) -> WorkerInfo:
+        """This process's health reply: its GPU and torch's memory there, on the controller's node."""
+        report = device_report(compute_cuda_device())
+        return WorkerInfo(0, 1, self.generation, os.getpid(), _controller_node_id(), "127.0.0.1",
+                          report.gpu_uuids, report.torch_allocated_bytes, report.torch_reserved_bytes)
+
+    def poll_device_reports(self, poller) -> bool:
+        poller.reset(self.workers())  # this process answers at once: no calls to wait for
+        return True
+
+    def process_groups(self) -> list[str]:
+        return [self.GROUP]
+
+    def workers(self) -> dict[tuple[str, int], WorkerInfo]:
+        return {(self.GROUP, 0): self._info()}
+
+    def refresh_workers(self) -> None:
+        pass  # the controller's own process: nothing to ask
+
+    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, WorkerInfo]:
+        return {} if during_call else {0: self._info()}
+
+    def kill(self, key: tuple[str, int]) -> None:
+        raise RRLError(f"local roles: refusing to kill {key}, the controller's own process")
+
+    def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
+        return [self._info()]
+
+    def locate(self, name: str | None) -> tuple[str | None, str | None]:
+        return (self.GROUP, name) if name in self.roles_of(self.GROUP) else (None, None)
+
+    def roles_of(self, group: str) -> tuple[str, ...]:
+        return ("actor", "rollout", "ref") + (("critic",) if self.critic_enabled else ())
+
+    def role_processes(self) -> dict[tuple[str, int], tuple[int, str | None]]:
+        return {(role, 0): (os.getpid(), None) for role in self.roles_of(self.GROUP)}
+
+    def rendezvous(self) -> None:
+        self.generation += 1  # no process group: the engines run unsharded
+
+    def checkpoint_groups(self) -> list:
+        return []
 
     def shutdown(self) -> None:
         pass

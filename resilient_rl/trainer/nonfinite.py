@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import NonFiniteError
 
 logger = logging.getLogger(__name__)
@@ -89,9 +88,6 @@ class NonFiniteGuard:
         tr = self.trainer
         tr.run_dir.event("nonfinite", step=step, quantity=finding.quantity, role=finding.role, action=action,
                          count=finding.count)
-        telemetry = getattr(tr, "telemetry", None)
-        if telemetry is not None:
-            telemetry.record_nonfinite(finding.quantity, action)
         logger.warning("step %d: non-finite %s%s (%g) -> %s", step, finding.quantity,
                        f" ({finding.role})" if finding.role else "", finding.count, action)
 
@@ -151,7 +147,7 @@ class NonFiniteGuard:
         """Restore the newest known-good checkpoint (or the initial weights) and keep the data
         position: the next step trains on the batch after the poisoned one."""
         tr = self.trainer
-        if not hasattr(tr.roles, "groups"):
+        if not tr.checkpoints_on:
             raise NonFiniteError(f"step {step}: non-finite {what}; trainer.nonfinite=rollback needs the Ray "
                                  "roles (checkpoints), use skip or raise with local roles")
         position = tr.loader.state_dict()
@@ -159,9 +155,7 @@ class NonFiniteGuard:
         state = tr.ckpt.restore(tr.roles, "known_good")
         if state is None:
             tr.roles.init_models()  # no known-good checkpoint: back to the initial weights
-            kc = tr.cfg.algorithm.kl_ctrl
-            tr.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
-            tr.step = 0
+            tr.state.load_state_dict(tr.initial_state)  # the data position is set back below
         else:
             tr.load_state_dict(state)
         tr.loader.load_state_dict(position)

@@ -17,6 +17,8 @@ from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import CheckpointCorruptError, WorkerError
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.trainer.controller_state import Attribute, ControllerState
+from resilient_rl.trainer.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
 from resilient_rl.trainer.controller_record import controller_session
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
@@ -63,16 +65,30 @@ class PPOTrainer:
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
-        self.nonfinite = NonFiniteGuard(self)
-        self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event)
-        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
-        self.recovery = Recovery(self)
         self.hooks = list(hooks or [])
+        if roles_factory is None:
+            from resilient_rl.trainer.ray_roles import RayRoles
+
+            roles_factory = RayRoles
         self._roles_factory = roles_factory
-        self.roles = None
+        self.roles: WorkerPool | None = None
         self.history: deque[dict] = deque(maxlen=HISTORY_WINDOW)  # the newest rows
         self.trackers = None  # the trainer.loggers backends, open while fit() runs
-        self.telemetry = TelemetryHook(self) if cfg.telemetry.enabled else None
+        self.telemetry = (TelemetryHook(cfg, self.run_dir, self.run_dir.subscribe) if cfg.telemetry.enabled
+                          else None)
+        self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event, metrics=self.telemetry)
+        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
+        self.nonfinite = NonFiniteGuard(self)
+        self.recovery = Recovery(cfg.recovery, pool=lambda: self.roles, checkpoints=self.ckpt,
+                                 restore=self.restore_after_failure, emit=self.run_dir.event,
+                                 on_state=lambda state: self.fire("on_recovery_state", state))
+        # The controller's part of a checkpoint: one line per stateful part.
+        self.state = ControllerState()
+        self.state.register("step", Attribute(self, "step", int))
+        self.state.register("loader", self.loader)
+        self.state.register("kl_ctrl", self.kl_ctrl)
+        self.state.register("failure_budget", self.recovery.policy, optional=True)  # older checkpoints: none
+        self.initial_state = self.state.state_dict()  # what a run with no valid checkpoint restarts from
 
     def fire(self, name: str, *args) -> None:
         """Call ``name(trainer, *args)`` on every hook that has it (fault injectors, probes)."""
@@ -88,35 +104,31 @@ class PPOTrainer:
             self.fire("on_checkpoint_started", fields["step"])
 
     # ------------------------------------------------------------------ roles
-    def start_roles(self):
+    @property
+    def checkpoints_on(self) -> bool:
+        """Whether this run's pool saves checkpoints (and so holds the run's lease)."""
+        return self._roles_factory.writes_checkpoints
+
+    def start_roles(self) -> WorkerPool:
         if self.roles is None:
             if self.telemetry is not None:
                 self.telemetry.start()
-            if self._roles_factory is None:
-                from resilient_rl.trainer.ray_roles import RayRoles
-
-                self._roles_factory = RayRoles
-            if getattr(self._roles_factory, "writes_checkpoints", True):
+            if self.checkpoints_on:
                 self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
-            if hasattr(self.roles, "groups"):  # resume=off too: it sets the run's older steps aside
+            if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.restore(self.cfg.checkpoint.resume)
             if self.telemetry is not None:
-                self.telemetry.watch_roles(self.roles)
+                self.telemetry.watch_roles(self.roles, self.ckpt.last_committed_at())
         return self.roles
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The controller's part of a checkpoint (JSON)."""
-        return {"step": self.step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "failure_budget": self.recovery.policy.state_dict(), "config_digest": self.digest}
+        """The controller's part of a checkpoint (JSON): every registered part and the config digest."""
+        return {**self.state.state_dict(), "config_digest": self.digest}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if "failure_budget" in state:  # checkpoints written before the budget was saved have none
-            self.recovery.policy.load_state_dict(state["failure_budget"])
+        self.state.load_state_dict(state)
         if state.get("config_digest") not in (None, self.digest):
             logger.warning("resuming a checkpoint written with a different config (digest %s, now %s)",
                            state.get("config_digest"), self.digest)
@@ -140,10 +152,7 @@ class PPOTrainer:
         """Roll roles and controller back to the newest valid checkpoint (or the start); returns its step."""
         step = self.restore("auto")
         if step is None:
-            self.loader.load_state_dict({"epoch": 0, "position": 0, "seed": self.cfg.data.seed})
-            kc = self.cfg.algorithm.kl_ctrl
-            self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
-            self.step = 0
+            self.state.load_state_dict(self.initial_state)  # the failure budget is never refilled
             self.roles.sync_weights(0)
             self.run_dir.truncate_metrics_after(0)
             self.history.clear()
@@ -152,7 +161,7 @@ class PPOTrainer:
 
     def maybe_checkpoint(self) -> None:
         """Save when due (async: the step waits only for staging); commit finished saves."""
-        if not hasattr(self.roles, "groups"):
+        if not self.checkpoints_on:
             return
         if self.ckpt.due(self.step):
             self.ckpt.save(self.roles, self.step, self.state_dict(), self.digest,
@@ -174,7 +183,7 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the next step and record it; returns its metrics row."""
         step = self.step + 1
-        if hasattr(self.roles, "groups") and self.ckpt.pending is not None:
+        if self.checkpoints_on and self.ckpt.pending is not None:
             self.ckpt.poll(self.roles)  # commit a save that finished writing before this step starts
         self.fire("on_step_start", step)
         batch = self.loader.next_batch()
@@ -230,7 +239,7 @@ class PPOTrainer:
                         bar.refresh()
                         continue
                     self.maybe_checkpoint()
-                    if self.step >= total and hasattr(self.roles, "groups"):
+                    if self.step >= total and self.checkpoints_on:
                         # The last save, waited for (bounded) inside the recovery: a rank that lost
                         # it rolls the run back to the last commit and the final steps are replayed.
                         self.ckpt.finish(self.roles)

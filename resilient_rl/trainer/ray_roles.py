@@ -22,13 +22,20 @@ from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorker
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
+from resilient_rl.trainer.pool import STATEFUL_ROLES, primary_role
 from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 logger = logging.getLogger(__name__)
 
 
 class RayRoles:
-    """Starts the worker groups of a run, joins their process groups and builds their models."""
+    """Starts the worker groups of a run, joins their process groups and builds their models.
+
+    Implements :class:`~resilient_rl.trainer.pool.WorkerPool`; a process group is named by its
+    worker group's ``name_prefix``.
+    """
+
+    writes_checkpoints = True
 
     def __init__(self, cfg, tokenizer, instance: str | None = None):
         self.cfg = cfg
@@ -97,14 +104,68 @@ class RayRoles:
         """(group, rank) -> (pid, node id) of every rank, as of the last :meth:`refresh_workers`."""
         return {key: (info.pid, info.node_id) for key, info in self.worker_info.items()}
 
+    def workers(self) -> dict[tuple[str, int], WorkerInfo]:
+        return dict(self.worker_info)
+
+    def process_groups(self) -> list[str]:
+        return [g.name_prefix for g in self.distinct_groups()]
+
+    def _process_group(self, name: str) -> RayWorkerGroup:
+        for g in self.distinct_groups():
+            if g.name_prefix == name:
+                return g
+        raise KeyError(f"no process group {name!r}; groups: {self.process_groups()}")
+
+    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, object]:
+        g = self._process_group(group)
+        if during_call and not g._has_health_group():  # its probe would queue behind the call itself
+            return {}
+        return g.probe(timeout_s=timeout_s)
+
+    def kill(self, key: tuple[str, int]) -> None:
+        pid, node = self.known_workers[key]
+        self._process_group(key[0]).kill_rank(key[1], pid, node)
+
+    def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
+        return self._process_group(group).wait_alive(timeout_s)
+
+    def locate(self, name: str | None) -> tuple[str | None, str | None]:
+        """(process group, role) of the worker group ``name``; a colocated role's group is
+        ``<parent>:<role>``; a process group's own name gives its first role."""
+        if name is None:
+            return None, None
+        for role, g in self.groups.items():
+            if g.name_prefix == name:
+                return self._parent(g).name_prefix, role
+        for g in self.distinct_groups():
+            if g.name_prefix == name:
+                return name, primary_role(self.roles_of(name))
+        return None, None
+
+    def _parent(self, g: RayWorkerGroup) -> RayWorkerGroup:
+        return next(p for p in self.distinct_groups() if p.workers is g.workers)
+
+    def roles_of(self, group: str) -> tuple[str, ...]:
+        parent = self._process_group(group)
+        return tuple(role for role, g in self.groups.items() if g.workers is parent.workers)
+
+    def role_processes(self) -> dict[tuple[str, int], tuple[int, str | None]]:
+        known, out = self.known_workers, {}
+        for role, g in self.groups.items():
+            parent = self._parent(g)
+            for rank in range(g.world_size):
+                out[(role, rank)] = known[(parent.name_prefix, rank)]
+        return out
+
     def worker_pids(self) -> dict[tuple[str, int], int]:
         """(role, rank) -> pid of every role's processes (colocated roles share a pid)."""
-        out = {}
-        for role, g in self.groups.items():
-            parent = next(p for p in self.distinct_groups() if p.workers is g.workers)
-            for rank in range(g.world_size):
-                out[(role, rank)] = self.known_workers[(parent.name_prefix, rank)][0]
-        return out
+        return {key: pid for key, (pid, _) in self.role_processes().items()}
+
+    def poll_device_reports(self, poller) -> bool:
+        return poller.poll(self.distinct_groups())
+
+    def checkpoint_groups(self) -> list[tuple[str, RayWorkerGroup]]:
+        return [(r, self.groups[r]) for r in STATEFUL_ROLES if r in self.groups]
 
     def rendezvous(self) -> None:
         """Join every process group with a new generation (also after a failure)."""

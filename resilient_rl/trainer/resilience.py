@@ -1,14 +1,17 @@
-"""Automatic recovery of a run: repair the worker groups, rejoin, restore, replay.
+"""Automatic recovery of a run: repair the worker pool, rejoin, restore, replay.
 
 When a step fails (an actor died, a collective broke, a rank stopped answering or advancing,
-a call passed its ceiling), the controller walks the recovery state machine:
+a call passed its ceiling), :meth:`Recovery.handle` drives the recovery state machine: one handler
+per state does that state's work and returns the next state.
 
-1. RECOVERING: probe every rank through its health concurrency group; a rank that does not
-   answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as not advancing
-   (it still answers the probe); survivors still inside a call are waited for (a collective
-   error ends it at once when a peer died) and killed if they stop advancing; then wait until
-   Ray has restarted every dead actor (``max_restarts``) and all answer. Survivors keep their
-   processes.
+1. RECOVERING: the failure is classified once (a :class:`~resilient_rl.controller.recovery.Cause`);
+   every rank is probed through its health concurrency group; the :class:`FailurePolicy` decides
+   *before* anything is killed or waited for, knowing which ranks would need a restart. Then a
+   rank that does not answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as
+   not advancing (it still answers the probe); survivors still inside a call are waited for (a
+   collective error ends it at once when a peer died) and killed if they stop advancing; then
+   the protocol waits until Ray has restarted every dead actor (``max_restarts``) and all answer.
+   Survivors keep their processes. Each restart spends the restarted actor's budget.
 2. REJOINING: every process group joins a new generation (survivors drop the broken one), and
    every role rebuilds its model on it (FSDP2 modules are bound to their process group).
 3. RESTORING: the newest committed checkpoint that verifies is loaded into actor and critic, the
@@ -17,9 +20,14 @@ a call passed its ceiling), the controller walks the recovery state machine:
 4. RUNNING: the lost steps are replayed; the step is a pure function of the restored state, so
    the run ends bit-identical to one without failures.
 
-A failure during recovery re-enters RECOVERING. The :class:`FailurePolicy` budget ends it:
-ABORTING -> FAILED with a :class:`RecoveryError` naming the failing role and rank, the last
-committed checkpoint untouched.
+A failure inside any state is classified like the first and re-enters RECOVERING, where the
+policy decides again (failures inside recovery spend the same budget). Past the budget, or for a
+cause no replay can fix: ABORTING -> FAILED with a :class:`RecoveryError` naming the failing role
+and rank, the last committed checkpoint untouched.
+
+:class:`Recovery` talks to narrow collaborators only (the worker pool, the checkpoint
+coordinator's ``abandon``/``last_committed``, a restore callable, an event emitter), so the whole
+protocol runs in unit tests against a fake pool and a fake clock.
 """
 
 from __future__ import annotations
@@ -27,176 +35,242 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any, Callable, Protocol
 
-from resilient_rl.controller.recovery import (Decision, FailurePolicy, RecoveryState, RecoveryStateMachine,
-                                              classify)
+from resilient_rl.controller.recovery import (Cause, Decision, Failure, FailurePolicy, RecoveryState,
+                                              RecoveryStateMachine, classify)
 from resilient_rl.errors import LeaseError, RecoveryError, RRLError, WorkerError, WorkerTimeoutError
+from resilient_rl.trainer.pool import ProcessKey, WorkerPool, primary_role
 
 logger = logging.getLogger(__name__)
 S = RecoveryState
 
 
-class Recovery:
-    """Runs the recovery protocol for a :class:`~resilient_rl.trainer.ppo.PPOTrainer`."""
+class CheckpointState(Protocol):
+    """What recovery needs of the checkpoints: drop a save in flight, name the last commit."""
 
-    def __init__(self, trainer, metrics=None):
-        c = trainer.cfg.recovery
-        self.trainer = trainer
-        self.cfg = c
-        self.metrics = metrics
-        self.policy = FailurePolicy(c.max_restarts, c.max_failures, c.failure_window_s)
-        self.sm = RecoveryStateMachine()
+    last_committed: int | None
+
+    def abandon(self, reason: str = "recovery") -> None: ...
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One recovery: the failure being handled and what the states found and did."""
+
+    failed_step: int
+    failure: Failure
+    exc: BaseException
+    group: str | None = None  # the process group the failure names, where known
+    restarted: list[ProcessKey] = dataclasses.field(default_factory=list)
+    restored: int = 0
+    reason: str = ""
+
+
+class Recovery:
+    """Runs the recovery protocol against a :class:`~resilient_rl.trainer.pool.WorkerPool`.
+
+    Args:
+        cfg: the ``recovery`` config section.
+        pool: returns the run's worker pool (it exists from the first step on).
+        checkpoints: the checkpoint coordinator (``abandon``, ``last_committed``).
+        restore: rolls pool and controller back to the newest valid checkpoint (or the start) and
+            returns its step.
+        emit: ``emit(kind, **fields)`` records an event of the run (``events.jsonl``, metrics).
+        on_state: called with each state entered after RECOVERING (fault hooks).
+        clock, sleep: monotonic time and sleeping, replaced by fakes in tests.
+    """
+
+    def __init__(self, cfg, pool: Callable[[], WorkerPool], checkpoints: CheckpointState,
+                 restore: Callable[[], int], emit: Callable[..., None],
+                 on_state: Callable[[RecoveryState], None] = lambda state: None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 wall_clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.pool = pool
+        self.checkpoints = checkpoints
+        self.restore = restore
+        self.emit = emit
+        self.on_state = on_state
+        self.clock, self.sleep, self.wall_clock = clock, sleep, wall_clock
+        self.policy = FailurePolicy(cfg.max_restarts, cfg.max_failures, cfg.failure_window_s, clock=wall_clock)
+        self.sm = RecoveryStateMachine(clock=clock)
         self.recoveries = 0
         self.steps_replayed = 0
         self.recovery_seconds = 0.0
+        self._handlers: dict[RecoveryState, Callable[[_Attempt], RecoveryState]] = {
+            S.RECOVERING: self._recovering, S.REJOINING: self._rejoining, S.RESTORING: self._restoring,
+            S.ABORTING: self._aborting}
+
+    # ------------------------------------------------------------------ protocol
+    def handle(self, exc: BaseException, failed_step: int) -> None:
+        """Recover from ``exc`` raised while running step ``failed_step``, or raise RecoveryError."""
+        t0 = self.clock()
+        attempt = self._attempt(exc, failed_step)
+        self._report("failure", attempt, step=failed_step)
+        logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, attempt.failure.cause.value,
+                       attempt.failure.role, attempt.failure.rank, attempt.failure.message)
+        self.sm.to(S.RECOVERING)
+        self.checkpoints.abandon()
+        state = S.RECOVERING
+        while state is not S.RUNNING:
+            try:
+                following = self._handlers[state](attempt)
+            except (RecoveryError, LeaseError):
+                raise  # aborted, or another controller owns the run now: recovering would fight it
+            except (WorkerError, RRLError, TimeoutError) as again:
+                logger.warning("failure during recovery (%s): %s", self.sm.state.value, again)
+                attempt = dataclasses.replace(self._attempt(again, failed_step), restarted=attempt.restarted)
+                self._report("failure_during_recovery", attempt, state=self.sm.state.value)
+                following = S.RECOVERING
+            self.sm.to(following)
+            state = following
+        duration = self.clock() - t0
+        replayed = max(0, failed_step - 1 - attempt.restored)
+        self.recoveries += 1
+        self.steps_replayed += replayed
+        self.recovery_seconds += duration
+        self.emit("recovered", failed_step=failed_step, restored_step=attempt.restored, steps_replayed=replayed,
+                  duration_s=duration, restarted=[list(k) for k in attempt.restarted],
+                  generation=self.pool().generation)
+        logger.warning("recovered in %.1fs: restored step %d, replaying %d step(s)", duration, attempt.restored,
+                       replayed)
+
+    def _attempt(self, exc: BaseException, failed_step: int) -> _Attempt:
+        failure = classify(exc, now=self.wall_clock())
+        group, role = self.pool().locate(failure.role)
+        if role is not None:
+            failure = dataclasses.replace(failure, role=role)
+        return _Attempt(failed_step, failure, exc, group=group)
+
+    def _report(self, kind: str, a: _Attempt, **fields: Any) -> None:
+        f = a.failure
+        self.emit(kind, role=f.role, rank=f.rank, group=a.group, cause=f.cause.value, message=f.message, **fields)
+
+    # ------------------------------------------------------------------ states
+    def _recovering(self, a: _Attempt) -> RecoveryState:
+        if not self.cfg.enabled:
+            a.reason = f"recovery is disabled: {a.failure.message}"
+            return S.ABORTING
+        pool = self.pool()
+        known = pool.workers()
+        unresponsive, lost = self._probe(pool, known)
+        hung = self._hung_rank(pool, a, known)
+        if a.failure.cause is Cause.EXCEPTION and (lost or unresponsive):
+            # A survivor's error raced ahead of the death that caused it: the death is the failure.
+            group, rank = (lost or unresponsive)[0]
+            a.failure = dataclasses.replace(a.failure, cause=Cause.DIED, role=primary_role(pool.roles_of(group)),
+                                            rank=rank)
+            a.group = group
+        to_restart = sorted(set(unresponsive) | set(lost) | ({hung} if hung else set()))
+        verdict = self.policy.decide(a.failure, restarting=[self._budget_key(pool, k) for k in to_restart])
+        if verdict.decision is Decision.RAISE:
+            a.reason = verdict.reason
+            return S.ABORTING
+        killed: set[ProcessKey] = set()
+        for key in unresponsive:
+            self._kill(pool, key, known, "kill_unresponsive", killed)
+        if hung is not None and hung not in killed:
+            self._kill(pool, hung, known, "kill_hung", killed, reason=a.failure.message[:300])
+        self._drain(pool, known, killed)
+        restarted = self._wait_restarted(pool, known, a.failure.cause)
+        a.restarted += restarted
+        verdict = self.policy.record_restarts([self._budget_key(pool, k) for k in restarted])
+        if verdict.decision is Decision.RAISE:
+            a.reason = verdict.reason
+            return S.ABORTING
+        return S.REJOINING
+
+    def _rejoining(self, a: _Attempt) -> RecoveryState:
+        self.on_state(S.REJOINING)
+        pool = self.pool()
+        pool.rendezvous()
+        pool.init_models()
+        return S.RESTORING
+
+    def _restoring(self, a: _Attempt) -> RecoveryState:
+        self.on_state(S.RESTORING)
+        a.restored = self.restore()
+        return S.RUNNING
+
+    def _aborting(self, a: _Attempt) -> RecoveryState:
+        last = self.checkpoints.last_committed
+        self.emit("aborted", reason=a.reason, role=a.failure.role, rank=a.failure.rank, last_committed_step=last)
+        self.sm.to(S.FAILED)
+        raise RecoveryError(f"giving up: {a.reason}; the last committed checkpoint is step {last}")
 
     # ------------------------------------------------------------------ repair
-    def _actor_groups(self):
-        return self.trainer.roles.distinct_groups()
+    @staticmethod
+    def _budget_key(pool: WorkerPool, key: ProcessKey) -> tuple[str, int]:
+        """(role, rank): the name a process's restart budget is kept under, the same for every
+        controller of the run (process-group names carry a per-controller instance id)."""
+        return primary_role(pool.roles_of(key[0])) or key[0], key[1]
 
-    def _repair(self, cause: str = "died", exc: BaseException | None = None) -> list[tuple[str, int]]:
-        """Kill hung ranks, let survivors leave their calls, wait for Ray to restart the dead.
+    def _probe(self, pool: WorkerPool, known: dict) -> tuple[list[ProcessKey], list[ProcessKey]]:
+        """(unresponsive, lost): known ranks that do not answer the health probe (stopped, hung
+        outside a call) and ranks whose process died or was already replaced."""
+        unresponsive, lost = [], []
+        for group in pool.process_groups():
+            for rank, info in pool.probe(group, timeout_s=self.cfg.health_timeout_s).items():
+                key = (group, rank)
+                if key not in known:
+                    continue
+                if info is None:
+                    unresponsive.append(key)
+                elif isinstance(info, BaseException) or info.pid != known[key].pid:
+                    lost.append(key)
+        return unresponsive, lost
 
-        Killed: ranks that do not answer the health probe (stopped), the rank ``exc`` names as
-        not advancing (it answers the probe, so the probe alone would spare it), and survivors
-        that stay inside a call without advancing for ``hang_timeout_s``. Returns the restarted
-        (group, rank)."""
-        known = self.trainer.roles.known_workers
-        killed: set[tuple[str, int]] = set()
-        for g in self._actor_groups():
-            probe = g.probe(timeout_s=self.cfg.health_timeout_s)
-            for rank, info in probe.items():
-                if info is None and (g.name_prefix, rank) in known:
-                    self._kill(g, rank, "kill_unresponsive", killed)
-        hung = self._hung_rank(exc)
-        if hung is not None and hung not in killed:
-            g, rank = hung
-            self._kill(g, rank, "kill_hung", killed, reason=str(exc)[:300])
-        self._drain(killed)
-        restarted = []
-        for g in self._actor_groups():
-            infos = g.wait_alive(self.cfg.restart_timeout_s)
-            for rank, info in enumerate(infos):
-                old = known.get((g.name_prefix, rank))
-                if old is None or old[0] != info.pid:
-                    restarted.append((g.name_prefix, rank))
-                    self.trainer.run_dir.event("worker_restarted", group=g.name_prefix, rank=rank, pid=info.pid,
-                                               node=info.node_id)
-                    if self.metrics is not None:
-                        self.metrics.record_restart(g.name_prefix, rank, cause)
-        self.trainer.roles.refresh_workers()
-        return restarted
-
-    def _kill(self, g, rank: int, event: str, killed: set, **extra) -> None:
-        pid, node = self.trainer.roles.known_workers[(g.name_prefix, rank)]
-        self.trainer.run_dir.event(event, group=g.name_prefix, rank=rank, pid=pid, node=node, **extra)
-        g.kill_rank(rank, pid, node)
-        killed.add((g.name_prefix, rank))
-
-    def _hung_rank(self, exc: BaseException | None):
-        """(process group, rank) that ``exc`` names as hung (cause "hang"), if its process is the one known."""
-        if not isinstance(exc, WorkerTimeoutError) or exc.cause != "hang" or exc.rank is None:
+    def _hung_rank(self, pool: WorkerPool, a: _Attempt, known: dict) -> ProcessKey | None:
+        """The process ``a``'s error names as not advancing, if it is still the one known."""
+        exc = a.exc
+        if not isinstance(exc, WorkerTimeoutError) or exc.cause != "hang" or exc.rank is None or a.group is None:
             return None
-        roles = self.trainer.roles
-        named = [g for g in list(getattr(roles, "groups", {}).values()) + self._actor_groups()
-                 if g.name_prefix == exc.role]
-        for g in self._actor_groups():
-            if named and g.workers is named[0].workers:
-                known = roles.known_workers.get((g.name_prefix, exc.rank))
-                if known is not None and (exc.pid is None or known[0] == exc.pid):
-                    return g, exc.rank
-        return None
+        info = known.get((a.group, exc.rank))
+        if info is None or (exc.pid is not None and info.pid != exc.pid):
+            return None
+        return a.group, exc.rank
 
-    def _drain(self, killed: set) -> None:
+    def _kill(self, pool: WorkerPool, key: ProcessKey, known: dict, kind: str, killed: set, **extra: Any) -> None:
+        info = known[key]
+        self.emit(kind, group=key[0], rank=key[1], pid=info.pid, node=info.node_id, **extra)
+        pool.kill(key)
+        killed.add(key)
+
+    def _drain(self, pool: WorkerPool, known: dict, killed: set) -> None:
         """Wait until no survivor is inside a call, so the rendezvous does not queue behind one.
 
         A survivor whose peer died normally leaves its call at once with a collective error; one
         that stays inside a call without advancing for ``hang_timeout_s`` is killed too."""
-        deadline = time.monotonic() + self.cfg.restart_timeout_s
-        while time.monotonic() < deadline:
+        deadline = self.clock() + self.cfg.restart_timeout_s
+        while self.clock() < deadline:
             busy = 0
-            for g in self._actor_groups():
-                if not g._has_health_group():  # its probe would queue behind the call itself
-                    continue
-                for rank, info in g.probe(timeout_s=self.cfg.health_timeout_s).items():
-                    key = (g.name_prefix, rank)
-                    if key in killed or key not in self.trainer.roles.known_workers:
+            for group in pool.process_groups():
+                for rank, info in pool.probe(group, timeout_s=self.cfg.health_timeout_s, during_call=True).items():
+                    key = (group, rank)
+                    if key in killed or key not in known or isinstance(info, BaseException):
                         continue
                     if info is None:
-                        self._kill(g, rank, "kill_unresponsive", killed)
-                    elif getattr(info, "call", None) is not None and info.pid == self.trainer.roles.known_workers[key][0]:
+                        self._kill(pool, key, known, "kill_unresponsive", killed)
+                    elif info.call is not None and info.pid == known[key].pid:
                         if (info.progress_age_s or 0.0) > self.cfg.hang_timeout_s:
-                            self._kill(g, rank, "kill_hung", killed,
+                            self._kill(pool, key, known, "kill_hung", killed,
                                        reason=f"inside {info.call!r} without progress for {info.progress_age_s:.1f}s")
                         else:
                             busy += 1
             if not busy:
                 return
-            time.sleep(0.2)
+            self.sleep(0.2)
 
-    # ------------------------------------------------------------------ protocol
-    def handle(self, exc: BaseException, failed_step: int) -> None:
-        """Recover from ``exc`` raised while running step ``failed_step``, or raise RecoveryError."""
-        t0 = time.monotonic()
-        failure = classify(exc)
-        self.trainer.run_dir.event("failure", step=failed_step, role=failure.role, rank=failure.rank,
-                                   cause=failure.cause, message=failure.message)
-        if self.metrics is not None:
-            self.metrics.record_failure(failure.cause, role=failure.role, rank=failure.rank)
-        logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, failure.cause, failure.role, failure.rank,
-                       failure.message)
-        self.sm.to(S.RECOVERING)
-        self.trainer.ckpt.abandon()
-        while True:
-            try:
-                restarted = self._repair(failure.cause, exc) if self.cfg.enabled else []
-                if restarted and failure.cause == "exception":
-                    # A survivor's error raced ahead of the death that caused it: the death is the failure.
-                    failure = dataclasses.replace(failure, cause="died", role=restarted[0][0], rank=restarted[0][1])
-                verdict = self.policy.decide(failure, restarted)
-                if not self.cfg.enabled or verdict.decision is Decision.RAISE:
-                    self._abort(verdict.reason if self.cfg.enabled else f"recovery is disabled: {failure.message}",
-                                failure)
-                self.sm.to(S.REJOINING)
-                self.trainer.fire("on_recovery_state", S.REJOINING)
-                self.trainer.roles.rendezvous()
-                self.trainer.roles.init_models()
-                self.sm.to(S.RESTORING)
-                self.trainer.fire("on_recovery_state", S.RESTORING)
-                restored = self.trainer.restore_after_failure()
-                self.sm.to(S.RUNNING)
-                break
-            except (RecoveryError, LeaseError):
-                raise  # another controller owns the run now: recovering would fight it
-            except (WorkerError, RRLError, TimeoutError) as again:
-                failure = classify(again)
-                exc = again
-                self.trainer.run_dir.event("failure_during_recovery", state=self.sm.state.value, role=failure.role,
-                                           rank=failure.rank, cause=failure.cause, message=failure.message)
-                logger.warning("failure during recovery (%s): %s", self.sm.state.value, failure.message)
-                if self.sm.state is not S.RECOVERING:
-                    self.sm.to(S.RECOVERING)
-                # Failures inside recovery spend the same budget: a worker that never comes back
-                # ends the run instead of looping.
-                verdict = self.policy.decide(failure)
-                if verdict.decision is Decision.RAISE:
-                    self._abort(verdict.reason, failure)
-        duration = time.monotonic() - t0
-        replayed = max(0, failed_step - 1 - restored)
-        self.recoveries += 1
-        self.steps_replayed += replayed
-        self.recovery_seconds += duration
-        self.trainer.run_dir.event("recovered", failed_step=failed_step, restored_step=restored,
-                                   steps_replayed=replayed, duration_s=duration, restarted=restarted,
-                                   generation=self.trainer.roles.generation)
-        if self.metrics is not None:
-            self.metrics.record_recovery(duration, replayed)
-        logger.warning("recovered in %.1fs: restored step %d, replaying %d step(s)", duration, restored, replayed)
-
-    def _abort(self, reason: str, failure) -> None:
-        self.sm.to(S.ABORTING)
-        last = self.trainer.ckpt.last_committed
-        self.trainer.run_dir.event("aborted", reason=reason, role=failure.role, rank=failure.rank,
-                                   last_committed_step=last)
-        self.sm.to(S.FAILED)
-        raise RecoveryError(f"giving up: {reason}; the last committed checkpoint is step {last}")
+    def _wait_restarted(self, pool: WorkerPool, known: dict, cause: Cause) -> list[ProcessKey]:
+        """Wait until every rank answers; the ranks that came back in a new process."""
+        restarted = []
+        for group in pool.process_groups():
+            for rank, info in enumerate(pool.wait_alive(group, self.cfg.restart_timeout_s)):
+                old = known.get((group, rank))
+                if old is None or old.pid != info.pid:
+                    restarted.append((group, rank))
+                    self.emit("worker_restarted", group=group, rank=rank, pid=info.pid, node=info.node_id,
+                              role=primary_role(pool.roles_of(group)), cause=cause.value)
+        pool.refresh_workers()
+        return restarted

@@ -11,9 +11,9 @@
   ``telemetry.gpu_sample_interval_s`` from :meth:`TelemetryHook.observe_step`, label each GPU
   series with its ``role``/``rank`` on the exporter of the node where the GPU is, and feed the
   controller's ``rrl_torch_memory_*`` gauges;
-- the ``metrics`` object of :class:`Recovery` and :class:`CheckpointCoordinator`: it forwards
-  their reports to :class:`TrainerMetrics`, translating worker-group names to role names, and
-  keeps the worker up/down series and the goodput in line with failures and recoveries;
+- a subscription to the run's events (failures, restarts, recoveries, NaN/Inf findings), which
+  it turns into counters, keeps the worker up/down series and the goodput in line with, and the
+  ``metrics`` of the :class:`CheckpointCoordinator` (saves, loads, skips, corrupt checkpoints);
 - one device endpoint per node that hosts workers: the controller's node is served by the
   controller's exporter (a :class:`DeviceMetrics` in the same registry, sampling the worker
   processes on this node); every other node gets a small Ray actor running a
@@ -30,29 +30,24 @@ the exporter started, which is the start of ``fit``.
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import psutil
 
 from resilient_rl.controller.device_poller import DeviceReportPoller
-from resilient_rl.controller.worker import compute_cuda_device
-from resilient_rl.errors import RRLError
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics,
-                                    TrainerMetrics, device_report, gpu_assignments)
+                                    TrainerMetrics, gpu_assignments)
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
 from resilient_rl.trainer.goodput import UsefulTime
+from resilient_rl.trainer.pool import ROLE_ORDER, WorkerPool
 from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter, Worker, node_table, ray_if_initialized
 
 logger = logging.getLogger(__name__)
 
 JOB = "resilient-rl"
-#: The role a process is reported under when several roles share it (colocated placement).
-ROLE_ORDER = ("actor", "critic", "rollout", "ref")
 #: Row key of each loss kind exported as ``rrl_<kind>_loss``.
 LOSS_KEYS = {"actor": "actor/pg_loss", "critic": "critic/vf_loss"}
 #: Row keys of the actor-vs-reference KL, in order of preference.
@@ -77,14 +72,20 @@ def one_per_process(pids: Mapping[Worker, int]) -> dict[Worker, int]:
 
 
 class TelemetryHook:
-    """The telemetry of one :class:`PPOTrainer`; also the ``metrics`` of its recovery and checkpoints."""
+    """The telemetry of one run; also the ``metrics`` of its checkpoint coordinator.
 
-    def __init__(self, trainer) -> None:
-        tc = trainer.cfg.telemetry
-        self.trainer = trainer
+    Args:
+        cfg: the run's config (``telemetry``, ``trainer.run_name``).
+        run_dir: the run folder (the default targets file lives there).
+        subscribe: ``subscribe(listener)`` registers ``listener(kind, fields)`` for the run's events.
+    """
+
+    def __init__(self, cfg, run_dir, subscribe: Callable[[Callable[[str, dict], None]], Any]) -> None:
+        tc = cfg.telemetry
         self.cfg = tc
-        self.run = trainer.cfg.trainer.run_name
-        self.timeout_s = trainer.cfg.recovery.call_timeout_s
+        self.run = cfg.trainer.run_name
+        self.timeout_s = cfg.recovery.call_timeout_s
+        self.pool: WorkerPool | None = None
         self.metrics = TrainerMetrics(run=self.run)
         self.server = MetricsServer(self.metrics.registry, tc.bind_address, tc.port)
         self.node = socket.gethostname()
@@ -98,17 +99,17 @@ class TelemetryHook:
         self.metrics.registry.register(self.torch_memory)
         self.device_reports = DeviceReportPoller(tc.gpu_sample_interval_s)
         self._process_roles: dict[str, tuple[str, ...]] = {}  # worker group name -> roles in its processes
-        self._local_roles: tuple[str, ...] | None = None  # roles run by this process (no Ray workers)
         self._sent_assignments: dict[str, dict[str, tuple[str, str]]] = {}  # node id -> last sent
-        self.file_sd = FileSDWriter(tc.file_sd_path or trainer.run_dir.path / "prometheus_targets.json")
+        self.file_sd = FileSDWriter(tc.file_sd_path or run_dir.path / "prometheus_targets.json")
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
         self._next_port = tc.worker_port_base
         self._workers: dict[Worker, tuple[int, str | None]] = {}  # (role, rank) -> (pid, node id)
         self._useful = UsefulTime()
         self._started_at: float | None = None
         self._unknown_phases: set[str] = set()
-        trainer.recovery.metrics = self
-        trainer.ckpt.metrics = self
+        self._on_event = {"failure": self._event_failure, "worker_restarted": self._event_restart,
+                          "recovered": self._event_recovered, "nonfinite": self._event_nonfinite}
+        subscribe(self._event)
 
     @property
     def url(self) -> str | None:
@@ -130,17 +131,14 @@ class TelemetryHook:
         self._publish()
         logger.info("run %s: metrics at %s (Prometheus targets in %s)", self.run, self.url, self.file_sd.path)
 
-    def watch_roles(self, roles) -> None:
-        """Roles are up (and restored): mark workers up, start node exporters, note a resumed checkpoint."""
+    def watch_roles(self, pool: WorkerPool, last_committed: tuple[int, float] | None = None) -> None:
+        """The pool is up (and restored): mark workers up, start node exporters, note the
+        checkpoint resumed from (``(step, commit time)``)."""
+        self.pool = pool
         self.start()
-        self._sync_workers(roles)
-        step = self.trainer.ckpt.last_committed
-        if step is not None:
-            try:
-                committed_at = self.trainer.ckpt.manager.load_manifest(step).created_at
-            except (RRLError, OSError):  # resumed from another run's folder: its time is unknown here
-                committed_at = time.time()
-            self.metrics.set_last_committed(step, committed_at)
+        self._sync_workers(pool)
+        if last_committed is not None:
+            self.metrics.set_last_committed(*last_committed)
 
     def stop(self) -> None:
         """Stop every exporter and delete the targets file; idempotent."""
@@ -179,21 +177,25 @@ class TelemetryHook:
         if self._started_at is not None:
             self.metrics.set_goodput(self._useful.total, time.monotonic() - self._started_at)
 
-    # ------------------------------------------------------------------ Recovery's metrics
-    def record_failure(self, cause: str, role: str | None = None, rank: int | None = None) -> None:
-        """Count a failure and mark down the workers it took out.
+    # ------------------------------------------------------------------ the run's events
+    def _event(self, kind: str, fields: dict) -> None:
+        handler = self._on_event.get(kind)
+        if handler is None:
+            return
+        try:
+            handler(fields)
+        except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a run
+            logger.warning("telemetry: event %s not recorded: %s", kind, exc)
 
-        The down workers are the one the failure names (``role``/``rank``, or those of the
-        :class:`WorkerError` being handled, whose ``role`` is a worker-group name) and every
-        worker on this node whose process is gone.
-        """
+    def _event_failure(self, e: dict) -> None:
+        """Count a failure and mark down the workers it took out: every role of the process the
+        failure names (when its cause names the failed process) and every worker on this node
+        whose process is gone."""
+        cause, group, rank = e["cause"], e.get("group"), e.get("rank")
         self.metrics.record_failure(cause)
-        if role is None:
-            exc = sys.exc_info()[1]
-            role, rank = getattr(exc, "role", None), getattr(exc, "rank", None)
         down: set[Worker] = set()
-        if role is not None and rank is not None and cause in _NAMING_CAUSES:
-            down |= {(r, int(rank)) for r in self._roles_of(role)}
+        if group is not None and rank is not None and cause in _NAMING_CAUSES and self.pool is not None:
+            down |= {(r, int(rank)) for r in self.pool.roles_of(group)}
         local = {key for key, (_, node) in self._workers.items() if node in (None, self.node_id)}
         pids_gone = {pid for key, (pid, _) in self._workers.items() if key in local and not _alive(pid)}
         down |= {key for key in local if self._workers[key][0] in pids_gone}
@@ -201,26 +203,23 @@ class TelemetryHook:
             if key in self._workers:
                 self.metrics.set_workers_up(key[0], key[1], self._node_label(self._workers[key][1]), False)
 
-    def record_restart(self, role: str, rank: int, cause: str) -> None:
-        """Count a restart of a worker process (``role`` may be a worker-group name)."""
-        roles = self._roles_of(role)
-        self.metrics.record_restart(min(roles, key=_role_rank) if roles else role, rank, cause)
+    def _event_restart(self, e: dict) -> None:
+        self.metrics.record_restart(e["role"] or e["group"], int(e["rank"]), e["cause"])
 
-    def record_recovery(self, duration_s: float, steps_replayed: int) -> None:
+    def _event_recovered(self, e: dict) -> None:
         """Count a recovery, forget the steps it rolled back and mark the workers up again."""
-        self.metrics.record_recovery(duration_s, steps_replayed)
-        self._useful.rollback(self.trainer.step)
+        self.metrics.record_recovery(float(e["duration_s"]), int(e["steps_replayed"]))
+        self._useful.rollback(int(e["restored_step"]))
         self._update_goodput()
-        roles = self.trainer.roles
-        if roles is not None:
+        if self.pool is not None:
             try:
-                self._sync_workers(roles)
+                self._sync_workers(self.pool)
             except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a recovered run
                 logger.warning("telemetry: cannot refresh the worker series after recovery: %s", exc)
 
-    def record_nonfinite(self, quantity: str, action: str) -> None:
-        """Count a NaN/Inf met by a step (see :mod:`resilient_rl.trainer.nonfinite`)."""
-        self.metrics.record_nonfinite(quantity, action)
+    def _event_nonfinite(self, e: dict) -> None:
+        """Count a NaN/Inf met by a step or refused in a checkpoint (:mod:`resilient_rl.trainer.nonfinite`)."""
+        self.metrics.record_nonfinite(e["quantity"], e["action"])
 
     # ------------------------------------------------------------------ checkpoints' metrics
     def record_checkpoint_save(self, duration_s: float, stall_s: float, nbytes: int, step: int) -> None:
@@ -250,32 +249,8 @@ class TelemetryHook:
         exporter = self.node_exporters.get(node_id)
         return exporter.node if exporter is not None else node_id[:12]
 
-    def _roles_of(self, group: str) -> list[str]:
-        """The roles living in the processes of worker group ``group`` (a role name is itself)."""
-        groups = getattr(self.trainer.roles, "groups", None) or {}
-        if group in groups or not groups:
-            return [group]
-        found = []
-        for role, g in groups.items():
-            if g.name_prefix == group or any(p.name_prefix == group and p.workers is g.workers
-                                             for p in self.trainer.roles.distinct_groups()):
-                found.append(role)
-        return found
-
-    def _read_workers(self, roles) -> dict[Worker, tuple[int, str | None]]:
-        if not hasattr(roles, "known_workers"):  # every engine runs in this process
-            names = ["actor", "rollout", "ref"] + (["critic"] if getattr(roles, "critic_enabled", False) else [])
-            return {(name, 0): (os.getpid(), None) for name in names}
-        known, parents = roles.known_workers, roles.distinct_groups()
-        out = {}
-        for role, g in roles.groups.items():
-            parent = next(p for p in parents if p.workers is g.workers)
-            for rank in range(g.world_size):
-                out[(role, rank)] = known[(parent.name_prefix, rank)]
-        return out
-
-    def _sync_workers(self, roles) -> None:
-        workers = self._read_workers(roles)
+    def _sync_workers(self, pool: WorkerPool) -> None:
+        workers = pool.role_processes()
         for key in set(self._workers) - set(workers):
             self.metrics.remove_worker(*key)
         self._workers = workers
@@ -292,39 +267,23 @@ class TelemetryHook:
             self.node_exporters[node_id].set_processes(one_per_process(pids))
         for (role, rank), (_, node_id) in workers.items():
             self.metrics.set_workers_up(role, rank, self._node_label(node_id), True)
-        self._reset_device_reports(roles)
+        self._reset_device_reports(pool)
         self._publish()
 
     # ------------------------------------------------------------------ GPU owners
-    def _reset_device_reports(self, roles) -> None:
+    def _reset_device_reports(self, pool: WorkerPool) -> None:
         """After start or recovery: the ping replies of every process label the GPUs at once."""
-        if hasattr(roles, "distinct_groups"):
-            self._local_roles = None
-            self._process_roles = {p.name_prefix: tuple(role for role, g in roles.groups.items()
-                                                        if g.workers is p.workers)
-                                   for p in roles.distinct_groups()}
-            self.device_reports.reset(getattr(roles, "worker_info", {}))
-        else:  # every engine runs in this process
-            self._local_roles = tuple(role for role, _ in self._workers)
-            self.device_reports.reset({})
+        self._process_roles = {group: pool.roles_of(group) for group in pool.process_groups()}
+        self.device_reports.reset(pool.workers())
         self._sent_assignments = {}
         self._apply_device_reports(wait=True)
 
     def _poll_device_reports(self) -> None:
         """Take the health replies that arrived, send new calls when due; never waits."""
-        roles = self.trainer.roles
-        if roles is None:
-            return
-        if hasattr(roles, "distinct_groups"):
-            changed = self.device_reports.poll(roles.distinct_groups())
-        else:
-            changed = True
-        if changed:
+        if self.pool is not None and self.pool.poll_device_reports(self.device_reports):
             self._apply_device_reports(wait=False)
 
     def _device_processes(self) -> list[ProcessDevices]:
-        if self._local_roles is not None:
-            return [ProcessDevices(self._local_roles, 0, None, device_report(compute_cuda_device()))]
         return processes_from_reports(self.device_reports.reports, self._process_roles, self.node_id)
 
     def _apply_device_reports(self, wait: bool) -> None:

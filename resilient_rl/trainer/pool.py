@@ -1,0 +1,104 @@
+"""The worker pool: everything the controller asks of the processes that run the roles.
+
+Two back ends implement :class:`WorkerPool`: :class:`~resilient_rl.trainer.ray_roles.RayRoles`
+(Ray worker groups, one process per rank) and :class:`~resilient_rl.trainer.local_roles.LocalRoles`
+(every engine in the controller's process). The trainer, the recovery protocol, the checkpoint
+coordinator and the telemetry talk to a pool only through this interface, so none of them asks
+which back end it has, and the recovery protocol is unit-tested against a fake pool
+(:mod:`resilient_rl.testing.fake_pool`).
+
+Processes are named by :data:`ProcessKey`: (process group, rank), where a process group is one set
+of worker processes (colocated roles share one; in the split placement each role has its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from resilient_rl.protocol import DataProto
+
+#: (process group, rank): one worker process.
+ProcessKey = tuple[str, int]
+#: (role, rank): one role's rank; colocated roles of one rank share a process.
+RoleKey = tuple[str, int]
+#: Roles whose state lives in checkpoints (ref is rebuilt from its source, rollout gets the actor's weights).
+STATEFUL_ROLES = ("actor", "critic")
+#: Roles in the order a process shared by several is reported under.
+ROLE_ORDER = ("actor", "critic", "rollout", "ref")
+
+
+def primary_role(roles) -> str | None:
+    """The role a process shared by ``roles`` is reported under (the first of :data:`ROLE_ORDER`)."""
+    roles = list(roles)
+    if not roles:
+        return None
+    return min(roles, key=lambda r: ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER))
+
+
+class WorkerPool(Protocol):
+    """The roles' processes, as the controller drives them."""
+
+    #: Whether the pool's stateful roles save and load sharded checkpoints (and so the run needs
+    #: a lease, and recovery restores from storage).
+    writes_checkpoints: bool
+    critic_enabled: bool
+    #: The process-group generation, bumped by every :meth:`rendezvous`.
+    generation: int
+
+    # -- one step (see resilient_rl.trainer.step) --------------------------------------------
+    def generate(self, prompts: DataProto) -> DataProto: ...
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_values(self, data: DataProto) -> DataProto: ...
+    def update_critic(self, data: DataProto) -> list[dict]: ...
+    def update_actor(self, data: DataProto) -> list[dict]: ...
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Give the rollout the actor's weights as ``version``; returns transfer statistics."""
+
+    # -- processes ---------------------------------------------------------------------------
+    def process_groups(self) -> list[str]:
+        """The names of the distinct process groups."""
+
+    def workers(self) -> dict[ProcessKey, Any]:
+        """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
+
+    def refresh_workers(self) -> None:
+        """Ping every process again and remember the replies."""
+
+    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, Any]:
+        """rank -> health reply, an exception (died, restarting) or None (no answer in time).
+
+        With ``during_call`` only groups whose health calls do not queue behind a running call
+        are probed (others return ``{}``)."""
+
+    def kill(self, key: ProcessKey) -> None:
+        """SIGKILL the process (stopped or hung) so that it is restarted."""
+
+    def wait_alive(self, group: str, timeout_s: float) -> list[Any]:
+        """Wait until every rank of ``group`` answers (restarted where it died); their replies."""
+
+    def locate(self, name: str | None) -> tuple[str | None, str | None]:
+        """(process group, role) of the worker group an error names (``WorkerError.role``)."""
+
+    def roles_of(self, group: str) -> tuple[str, ...]:
+        """The roles whose ranks live in the processes of ``group``."""
+
+    def poll_device_reports(self, poller) -> bool:
+        """Refresh ``poller``'s reports (a :class:`~resilient_rl.controller.device_poller.DeviceReportPoller`)
+        without waiting; whether any changed."""
+
+    def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:
+        """(role, rank) -> (pid, node id) of every role's rank."""
+
+    # -- the process groups and the models ---------------------------------------------------
+    def rendezvous(self) -> None:
+        """Join every process group with a new generation (also after a failure)."""
+
+    def init_models(self) -> None:
+        """(Re)build every role's model on the current process groups."""
+
+    def checkpoint_groups(self) -> list[tuple[str, Any]]:
+        """(role, worker group) of every role whose state a checkpoint saves and loads."""
+
+    def shutdown(self) -> None:
+        """Stop every process of the pool."""
