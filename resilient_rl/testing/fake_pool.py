@@ -1,0 +1,169 @@
+"""A scripted worker pool and a fake clock: the recovery protocol, run in milliseconds.
+
+:class:`FakePool` implements the process side of :class:`~resilient_rl.trainer.pool.WorkerPool`
+the way Ray and the workers behave: a killed or crashed process is restarted with a new pid
+until its actor has used ``ray_max_restarts`` restarts (then waiting for it fails with cause
+``exhausted``); a stopped process answers no probe until killed; a rank inside a call reports
+the call and how long it has not advanced. Faults are set per rank (:meth:`crash`, :meth:`stop`,
+:meth:`busy`) and per operation (:meth:`fail_next`), and every call is logged in ``calls``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from resilient_rl.controller.worker import WorkerInfo
+from resilient_rl.errors import WorkerDiedError, WorkerError
+
+
+class FakeClock:
+    """Monotonic time that only moves when slept on (or advanced by the test)."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    node: str
+    state: str = "ok"  # ok | dead | stopped
+    call: str | None = None
+    progress_age_s: float | None = None
+    restarts: int = 0
+
+
+@dataclass
+class FakePool:
+    """Process groups of ``world_size`` ranks hosting ``roles``; see the module docstring."""
+
+    groups: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"main": ("actor", "rollout", "ref")})
+    world_size: int = 2
+    ray_max_restarts: int = 10
+    nodes: tuple[str, ...] = ("node-a", "node-b")
+    writes_checkpoints: bool = True
+    critic_enabled: bool = False
+
+    def __post_init__(self) -> None:
+        self._pids = itertools.count(100)
+        self.generation = 1
+        self.procs = {(g, r): FakeProcess(next(self._pids), self.nodes[r % len(self.nodes)])
+                      for g in self.groups for r in range(self.world_size)}
+        self.known = {key: self._info(key) for key in self.procs}
+        self.calls: list[tuple] = []
+        self._failures: dict[str, list[BaseException]] = {}
+
+    # ------------------------------------------------------------------ faults
+    def crash(self, group: str, rank: int) -> None:
+        """The process exits (SIGKILL, OOM): Ray restarts it when asked to wait for it."""
+        self.procs[(group, rank)].state = "dead"
+
+    def stop(self, group: str, rank: int) -> None:
+        """The process is SIGSTOPped: it answers nothing until killed."""
+        self.procs[(group, rank)].state = "stopped"
+
+    def busy(self, group: str, rank: int, call: str, progress_age_s: float) -> None:
+        """The process is inside ``call`` and has not advanced for ``progress_age_s``."""
+        p = self.procs[(group, rank)]
+        p.call, p.progress_age_s = call, progress_age_s
+
+    def lose_node(self, node: str) -> None:
+        """Every process on ``node`` dies; restarts land on the other nodes."""
+        for p in self.procs.values():
+            if p.node == node:
+                p.state = "dead"
+        self.nodes = tuple(n for n in self.nodes if n != node)
+
+    def fail_next(self, operation: str, exc: BaseException) -> None:
+        """The next call of ``operation`` (``rendezvous``, ``init_models``, ``wait_alive``) raises ``exc``."""
+        self._failures.setdefault(operation, []).append(exc)
+
+    def _maybe_fail(self, operation: str) -> None:
+        pending = self._failures.get(operation)
+        if pending:
+            raise pending.pop(0)
+
+    # ------------------------------------------------------------------ the WorkerPool process side
+    def _info(self, key) -> WorkerInfo:
+        p = self.procs[key]
+        return WorkerInfo(key[1], self.world_size, self.generation, p.pid, p.node, "127.0.0.1",
+                          call=p.call, progress_age_s=p.progress_age_s)
+
+    def process_groups(self) -> list[str]:
+        return list(self.groups)
+
+    def workers(self) -> dict:
+        return dict(self.known)
+
+    def refresh_workers(self) -> None:
+        self.calls.append(("refresh_workers",))
+        self.known = {key: self._info(key) for key in self.procs}
+
+    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict:
+        self.calls.append(("probe", group, during_call))
+        out = {}
+        for rank in range(self.world_size):
+            p = self.procs[(group, rank)]
+            if p.state == "stopped":
+                out[rank] = None
+            elif p.state == "dead":
+                out[rank] = WorkerDiedError(f"{group} rank {rank} died", role=group, rank=rank)
+            else:
+                out[rank] = self._info((group, rank))
+        return out
+
+    def kill(self, key) -> None:
+        self.calls.append(("kill", key))
+        self.procs[key].state = "dead"
+        self.procs[key].call = None
+
+    def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
+        self.calls.append(("wait_alive", group))
+        self._maybe_fail("wait_alive")
+        for rank in range(self.world_size):
+            p = self.procs[(group, rank)]
+            if p.state == "stopped":
+                raise WorkerError(f"{group} rank {rank} did not answer within {timeout_s:g}s", role=group,
+                                  rank=rank, cause="timeout")
+            if p.state == "dead":
+                if p.restarts >= self.ray_max_restarts:
+                    raise WorkerError(f"{group} rank {rank}: no restarts left", role=group, rank=rank,
+                                      cause="exhausted")
+                p.pid, p.state, p.restarts = next(self._pids), "ok", p.restarts + 1
+                p.node = self.nodes[rank % len(self.nodes)]
+        return [self._info((group, rank)) for rank in range(self.world_size)]
+
+    def locate(self, name: str | None) -> tuple[str | None, str | None]:
+        if name is None:
+            return None, None
+        group, _, role = name.partition(":")
+        if group not in self.groups:
+            return None, None
+        return group, role or self.groups[group][0]
+
+    def roles_of(self, group: str) -> tuple[str, ...]:
+        return self.groups[group]
+
+    def role_processes(self) -> dict:
+        return {(role, rank): (info.pid, info.node_id) for (g, rank), info in self.known.items()
+                for role in self.groups[g]}
+
+    def rendezvous(self) -> None:
+        self.calls.append(("rendezvous",))
+        self._maybe_fail("rendezvous")
+        self.generation += 1
+
+    def init_models(self) -> None:
+        self.calls.append(("init_models",))
+        self._maybe_fail("init_models")
+
+    def ops(self) -> list[str]:
+        """The names of the calls made, in order."""
+        return [c[0] for c in self.calls]

@@ -1,0 +1,239 @@
+"""The recovery protocol against a scripted pool and a fake clock: no Ray, milliseconds per case."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_rl.config.runtime import RecoveryConfig
+from resilient_rl.controller.recovery import RecoveryState
+from resilient_rl.errors import (CollectiveError, LeaseError, RecoveryError, StorageError, WorkerDiedError,
+                                 WorkerError, WorkerTimeoutError)
+from resilient_rl.testing.fake_pool import FakeClock, FakePool
+from resilient_rl.trainer.resilience import Recovery
+
+S = RecoveryState
+
+
+class Checkpoints:
+    def __init__(self, last_committed=4):
+        self.last_committed = last_committed
+        self.abandoned = 0
+
+    def abandon(self, reason: str = "recovery") -> None:
+        self.abandoned += 1
+
+
+class Harness:
+    """A Recovery wired to a FakePool, recording events, states entered and restores."""
+
+    def __init__(self, pool: FakePool | None = None, restore=None, **recovery):
+        self.pool = pool or FakePool()
+        self.clock = FakeClock()
+        self.wall = FakeClock(start=1.7e9)
+        self.events: list[tuple[str, dict]] = []
+        self.states: list[RecoveryState] = []
+        self.ckpt = Checkpoints()
+        self.restores = 0
+        self._restore = restore
+        cfg = RecoveryConfig(**{"max_restarts": 3, "max_failures": 5, "failure_window_s": 3600.0, **recovery})
+        self.recovery = Recovery(cfg, pool=lambda: self.pool, checkpoints=self.ckpt, restore=self.restore,
+                                 emit=lambda kind, **f: self.events.append((kind, f)), on_state=self.states.append,
+                                 clock=self.clock, sleep=self.clock.sleep, wall_clock=self.wall)
+
+    def restore(self) -> int:
+        self.restores += 1
+        if self._restore is not None:
+            return self._restore()
+        return self.ckpt.last_committed
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.events]
+
+    def of(self, kind: str) -> list[dict]:
+        return [f for k, f in self.events if k == kind]
+
+    def handle(self, exc: BaseException, step: int = 7) -> None:
+        self.recovery.handle(exc, step)
+
+    def path(self) -> list[RecoveryState]:
+        return [to for _, _, to in self.recovery.sm.history]
+
+
+def died(rank=1, group="main:actor"):
+    return WorkerDiedError(f"{group} rank {rank} died", role=group, rank=rank)
+
+
+def test_a_dead_rank_is_restarted_rejoined_and_restored():
+    h = Harness()
+    old_pid = h.pool.known[("main", 1)].pid
+    h.pool.crash("main", 1)
+    h.handle(died())
+    assert h.kinds() == ["failure", "worker_restarted", "recovered"]
+    failure = h.of("failure")[0]
+    assert (failure["role"], failure["group"], failure["rank"], failure["cause"]) == ("actor", "main", 1, "died")
+    restarted = h.of("worker_restarted")[0]
+    assert (restarted["group"], restarted["rank"], restarted["role"]) == ("main", 1, "actor")
+    assert restarted["pid"] != old_pid and h.pool.known[("main", 1)].pid == restarted["pid"]
+    assert h.of("recovered")[0] == {"failed_step": 7, "restored_step": 4, "steps_replayed": 2,
+                                    "duration_s": 0.0, "restarted": [["main", 1]], "generation": 2}
+    assert h.path() == [S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
+    assert h.states == [S.REJOINING, S.RESTORING]
+    assert h.ckpt.abandoned == 1 and h.restores == 1
+    assert h.recovery.policy.restarts == {"actor:1": 1}
+    assert "kill" not in h.pool.ops()  # nothing to kill: the process was already gone
+
+
+def test_a_stopped_rank_is_killed_then_restarted():
+    h = Harness()
+    h.pool.stop("main", 0)
+    h.handle(CollectiveError("gloo: peer 0 timed out", role="main:actor", rank=1))
+    assert h.kinds() == ["failure", "kill_unresponsive", "worker_restarted", "recovered"]
+    assert h.of("kill_unresponsive")[0]["rank"] == 0 and ("kill", ("main", 0)) in h.pool.calls
+    assert h.of("failure")[0]["cause"] == "collective"
+
+
+def test_a_rank_named_as_hung_is_killed_although_it_answers_the_probe():
+    h = Harness()
+    pid = h.pool.known[("main", 1)].pid
+    h.handle(WorkerTimeoutError("main:actor rank 1 is hung", role="main:actor", rank=1, cause="hang", pid=pid))
+    assert h.of("kill_hung")[0]["rank"] == 1 and h.of("failure")[0]["cause"] == "hang"
+    assert [e["rank"] for e in h.of("worker_restarted")] == [1]
+
+
+def test_a_hang_naming_an_already_replaced_process_kills_nothing():
+    h = Harness()
+    h.handle(WorkerTimeoutError("hung", role="main:actor", rank=1, cause="hang", pid=12345))
+    assert "kill" not in h.pool.ops() and h.kinds() == ["failure", "recovered"]
+
+
+def test_a_survivor_stuck_in_a_call_without_progress_is_killed_while_draining():
+    h = Harness(hang_timeout_s=30.0)
+    h.pool.crash("main", 1)
+    h.pool.busy("main", 0, "update_actor", progress_age_s=45.0)
+    h.handle(died())
+    assert [(e["rank"], e["reason"]) for e in h.of("kill_hung")] == [
+        (0, "inside 'update_actor' without progress for 45.0s")]
+    assert sorted(e["rank"] for e in h.of("worker_restarted")) == [0, 1]
+
+
+def test_a_survivor_still_advancing_is_waited_for_not_killed():
+    h = Harness(hang_timeout_s=30.0, restart_timeout_s=5.0)
+    h.pool.crash("main", 1)
+    h.pool.busy("main", 0, "update_actor", progress_age_s=1.0)
+    h.handle(died())
+    assert h.of("kill_hung") == [] and h.clock.now - 1000.0 >= 5.0  # waited out the drain deadline
+    assert [e["rank"] for e in h.of("worker_restarted")] == [1]
+
+
+@pytest.mark.parametrize("operation, state", [("wait_alive", "recovering"), ("rendezvous", "rejoining"),
+                                              ("init_models", "rejoining")])
+def test_a_failure_inside_a_state_goes_back_to_recovering_and_spends_the_budget(operation, state):
+    h = Harness()
+    h.pool.crash("main", 1)
+    h.pool.fail_next(operation, CollectiveError(f"{operation} broke", role="main:actor", rank=0))
+    h.handle(died())
+    during = h.of("failure_during_recovery")
+    assert [(e["state"], e["cause"], e["role"]) for e in during] == [(state, "collective", "actor")]
+    assert h.kinds()[-1] == "recovered" and h.recovery.policy.total == 2
+    assert h.path()[-1] is S.RUNNING and S.RECOVERING in h.path()[1:]
+
+
+def test_a_failure_while_restoring_recovers_again():
+    outcomes = [StorageError("storage read failed: still failing", outage=True)]
+
+    def restore():
+        if outcomes:
+            raise outcomes.pop(0)
+        return 2
+
+    h = Harness(restore=restore)
+    h.pool.crash("main", 0)
+    h.handle(died(rank=0))
+    assert [(e["state"], e["cause"]) for e in h.of("failure_during_recovery")] == [("restoring", "storage")]
+    assert h.of("recovered")[0]["restored_step"] == 2 and h.restores == 2
+
+
+def test_the_policy_refuses_before_anything_is_killed_or_waited_for():
+    h = Harness(max_restarts=1)
+    h.pool.crash("main", 1)
+    h.handle(died())
+    h.pool.calls.clear()
+    h.pool.crash("main", 1)
+    with pytest.raises(RecoveryError, match="actor:1 already restarted max_restarts=1 times"):
+        h.handle(died(), step=9)
+    assert set(h.pool.ops()) == {"probe"}  # no kill, no wait, no rendezvous
+    assert h.of("aborted")[-1]["last_committed_step"] == 4
+    assert h.recovery.sm.state is S.FAILED
+
+
+def test_a_non_recoverable_error_aborts_at_once():
+    h = Harness()
+    with pytest.raises(RecoveryError, match=r"non-recoverable error \(exception\)"):
+        h.handle(WorkerError("main:actor raised ValueError: bug", role="main:actor", rank=0, cause="exception"))
+    assert h.kinds() == ["failure", "aborted"] and "rendezvous" not in h.pool.ops()
+
+
+def test_an_error_racing_ahead_of_a_death_is_handled_as_the_death():
+    h = Harness()
+    h.pool.crash("main", 1)
+    h.handle(WorkerError("main:ref raised RuntimeError: connection reset", role="main:ref", rank=0,
+                         cause="exception"))
+    assert h.kinds()[-1] == "recovered"
+    assert [e["rank"] for e in h.of("worker_restarted")] == [1]
+
+
+def test_too_many_failures_in_the_window_abort():
+    h = Harness(max_failures=1, failure_window_s=60.0)
+    h.pool.crash("main", 0)
+    h.handle(died(rank=0))
+    h.wall.sleep(30.0)
+    h.pool.crash("main", 1)
+    with pytest.raises(RecoveryError, match="2 failures within 60s exceed max_failures=1"):
+        h.handle(died(rank=1))
+    h2 = Harness(max_failures=1, failure_window_s=60.0)
+    h2.pool.crash("main", 0)
+    h2.handle(died(rank=0))
+    h2.wall.sleep(61.0)  # the first failure has left the window
+    h2.pool.crash("main", 1)
+    h2.handle(died(rank=1))
+    assert h2.recovery.recoveries == 2
+
+
+def test_ray_out_of_restarts_ends_the_run_with_the_rank_named():
+    pool = FakePool(ray_max_restarts=0)
+    h = Harness(pool=pool, max_failures=2)
+    pool.crash("main", 1)
+    with pytest.raises(RecoveryError) as info:
+        h.handle(died())
+    assert "main rank 1" in str(info.value) or "actor rank 1" in str(info.value)
+    assert [e["cause"] for e in h.of("failure_during_recovery")] == ["exhausted"]
+
+
+def test_node_loss_restarts_every_rank_of_the_node_elsewhere():
+    pool = FakePool(groups={"main": ("actor", "rollout"), "critic": ("critic",)}, world_size=2)
+    h = Harness(pool=pool)
+    pool.lose_node("node-b")  # rank 1 of both groups
+    h.handle(WorkerError("node gone", role="critic", rank=1, cause="node_lost"))
+    restarted = {(e["group"], e["rank"]): e["node"] for e in h.of("worker_restarted")}
+    assert restarted == {("main", 1): "node-a", ("critic", 1): "node-a"}
+    assert h.of("failure")[0]["role"] == "critic" and h.of("failure")[0]["cause"] == "node_lost"
+    assert h.recovery.policy.restarts == {"actor:1": 1, "critic:1": 1}
+
+
+def test_recovery_disabled_aborts_with_the_reason():
+    h = Harness(enabled=False)
+    h.pool.crash("main", 1)
+    with pytest.raises(RecoveryError, match="recovery is disabled"):
+        h.handle(died())
+    assert "wait_alive" not in h.pool.ops()
+
+
+def test_a_lease_lost_during_recovery_is_not_recovered_from():
+    def restore():
+        raise LeaseError("run taken over by controller 2")
+
+    h = Harness(restore=restore)
+    h.pool.crash("main", 1)
+    with pytest.raises(LeaseError):
+        h.handle(died())
+    assert "recovered" not in h.kinds()
