@@ -50,7 +50,7 @@ class RayRoles:
         self.generation = 0
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        self.process_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
+        self.torch_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
         self.groups: dict[str, RayWorkerGroup] = {}
         try:
             classes = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": RefWorker}
@@ -59,13 +59,13 @@ class RayRoles:
             if self.colocated:
                 cls = create_colocated_worker_cls({role: RayClassWithInitArgs(c, **init) for role, c in classes.items()})
                 main = self._group("main", cfg.actor.world_size, cls)
-                self.process_groups.append(main)
+                self.torch_groups.append(main)
                 self.groups.update(main.spawn(prefix_set=tuple(classes)))
             else:
                 for role, c in classes.items():
                     self.groups[role] = self._group(role, getattr(cfg, role).world_size, RayClassWithInitArgs(c, **init))
                 # The rollout is unsharded: it needs no process group.
-                self.process_groups += [g for role, g in self.groups.items() if role != "rollout"]
+                self.torch_groups += [g for role, g in self.groups.items() if role != "rollout"]
             self.worker_info: dict[tuple[str, int], WorkerInfo] = {}
             self.refresh_workers()
             self.rendezvous()
@@ -87,7 +87,7 @@ class RayRoles:
     def distinct_groups(self) -> list[RayWorkerGroup]:
         """One group per distinct set of actor processes (spawned role groups share their parent's)."""
         seen, groups = set(), []
-        for g in list(self.process_groups) + list(self.groups.values()):
+        for g in list(self.torch_groups) + list(self.groups.values()):
             if id(g.workers) not in seen:
                 seen.add(id(g.workers))
                 groups.append(g)
@@ -171,7 +171,7 @@ class RayRoles:
         """Join every process group with a new generation (also after a failure)."""
         self.generation += 1
         rc = self.cfg.recovery
-        for g in self.process_groups:
+        for g in self.torch_groups:
             g.init_process_group(self.generation, backend=self.backend, timeout_s=rc.rendezvous_timeout_s,
                                  collective_timeout_s=rc.collective_timeout_s)
         if self.weight_channel:
@@ -191,14 +191,14 @@ class RayRoles:
     def shutdown(self) -> None:
         """Kill every actor of the run and remove its placement groups."""
         seen = set()
-        for g in list(self.process_groups) + list(self.groups.values()):
+        for g in list(self.torch_groups) + list(self.groups.values()):
             if id(g.workers) in seen:
                 continue
             seen.add(id(g.workers))
             g.shutdown()
-        self.process_groups, self.groups = [], {}
+        self.torch_groups, self.groups = [], {}
 
-    # ------------------------------------------------------------------ the Roles protocol
+    # ------------------------------------------------------------------ one step
     def generate(self, prompts: DataProto) -> DataProto:
         return self.groups["rollout"].generate_sequences(prompts)
 

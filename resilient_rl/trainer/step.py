@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,23 +19,10 @@ from resilient_rl.algos.kl import apply_kl_penalty
 from resilient_rl.protocol import DataProto
 from resilient_rl.telemetry.metrics import STEP_PHASES
 from resilient_rl.data.tasks import compute_rewards
+from resilient_rl.trainer.pool import WorkerPool
 
 #: Phases of a step, in order (also ``phase`` label values of the duration metrics).
 PHASES = STEP_PHASES
-
-
-class Roles(Protocol):
-    """What a step needs from the roles, whatever runs them."""
-
-    critic_enabled: bool
-
-    def generate(self, prompts: DataProto) -> DataProto: ...
-    def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
-    def compute_log_prob(self, data: DataProto) -> DataProto: ...
-    def compute_values(self, data: DataProto) -> DataProto: ...
-    def update_critic(self, data: DataProto) -> dict: ...
-    def update_actor(self, data: DataProto) -> dict: ...
-    def sync_weights(self, version: int) -> dict[str, float]: ...
 
 
 class PhaseTimer:
@@ -76,7 +62,7 @@ def _mean_metrics(per_rank: list[dict]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
 
 
-def run_step(roles: Roles, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl, version: int) -> tuple[dict, dict]:
+def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl, version: int) -> tuple[dict, dict]:
     """Run step ``step`` (1-based) on ``batch``; returns (metrics, phase durations in seconds).
 
     On entry the rollout holds weights ``version`` (== step - 1); on exit it holds ``version + 1``.
