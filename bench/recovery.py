@@ -53,6 +53,7 @@ from pathlib import Path  # noqa: E402
 
 import ray  # noqa: E402
 
+from resilient_rl.events import read_events  # noqa: E402
 from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
 from resilient_rl.config.schema import load_config  # noqa: E402
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
@@ -169,11 +170,6 @@ class MetricsWatcher:
     def completed(self, step: int, after: float) -> float:
         """When the row of ``step`` first appeared after ``after``."""
         return min(t for t, s in self.seen if s == step and t > after)
-
-
-def read_events(run_dir: Path) -> list[dict]:
-    with open(run_dir / "events.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def first(events, kind: str, after: float = 0.0) -> dict:

@@ -6,7 +6,9 @@ checkpoints), ``controller.json`` (:mod:`resilient_rl.trainer.controller_record`
 run serves metrics, ``prometheus_targets.json``. :func:`open_run` reads all of it;
 :func:`failure_episodes` pairs each failure with the recovery (or abort) that followed it.
 
-The run may be writing while it is read: a last line cut short by a concurrent append is skipped.
+The run may be writing while it is read: a last line cut short by a concurrent append is skipped
+(:mod:`resilient_rl.jsonl`). Events are read by :func:`resilient_rl.events.read_events`: validated
+dicts with every field of their kind, lines of kinds this code does not know kept as written.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 import yaml
 
 from resilient_rl.errors import RunFolderError
+from resilient_rl.events import read_events
+from resilient_rl.jsonl import read_jsonl
 from resilient_rl.trainer.controller_record import ControllerRecord, read_controller_record
 
 logger = logging.getLogger(__name__)
@@ -29,22 +33,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_OUTPUT_DIR = "runs"   # TrainerConfig.output_dir's default
 RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl")
 TARGETS_NAME = "prometheus_targets.json"
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` ([] if absent); a torn last line (a write in progress) is dropped."""
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:
-                continue
-            raise RunFolderError(f"{path}: line {i + 1} is not JSON ({exc})") from exc
-    return rows
 
 
 def _get(tree: dict, dotted: str, default: Any = None) -> Any:
@@ -63,7 +51,7 @@ class RunFiles:
     path: Path
     config: dict[str, Any]
     metrics: list[dict[str, Any]]
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]          # resilient_rl.events.read_events
     controller: ControllerRecord | None
     targets: list[dict[str, Any]] | None   # file_sd groups, None when the file is absent
     targets_path: Path
@@ -79,7 +67,7 @@ class RunFiles:
         return _get(self.config, dotted, default)
 
     def events_of(self, *kinds: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") in kinds]
+        return [e for e in self.events if e["event"] in kinds]
 
 
 def resolve_run_path(target: str, output_dir: str | None = None) -> Path:
@@ -127,8 +115,8 @@ def open_run(target: str, output_dir: str | None = None) -> RunFiles:
     except (json.JSONDecodeError, OSError) as exc:
         logger.warning("cannot read %s: %s", targets_path, exc)
     metrics_path = path / "metrics.jsonl"
-    return RunFiles(path=path, config=config, metrics=_read_jsonl(metrics_path),
-                    events=_read_jsonl(path / "events.jsonl"), controller=read_controller_record(path),
+    return RunFiles(path=path, config=config, metrics=list(read_jsonl(metrics_path)),
+                    events=read_events(path / "events.jsonl"), controller=read_controller_record(path),
                     targets=targets if isinstance(targets, list) else None, targets_path=targets_path,
                     metrics_mtime=metrics_path.stat().st_mtime if metrics_path.exists() else None)
 
@@ -177,7 +165,7 @@ def failure_episodes(events: list[dict[str, Any]], run: str | None = None) -> li
         if kind == "failure":
             current = FailureEpisode(step=int(e.get("step", 0)), cause=str(e.get("cause", "?")),
                                      role=short_group(e.get("role"), run), rank=e.get("rank"),
-                                     message=short_group(str(e.get("message", "")), run),
+                                     message=short_group(str(e.get("message") or ""), run),
                                      time=float(e.get("time", 0.0)))
             episodes.append(current)
         elif current is None:
@@ -191,7 +179,7 @@ def failure_episodes(events: list[dict[str, Any]], run: str | None = None) -> li
             current.restored_step = e.get("restored_step")
             current.steps_replayed = int(e.get("steps_replayed", 0))
             current.recovery_s = e.get("duration_s")
-            current.restarted = [f"{short_group(group, run)} rank {rank}" for group, rank in e.get("restarted", [])]
+            current.restarted = [f"{short_group(group, run)} rank {rank}" for group, rank in e.get("restarted") or []]
             current = None
         elif kind == "aborted":
             current.outcome = "aborted"

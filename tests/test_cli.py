@@ -23,6 +23,7 @@ from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step
 from resilient_rl.checkpoint.export import inspect_run, locate
 from resilient_rl.cli import main
 from resilient_rl.errors import ConfigError
+from resilient_rl.events import read_events
 from resilient_rl.models.hf import tiny_llama_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.config.schema import config_digest, config_from_dict
@@ -368,8 +369,7 @@ def test_resume_continues_a_real_run_from_its_latest_checkpoint(trained, tmp_pat
                     f"trainer.output_dir={runs}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "from its newest checkpoint (step 2" in proc.stderr
-    events = [json.loads(line) for line in (runs / "cli-ray" / "events.jsonl").read_text().splitlines()]
-    restored = [e for e in events if e["event"] == "checkpoint_restored"]
+    restored = [e for e in read_events(runs / "cli-ray") if e["event"] == "checkpoint_restored"]
     assert restored and restored[-1]["step"] == 2
     assert CheckpointManager(str(root), "cli-ray").latest_step() == 3
     steps = [json.loads(line)["step"] for line in (runs / "cli-ray" / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ import resilient_rl
 PACKAGE = Path(resilient_rl.__file__).parent
 #: Packages and modules below the trainer: they may be imported by it, never import it.
 LOWER = ("config", "data", "workers", "checkpoint", "controller", "telemetry", "models", "algos",
-         "protocol", "protocol_utils", "errors", "env")
+         "protocol", "protocol_utils", "errors", "env", "events", "jsonl")
 
 
 def _modules() -> dict[str, Path]:

@@ -14,6 +14,7 @@ from resilient_rl.algos.kl import AdaptiveKLController, apply_kl_penalty
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
 from resilient_rl.checkpoint.manifest import Manifest
 from resilient_rl.errors import CheckpointCorruptError, ConfigError, NonFiniteError
+from resilient_rl.events import read_events
 from resilient_rl.faults.nonfinite import NonFiniteAdvantage, NonFiniteReward
 from resilient_rl.protocol import DataProto
 from resilient_rl.testing.local_group import local_roles
@@ -228,8 +229,7 @@ def _local_trainer(tmp_path, hooks, *extra):
 
 
 def _events(trainer, kind):
-    with open(trainer.run_dir.events_path) as f:
-        return [e for e in map(json.loads, f) if e["event"] == kind]
+    return [e for e in read_events(trainer.run_dir) if e["event"] == kind]
 
 
 def test_skip_policy_zeroes_nan_rewards_and_skips_nan_updates(tmp_path):

@@ -64,9 +64,9 @@ def test_first_append_after_a_crash_cuts_the_torn_tail(tmp_path):
     _tear(rd.events_path)
     again = RunDir(str(tmp_path), "run")
     again.append_metrics(_rows(3)[2])
-    again.event("checkpoint_committed", step=3)
+    again.event("checkpoint_started", step=3, stall_s=0.1)
     assert again.read_metrics() == _rows(3)
-    assert [e["event"] for e in again.read_events()] == ["checkpoint_committed"]
+    assert [e["event"] for e in again.read_events()] == ["checkpoint_started"]
 
 
 def test_truncate_keeps_the_prefix_bytes_and_never_rewrites_them(tmp_path):

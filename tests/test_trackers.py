@@ -18,6 +18,8 @@ from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.trackers import TrackerSet, _require_extra, build_trackers
 
+RECOVERED = {"failed_step": 4, "restored_step": 2, "steps_replayed": 1, "duration_s": 2.5,
+             "restarted": [["actor", 1]], "generation": 2}
 ROWS = [{"step": s, "reward/mean": 0.1 * s, "actor/pg_loss": -0.5 / s, "timing/step_s": 0.2} for s in (1, 2, 3)]
 
 
@@ -33,15 +35,15 @@ def _log_a_run(cfg) -> RunDir:
     try:
         for row in ROWS[:2]:
             trackers.log_metrics(row["step"], row)
-        run_dir.event("checkpoint_committed", step=2, duration_s=0.5, bytes=1234)
+        run_dir.event("checkpoint_committed", step=2, duration_s=0.5, stall_s=0.1, bytes=1234)
         trackers.log_metrics(3, ROWS[2])
-        run_dir.event("failure", step=4, role="actor", rank=1, cause="died")
-        run_dir.event("recovered", failed_step=4, restored_step=2, replayed_steps=2)
+        run_dir.event("failure", step=4, role="actor", rank=1, cause="died", message="actor rank 1 died")
+        run_dir.event("recovered", **RECOVERED)
         trackers.log_metrics(3, ROWS[2])  # replayed
-        run_dir.event("checkpoint_committed", step=3, duration_s=0.4, bytes=1234)
+        run_dir.event("checkpoint_committed", step=3, duration_s=0.4, stall_s=0.1, bytes=1234)
     finally:
         trackers.close()
-    run_dir.event("after_close", step=9)  # no longer forwarded
+    run_dir.event("checkpoint_started", step=9, stall_s=0.1)  # no longer forwarded
     return run_dir
 
 
@@ -71,14 +73,14 @@ def test_events_reach_subscribers_with_their_step_and_stop_after_close(tmp_path)
     run_dir = RunDir(str(tmp_path), "r")
     trackers = TrackerSet([Recorder()]).attach(run_dir)
     trackers.log_metrics(5, {"step": 5})
-    run_dir.event("checkpoint_committed", step=4)
-    run_dir.event("recovered", failed_step=6, restored_step=4)
-    run_dir.event("kill_unresponsive", group="actor", rank=0)
+    run_dir.event("checkpoint_started", step=4, stall_s=0.5)
+    run_dir.event("recovered", **{**RECOVERED, "failed_step": 6, "restored_step": 4})
+    run_dir.event("kill_unresponsive", group="actor", rank=0, pid=42, node=None)
     trackers.close()
-    run_dir.event("checkpoint_committed", step=8)
-    assert seen == [("metrics", 5), ("checkpoint_committed", 4, {"step": 4}),
-                    ("recovered", 6, {"failed_step": 6, "restored_step": 4}),
-                    ("kill_unresponsive", 5, {"group": "actor", "rank": 0}), ("closed",)]
+    run_dir.event("checkpoint_started", step=8, stall_s=0.5)
+    assert seen == [("metrics", 5), ("checkpoint_started", 4, {"step": 4, "stall_s": 0.5}),
+                    ("recovered", 6, {**RECOVERED, "failed_step": 6, "restored_step": 4}),
+                    ("kill_unresponsive", 5, {"group": "actor", "rank": 0, "pid": 42, "node": None}), ("closed",)]
     assert len(run_dir.events_path.read_text().splitlines()) == 4  # events.jsonl unchanged by subscribers
 
 
@@ -112,7 +114,7 @@ def test_wandb_offline_run_holds_metrics_and_events(tmp_path, monkeypatch):
     table = json.loads((find_run_file(run_dir.path).parent / "files" / tables[-1]["event_log/path"]).read_text())
     assert [row[:2] for row in table["data"]] == [[2, "checkpoint_committed"], [4, "failure"], [4, "recovered"],
                                                   [3, "checkpoint_committed"]]
-    assert json.loads(table["data"][2][2]) == {"failed_step": 4, "restored_step": 2, "replayed_steps": 2}
+    assert json.loads(table["data"][2][2]) == RECOVERED
 
 
 def test_mlflow_file_store_holds_metrics_and_events(tmp_path, monkeypatch):

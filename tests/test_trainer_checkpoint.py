@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from resilient_rl.config.schema import load_config
+from resilient_rl.events import read_events
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.run_dir import deterministic_view
 
@@ -38,8 +39,8 @@ def test_stop_and_resume_is_bit_identical(ray_cluster, tmp_path):
     first, _ = fit(cfg(tmp_path, "split", "trainer.total_steps=3"))  # stops after step 3 (saved: final step)
     resumed_cfg = cfg(tmp_path, "split", "trainer.total_steps=5")
     resumed, w_resumed = fit(resumed_cfg)
-    events = [e for e in resumed.run_dir.path.joinpath("events.jsonl").read_text().splitlines() if "restored" in e]
-    assert events and '"step": 3' in events[0]
+    restored = [e for e in read_events(resumed.run_dir.path) if e["event"] == "checkpoint_restored"]
+    assert restored and restored[0]["step"] == 3
     assert deterministic_view(resumed.run_dir.read_metrics()) == deterministic_view(full.run_dir.read_metrics())
     assert w_full.keys() == w_resumed.keys()
     assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)

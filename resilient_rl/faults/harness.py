@@ -36,7 +36,7 @@ class RunResult:
 
     name: str
     history: list[dict]
-    events: list[dict]
+    events: list[dict]       # resilient_rl.events.read_events: validated, every field of the kind present
     final_files: dict[str, str]
     final_trainer_state: dict
     committed: list[int]
@@ -51,6 +51,7 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def events_of(self, kind: str) -> list[dict]:
+        """The run's events of ``kind``, in order."""
         return [e for e in self.events if e["event"] == kind]
 
 

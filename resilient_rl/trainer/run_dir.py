@@ -1,5 +1,8 @@
 """The run folder: resolved config, metric history (JSONL) and events.
 
+Events are typed (:mod:`resilient_rl.events`): :meth:`RunDir.event` builds one, refusing fields
+its kind does not have, appends its line and publishes it on ``run_dir.bus``.
+
 Metric lines are JSON with Python's shortest round-trip float repr, so a history read back
 compares bit for bit with the values that were written.
 
@@ -7,7 +10,7 @@ A process can be killed in the middle of an append, leaving a *torn* last line. 
 therefore written with one ``write`` call on a file opened for appending, and a line only
 counts once its newline is on disk: readers skip an unterminated last line with a warning, and
 the first append of a process cuts it off before writing, so a torn row never glues onto the
-next one. A restore drops the rows after the restored step by truncating the file at the first
+next one (the readers are in :mod:`resilient_rl.jsonl`). A restore drops the rows after the restored step by truncating the file at the first
 such row (found by one forward scan), never by rewriting the file.
 """
 
@@ -17,61 +20,21 @@ import json
 import logging
 import os
 import re
-import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from resilient_rl.errors import RunFolderError
 from resilient_rl.config.schema import save_config
+from resilient_rl.events import AnyEvent, EventBus, event_to_json, make_event, read_events
+from resilient_rl.jsonl import iter_lines, parse_line, read_jsonl, warn_torn
+
+__all__ = ["RunDir", "deterministic_view", "read_jsonl"]
 
 logger = logging.getLogger(__name__)
 
 # Rows are written with "step" first, so its value is found without parsing the whole line.
 _STEP_RE = re.compile(rb'^\{"step": (\d+)[,}]')
 _TAIL_PROBE = 64 * 1024
-
-
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(byte offset, raw line with its newline) of every line; the last may lack the newline."""
-    offset = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            yield offset, raw
-            offset += len(raw)
-
-
-def _torn(path: Path, offset: int, raw: bytes) -> None:
-    logger.warning("%s: ignoring a torn last line at byte %d (%d bytes without a newline: a writer was "
-                   "killed mid-append)", path, offset, len(raw))
-
-
-def _parse(path: Path, lineno: int, raw: bytes) -> dict[str, Any]:
-    try:
-        row = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise RunFolderError(f"{path}: line {lineno} is not valid JSON ({exc}); only a torn last line "
-                             "is tolerated") from None
-    if not isinstance(row, dict):
-        raise RunFolderError(f"{path}: line {lineno} is not a JSON object")
-    return row
-
-
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The complete rows of a JSONL file written by :class:`RunDir` (none when it is absent).
-
-    An unterminated last line (a torn append) is skipped with a warning; any other line that
-    is not a JSON object raises :class:`RunFolderError` naming the file and line."""
-    path = Path(path)
-    if not path.exists():
-        return
-    for lineno, (offset, raw) in enumerate(_lines(path), start=1):
-        if not raw.endswith(b"\n"):
-            _torn(path, offset, raw)
-            return
-        if raw.strip():
-            yield _parse(path, lineno, raw)
 
 
 def _append_line(path: Path, line: bytes) -> None:
@@ -123,7 +86,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
         self.events_path = self.path / "events.jsonl"
-        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.bus = EventBus()  # every event written, as a typed event, to its subscribers (trackers)
         self._repaired: set[Path] = set()
 
     def save_config(self, cfg) -> None:
@@ -144,15 +107,15 @@ class RunDir:
         if not path.exists():
             return 0
         cut, kept = None, 0
-        for lineno, (offset, raw) in enumerate(_lines(path), start=1):
+        for lineno, (offset, raw) in enumerate(iter_lines(path), start=1):
             if not raw.endswith(b"\n"):
-                _torn(path, offset, raw)
+                warn_torn(path, offset, raw)
                 cut = offset
                 break
             if not raw.strip():
                 continue
             match = _STEP_RE.match(raw)
-            row_step = int(match.group(1)) if match else _parse(path, lineno, raw).get("step")
+            row_step = int(match.group(1)) if match else parse_line(path, lineno, raw).get("step")
             if not isinstance(row_step, int) or row_step > step:
                 cut = offset
                 break
@@ -175,21 +138,28 @@ class RunDir:
         return [float(row[key]) for row in read_jsonl(self.metrics_path) if key in row]
 
     def read_events(self) -> list[dict[str, Any]]:
-        return list(read_jsonl(self.events_path))
+        """Every event recorded so far, as validated dicts (:func:`resilient_rl.events.read_events`)."""
+        return read_events(self.events_path)
 
     def event(self, kind: str, **fields: Any) -> None:
-        """Append one event (failure, recovery, checkpoint, ...) with a wall-clock timestamp.
+        """Append one event (failure, recovery, checkpoint, ...) with a wall-clock timestamp, then
+        publish it on :attr:`bus`.
 
-        Then passes ``(kind, fields)`` to every subscriber (the experiment trackers).
-        """
-        self._append(self.events_path, {"time": time.time(), "event": kind, **fields})
-        for listener in list(self._listeners):
-            listener(kind, dict(fields))
+        Raises:
+            EventSchemaError: ``kind`` is unknown or ``fields`` are not its fields
+            (:func:`resilient_rl.events.make_event`); nothing is written then."""
+        ev = make_event(kind, **fields)
+        self._append(self.events_path, event_to_json(ev))
+        self.bus.publish(ev)
 
     def subscribe(self, listener: Callable[[str, dict[str, Any]], None]) -> Callable[[], None]:
-        """Call ``listener(kind, fields)`` on every later event; returns a function that unsubscribes."""
-        self._listeners.append(listener)
-        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+        """Call ``listener(kind, fields)`` on every later event (``fields``: every field of the kind,
+        without ``time``); returns a function that unsubscribes. A listener that raises is logged
+        and skipped (:class:`~resilient_rl.events.EventBus`)."""
+        def forward(ev: AnyEvent) -> None:
+            listener(ev.kind, ev.payload())
+
+        return self.bus.subscribe(forward)
 
 
 def deterministic_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,68 @@
+"""Reading the JSON-lines files of a run folder (``metrics.jsonl``, ``events.jsonl``).
+
+A writer appends each line with one ``write`` call (see :mod:`resilient_rl.trainer.run_dir`),
+so a line counts only once its newline is on disk: an unterminated last line was cut short by a
+writer killed mid-append (or is being written right now) and is skipped with a warning. Any
+other line that is not a JSON object is damage, reported with :class:`RunFolderError` naming
+the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from resilient_rl.errors import RunFolderError
+
+logger = logging.getLogger(__name__)
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, raw line with its newline) of every line; the last may lack the newline."""
+    offset = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            yield offset, raw
+            offset += len(raw)
+
+
+def warn_torn(path: Path, offset: int, raw: bytes) -> None:
+    logger.warning("%s: ignoring a torn last line at byte %d (%d bytes without a newline: a writer was "
+                   "killed mid-append)", path, offset, len(raw))
+
+
+def parse_line(path: Path, lineno: int, raw: bytes) -> dict[str, Any]:
+    """The JSON object on line ``lineno``, or RunFolderError naming file and line."""
+    try:
+        row = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise RunFolderError(f"{path}: line {lineno} is not valid JSON ({exc}); only a torn last line "
+                             "is tolerated") from None
+    if not isinstance(row, dict):
+        raise RunFolderError(f"{path}: line {lineno} is not a JSON object")
+    return row
+
+
+def numbered_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) of every complete row of ``path`` (none when the file is absent).
+
+    An unterminated last line (a torn append) is skipped with a warning; blank lines are skipped;
+    any other line that is not a JSON object raises :class:`RunFolderError` naming file and line."""
+    path = Path(path)
+    if not path.exists():
+        return
+    for lineno, (offset, raw) in enumerate(iter_lines(path), start=1):
+        if not raw.endswith(b"\n"):
+            warn_torn(path, offset, raw)
+            return
+        if raw.strip():
+            yield lineno, parse_line(path, lineno, raw)
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The complete rows of ``path``, as :func:`numbered_rows` finds them."""
+    for _, row in numbered_rows(path):
+        yield row
