@@ -100,7 +100,7 @@ def _kind(name: str):
 # ---------------------------------------------------------------------------- workers (trainer/resilience.py)
 @dataclass(frozen=True, kw_only=True)
 class _WorkerEvent(Event):
-    group: str    # the worker group's name prefix
+    group: str    # the process group (worker group name prefix) of the process
     rank: int
     pid: int
     node: str | None
@@ -108,7 +108,11 @@ class _WorkerEvent(Event):
 
 @_kind("worker_restarted")
 class WorkerRestarted(_WorkerEvent):
-    """A worker process came back (Ray restarted it) during a recovery."""
+    """A worker process came back (Ray restarted it) during a recovery: ``role`` is the role it
+    is reported under (the first of the roles sharing it), ``cause`` the failure's cause."""
+
+    role: str | None = None
+    cause: str | None = None
 
 
 @_kind("kill_unresponsive")
@@ -126,25 +130,29 @@ class KillHung(_WorkerEvent):
 # ---------------------------------------------------------------------------- recovery (trainer/resilience.py)
 @_kind("failure")
 class FailureEvent(Event):
-    """Step ``step`` failed; recovery starts. ``role`` names the failing worker (its format is not
-    part of the schema: a worker-group name or a role name)."""
+    """Step ``step`` failed; recovery starts. ``role`` and ``rank`` name the failing worker's role
+    (``actor``, ``critic``, ...), ``group`` its process group where known (older runs: none, and
+    ``role`` may hold a worker-group name); ``cause`` is a
+    :class:`~resilient_rl.controller.recovery.Cause` value."""
 
     step: int
     role: str | None
     rank: int | None
     cause: str
     message: str | None
+    group: str | None = None
 
 
 @_kind("failure_during_recovery")
 class FailureDuringRecovery(Event):
-    """Another failure while recovering, in recovery state ``state``."""
+    """Another failure while recovering, in recovery state ``state`` (fields as :class:`FailureEvent`)."""
 
     state: str
     role: str | None
     rank: int | None
     cause: str
     message: str | None
+    group: str | None = None
 
 
 @_kind("recovered")

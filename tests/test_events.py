@@ -18,13 +18,15 @@ from resilient_rl.trainer.run_dir import RunDir
 
 #: One event of every kind, with values of the types its emitter passes.
 SAMPLES: dict[str, dict] = {
-    "worker_restarted": {"group": "rrl_r_ab12_main", "rank": 1, "pid": 4343, "node": "n0"},
+    "worker_restarted": {"group": "rrl_r_ab12_main", "rank": 1, "pid": 4343, "node": "n0", "role": "actor",
+                         "cause": "died"},
     "kill_unresponsive": {"group": "rrl_r_ab12_main", "rank": 0, "pid": 4242, "node": "n0"},
     "kill_hung": {"group": "rrl_r_ab12_main", "rank": 0, "pid": 4242, "node": None,
                   "reason": "inside 'update_actor' without progress for 31.0s"},
-    "failure": {"step": 4, "role": "rrl_r_ab12_main", "rank": 1, "cause": "died", "message": "actor died"},
+    "failure": {"step": 4, "role": "actor", "rank": 1, "cause": "died", "message": "actor died",
+                "group": "rrl_r_ab12_main"},
     "failure_during_recovery": {"state": "rejoining", "role": None, "rank": None, "cause": "timeout",
-                                "message": "rendezvous timed out"},
+                                "message": "rendezvous timed out", "group": None},
     "recovered": {"failed_step": 4, "restored_step": 2, "steps_replayed": 1, "duration_s": 3.25,
                   "restarted": [["rrl_r_ab12_main", 1]], "generation": 2},
     "aborted": {"reason": "max_restarts=0 exceeded", "role": "critic", "rank": 0, "last_committed_step": None},
@@ -179,15 +181,18 @@ def test_run_dir_publishes_on_its_bus_after_writing(tmp_path):
 # ---------------------------------------------------------------------------- the emitters fit their types
 def _calls(path: Path):
     """(line, kind, keyword names, has ``**``) of every literal-kind event call in ``path``:
-    ``x.event("kind", ...)``, ``x.on_event("kind", ...)`` and ``self._kill(g, rank, "kind", killed, ...)``."""
+    ``x.event("kind", ...)``, ``x.emit("kind", ...)``, ``x.on_event("kind", ...)`` and recovery's
+    helpers ``self._kill(pool, key, known, "kind", killed, ...)`` and ``self._report("kind", attempt, ...)``."""
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         name, args = node.func.attr, node.args
-        if name in ("event", "on_event", "_emit") and args and isinstance(args[0], ast.Constant):
+        if name in ("event", "emit", "on_event", "_emit") and args and isinstance(args[0], ast.Constant):
             kind, implied = args[0].value, set()
-        elif name == "_kill" and len(args) > 2 and isinstance(args[2], ast.Constant):
-            kind, implied = args[2].value, {"group", "rank", "pid", "node"}
+        elif name == "_kill" and len(args) > 3 and isinstance(args[3], ast.Constant):
+            kind, implied = args[3].value, {"group", "rank", "pid", "node"}
+        elif name == "_report" and args and isinstance(args[0], ast.Constant):
+            kind, implied = args[0].value, {"role", "rank", "group", "cause", "message"}
         else:
             continue
         keywords = {k.arg for k in node.keywords if k.arg is not None} | implied
