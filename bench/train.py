@@ -35,7 +35,7 @@ from resilient_rl.trainer.cluster import connect, disconnect
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.step import PHASES
+from resilient_rl.telemetry import PHASES
 
 RAY, LOCAL = "ray", "local"
 
