@@ -108,9 +108,9 @@ def test_assignments_label_each_gpu_with_every_role_of_its_process_per_node():
 
 
 def test_health_replies_become_processes_with_their_roles_and_node():
-    infos = {("main", 1): WorkerInfo(1, 2, 1, 11, "ctrl-node", "h", ("GPU-b",), 5, 6),
-             ("main", 0): WorkerInfo(0, 2, 1, 10, "ctrl-node", "h", ("GPU-a",), 3, 4),
-             ("critic", 0): WorkerInfo(0, 1, 1, 12, "other", "h")}
+    infos = {("main", 1): WorkerInfo(1, 2, 1, 11, "ctrl-node", ("GPU-b",), 5, 6),
+             ("main", 0): WorkerInfo(0, 2, 1, 10, "ctrl-node", ("GPU-a",), 3, 4),
+             ("critic", 0): WorkerInfo(0, 1, 1, 12, "other")}
     procs = processes_from_reports(infos, {"main": COLOCATED, "critic": ("critic",)}, "ctrl-node")
     assert procs == [ProcessDevices(("critic",), 0, "other", DeviceReport()),
                      ProcessDevices(COLOCATED, 0, None, DeviceReport(("GPU-a",), 3, 4)),
@@ -145,7 +145,7 @@ def _worker_reply(rank: int, node_id: str, visible: str, nvml: FakeNVML, monkeyp
     """The health reply of a worker that Ray gave GPU ``visible`` (its cuda:0)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     report = device_report(0, nvml=nvml)
-    return WorkerInfo(rank, 2, 1, 1000 + rank, node_id, "10.0.0.1", report.gpu_uuids,
+    return WorkerInfo(rank, 2, 1, 1000 + rank, node_id, report.gpu_uuids,
                       8 * GIB + rank, 12 * GIB + rank)
 
 
