@@ -462,6 +462,25 @@ def local_run(tmp_path_factory):
     trainer.shutdown()
 
 
+def test_node_exporters_are_called_with_the_telemetry_timeout(tmp_path, monkeypatch):
+    from resilient_rl.trainer import telemetry_hook
+
+    seen = {}
+
+    class FakeNodeExporter:
+        def __init__(self, node_id, node, bind_address, port, advertise_host, gpu_max_age_s, timeout_s):
+            seen[node_id] = timeout_s
+            self.target = f"{advertise_host}:9999"
+
+    monkeypatch.setattr(telemetry_hook, "RemoteNodeExporter", FakeNodeExporter)
+    trainer = local_trainer(tmp_path, "telemetry.call_timeout_s=7", "recovery.call_timeout_s=900")
+    try:
+        trainer.telemetry._start_node_exporter("n1", {"n1": ("node-1", "10.0.0.2")})
+    finally:
+        trainer.shutdown()
+    assert seen == {"n1": 7.0}
+
+
 def test_every_trainer_phase_is_exported():
     from resilient_rl.trainer import step
 

@@ -84,7 +84,7 @@ class TelemetryHook:
         self.trainer = trainer
         self.cfg = tc
         self.run = trainer.cfg.trainer.run_name
-        self.timeout_s = trainer.cfg.recovery.call_timeout_s
+        self.timeout_s = trainer.cfg.telemetry.call_timeout_s
         self.metrics = TrainerMetrics(run=self.run)
         self.server = MetricsServer(self.metrics.registry, tc.bind_address, tc.port)
         self.node = socket.gethostname()
