@@ -28,6 +28,7 @@ from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, GpuSampler, Met
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics, TrainerMetrics,
                                     device_report, gpu_assignments)
 from resilient_rl.telemetry.exporter import scrape
+from resilient_rl.testing.wait import wait_until
 from resilient_rl.telemetry.gpu_owners import join_labels, processes_from_reports, visible_gpu_uuids
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML, NVMLError_DriverNotLoaded
 
@@ -298,11 +299,12 @@ def test_poller_collects_replies_while_workers_are_busy_and_never_waits(ray_clus
         busy = group.execute_all_async("block", 60.0)
         poller = DeviceReportPoller(interval_s=0.0)
         poller.reset({})
-        deadline = time.monotonic() + 30
-        while len(poller.reports) < 2 and time.monotonic() < deadline:
+        def both_replied() -> bool:
             poller.poll([group])
             assert len(poller._pending) <= 2  # at most one call in flight per process
-            time.sleep(0.05)
+            return len(poller.reports) >= 2
+
+        wait_until(both_replied, 30, 0.05, "a health reply from both busy ranks")
         assert sorted(poller.reports) == [("poll", 0), ("poll", 1)]
         assert len({info.pid for info in poller.reports.values()}) == 2
         # The replies came back while the training-like call was still running.

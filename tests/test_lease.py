@@ -16,6 +16,7 @@ from resilient_rl.checkpoint.lease import Lease, RunLease, holder_alive, read_le
 from resilient_rl.errors import ConfigError, LeaseHeldError, LeaseLostError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.config.schema import load_config
+from resilient_rl.testing.wait import wait_until
 
 from test_checkpoint_manager import FAST, _root, _save
 
@@ -171,9 +172,8 @@ def test_renewal_thread_extends_the_lease_and_stops_on_close(tmp_path):
     first = lease.acquire()
     lease.start_renewing()
     assert lease.renewing
-    deadline = time.monotonic() + 20
-    while read_lease(lease.storage, "run").renewed_at == first.renewed_at and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: read_lease(lease.storage, "run").renewed_at != first.renewed_at, 20, 0.02,
+               "the renewal thread to renew the lease")
     assert read_lease(lease.storage, "run").expires_at > first.expires_at
     lease.close()
     assert not lease.renewing and lease.lease is None
@@ -189,10 +189,7 @@ def test_renewal_thread_notices_a_takeover(tmp_path):
     other = RunLease(Storage(str(tmp_path)), "run", ttl_s=30, clock=clock)
     other.acquire()
     lease.start_renewing()
-    deadline = time.monotonic() + 20
-    while lease.renewing and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not lease.renewing
+    wait_until(lambda: not lease.renewing, 20, 0.02, "the renewal thread to stop on the takeover")
     with pytest.raises(LeaseLostError, match=other.holder):
         lease.raise_if_lost()
     lease.close()
