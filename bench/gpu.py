@@ -253,7 +253,7 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
     from resilient_rl.trainer.ppo import PPOTrainer
 
     cfg = build_config(args, tmp)
-    started = connect(cfg.ray)
+    owned = connect(cfg.ray)
     trainer = None
     stalls: list[tuple[int, float]] = []
     try:
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
     finally:
         if trainer is not None:
             trainer.shutdown()
-        disconnect(started)
+        disconnect(owned)
     return {"cfg": cfg, "rows": rows, "readings": sampling.readings, "stalls": stalls,
             "n_params": count_params(cfg, vocab)}
 

@@ -352,7 +352,7 @@ def main(argv=None) -> dict:
     nans = nan_steps(args.steps, args.nan_every, args.seed)
     probe_cfg = build_config(args, root, "soak", 0)
     plan = fault_plan(args.steps, args.fault_every, args.seed, probe_cfg.actor.world_size)
-    started = cluster.connect(probe_cfg.ray)
+    owned = cluster.connect(probe_cfg.ray)
     try:
         print(f"soak: {args.steps} steps, {len(plan)} SIGKILL(s) (every {args.fault_every}), "
               f"{len(nans)} NaN reward(s), samples every {args.sample_every} steps", flush=True)
@@ -364,8 +364,7 @@ def main(argv=None) -> dict:
             ref = run(build_config(args, root, "reference", len(plan)), None, NanRewards(nans), args.sample_every)
         return report(args, res, plan, schedule, ref)
     finally:
-        if started:  # a cluster this call did not start (a test's) stays up
-            cluster.disconnect(started)
+        cluster.disconnect(owned)  # a cluster this call did not start (a test's) stays up
         shutil.rmtree(root, ignore_errors=True)
 
 

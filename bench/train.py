@@ -35,7 +35,7 @@ from resilient_rl.trainer.cluster import connect, disconnect
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.step import PHASES
+from resilient_rl.telemetry import PHASES
 
 RAY, LOCAL = "ray", "local"
 
@@ -205,7 +205,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-train-") as tmp:
         cfg = build_config(args, tmp)
-        started = connect(cfg.ray)
+        owned = connect(cfg.ray)
         trainers: dict[str, PPOTrainer] = {}
         try:
             trainers[RAY] = PPOTrainer(cfg)
@@ -229,7 +229,7 @@ def main(argv=None) -> None:
         finally:
             for t in trainers.values():
                 t.shutdown()
-            disconnect(started)
+            disconnect(owned)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def ensure_ray():
 
 @pytest.fixture
 def chaos_ray():
-    """The suite's local cluster, started on first use (a node-loss scenario replaces it with its own)."""
+    """The suite's local cluster, started on first use, and again after a test that replaced it
+    with a cluster of its own (``test_node_loss.py``) and shut that down."""
     return ensure_ray()
 
 

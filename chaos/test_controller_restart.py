@@ -11,7 +11,8 @@ from pathlib import Path
 from conftest import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, collect_run
 from resilient_rl.config.schema import load_config
-from resilient_rl.faults.processes import kill_tree, process_tree, wait_for
+from resilient_rl.faults.processes import kill_tree, process_tree
+from resilient_rl.testing.wait import wait_until
 
 
 def _steps(path: Path) -> list[int]:
@@ -30,8 +31,8 @@ def test_controller_killed_and_started_again_resumes(reference, chaos_dir, chaos
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        assert wait_for(lambda: latest.exists() and len(_steps(metrics)) >= 3, timeout_s=300), \
-            f"the first controller made no progress: {proc.poll()}"
+        wait_until(lambda: latest.exists() and len(_steps(metrics)) >= 3, 300,
+                   message=lambda: f"progress of the first controller (exit {proc.poll()})")
         tree = process_tree(proc.pid)
         assert len(tree) > 1, "the controller runs its own local Ray cluster"
         assert kill_tree(tree) == [], "every process of the killed controller and its cluster is gone"

@@ -27,8 +27,9 @@ from resilient_rl.checkpoint.lease import read_lease
 from resilient_rl.errors import LeaseHeldError
 from resilient_rl.faults.harness import check_invariants, collect_run, run_training
 from resilient_rl.faults.injectors import FaultSchedule
-from resilient_rl.faults.processes import kill_tree, process_tree, wait_for
+from resilient_rl.faults.processes import kill_tree, process_tree
 from resilient_rl.config.schema import load_config
+from resilient_rl.testing.wait import wait_until
 from resilient_rl.trainer.ppo import PPOTrainer
 
 
@@ -81,14 +82,15 @@ def test_hung_controller_is_taken_over_and_stops_when_it_wakes(reference, chaos_
 
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_for(lambda: latest.exists() and len(_steps(metrics)) >= 3, timeout_s=300), \
-            f"the first controller made no progress: {first.poll()}"
+        wait_until(lambda: latest.exists() and len(_steps(metrics)) >= 3, 300,
+                   message=lambda: f"progress of the first controller (exit {first.poll()})")
         held = read_lease(storage, name)
         assert held is not None and held.pid == first.pid and held.live(time.time())
         os.kill(first.pid, signal.SIGSTOP)  # hung: neither steps nor lease renewals
         stopped_at = max(_steps(metrics))
         assert stopped_at < 6
-        assert wait_for(lambda: not read_lease(storage, name).live(time.time()), timeout_s=60)
+        wait_until(lambda: not read_lease(storage, name).live(time.time()), 60,
+                   message="the stopped controller's lease to expire")
 
         second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert second.returncode == 0, second.stderr[-2000:]

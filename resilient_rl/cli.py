@@ -77,7 +77,7 @@ def _fit(cfg) -> int:
     trainer = PPOTrainer(cfg)
     log_path = trainer.run_dir.path / "train.log"
     with RunLog(log_path):  # Ray's start-up notices and the workers' output land here, off the console
-        started = connect(cfg.ray)
+        owned = connect(cfg.ray)
         try:
             history = trainer.fit()
         except KeyboardInterrupt:
@@ -88,7 +88,7 @@ def _fit(cfg) -> int:
             raise
         finally:
             trainer.shutdown()
-            disconnect(started)
+            disconnect(owned)
     print(f"run folder: {trainer.run_dir.path}")
     if not history:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")

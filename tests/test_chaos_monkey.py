@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import cloudpickle
 import pytest
@@ -12,6 +11,7 @@ import ray
 from resilient_rl import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker
 from resilient_rl.faults.injectors import FaultError, process_state
 from resilient_rl.faults.monkey import ChaosMonkey, find_run_workers
+from resilient_rl.testing.wait import wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -39,10 +39,7 @@ def test_monkey_finds_and_hits_the_runs_workers(ray_cluster):
 
         monkey = ChaosMonkey("monkeyrun", interval_s=0, max_faults=1, kinds=("sigstop",), seed=3, echo=lines.append)
         (kind, target), = monkey.run()
-        deadline = time.monotonic() + 10
-        while process_state(target.pid) != "T" and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert process_state(target.pid) == "T", "the chosen worker is stopped"
+        wait_until(lambda: process_state(target.pid) == "T", 10, 0.1, "the chosen worker to be stopped")
 
         monkey = ChaosMonkey("monkeyrun", interval_s=0, max_faults=1, kinds=("sigkill",), seed=3, echo=lines.append)
         (kind, target), = monkey.run()

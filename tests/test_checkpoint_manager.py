@@ -9,60 +9,21 @@ import uuid
 import pytest
 import torch
 
-from resilient_rl.checkpoint import (
-    CheckpointManager, RetryPolicy, Storage, load_shard_into, stage, write_shard,
-)
+from resilient_rl.checkpoint import CheckpointManager, Storage
 from resilient_rl.checkpoint.manifest import FORMAT_VERSION
 from resilient_rl.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError, StorageError,
 )
 from resilient_rl.faults.storage import FaultPlan, faulty_url
-
-FAST = RetryPolicy(attempts=5, initial_s=0.001, max_s=0.01)
-
-
-
-
-def _root(kind: str, tmp_path, moto) -> tuple[str, dict | None]:
-    if kind == "local":
-        return str(tmp_path / "ckpt"), None
-    if kind == "memory":
-        return f"memory://mgr-{uuid.uuid4().hex}", None
-    if isinstance(moto, str):
-        pytest.skip(f"moto_server cannot start here: {moto}")
-    return f"s3://ckpt/{uuid.uuid4().hex}", moto.storage_options
-
-
-def _state(step: int, rank: int) -> dict:
-    return {"w": torch.arange(6, dtype=torch.float32) * step, "step": step,
-            "rng": {"seed": 1000 * step + rank, "state": torch.full((64,), rank, dtype=torch.uint8)}}
-
-
-def _save(manager: CheckpointManager, step: int, world: int = 2, commit: bool = True,
-          storage: Storage | None = None) -> dict:
-    storage = storage or Storage(manager.storage.url, manager.storage_options, FAST)
-    records = []
-    for rank in range(world):  # each rank of a 2-rank worker group, played in turn
-        staged = stage(_state(step, rank), rank, world_size=world, rank_local=("rng",))
-        records += write_shard(staged, storage, manager.role_dir(step, "actor"), rank)
-    manager.write_trainer_state(step, {"step": step, "data": {"epoch": 0, "index": 3 * step}})
-    if commit:
-        manager.commit(step, {"actor": records}, {"actor": world}, config_digest="cfg-1")
-    return {"actor": records}
-
-
-def _load(manager: CheckpointManager, step: int, rank: int = 0) -> dict:
-    template = {"w": torch.zeros(6), "rng": {"seed": 0, "state": torch.zeros(64, dtype=torch.uint8)}, "step": 0}
-    return load_shard_into(template, Storage(manager.role_dir(step, "actor"), manager.storage_options), "",
-                           manager.role_files(step, "actor"), rank=rank)
+from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, load_step, save_step
 
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
 def test_commit_writes_manifest_then_latest(kind, tmp_path, moto):
-    root, options = _root(kind, tmp_path, moto)
+    root, options = checkpoint_root(kind, tmp_path, moto)
     manager = CheckpointManager(root, "run", storage_options=options, retry=FAST)
     assert manager.latest_step() is None and manager.find_latest_valid() is None
-    _save(manager, 5)
+    save_step(manager, 5)
     storage = manager.storage
     assert storage.read_bytes("run/latest") == b"step_00000005"
     manifest = json.loads(storage.read_bytes("run/step_00000005/MANIFEST.json"))
@@ -75,7 +36,7 @@ def test_commit_writes_manifest_then_latest(kind, tmp_path, moto):
         manifest["files"], [storage.size(f"run/step_00000005/{f['path']}") for f in manifest["files"]]))
     assert manager.latest_step() == 5 and manager.verify(5) == "ok"
     assert manager.load_trainer_state(5) == {"step": 5, "data": {"epoch": 0, "index": 15}}
-    loaded = _load(manager, 5, rank=1)
+    loaded = load_step(manager, 5, rank=1)
     assert torch.equal(loaded["w"], torch.arange(6.0) * 5) and loaded["rng"]["seed"] == 5001
     assert torch.equal(loaded["rng"]["state"], torch.ones(64, dtype=torch.uint8))
     [info] = manager.list_checkpoints()
@@ -86,7 +47,7 @@ def test_commit_writes_manifest_then_latest(kind, tmp_path, moto):
 
 def test_commit_refuses_missing_or_mismatched_shards(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run")
-    files = _save(manager, 1, commit=False)
+    files = save_step(manager, 1, commit=False)
     with pytest.raises(CheckpointError, match="rank 2 reported no shard_00002"):
         manager.commit(1, files, {"actor": 3})
     (tmp_path / "run" / "step_00000001" / "actor" / "shard_00001.safetensors").write_bytes(b"short")
@@ -99,9 +60,9 @@ def test_commit_refuses_missing_or_mismatched_shards(tmp_path):
 
 def test_uncommitted_step_is_never_returned_and_is_cleaned_up(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run")
-    _save(manager, 1)
-    _save(manager, 2, commit=False)  # the process died before the commit
-    _save(manager, 3, commit=False)  # being written right now
+    save_step(manager, 1)
+    save_step(manager, 2, commit=False)  # the process died before the commit
+    save_step(manager, 3, commit=False)  # being written right now
     assert manager.latest_step() == 1 and manager.find_latest_valid() == 1
     assert manager.verify(2) == "uncommitted"
     with pytest.raises(CheckpointNotFoundError, match="step 2 is not committed"):
@@ -116,8 +77,8 @@ def test_uncommitted_step_is_never_returned_and_is_cleaned_up(tmp_path):
 def test_flipped_byte_makes_step_corrupt_and_previous_is_used(tmp_path):
     reports = []
     manager = CheckpointManager(str(tmp_path), "run", keep_last=3, on_corrupt=lambda s, r: reports.append((s, r)))
-    _save(manager, 1)
-    _save(manager, 2)
+    save_step(manager, 1)
+    save_step(manager, 2)
     shard = tmp_path / "run" / "step_00000002" / "actor" / "shard_00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0x10  # in rank 1's own (rank-local) tensor data
@@ -127,14 +88,14 @@ def test_flipped_byte_makes_step_corrupt_and_previous_is_used(tmp_path):
     assert manager.find_latest_valid() == 1
     assert reports == [(2, "corrupt: actor/shard_00001.safetensors: sha256 mismatch")]
     with pytest.raises(CheckpointCorruptError, match=r"step_00000002/actor.*shard_00001\.safetensors"):
-        _load(manager, 2, rank=1)
-    assert torch.equal(_load(manager, 1)["w"], torch.arange(6.0))
+        load_step(manager, 2, rank=1)
+    assert torch.equal(load_step(manager, 1)["w"], torch.arange(6.0))
 
 
 def test_missing_truncated_and_garbled_files_are_reported(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run", keep_last=5)
     for step in (1, 2, 3, 4):
-        _save(manager, step)
+        save_step(manager, step)
     step_dir = tmp_path / "run"
     (step_dir / "step_00000004" / "actor" / "shard_00000.json").unlink()
     (step_dir / "step_00000003" / "trainer_state.json").write_text("{}")
@@ -152,7 +113,7 @@ def test_missing_truncated_and_garbled_files_are_reported(tmp_path):
 def test_retention_keeps_last_k_and_every_mth(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run", keep_last=2, keep_every=3)
     for step in range(1, 8):
-        _save(manager, step)
+        save_step(manager, step)
     assert manager.committed_steps() == [3, 6, 7]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         "latest", "step_00000003", "step_00000006", "step_00000007"]
@@ -161,10 +122,10 @@ def test_retention_keeps_last_k_and_every_mth(tmp_path):
 
 def test_old_checkpoint_deleted_only_after_a_newer_commit(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run", keep_last=1)
-    _save(manager, 1)
-    _save(manager, 2, commit=False)
+    save_step(manager, 1)
+    save_step(manager, 2, commit=False)
     assert manager.apply_retention() == [] and manager.committed_steps() == [1]
-    files = _save(manager, 2, commit=False)
+    files = save_step(manager, 2, commit=False)
     manager.commit(2, files, {"actor": 2})
     assert manager.committed_steps() == [2]
     assert manager.storage.read_bytes("run/latest") == b"step_00000002"
@@ -173,38 +134,38 @@ def test_old_checkpoint_deleted_only_after_a_newer_commit(tmp_path):
 def test_resaving_after_restore_to_an_earlier_step(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run", keep_last=3)
     for step in (1, 2, 3):
-        _save(manager, step)
+        save_step(manager, step)
     # Steps 2 and 3 turned out corrupt; the run restored step 1 and replays.
     manager.begin_step(2)
     assert not (tmp_path / "run" / "step_00000002").exists()
     assert manager.storage.read_bytes("run/latest") == b"step_00000003"
-    _save(manager, 2)
+    save_step(manager, 2)
     assert manager.committed_steps() == [1, 2]  # step 3 belonged to the abandoned timeline
     assert manager.latest_step() == 2 and manager.storage.read_bytes("run/latest") == b"step_00000002"
 
 
 def test_manifest_newer_than_latest_pointer_is_found(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run", keep_last=3)
-    _save(manager, 1)
-    _save(manager, 2)
+    save_step(manager, 1)
+    save_step(manager, 2)
     (tmp_path / "run" / "latest").write_text("step_00000001")  # died between manifest and pointer
     assert manager.latest_step() == 2 and manager.find_latest_valid() == 2
 
 
 def test_transient_faults_are_retried_and_the_checkpoint_is_byte_correct(tmp_path):
     clean = CheckpointManager(str(tmp_path / "clean"), "run")
-    expected = _save(clean, 1)
+    expected = save_step(clean, 1)
     url, options = faulty_url(str(tmp_path / "faulty"), FaultPlan(transient_writes=3, transient_reads=2),
                               name=uuid.uuid4().hex)
     manager = CheckpointManager(url, "run", storage_options=options, retry=FAST)
     worker_storage = Storage(url, options, FAST)
     assert worker_storage.fs is manager.storage.fs  # one fault budget for the process
-    files = _save(manager, 1, storage=worker_storage)
+    files = save_step(manager, 1, storage=worker_storage)
     assert files == expected  # same bytes, same checksums
     assert sum(e.startswith("transient write") for e in manager.storage.fs.injected) == 3
     assert manager.find_latest_valid() == 1
     assert sum(e.startswith("transient read") for e in manager.storage.fs.injected) == 2
-    assert torch.equal(_load(manager, 1)["w"], torch.arange(6.0))
+    assert torch.equal(load_step(manager, 1)["w"], torch.arange(6.0))
     for path in (tmp_path / "clean").rglob("*.safetensors"):
         twin = tmp_path / "faulty" / path.relative_to(tmp_path / "clean")
         assert twin.read_bytes() == path.read_bytes()
@@ -213,16 +174,16 @@ def test_transient_faults_are_retried_and_the_checkpoint_is_byte_correct(tmp_pat
 def test_enospc_keeps_previous_checkpoint_and_latest(tmp_path):
     url, options = faulty_url(str(tmp_path), FaultPlan(), name=uuid.uuid4().hex)
     manager = CheckpointManager(url, "run", storage_options=options, retry=FAST)
-    _save(manager, 1)
+    save_step(manager, 1)
     fs = manager.storage.fs
     fs.plan.enospc_after_bytes = fs.bytes_written + 200  # the disk fills up during step 2
     with pytest.raises(StorageError, match=r"step_00000002/actor/shard_0000\d\.\w+.*No space left"):
-        _save(manager, 2)
+        save_step(manager, 2)
     assert (tmp_path / "run" / "latest").read_text() == "step_00000001"
     assert manager.latest_step() == 1 and manager.verify(1) == "ok" and manager.find_latest_valid() == 1
     assert not manager.is_committed(2)
     assert manager.cleanup_uncommitted() == [2]
-    assert torch.equal(_load(manager, 1)["w"], torch.arange(6.0))
+    assert torch.equal(load_step(manager, 1)["w"], torch.arange(6.0))
 
 
 def test_invalid_configuration_is_rejected(tmp_path):

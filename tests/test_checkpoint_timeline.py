@@ -14,7 +14,7 @@ from resilient_rl.testing.local_group import CheckpointOnlyPool
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
 
-from test_checkpoint_manager import FAST, _root, _save
+from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, save_step
 
 NO_ROLES = CheckpointOnlyPool({})  # controller state only: the source choice is under test
 
@@ -29,7 +29,7 @@ def _rewrite_manifest(manager: CheckpointManager, step: int, **changes) -> None:
 def test_latest_step_honours_the_pointer_over_an_abandoned_newer_step(tmp_path):
     manager = CheckpointManager(str(tmp_path), "run", keep_last=5)
     for step in (2, 4, 6):
-        _save(manager, step)
+        save_step(manager, step)
     # Step 6 belongs to a writer superseded by the one that committed step 4 (token 2 > 1).
     _rewrite_manifest(manager, 6, fencing_token=1)
     _rewrite_manifest(manager, 4, fencing_token=2)
@@ -46,10 +46,10 @@ def test_latest_step_honours_the_pointer_over_an_abandoned_newer_step(tmp_path):
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
 def test_set_aside_moves_newer_steps_out_of_the_run(kind, tmp_path, moto):
-    root, options = _root(kind, tmp_path, moto)
+    root, options = checkpoint_root(kind, tmp_path, moto)
     manager = CheckpointManager(root, "run", keep_last=5, storage_options=options, retry=FAST)
     for step in (2, 4, 6, 8):
-        _save(manager, step)
+        save_step(manager, step)
     assert manager.set_aside_newer(4, "resumed from step 4") == [6, 8]
     assert manager.committed_steps() == [2, 4] and manager.latest_step() == 4
     assert manager.storage.read_bytes("run/latest") == b"step_00000004"
@@ -76,7 +76,7 @@ def test_resume_from_an_earlier_step_keeps_that_timeline_through_recovery():
     root = f"memory://timeline-{uuid.uuid4().hex}"
     first = _coordinator(root, "run")
     for step in (2, 4, 6, 8):
-        _save(first.manager, step)
+        save_step(first.manager, step)
     ckpt = _coordinator(root, "run", f"path:{root}/run/step_00000004")
     ckpt.acquire_lease()
     try:
@@ -84,7 +84,7 @@ def test_resume_from_an_earlier_step_keeps_that_timeline_through_recovery():
         assert ckpt.manager.committed_steps() == [2, 4] and ckpt.manager.latest_step() == 4
         # A failure before the next commit: recovery restores step 4 again, never 8 nor step 0.
         assert ckpt.restore(NO_ROLES, "auto")["step"] == 4
-        _save(ckpt.manager, 6)
+        save_step(ckpt.manager, 6)
         assert ckpt.restore(NO_ROLES, "auto")["step"] == 6
         assert ckpt.manager.load_manifest(6).fencing_token == ckpt.lease.token
         [stamp] = ckpt.manager.storage.ls("run/abandoned")
@@ -98,15 +98,15 @@ def test_resume_from_another_run_recovers_to_that_checkpoint_until_it_commits():
     root = f"memory://timeline-{uuid.uuid4().hex}"
     src = _coordinator(root, "src")
     for step in (2, 4):
-        _save(src.manager, step)
+        save_step(src.manager, step)
     dst_old = _coordinator(root, "dst")
-    _save(dst_old.manager, 6)  # an earlier, unrelated attempt under the same run name
+    save_step(dst_old.manager, 6)  # an earlier, unrelated attempt under the same run name
     ckpt = _coordinator(root, "dst", f"path:{root}/src/step_00000002")
     assert ckpt.restore(NO_ROLES, ckpt.cfg.checkpoint.resume)["step"] == 2
     assert ckpt.manager.committed_steps() == [] and ckpt.manager.latest_step() is None
     state = ckpt.restore(NO_ROLES, "auto")  # recovery before dst committed anything
     assert state is not None and state["step"] == 2
-    _save(ckpt.manager, 4)
+    save_step(ckpt.manager, 4)
     assert ckpt.restore(NO_ROLES, "auto")["step"] == 4
     assert src.manager.committed_steps() == [2, 4]  # the source run is never touched
 
@@ -115,7 +115,7 @@ def test_resume_off_sets_the_runs_old_steps_aside():
     root = f"memory://timeline-{uuid.uuid4().hex}"
     old = _coordinator(root, "run")
     for step in (2, 4):
-        _save(old.manager, step)
+        save_step(old.manager, step)
     fresh = _coordinator(root, "run")  # restore("off"): what checkpoint.resume=off starts with
     assert fresh.restore(NO_ROLES, "off") is None
     assert fresh.manager.committed_steps() == [] and not fresh.manager.storage.exists("run/latest")

@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from resilient_rl.faults.processes import process_tree, wait_for
+from resilient_rl.faults.processes import process_tree
+from resilient_rl.testing.wait import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -24,8 +25,8 @@ def test_ctrl_c_stops_cleanly(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = Path(tmp_path) / "runs" / "ctrlc" / "metrics.jsonl"
     try:
-        assert wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, timeout_s=300), \
-            f"no training progress (exit {proc.poll()})"
+        wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 300,
+                   message=lambda: f"two training steps (exit {proc.poll()})")
         tree = process_tree(proc.pid)
         assert len(tree) > 3, "the controller started a local Ray cluster"
         proc.send_signal(signal.SIGINT)

@@ -136,6 +136,47 @@ def test_grpo_turns_critic_off_and_ignores_critic_world_size():
     assert cfg.critic.enabled is False
 
 
+def test_unset_role_world_sizes_follow_the_actor_when_colocated():
+    cfg = load_config(overrides=["actor.world_size=4"])
+    assert (cfg.rollout.world_size, cfg.ref.world_size, cfg.critic.world_size) == (4, 4, 4)
+    # Set to the actor's value is no conflict.
+    same = load_config(overrides=["actor.world_size=4", "rollout.world_size=4", "ref.world_size=4",
+                                  "critic.world_size=4"])
+    assert same == cfg
+
+
+@pytest.mark.parametrize("role", ["rollout", "ref", "critic"])
+def test_a_colocated_role_world_size_other_than_the_actors_is_an_error(role):
+    with pytest.raises(ConfigError, match=rf"{role}\.world_size=1: trainer\.placement='colocated'.*"
+                                          r"must equal actor\.world_size=2"):
+        load_config(overrides=[f"{role}.world_size=1"])
+
+
+def test_split_role_world_sizes_default_to_one_and_keep_what_is_set():
+    cfg = load_config(overrides=["trainer.placement=split", "rollout.world_size=2"])
+    assert (cfg.rollout.world_size, cfg.ref.world_size, cfg.critic.world_size) == (2, 1, 1)
+
+
+def test_critic_unset_follows_the_estimator_and_set_on_with_grpo_is_an_error():
+    assert load_config().critic.enabled is True
+    assert load_config(overrides=["critic.enabled=false"]).critic.enabled is False
+    grpo = ["algorithm.adv_estimator=grpo", "rollout.n=4"]
+    assert load_config(overrides=grpo).critic.enabled is False
+    assert load_config(overrides=[*grpo, "critic.enabled=false"]).critic.enabled is False
+    with pytest.raises(ConfigError, match=r"critic\.enabled=True: algorithm\.adv_estimator='grpo' trains no value"):
+        load_config(overrides=[*grpo, "critic.enabled=true"])
+
+
+def test_a_saved_config_with_resolved_world_sizes_loads_again(tmp_path):
+    cfg = load_config(overrides=["actor.world_size=4"])
+    path = tmp_path / "config.yaml"
+    save_config(cfg, str(path))
+    assert load_config(str(path)) == cfg
+    # Changing the actor's world size on top of it names the roles that no longer match.
+    with pytest.raises(ConfigError, match=r"rollout\.world_size=4.*actor\.world_size=2"):
+        load_config(str(path), ["actor.world_size=2"])
+
+
 def test_yaml_then_overrides_precedence(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("trainer:\n  total_steps: 7\n  seed: 3\nactor:\n  optim:\n    lr: 0.01\n")

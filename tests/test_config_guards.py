@@ -14,6 +14,7 @@ from resilient_rl.config.schema import load_config
     ("recovery.call_timeout_s=inf", "recovery.call_timeout_s"),
     ("recovery.failure_window_s=nan", "recovery.failure_window_s"),
     ("telemetry.gpu_sample_interval_s=-inf", "telemetry.gpu_sample_interval_s"),
+    ("telemetry.call_timeout_s=inf", "telemetry.call_timeout_s"),
     ("algorithm.gamma=nan", "algorithm.gamma"),
     ("actor.optim.betas=[0.9,nan]", "actor.optim.betas"),
     ("actor.optim.lr=1e400", "actor.optim.lr"),
@@ -27,6 +28,15 @@ def test_a_duration_too_long_to_wait_on_is_refused():
     with pytest.raises(ConfigError, match=r"recovery\.call_timeout_s=1e\+300.*seconds"):
         load_config(None, ["recovery.call_timeout_s=1e300"])
     assert load_config(None, ["recovery.call_timeout_s=86400"]).recovery.call_timeout_s == 86400.0
+
+
+def test_telemetry_calls_have_a_timeout_of_their_own():
+    cfg = load_config(None, ["recovery.call_timeout_s=900"])
+    assert (cfg.telemetry.call_timeout_s, cfg.recovery.call_timeout_s) == (30.0, 900.0)
+    assert load_config(None, ["telemetry.call_timeout_s=5"]).telemetry.call_timeout_s == 5.0
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match=rf"telemetry\.call_timeout_s={bad}(\.0)?: must be > 0 seconds"):
+            load_config(None, [f"telemetry.call_timeout_s={bad}"])
 
 
 def test_a_huge_integer_for_a_float_is_a_config_error():

@@ -33,14 +33,15 @@ def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkey
         return 7
 
     with RunLog(log):
-        started = connect(cfg.ray)
+        owned = connect(cfg.ray)
         try:
             assert ray.get(noisy.remote()) == 7
-            from resilient_rl.faults.processes import wait_for
+            from resilient_rl.testing.wait import wait_until
 
-            assert wait_for(lambda: "a worker's stderr" in log.read_text(), timeout_s=30), log.read_text()[-2000:]
+            wait_until(lambda: "a worker's stderr" in log.read_text(), 30,
+                       message=lambda: f"the worker's stderr in train.log: {log.read_text()[-2000:]}")
         finally:
-            disconnect(started)
+            disconnect(owned)
     out, err = capfd.readouterr()
     assert "hello from a worker" not in out + err and "a worker's stderr" not in out + err
     assert "Token authentication" not in out + err

@@ -28,6 +28,7 @@ from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, GpuSampler, Met
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics, TrainerMetrics,
                                     device_report, gpu_assignments)
 from resilient_rl.telemetry.exporter import scrape
+from resilient_rl.testing.wait import wait_until
 from resilient_rl.telemetry.gpu_owners import join_labels, processes_from_reports, visible_gpu_uuids
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML, NVMLError_DriverNotLoaded
 
@@ -108,9 +109,9 @@ def test_assignments_label_each_gpu_with_every_role_of_its_process_per_node():
 
 
 def test_health_replies_become_processes_with_their_roles_and_node():
-    infos = {("main", 1): WorkerInfo(1, 2, 1, 11, "ctrl-node", "h", ("GPU-b",), 5, 6),
-             ("main", 0): WorkerInfo(0, 2, 1, 10, "ctrl-node", "h", ("GPU-a",), 3, 4),
-             ("critic", 0): WorkerInfo(0, 1, 1, 12, "other", "h")}
+    infos = {("main", 1): WorkerInfo(1, 2, 1, 11, "ctrl-node", ("GPU-b",), 5, 6),
+             ("main", 0): WorkerInfo(0, 2, 1, 10, "ctrl-node", ("GPU-a",), 3, 4),
+             ("critic", 0): WorkerInfo(0, 1, 1, 12, "other")}
     procs = processes_from_reports(infos, {"main": COLOCATED, "critic": ("critic",)}, "ctrl-node")
     assert procs == [ProcessDevices(("critic",), 0, "other", DeviceReport()),
                      ProcessDevices(COLOCATED, 0, None, DeviceReport(("GPU-a",), 3, 4)),
@@ -145,7 +146,7 @@ def _worker_reply(rank: int, node_id: str, visible: str, nvml: FakeNVML, monkeyp
     """The health reply of a worker that Ray gave GPU ``visible`` (its cuda:0)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     report = device_report(0, nvml=nvml)
-    return WorkerInfo(rank, 2, 1, 1000 + rank, node_id, "10.0.0.1", report.gpu_uuids,
+    return WorkerInfo(rank, 2, 1, 1000 + rank, node_id, report.gpu_uuids,
                       8 * GIB + rank, 12 * GIB + rank)
 
 
@@ -298,11 +299,12 @@ def test_poller_collects_replies_while_workers_are_busy_and_never_waits(ray_clus
         busy = group.execute_all_async("block", 60.0)
         poller = DeviceReportPoller(interval_s=0.0)
         poller.reset({})
-        deadline = time.monotonic() + 30
-        while len(poller.reports) < 2 and time.monotonic() < deadline:
+        def both_replied() -> bool:
             poller.poll([group])
             assert len(poller._pending) <= 2  # at most one call in flight per process
-            time.sleep(0.05)
+            return len(poller.reports) >= 2
+
+        wait_until(both_replied, 30, 0.05, "a health reply from both busy ranks")
         assert sorted(poller.reports) == [("poll", 0), ("poll", 1)]
         assert len({info.pid for info in poller.reports.values()}) == 2
         # The replies came back while the training-like call was still running.

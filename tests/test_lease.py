@@ -16,8 +16,8 @@ from resilient_rl.checkpoint.lease import Lease, RunLease, holder_alive, read_le
 from resilient_rl.errors import ConfigError, LeaseHeldError, LeaseLostError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.config.schema import load_config
-
-from test_checkpoint_manager import FAST, _root, _save
+from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, save_step
+from resilient_rl.testing.wait import wait_until
 
 
 class Clock:
@@ -36,7 +36,7 @@ def _lease(root, options, clock, **kw) -> RunLease:
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
 def test_second_controller_is_refused_naming_the_holder(kind, tmp_path, moto):
-    root, options = _root(kind, tmp_path, moto)
+    root, options = checkpoint_root(kind, tmp_path, moto)
     clock = Clock()
     first = _lease(root, options, clock)
     held = first.acquire()
@@ -55,13 +55,13 @@ def test_second_controller_is_refused_naming_the_holder(kind, tmp_path, moto):
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
 def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(kind, tmp_path, moto):
-    root, options = _root(kind, tmp_path, moto)
+    root, options = checkpoint_root(kind, tmp_path, moto)
     clock = Clock()
     old_lease, new_lease = _lease(root, options, clock), _lease(root, options, clock)
     old = CheckpointManager(root, "run", keep_last=5, storage_options=options, retry=FAST)
     old.lease = old_lease
     old_lease.acquire()
-    _save(old, 2)
+    save_step(old, 2)
     assert old.load_manifest(2).fencing_token == 1
     clock.t += 20
     old_lease.renew()  # renewed at t+20: expires at t+80
@@ -73,11 +73,11 @@ def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(kind, tmp_path
     assert taken.token == 2 and taken.previous["holder"] == old_lease.holder
     new = CheckpointManager(root, "run", keep_last=5, storage_options=options, retry=FAST)
     new.lease = new_lease
-    _save(new, 4)
+    save_step(new, 4)
     assert new.load_manifest(4).fencing_token == 2
 
     # The old controller wakes up: every write or deletion it tries stops, naming the new holder.
-    files = _save(old, 6, commit=False)
+    files = save_step(old, 6, commit=False)
     with pytest.raises(LeaseLostError, match=new_lease.holder):
         old.commit(6, files, {"actor": 2})
     with pytest.raises(LeaseLostError, match="taken over"):
@@ -171,9 +171,8 @@ def test_renewal_thread_extends_the_lease_and_stops_on_close(tmp_path):
     first = lease.acquire()
     lease.start_renewing()
     assert lease.renewing
-    deadline = time.monotonic() + 20
-    while read_lease(lease.storage, "run").renewed_at == first.renewed_at and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: read_lease(lease.storage, "run").renewed_at != first.renewed_at, 20, 0.02,
+               "the renewal thread to renew the lease")
     assert read_lease(lease.storage, "run").expires_at > first.expires_at
     lease.close()
     assert not lease.renewing and lease.lease is None
@@ -189,10 +188,7 @@ def test_renewal_thread_notices_a_takeover(tmp_path):
     other = RunLease(Storage(str(tmp_path)), "run", ttl_s=30, clock=clock)
     other.acquire()
     lease.start_renewing()
-    deadline = time.monotonic() + 20
-    while lease.renewing and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not lease.renewing
+    wait_until(lambda: not lease.renewing, 20, 0.02, "the renewal thread to stop on the takeover")
     with pytest.raises(LeaseLostError, match=other.holder):
         lease.raise_if_lost()
     lease.close()
@@ -207,7 +203,7 @@ def test_token_floor_survives_a_removed_lease_folder(tmp_path):
         lease.acquire()
         lease.close()
     lease.acquire()
-    _save(manager, 1)
+    save_step(manager, 1)
     lease.close()
     for p in (tmp_path / "run" / "lease").iterdir():
         p.unlink()
@@ -234,7 +230,7 @@ def test_checkpoints_list_shows_the_lease_and_set_aside_timelines(tmp_path):
     manager.lease = RunLease(manager.storage, "run", ttl_s=60)
     manager.lease.acquire()
     for step in (1, 2, 3):
-        _save(manager, step)
+        save_step(manager, step)
     manager.set_aside_newer(1, "resumed from step 1")
     table = inspect_run(CheckpointLocation(str(tmp_path), "run"), deep=False).format_table()
     assert f"lease: held by {manager.lease.holder} (token 1) until" in table

@@ -25,7 +25,8 @@ import yaml
 from resilient_rl.telemetry import FileSDWriter, MetricsServer
 from resilient_rl.testing.monitoring import (DATASOURCE_UID, MONITORING, RULES, alert_rules, dashboard_queries,
                                              exported_names, free_port, grafana_to_promql, load_dashboards,
-                                             metric_names, populated_registry, wait_for)
+                                             metric_names, populated_registry)
+from resilient_rl.testing.wait import wait_until
 
 
 # -- structure -----------------------------------------------------------------------------
@@ -379,7 +380,7 @@ def test_real_prometheus_scrapes_a_run_and_answers_every_query(live_prometheus):
         trainer.observe_step(int(time.time()), 0.3, {"gen": 0.1}, tokens=10)
         result = _api(base, "query", query="count_over_time(rrl_step[1m])")["result"]
         return result and float(result[0]["value"][1]) >= 3
-    wait_for(scraped_enough, 60, "three scrapes of the exporter")
+    wait_until(scraped_enough, 60, 0.25, "three scrapes of the exporter", ignore=(OSError,))
 
     present = {r["metric"]["__name__"] for r in _api(
         base, "query", query='group by (__name__) ({__name__=~"rrl_.+"})')["result"]}
@@ -398,7 +399,7 @@ def test_real_prometheus_scrapes_a_run_and_answers_every_query(live_prometheus):
         groups = _api(base, "rules")["groups"]
         rules = [r for g in groups for r in g["rules"]]
         return rules if rules and all(r["health"] != "unknown" for r in rules) else None
-    rules = wait_for(rules_evaluated, 30, "a first evaluation of every alert rule")
+    rules = wait_until(rules_evaluated, 30, 0.25, "a first evaluation of every alert rule", ignore=(OSError,))
     assert len(rules) == len(alert_rules())
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError"))
                                                      for r in rules if r["health"] != "ok"]

@@ -27,7 +27,8 @@ from resilient_rl.errors import TelemetryError
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.telemetry import GpuSampler, sample_value, scrape
 from resilient_rl.testing.monitoring import (MONITORING, alert_rules, dashboard_queries, free_port,
-                                             grafana_to_promql, wait_for)
+                                             grafana_to_promql)
+from resilient_rl.testing.wait import wait_until
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter
@@ -63,7 +64,7 @@ class Prometheus:
             [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data_dir}",
              f"--web.listen-address={self.base[len('http://'):]}", "--log.level=warn"],
             stdout=subprocess.DEVNULL, stderr=self._log)
-        wait_for(self._ready, 60, "Prometheus to become ready")
+        wait_until(self._ready, 60, 0.25, "Prometheus to become ready", ignore=(OSError,))
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -136,9 +137,10 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
         def final_state_scraped():
             return (prom.value("rrl_step") == STEPS and prom.value("rrl_checkpoint_last_committed_step") == STEPS
                     and prom.value("rrl_recoveries_total") == 1)
-        wait_for(final_state_scraped, 30, "a scrape of the run's final state")
-        rules = wait_for(lambda: [r for g in prom.api("rules")["groups"] for r in g["rules"]
-                                  if r["health"] != "unknown"], 30, "an evaluation of the alert rules")
+        wait_until(final_state_scraped, 30, 0.25, "a scrape of the run's final state", ignore=(OSError,))
+        rules = wait_until(lambda: [r for g in prom.api("rules")["groups"] for r in g["rules"]
+                                    if r["health"] != "unknown"], 30, 0.25, "an evaluation of the alert rules",
+                           ignore=(OSError,))
         end = time.time()
 
         targets_up = prom.api("targets")["activeTargets"]

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from resilient_rl.errors import TelemetryError
-from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler,
+from resilient_rl.telemetry import (PHASE_LABELS, PHASES, DeviceMetrics, FileSDWriter, GpuSampler,
                                     MetricsServer, NodeExporter, ProcessSampler, TrainerMetrics,
                                     scrape)
 from resilient_rl.telemetry.device import resolve_visible_devices
@@ -133,7 +133,7 @@ def test_observe_step_moves_gauges_counters_and_histograms(trainer):
     assert value(data, "rrl_phase_duration_seconds_sum", phase="gen") == pytest.approx(2.12)
     assert value(data, "rrl_phase_duration_seconds_count", phase="update_critic") == 1
     # Every phase is exported from the start, so rate() over it never lacks a series.
-    for phase in PHASES:
+    for phase in PHASE_LABELS:
         assert value(data, "rrl_phase_duration_seconds_count", phase=phase) is not None
     assert value(data, "rrl_tokens_total") == 1000
     assert value(data, "rrl_reward_mean") == 0.5
@@ -462,10 +462,30 @@ def local_run(tmp_path_factory):
     trainer.shutdown()
 
 
-def test_every_trainer_phase_is_exported():
-    from resilient_rl.trainer.step import PHASES as STEP_PHASES
+def test_node_exporters_are_called_with_the_telemetry_timeout(tmp_path, monkeypatch):
+    from resilient_rl.trainer import telemetry_hook
 
-    assert set(STEP_PHASES) <= set(PHASES)
+    seen = {}
+
+    class FakeNodeExporter:
+        def __init__(self, node_id, node, bind_address, port, advertise_host, gpu_max_age_s, timeout_s):
+            seen[node_id] = timeout_s
+            self.target = f"{advertise_host}:9999"
+
+    monkeypatch.setattr(telemetry_hook, "RemoteNodeExporter", FakeNodeExporter)
+    trainer = local_trainer(tmp_path, "telemetry.call_timeout_s=7", "recovery.call_timeout_s=900")
+    try:
+        trainer.telemetry._start_node_exporter("n1", {"n1": ("node-1", "10.0.0.2")})
+    finally:
+        trainer.shutdown()
+    assert seen == {"n1": 7.0}
+
+
+def test_every_trainer_phase_is_exported():
+    from resilient_rl.trainer import step
+
+    assert step.PHASES is PHASES  # one definition, imported by the step
+    assert PHASE_LABELS == PHASES + ("checkpoint",)
 
 
 def test_hook_exports_a_run_and_publishes_its_endpoint(local_run):

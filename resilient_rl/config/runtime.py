@@ -95,8 +95,9 @@ class RecoveryConfig(Section):
     A rank is hung when it stops answering its health call for ``health_timeout_s`` (a stopped
     process) or, inside a call, stops advancing for ``hang_timeout_s`` (longer than the slowest
     single mini-batch, token block or checkpoint chunk); a long call that keeps advancing is
-    healthy. ``call_timeout_s`` is only a generous ceiling on one whole worker call (it also bounds
-    the wait for a background checkpoint write and the telemetry calls)."""
+    healthy. ``call_timeout_s`` is only a generous ceiling on one whole worker call. The wait for a
+    background checkpoint write has its own ``checkpoint.save_timeout_s`` and the telemetry
+    exporter's calls ``telemetry.call_timeout_s``."""
 
     enabled: bool = True
     max_restarts: int = 3
@@ -124,7 +125,10 @@ class RecoveryConfig(Section):
 
 @dataclass
 class TelemetryConfig(Section):
-    """The Prometheus exporter and the GPU sampler."""
+    """The Prometheus exporter and the GPU sampler.
+
+    ``call_timeout_s`` bounds each call the controller makes to start, poll or stop a node's
+    device exporter (a Ray actor): telemetry must never hold training up for long."""
 
     enabled: bool = True
     bind_address: str = "127.0.0.1"
@@ -132,9 +136,11 @@ class TelemetryConfig(Section):
     worker_port_base: int = 0
     file_sd_path: Optional[str] = None
     gpu_sample_interval_s: float = 5.0
+    call_timeout_s: float = 30.0
 
     def validate(self) -> None:
         require(bool(self.bind_address), "bind_address", self.bind_address, "must be a non-empty address")
+        require(self.call_timeout_s > 0, "call_timeout_s", self.call_timeout_s, "must be > 0 seconds")
         for name in ("port", "worker_port_base"):
             require(0 <= getattr(self, name) <= 65535, name, getattr(self, name), "must be in [0, 65535] (0 = any)")
         require(self.gpu_sample_interval_s > 0, "gpu_sample_interval_s", self.gpu_sample_interval_s, "must be > 0")

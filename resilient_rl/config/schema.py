@@ -87,13 +87,8 @@ class Config(Section):
             self.checkpoint.storage_options = _drop_redacted(self.checkpoint.storage_options,
                                                              "checkpoint.storage_options")
         grpo = self.algorithm.adv_estimator == "grpo"
-        if grpo:
-            self.critic.enabled = False  # GRPO's baseline is the group mean: no value model.
-        if self.trainer.placement == "colocated":
-            # Colocated roles share the actor's processes, so their world sizes are the actor's.
-            self.rollout.world_size = self.actor.world_size
-            self.ref.world_size = self.actor.world_size
-            self.critic.world_size = self.actor.world_size
+        self._resolve_critic(grpo)
+        self._resolve_world_sizes()
         require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
                  "algorithm.adv_estimator='grpo' needs rollout.n >= 2 samples per prompt")
         sequences = self.data.batch_size * self.rollout.n
@@ -120,6 +115,28 @@ class Config(Section):
             require(torch.cuda.is_available(), "trainer.device", self.trainer.device,
                      "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
 
+    def _resolve_critic(self, grpo: bool) -> None:
+        """``critic.enabled`` unset: on for GAE, off for GRPO (whose baseline is the group mean).
+        Set to true with GRPO is an error rather than silently turned off."""
+        if self.critic.enabled is None:
+            self.critic.enabled = not grpo
+        require(not (grpo and self.critic.enabled), "critic.enabled", self.critic.enabled,
+                "algorithm.adv_estimator='grpo' trains no value model (its baseline is the group mean); "
+                "leave critic.enabled unset or set it to false")
+
+    def _resolve_world_sizes(self) -> None:
+        """Unset (None) role world sizes become the actor's when colocated (the roles run in the
+        actor's processes) and 1 when split. A value set to anything else than the actor's under
+        colocated placement is an error naming the key; a disabled critic's is not checked."""
+        colocated = self.trainer.placement == "colocated"
+        for role, section in (("rollout", self.rollout), ("ref", self.ref), ("critic", self.critic)):
+            if section.world_size is None:
+                section.world_size = self.actor.world_size if colocated else 1
+            elif colocated and (role != "critic" or self.critic.enabled):
+                require(section.world_size == self.actor.world_size, f"{role}.world_size", section.world_size,
+                        f"trainer.placement='colocated' runs every role in the actor's processes, so it must "
+                        f"equal actor.world_size={self.actor.world_size}; leave it unset (null) to follow "
+                        f"the actor, or use trainer.placement=split")
 
 
 # ---------------------------------------------------------------------------------------------

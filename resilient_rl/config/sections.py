@@ -123,6 +123,11 @@ class Section:
         """Check ranges and allowed values; raise ConfigFieldError naming the field."""
 
 
+def _world_size_or_unset(value: Optional[int]) -> None:
+    """A role's ``world_size``: unset (None, resolved by the root config) or >= 1."""
+    require(value is None or value >= 1, "world_size", value, "must be >= 1 or null (unset)")
+
+
 @dataclass
 class ModelConfig(Section):
     """The policy/value backbone: the built-in tiny LM or a Hugging Face causal LM."""
@@ -205,27 +210,34 @@ class ActorConfig(Section):
 
 @dataclass
 class CriticConfig(Section):
-    """The value model (PPO with GAE); switched off for GRPO. ``world_size`` follows the actor's when colocated."""
+    """The value model (PPO with GAE).
 
-    enabled: bool = True
+    ``enabled`` unset (null) means on for ``algorithm.adv_estimator='gae'`` and off for ``'grpo'``
+    (whose baseline is the group mean); true with GRPO is an error. ``world_size`` unset means the
+    actor's when colocated and 1 when split; see :meth:`resilient_rl.config.schema.Config.validate`.
+    """
+
+    enabled: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_epochs: int = 4
     mini_batch_size: int = 32
     cliprange_value: float = 0.5
-    world_size: int = 1
+    world_size: Optional[int] = None
     #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
 
     def validate(self) -> None:
-        for name in ("ppo_epochs", "mini_batch_size", "world_size"):
+        for name in ("ppo_epochs", "mini_batch_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _world_size_or_unset(self.world_size)
         require(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
 
 
 @dataclass
 class RolloutConfig(Section):
-    """Sampling of responses; ``world_size`` is ignored (= actor's) when placement is colocated.
+    """Sampling of responses; ``world_size`` unset (null) means the actor's when colocated and 1
+    when split (colocated rollouts run in the actor's processes: another value is an error).
 
     ``weight_transfer`` (split placement only; colocated rollouts get the weights in their process):
     ``channel`` broadcasts them from actor rank 0 over a process group of their own (NCCL on GPU:
@@ -237,28 +249,30 @@ class RolloutConfig(Section):
     top_p: float = 1.0
     max_new_tokens: int = 4
     n: int = 1
-    world_size: int = 1
+    world_size: Optional[int] = None
     weight_transfer: str = "auto"
 
     def validate(self) -> None:
         choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))
         require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        for name in ("max_new_tokens", "n", "world_size"):
+        for name in ("max_new_tokens", "n"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _world_size_or_unset(self.world_size)
 
 
 @dataclass
 class RefConfig(Section):
-    """The frozen reference policy; ``world_size`` follows the actor's when colocated."""
+    """The frozen reference policy; ``world_size`` unset (null) means the actor's when colocated and
+    1 when split (colocated, another value than the actor's is an error)."""
 
-    world_size: int = 1
+    world_size: Optional[int] = None
     #: FSDP2: false keeps the full parameters after the first forward (the ref never changes, so it
     #: then runs without collectives); true gathers them for every forward and frees them after.
     reshard_after_forward: bool = False
 
     def validate(self) -> None:
-        require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")
+        _world_size_or_unset(self.world_size)
 
 
 @dataclass

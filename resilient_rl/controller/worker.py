@@ -57,7 +57,6 @@ class WorkerInfo:
     generation: int | None
     pid: int
     node_id: str
-    node_ip: str
     gpu_uuids: tuple[str, ...] = ()
     torch_allocated_bytes: int | None = None
     torch_reserved_bytes: int | None = None
@@ -124,11 +123,11 @@ class Worker:
     """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`."""
 
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
+        """``cuda_visible_devices`` is accepted for verl compatibility and not used: Ray assigns a
+        worker its devices."""
         self._rank = int(env.get("RANK", "0"))
         self._world_size = int(env.get("WORLD_SIZE", "1"))
         self._local_rank = int(env.get("LOCAL_RANK", "0"))
-        self._local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        self._group_name = env.get("RRL_WORKER_GROUP", "")
         self._node_id = _node_id()
         self._node_ip = _node_ip()
 
@@ -177,7 +176,7 @@ class Worker:
         report = device_report(compute_cuda_device())
         done = progress.snapshot()
         return WorkerInfo(self._rank, self._world_size, _PG_STATE["generation"], os.getpid(), self._node_id,
-                          self._node_ip, report.gpu_uuids, report.torch_allocated_bytes,
+                          report.gpu_uuids, report.torch_allocated_bytes,
                           report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
                           advances=done.advances)
 

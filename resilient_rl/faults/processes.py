@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import psutil
 
@@ -26,13 +25,3 @@ def kill_tree(procs: list[psutil.Process], timeout_s: float = 20.0) -> list[int]
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return [p.pid for p in alive]
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())

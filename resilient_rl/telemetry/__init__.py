@@ -5,7 +5,7 @@ from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_
 from resilient_rl.telemetry.file_sd import FileSDWriter
 from resilient_rl.telemetry.gpu_owners import (DeviceReport, ProcessDevices, TorchMemoryMetrics,
                                                device_report, gpu_assignments)
-from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASES, DeviceMetrics, TrainerMetrics
+from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASE_LABELS, PHASES, DeviceMetrics, TrainerMetrics
 from resilient_rl.telemetry.node_exporter import NodeExporter
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "MetricsServer",
     "NodeExporter",
     "PHASES",
+    "PHASE_LABELS",
     "ProcessDevices",
     "ProcessSample",
     "ProcessSampler",

@@ -30,13 +30,14 @@ from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
 #: Why a checkpoint save was skipped (``rrl_checkpoint_skipped_total{reason}``).
 SKIP_REASONS = ("storage", "slow")
 
-#: The phases of one training step, in the order a step runs them (trainer/step.py times them).
+#: The phases of one training step, in the order a step runs them (trainer/step.py times them and
+#: imports this tuple; defined here, next to the metric that labels them, so there is one list).
 #: ``old_log_prob`` is the actor's recomputation of the rollout's log-probabilities.
-STEP_PHASES: tuple[str, ...] = ("gen", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor",
-                                "weight_sync")
-#: The values of the ``phase`` label: the step's phases and ``checkpoint``, the time a checkpoint
-#: save blocked training (its stall), observed when the save commits.
-PHASES: tuple[str, ...] = STEP_PHASES + ("checkpoint",)
+PHASES: tuple[str, ...] = ("gen", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor",
+                           "weight_sync")
+#: The values of the ``phase`` label: the step's :data:`PHASES` and ``checkpoint``, the time a
+#: checkpoint save blocked training (its stall), observed when the save commits.
+PHASE_LABELS: tuple[str, ...] = PHASES + ("checkpoint",)
 #: Losses accepted by :meth:`TrainerMetrics.observe_step`, each exported as ``rrl_<kind>_loss``.
 LOSS_KINDS: tuple[str, ...] = ("actor", "critic")
 
@@ -150,7 +151,7 @@ class TrainerMetrics:
         self.phase_duration = Histogram("rrl_phase_duration_seconds",
                                         "Wall time of one phase of a training step.",
                                         ["phase"], buckets=PHASE_BUCKETS, registry=r)
-        for phase in PHASES:
+        for phase in PHASE_LABELS:
             self.phase_duration.labels(phase=phase)
         self.tokens = Counter("rrl_tokens", "Tokens processed by training steps "
                               "(prompt + response, replayed steps included).", registry=r)
@@ -227,9 +228,9 @@ class TrainerMetrics:
         """
         phase_durations = dict(phase_durations or {})
         losses = dict(losses or {})
-        unknown = sorted(set(phase_durations) - set(PHASES))
+        unknown = sorted(set(phase_durations) - set(PHASE_LABELS))
         if unknown:
-            raise TelemetryError(f"observe_step: unknown phase(s) {unknown}; known: {list(PHASES)}")
+            raise TelemetryError(f"observe_step: unknown phase(s) {unknown}; known: {list(PHASE_LABELS)}")
         unknown = sorted(set(losses) - set(LOSS_KINDS))
         if unknown:
             raise TelemetryError(f"observe_step: unknown loss kind(s) {unknown}; "
@@ -261,8 +262,8 @@ class TrainerMetrics:
         Raises:
             TelemetryError: on an unknown phase or a negative duration.
         """
-        if phase not in PHASES:
-            raise TelemetryError(f"observe_phase: unknown phase {phase!r}; known: {list(PHASES)}")
+        if phase not in PHASE_LABELS:
+            raise TelemetryError(f"observe_phase: unknown phase {phase!r}; known: {list(PHASE_LABELS)}")
         self.phase_duration.labels(phase=phase).observe(
             _non_negative(f"observe_phase: duration_s of {phase!r}", duration_s))
 

@@ -93,7 +93,7 @@ class FakePool:
     # ------------------------------------------------------------------ the WorkerPool process side
     def _info(self, key) -> WorkerInfo:
         p = self.procs[key]
-        return WorkerInfo(key[1], self.world_size, self.generation, p.pid, p.node, "127.0.0.1",
+        return WorkerInfo(key[1], self.world_size, self.generation, p.pid, p.node,
                           call=p.call, progress_age_s=p.progress_age_s)
 
     def process_groups(self) -> list[str]:

@@ -14,10 +14,7 @@ import json
 import os
 import re
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import yaml
 
@@ -32,8 +29,6 @@ DATASOURCE_UID = "rrl-prometheus"
 
 PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
                 "group_right", "bool", "offset", "inf", "nan"}
-
-T = TypeVar("T")
 
 
 def metric_names(expr: str) -> set[str]:
@@ -126,17 +121,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """``predicate()``'s first truthy result, polled until ``timeout``; OSError counts as not yet."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

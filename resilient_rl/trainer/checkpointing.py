@@ -1,8 +1,9 @@
 """Controller side of checkpoints: when to save, the commit once every rank has written, restore.
 
-The controller writes ``trainer_state.json`` (its registered state: step, data loader position,
-KL controller), asks every rank of the trainable roles to stage and write its shards, and commits
-the step (manifest, then ``latest``) only after every rank has reported its files. At most one save
+The controller writes ``trainer_state.json`` (its state: ``step``, the data ``loader`` position,
+``kl_ctrl``, ``failure_budget`` and ``config_digest``), asks every rank of the trainable roles to
+stage and write its shards, and commits the step (manifest, then ``latest``) only after every rank
+has reported its files. At most one save
 is in flight. Checkpoint I/O failures do not end the run: a save whose rank lost its writer
 (the process restarted) is abandoned and the run recovers; a due save finding the previous one
 still writing after ``checkpoint.save_timeout_s`` is skipped; a storage outage (transient errors

@@ -18,14 +18,19 @@ logger = logging.getLogger(__name__)
 
 
 def connect(ray_cfg) -> bool:
-    """Initialise Ray for this controller; returns True when this call started a local cluster."""
+    """Initialise Ray for this controller; returns whether this call initialised it.
+
+    True when it started a local cluster or connected to the one at ``ray.address``; False when
+    Ray was already initialised by the caller (a test's cluster, a notebook's), which stays as it
+    is. Pass the result to :func:`disconnect`.
+    """
     if ray.is_initialized():
         return False
     address = ray_cfg.address or env.ray_address()
     if address:
         ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
         capture_worker_output()
-        return False
+        return True
     # address="local": always start a new cluster, never attach to one a stale
     # /tmp/ray/ray_current_cluster file points at.
     kwargs = dict(address="local", num_cpus=ray_cfg.num_cpus, include_dashboard=False, namespace=ray_cfg.namespace,
@@ -39,8 +44,15 @@ def connect(ray_cfg) -> bool:
     return True
 
 
-def disconnect(started: bool) -> None:
-    """Leave Ray clean: shut down the connection (and the local cluster if we started it)."""
+def disconnect(owned: bool) -> None:
+    """Undo :func:`connect`; ``owned`` is what it returned.
+
+    When ``connect`` initialised Ray, shut the connection down (and with it the local cluster it
+    started; a cluster at ``ray.address`` keeps running) and give the workers' output back to Ray.
+    Otherwise leave Ray to whoever initialised it.
+    """
+    if not owned:
+        return
     if ray.is_initialized():
         ray.shutdown()
     release_worker_output()

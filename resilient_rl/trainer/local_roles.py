@@ -84,7 +84,7 @@ class LocalRoles:
     def _info(self) -> WorkerInfo:
         """This process's health reply: its GPU and torch's memory there, on the controller's node."""
         report = device_report(compute_cuda_device())
-        return WorkerInfo(0, 1, self.generation, os.getpid(), _controller_node_id(), "127.0.0.1",
+        return WorkerInfo(0, 1, self.generation, os.getpid(), _controller_node_id(),
                           report.gpu_uuids, report.torch_allocated_bytes, report.torch_reserved_bytes)
 
     def poll_device_reports(self, poller) -> bool:

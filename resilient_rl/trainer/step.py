@@ -17,12 +17,9 @@ import torch
 from resilient_rl.algos.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
 from resilient_rl.algos.kl import apply_kl_penalty
 from resilient_rl.protocol import DataProto
-from resilient_rl.telemetry.metrics import STEP_PHASES
+from resilient_rl.telemetry.metrics import PHASES  # noqa: F401 -- the step's phases; defined there, imported here
 from resilient_rl.data.tasks import compute_rewards
 from resilient_rl.trainer.pool import WorkerPool
-
-#: Phases of a step, in order (also ``phase`` label values of the duration metrics).
-PHASES = STEP_PHASES
 
 
 class PhaseTimer:

@@ -84,7 +84,7 @@ class TelemetryHook:
         tc = cfg.telemetry
         self.cfg = tc
         self.run = cfg.trainer.run_name
-        self.timeout_s = cfg.recovery.call_timeout_s
+        self.timeout_s = tc.call_timeout_s
         self.pool: WorkerPool | None = None
         self.metrics = TrainerMetrics(run=self.run)
         self.server = MetricsServer(self.metrics.registry, tc.bind_address, tc.port)

@@ -1,0 +1,64 @@
+"""Checkpoints written the way a 2-rank worker group writes them, for tests of the checkpoint code.
+
+:func:`checkpoint_root` picks a storage (local folder, ``memory://`` or the moto S3 server of the
+tests' ``moto`` fixture); :func:`save_step` stages and writes every rank's shard of a small
+state (:func:`step_state`) plus the controller's trainer state, and commits the step;
+:func:`load_step` reads one rank's shard back. Retries are fast (:data:`FAST`), so a test of
+storage faults does not sleep through real backoff.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import torch
+
+from resilient_rl.checkpoint import CheckpointManager, RetryPolicy, Storage, load_shard_into, stage, write_shard
+
+#: Retries with millisecond backoff.
+FAST = RetryPolicy(attempts=5, initial_s=0.001, max_s=0.01)
+
+
+def checkpoint_root(kind: str, tmp_path, moto: Any) -> tuple[str, dict | None]:
+    """``(root URL, storage options)`` of a fresh checkpoint root of ``kind`` (local, memory, s3).
+
+    ``moto`` is the tests' moto fixture: a server, or the reason it cannot start (the test is
+    then skipped)."""
+    if kind == "local":
+        return str(tmp_path / "ckpt"), None
+    if kind == "memory":
+        return f"memory://mgr-{uuid.uuid4().hex}", None
+    if isinstance(moto, str):
+        import pytest
+
+        pytest.skip(f"moto_server cannot start here: {moto}")
+    return f"s3://ckpt/{uuid.uuid4().hex}", moto.storage_options
+
+
+def step_state(step: int, rank: int) -> dict:
+    """A rank's state at ``step``: a replicated tensor and a rank-local RNG entry."""
+    return {"w": torch.arange(6, dtype=torch.float32) * step, "step": step,
+            "rng": {"seed": 1000 * step + rank, "state": torch.full((64,), rank, dtype=torch.uint8)}}
+
+
+def save_step(manager: CheckpointManager, step: int, world: int = 2, commit: bool = True,
+              storage: Storage | None = None) -> dict:
+    """Write the ``actor`` shards of ``world`` ranks (played in turn) and the trainer state of
+    ``step``; commit it unless ``commit`` is false. Returns the file records per role."""
+    storage = storage or Storage(manager.storage.url, manager.storage_options, FAST)
+    records = []
+    for rank in range(world):
+        staged = stage(step_state(step, rank), rank, world_size=world, rank_local=("rng",))
+        records += write_shard(staged, storage, manager.role_dir(step, "actor"), rank)
+    manager.write_trainer_state(step, {"step": step, "data": {"epoch": 0, "index": 3 * step}})
+    if commit:
+        manager.commit(step, {"actor": records}, {"actor": world}, config_digest="cfg-1")
+    return {"actor": records}
+
+
+def load_step(manager: CheckpointManager, step: int, rank: int = 0) -> dict:
+    """Rank ``rank``'s ``actor`` state of committed ``step``."""
+    template = {"w": torch.zeros(6), "rng": {"seed": 0, "state": torch.zeros(64, dtype=torch.uint8)}, "step": 0}
+    return load_shard_into(template, Storage(manager.role_dir(step, "actor"), manager.storage_options), "",
+                           manager.role_files(step, "actor"), rank=rank)
