@@ -17,17 +17,13 @@ from resilient_rl.errors import ConfigError, LeaseHeldError, LeaseLostError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.config.schema import load_config
 from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, save_step
+from resilient_rl.testing.clock import FakeClock
 from resilient_rl.testing.wait import wait_until
 
 
-class Clock:
+def Clock() -> FakeClock:
     """A wall clock that moves only when told."""
-
-    def __init__(self, t: float = 1_800_000_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+    return FakeClock(1_800_000_000.0)
 
 
 def _lease(root, options, clock, **kw) -> RunLease:
@@ -40,10 +36,10 @@ def test_second_controller_is_refused_naming_the_holder(kind, tmp_path, moto):
     clock = Clock()
     first = _lease(root, options, clock)
     held = first.acquire()
-    assert held.token == 1 and held.holder == first.holder and held.expires_at == clock.t + 60
+    assert held.token == 1 and held.holder == first.holder and held.expires_at == clock.now + 60
     assert read_lease(Storage(root, options), "run") == held
     second = _lease(root, options, clock)
-    clock.t += 59
+    clock.now += 59
     with pytest.raises(LeaseHeldError) as info:
         second.acquire()
     message = str(info.value)
@@ -63,12 +59,12 @@ def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(kind, tmp_path
     old_lease.acquire()
     save_step(old, 2)
     assert old.load_manifest(2).fencing_token == 1
-    clock.t += 20
+    clock.now += 20
     old_lease.renew()  # renewed at t+20: expires at t+80
-    clock.t += 59
+    clock.now += 59
     with pytest.raises(LeaseHeldError):
         new_lease.acquire()
-    clock.t += 2  # the old controller hangs: no renewal for longer than the TTL
+    clock.now += 2  # the old controller hangs: no renewal for longer than the TTL
     taken = new_lease.acquire(floor=old.newest_fencing_token())
     assert taken.token == 2 and taken.previous["holder"] == old_lease.holder
     new = CheckpointManager(root, "run", keep_last=5, storage_options=options, retry=FAST)
@@ -184,7 +180,7 @@ def test_renewal_thread_notices_a_takeover(tmp_path):
     clock = Clock()
     lease = RunLease(Storage(str(tmp_path)), "run", ttl_s=30, renew_s=0.05, clock=clock)
     lease.acquire()
-    clock.t += 31
+    clock.now += 31
     other = RunLease(Storage(str(tmp_path)), "run", ttl_s=30, clock=clock)
     other.acquire()
     lease.start_renewing()

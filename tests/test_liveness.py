@@ -12,28 +12,18 @@ from resilient_rl.controller.liveness import RankWatch, judge
 from resilient_rl.controller.progress import ProgressSnapshot, ProgressTracker
 from resilient_rl.errors import WorkerTimeoutError
 from resilient_rl.controller.recovery import classify
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
+from resilient_rl.testing.clock import FakeClock
 
 
 def test_tracker_reports_call_age_and_advances():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     tr = ProgressTracker(clock=clock, sleep=clock.sleep)
     assert tr.snapshot() == ProgressSnapshot(None, 0.0, 0)
     tr.begin("update_actor")
-    clock.t += 5
+    clock.now += 5
     assert tr.snapshot() == ProgressSnapshot("update_actor", 5.0, 0)
     tr.advance("mini-batch")
-    clock.t += 1.5
+    clock.now += 1.5
     assert tr.snapshot() == ProgressSnapshot("update_actor", 1.5, 1)
     tr.end()
     assert tr.snapshot() == ProgressSnapshot(None, 0.0, 1)
@@ -50,12 +40,12 @@ def test_nested_calls_report_the_outer_one_and_context_manager_ends_on_error():
 
 
 def test_slow_down_sleeps_before_the_next_advances_only():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     tr = ProgressTracker(clock=clock, sleep=clock.sleep)
     tr.slow_down(2.0, 2)
     for _ in range(3):
         tr.advance()
-    assert clock.t == 104.0 and tr.snapshot().advances == 3
+    assert clock.now == 104.0 and tr.snapshot().advances == 3
     with pytest.raises(ValueError, match="seconds_per_advance"):
         tr.slow_down(-1, 1)
 
@@ -125,9 +115,9 @@ def test_the_first_to_stop_is_named_when_its_peers_wait_on_it():
 def test_an_unanswered_health_call_beats_stalled_peers():
     # A stopped rank cannot reply; its peer answers but waits in the collective.
     clock = FakeClock(50.0)
-    watches = {0: _w("update", age=1.0, sent_at=clock.t), 1: _w("update", age=1.0)}
+    watches = {0: _w("update", age=1.0, sent_at=clock.now), 1: _w("update", age=1.0)}
     assert judge(watches, clock(), 3.0, 2.0) is None
-    clock.t += 2.5
+    clock.now += 2.5
     watches[1] = _w("update", age=3.5)
     hung = judge(watches, clock(), 3.0, 2.0)
     assert (hung.rank, hung.kind) == (0, "unresponsive")

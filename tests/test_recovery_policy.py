@@ -4,17 +4,10 @@ import pytest
 
 from resilient_rl.controller.recovery import (ALLOWED, Cause, Decision, Failure, FailurePolicy, IllegalTransition,
                                               RecoveryState, RecoveryStateMachine, classify)
+from resilient_rl.testing.clock import FakeClock
 from resilient_rl.errors import (CollectiveError, ConfigError, WorkerDiedError, WorkerError, WorkerTimeoutError)
 
 S = RecoveryState
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self):
-        return self.t
 
 
 def fail(cause="died", role="actor", rank=0, t=0.0):
@@ -39,7 +32,7 @@ def test_classify_maps_the_error_tree_to_causes():
 
 
 def test_recoverable_failures_are_retried_within_budget():
-    clock = Clock()
+    clock = FakeClock()
     policy = FailurePolicy(max_restarts=2, max_failures=10, failure_window_s=60, clock=clock)
     assert spend(policy, fail(), [("actor", 0)]).decision is Decision.RETRY
     assert spend(policy, fail(), [("actor", 0)]).decision is Decision.RETRY
@@ -50,42 +43,42 @@ def test_recoverable_failures_are_retried_within_budget():
 
 
 def test_restarts_nobody_asked_for_spend_the_budget_too():
-    policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=Clock())
+    policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=FakeClock())
     assert spend(policy, fail(rank=0), [("actor", 0), ("actor", 1)]).decision is Decision.RETRY
     verdict = policy.record_restarts([("actor", 1)])  # rank 1 came back once more on its own
     assert verdict.decision is Decision.RAISE and "actor:1 restarted more than max_restarts=1" in verdict.reason
 
 
 def test_restart_budget_is_per_actor():
-    policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=Clock())
+    policy = FailurePolicy(max_restarts=1, max_failures=10, failure_window_s=60, clock=FakeClock())
     assert spend(policy, fail(rank=0), [("actor", 0)]).decision is Decision.RETRY
     assert spend(policy, fail(rank=1), [("actor", 1)]).decision is Decision.RETRY
     assert spend(policy, fail(rank=1), [("actor", 1)]).decision is Decision.RAISE
 
 
 def test_failure_window_budget_slides():
-    clock = Clock()
+    clock = FakeClock()
     policy = FailurePolicy(max_restarts=100, max_failures=2, failure_window_s=60, clock=clock)
     assert policy.decide(fail()).decision is Decision.RETRY
-    clock.t += 10
+    clock.now += 10
     assert policy.decide(fail()).decision is Decision.RETRY
-    clock.t += 10
+    clock.now += 10
     verdict = policy.decide(fail(role="critic", rank=0, cause="timeout"))
     assert verdict.decision is Decision.RAISE and "3 failures within 60s" in verdict.reason
     assert "critic rank 0" in verdict.reason
-    clock.t += 120  # older failures leave the window
+    clock.now += 120  # older failures leave the window
     assert policy.decide(fail()).decision is Decision.RETRY
 
 
 @pytest.mark.parametrize("cause", ["exception", "error", "exhausted", "stale_weights"])
 def test_non_recoverable_causes_raise_at_once(cause):
-    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=Clock())
+    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=FakeClock())
     verdict = policy.decide(fail(cause=cause, role="ref", rank=0))
     assert verdict.decision is Decision.RAISE and "ref rank 0" in verdict.reason and cause in verdict.reason
 
 
 def test_policy_state_round_trips():
-    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=Clock())
+    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=FakeClock())
     spend(policy, fail(), [("actor", 1)])
     other = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60)
     other.load_state_dict(policy.state_dict())
@@ -94,18 +87,18 @@ def test_policy_state_round_trips():
 
 
 def test_a_restarted_controller_keeps_the_spent_budget_and_a_rollback_never_refills_it():
-    clock = Clock()
+    clock = FakeClock()
     policy = FailurePolicy(max_restarts=5, max_failures=2, failure_window_s=60, clock=clock)
     spend(policy, fail(), [("actor", 1)])
     saved = policy.state_dict()  # what the next checkpoint records
-    clock.t += 1
+    clock.now += 1
     spend(policy, fail(), [("actor", 1)])
     policy.load_state_dict(saved)  # an in-process recovery restores the older checkpoint
     assert policy.restarts == {"actor:1": 2} and policy.total == 2 and len(policy.recent) == 2
     # A new controller (fresh budget) resumes from the checkpoint: the failure it recorded counts.
     fresh = FailurePolicy(max_restarts=5, max_failures=2, failure_window_s=60, clock=clock)
     fresh.load_state_dict(policy.state_dict())
-    clock.t += 1
+    clock.now += 1
     assert fresh.decide(fail()).decision is Decision.RAISE  # 3 failures within the window > 2
 
 

@@ -8,7 +8,8 @@ from resilient_rl.config.runtime import RecoveryConfig
 from resilient_rl.controller.recovery import RecoveryState
 from resilient_rl.errors import (CollectiveError, LeaseError, RecoveryError, StorageError, WorkerDiedError,
                                  WorkerError, WorkerTimeoutError)
-from resilient_rl.testing.fake_pool import FakeClock, FakePool
+from resilient_rl.testing.clock import FakeClock
+from resilient_rl.testing.fake_pool import FakePool
 from resilient_rl.trainer.resilience import Recovery
 
 S = RecoveryState

@@ -1,4 +1,4 @@
-"""A scripted worker pool and a fake clock: the recovery protocol, run in milliseconds.
+"""A scripted worker pool: the recovery protocol, run in milliseconds (with :mod:`resilient_rl.testing.clock`).
 
 :class:`FakePool` implements the process side of :class:`~resilient_rl.trainer.pool.WorkerPool`
 the way Ray and the workers behave: a killed or crashed process is restarted with a new pid
@@ -15,19 +15,6 @@ from dataclasses import dataclass, field
 
 from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.errors import WorkerDiedError, WorkerError
-
-
-class FakeClock:
-    """Monotonic time that only moves when slept on (or advanced by the test)."""
-
-    def __init__(self, start: float = 1000.0):
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass
