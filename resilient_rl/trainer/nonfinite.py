@@ -133,7 +133,7 @@ class NonFiniteGuard:
         if kind == "checkpoint_refused":
             self.dirty = True
             self.in_a_row += 1
-        elif kind == "checkpoint_committed" and fields.get("known_good", True):
+        elif kind == "checkpoint_committed" and fields.get("known_good") is not False:
             self.in_a_row = 0
             self.awaiting_good = False
 

@@ -76,9 +76,11 @@ class PPOTrainer:
         self.trackers = None  # the trainer.loggers backends, open while fit() runs
         self.telemetry = (TelemetryHook(cfg, self.run_dir, self.run_dir.subscribe) if cfg.telemetry.enabled
                           else None)
-        self.ckpt = CheckpointCoordinator(cfg, on_event=self._ckpt_event, metrics=self.telemetry)
+        self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
         self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
         self.nonfinite = NonFiniteGuard(self)
+        self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
+        self.run_dir.subscribe(self._on_event)
         self.recovery = Recovery(cfg.recovery, pool=lambda: self.roles, checkpoints=self.ckpt,
                                  restore=self.restore_after_failure, emit=self.run_dir.event,
                                  on_state=lambda state: self.fire("on_recovery_state", state))
@@ -97,9 +99,8 @@ class PPOTrainer:
             if fn is not None:
                 fn(self, *args)
 
-    def _ckpt_event(self, kind: str, **fields) -> None:
-        self.run_dir.event(kind, **fields)
-        self.nonfinite.on_checkpoint_event(kind, fields)
+    def _on_event(self, kind: str, fields: dict) -> None:
+        """Fault hooks hear of a save as it starts (to fail it mid-write)."""
         if kind == "checkpoint_started":
             self.fire("on_checkpoint_started", fields["step"])
 
