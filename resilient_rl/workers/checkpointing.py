@@ -39,8 +39,9 @@ def state_is_finite(state) -> bool:
     """Whether every floating-point tensor in a (nested) state dict is finite on this rank.
 
     DTensors are checked through their local shard (each rank checks its own); one reduction per
-    tensor and a single host sync for the whole state."""
-    flags: list[torch.Tensor] = []
+    tensor and one host sync per device. A state mixes devices (on GPU, Adam's ``step`` counters
+    stay on the host), so the flags are reduced per device before they meet."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
 
     def walk(obj) -> None:
         if isinstance(obj, dict):
@@ -52,10 +53,10 @@ def state_is_finite(state) -> bool:
         elif torch.is_tensor(obj):
             t = obj.to_local() if hasattr(obj, "to_local") else obj
             if (t.is_floating_point() or t.is_complex()) and t.numel():
-                flags.append(torch.isfinite(t).all())
+                flags.setdefault(t.device, []).append(torch.isfinite(t).all())
 
     walk(state)
-    return bool(torch.stack(flags).all()) if flags else True
+    return all(bool(torch.stack(per_device).all()) for per_device in flags.values())
 
 
 def storage_failure(exc: StorageError) -> dict:
