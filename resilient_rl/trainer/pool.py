@@ -27,12 +27,15 @@ STATEFUL_ROLES = ("actor", "critic")
 ROLE_ORDER = ("actor", "critic", "rollout", "ref")
 
 
+def role_order(role: str) -> int:
+    """Sort key of a role in :data:`ROLE_ORDER` (roles it does not name come last)."""
+    return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
+
+
 def primary_role(roles) -> str | None:
     """The role a process shared by ``roles`` is reported under (the first of :data:`ROLE_ORDER`)."""
     roles = list(roles)
-    if not roles:
-        return None
-    return min(roles, key=lambda r: ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER))
+    return min(roles, key=role_order) if roles else None
 
 
 class WorkerPool(Protocol):

@@ -42,7 +42,7 @@ from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSamp
                                     TrainerMetrics, gpu_assignments)
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
 from resilient_rl.trainer.goodput import UsefulTime
-from resilient_rl.trainer.pool import ROLE_ORDER, WorkerPool
+from resilient_rl.trainer.pool import WorkerPool, role_order
 from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter, Worker, node_table, ray_if_initialized
 
 logger = logging.getLogger(__name__)
@@ -57,16 +57,12 @@ _NAMING_CAUSES = ("died", "timeout")
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 
-def _role_rank(role: str) -> int:
-    return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
-
-
 def one_per_process(pids: Mapping[Worker, int]) -> dict[Worker, int]:
     """Keep one (role, rank) per pid, the first role of :data:`ROLE_ORDER` sharing the process,
     so that colocated roles do not export the same process's CPU and memory several times."""
     chosen: dict[int, Worker] = {}
     for key, pid in pids.items():
-        if pid not in chosen or (_role_rank(key[0]), key[1]) < (_role_rank(chosen[pid][0]), chosen[pid][1]):
+        if pid not in chosen or (role_order(key[0]), key[1]) < (role_order(chosen[pid][0]), chosen[pid][1]):
             chosen[pid] = key
     return {key: pid for pid, key in chosen.items()}
 
