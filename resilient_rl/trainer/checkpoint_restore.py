@@ -1,0 +1,129 @@
+"""Controller side of restoring a checkpoint: which one, and loading it into every stateful role.
+
+Restoring picks the newest committed checkpoint that verifies (a corrupt one is reported and
+skipped), loads every role into its current world size and returns the controller state to
+continue from. One timeline per run: restoring step S (from ``auto``, a ``path:`` or, with
+``resume=off``, nothing) sets the run's newer committed steps aside, and a later recovery restores
+from this timeline only: the run's own newest commit, else the checkpoint it was resumed from.
+A rollback after a NaN restores the newest known-good checkpoint (``resume=known_good``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from resilient_rl.checkpoint import CheckpointManager, Storage, step_dirname
+from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _split_step_url(url: str) -> tuple[str, str, int]:
+    """``{root}/{run}/step_{N}`` -> (root, run, N), for ``checkpoint.resume=path:...``."""
+    parts = url.rstrip("/").rsplit("/", 2)
+    if len(parts) != 3 or not parts[2].startswith("step_") or not parts[2][5:].isdigit():
+        raise ConfigError(f"checkpoint.resume=path:{url}: expected a step folder such as "
+                          "path:checkpoints/my-run/step_00000020")
+    return parts[0], parts[1], int(parts[2][5:])
+
+
+class CheckpointRestore:
+    """The restore half of :class:`~resilient_rl.trainer.checkpointing.CheckpointCoordinator`
+    (which provides ``manager``, ``base``, ``storage_options``, ``last_committed``, ``metrics``,
+    ``on_event``, ``fence``, ``cleanup``, ``_on_corrupt`` and ``_groups``)."""
+
+    def _source(self, resume: str) -> tuple[CheckpointManager, int] | None:
+        if resume == "off":
+            return None
+        if resume.startswith("path:"):
+            root, run, step = _split_step_url(resume[5:])
+            manager = CheckpointManager(root, run, storage_options=self.storage_options, on_corrupt=self._on_corrupt)
+            status = manager.verify(step)
+            if status.startswith("corrupt"):
+                raise CheckpointCorruptError(f"checkpoint {resume[5:]} is {status}")
+            if status != "ok":
+                raise CheckpointNotFoundError(f"checkpoint {resume[5:]} is {status}")
+            return manager, step
+        if resume == "known_good":
+            return self._latest_known_good()
+        step = self.manager.find_latest_valid()
+        if step is not None:
+            return self.manager, step
+        if self.base is not None:  # resumed from another run and nothing committed since
+            manager, step = self.base
+            status = manager.verify(step)
+            if status == "ok":
+                return manager, step
+            logger.error("the checkpoint this run was resumed from, %s, is now %s", manager.step_dir(step), status)
+        return None
+
+    def _latest_known_good(self) -> tuple[CheckpointManager, int] | None:
+        """The newest committed checkpoint that verifies and is known good (a rollback after a NaN)."""
+        for step in reversed(self.manager.committed_steps()):
+            try:
+                if self.manager.load_manifest(step).known_good and self.manager.verify(step) == "ok":
+                    return self.manager, step
+            except CheckpointError as exc:
+                logger.error("checkpoint of step %d skipped for a rollback: %s", step, exc)
+        return None
+
+    def _same_run(self, manager: CheckpointManager) -> bool:
+        return manager.run_url == self.manager.run_url
+
+    def _begin_timeline(self, manager: CheckpointManager | None, step: int | None, resume: str) -> None:
+        """The run continues from ``step`` of ``manager`` (None: from scratch): set aside the
+        run's committed steps that are not on that timeline, so neither ``latest``, ``auto`` nor a
+        recovery ever loads them."""
+        if manager is None or not self._same_run(manager):
+            if manager is not None:
+                self.base = (manager, step)
+            where = manager.step_dir(step) if manager is not None else "scratch (no checkpoint)"
+            moved = self.manager.set_aside_newer(None, f"the run continued from {where} (checkpoint.resume={resume})")
+        else:
+            moved = self.manager.set_aside_newer(
+                step, f"the run continued from its step {step} (checkpoint.resume={resume})")
+        if moved:
+            self.on_event("checkpoints_set_aside", steps=moved, continued_from=step,
+                          source=manager.step_dir(step) if manager is not None else None)
+
+    def restore(self, roles, resume: str = "auto") -> dict | None:
+        """Load the checkpoint named by ``resume`` into every stateful role; returns its trainer state
+        (None when there is none: the run starts from scratch). The run's committed steps that are
+        not on the resumed timeline are set aside (see :meth:`_begin_timeline`).
+
+        ``resume``: ``auto`` (newest valid), ``known_good`` (newest valid and known good: a
+        rollback after a NaN), ``path:...`` (that step folder) or ``off``."""
+        self.fence()  # a controller that lost the run must not even choose what to load
+        found = self._source(resume)
+        if found is None:
+            if resume.startswith("path:"):
+                raise CheckpointNotFoundError(f"no checkpoint at {resume[5:]}")
+            self._begin_timeline(None, None, resume)
+            self.cleanup()
+            return None
+        manager, step = found
+        t0 = time.perf_counter()
+        manifest = manager.load_manifest(step)
+        state = manager.load_trainer_state(step)
+        if state.get("step") != step or isinstance(state.get("step"), bool):
+            raise CheckpointCorruptError(f"{manager.step_dir(step)}/trainer_state.json: holds step "
+                                         f"{str(state.get('step'))[:40]}, the manifest step {step}")
+        for role, g in self._groups(roles):
+            if role not in manifest.world_sizes:
+                raise CheckpointError(f"checkpoint {manager.step_dir(step)} has no {role!r} state")
+            files = [r.to_json() for r in manager.role_files(step, role)]
+            g.load_checkpoint(manager.storage.url_for(""), self.storage_options, self._rel_for(manager, step, role), files,
+                              manifest.world_sizes[role])
+        self._begin_timeline(manager, step, resume)
+        duration = time.perf_counter() - t0
+        self.last_committed = step
+        self.cleanup()  # what the failure left half-written (the restored ranks' writers are closed)
+        self.on_event("checkpoint_restored", step=step, duration_s=duration, source=manager.step_dir(step))
+        if self.metrics is not None:
+            self.metrics.record_checkpoint_load(duration)
+        return state
+
+    @staticmethod
+    def _rel_for(manager: CheckpointManager, step: int, role: str) -> str:
+        return Storage.join(manager.run_name, step_dirname(step), role)
