@@ -37,3 +37,20 @@ def test_loss_agg_mode_changes_the_update_and_is_deterministic():
     assert all(torch.equal(token[k], v) for k, v in _weights_after_update("token-mean").items())
     seq = _weights_after_update("seq-mean-token-mean")
     assert any(not torch.equal(token[k], seq[k]) for k in token)
+
+
+def test_update_with_kl_loss_raises_no_warning():
+    """GRPO's KL loss is read for the metrics without PyTorch's requires_grad warning, which every
+    rank would print into the run's log on every step."""
+    import warnings
+
+    cfg = load_config(None, ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.ppo_epochs=1",
+                             "actor.mini_batch_size=8", "model.hidden_size=16", "model.num_layers=1",
+                             "model.num_heads=2", "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    data = _batch()
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics = engine.update(data, step=1)
+    assert "actor/kl_loss" in metrics
