@@ -161,6 +161,8 @@ class RunStatus:
             else:
                 what = "no recovery recorded"
             extra = []
+            if f.restarted:  # the processes Ray restarted: the failed one, not only the rank that noticed
+                extra.append("restarted " + ", ".join(f.restarted))
             if f.killed_unresponsive:
                 extra.append("killed unresponsive " + ", ".join(f.killed_unresponsive))
             if f.failures_during_recovery:

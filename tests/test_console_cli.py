@@ -6,6 +6,7 @@ metrics, Ray's start-up notices and everything the workers print go to the run's
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -32,6 +33,10 @@ def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkey
         print("Consider using tensor.detach() first (a worker's stderr)", file=sys.stderr, flush=True)
         return 7
 
+    @ray.remote(max_retries=0)
+    def dies() -> None:
+        os._exit(1)  # Ray's driver then prints "(raylet) A worker died or was killed ..." to stdout
+
     with RunLog(log):
         owned = connect(cfg.ray)
         try:
@@ -40,14 +45,23 @@ def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkey
 
             wait_until(lambda: "a worker's stderr" in log.read_text(), 30,
                        message=lambda: f"the worker's stderr in train.log: {log.read_text()[-2000:]}")
+            with pytest.raises(ray.exceptions.WorkerCrashedError):
+                ray.get(dies.remote())
+            wait_until(lambda: "A worker died" in log.read_text(), 30,
+                       message=lambda: f"Ray's worker-died notice in train.log: {log.read_text()[-2000:]}")
         finally:
             disconnect(owned)
     out, err = capfd.readouterr()
     assert "hello from a worker" not in out + err and "a worker's stderr" not in out + err
+    assert "A worker died" not in out + err and "(raylet)" not in out + err
     assert "Token authentication" not in out + err
     text = log.read_text()
     assert "INFO resilient_rl.worker_output: (noisy pid=" in text and "hello from a worker's stdout" in text
     assert "WARNING resilient_rl.worker_output: (noisy pid=" in text
+    assert "WARNING resilient_rl.worker_output: (raylet) A worker died" in text
+    from ray._private import worker as ray_worker
+
+    assert ray_worker.print_to_stdstream.__module__ == "ray._private.worker"  # given back on disconnect
     assert "Token authentication is enabled" in text  # Ray's notice, moved here
 
 

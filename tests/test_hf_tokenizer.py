@@ -163,7 +163,8 @@ def test_pkg_paths():
 
 def test_shipped_tokenizer_and_config():
     """The shipped folder loads through pkg://, is small, and fits every shipped prompt in the config."""
-    cfg = load_config(resolve_path("pkg://resilient_rl/configs/gsm8k_llama.yaml"))
+    cfg = load_config("pkg://resilient_rl/configs/gsm8k_llama.yaml")  # as `train --config pkg://...` reads it
+    assert cfg == load_config(resolve_path("pkg://resilient_rl/configs/gsm8k_llama.yaml"))
     tok = build_tokenizer(cfg.data, get_task(cfg.data))
     assert tok.use_chat_template and tok.vocab_size == 512
     folder = resolve_path(cfg.data.tokenizer)

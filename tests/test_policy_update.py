@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from resilient_rl.protocol import DataProto
@@ -37,3 +38,25 @@ def test_loss_agg_mode_changes_the_update_and_is_deterministic():
     assert all(torch.equal(token[k], v) for k, v in _weights_after_update("token-mean").items())
     seq = _weights_after_update("seq-mean-token-mean")
     assert any(not torch.equal(token[k], seq[k]) for k in token)
+
+
+def test_update_with_kl_loss_reports_it_once_and_raises_no_warning():
+    """GRPO's KL loss is read for the metrics without PyTorch's requires_grad warning, which every
+    rank would print into the run's log on every step, and counted once per update."""
+    import warnings
+
+    from resilient_rl.algos.kl import kl_penalty
+
+    cfg = load_config(None, ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.ppo_epochs=1",
+                             "actor.mini_batch_size=8", "model.hidden_size=16", "model.num_layers=1",
+                             "model.num_heads=2", "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    data = _batch()
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.1
+    logp = engine.compute_log_prob(data).batch["log_probs"]  # the weights the single update starts from
+    mask = data.batch["response_mask"]
+    expected = float((kl_penalty(logp, data.batch["ref_log_prob"], cfg.actor.kl_loss_type) * mask).sum() / mask.sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics = engine.update(data, step=1)
+    assert metrics["actor/kl_loss"] == pytest.approx(expected, rel=1e-5)

@@ -53,6 +53,7 @@ def test_finished_run_reports_steps_checkpoint_failures_and_goodput(tmp_path, ca
     assert [(f["step"], f["cause"], f["role"], f["rank"], f["restored_step"], f["steps_replayed"])
             for f in s["failures"]] == [(8, "died", "main:actor", 1, 6, 1), (11, "timeout", "main:critic", 0, 9, 1)]
     assert s["failures"][1]["killed_unresponsive"] == ["main rank 0"]
+    assert [f["restarted"] for f in s["failures"]] == [["main rank 1"], ["main rank 0"]]
     assert s["recoveries"] == 2 and s["steps_replayed"] == 2 and s["recovery_s"] == pytest.approx(13.0)
     # Goodput as telemetry defines it: kept steps' durations over fit's wall time.
     record = read_controller_record(run.path)
@@ -67,7 +68,8 @@ def test_finished_run_reports_steps_checkpoint_failures_and_goodput(tmp_path, ca
     assert "step 12, committed" in out and "4 committed" in out
     assert "failures:    2, 2 recovered" in out
     assert "died       main:actor rank 1" in out and "recovered in 4.0 s from step 6" in out
-    assert "killed unresponsive main rank 0" in out
+    assert "replayed 1; restarted main rank 1\n" in out
+    assert "restarted main rank 0; killed unresponsive main rank 0" in out
     assert "goodput:" in out and "not served" in out
 
 

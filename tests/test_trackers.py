@@ -200,3 +200,27 @@ def test_a_chosen_backend_that_is_not_installed_fails_before_anything_starts(tmp
     with pytest.raises(ConfigError, match=r"'wandb'.*pip install 'resilient-rl\[wandb\]'"):
         PPOTrainer(_cfg(tmp_path, "console", "wandb"))
     assert not (tmp_path / "trk").exists()  # no run folder, no workers
+
+
+def test_optional_backends_are_imported_only_when_chosen(tmp_path):
+    """The default loggers run a fit without importing tensorboard, wandb or mlflow (slow, heavy imports)."""
+    code = f"""
+import sys
+from resilient_rl.config.schema import load_config
+from resilient_rl.trainer.local_roles import LocalRoles
+from resilient_rl.trainer.ppo import PPOTrainer
+cfg = load_config(None, ["trainer.total_steps=1", "data.batch_size=8", "data.num_prompts=8",
+                         "actor.mini_batch_size=8", "critic.mini_batch_size=8", "model.hidden_size=16",
+                         "model.num_layers=1", "model.intermediate_size=32", "telemetry.enabled=false",
+                         "trainer.output_dir={tmp_path}", "trainer.run_name=plain"])
+assert cfg.trainer.loggers == ["console", "jsonl"], cfg.trainer.loggers
+PPOTrainer(cfg, roles_factory=LocalRoles).fit()
+print(sorted(m for m in ("tensorboard", "torch.utils.tensorboard", "wandb", "mlflow") if m in sys.modules))
+"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "plain" / "metrics.jsonl").exists()

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from resilient_rl.errors import ConfigError
+from resilient_rl.config.paths import resolve_path
 from resilient_rl.config.runtime import (
     CheckpointConfig,
     RayConfig,
@@ -237,9 +238,11 @@ def _huge_ints(node: Any, prefix: str = "") -> list[str]:
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path`` (any fsspec URL), then ``key=value`` overrides."""
+    """Defaults, then the YAML file at ``path`` (any fsspec URL, or ``pkg://<package>/<path>`` for a
+    config shipped inside a package), then ``key=value`` overrides."""
     layers: list[DictConfig] = []
     if path is not None:
+        path = resolve_path(path, "--config")
         try:
             with fsspec.open(path, "r") as f:
                 text = f.read()

@@ -3,8 +3,9 @@
 The console gets short lines that never tear the progress bar (they go through ``tqdm.write``);
 the run folder's ``train.log`` gets everything: every logged message at INFO and above, one
 line per step with all its metrics (the :data:`STEP_LOG` logger, which is kept off the console),
-and the stdout/stderr of the Ray workers (the :data:`WORKER_LOG` logger), which Ray would
-otherwise print into the driver's terminal.
+the stdout/stderr of the Ray workers and the errors Ray reports to the driver ("A worker died or
+was killed ...", tagged ``(raylet)``) (the :data:`WORKER_LOG` logger), which Ray would otherwise
+print into the driver's terminal.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ QUIET_RAY_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _RAY_HANDLER = "ray_print_logs"  # the name Ray registers its worker-output printer under
 _OUR_HANDLER = "resilient_rl_worker_output"
+_RAY_ERROR_PRINTER = "print_to_stdstream"  # what Ray's error-listener thread calls, looked up per message
+_SAVED_ERROR_PRINTER = "_resilient_rl_saved_print_to_stdstream"
 for _quiet in (STEP_LOG, WORKER_LOG):
     _quiet.propagate = False
     _quiet.setLevel(logging.INFO)
@@ -128,16 +131,36 @@ def _log_worker_lines(data: dict) -> None:
         WORKER_LOG.log(level, "%s %s", tag, line)
 
 
+def _log_ray_error(data: dict, ignore_prefix: bool = False) -> None:
+    """Stands in for Ray's ``print_to_stdstream`` in its error-listener thread: a warning in ``train.log``.
+
+    Ray's driver prints the errors the cluster publishes (a worker that died, a task that failed)
+    to stdout. The controller reports a failure itself, on the console, when a call meets it.
+    """
+    _log_worker_lines({**data, "is_err": True})
+
+
+def _capture_ray_errors(ray_worker) -> None:
+    """Swap the module-level printer Ray's error listener calls (once; :func:`release_worker_output` undoes it)."""
+    current = getattr(ray_worker, _RAY_ERROR_PRINTER, None)
+    if current is None or current is _log_ray_error:
+        return
+    setattr(ray_worker, _SAVED_ERROR_PRINTER, current)
+    setattr(ray_worker, _RAY_ERROR_PRINTER, _log_ray_error)
+
+
 def capture_worker_output() -> bool:
-    """Route the Ray workers' stdout/stderr into :data:`WORKER_LOG` instead of the driver's terminal.
+    """Route the Ray workers' stdout/stderr and Ray's error notices into :data:`WORKER_LOG`.
 
     Needs ``ray.init(log_to_driver=True)``. Ray has no public hook for this, so it swaps the printer
-    Ray registers on its log dispatcher; returns False (Ray keeps printing) if that is not there.
+    Ray registers on its log dispatcher, and the printer its error-listener thread calls; returns
+    False (Ray keeps printing the workers' output) if the dispatcher's printer is not there.
     """
     try:
         from ray._private import worker as ray_worker
     except ImportError:
         return False
+    _capture_ray_errors(ray_worker)
     dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
     if dispatcher is None or not all(hasattr(dispatcher, a) for a in ("add_handler", "remove_handler")):
         return False
@@ -156,6 +179,10 @@ def release_worker_output() -> None:
         from ray._private import worker as ray_worker
     except ImportError:
         return
+    saved = getattr(ray_worker, _SAVED_ERROR_PRINTER, None)
+    if saved is not None:
+        setattr(ray_worker, _RAY_ERROR_PRINTER, saved)
+        delattr(ray_worker, _SAVED_ERROR_PRINTER)
     dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
     if dispatcher is not None and _OUR_HANDLER in _handler_names(dispatcher):
         dispatcher.remove_handler(_OUR_HANDLER)

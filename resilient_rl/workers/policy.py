@@ -113,8 +113,6 @@ class PolicyEngine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             n_updates += 1
-            if cfg.use_kl_loss:
-                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + kl_loss.detach().double()
             terms = [("actor/pg_loss", pg["pg_loss"]), ("actor/pg_clipfrac", pg["pg_clipfrac"]),
                      ("actor/ppo_kl", pg["ppo_kl"]), ("actor/entropy", entropy), ("actor/grad_norm", grad_norm)]
             if cfg.use_kl_loss:
