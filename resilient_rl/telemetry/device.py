@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ import psutil
 from resilient_rl import env
 
 logger = logging.getLogger(__name__)
+
+
+def _driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver (its device nodes), so that NVML should load."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 # NVML reports power in milliwatts and clocks in MHz; Prometheus wants base units.
 _MILLIWATT = 1e-3
@@ -129,7 +135,9 @@ class GpuSampler:
         try:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as exc:
-            logger.info("NVML is unavailable (%s); GPU metrics are disabled", exc)
+            # A machine without a GPU driver is the expected case on CPU: say it in train.log only.
+            level = logging.INFO if _driver_present() else logging.DEBUG
+            logger.log(level, "NVML is unavailable (%s); GPU metrics are disabled", exc)
             return
         self.available = True
         try:
