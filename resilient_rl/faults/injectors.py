@@ -118,6 +118,12 @@ class FaultSchedule:
         self._at = ("checkpoint", step)
         return self
 
+    def at_snapshot(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when the in-memory snapshot of step ``step`` has been started
+        (the ranks copying and their peers fetching)."""
+        self._at = ("snapshot", step)
+        return self
+
     def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
         """Faults added next fire when a recovery enters ``state`` (rejoining or restoring)."""
         self._at = ("recovery", state)
@@ -125,7 +131,8 @@ class FaultSchedule:
 
     def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float) -> "FaultSchedule":
         if self._at is None:
-            raise FaultError("call at_step(n), at_checkpoint(n) or during_recovery(state) before adding a fault")
+            raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n) or during_recovery(state) before "
+                             "adding a fault")
         trigger, at = self._at
         self.faults.append(Fault(at, kind, trigger, role, rank, delay_s))
         return self
@@ -170,6 +177,9 @@ class FaultSchedule:
 
     def on_checkpoint_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "checkpoint", step)
+
+    def on_snapshot_started(self, trainer, step: int) -> None:
+        self._trigger(trainer, "snapshot", step)
 
     def on_recovery_state(self, trainer, state) -> None:
         self._trigger(trainer, "recovery", getattr(state, "value", state))
