@@ -30,7 +30,7 @@ from resilient_rl.errors import RRLError
 logger = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
-TRIGGERS = ("step", "checkpoint", "recovery")
+TRIGGERS = ("step", "checkpoint", "snapshot", "recovery")
 
 
 class FaultError(RRLError):
