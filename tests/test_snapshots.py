@@ -52,16 +52,16 @@ class FakeGroup:
             self.own[rank][step] = state
             return Ref({"step": step, "rank": rank, "bytes": 10, "state": state})
         if method == "hold_snapshot":
-            step, owner, take = args
+            step, owner_role, owner, take = args
             if take.error is not None:
                 return Ref(error=take.error)
-            self.held[rank][(owner, step)] = take.value
+            self.held[rank][(owner_role, owner, step)] = take.value
             return Ref({"bytes": 10}, ready=not self.hold_pending)
         if method == "held_snapshot":
-            step, owner = args
+            step, owner_role, owner = args
             if rank in self.dead_holders:
                 return Ref(error=RuntimeError("holder lost"))
-            return Ref(self.held[rank].get((owner, step)))
+            return Ref(self.held[rank].get((owner_role, owner, step)))
         if method == "load_snapshot":
             step, source, _timeout = args
             if source is None:
@@ -97,7 +97,7 @@ class FakeRoles:
         return [(g.role, g) for g in self.groups]
 
     def role_processes(self):
-        return {(g.role, r): (100 + r, self.nodes.get((g.role, r), "n0")) for g in self.groups
+        return {(g.role, r): (f"{g.role}{r}", self.nodes.get((g.role, r), "n0")) for g in self.groups
                 for r in range(g.world_size)}
 
 
@@ -107,11 +107,28 @@ def keeper(every=1, max_task_retries=0, events=None):
     return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get)
 
 
-def test_ring_holders_prefer_another_node():
-    assert ring_holders(["a"]) == [0]
-    assert ring_holders(["a", "a"]) == [1, 0]
-    assert ring_holders(["a", "a", "b", "b"]) == [2, 2, 0, 0]
-    assert ring_holders(["a", "b", "a", "b"]) == [1, 2, 3, 0]
+def test_ring_holders_prefer_another_node_then_another_process():
+    assert ring_holders([(1, "a")]) == [0]
+    assert ring_holders([(1, "a"), (2, "a")]) == [1, 0]
+    assert ring_holders([(1, "a"), (2, "a"), (3, "b"), (4, "b")]) == [2, 2, 0, 0]
+    assert ring_holders([(1, "a"), (2, "b"), (3, "a"), (4, "b")]) == [1, 2, 3, 0]
+    # Colocated actor and critic ranks share a process: the peer is another process.
+    assert ring_holders([(1, "a"), (2, "a"), (1, "a"), (2, "a")]) == [1, 2, 3, 0]
+
+
+def test_peer_copy_held_by_another_role_on_another_node():
+    actor, critic = FakeGroup(2, "actor"), FakeGroup(1, "critic")
+    roles = FakeRoles(actor, critic, nodes={("actor", 0): "a", ("actor", 1): "a", ("critic", 0): "b"})
+    k = keeper()
+    snap = k.take(roles, 7, {"step": 7})
+    assert snap.holders == {"actor": [("critic", 0), ("critic", 0)], "critic": [("actor", 0)]}
+    # Node a is lost: both actor ranks restart and their object-store copies are gone.
+    actor.restart(0)
+    actor.restart(1)
+    actor.store_lost = {0, 1}
+    assert k.restore(roles, None).step == 7
+    assert actor.loaded == {0: ("peer", "actor0@7"), 1: ("peer", "actor1@7")}
+    assert critic.loaded == {0: ("own", "critic0@7")}
 
 
 def test_due():

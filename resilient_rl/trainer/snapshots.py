@@ -3,8 +3,8 @@
 Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
 stateful role (actor, critic) to copy its state to host memory (``take_snapshot``: the rank keeps
 the copy, and its returned value stays in Ray's object store, owned by this controller), then
-asks each rank's ring peer to keep a copy too (``hold_snapshot``: the next rank in ring order on
-another node, else the next rank). Nothing is waited for: the calls queue behind the step on the
+asks each rank's ring peer to keep a copy too (``hold_snapshot``: the next stateful rank, of any
+stateful role, in ring order on another node, else in another process). Nothing is waited for: the calls queue behind the step on the
 workers and overlap the controller's own work. The controller keeps, per snapshot, the object
 references, which rank holds which copy and its own state (``trainer.state_dict()``) of that step.
 
@@ -37,15 +37,17 @@ logger = logging.getLogger(__name__)
 MAX_KEPT = 3
 
 
-def ring_holders(nodes: list[str | None]) -> list[int]:
-    """For each rank (``nodes[r]``: its node), the rank that keeps its peer copy: the next rank in
-    ring order on another node, else the next rank; a world of one keeps its own."""
-    n = len(nodes)
+def ring_holders(places: list[tuple[Any, Any]]) -> list[int]:
+    """For each stateful rank (``places[i]``: its (pid, node)), the index of the rank that keeps
+    its peer copy: the next in ring order on another node, else the next in another process
+    (colocated roles share one), else itself (its copies are then its own and the object store's)."""
+    n = len(places)
     holders = []
-    for r in range(n):
-        others = [(r + k) % n for k in range(1, n)]
-        off_node = [h for h in others if nodes[h] is None or nodes[h] != nodes[r]]
-        holders.append(off_node[0] if off_node else (others[0] if others else r))
+    for i, (pid, node) in enumerate(places):
+        others = [(i + k) % n for k in range(1, n)]
+        off_node = [h for h in others if places[h][1] is None or places[h][1] != node]
+        off_process = [h for h in others if places[h][0] != pid]
+        holders.append((off_node or off_process or [i])[0])
     return holders
 
 
@@ -58,7 +60,7 @@ class Snapshot:
     world_sizes: dict[str, int]
     takes: dict[str, list]  # role -> ObjectRef of each rank's take_snapshot
     holds: dict[str, list]  # role -> ObjectRef of each rank's hold_snapshot (by owner rank)
-    holders: dict[str, list[int]]  # role -> the rank holding each rank's peer copy
+    holders: dict[str, list[tuple[str, int]]]  # role -> the (role, rank) holding each rank's peer copy
     failed: bool = False
     complete: bool = False
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
@@ -90,15 +92,20 @@ class SnapshotKeeper:
 
     def take(self, roles, step: int, trainer_state: dict) -> Snapshot:
         """Start the snapshot of ``step`` on every stateful rank (nothing is waited for)."""
-        nodes = {key: node for key, (_, node) in roles.role_processes().items()}
-        takes, holds, holders, sizes = {}, {}, {}, {}
-        for role, g in roles.checkpoint_groups():
-            n = g.world_size
-            sizes[role] = n
-            takes[role] = [g.execute_rank_async(r, "take_snapshot", step) for r in range(n)]
-            holders[role] = ring_holders([nodes.get((role, r)) for r in range(n)])
-            holds[role] = [g.execute_rank_async(holders[role][r], "hold_snapshot", step, r, takes[role][r])
-                           for r in range(n)]
+        groups = dict(roles.checkpoint_groups())
+        places = roles.role_processes()
+        ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
+        ring = ring_holders([places.get(key, (None, None)) for key in ranks])
+        sizes = {role: g.world_size for role, g in groups.items()}
+        takes = {role: [g.execute_rank_async(r, "take_snapshot", step) for r in range(g.world_size)]
+                 for role, g in groups.items()}
+        holders: dict[str, list[tuple[str, int]]] = {role: [] for role in groups}
+        holds: dict[str, list] = {role: [] for role in groups}
+        for i, (role, r) in enumerate(ranks):
+            h_role, h_rank = ranks[ring[i]]
+            holders[role].append((h_role, h_rank))
+            holds[role].append(groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, role, r,
+                                                                 takes[role][r]))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, holds, holders)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
@@ -180,14 +187,14 @@ class SnapshotKeeper:
         """Fill every rank of ``snap``; (role, rank) -> the copy used, or None when some rank's
         copies are all lost (reported as ``snapshot_unusable``)."""
         used: dict[tuple[str, int], str] = {}
+        by_role = dict(groups)
         for role, g in groups:
             n = g.world_size
             todo = list(range(n))
             tiers: list[tuple[str, Callable[[int], Any]]] = [("own", lambda r: None)]
             if self.object_store_ok:
                 tiers.append(("object_store", lambda r, role=role: [snap.takes[role][r]]))
-            tiers.append(("peer", lambda r, role=role, g=g: g.execute_rank_async(
-                snap.holders[role][r], "held_snapshot", snap.step, r)))
+            tiers.append(("peer", lambda r, role=role: self._held(by_role, snap, role, r)))
             for name, source in tiers:
                 if not todo:
                     break
@@ -202,6 +209,14 @@ class SnapshotKeeper:
                           reason=f"every copy of {role} rank(s) {todo} is lost")
                 return None
         return used
+
+    @staticmethod
+    def _held(groups: dict, snap: Snapshot, role: str, rank: int):
+        """A reference to the peer copy of ``role`` rank ``rank`` (resolved by Ray for the loader)."""
+        h_role, h_rank = snap.holders[role][rank]
+        if h_role not in groups:
+            return None
+        return groups[h_role].execute_rank_async(h_rank, "held_snapshot", snap.step, role, rank)
 
     def _answers(self, g, refs: list) -> list:
         """Each call's result, or False for a call that failed (a peer that died with its node):

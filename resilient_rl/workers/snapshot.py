@@ -85,7 +85,7 @@ class SnapshotMixin:
     """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin."""
 
     _own_snapshots: dict | None = None  # step -> this rank's copy
-    _held_snapshots: dict | None = None  # (role, rank) -> {step: copy}
+    _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def take_snapshot(self, step: int) -> dict:
@@ -102,26 +102,28 @@ class SnapshotMixin:
                 "state": state}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def hold_snapshot(self, step: int, owner_rank: int, snapshot: dict) -> dict:
-        """Keep ``owner_rank``'s copy of ``step`` (this rank is its ring peer); returns its size.
+    def hold_snapshot(self, step: int, owner_role: str, owner_rank: int, snapshot: dict) -> dict:
+        """Keep the copy of ``step`` of ``owner_role`` rank ``owner_rank`` (this rank is its ring
+        peer, of the same role or another); returns its size.
 
-        A rank that is its own peer (a world of one) keeps nothing more: its copy is in its own
-        memory and in the object store."""
+        A rank that is its own peer (nothing else to hold it) keeps nothing more: its copy is in
+        its own memory and in the object store."""
         nbytes = int(snapshot["bytes"])
-        if int(owner_rank) != self.rank:
+        own = owner_role == getattr(self, "role", None) and int(owner_rank) == self.rank
+        if not own:
             if self._held_snapshots is None:
                 self._held_snapshots = {}
-            held = self._held_snapshots.setdefault(int(owner_rank), {})
+            held = self._held_snapshots.setdefault((owner_role, int(owner_rank)), {})
             held[int(step)] = snapshot
             for old in sorted(held)[:-KEEP]:
                 del held[old]
-        return {"step": int(step), "owner": int(owner_rank), "holder": self.rank, "bytes": nbytes,
-                "held": int(owner_rank) != self.rank}
+        return {"step": int(step), "bytes": nbytes, "held": not own}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def held_snapshot(self, step: int, owner_rank: int) -> dict | None:
-        """The copy of ``owner_rank``'s ``step`` this rank holds, or None (it was restarted since)."""
-        return ((self._held_snapshots or {}).get(int(owner_rank)) or {}).get(int(step))
+    def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
+        """The copy of ``step`` this rank holds for ``owner_role`` rank ``owner_rank``, or None
+        (it was restarted since)."""
+        return ((self._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def has_snapshot(self, step: int) -> bool:
