@@ -22,13 +22,11 @@ def _recovered(result) -> dict:
 
 
 def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run):
-    # Inside step 4 (not at its very start, where the kill would race step 3's snapshot: that
-    # case is test_failure_during_a_snapshot).
-    result = chaos_run(FaultSchedule().at_step(4).kill("actor", 1, delay_s=0.5), *SNAPSHOTS)
+    # Once step 3's snapshot is complete (a kill racing it is test_failure_during_a_snapshot).
+    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS)
     check_invariants(result, reference)
     rec = _recovered(result)
-    assert rec["steps_replayed"] == 0 and rec["source"] == "snapshot", rec
-    assert rec["restored_step"] == rec["failed_step"] - 1
+    assert (rec["failed_step"], rec["restored_step"], rec["steps_replayed"], rec["source"]) == (4, 3, 0, "snapshot")
     restored = result.events_of("snapshot_restored")
     assert restored[0]["step"] == rec["restored_step"] and restored[0]["sources"].get("own") >= 1
     assert not result.events_of("checkpoint_restored"), "storage was read"
@@ -44,13 +42,12 @@ def test_failure_during_a_snapshot(reference, chaos_run):
 
 
 def test_owner_and_holder_killed_together(reference, chaos_run):
-    """Both actor ranks (each the other's ring peer) die: their own and held copies are gone;
-    the object store's copies remain."""
-    result = chaos_run(FaultSchedule().at_step(4).kill("actor", 0, delay_s=0.5).kill("actor", 1, delay_s=0.5),
-                       *SNAPSHOTS)
+    """Both actor ranks die (rank 0 holds rank 1's peer copy): their own copies and the one held
+    by rank 0 are gone; the object store's copies (and rank 0's, held by the critic) remain."""
+    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 0).kill("actor", 1), *SNAPSHOTS)
     check_invariants(result, reference)
     rec = _recovered(result)
-    assert rec["steps_replayed"] == 0 and rec["source"] == "snapshot", rec
+    assert (rec["restored_step"], rec["steps_replayed"], rec["source"]) == (3, 0, "snapshot"), rec
     sources = result.events_of("snapshot_restored")[0]["sources"]
     assert sources.get("object_store", 0) >= 2 and "own" in sources  # the critic survived with its own
 

@@ -30,7 +30,7 @@ from resilient_rl.errors import RRLError
 logger = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
-TRIGGERS = ("step", "checkpoint", "snapshot", "recovery")
+TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery")
 
 
 class FaultError(RRLError):
@@ -100,6 +100,17 @@ def slow_down(roles, role: str, rank: int, seconds_per_advance: float, advances:
     return pids[(role, rank)]
 
 
+def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
+    """Wait until the trainer's in-memory snapshot of ``step`` is complete (or ``timeout_s`` passed)."""
+    keeper = getattr(trainer, "snapshots", None)
+    deadline = time.monotonic() + timeout_s
+    while keeper is not None and time.monotonic() < deadline:
+        snap = next((s for s in keeper.snapshots if s.step == step), None)
+        if snap is None or snap.failed or keeper.is_complete(snap):
+            return
+        time.sleep(0.02)
+
+
 @dataclass
 class FaultSchedule:
     """Faults keyed by step, fired by the trainer's ``on_step_start`` hook."""
@@ -122,6 +133,12 @@ class FaultSchedule:
         """Faults added next fire when the in-memory snapshot of step ``step`` has been started
         (the ranks copying and their peers fetching)."""
         self._at = ("snapshot", step)
+        return self
+
+    def after_snapshot(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when step ``step`` starts, once the snapshot of step ``step - 1``
+        is complete on every rank (waited for up to 30 s): a failure that loses only its own step."""
+        self._at = ("after_snapshot", step)
         return self
 
     def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
@@ -174,6 +191,9 @@ class FaultSchedule:
 
     def on_step_start(self, trainer, step: int) -> None:
         self._trigger(trainer, "step", step)
+        if any(f.trigger == "after_snapshot" and f.step == step and not f.fired for f in self.faults):
+            _wait_snapshot(trainer, step - 1)
+            self._trigger(trainer, "after_snapshot", step)
 
     def on_checkpoint_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "checkpoint", step)
