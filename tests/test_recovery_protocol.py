@@ -76,7 +76,8 @@ def test_a_dead_rank_is_restarted_rejoined_and_restored():
     assert (restarted["group"], restarted["rank"], restarted["role"]) == ("main", 1, "actor")
     assert restarted["pid"] != old_pid and h.pool.known[("main", 1)].pid == restarted["pid"]
     assert h.of("recovered")[0] == {"failed_step": 7, "restored_step": 4, "steps_replayed": 2,
-                                    "duration_s": 0.0, "restarted": [["main", 1]], "generation": 2}
+                                    "duration_s": 0.0, "restarted": [["main", 1]], "generation": 2,
+                                    "source": None}
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
     assert h.states == [S.REJOINING, S.RESTORING]
     assert h.ckpt.abandoned == 1 and h.restores == 1

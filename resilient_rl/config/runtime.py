@@ -97,7 +97,12 @@ class RecoveryConfig(Section):
     single mini-batch, token block or checkpoint chunk); a long call that keeps advancing is
     healthy. ``call_timeout_s`` is only a generous ceiling on one whole worker call. The wait for a
     background checkpoint write has its own ``checkpoint.save_timeout_s`` and the telemetry
-    exporter's calls ``telemetry.call_timeout_s``."""
+    exporter's calls ``telemetry.call_timeout_s``.
+
+    ``snapshot_every``: every that many steps each stateful rank copies its state to host memory,
+    kept by itself, by a ring peer and in the object store (:mod:`resilient_rl.trainer.snapshots`);
+    a recovery restores the newest complete snapshot instead of the older storage checkpoint.
+    0 turns snapshots off."""
 
     enabled: bool = True
     max_restarts: int = 3
@@ -111,9 +116,10 @@ class RecoveryConfig(Section):
     placement_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
     hang_timeout_s: float = 300.0
+    snapshot_every: int = 0
 
     def validate(self) -> None:
-        for name in ("max_restarts", "max_task_retries", "max_failures"):
+        for name in ("max_restarts", "max_task_retries", "max_failures", "snapshot_every"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):

@@ -227,6 +227,11 @@ class RayWorkerGroup(HealthMixin):
                     for i in range(n)]
         return [self._call(i, method_name, *args, **kwargs) for i in range(n)]
 
+    def execute_rank_async(self, rank: int, method_name: str, *args, **kwargs):
+        """Call the registered method ``method_name`` on one rank (for a colocated role, its
+        process's ``{role}_{method}``); its ObjectRef, unwaited."""
+        return self._call(rank, self._remote_prefix + method_name, *args, **kwargs)
+
     def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
         return self.get(self.execute_all_async(method_name, *args, **kwargs))
 

@@ -131,6 +131,26 @@ class Recovered(Event):
     duration_s: float
     restarted: list
     generation: int
+    source: str | None = None  # "snapshot" (in memory), "checkpoint" (storage) or "start"
+
+
+@_kind("snapshot_restored")
+class SnapshotRestored(Event):
+    """A recovery loaded the in-memory snapshot of ``step``; ``sources`` counts the ranks per copy
+    read (``own``: the rank's process survived, ``object_store``, ``peer``: its ring neighbour)."""
+
+    step: int
+    duration_s: float
+    sources: dict
+
+
+@_kind("snapshot_unusable")
+class SnapshotUnusable(Event):
+    """A recovery could not use the snapshot of ``step`` (some rank's copies are all lost, or
+    the world size changed); it falls back to an older snapshot or to storage."""
+
+    step: int
+    reason: str
 
 
 @_kind("aborted")

@@ -30,7 +30,7 @@ from resilient_rl.errors import RRLError
 logger = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
-TRIGGERS = ("step", "checkpoint", "recovery")
+TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery")
 
 
 class FaultError(RRLError):
@@ -100,6 +100,17 @@ def slow_down(roles, role: str, rank: int, seconds_per_advance: float, advances:
     return pids[(role, rank)]
 
 
+def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
+    """Wait until the trainer's in-memory snapshot of ``step`` is complete (or ``timeout_s`` passed)."""
+    keeper = getattr(trainer, "snapshots", None)
+    deadline = time.monotonic() + timeout_s
+    while keeper is not None and time.monotonic() < deadline:
+        snap = next((s for s in keeper.snapshots if s.step == step), None)
+        if snap is None or snap.failed or keeper.is_complete(snap):
+            return
+        time.sleep(0.02)
+
+
 @dataclass
 class FaultSchedule:
     """Faults keyed by step, fired by the trainer's ``on_step_start`` hook."""
@@ -118,6 +129,18 @@ class FaultSchedule:
         self._at = ("checkpoint", step)
         return self
 
+    def at_snapshot(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when the in-memory snapshot of step ``step`` has been started
+        (the ranks copying and their peers fetching)."""
+        self._at = ("snapshot", step)
+        return self
+
+    def after_snapshot(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when step ``step`` starts, once the snapshot of step ``step - 1``
+        is complete on every rank (waited for up to 30 s): a failure that loses only its own step."""
+        self._at = ("after_snapshot", step)
+        return self
+
     def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
         """Faults added next fire when a recovery enters ``state`` (rejoining or restoring)."""
         self._at = ("recovery", state)
@@ -125,7 +148,8 @@ class FaultSchedule:
 
     def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float) -> "FaultSchedule":
         if self._at is None:
-            raise FaultError("call at_step(n), at_checkpoint(n) or during_recovery(state) before adding a fault")
+            raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n) or during_recovery(state) before "
+                             "adding a fault")
         trigger, at = self._at
         self.faults.append(Fault(at, kind, trigger, role, rank, delay_s))
         return self
@@ -167,9 +191,15 @@ class FaultSchedule:
 
     def on_step_start(self, trainer, step: int) -> None:
         self._trigger(trainer, "step", step)
+        if any(f.trigger == "after_snapshot" and f.step == step and not f.fired for f in self.faults):
+            _wait_snapshot(trainer, step - 1)
+            self._trigger(trainer, "after_snapshot", step)
 
     def on_checkpoint_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "checkpoint", step)
+
+    def on_snapshot_started(self, trainer, step: int) -> None:
+        self._trigger(trainer, "snapshot", step)
 
     def on_recovery_state(self, trainer, state) -> None:
         self._trigger(trainer, "recovery", getattr(state, "value", state))

@@ -162,6 +162,8 @@ class NonFiniteGuard:
         tr.roles.sync_weights(tr.step)
         tr.run_dir.truncate_metrics_after(tr.step)
         tr.history = tr.run_dir.read_metrics()
+        if tr.snapshots is not None:  # the steps after the rollback point are not this timeline's
+            tr.snapshots.drop_after(tr.step)
         self.dirty = False
         self.awaiting_good = True
         tr.run_dir.event("nonfinite_rollback", failed_step=step, restored_step=tr.step, quantity=what)

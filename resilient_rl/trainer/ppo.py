@@ -26,6 +26,7 @@ from resilient_rl.trainer.nonfinite import NonFiniteGuard
 from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.run_log import RunLog
+from resilient_rl.trainer.snapshots import SnapshotKeeper
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.data.tasks import get_task
 from resilient_rl.trainer.telemetry_hook import TelemetryHook
@@ -83,7 +84,12 @@ class PPOTrainer:
         self.run_dir.subscribe(self._on_event)
         self.recovery = Recovery(cfg.recovery, pool=lambda: self.roles, checkpoints=self.ckpt,
                                  restore=self.restore_after_failure, emit=self.run_dir.event,
-                                 on_state=lambda state: self.fire("on_recovery_state", state))
+                                 on_state=lambda state: self.fire("on_recovery_state", state),
+                                 restore_source=lambda: self.restore_source)
+        # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
+        self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event)
+                          if cfg.recovery.snapshot_every > 0 and self.checkpoints_on else None)
+        self.restore_source: str | None = None  # where the last restore came from (the recovered event)
         # The controller's part of a checkpoint: one line per stateful part.
         self.state = ControllerState()
         self.state.register("step", Attribute(self, "step", int))
@@ -144,15 +150,46 @@ class PPOTrainer:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # checksummed, so crafted
             raise CheckpointCorruptError(f"trainer_state.json of step {state.get('step')}: malformed "
                                          f"controller state ({exc!r})") from exc
+        self.restore_source = "checkpoint"
+        return self._rolled_back()
+
+    def _rolled_back(self) -> int:
+        """After roles and controller state were restored: the rollout gets the weights, the
+        metrics after the step are dropped, and so are the snapshots of the abandoned steps."""
         self.roles.sync_weights(self.step)
         self.run_dir.truncate_metrics_after(self.step)
         self.history = deque(self.run_dir.read_metrics(last=HISTORY_WINDOW), maxlen=HISTORY_WINDOW)
+        if self.snapshots is not None:
+            self.snapshots.drop_after(self.step)
         return self.step
 
+    def restore_snapshot(self) -> int | None:
+        """Roll back to the newest complete in-memory snapshot not older than the last committed
+        checkpoint; None when there is none (the models are then rebuilt for a storage restore)."""
+        if self.snapshots is None:
+            return None
+        self.ckpt.fence()
+        snap = self.snapshots.restore(self.roles, self.ckpt.last_committed)
+        if snap is None:
+            if self.snapshots.partial:  # some ranks hold part of a snapshot: back to fresh models
+                self.roles.init_models()
+            return None
+        self.load_state_dict(snap.trainer_state)
+        self.ckpt.cleanup()  # what an abandoned save left half-written
+        self.restore_source = "snapshot"
+        return self._rolled_back()
+
     def restore_after_failure(self) -> int:
-        """Roll roles and controller back to the newest valid checkpoint (or the start); returns its step."""
+        """Roll roles and controller back to the newest complete snapshot, else the newest valid
+        checkpoint, else the start; returns its step."""
+        step = self.restore_snapshot()
+        if step is not None:
+            return step
         step = self.restore("auto")
         if step is None:
+            self.restore_source = "start"
+            if self.snapshots is not None:
+                self.snapshots.drop_after(0)
             self.state.load_state_dict(self.initial_state)  # the failure budget is never refilled
             self.roles.sync_weights(0)
             self.run_dir.truncate_metrics_after(0)
@@ -169,6 +206,12 @@ class PPOTrainer:
                            known_good=self.nonfinite.take_known_good())
         else:
             self.ckpt.poll(self.roles)
+
+    def maybe_snapshot(self) -> None:
+        """Start the in-memory snapshot of this step when due (not waited for)."""
+        if self.snapshots is not None and self.snapshots.due(self.step):
+            self.snapshots.take(self.roles, self.step, self.state_dict())
+            self.fire("on_snapshot_started", self.step)
 
     def shutdown(self) -> None:
         # Never started (e.g. refused by the run's lease): stopping would delete the live
@@ -240,6 +283,7 @@ class PPOTrainer:
                         bar.refresh()
                         continue
                     self.maybe_checkpoint()
+                    self.maybe_snapshot()
                     if self.step >= total and self.checkpoints_on:
                         # The last save, waited for (bounded) inside the recovery: a rank that lost
                         # it rolls the run back to the last commit and the final steps are replayed.

@@ -14,7 +14,8 @@ per state does that state's work and returns the next state.
    Survivors keep their processes. Each restart spends the restarted actor's budget.
 2. REJOINING: every process group joins a new generation (survivors drop the broken one), and
    every role rebuilds its model on it (FSDP2 modules are bound to their process group).
-3. RESTORING: the newest committed checkpoint that verifies is loaded into actor and critic, the
+3. RESTORING: the newest complete in-memory snapshot (:mod:`resilient_rl.trainer.snapshots`)
+   or else the newest committed checkpoint that verifies is loaded into actor and critic, the
    controller's own state (step, data position, KL coefficient) rolls back with it, and the
    rollout gets the restored weights.
 4. RUNNING: the lost steps are replayed; the step is a pure function of the restored state, so
@@ -64,6 +65,7 @@ class _Attempt:
     group: str | None = None  # the process group the failure names, where known
     restarted: list[ProcessKey] = dataclasses.field(default_factory=list)
     restored: int = 0
+    source: str | None = None  # where the restored state came from (snapshot, checkpoint, start)
     reason: str = ""
 
 
@@ -78,12 +80,14 @@ class Recovery:
             returns its step.
         emit: ``emit(kind, **fields)`` records an event of the run (``events.jsonl``, metrics).
         on_state: called with each state entered after RECOVERING (fault hooks).
+        restore_source: after ``restore``, where the state came from (``snapshot``, ``checkpoint``, ``start``).
         clock, sleep: monotonic time and sleeping, replaced by fakes in tests.
     """
 
     def __init__(self, cfg, pool: Callable[[], WorkerPool], checkpoints: CheckpointState,
                  restore: Callable[[], int], emit: Callable[..., None],
                  on_state: Callable[[RecoveryState], None] = lambda state: None,
+                 restore_source: Callable[[], str | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  wall_clock: Callable[[], float] = time.time):
         self.cfg = cfg
@@ -92,6 +96,7 @@ class Recovery:
         self.restore = restore
         self.emit = emit
         self.on_state = on_state
+        self.restore_source = restore_source
         self.clock, self.sleep, self.wall_clock = clock, sleep, wall_clock
         self.policy = FailurePolicy(cfg.max_restarts, cfg.max_failures, cfg.failure_window_s, clock=wall_clock)
         self.sm = RecoveryStateMachine(clock=clock)
@@ -132,7 +137,7 @@ class Recovery:
         self.recovery_seconds += duration
         self.emit("recovered", failed_step=failed_step, restored_step=attempt.restored, steps_replayed=replayed,
                   duration_s=duration, restarted=[list(k) for k in attempt.restarted],
-                  generation=self.pool().generation)
+                  generation=self.pool().generation, source=attempt.source)
         logger.warning("recovered in %.1fs: restored step %d, replaying %d step(s)", duration, attempt.restored,
                        replayed)
 
@@ -191,6 +196,7 @@ class Recovery:
     def _restoring(self, a: _Attempt) -> RecoveryState:
         self.on_state(S.RESTORING)
         a.restored = self.restore()
+        a.source = self.restore_source()
         return S.RUNNING
 
     def _aborting(self, a: _Attempt) -> RecoveryState:

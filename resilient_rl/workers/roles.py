@@ -27,6 +27,7 @@ from resilient_rl.protocol_utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.snapshot import SnapshotMixin
 from resilient_rl.workers.fsdp import full_state_dict, plan_device
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -81,7 +82,7 @@ class RoleWorker(Worker):
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class ActorWorker(CheckpointMixin, RoleWorker):
+class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
     """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
 
     role = "actor"
@@ -155,7 +156,7 @@ class ActorWorker(CheckpointMixin, RoleWorker):
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class CriticWorker(CheckpointMixin, RoleWorker):
+class CriticWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
     """The value model (FSDP2, clipped value loss)."""
 
     role = "critic"

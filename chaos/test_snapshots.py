@@ -1,0 +1,117 @@
+"""In-memory snapshots (recovery.snapshot_every): a failure loses at most the failed step.
+
+Storage checkpoints are rare here (``checkpoint.save_every=20``: only the run's last step is
+saved), so every recovery below must come from a snapshot held in memory, and the run must still
+end bit-identical to the fault-free reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_rl.faults.harness import check_invariants
+from resilient_rl.faults.injectors import FaultSchedule
+
+SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
+
+
+def _recovered(result) -> dict:
+    recovered = result.events_of("recovered")
+    assert len(recovered) == 1, recovered
+    return recovered[0]
+
+
+def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run):
+    # Once step 3's snapshot is complete (a kill racing it is test_failure_during_a_snapshot).
+    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS)
+    check_invariants(result, reference)
+    rec = _recovered(result)
+    assert (rec["failed_step"], rec["restored_step"], rec["steps_replayed"], rec["source"]) == (4, 3, 0, "snapshot")
+    restored = result.events_of("snapshot_restored")
+    assert restored[0]["step"] == rec["restored_step"] and restored[0]["sources"].get("own") >= 1
+    assert not result.events_of("checkpoint_restored"), "storage was read"
+
+
+def test_failure_during_a_snapshot(reference, chaos_run):
+    """Killed while the snapshot of step 3 is being copied and handed to its peer: that snapshot
+    is used only if every rank finished it, else the one of step 2."""
+    result = chaos_run(FaultSchedule().at_snapshot(3).kill("actor", 0), *SNAPSHOTS)
+    check_invariants(result, reference)
+    rec = _recovered(result)
+    assert rec["source"] == "snapshot" and rec["restored_step"] in (2, 3)
+
+
+def test_owner_and_holder_killed_together(reference, chaos_run):
+    """Both actor ranks die (rank 0 holds rank 1's peer copy): their own copies and the one held
+    by rank 0 are gone; the object store's copies (and rank 0's, held by the critic) remain."""
+    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 0).kill("actor", 1), *SNAPSHOTS)
+    check_invariants(result, reference)
+    rec = _recovered(result)
+    assert (rec["restored_step"], rec["steps_replayed"], rec["source"]) == (3, 0, "snapshot"), rec
+    sources = result.events_of("snapshot_restored")[0]["sources"]
+    assert sources.get("object_store", 0) >= 2 and "own" in sources  # the critic survived with its own
+
+
+class _RemoveActorNode:
+    """Hook: remove the node hosting actor rank 1 when step ``step`` starts (after a short delay,
+    so step ``step - 1``'s snapshot is complete); remembers which stateful ranks lived elsewhere."""
+
+    def __init__(self, cluster, step: int):
+        self.cluster, self.step, self.removed, self.survivors = cluster, step, None, []
+
+    def on_step_start(self, trainer, step):
+        if step != self.step or self.removed:
+            return
+        import time
+
+        time.sleep(0.5)
+        places = trainer.roles.role_processes()
+        node_id = places[("actor", 1)][1]
+        self.survivors = [key for key in (("actor", 0), ("actor", 1), ("critic", 0)) if places[key][1] != node_id]
+        node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+        self.removed = node_id
+        self.cluster.remove_node(node, allow_graceful=False)
+        # A replacement node (as an autoscaler would add): the lost ranks need its CPUs to restart.
+        self.cluster.add_node(num_cpus=3)
+
+
+@pytest.mark.slow
+def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
+    """Two worker nodes (2 and 3 CPUs, one CPU per process: the actor's two ranks fill one node
+    or share the other with one more role). The node of actor rank 1 is removed (and a
+    replacement added, where the lost ranks restart): its own and object-store copies go with it. When a stateful rank (the critic) lives on the other node, it
+    holds the actor's peer copies and the run recovers from them without reading storage; when
+    none does, every copy is lost and the run falls back to storage. Either way: bit-identical."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from conftest import chaos_overrides
+    from resilient_rl.faults.harness import run_training
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="rrl-chaos-snap-nodes", log_to_driver=False,
+                 configure_logging=False)
+        hook = _RemoveActorNode(cluster, step=4)
+        result = run_training(chaos_overrides(chaos_dir) + list(SNAPSHOTS) + [
+            "ray.cpus_per_worker=1", "recovery.restart_timeout_s=120"], "snap-node-loss", hooks=(hook,))
+        assert hook.removed is not None
+        check_invariants(result, reference)  # while the cluster is up: it looks for leftover actors
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    rec = result.events_of("recovered")[-1]
+    if ("critic", 0) in hook.survivors:
+        assert rec["source"] == "snapshot" and rec["steps_replayed"] == 0, rec
+        # The lost actor ranks read copies that lived off their node: the peer's, or the object
+        # store's, which Ray still serves from the copy the peer's node fetched for its hold.
+        sources = result.events_of("snapshot_restored")[-1]["sources"]
+        assert sources.get("peer", 0) + sources.get("object_store", 0) >= 2, sources
+        assert not result.events_of("checkpoint_restored"), "storage was read"
+    else:
+        assert rec["source"] in ("checkpoint", "start"), rec

@@ -1,0 +1,238 @@
+"""Controller side of in-memory snapshots: take them after a step, restore the newest after a failure.
+
+Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
+stateful role (actor, critic) to copy its state to host memory (``take_snapshot``: the rank keeps
+the copy, and its returned value stays in Ray's object store, owned by this controller), then
+asks each rank's ring peer to keep a copy too (``hold_snapshot``: the next stateful rank, of any
+stateful role, in ring order on another node, else in another process). Nothing is waited for: the calls queue behind the step on the
+workers and overlap the controller's own work. The controller keeps, per snapshot, the object
+references, which rank holds which copy and its own state (``trainer.state_dict()``) of that step.
+
+A snapshot is **complete** when every take and every hold of every rank has finished without an
+error (checked without waiting, at use): the same all-ranks rule as a checkpoint commit. Only the
+newest complete snapshot and the ones in flight after it are kept.
+
+:meth:`SnapshotKeeper.restore` loads the newest complete snapshot that is not older than the last
+committed checkpoint and was taken at the current world sizes (snapshots are never resharded).
+Each rank is filled from the first copy that is still there: its own (its process survived), the
+object store's (skipped when ``recovery.max_task_retries`` > 0, where Ray could rebuild a lost
+copy by re-running the snapshot on the restarted actor), its peer's. When a rank's copies are all
+lost (its node and its peer's went down together) the snapshot is unusable; the caller rebuilds
+the models and falls back to storage.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+#: Most snapshots kept at once: the newest complete one and those in flight after it.
+MAX_KEPT = 3
+
+
+def ring_holders(places: list[tuple[Any, Any]]) -> list[int]:
+    """For each stateful rank (``places[i]``: its (pid, node)), the index of the rank that keeps
+    its peer copy: the next in ring order on another node, else the next in another process
+    (colocated roles share one), else itself (its copies are then its own and the object store's)."""
+    n = len(places)
+    holders = []
+    for i, (pid, node) in enumerate(places):
+        others = [(i + k) % n for k in range(1, n)]
+        off_node = [h for h in others if places[h][1] is None or places[h][1] != node]
+        off_process = [h for h in others if places[h][0] != pid]
+        holders.append((off_node or off_process or [i])[0])
+    return holders
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One step's snapshot as the controller tracks it."""
+
+    step: int
+    trainer_state: dict
+    world_sizes: dict[str, int]
+    takes: dict[str, list]  # role -> ObjectRef of each rank's take_snapshot
+    holds: dict[str, list]  # role -> ObjectRef of each rank's hold_snapshot (by owner rank)
+    holders: dict[str, list[tuple[str, int]]]  # role -> the (role, rank) holding each rank's peer copy
+    failed: bool = False
+    complete: bool = False
+    bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
+
+
+class SnapshotKeeper:
+    """Takes, tracks and restores in-memory snapshots (see the module docstring).
+
+    Args:
+        cfg: the ``recovery`` config section (``snapshot_every``, ``max_task_retries``,
+            ``call_timeout_s``).
+        emit: ``emit(kind, **fields)`` records an event of the run.
+        wait, get: ``ray.wait`` and ``ray.get``, replaced by fakes in tests.
+    """
+
+    def __init__(self, cfg, emit: Callable[..., None] = lambda kind, **f: None,
+                 wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter):
+        self.every = cfg.snapshot_every
+        self.object_store_ok = cfg.max_task_retries == 0
+        self.timeout_s = min(cfg.call_timeout_s, 120.0)
+        self.emit = emit
+        self._wait, self._get, self.clock = wait, get, clock
+        self.snapshots: list[Snapshot] = []  # oldest first
+        self.partial = False  # whether the last restore that found no usable snapshot loaded some ranks
+
+    # ------------------------------------------------------------------ take
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def take(self, roles, step: int, trainer_state: dict) -> Snapshot:
+        """Start the snapshot of ``step`` on every stateful rank (nothing is waited for)."""
+        groups = dict(roles.checkpoint_groups())
+        places = roles.role_processes()
+        ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
+        ring = ring_holders([places.get(key, (None, None)) for key in ranks])
+        sizes = {role: g.world_size for role, g in groups.items()}
+        takes = {role: [g.execute_rank_async(r, "take_snapshot", step) for r in range(g.world_size)]
+                 for role, g in groups.items()}
+        holders: dict[str, list[tuple[str, int]]] = {role: [] for role in groups}
+        holds: dict[str, list] = {role: [] for role in groups}
+        for i, (role, r) in enumerate(ranks):
+            h_role, h_rank = ranks[ring[i]]
+            holders[role].append((h_role, h_rank))
+            holds[role].append(groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, role, r,
+                                                                 takes[role][r]))
+        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, holds, holders)
+        self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
+        self._prune()
+        return snap
+
+    def _prune(self) -> None:
+        """Keep the newest complete snapshot and the ones after it (at most :data:`MAX_KEPT`)."""
+        for s in self.snapshots:
+            self.is_complete(s)
+        complete = [i for i, s in enumerate(self.snapshots) if s.complete]
+        start = complete[-1] if complete else 0
+        kept = [s for s in self.snapshots[start:] if not s.failed]
+        self.snapshots = kept[-MAX_KEPT:]
+
+    def is_complete(self, snap: Snapshot) -> bool:
+        """Whether every take and hold of ``snap`` finished without an error (does not wait)."""
+        if snap.complete or snap.failed:
+            return snap.complete
+        refs = [r for rs in snap.takes.values() for r in rs] + [r for rs in snap.holds.values() for r in rs]
+        ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        if len(ready) < len(refs):
+            return False
+        try:
+            # A hold depends on its owner's take: a failed take fails the hold, so the small
+            # hold answers tell whether the whole snapshot is good without fetching any copy.
+            answers = {role: self._get(rs, timeout=self.timeout_s) for role, rs in snap.holds.items()}
+        except Exception as exc:  # a rank died during the snapshot
+            logger.info("snapshot of step %d is incomplete: %s", snap.step, exc)
+            snap.failed = True
+            return False
+        snap.bytes = {role: [int(a["bytes"]) for a in rs] for role, rs in answers.items()}
+        snap.complete = True
+        return True
+
+    # ------------------------------------------------------------------ restore
+    def drop_after(self, step: int) -> None:
+        """Forget snapshots newer than ``step`` (the run went back to ``step``)."""
+        self.snapshots = [s for s in self.snapshots if s.step <= step]
+
+    def newest_complete(self, min_step: int | None, world_sizes: dict[str, int]) -> list[Snapshot]:
+        """Complete snapshots usable for a restore, newest first."""
+        out = []
+        for s in reversed(self.snapshots):
+            if min_step is not None and s.step < min_step:
+                break
+            if not self.is_complete(s):
+                continue
+            if s.world_sizes != world_sizes:
+                self.emit("snapshot_unusable", step=s.step,
+                          reason=f"taken at world sizes {s.world_sizes}, now {world_sizes}")
+                continue
+            out.append(s)
+        return out
+
+    def restore(self, roles, min_step: int | None) -> Snapshot | None:
+        """Load the newest usable snapshot into every stateful rank; None when there is none (the
+        caller then restores from storage). A snapshot that fails half way may leave some ranks
+        loaded (:attr:`partial`): the caller rebuilds the models before falling back."""
+        self.partial = False
+        groups = roles.checkpoint_groups()
+        world_sizes = {role: g.world_size for role, g in groups}
+        for snap in self.newest_complete(min_step, world_sizes):
+            t0 = self.clock()
+            self.partial = True  # from here on, some ranks may hold part of a snapshot
+            sources = self._load(groups, snap)
+            if sources is None:
+                snap.failed = True
+                continue
+            counts: dict[str, int] = {}
+            for src in sources.values():
+                counts[src] = counts.get(src, 0) + 1
+            self.drop_after(snap.step)
+            self.emit("snapshot_restored", step=snap.step, duration_s=self.clock() - t0, sources=counts)
+            self.partial = False
+            return snap
+        return None
+
+    def _load(self, groups, snap: Snapshot) -> dict[tuple[str, int], str] | None:
+        """Fill every rank of ``snap``; (role, rank) -> the copy used, or None when some rank's
+        copies are all lost (reported as ``snapshot_unusable``)."""
+        used: dict[tuple[str, int], str] = {}
+        by_role = dict(groups)
+        for role, g in groups:
+            n = g.world_size
+            todo = list(range(n))
+            tiers: list[tuple[str, Callable[[int], Any]]] = [("own", lambda r: None)]
+            if self.object_store_ok:
+                tiers.append(("object_store", lambda r, role=role: [snap.takes[role][r]]))
+            tiers.append(("peer", lambda r, role=role: self._held(by_role, snap, role, r)))
+            for name, source in tiers:
+                if not todo:
+                    break
+                refs = [g.execute_rank_async(r, "load_snapshot", snap.step, source(r), self.timeout_s) for r in todo]
+                results = self._answers(g, refs)
+                for r, ok in zip(list(todo), results):
+                    if ok is True:
+                        used[(role, r)] = name
+                        todo.remove(r)
+            if todo:
+                self.emit("snapshot_unusable", step=snap.step,
+                          reason=f"every copy of {role} rank(s) {todo} is lost")
+                return None
+        return used
+
+    @staticmethod
+    def _held(groups: dict, snap: Snapshot, role: str, rank: int):
+        """A reference to the peer copy of ``role`` rank ``rank`` (resolved by Ray for the loader)."""
+        h_role, h_rank = snap.holders[role][rank]
+        if h_role not in groups:
+            return None
+        return groups[h_role].execute_rank_async(h_rank, "held_snapshot", snap.step, role, rank)
+
+    def _answers(self, g, refs: list) -> list:
+        """Each call's result, or False for a call that failed (a peer that died with its node):
+        the rank then tries its next copy. The loading ranks themselves must be alive."""
+        out = []
+        for ref in refs:
+            try:
+                out.append(g.get([ref], timeout_s=self.timeout_s + 10.0)[0])
+            except Exception as exc:
+                logger.warning("loading a snapshot copy failed: %s", exc)
+                out.append(False)
+        return out
+
+    def memory(self) -> dict[str, list[int]]:
+        """Bytes of one copy per role and rank, from the newest complete snapshot."""
+        for s in reversed(self.snapshots):
+            if s.complete:
+                return dict(s.bytes)
+        return {}

@@ -1,0 +1,237 @@
+"""Controller-side bookkeeping of in-memory snapshots (trainer/snapshots.py) against fake groups."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from resilient_rl.trainer.snapshots import SnapshotKeeper, ring_holders
+
+
+class Ref:
+    def __init__(self, value=None, error=None, ready=True):
+        self.value, self.error, self.ready = value, error, ready
+
+    def resolve(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def fake_wait(refs, num_returns, timeout, fetch_local):
+    ready = [r for r in refs if r.ready]
+    return ready, [r for r in refs if not r.ready]
+
+
+def fake_get(refs, timeout=None):
+    return [r.resolve() for r in refs]
+
+
+class FakeGroup:
+    """Ranks that keep snapshots like SnapshotMixin, minus the tensors."""
+
+    def __init__(self, n, role="actor"):
+        self.world_size, self.role = n, role
+        self.own = [dict() for _ in range(n)]  # rank -> step -> state
+        self.held = [dict() for _ in range(n)]  # rank -> (owner, step) -> state
+        self.store_lost: set[int] = set()
+        self.dead_holders: set[int] = set()
+        self.loaded: dict[int, tuple] = {}
+        self.calls: list[tuple] = []
+        self.hold_pending = False
+        self.take_error: set[int] = set()
+
+    def execute_rank_async(self, rank, method, *args):
+        self.calls.append((rank, method, args))
+        if method == "take_snapshot":
+            step = args[0]
+            if rank in self.take_error:
+                return Ref(error=RuntimeError(f"rank {rank} died"))
+            state = f"{self.role}{rank}@{step}"
+            self.own[rank][step] = state
+            return Ref({"step": step, "rank": rank, "bytes": 10, "state": state})
+        if method == "hold_snapshot":
+            step, owner_role, owner, take = args
+            if take.error is not None:
+                return Ref(error=take.error)
+            self.held[rank][(owner_role, owner, step)] = take.value
+            return Ref({"bytes": 10}, ready=not self.hold_pending)
+        if method == "held_snapshot":
+            step, owner_role, owner = args
+            if rank in self.dead_holders:
+                return Ref(error=RuntimeError("holder lost"))
+            return Ref(self.held[rank].get((owner_role, owner, step)))
+        if method == "load_snapshot":
+            step, source, _timeout = args
+            if source is None:
+                state = self.own[rank].get(step)
+                kind = "own"
+            elif isinstance(source, list):
+                state = None if rank in self.store_lost else source[0].value["state"]
+                kind = "object_store"
+            else:  # a ref resolved by Ray before the call
+                if source.error is not None:
+                    return Ref(error=source.error)
+                state = source.value["state"] if source.value else None
+                kind = "peer"
+            if state is None:
+                return Ref(False)
+            self.loaded[rank] = (kind, state)
+            return Ref(True)
+        raise AssertionError(method)
+
+    def get(self, refs, timeout_s=None):
+        return fake_get(refs)
+
+    def restart(self, rank):
+        self.own[rank], self.held[rank] = {}, {}
+
+
+class FakeRoles:
+    def __init__(self, *groups, nodes=None):
+        self.groups = list(groups)
+        self.nodes = nodes or {}
+
+    def checkpoint_groups(self):
+        return [(g.role, g) for g in self.groups]
+
+    def role_processes(self):
+        return {(g.role, r): (f"{g.role}{r}", self.nodes.get((g.role, r), "n0")) for g in self.groups
+                for r in range(g.world_size)}
+
+
+def keeper(every=1, max_task_retries=0, events=None):
+    cfg = SimpleNamespace(snapshot_every=every, max_task_retries=max_task_retries, call_timeout_s=10.0)
+    emit = (lambda kind, **f: events.append((kind, f))) if events is not None else (lambda kind, **f: None)
+    return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get)
+
+
+def test_ring_holders_prefer_another_node_then_another_process():
+    assert ring_holders([(1, "a")]) == [0]
+    assert ring_holders([(1, "a"), (2, "a")]) == [1, 0]
+    assert ring_holders([(1, "a"), (2, "a"), (3, "b"), (4, "b")]) == [2, 2, 0, 0]
+    assert ring_holders([(1, "a"), (2, "b"), (3, "a"), (4, "b")]) == [1, 2, 3, 0]
+    # Colocated actor and critic ranks share a process: the peer is another process.
+    assert ring_holders([(1, "a"), (2, "a"), (1, "a"), (2, "a")]) == [1, 2, 3, 0]
+
+
+def test_peer_copy_held_by_another_role_on_another_node():
+    actor, critic = FakeGroup(2, "actor"), FakeGroup(1, "critic")
+    roles = FakeRoles(actor, critic, nodes={("actor", 0): "a", ("actor", 1): "a", ("critic", 0): "b"})
+    k = keeper()
+    snap = k.take(roles, 7, {"step": 7})
+    assert snap.holders == {"actor": [("critic", 0), ("critic", 0)], "critic": [("actor", 0)]}
+    # Node a is lost: both actor ranks restart and their object-store copies are gone.
+    actor.restart(0)
+    actor.restart(1)
+    actor.store_lost = {0, 1}
+    assert k.restore(roles, None).step == 7
+    assert actor.loaded == {0: ("peer", "actor0@7"), 1: ("peer", "actor1@7")}
+    assert critic.loaded == {0: ("own", "critic0@7")}
+
+
+def test_due():
+    assert [s for s in range(1, 7) if keeper(every=2).due(s)] == [2, 4, 6]
+    assert not any(keeper(every=0).due(s) for s in range(1, 7))
+
+
+def test_complete_only_when_every_hold_finished():
+    g = FakeGroup(2)
+    k = keeper()
+    g.hold_pending = True
+    snap = k.take(FakeRoles(g), 3, {"step": 3})
+    assert not k.is_complete(snap)
+    for rs in snap.holds.values():
+        for r in rs:
+            r.ready = True
+    assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10]}
+
+
+def test_failed_take_makes_the_snapshot_unusable_and_restore_uses_the_previous():
+    g = FakeGroup(2)
+    k = keeper()
+    roles = FakeRoles(g)
+    k.take(roles, 1, {"step": 1})
+    g.take_error = {1}
+    bad = k.take(roles, 2, {"step": 2})
+    assert not k.is_complete(bad) and bad.failed
+    snap = k.restore(roles, min_step=None)
+    assert snap.step == 1 and snap.trainer_state == {"step": 1}
+    assert g.loaded == {0: ("own", "actor0@1"), 1: ("own", "actor1@1")}
+
+
+def test_keeps_newest_complete_and_in_flight_only():
+    g = FakeGroup(1)
+    k = keeper()
+    roles = FakeRoles(g)
+    for step in (1, 2, 3):
+        k.take(roles, step, {"step": step})
+    assert [s.step for s in k.snapshots] == [3]
+    g.hold_pending = True
+    k.take(roles, 4, {"step": 4})
+    assert [s.step for s in k.snapshots] == [3, 4]
+
+
+def test_restarted_rank_reads_the_object_store_then_the_peer():
+    g = FakeGroup(2)
+    events = []
+    k = keeper(events=events)
+    roles = FakeRoles(g)
+    k.take(roles, 5, {"step": 5})
+    g.restart(1)
+    assert k.restore(roles, min_step=4).step == 5
+    assert g.loaded[0] == ("own", "actor0@5") and g.loaded[1] == ("object_store", "actor1@5")
+    assert events[-1] == ("snapshot_restored", {"step": 5, "duration_s": pytest.approx(0, abs=5),
+                                                "sources": {"own": 1, "object_store": 1}})
+    # The node is gone: own copy and object store copy lost, the peer's copy remains.
+    g.loaded.clear()
+    g.restart(1)
+    g.store_lost = {1}
+    assert k.restore(roles, min_step=4).step == 5
+    assert g.loaded[1] == ("peer", "actor1@5")
+
+
+def test_object_store_skipped_when_tasks_are_retried():
+    g = FakeGroup(2)
+    k = keeper(max_task_retries=1)
+    roles = FakeRoles(g)
+    k.take(roles, 5, {"step": 5})
+    g.restart(1)
+    k.restore(roles, None)
+    assert g.loaded[1] == ("peer", "actor1@5")
+    assert not any(m == "load_snapshot" and isinstance(a[1], list) for _, m, a in g.calls)
+
+
+def test_owner_and_holder_lost_falls_back():
+    g = FakeGroup(2)
+    events = []
+    k = keeper(events=events)
+    roles = FakeRoles(g)
+    k.take(roles, 5, {"step": 5})
+    g.restart(0)
+    g.restart(1)
+    g.store_lost = {0, 1}
+    assert k.restore(roles, None) is None
+    assert k.partial
+    assert events[-1][0] == "snapshot_unusable" and "every copy" in events[-1][1]["reason"]
+
+
+def test_older_than_the_last_checkpoint_or_other_world_size_is_not_used():
+    g = FakeGroup(2)
+    events = []
+    k = keeper(events=events)
+    k.take(FakeRoles(g), 5, {"step": 5})
+    assert k.restore(FakeRoles(g), min_step=6) is None and not k.partial
+    assert k.restore(FakeRoles(FakeGroup(1)), min_step=None) is None
+    assert events[-1][0] == "snapshot_unusable" and "world sizes" in events[-1][1]["reason"]
+
+
+def test_drop_after_forgets_newer_steps():
+    g = FakeGroup(1)
+    k = keeper()
+    g.hold_pending = True
+    for step in (1, 2, 3):
+        k.take(FakeRoles(g), step, {"step": step})
+    k.drop_after(2)
+    assert [s.step for s in k.snapshots] == [1, 2]
