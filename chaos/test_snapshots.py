@@ -32,6 +32,7 @@ def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run):
     assert not result.events_of("checkpoint_restored"), "storage was read"
 
 
+@pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
 def test_failure_during_a_snapshot(reference, chaos_run):
     """Killed while the snapshot of step 3 is being copied and handed to its peer: that snapshot
     is used only if every rank finished it, else the one of step 2."""
@@ -41,6 +42,7 @@ def test_failure_during_a_snapshot(reference, chaos_run):
     assert rec["source"] == "snapshot" and rec["restored_step"] in (2, 3)
 
 
+@pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
 def test_owner_and_holder_killed_together(reference, chaos_run):
     """Both actor ranks die (rank 0 holds rank 1's peer copy): their own copies and the one held
     by rank 0 are gone; the object store's copies (and rank 0's, held by the critic) remain."""
