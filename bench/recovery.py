@@ -1,6 +1,6 @@
 """Recovery time: in-place recovery against a full restart of the job and against Ray Train, in one run.
 
-Four measurements, each in its own Ray cluster (``ray.init`` ... ``ray.shutdown``) and temp dir:
+The measurements (``--parts``), each in its own Ray cluster (``ray.init`` ... ``ray.shutdown``) and temp dir:
 
 1. **in-place**: a :class:`FaultSchedule` SIGKILLs actor rank 1 ``--delay`` seconds into step
    ``--fault-step``; the trainer recovers by itself. Time from the kill to the completion of the
@@ -19,7 +19,12 @@ Four measurements, each in its own Ray cluster (``ray.init`` ... ``ray.shutdown`
    Worker rank 1 is SIGKILLed ``--delay`` s after its ``--rt-kill-after``-th step; time to the
    next completed step, split into detect (kill -> the controller's ``after_exception`` callback),
    restart (-> every new worker entered the training function), restore and first step.
-4. **hang**: a SIGSTOP of actor rank 1 with ``recovery.hang_timeout_s=--hang-timeout``; the time
+4. **fast in-place** against **old in-place**, both with ``checkpoint.save_every=20``: the same
+   SIGKILL with warm spares and in-memory snapshots on (``recovery.spares=1``,
+   ``recovery.snapshot_every=1``), and with both off (the recovery path of before). The fault is
+   fired once the spares are ready (a run's steady state). Printed with the same split; "restart"
+   is then the hand-over to a spare.
+5. **hang**: a SIGSTOP of actor rank 1 with ``recovery.hang_timeout_s=--hang-timeout``; the time
    from the SIGSTOP to the ``failure`` event against that deadline (it must be within deadline + 1 s;
    a stopped rank is found sooner, when its health call goes unanswered for ``health_timeout_s``).
 
@@ -58,6 +63,7 @@ from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
 from resilient_rl.config.schema import load_config  # noqa: E402
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
 
+PARTS = ("inplace", "full", "raytrain", "old", "fast", "hang")
 INPLACE = ("detect", "restart", "rejoin", "restore", "replay")
 FULL = ("teardown", "ray_start", "worker_start", "restore", "replay")
 RAYTRAIN = ("detect", "restart", "restore", "first_step")
@@ -68,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=1, help="measurements of each part (default: 1)")
     p.add_argument("--skip-ray-train", action="store_true", help="do not measure Ray Train")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to measure (default: all of {','.join(PARTS)})")
     p.add_argument("--fault-step", type=int, default=4, help="step during which the fault lands (default: 4)")
     p.add_argument("--delay", type=float, default=0.3, help="seconds into that step (default: 0.3)")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.hang_timeout_s of the hang run (default: 5)")
@@ -75,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.num_layers=4")
     args = p.parse_args(argv)
+    args.parts = [x for x in args.parts.split(",") if x]
+    if args.skip_ray_train:
+        args.parts = [x for x in args.parts if x != "raytrain"]
+    if not set(args.parts) <= set(PARTS) or not args.parts:
+        p.error(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
     if args.repeats < 1 or args.fault_step < 2 or args.delay < 0 or args.hang_timeout <= 0 or args.rt_kill_after < 1:
         p.error("need --repeats >= 1, --fault-step >= 2, --delay >= 0, --hang-timeout > 0, --rt-kill-after >= 1")
     return args
@@ -230,7 +243,8 @@ def measure_inplace(args, root: str) -> dict:
     restarts = [e["time"] for e in ev if e["event"] == "worker_restarted" and e["time"] > fail["time"]]
     t_up = max(restarts) if restarts else fail["time"]
     rec = first(ev, "recovered", fail["time"])
-    restored = [e for e in ev if e["event"] == "checkpoint_restored" and fail["time"] < e["time"] <= rec["time"]]
+    restored = [e for e in ev if e["event"] in ("checkpoint_restored", "snapshot_restored")
+                and fail["time"] < e["time"] <= rec["time"]]
     t_load = restored[0]["time"] - restored[0]["duration_s"] if restored else rec["time"]
     t_done = watcher.completed(args.fault_step, rec["time"])
     spawned = [clock.spawned[e["pid"]] for e in ev if e["event"] == "worker_restarted" and e["time"] > fail["time"]
@@ -240,6 +254,21 @@ def measure_inplace(args, root: str) -> dict:
             "restore": rec["time"] - t_load, "replay": t_done - rec["time"], "total": t_done - t_kill,
             "replayed": rec["steps_replayed"], "from_step": rec["restored_step"],
             "cause": fail["cause"], "recovery_duration_s": rec["duration_s"]}
+
+
+FAST = ("recovery.spares=1", "recovery.snapshot_every=1")
+
+
+def _save_every_20(args, extra=()) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, "checkpoint.save_every=20", *extra]})
+
+
+def measure_old_inplace(args, root: str) -> dict:
+    return measure_inplace(_save_every_20(args), root)
+
+
+def measure_fast_inplace(args, root: str) -> dict:
+    return measure_inplace(_save_every_20(args, FAST), root)
 
 
 def measure_full_restart(args, root: str) -> dict:
@@ -444,40 +473,59 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     t0 = time.time()
-    res: dict[str, list[dict]] = {"inplace": [], "full": [], "raytrain": [], "hang": []}
+    parts = {"inplace": ("in-place", measure_inplace), "full": ("full restart", measure_full_restart),
+             "raytrain": ("Ray Train v2", measure_ray_train),
+             "old": ("old in-place (save_every=20)", measure_old_inplace),
+             "fast": ("fast in-place (save_every=20, spares, snapshots)", measure_fast_inplace),
+             "hang": ("hang", measure_hang)}
+    res: dict[str, list[dict]] = {name: [] for name in PARTS}
     for i in range(args.repeats):
-        print(f"[repeat {i + 1}/{args.repeats}] in-place ...", flush=True)
-        res["inplace"].append(in_tmp(measure_inplace, args, "inplace"))
-        print(f"[repeat {i + 1}/{args.repeats}] full restart ...", flush=True)
-        res["full"].append(in_tmp(measure_full_restart, args, "full"))
-        if not args.skip_ray_train:
-            print(f"[repeat {i + 1}/{args.repeats}] Ray Train v2 ...", flush=True)
-            res["raytrain"].append(in_tmp(measure_ray_train, args, "raytrain"))
-        print(f"[repeat {i + 1}/{args.repeats}] hang ...", flush=True)
-        res["hang"].append(in_tmp(measure_hang, args, "hang"))
+        for name in args.parts:
+            title, fn = parts[name]
+            print(f"[repeat {i + 1}/{args.repeats}] {title} ...", flush=True)
+            res[name].append(in_tmp(fn, args, name))
 
     cfg = build_config(args, "unused")
     print(f"\nfault: SIGKILL of actor rank 1, {args.delay:g} s into step {args.fault_step}; checkpoint every "
-          f"{cfg.checkpoint.save_every} steps; measured in {time.time() - t0:.0f} s")
-    ip = table("in-place recovery: kill -> failed step completed", INPLACE, res["inplace"],
-               ("replayed", "from_step"))
-    for i, r in enumerate(res["inplace"]):
-        print(f"  #{i + 1}: failure cause {r['cause']}; recovered.duration_s {r['recovery_duration_s']:.2f}; restart: "
-              f"the new process was created {r['spawn']:.2f} s after the kill (< 0: a pre-started idle worker) "
-              f"and answered {r['ready']:.2f} s after its creation")
-    fr = table("full restart from checkpoint: kill -> failed step completed", FULL, res["full"],
-               ("no_teardown", "replayed", "from_step"))
-    ratios = [("in-place / full restart", ip["total"] / fr["total"], 0.5),
-              ("in-place / full restart without teardown", ip["total"] / fr["no_teardown"], 0.5)]
+          f"{cfg.checkpoint.save_every} steps (old/fast: 20); measured in {time.time() - t0:.0f} s")
+    med: dict[str, dict] = {}
+    if res["inplace"]:
+        med["inplace"] = table("in-place recovery: kill -> failed step completed", INPLACE, res["inplace"],
+                               ("replayed", "from_step"))
+        for i, r in enumerate(res["inplace"]):
+            print(f"  #{i + 1}: failure cause {r['cause']}; recovered.duration_s {r['recovery_duration_s']:.2f}; "
+                  f"restart: the new process was created {r['spawn']:.2f} s after the kill (< 0: a pre-started "
+                  f"idle worker) and answered {r['ready']:.2f} s after its creation")
+    if res["full"]:
+        med["full"] = table("full restart from checkpoint: kill -> failed step completed", FULL, res["full"],
+                            ("no_teardown", "replayed", "from_step"))
     if res["raytrain"]:
-        rt = table(f"Ray Train v2 (2 workers, DDP gloo, checkpoint every step, +{args.rt_pause:g} s/step): "
-                   "kill -> next step completed", RAYTRAIN, res["raytrain"], ("replayed", "from_step"))
-        ratios.insert(0, ("in-place / Ray Train", ip["total"] / rt["total"], 0.3))
-    print("\nratios (medians):")
+        med["raytrain"] = table(f"Ray Train v2 (2 workers, DDP gloo, checkpoint every step, +{args.rt_pause:g} "
+                                "s/step): kill -> next step completed", RAYTRAIN, res["raytrain"],
+                                ("replayed", "from_step"))
+    for name, title in (("old", "old in-place (spares and snapshots off), checkpoint.save_every=20"),
+                        ("fast", "fast in-place (spares=1, snapshot_every=1), checkpoint.save_every=20")):
+        if res[name]:
+            med[name] = table(f"{title}: kill -> failed step completed", INPLACE, res[name], ("replayed", "from_step"))
+    ratios = []
+    for a, b, label, target in (("inplace", "raytrain", "in-place / Ray Train", 0.3),
+                                ("inplace", "full", "in-place / full restart", 0.5),
+                                ("fast", "old", "fast in-place / old in-place", 0.3),
+                                ("fast", "raytrain", "fast in-place / Ray Train", 0.15)):
+        if a in med and b in med:
+            ratios.append((label, med[a]["total"] / med[b]["total"], target))
+    if "inplace" in med and "full" in med:
+        ratios.append(("in-place / full restart without teardown", med["inplace"]["total"] / med["full"]["no_teardown"],
+                       0.5))
+    if "fast" in med:
+        print(f"\nsteps replayed beyond the failed one, fast in-place: {med['fast']['replayed']:g} (target 0)")
+    if ratios:
+        print("\nratios (medians):")
     for name, value, target in ratios:
         print(f"  {name:<44}{value:6.2f}x   target <= {target}x  {'ok' if value <= target else 'MISSED'}")
-    print(f"\nSIGSTOP of actor rank 1 with recovery.hang_timeout_s={args.hang_timeout:g}: "
-          "failure event - SIGSTOP, against deadline + 1 s")
+    if res["hang"]:
+        print(f"\nSIGSTOP of actor rank 1 with recovery.hang_timeout_s={args.hang_timeout:g}: "
+              "failure event - SIGSTOP, against deadline + 1 s")
     for i, h in enumerate(res["hang"]):
         print(f"  #{i + 1}: detected in {h['detect']:.2f} s (deadline {h['deadline']:g} s, cause {h['cause']}, "
               f"unresponsive rank killed: {h['killed']}) -> {'ok' if h['within'] else 'LATE'}; "

@@ -102,7 +102,11 @@ class RecoveryConfig(Section):
     ``snapshot_every``: every that many steps each stateful rank copies its state to host memory,
     kept by itself, by a ring peer and in the object store (:mod:`resilient_rl.trainer.snapshots`);
     a recovery restores the newest complete snapshot instead of the older storage checkpoint.
-    0 turns snapshots off."""
+    0 turns snapshots off.
+
+    ``spares``: warm spare processes per worker group (:mod:`resilient_rl.controller.spares`),
+    started ahead of need on free resources; a dead rank is handed to one at once instead of
+    waiting for Ray to start a new process. 0 turns spares off."""
 
     enabled: bool = True
     max_restarts: int = 3
@@ -117,9 +121,10 @@ class RecoveryConfig(Section):
     health_timeout_s: float = 2.0
     hang_timeout_s: float = 300.0
     snapshot_every: int = 0
+    spares: int = 0
 
     def validate(self) -> None:
-        for name in ("max_restarts", "max_task_retries", "max_failures", "snapshot_every"):
+        for name in ("max_restarts", "max_task_retries", "max_failures", "snapshot_every", "spares"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import ray
 from ray.exceptions import RayActorError
@@ -59,6 +60,23 @@ def kill_process(pid: int, node_id: str) -> None:
         logger.warning("could not kill pid %d on node %s: %s", pid, node_id, exc)
 
 
+def process_gone(pid: int, node_id: str | None) -> bool:
+    """Whether process ``pid`` of node ``node_id`` has exited (or is a zombie), as far as this
+    node can see: False for a process on another node (Ray tells of those)."""
+    try:
+        if ray.get_runtime_context().get_node_id() != node_id:
+            return False
+    except Exception:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no procfs (not Linux): unknown
+        return False
+
+
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
                       "socket timeout", "timed out waiting for")
 
@@ -83,6 +101,15 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
 
 
+def dead_for_good(actor) -> bool:
+    """Whether Ray has given up on ``actor`` (state DEAD: no restarts left, or killed for good)."""
+    try:
+        info = ray._private.state.actors(actor._actor_id.hex())
+    except Exception:  # the GCS may be briefly unreachable; treat as not known dead
+        return False
+    return bool(info) and info.get("State") == "DEAD"
+
+
 class HealthMixin:
     """Probe, kill and wait-for-restart operations of a :class:`RayWorkerGroup`."""
 
@@ -90,26 +117,39 @@ class HealthMixin:
         cls = self.ray_cls_with_init.cls if self.ray_cls_with_init is not None else None
         return cls is not None and getattr(getattr(cls, "__ray_actor_class__", cls), HEALTH_ATTR, False)
 
-    def probe(self, timeout_s: float = 2.0) -> dict[int, object]:
+    def probe(self, timeout_s: float = 2.0, gone: Callable[[int], bool] | None = None) -> dict[int, object]:
         """Health of every rank without waiting behind running calls where the class allows it.
 
         Returns rank -> WorkerInfo, or the exception (died, unavailable) or None (no answer within
         ``timeout_s``: hung, stopped, or queued behind a long call on a class without a health group).
+        ``gone(rank)`` says a rank's process is known to have exited: its probe is not waited for
+        (Ray takes a second or more to report a death; a SIGKILLed process is gone at once).
         """
         method = "health" if self._has_health_group() else "ping"
         refs = [getattr(w, method).remote() for w in self._workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready = set(ready)
+        index = {ref: rank for rank, ref in enumerate(refs)}
         out: dict[int, object] = {}
-        for rank, ref in enumerate(refs):
-            if ref not in ready:
-                out[rank] = None
-                continue
-            try:
-                out[rank] = ray.get(ref)
-            except Exception as exc:  # died or restarting
-                out[rank] = exc
-        return out
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=len(pending),
+                                      timeout=min(remaining, 0.05) if gone else remaining)
+            for ref in ready:
+                try:
+                    out[index[ref]] = ray.get(ref)
+                except Exception as exc:  # died or restarting
+                    out[index[ref]] = exc
+            if gone is not None:
+                for ref in [r for r in pending if gone(index[r])]:
+                    pending.remove(ref)
+                    out[index[ref]] = WorkerDiedError(f"{self.name_prefix} rank {index[ref]}: its process exited",
+                                                      role=self.name_prefix, rank=index[ref], cause="died")
+        for ref in pending:
+            out[index[ref]] = None
+        return dict(sorted(out.items()))
 
     def kill_rank(self, rank: int, pid: int, node_id: str) -> None:
         """SIGKILL rank ``rank``'s process (a hung or stopped one); Ray then restarts the actor."""
@@ -118,15 +158,7 @@ class HealthMixin:
 
     def permanently_dead(self) -> list[int]:
         """Ranks whose actor Ray has given up on (state DEAD: no restarts left)."""
-        dead = []
-        for rank, w in enumerate(self._workers):
-            try:
-                info = ray._private.state.actors(w._actor_id.hex())
-            except Exception:  # the GCS may be briefly unreachable; treat as not known dead
-                continue
-            if info and info.get("State") == "DEAD":
-                dead.append(rank)
-        return dead
+        return [rank for rank, w in enumerate(self._workers) if dead_for_good(w)]
 
     def wait_alive(self, timeout_s: float) -> list:
         """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past ``timeout_s``."""

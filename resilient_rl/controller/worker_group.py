@@ -60,8 +60,18 @@ def _ranked_remote_class(ray_cls):
 
         class Ranked(user_cls):  # type: ignore[valid-type, misc]
             def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
+                self._rrl_init_args = (args, kwargs)
                 export_identity(identity)
                 super().__init__(*args, **kwargs)
+
+            def adopt_identity(self, identity: dict[str, str]):
+                """Become the rank ``identity`` names (a warm spare taking a dead rank's place):
+                export it and run the worker's constructor again under it. A spare never served
+                a rank before (it is a fresh process), so nothing of an earlier rank is left."""
+                args, kwargs = self._rrl_init_args
+                export_identity(identity)
+                user_cls.__init__(self, *args, **kwargs)
+                return self.ping()
 
         Ranked.__name__ = user_cls.__name__
         Ranked.__qualname__ = f"Ranked({user_cls.__qualname__})"
@@ -107,6 +117,8 @@ class RayWorkerGroup(HealthMixin):
                  health_timeout_s: float = 2.0, **_ignored) -> None:
         self._workers: list = []
         self._worker_names: list[str] = []
+        self._identities: list[dict[str, str]] = []  # each rank's RANK, WORLD_SIZE, ... (see Ranked)
+        self._base_options: dict[str, Any] = {}
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
         self.call_timeout_s = call_timeout_s
@@ -129,27 +141,25 @@ class RayWorkerGroup(HealthMixin):
         world_size = pool.world_size
         local_world_sizes = pool.local_world_size_list()
         local_ranks = pool.local_rank_list()
+        # What every process of the group asks of Ray, wherever it is placed (spares too).
+        self._base_options = {"num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
+                              "max_restarts": self.max_restarts, "max_task_retries": self.max_task_retries,
+                              **actor_options}
+        if runtime_env:  # the user's, shared by every rank; the rank's identity does not go here
+            self._base_options["runtime_env"] = runtime_env
+        if pool.use_gpu:
+            self._base_options["num_gpus"] = 1 / pool.max_colocate_count
+        if detached:
+            self._base_options["lifetime"] = "detached"
         rank = 0
         for pg, n in zip(pgs, pool.store):
             for bundle_idx in range(n):
                 identity = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks[rank]),
                             "LOCAL_WORLD_SIZE": str(local_world_sizes[rank]), "RRL_WORKER_GROUP": self.name_prefix}
                 name = f"{self.name_prefix}_{rank}"
-                options = {
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=bundle_idx),
-                    "num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
-                    "name": name,
-                    "max_restarts": self.max_restarts,
-                    "max_task_retries": self.max_task_retries,
-                    **actor_options,
-                }
-                if runtime_env:  # the user's, shared by every rank; the rank's identity does not go here
-                    options["runtime_env"] = runtime_env
-                if pool.use_gpu:
-                    options["num_gpus"] = 1 / pool.max_colocate_count
-                if detached:
-                    options["lifetime"] = "detached"
+                options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle_idx), "name": name, **self._base_options}
+                self._identities.append(identity)
                 self._workers.append(cls_with_init(options, identity))
                 self._worker_names.append(name)
                 rank += 1
@@ -298,6 +308,10 @@ class RayWorkerGroup(HealthMixin):
         self._watch.fresh()
         return self._watch
 
+    def forget_liveness(self) -> None:
+        """Drop the health calls in flight and what they told (a rank's process was replaced)."""
+        self._watch = None
+
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
         return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s, liveness=False)
@@ -313,6 +327,43 @@ class RayWorkerGroup(HealthMixin):
         refs = [w.rendezvous.remote(generation, addr, port, backend, pg_timeout) for w in self._workers]
         self.get(refs, timeout_s=timeout_s + 5.0)
         return generation
+
+    # ------------------------------------------------------------------ warm spares
+    def start_spare(self, name: str):
+        """Start one more process of this group's class outside its placement groups (spread over
+        the cluster's nodes), with the same resources and restart budget as a rank: a warm spare
+        (:mod:`resilient_rl.controller.spares`). Its handle, not waited for."""
+        options = {**self._base_options, "scheduling_strategy": "SPREAD", "name": name}
+        return self.ray_cls_with_init(options, dict(self._identities[0]))
+
+    def adopt(self, rank: int, spare, timeout_s: float):
+        """Make ``spare`` (a started process of this group's class) rank ``rank``: it takes the
+        rank's identity, and the group (every colocated role group sharing its processes too)
+        calls it from now on. Returns the process it replaced and the spare's ping reply. Raises
+        WorkerError when the spare fails to take over (it died): the group is then unchanged."""
+        info = self.get([spare.adopt_identity.remote(self._identities[rank])], timeout_s=timeout_s, liveness=False)[0]
+        old = self._workers[rank]
+        self._workers[rank] = spare  # in place: colocated role groups share this list
+        self.forget_liveness()
+        logger.warning("%s rank %d is now served by a warm spare (pid %d)", self.name_prefix, rank, info.pid)
+        return old, info
+
+    def reidentify(self, infos: list) -> list:
+        """Give each rank whose process answers under another identity (``infos``: their ping
+        replies) its own again, and return the replies. A spare that took a rank's place and
+        then died is restarted by Ray with the constructor arguments it was started with: a
+        spare's, not the rank's."""
+        wrong = [rank for rank, info in enumerate(infos) if self._identities
+                 and (info.rank != rank or info.world_size != self.world_size)]
+        if not wrong:
+            return infos
+        answers = self.get([self._workers[r].adopt_identity.remote(self._identities[r]) for r in wrong],
+                           timeout_s=self.health_timeout_s + 60.0, liveness=False)
+        infos = list(infos)
+        for rank, info in zip(wrong, answers):
+            logger.warning("%s rank %d came back under another identity; it has its own again", self.name_prefix, rank)
+            infos[rank] = info
+        return infos
 
     # ------------------------------------------------------------------ colocated roles
     def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:

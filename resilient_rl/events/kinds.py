@@ -73,11 +73,22 @@ class _WorkerEvent(Event):
 
 @_kind("worker_restarted")
 class WorkerRestarted(_WorkerEvent):
-    """A worker process came back (Ray restarted it) during a recovery: ``role`` is the role it
-    is reported under (the first of the roles sharing it), ``cause`` the failure's cause."""
+    """A worker process came back (Ray restarted it, or a warm spare took its place) during a
+    recovery: ``role`` is the role it is reported under (the first of the roles sharing it),
+    ``cause`` the failure's cause."""
 
     role: str | None = None
     cause: str | None = None
+
+
+@_kind("spare_adopted")
+class SpareAdopted(Event):
+    """A warm spare (``recovery.spares``) took the place of ``group`` rank ``rank``, whose process
+    died, instead of a restart of that process (the ``worker_restarted`` that follows names it)."""
+
+    group: str
+    rank: int
+    role: str | None = None
 
 
 @_kind("kill_unresponsive")

@@ -111,6 +111,18 @@ def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _wait_spares(trainer, timeout_s: float = 90.0) -> None:
+    """Wait until every warm spare of the run is ready (``recovery.spares``; up to ``timeout_s``):
+    faults hit a run in its steady state, where its spares have long been started."""
+    roles = getattr(trainer, "roles", None)
+    spares = getattr(roles, "spares", None)
+    deadline = time.monotonic() + timeout_s
+    while spares and time.monotonic() < deadline:
+        if all(len(pool.ready()) == len(pool) for pool in spares.values()):
+            return
+        time.sleep(0.1)
+
+
 @dataclass
 class FaultSchedule:
     """Faults keyed by step, fired by the trainer's ``on_step_start`` hook."""
@@ -183,6 +195,8 @@ class FaultSchedule:
         for fault in self.faults:
             if fault.trigger == trigger and fault.step == at and not fault.fired:
                 fault.fired = True
+                if trigger != "recovery":  # a fault during recovery hits what recovery is doing
+                    _wait_spares(trainer)
                 if fault.kind in ("corrupt", "truncate"):
                     fault.path = damage_latest_checkpoint(trainer.ckpt.manager, fault.kind)
                     fault.fired_at = time.time()

@@ -37,6 +37,7 @@ class FakePool:
     nodes: tuple[str, ...] = ("node-a", "node-b")
     writes_checkpoints: bool = True
     critic_enabled: bool = False
+    spares: int = 0  # warm spares per group, ready now (the processes they replace refill the pool)
 
     def __post_init__(self) -> None:
         self._pids = itertools.count(100)
@@ -46,6 +47,9 @@ class FakePool:
         self.known = {key: self._info(key) for key in self.procs}
         self.calls: list[tuple] = []
         self._failures: dict[str, list[BaseException]] = {}
+        self.ready_spares = {g: self.spares for g in self.groups}
+        self._refills: dict[str, int] = {g: 0 for g in self.groups}
+        self.spare_dies = 0  # spares that die taking over next (each tries the next ready one)
 
     # ------------------------------------------------------------------ faults
     def crash(self, group: str, rank: int) -> None:
@@ -111,9 +115,29 @@ class FakePool:
         self.procs[key].state = "dead"
         self.procs[key].call = None
 
+    def adopt_spares(self, keys) -> list:
+        """A dead rank of ``keys`` gets a ready spare's new process on another node (no restart
+        of its own); the replaced process is a spare again at the next :meth:`wait_alive`."""
+        adopted = []
+        for group, rank in keys:
+            p = self.procs[(group, rank)]
+            while p.state == "dead" and self.ready_spares[group] > 0:
+                self.ready_spares[group] -= 1
+                self._refills[group] += 1  # Ray restarts the one that died taking over, too
+                if self.spare_dies > 0:
+                    self.spare_dies -= 1
+                    continue
+                self.calls.append(("adopt", (group, rank)))
+                p.pid, p.state, p.call = next(self._pids), "ok", None
+                p.node = next((n for n in self.nodes if n != p.node), p.node)
+                adopted.append((group, rank))
+        return adopted
+
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         self.calls.append(("wait_alive", group))
         self._maybe_fail("wait_alive")
+        self.ready_spares[group] += self._refills[group]
+        self._refills[group] = 0
         for rank in range(self.world_size):
             p = self.procs[(group, rank)]
             if p.state == "stopped":
@@ -142,13 +166,13 @@ class FakePool:
         return {(role, rank): (info.pid, info.node_id) for (g, rank), info in self.known.items()
                 for role in self.groups[g]}
 
-    def rendezvous(self) -> None:
-        self.calls.append(("rendezvous",))
+    def rendezvous(self, groups: list[str] | None = None) -> None:
+        self.calls.append(("rendezvous", groups))
         self._maybe_fail("rendezvous")
         self.generation += 1
 
-    def init_models(self) -> None:
-        self.calls.append(("init_models",))
+    def init_models(self, groups: list[str] | None = None) -> None:
+        self.calls.append(("init_models", groups))
         self._maybe_fail("init_models")
 
     def ops(self) -> list[str]:

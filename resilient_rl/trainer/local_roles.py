@@ -43,7 +43,7 @@ class LocalRoles:
         self.generation = 1
         self.init_models()
 
-    def init_models(self) -> None:
+    def init_models(self, groups: list[str] | None = None) -> None:
         cfg, tokenizer = self.cfg, self.tokenizer
         plan = plan_device(cfg.trainer.device)
         vocab, seed, steps = tokenizer.vocab_size, cfg.trainer.seed, cfg.trainer.total_steps
@@ -106,6 +106,9 @@ class LocalRoles:
     def kill(self, key: tuple[str, int]) -> None:
         raise RRLError(f"local roles: refusing to kill {key}, the controller's own process")
 
+    def adopt_spares(self, keys: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        return []  # one process, the controller's: nothing to stand in for it
+
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         return [self._info()]
 
@@ -118,7 +121,7 @@ class LocalRoles:
     def role_processes(self) -> dict[tuple[str, int], tuple[int, str | None]]:
         return {(role, 0): (os.getpid(), None) for role in self.roles_of(self.GROUP)}
 
-    def rendezvous(self) -> None:
+    def rendezvous(self, groups: list[str] | None = None) -> None:
         self.generation += 1  # no process group: the engines run unsharded
 
     def checkpoint_groups(self) -> list:

@@ -77,6 +77,10 @@ class WorkerPool(Protocol):
     def kill(self, key: ProcessKey) -> None:
         """SIGKILL the process (stopped or hung) so that it is restarted."""
 
+    def adopt_spares(self, keys: list[ProcessKey]) -> list[ProcessKey]:
+        """Hand each dead process of ``keys`` to a ready warm spare (``recovery.spares``) instead
+        of waiting for its restart; the keys handed over (none without spares)."""
+
     def wait_alive(self, group: str, timeout_s: float) -> list[Any]:
         """Wait until every rank of ``group`` answers (restarted where it died); their replies."""
 
@@ -94,11 +98,13 @@ class WorkerPool(Protocol):
         """(role, rank) -> (pid, node id) of every role's rank."""
 
     # -- the process groups and the models ---------------------------------------------------
-    def rendezvous(self) -> None:
-        """Join every process group with a new generation (also after a failure)."""
+    def rendezvous(self, groups: list[str] | None = None) -> None:
+        """Join the process groups named in ``groups`` (every one when None) with a new
+        generation (also after a failure); the others keep theirs."""
 
-    def init_models(self) -> None:
-        """(Re)build every role's model on the current process groups."""
+    def init_models(self, groups: list[str] | None = None) -> None:
+        """(Re)build the models of the roles living in ``groups`` (every role when None) on the
+        current process groups."""
 
     def checkpoint_groups(self) -> list[tuple[str, Any]]:
         """(role, worker group) of every role whose state a checkpoint saves and loads."""

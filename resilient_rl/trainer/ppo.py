@@ -188,6 +188,8 @@ class PPOTrainer:
         step = self.restore("auto")
         if step is None:
             self.restore_source = "start"
+            # Back to the initial weights: the groups a recovery did not rebuild kept theirs.
+            self.roles.init_models()
             if self.snapshots is not None:
                 self.snapshots.drop_after(0)
             self.state.load_state_dict(self.initial_state)  # the failure budget is never refilled

@@ -16,8 +16,10 @@ import uuid
 
 import ray
 
+from resilient_rl.controller.health import process_gone
 from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.controller.resource_pool import RayResourcePool
+from resilient_rl.controller.spares import SparePool
 from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
@@ -51,6 +53,7 @@ class RayRoles:
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         self.torch_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
+        self.spares: dict[str, SparePool] = {}  # process group -> its warm spares (recovery.spares)
         self.groups: dict[str, RayWorkerGroup] = {}
         try:
             classes = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": RefWorker}
@@ -70,6 +73,9 @@ class RayRoles:
             self.refresh_workers()
             self.rendezvous()
             self.init_models()
+            # Started last: they warm up while the first step runs.
+            self.spares = {g.name_prefix: SparePool(g, cfg.recovery.spares, cfg.recovery.rendezvous_timeout_s)
+                           for g in self.distinct_groups()} if cfg.recovery.spares else {}
         except BaseException:
             self.shutdown()
             raise
@@ -120,14 +126,38 @@ class RayRoles:
         g = self._process_group(group)
         if during_call and not g._has_health_group():  # its probe would queue behind the call itself
             return {}
-        return g.probe(timeout_s=timeout_s)
+        known = self.known_workers
+
+        def gone(rank: int) -> bool:
+            pid, node = known.get((group, rank), (None, None))
+            return pid is not None and process_gone(pid, node)
+
+        return g.probe(timeout_s=timeout_s, gone=gone)
 
     def kill(self, key: tuple[str, int]) -> None:
         pid, node = self.known_workers[key]
         self._process_group(key[0]).kill_rank(key[1], pid, node)
 
+    def adopt_spares(self, keys) -> list[tuple[str, int]]:
+        """Hand each dead rank of ``keys`` to a ready warm spare of its group; the ranks handed over."""
+        adopted = []
+        for key in keys:
+            info = self.spares[key[0]].adopt(key[1]) if key[0] in self.spares else None
+            if info is not None:
+                self.worker_info[key] = info  # its pid from now on (a later probe must not find it gone)
+                adopted.append(key)
+        if adopted:  # health calls in flight to the replaced processes must not be judged
+            for g in list(self.torch_groups) + list(self.groups.values()):
+                g.forget_liveness()
+        return adopted
+
+    def spares_ready(self) -> dict[str, int]:
+        """Process group -> how many of its warm spares are ready now (none without spares)."""
+        return {name: len(pool.ready()) for name, pool in self.spares.items()}
+
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
-        return self._process_group(group).wait_alive(timeout_s)
+        g = self._process_group(group)
+        return g.reidentify(g.wait_alive(timeout_s))
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         """(process group, role) of the worker group ``name``; a colocated role's group is
@@ -167,14 +197,18 @@ class RayRoles:
     def checkpoint_groups(self) -> list[tuple[str, RayWorkerGroup]]:
         return [(r, self.groups[r]) for r in STATEFUL_ROLES if r in self.groups]
 
-    def rendezvous(self) -> None:
-        """Join every process group with a new generation (also after a failure)."""
+    def rendezvous(self, groups: list[str] | None = None) -> None:
+        """Join the process groups named in ``groups`` (every one when None) with a new generation
+        (also after a failure); the weight channel too when actor or rollout is among them."""
         self.generation += 1
         rc = self.cfg.recovery
         for g in self.torch_groups:
+            if groups is not None and g.name_prefix not in groups:
+                continue
             g.init_process_group(self.generation, backend=self.backend, timeout_s=rc.rendezvous_timeout_s,
                                  collective_timeout_s=rc.collective_timeout_s)
-        if self.weight_channel:
+        if self.weight_channel and (groups is None or {self._parent(self.groups[r]).name_prefix
+                                                        for r in ("actor", "rollout")} & set(groups)):
             actor, rollout = self.groups["actor"], self.groups["rollout"]
             addr, port = actor.get([actor.workers[0].get_master_addr_port.remote()], timeout_s=rc.rendezvous_timeout_s)[0]
             args = (self.generation, addr, port, rollout.world_size + 1, self.backend, rc.collective_timeout_s)
@@ -183,13 +217,16 @@ class RayRoles:
             for g, r in zip((actor, rollout), refs):
                 g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
 
-    def init_models(self) -> None:
+    def init_models(self, groups: list[str] | None = None) -> None:
         for role in ("actor", "ref", "rollout", "critic"):
-            if role in self.groups:
+            if role in self.groups and (groups is None or self._parent(self.groups[role]).name_prefix in groups):
                 self.groups[role].init_model()
 
     def shutdown(self) -> None:
         """Kill every actor of the run and remove its placement groups."""
+        for spares in self.spares.values():
+            spares.shutdown()
+        self.spares = {}
         seen = set()
         for g in list(self.torch_groups) + list(self.groups.values()):
             if id(g.workers) in seen:

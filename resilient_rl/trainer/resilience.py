@@ -10,10 +10,14 @@ per state does that state's work and returns the next state.
    rank that does not answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as
    not advancing (it still answers the probe); survivors still inside a call are waited for (a
    collective error ends it at once when a peer died) and killed if they stop advancing; then
-   the protocol waits until Ray has restarted every dead actor (``max_restarts``) and all answer.
+   each dead rank is handed to a ready warm spare of its group where there is one
+   (``recovery.spares``, :mod:`resilient_rl.controller.spares`), and the protocol waits until
+   Ray has restarted every other dead actor (``max_restarts``) and all answer.
    Survivors keep their processes. Each restart spends the restarted actor's budget.
-2. REJOINING: every process group joins a new generation (survivors drop the broken one), and
-   every role rebuilds its model on it (FSDP2 modules are bound to their process group).
+2. REJOINING: the process groups that lost a member, and the one the failure names, join a new
+   generation (survivors drop the broken one), and their roles rebuild their models on it (FSDP2
+   modules are bound to their process group). Groups whose members all survived keep their
+   process group and models: a dead rollout does not make the actor re-initialise.
 3. RESTORING: the newest complete in-memory snapshot (:mod:`resilient_rl.trainer.snapshots`)
    or else the newest committed checkpoint that verifies is loaded into actor and critic, the
    controller's own state (step, data position, KL coefficient) rolls back with it, and the
@@ -65,6 +69,7 @@ class _Attempt:
     group: str | None = None  # the process group the failure names, where known
     restarted: list[ProcessKey] = dataclasses.field(default_factory=list)
     restored: int = 0
+    rejoin: set[str] = dataclasses.field(default_factory=set)  # process groups to rejoin and rebuild
     source: str | None = None  # where the restored state came from (snapshot, checkpoint, start)
     reason: str = ""
 
@@ -125,7 +130,8 @@ class Recovery:
                 raise  # aborted, or another controller owns the run now: recovering would fight it
             except (WorkerError, RRLError, TimeoutError) as again:
                 logger.warning("failure during recovery (%s): %s", self.sm.state.value, again)
-                attempt = dataclasses.replace(self._attempt(again, failed_step), restarted=attempt.restarted)
+                attempt = dataclasses.replace(self._attempt(again, failed_step), restarted=attempt.restarted,
+                                              rejoin=attempt.rejoin)
                 self._report("failure_during_recovery", attempt, state=self.sm.state.value)
                 following = S.RECOVERING
             self.sm.to(following)
@@ -159,7 +165,8 @@ class Recovery:
             return S.ABORTING
         pool = self.pool()
         known = pool.workers()
-        unresponsive, lost = self._probe(pool, known)
+        unresponsive, dead, replaced = self._probe(pool, known)
+        lost = dead + replaced
         hung = self._hung_rank(pool, a, known)
         if a.failure.cause is Cause.EXCEPTION and (lost or unresponsive):
             # A survivor's error raced ahead of the death that caused it: the death is the failure.
@@ -177,7 +184,10 @@ class Recovery:
             self._kill(pool, key, known, "kill_unresponsive", killed)
         if hung is not None and hung not in killed:
             self._kill(pool, hung, known, "kill_hung", killed, reason=a.failure.message[:300])
+        # Spares first: the drain then probes them (idle, answering) rather than dead processes.
+        adopted = self._adopt_spares(pool, set(dead) | killed)
         self._drain(pool, known, killed)
+        self._adopt_spares(pool, killed - adopted)  # survivors the drain found stalled
         restarted = self._wait_restarted(pool, known, a.failure.cause)
         a.restarted += restarted
         verdict = self.policy.record_restarts([self._budget_key(pool, k) for k in restarted])
@@ -189,8 +199,10 @@ class Recovery:
     def _rejoining(self, a: _Attempt) -> RecoveryState:
         self.on_state(S.REJOINING)
         pool = self.pool()
-        pool.rendezvous()
-        pool.init_models()
+        a.rejoin |= self._broken_groups(pool, a)
+        groups = sorted(a.rejoin)
+        pool.rendezvous(groups)
+        pool.init_models(groups)
         return S.RESTORING
 
     def _restoring(self, a: _Attempt) -> RecoveryState:
@@ -198,6 +210,16 @@ class Recovery:
         a.restored = self.restore()
         a.source = self.restore_source()
         return S.RUNNING
+
+    @staticmethod
+    def _broken_groups(pool: WorkerPool, a: _Attempt) -> set[str]:
+        """The process groups to rejoin: those with a restarted member and the one the failure
+        names (its collectives may be broken); every group when the failure names none. The
+        others keep their process group and their models (per-group recovery): the restore
+        then rolls their state back in place."""
+        if a.group is None:
+            return set(pool.process_groups())
+        return {a.group} | {group for group, _ in a.restarted}
 
     def _aborting(self, a: _Attempt) -> RecoveryState:
         last = self.checkpoints.last_committed
@@ -212,10 +234,11 @@ class Recovery:
         controller of the run (process-group names carry a per-controller instance id)."""
         return primary_role(pool.roles_of(key[0])) or key[0], key[1]
 
-    def _probe(self, pool: WorkerPool, known: dict) -> tuple[list[ProcessKey], list[ProcessKey]]:
-        """(unresponsive, lost): known ranks that do not answer the health probe (stopped, hung
-        outside a call) and ranks whose process died or was already replaced."""
-        unresponsive, lost = [], []
+    def _probe(self, pool: WorkerPool, known: dict) -> tuple[list[ProcessKey], list[ProcessKey], list[ProcessKey]]:
+        """(unresponsive, dead, replaced): known ranks that do not answer the health probe
+        (stopped, hung outside a call), ranks whose process died, and ranks whose process was
+        already replaced (restarted)."""
+        unresponsive, dead, replaced = [], [], []
         for group in pool.process_groups():
             for rank, info in pool.probe(group, timeout_s=self.cfg.health_timeout_s).items():
                 key = (group, rank)
@@ -223,9 +246,11 @@ class Recovery:
                     continue
                 if info is None:
                     unresponsive.append(key)
-                elif isinstance(info, BaseException) or info.pid != known[key].pid:
-                    lost.append(key)
-        return unresponsive, lost
+                elif isinstance(info, BaseException):
+                    dead.append(key)
+                elif info.pid != known[key].pid:
+                    replaced.append(key)
+        return unresponsive, dead, replaced
 
     def _hung_rank(self, pool: WorkerPool, a: _Attempt, known: dict) -> ProcessKey | None:
         """The process ``a``'s error names as not advancing, if it is still the one known."""
@@ -242,6 +267,13 @@ class Recovery:
         self.emit(kind, group=key[0], rank=key[1], pid=info.pid, node=info.node_id, **extra)
         pool.kill(key)
         killed.add(key)
+
+    def _adopt_spares(self, pool: WorkerPool, dead: set[ProcessKey]) -> set[ProcessKey]:
+        """Hand the ``dead`` ranks to warm spares where their groups have ready ones."""
+        adopted = set(pool.adopt_spares(sorted(dead))) if dead else set()
+        for group, rank in sorted(adopted):
+            self.emit("spare_adopted", group=group, rank=rank, role=primary_role(pool.roles_of(group)))
+        return adopted
 
     def _drain(self, pool: WorkerPool, known: dict, killed: set) -> None:
         """Wait until no survivor is inside a call, so the rendezvous does not queue behind one.

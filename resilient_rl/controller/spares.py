@@ -1,0 +1,119 @@
+"""Warm spares: idle, fully started worker processes that take a dead rank's place at once.
+
+When a rank's process dies, Ray restarts it (``recovery.max_restarts``), and a new process costs
+seconds on any machine: Python, torch and the worker's imports, then its constructor. A worker
+group with ``recovery.spares`` = N keeps N processes of its class started ahead of need, outside
+its placement groups and spread over the cluster's nodes (Ray's ``SPREAD``), with the resources
+and restart budget of a rank. When recovery finds a rank dead, :meth:`SparePool.adopt` hands the
+rank to a ready spare (:meth:`~resilient_rl.controller.worker_group.RayWorkerGroup.adopt`): the
+spare takes the rank's identity and the group calls it from then on. It then joins the new
+process-group generation, builds its models and restores the rank's state like any restarted
+rank. The process it replaced is being restarted by Ray meanwhile and joins the pool as a spare
+once it answers: the pool refills in the background, and the run holds the same resources as
+before (the replaced process keeps the rank's placement-group bundle).
+
+A spare is *ready* once it has answered a ping; one still starting is never waited for (the
+rank then waits for Ray's restart, as without spares). A spare that dies while idle or while
+taking over is restarted by Ray and tried again once it answers; one Ray has given up on is
+replaced by a fresh one. Spares need free resources: on a cluster with none left (every GPU
+taken by a rank), they stay pending and recovery falls back to Ray's restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+import ray
+
+from resilient_rl.controller.health import dead_for_good
+from resilient_rl.errors import WorkerError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Spare:
+    handle: Any
+    ping: Any  # the ObjectRef of its ping in flight
+    ok: bool = False  # whether its last ping answered (a new one is sent after each answer)
+
+
+class SparePool:
+    """``n`` warm spares of ``group`` (a :class:`~resilient_rl.controller.worker_group.RayWorkerGroup`
+    that started its own processes); see the module docstring.
+
+    ``timeout_s`` bounds a spare's taking over a rank (its constructor runs again)."""
+
+    def __init__(self, group, n: int, timeout_s: float) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+        self._names = itertools.count()
+        self._spares: list[_Spare] = []
+        for _ in range(n):
+            self._start()
+
+    def _start(self) -> None:
+        handle = self.group.start_spare(f"{self.group.name_prefix}_spare{next(self._names)}")
+        self._spares.append(_Spare(handle, handle.ping.remote()))
+
+    def __len__(self) -> int:
+        return len(self._spares)
+
+    def ready(self) -> list:
+        """The spares whose last ping answered (without waiting). Each answer sends the next
+        ping, so a spare that died since is found at a later call: it is asked again once Ray
+        restarted it, or replaced where Ray gave up on it."""
+        out = []
+        for spare in list(self._spares):
+            done, _ = ray.wait([spare.ping], timeout=0)
+            if done:
+                try:
+                    ray.get(spare.ping, timeout=0)
+                    spare.ok = True
+                except Exception as exc:  # it died, and Ray restarts it or gave up on it
+                    spare.ok = False
+                    if dead_for_good(spare.handle):
+                        logger.info("warm spare of %s is gone for good (%s); starting another",
+                                    self.group.name_prefix, exc)
+                        self._spares.remove(spare)
+                        self._start()
+                        continue
+                spare.ping = spare.handle.ping.remote()
+            if spare.ok:
+                out.append(spare)
+        return out
+
+    def adopt(self, rank: int):
+        """Hand ``rank`` to a ready spare; the spare's ping reply (its pid, node), or None when no
+        spare is ready or every ready one died while taking over (the rank then waits for Ray's
+        restart)."""
+        ready = self.ready()
+        logger.info("%s rank %d is dead: %d of %d warm spares ready", self.group.name_prefix, rank, len(ready),
+                    len(self._spares))
+        for spare in ready:
+            self._spares.remove(spare)
+            try:
+                replaced, info = self.group.adopt(rank, spare.handle, self.timeout_s)
+            except WorkerError as exc:  # it died taking over: Ray restarts it, a spare again later
+                logger.warning("warm spare of %s died taking over rank %d: %s", self.group.name_prefix, rank, exc)
+                self.give(spare.handle)
+                continue
+            self.give(replaced)
+            return info
+        return None
+
+    def give(self, handle) -> None:
+        """Keep ``handle`` (a process Ray is restarting) as a spare once it answers."""
+        self._spares.append(_Spare(handle, handle.ping.remote()))
+
+    def shutdown(self) -> None:
+        """Kill every spare (no restart)."""
+        for spare in self._spares:
+            try:
+                ray.kill(spare.handle, no_restart=True)
+            except Exception as exc:  # already gone
+                logger.debug("ray.kill of a spare failed: %s", exc)
+        self._spares = []

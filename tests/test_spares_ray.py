@@ -1,0 +1,91 @@
+"""Warm spares on a local CPU Ray cluster: a spare takes a dead rank's identity and place, the
+process it replaced comes back as a spare, and a colocated run recovers through one."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+
+from resilient_rl.controller.spares import SparePool
+from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.testing.wait import wait_until
+from resilient_rl.trainer.run_dir import deterministic_view
+from test_controller_ray import make_group
+from test_trainer_ray import small_cfg
+from resilient_rl.trainer.ppo import PPOTrainer
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_spare_becomes_the_dead_rank_and_the_replaced_process_a_spare(ray_cluster):
+    wg = make_group(2, "spares", max_restarts=2, call_timeout_s=60)
+    pool = SparePool(wg, 1, timeout_s=30)
+    try:
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
+        spare_pid = ray.get(pool._spares[0].handle.ping.remote()).pid
+        wg.init_process_group(generation=1, backend="gloo", timeout_s=20)
+        victim = wg.ping()[1].pid
+        os.kill(victim, signal.SIGKILL)
+        info = pool.adopt(1)
+        assert info is not None and info.pid == spare_pid and info.rank == 1 and info.world_size == 2
+        described = wg.describe("after")
+        assert [d["rank"] for d in described] == [0, 1] and described[1]["pid"] == spare_pid
+        # Ray restarts the replaced process (it kept rank 1's constructor arguments): a spare once it answers.
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the replaced process to come back as a spare")
+        assert ray.get(pool._spares[0].handle.ping.remote()).pid not in (victim, spare_pid)
+        wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+        # The spare, now rank 1, dies with no spare ready: Ray restarts it with a spare's
+        # constructor arguments (rank 0's identity) and the group gives it rank 1's back.
+        for s in list(pool._spares):
+            ray.kill(s.handle, no_restart=True)
+        os.kill(spare_pid, signal.SIGKILL)
+        infos = wait_until(lambda: wg.wait_alive(30), 60, 0.5, "the spare to be restarted")
+        assert infos[1].pid != spare_pid and infos[1].rank == 0, "restarted under the spare's arguments"
+        assert [i.rank for i in wg.reidentify(infos)] == [0, 1] and [i.rank for i in wg.ping()] == [0, 1]
+        wg.init_process_group(generation=3, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+    finally:
+        pool.shutdown()
+        wg.shutdown()
+
+
+def test_a_spare_gone_for_good_is_replaced_and_none_ready_leaves_the_rank_alone(ray_cluster):
+    wg = make_group(2, "nospare", max_restarts=1, call_timeout_s=60)
+    pool = SparePool(wg, 1, timeout_s=30)
+    try:
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
+        first = pool._spares[0].handle
+        ray.kill(first, no_restart=True)  # gone for good
+        wait_until(lambda: pool.ready() is not None and pool._spares[0].handle is not first, 30, 0.2,
+                   "a fresh spare to be started")
+        handles = list(wg.workers)
+        assert pool.adopt(0) is None and wg.workers == handles  # the fresh one is still starting
+        assert len(pool) == 1
+    finally:
+        pool.shutdown()
+        wg.shutdown()
+
+
+def test_colocated_run_recovers_through_a_spare_and_matches_the_fault_free_run(ray_cluster, tmp_path):
+    fast = ("checkpoint.save_every=20", "recovery.snapshot_every=1", "recovery.spares=1", "trainer.total_steps=4")
+    reference = PPOTrainer(small_cfg(tmp_path, "ref", *fast))
+    try:
+        reference.fit()
+    finally:
+        reference.shutdown()
+    schedule = FaultSchedule().after_snapshot(3).kill("actor", 1)
+    trainer = PPOTrainer(small_cfg(tmp_path, "faulted", *fast), hooks=[schedule])
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    events = trainer.run_dir.read_events()
+    adopted = [e for e in events if e["event"] == "spare_adopted"]
+    assert [(e["role"], e["rank"]) for e in adopted] == [("actor", 1)], adopted
+    rec = [e for e in events if e["event"] == "recovered"]
+    assert len(rec) == 1 and rec[0]["source"] == "snapshot" and rec[0]["steps_replayed"] == 0
+    assert deterministic_view(trainer.run_dir.read_metrics()) == deterministic_view(reference.run_dir.read_metrics())
