@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fault-step", type=int, default=4, help="step during which actor rank 1 is killed")
     p.add_argument("--delay", type=float, default=0.3, help="seconds into that step")
     p.add_argument("--steps", type=int, default=10, help="steps of each fault-free cost run")
+    p.add_argument("--cost-only", action="store_true", help="measure only the cost (skip the two fault runs)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_args(argv)
 
@@ -67,18 +68,20 @@ def measure_cost(args, root: str, snapshot_every: int) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print("in-place recovery from storage (save_every=2):", flush=True)
-    base = rb.in_tmp(rb.measure_inplace, args, "storage")
-    print("in-place recovery from snapshots (save_every=20, snapshot_every=1):", flush=True)
-    snap = rb.in_tmp(rb.measure_inplace, with_overrides(args, SNAPSHOTS), "snapshot")
+    if not args.cost_only:
+        print("in-place recovery from storage (save_every=2):", flush=True)
+        base = rb.in_tmp(rb.measure_inplace, args, "storage")
+        print("in-place recovery from snapshots (save_every=20, snapshot_every=1):", flush=True)
+        snap = rb.in_tmp(rb.measure_inplace, with_overrides(args, SNAPSHOTS), "snapshot")
     print("cost, snapshots off / every step:", flush=True)
     off = rb.in_tmp(lambda a, root: measure_cost(a, root, 0), args, "cost-off")
     on = rb.in_tmp(lambda a, root: measure_cost(a, root, 1), args, "cost-on")
     print()
-    print(f"steps replayed: storage {base['replayed']} (from step {base['from_step']}), snapshots {snap['replayed']} "
-          f"(from step {snap['from_step']})")
-    print(f"MTTR (kill -> failed step done): storage {base['total']:.2f}s, snapshots {snap['total']:.2f}s, "
-          f"ratio snapshots/storage {snap['total'] / base['total']:.2f}")
+    if not args.cost_only:
+        print(f"steps replayed: storage {base['replayed']} (from step {base['from_step']}), "
+              f"snapshots {snap['replayed']} (from step {snap['from_step']})")
+        print(f"MTTR (kill -> failed step done): storage {base['total']:.2f}s, snapshots {snap['total']:.2f}s, "
+              f"ratio snapshots/storage {snap['total'] / base['total']:.2f}")
     print(f"step time: off {off['step_s']:.3f}s, every step {on['step_s']:.3f}s, ratio {on['step_s'] / off['step_s']:.3f}")
     for role, sizes in on.get("copy_bytes", {}).items():
         for rank, nbytes in enumerate(sizes):
