@@ -8,12 +8,14 @@ Measured in one run, each part in its own Ray cluster (helpers of ``bench/recove
    ``recovery.snapshot_every=1``. Printed: steps replayed, restored step and source, and the time
    from the kill to the failed step's completion (MTTR) as a ratio to the baseline's.
 3. **cost**: fault-free runs of ``--steps`` steps with ``checkpoint.save_every=20``, snapshots off
-   and every step; the median step time (the first step excluded) as a ratio, and the bytes of one
+   and every step (``--repeats`` alternated pairs); the median step time (the first step
+   excluded) as a ratio (the median of the pairs' ratios), and the bytes of one
    snapshot copy per rank with the host memory each rank spends on snapshots (its own copies and
    the neighbour's it holds; the object store keeps one more copy per kept snapshot).
 
     python bench/snapshots.py                     # about 2 minutes on 2 busy cores
     python bench/snapshots.py --steps 12 model.num_layers=4
+    python bench/snapshots.py --cost-only --steps 12 --repeats 3   # the cost part only
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--delay", type=float, default=0.3, help="seconds into that step")
     p.add_argument("--steps", type=int, default=10, help="steps of each fault-free cost run")
     p.add_argument("--cost-only", action="store_true", help="measure only the cost (skip the two fault runs)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="pairs of cost runs (off, every step), alternated; the ratio is the median of the pairs'")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_args(argv)
 
@@ -74,15 +78,22 @@ def main(argv=None) -> None:
         print("in-place recovery from snapshots (save_every=20, snapshot_every=1):", flush=True)
         snap = rb.in_tmp(rb.measure_inplace, with_overrides(args, SNAPSHOTS), "snapshot")
     print("cost, snapshots off / every step:", flush=True)
-    off = rb.in_tmp(lambda a, root: measure_cost(a, root, 0), args, "cost-off")
-    on = rb.in_tmp(lambda a, root: measure_cost(a, root, 1), args, "cost-on")
+    pairs = []
+    for _ in range(max(1, args.repeats)):  # alternated: a change in the machine's load hits both
+        off = rb.in_tmp(lambda a, root: measure_cost(a, root, 0), args, "cost-off")
+        on = rb.in_tmp(lambda a, root: measure_cost(a, root, 1), args, "cost-on")
+        pairs.append((off["step_s"], on["step_s"]))
     print()
     if not args.cost_only:
         print(f"steps replayed: storage {base['replayed']} (from step {base['from_step']}), "
               f"snapshots {snap['replayed']} (from step {snap['from_step']})")
         print(f"MTTR (kill -> failed step done): storage {base['total']:.2f}s, snapshots {snap['total']:.2f}s, "
               f"ratio snapshots/storage {snap['total'] / base['total']:.2f}")
-    print(f"step time: off {off['step_s']:.3f}s, every step {on['step_s']:.3f}s, ratio {on['step_s'] / off['step_s']:.3f}")
+    for off_s, on_s in pairs if len(pairs) > 1 else ():
+        print(f"  pair: off {off_s:.3f}s, every step {on_s:.3f}s, ratio {on_s / off_s:.3f}")
+    off_s, on_s = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    ratio = statistics.median(p[1] / p[0] for p in pairs)
+    print(f"step time: off {off_s:.3f}s, every step {on_s:.3f}s, ratio {ratio:.3f}")
     for role, sizes in on.get("copy_bytes", {}).items():
         for rank, nbytes in enumerate(sizes):
             host = on["host_bytes"][role][rank]

@@ -40,10 +40,13 @@ CHUNK_BYTES = 256 * 2**20
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself, not a copy), else ``t``."""
-    if not hasattr(t, "to_local"):
-        return t
-    with torch.no_grad():  # without autograd, to_local returns the local tensor itself
-        return t.to_local()
+    shard = getattr(t, "_local_tensor", None)  # what to_local returns without autograd, minus its overhead
+    if shard is not None:
+        return shard
+    if hasattr(t, "to_local"):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
@@ -56,8 +59,10 @@ def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         names[id(p)] = name
         out.append((f"model/{name}", local(p)))
     for mod_name, mod in model.named_modules():
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
-        for b_name, b in mod.named_buffers(recurse=False):
+        if not mod._buffers:
+            continue
+        skip = mod._non_persistent_buffers_set
+        for b_name, b in mod._buffers.items():
             if b is not None and b_name not in skip:
                 out.append((f"model/{mod_name + '.' if mod_name else ''}{b_name}", local(b)))
     if optimizer is not None:
@@ -175,22 +180,32 @@ class HostRing:
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self.buffers: list[torch.Tensor | None] = [None] * slots
+        self._views: list[tuple[Layout | None, list]] = [(None, [])] * slots
         self._stream = None
 
     def buffer(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
         buf = self.buffers[slot]
-        if buf is None or buf.numel() != nbytes:
+        if buf is None or buf.numel() != nbytes or (pin and not buf.is_pinned()):
             self.buffers[slot] = None  # free the old one first
+            self._views[slot] = (None, [])
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             self.buffers[slot] = buf
         return buf
+
+    def views(self, slot: int, layout: Layout) -> list[torch.Tensor]:
+        """The views of ``layout`` into buffer ``slot`` (made once per layout and buffer)."""
+        cached, views = self._views[slot]
+        if cached is not layout:
+            views = layout.views(self.buffers[slot])
+            self._views[slot] = (layout, views)
+        return views
 
     def copy_out(self, layout: Layout, tensors: list[torch.Tensor], slot: int) -> np.ndarray:
         """Copy ``tensors`` (laid out as ``layout``) into buffer ``slot``; the buffer as a NumPy
         array once the copy is complete."""
         cuda = [t.device for t in tensors if t.is_cuda]
         buf = self.buffer(slot, layout.total, pin=bool(cuda))
-        dst = layout.views(buf)
+        dst = self.views(slot, layout)
         with torch.no_grad():
             if not cuda:
                 for r in _chunks(layout, len(tensors)):
