@@ -76,11 +76,13 @@ def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
     ``rank`` itself) and check the state and the continued training are identical."""
     for s in range(2):
         rank.train(s)
-    snap = rank.take_snapshot(2)
+    taken = rank.take_snapshot(2)
+    assert taken["step"] == 2 and list(taken["roles"]) == ["actor"]
+    snap = taken["roles"]["actor"]
     at_snapshot = rank.fingerprint()
-    if via_pickle:  # as Ray hands it over: the buffer as a read-only view
-        snap = pickle.loads(pickle.dumps(snap, protocol=5))
-        snap["data"].setflags(write=False)
+    if via_pickle:  # as Ray hands it over (what take_snapshot returned): the buffer as a read-only view
+        snap = pickle.loads(pickle.dumps(taken, protocol=5))
+        snap["roles"]["actor"]["data"].setflags(write=False)
     rank.train(2)
     noise_a = rank.train(3)
     after_a = rank.fingerprint()
@@ -108,7 +110,7 @@ def test_copy_into_a_fresh_rank_whose_optimizer_has_no_state():
 
 def test_snapshot_before_the_optimizer_had_state_clears_it():
     rank = Rank(mlp)
-    snap = rank.take_snapshot(0)
+    snap = rank.take_snapshot(0)["roles"]["actor"]
     before = rank.fingerprint()
     assert not any(e[0].startswith("optim/") for e in snap["layout"])
     rank.train(0)
@@ -124,7 +126,7 @@ def test_snapshot_before_the_optimizer_had_state_clears_it():
 def test_taken_copy_is_not_changed_by_later_training_and_ring_keeps_two():
     rank = Rank(mlp)
     rank.train(0)
-    first = rank.take_snapshot(1)
+    first = rank.take_snapshot(1)["roles"]["actor"]
     kept = first["data"].copy()
     rank.train(1)
     rank.take_snapshot(2)
@@ -140,7 +142,7 @@ def test_taken_copy_is_not_changed_by_later_training_and_ring_keeps_two():
 def test_mismatch_names_the_path():
     rank = Rank(mlp)
     rank.train(0)
-    snap = rank.take_snapshot(1)
+    snap = rank.take_snapshot(1)["roles"]["actor"]
     other = Rank(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
     other.train(0)
     with pytest.raises(ValueError, match=r"model/0\.weight has shape \(5, 4\), the rank's \(6, 4\)"):
@@ -154,7 +156,7 @@ def test_mismatch_names_the_path():
 def test_layout_is_self_describing_and_aligned():
     rank = Rank(mlp)
     rank.train(0)
-    snap = rank.take_snapshot(1)
+    snap = rank.take_snapshot(1)["roles"]["actor"]
     layout = Layout.from_list(snap["layout"])
     assert all(e.offset % snapshot_buffers.ALIGN == 0 for e in layout.entries)
     views = layout.views(torch.from_numpy(snap["data"]))
@@ -171,7 +173,7 @@ def test_copy_reports_progress_per_chunk(monkeypatch):
     rank.train(0)
     monkeypatch.setattr(snapshot_buffers, "CHUNK_BYTES", 64)
     before = progress.snapshot().advances
-    snap = rank.take_snapshot(1)
+    snap = rank.take_snapshot(1)["roles"]["actor"]
     layout = Layout.from_list(snap["layout"])
     chunks = list(snapshot_buffers._chunks(layout, len(layout.entries)))
     assert len(chunks) > 4 and sum(len(c) for c in chunks) == len(layout.entries)
@@ -208,3 +210,38 @@ def test_fsdp2_round_trip(single_rank_group):
     roundtrip(rank, fresh, via_pickle=True)
     assert all(hasattr(s["exp_avg"], "to_local") for s in fresh.engine.optimizer.state.values())
     roundtrip(rank, rank, via_pickle=False)
+
+
+def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
+    from resilient_rl.workers import snapshot as snapshot_mod
+
+    actor, critic = Rank(mlp), Rank(mlp)
+    critic.role = "critic"
+    saved = dict(snapshot_mod._PROCESS_ROLES)
+    try:
+        actor.register_snapshot_role()
+        critic.register_snapshot_role()
+        actor.train(0)
+        critic.train(1)
+        taken = actor.take_snapshot(1, ["actor", "critic"])
+        assert sorted(taken["roles"]) == ["actor", "critic"] and critic.has_snapshot(1)
+        with pytest.raises(ValueError, match="hosts no ref rank 0"):
+            actor.take_snapshot(1, ["ref"])
+        # Another process (rank 1 here) holds the bundle; its answer sizes each copy.
+        peer = Rank(mlp)
+        peer.rank = 1
+        snapshot_mod._PROCESS_ROLES.clear()
+        peer.register_snapshot_role()
+        answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], pickle.loads(pickle.dumps(taken)))
+        assert answer == {"step": 1, "bytes": {"actor:0": taken["roles"]["actor"]["bytes"],
+                                               "critic:0": taken["roles"]["critic"]["bytes"]}}
+        held = peer.held_snapshot(1, "critic", 0)
+        assert held is not None and np.array_equal(held["data"], taken["roles"]["critic"]["data"])
+        assert peer.snapshot_memory()["held_bytes"] == sum(answer["bytes"].values())
+        # The critic restores from the held copy (as the controller hands it over).
+        critic.train(2)
+        assert critic.load_snapshot(1, held) is True
+        assert np.array_equal(critic.take_snapshot(5)["roles"]["critic"]["data"], held["data"])
+    finally:
+        snapshot_mod._PROCESS_ROLES.clear()
+        snapshot_mod._PROCESS_ROLES.update(saved)

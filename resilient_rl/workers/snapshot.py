@@ -6,9 +6,10 @@ into a preallocated host buffer (:mod:`resilient_rl.workers.snapshot_buffers`), 
 non-tensor parts (scheduler, optimizer hyperparameters, RNG) ride along as plain values.
 :meth:`SnapshotMixin.take_snapshot` keeps the newest copies in the process (:data:`KEEP`
 buffers, reused in turn) and returns the copy, so the controller's object reference keeps a
-second one in Ray's object store (owned by the controller: it outlives this process).
-:meth:`SnapshotMixin.hold_snapshot` makes this rank keep a ring neighbour's copy (a third copy,
-on another node where there is one). :meth:`SnapshotMixin.load_snapshot` writes a copy back into
+second one in Ray's object store (owned by the controller: it outlives this process); one call
+takes every stateful role the process hosts (colocated roles), so a process puts one object.
+:meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
+copy, on another node where there is one), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a copy back into
 the rank's tensors in place.
 
 A snapshot (a dict) is self-describing: ``layout`` names each packed tensor with its dtype,
@@ -27,6 +28,7 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import numpy as np
@@ -59,9 +61,30 @@ def _optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
     return groups, scalars
 
 
+_PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
+
+
+def process_role(role: str) -> "SnapshotMixin | None":
+    """The worker of ``role`` in this process (colocated roles share one), or None."""
+    ref = _PROCESS_ROLES.get(role)
+    return ref() if ref is not None else None
+
+
+def process_workers() -> list["SnapshotMixin"]:
+    return [w for w in (r() for r in list(_PROCESS_ROLES.values())) if w is not None]
+
+
 class SnapshotMixin:
     """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin
-    (``self.engine``: ``model``, ``optimizer``, ``scheduler``)."""
+    (``self.engine``: ``model``, ``optimizer``, ``scheduler``). Each instance registers itself
+    as its role's worker of this process (:func:`process_role`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_snapshot_role()
+
+    def register_snapshot_role(self) -> None:
+        _PROCESS_ROLES[getattr(self, "role", "worker")] = weakref.ref(self)
 
     _own_snapshots: dict | None = None  # step -> (ring slot or None, this rank's copy)
     _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
@@ -80,14 +103,8 @@ class SnapshotMixin:
         used = {slot for slot, _ in own.values()}
         return next(s for s in range(KEEP) if s not in used)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def take_snapshot(self, step: int) -> dict:
-        """Copy this rank's state to host memory; keep it and return it (for the object store).
-
-        Returns ``{"format", "step", "rank", "world_size", "bytes", "layout", "data", "extra"}``;
-        ``data`` is a view of this rank's ring buffer, valid until :data:`KEEP` later snapshots
-        (Ray copies it into the object store when the call returns)."""
-        step = int(step)
+    def _take(self, step: int) -> dict:
+        """Copy this rank's state into a ring buffer; keep the copy and return it."""
         if self._own_snapshots is None:
             self._own_snapshots = {}
         if self._snapshot_ring is None:
@@ -109,29 +126,62 @@ class SnapshotMixin:
         return snap
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def hold_snapshot(self, step: int, owner_role: str, owner_rank: int, snapshot: dict) -> dict:
-        """Keep the copy of ``step`` of ``owner_role`` rank ``owner_rank`` (this rank is its ring
-        peer, of the same role or another); returns its size.
+    def take_snapshot(self, step: int, roles: list[str] | None = None) -> dict:
+        """Copy the state of this rank and of the ``roles`` colocated with it in this process
+        (default: this role only) to host memory; keep the copies and return them (for the object
+        store): one call and one object per process however many stateful roles it hosts.
 
-        The copy is kept as Ray handed it over (a read-only view of this node's object store,
-        which it keeps alive). A rank that is its own peer (nothing else to hold it) keeps
-        nothing more: its copy is in its own memory and in the object store."""
-        nbytes = int(snapshot["bytes"])
-        own = owner_role == getattr(self, "role", None) and int(owner_rank) == self.rank
-        if not own:
-            if self._held_snapshots is None:
-                self._held_snapshots = {}
-            held = self._held_snapshots.setdefault((owner_role, int(owner_rank)), {})
-            held[int(step)] = snapshot
-            for old in sorted(held)[:-KEEP]:
-                del held[old]
-        return {"step": int(step), "bytes": nbytes, "held": not own}
+        Returns ``{"step", "rank", "roles": {role: snapshot}}``; a snapshot is ``{"format",
+        "step", "rank", "world_size", "bytes", "layout", "data", "extra"}`` and its ``data`` a
+        view of the rank's ring buffer, valid until :data:`KEEP` later snapshots (Ray copies it
+        into the object store when the call returns). A role not hosted by this process at this
+        rank raises a ValueError."""
+        step = int(step)
+        out = {}
+        for role in roles or [self.role]:
+            worker = self if role == self.role else process_role(role)
+            if worker is None or worker.rank != self.rank:
+                raise ValueError(f"take_snapshot: this process hosts no {role} rank {self.rank}")
+            out[role] = worker._take(step)
+        return {"step": step, "rank": self.rank, "roles": out}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hold_snapshot(self, step: int, owners: list[list], *taken: dict) -> dict:
+        """Keep copies of ``step`` taken by other processes (this process is their ring peer):
+        ``taken[i]`` is what one ``take_snapshot`` returned, ``owners[i]`` the ``(role, rank)``
+        of its copies to keep. Returns ``{"step", "bytes": {"role:rank": bytes}}``.
+
+        A copy is kept as Ray handed it over (a read-only view of this node's object store,
+        which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
+        keeps nothing more: its copy is in its own memory and in the object store."""
+        step = int(step)
+        if len(owners) != len(taken):
+            raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
+        sizes = {}
+        for keys, bundle in zip(owners, taken):
+            for role, rank in keys:
+                snap = bundle["roles"][role]
+                sizes[f"{role}:{int(rank)}"] = int(snap["bytes"])
+                local_worker = process_role(role)
+                if local_worker is not None and local_worker.rank == int(rank):
+                    continue
+                if self._held_snapshots is None:
+                    self._held_snapshots = {}
+                held = self._held_snapshots.setdefault((role, int(rank)), {})
+                held[step] = snap
+                for old in sorted(held)[:-KEEP]:
+                    del held[old]
+        return {"step": step, "bytes": sizes}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
-        """The copy of ``step`` this rank holds for ``owner_role`` rank ``owner_rank``, or None
-        (it was restarted since)."""
-        return ((self._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+        """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
+        by any of its roles), or None (it was restarted since)."""
+        for worker in process_workers():
+            snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+            if snap is not None:
+                return snap
+        return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def has_snapshot(self, step: int) -> bool:
@@ -168,6 +218,8 @@ class SnapshotMixin:
                 return False
         else:
             snap = source
+        if snap is not None and "roles" in snap:  # what take_snapshot returned: this role's copy
+            snap = snap["roles"].get(getattr(self, "role", None))
         if snap is None or snap.get("step") != step:
             return False
         self.reset_checkpoint_writer()
