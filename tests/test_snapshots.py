@@ -41,34 +41,46 @@ class FakeGroup:
         self.calls: list[tuple] = []
         self.hold_pending = False
         self.take_error: set[int] = set()
+        self.siblings: dict[str, "FakeGroup"] = {}  # role -> group sharing this group's processes
 
     def execute_rank_async(self, rank, method, *args):
         self.calls.append((rank, method, args))
         if method == "take_snapshot":
-            step = args[0]
+            step, take_roles = args
             if rank in self.take_error:
                 return Ref(error=RuntimeError(f"rank {rank} died"))
-            state = f"{self.role}{rank}@{step}"
-            self.own[rank][step] = state
-            return Ref({"step": step, "rank": rank, "bytes": 10, "state": state})
+            out = {}
+            for role in take_roles:  # this process's roles (colocated ones in sibling groups)
+                state = f"{role}{rank}@{step}"
+                self.siblings.get(role, self).own[rank][step] = state
+                out[role] = {"step": step, "rank": rank, "bytes": 10, "state": state}
+            return Ref({"step": step, "rank": rank, "roles": out})
         if method == "hold_snapshot":
-            step, owner_role, owner, take = args
-            if take.error is not None:
-                return Ref(error=take.error)
-            self.held[rank][(owner_role, owner, step)] = take.value
-            return Ref({"bytes": 10}, ready=not self.hold_pending)
+            step, owners, *takes = args
+            for take in takes:
+                if take.error is not None:
+                    return Ref(error=take.error)
+            sizes = {}
+            for keys, take in zip(owners, takes):
+                for owner_role, owner in keys:
+                    self.held[rank][(owner_role, owner, step)] = take.value["roles"][owner_role]
+                    sizes[f"{owner_role}:{owner}"] = 10
+            return Ref({"step": step, "bytes": sizes}, ready=not self.hold_pending)
         if method == "held_snapshot":
             step, owner_role, owner = args
             if rank in self.dead_holders:
                 return Ref(error=RuntimeError("holder lost"))
-            return Ref(self.held[rank].get((owner_role, owner, step)))
+            for g in {id(g): g for g in [self, *self.siblings.values()]}.values():  # any role of the process
+                if (owner_role, owner, step) in g.held[rank]:
+                    return Ref(g.held[rank][(owner_role, owner, step)])
+            return Ref(None)
         if method == "load_snapshot":
             step, source, _timeout = args
             if source is None:
                 state = self.own[rank].get(step)
                 kind = "own"
             elif isinstance(source, list):
-                state = None if rank in self.store_lost else source[0].value["state"]
+                state = None if rank in self.store_lost else source[0].value["roles"][self.role]["state"]
                 kind = "object_store"
             else:  # a ref resolved by Ray before the call
                 if source.error is not None:
@@ -89,16 +101,22 @@ class FakeGroup:
 
 
 class FakeRoles:
-    def __init__(self, *groups, nodes=None):
+    """Each role in its own processes, or (``colocated``) every role's rank r in process r."""
+
+    def __init__(self, *groups, nodes=None, colocated=False):
         self.groups = list(groups)
         self.nodes = nodes or {}
+        self.colocated = colocated
+        if colocated:
+            for g in groups:
+                g.siblings = {h.role: h for h in groups}
 
     def checkpoint_groups(self):
         return [(g.role, g) for g in self.groups]
 
     def role_processes(self):
-        return {(g.role, r): (f"{g.role}{r}", self.nodes.get((g.role, r), "n0")) for g in self.groups
-                for r in range(g.world_size)}
+        return {(g.role, r): (f"p{r}" if self.colocated else f"{g.role}{r}", self.nodes.get((g.role, r), "n0"))
+                for g in self.groups for r in range(g.world_size)}
 
 
 def keeper(every=1, max_task_retries=0, events=None):
@@ -142,9 +160,8 @@ def test_complete_only_when_every_hold_finished():
     g.hold_pending = True
     snap = k.take(FakeRoles(g), 3, {"step": 3})
     assert not k.is_complete(snap)
-    for rs in snap.holds.values():
-        for r in rs:
-            r.ready = True
+    for r, _ in snap.holds:
+        r.ready = True
     assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10]}
 
 
@@ -235,3 +252,30 @@ def test_drop_after_forgets_newer_steps():
         k.take(FakeRoles(g), step, {"step": step})
     k.drop_after(2)
     assert [s.step for s in k.snapshots] == [1, 2]
+
+
+def test_colocated_roles_take_once_per_process_and_hold_once_per_peer():
+    actor, critic = FakeGroup(2, "actor"), FakeGroup(2, "critic")
+    roles = FakeRoles(actor, critic, colocated=True)
+    k = keeper()
+    snap = k.take(roles, 4, {"step": 4})
+    calls = [(g.role, r, m, a) for g in (actor, critic) for r, m, a in g.calls]
+    takes = [c for c in calls if c[2] == "take_snapshot"]
+    assert sorted((role, r, a[1]) for role, r, _, a in takes) == [("actor", 0, ["actor", "critic"]),
+                                                                 ("actor", 1, ["actor", "critic"])]
+    assert snap.takes["actor"][0] is snap.takes["critic"][0]  # one object per process
+    # Ring: actor0 -> actor1, actor1 -> critic0, critic0 -> critic1, critic1 -> actor0 (another process each).
+    assert snap.holders == {"actor": [("actor", 1), ("critic", 0)], "critic": [("critic", 1), ("actor", 0)]}
+    holds = sorted((role, r, a[1]) for role, r, m, a in calls if m == "hold_snapshot")
+    # One call per holding process, to the first of its ranks the ring names: actor 1 holds process 0's
+    # copies, critic 0 process 1's.
+    assert holds == [("actor", 1, [[("actor", 0), ("critic", 0)]]), ("critic", 0, [[("actor", 1), ("critic", 1)]])]
+    assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10], "critic": [10, 10]}
+    # Process 1 restarts and its object-store copy is lost: its ranks read the copies process 0 holds
+    # (actor 1's peer copy is asked of critic 0, which keeps it: held per process).
+    actor.restart(1)
+    critic.restart(1)
+    actor.store_lost = critic.store_lost = {1}
+    assert k.restore(roles, None).step == 4
+    assert actor.loaded == {0: ("own", "actor0@4"), 1: ("peer", "actor1@4")}
+    assert critic.loaded == {0: ("own", "critic0@4"), 1: ("peer", "critic1@4")}

@@ -1,11 +1,12 @@
 """Controller side of in-memory snapshots: take them after a step, restore the newest after a failure.
 
 Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
-stateful role (actor, critic) to copy its state to host memory (``take_snapshot``: the rank keeps
-the copy, and its returned value stays in Ray's object store, owned by this controller), then
-asks each rank's ring peer to keep a copy too (``hold_snapshot``: the next stateful rank, of any
-stateful role, in ring order on another node, else in another process). Nothing is waited for: the calls queue behind the step on the
-workers and overlap the controller's own work. The controller keeps, per snapshot, the object
+stateful role (actor, critic) to copy its state to host memory (``take_snapshot``, one call per
+process for the stateful roles it hosts: the ranks keep their copies, and the returned value stays
+in Ray's object store, owned by this controller), then asks each rank's ring peer to keep a copy
+too (``hold_snapshot``: the next stateful rank, of any stateful role, in ring order on another
+node, else in another process; one call per holding process). Nothing is waited for: the calls
+queue behind the step on the workers and overlap the controller's own work. The controller keeps, per snapshot, the object
 references, which rank holds which copy and its own state (``trainer.state_dict()``) of that step.
 
 A snapshot is **complete** when every take and every hold of every rank has finished without an
@@ -51,6 +52,22 @@ def ring_holders(places: list[tuple[Any, Any]]) -> list[int]:
     return holders
 
 
+def process_key(key: tuple[str, int], places: dict) -> Any:
+    """Which process hosts ``key`` = (role, rank): its (pid, node, rank), or the key itself where
+    the process is unknown (then it is taken on its own)."""
+    pid, node = places.get(key, (None, None))
+    return key if pid is None else (pid, node, key[1])
+
+
+def processes(ranks: list[tuple[str, int]], places: dict) -> dict[Any, list[tuple[str, int]]]:
+    """The stateful (role, rank)s grouped by the process hosting them (colocated roles share
+    one), in ``ranks`` order."""
+    out: dict[Any, list[tuple[str, int]]] = {}
+    for key in ranks:
+        out.setdefault(process_key(key, places), []).append(key)
+    return out
+
+
 @dataclasses.dataclass
 class Snapshot:
     """One step's snapshot as the controller tracks it."""
@@ -58,8 +75,8 @@ class Snapshot:
     step: int
     trainer_state: dict
     world_sizes: dict[str, int]
-    takes: dict[str, list]  # role -> ObjectRef of each rank's take_snapshot
-    holds: dict[str, list]  # role -> ObjectRef of each rank's hold_snapshot (by owner rank)
+    takes: dict[str, list]  # role -> ObjectRef of the take_snapshot holding each rank's copy (one per process)
+    holds: list[tuple[Any, list[tuple[str, int]]]]  # ObjectRef of each hold_snapshot, the (role, rank) it keeps
     holders: dict[str, list[tuple[str, int]]]  # role -> the (role, rank) holding each rank's peer copy
     failed: bool = False
     complete: bool = False
@@ -91,21 +108,36 @@ class SnapshotKeeper:
         return self.every > 0 and step % self.every == 0
 
     def take(self, roles, step: int, trainer_state: dict) -> Snapshot:
-        """Start the snapshot of ``step`` on every stateful rank (nothing is waited for)."""
+        """Start the snapshot of ``step`` on every stateful rank (nothing is waited for).
+
+        One ``take_snapshot`` per process (its colocated stateful roles together) and one
+        ``hold_snapshot`` per holding process (every copy it keeps of this step)."""
         groups = dict(roles.checkpoint_groups())
         places = roles.role_processes()
         ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
         ring = ring_holders([places.get(key, (None, None)) for key in ranks])
         sizes = {role: g.world_size for role, g in groups.items()}
-        takes = {role: [g.execute_rank_async(r, "take_snapshot", step) for r in range(g.world_size)]
-                 for role, g in groups.items()}
+        procs = processes(ranks, places)
+        takes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
+        for members in procs.values():
+            role0, r0 = members[0]
+            ref = groups[role0].execute_rank_async(r0, "take_snapshot", step, [role for role, _ in members])
+            for role, r in members:
+                takes[role][r] = ref
         holders: dict[str, list[tuple[str, int]]] = {role: [] for role in groups}
-        holds: dict[str, list] = {role: [] for role in groups}
+        # holding process -> (its (role, rank) that is called, {owner process: owners kept})
+        kept: dict[Any, tuple[tuple[str, int], dict[Any, list[tuple[str, int]]]]] = {}
         for i, (role, r) in enumerate(ranks):
-            h_role, h_rank = ranks[ring[i]]
-            holders[role].append((h_role, h_rank))
-            holds[role].append(groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, role, r,
-                                                                 takes[role][r]))
+            holder = ranks[ring[i]]
+            holders[role].append(holder)
+            _, by_owner = kept.setdefault(process_key(holder, places), (holder, {}))
+            by_owner.setdefault(process_key((role, r), places), []).append((role, r))
+        holds = []
+        for (h_role, h_rank), by_owner in kept.values():
+            owners = list(by_owner.values())
+            refs = [takes[o[0][0]][o[0][1]] for o in owners]
+            ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, *refs)
+            holds.append((ref, [key for o in owners for key in o]))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, holds, holders)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
@@ -124,19 +156,20 @@ class SnapshotKeeper:
         """Whether every take and hold of ``snap`` finished without an error (does not wait)."""
         if snap.complete or snap.failed:
             return snap.complete
-        refs = [r for rs in snap.takes.values() for r in rs] + [r for rs in snap.holds.values() for r in rs]
+        refs = list({id(r): r for rs in snap.takes.values() for r in rs}.values()) + [r for r, _ in snap.holds]
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if len(ready) < len(refs):
             return False
         try:
             # A hold depends on its owner's take: a failed take fails the hold, so the small
             # hold answers tell whether the whole snapshot is good without fetching any copy.
-            answers = {role: self._get(rs, timeout=self.timeout_s) for role, rs in snap.holds.items()}
+            answers = self._get([r for r, _ in snap.holds], timeout=self.timeout_s)
         except Exception as exc:  # a rank died during the snapshot
             logger.info("snapshot of step %d is incomplete: %s", snap.step, exc)
             snap.failed = True
             return False
-        snap.bytes = {role: [int(a["bytes"]) for a in rs] for role, rs in answers.items()}
+        sizes = {key: int(n) for a in answers for key, n in a["bytes"].items()}
+        snap.bytes = {role: [sizes[f"{role}:{r}"] for r in range(n)] for role, n in snap.world_sizes.items()}
         snap.complete = True
         return True
 

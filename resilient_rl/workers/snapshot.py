@@ -1,13 +1,25 @@
 """Worker side of in-memory snapshots: a rank's state copied to host memory after a step.
 
-A snapshot is the rank's state exactly as a checkpoint sees it (:meth:`CheckpointMixin._state`:
-model and optimizer shards, LR schedule, RNG), with every DTensor reduced to this rank's local
-shard and every tensor copied to host memory. :meth:`SnapshotMixin.take_snapshot` keeps the
-newest copy in the process and returns it, so the controller's object reference keeps a second
-copy in Ray's object store (owned by the controller: it outlives this process).
-:meth:`SnapshotMixin.hold_snapshot` makes this rank keep a ring neighbour's copy (a third copy,
-on another node where there is one). :meth:`SnapshotMixin.load_snapshot` fills the rank from its
-own copy or from one handed to it.
+A snapshot is the rank's state as a checkpoint sees it (model and optimizer shards, LR schedule,
+RNG), taken straight from the engine's tensors (no state dict is built): the tensors are packed
+into a preallocated host buffer (:mod:`resilient_rl.workers.snapshot_buffers`), the few
+non-tensor parts (scheduler, optimizer hyperparameters, RNG) ride along as plain values.
+:meth:`SnapshotMixin.take_snapshot` keeps the newest copies in the process (:data:`KEEP`
+buffers, reused in turn) and returns the copy, so the controller's object reference keeps a
+second one in Ray's object store (owned by the controller: it outlives this process); one call
+takes every stateful role the process hosts (colocated roles), so a process puts one object.
+:meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
+copy, on another node where there is one), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a copy back into
+the rank's tensors in place.
+
+A snapshot (a dict) is self-describing: ``layout`` names each packed tensor with its dtype,
+shape and offset in ``data`` (a flat uint8 NumPy array, which Ray moves out of band, without
+pickling tensors); loading checks it name by name against the rank's tensors and raises a
+ValueError naming the first path that differs.
+
+The copy runs on the worker's call thread, in chunks that each report progress; the waits on a
+GPU copy and the memory copies themselves release the GIL, so the health concurrency group keeps
+answering while a large state is copied.
 
 Snapshots are never resharded: a copy is loaded only into the same rank of the same world size
 (the controller falls back to a storage checkpoint otherwise).
@@ -15,115 +27,161 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any
 
+import numpy as np
 import ray
 import torch
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from resilient_rl.controller.dispatch import Dispatch, register
+from resilient_rl.workers.snapshot_buffers import HostRing, Layout, as_tensor, copy_in, named_tensors
 
 #: Snapshot steps a rank keeps of its own and of each neighbour it holds for (the newest complete
 #: one and the one in flight).
 KEEP = 2
+#: Version of the snapshot dict's layout.
+FORMAT = 2
 
 
-def host_copy(obj: Any) -> Any:
-    """A deep copy of a nested state with every tensor (a DTensor: its local shard) on the host."""
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
-    if torch.is_tensor(obj):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj
-        return t.detach().to("cpu", copy=True)
-    return obj
+def _optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
+    """The optimizer's hyperparameters per group (without ``params``) and the non-tensor values
+    of its per-parameter state (by parameter index and key)."""
+    groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+    scalars: dict[str, Any] = {}
+    index = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            for key, value in (optimizer.state.get(p) or {}).items():
+                if not torch.is_tensor(value):
+                    scalars[f"{index}/{key}"] = copy.deepcopy(value)
+            index += 1
+    return groups, scalars
 
 
-def state_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a nested state."""
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v) for v in obj)
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    return 0
+_PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
 
 
-def fill_like(template: Any, copy: Any, path: str = "") -> Any:
-    """``copy`` shaped like ``template``: each host tensor copied to the template's device, and
-    wrapped back into a DTensor with the template's mesh and placements where the template has one.
+def process_role(role: str) -> "SnapshotMixin | None":
+    """The worker of ``role`` in this process (colocated roles share one), or None."""
+    ref = _PROCESS_ROLES.get(role)
+    return ref() if ref is not None else None
 
-    Always a copy, never a view: the optimizer keeps the tensors it is loaded with and updates
-    them in place, which must not change the snapshot they came from."""
-    if isinstance(template, dict):
-        if not isinstance(copy, dict) or set(copy) != set(template):
-            raise ValueError(f"snapshot does not match the state at {path or '/'}: keys differ")
-        return {k: fill_like(v, copy[k], f"{path}/{k}") for k, v in template.items()}
-    if isinstance(template, (list, tuple)):
-        if not isinstance(copy, (list, tuple)) or len(copy) != len(template):
-            raise ValueError(f"snapshot does not match the state at {path}: lengths differ")
-        return type(template)(fill_like(t, c, f"{path}/{i}") for i, (t, c) in enumerate(zip(template, copy)))
-    if torch.is_tensor(template):
-        if not torch.is_tensor(copy):
-            raise ValueError(f"snapshot does not match the state at {path}: not a tensor")
-        if hasattr(template, "to_local"):
-            from torch.distributed.tensor import DTensor
 
-            local = template.to_local()
-            if copy.shape != local.shape:
-                raise ValueError(f"snapshot shard at {path} has shape {tuple(copy.shape)}, the rank's "
-                                 f"{tuple(local.shape)}")
-            return DTensor.from_local(copy.to(local.device, copy=True), template.device_mesh, template.placements,
-                                      run_check=False, shape=template.shape, stride=template.stride())
-        return copy.to(template.device, copy=True)
-    return copy
+def process_workers() -> list["SnapshotMixin"]:
+    return [w for w in (r() for r in list(_PROCESS_ROLES.values())) if w is not None]
 
 
 class SnapshotMixin:
-    """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin."""
+    """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin
+    (``self.engine``: ``model``, ``optimizer``, ``scheduler``). Each instance registers itself
+    as its role's worker of this process (:func:`process_role`)."""
 
-    _own_snapshots: dict | None = None  # step -> this rank's copy
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_snapshot_role()
+
+    def register_snapshot_role(self) -> None:
+        _PROCESS_ROLES[getattr(self, "role", "worker")] = weakref.ref(self)
+
+    _own_snapshots: dict | None = None  # step -> (ring slot or None, this rank's copy)
     _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
+    _snapshot_ring: HostRing | None = None
+    _snapshot_layout: Layout | None = None
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def take_snapshot(self, step: int) -> dict:
-        """Copy this rank's state to host memory; keep it and return it (for the object store).
+    def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        e = self.engine
+        return named_tensors(e.model, e.optimizer)
 
-        Returns ``{"step", "rank", "world_size", "bytes", "state"}``."""
-        state = host_copy(self._state())
+    def _free_slot(self) -> int:
+        """A ring slot no kept copy lives in, after dropping own copies beyond the newest KEEP - 1."""
+        own = self._own_snapshots
+        for old in sorted(own)[:-(KEEP - 1) or None]:
+            del own[old]
+        used = {slot for slot, _ in own.values()}
+        return next(s for s in range(KEEP) if s not in used)
+
+    def _take(self, step: int) -> dict:
+        """Copy this rank's state into a ring buffer; keep the copy and return it."""
         if self._own_snapshots is None:
             self._own_snapshots = {}
-        self._own_snapshots[int(step)] = state
-        for old in sorted(self._own_snapshots)[:-KEEP]:
-            del self._own_snapshots[old]
-        return {"step": int(step), "rank": self.rank, "world_size": self.world_size, "bytes": state_bytes(state),
-                "state": state}
+        if self._snapshot_ring is None:
+            self._snapshot_ring = HostRing(KEEP)
+        tensors = self._snapshot_tensors()
+        if self._snapshot_layout is None or not self._snapshot_layout.matches(tensors):
+            self._snapshot_layout = Layout.of(tensors)
+        layout = self._snapshot_layout
+        self._own_snapshots.pop(step, None)
+        slot = self._free_slot()
+        data = self._snapshot_ring.copy_out(layout, [t for _, t in tensors], slot)
+        e = self.engine
+        groups, scalars = _optim_extras(e.optimizer)
+        snap = {"format": FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
+                "bytes": int(layout.total), "layout": layout.to_list(), "data": data,
+                "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
+                          "optim_scalars": scalars, "rng": torch.get_rng_state().numpy().copy()}}
+        self._own_snapshots[step] = (slot, snap)
+        return snap
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def hold_snapshot(self, step: int, owner_role: str, owner_rank: int, snapshot: dict) -> dict:
-        """Keep the copy of ``step`` of ``owner_role`` rank ``owner_rank`` (this rank is its ring
-        peer, of the same role or another); returns its size.
+    def take_snapshot(self, step: int, roles: list[str] | None = None) -> dict:
+        """Copy the state of this rank and of the ``roles`` colocated with it in this process
+        (default: this role only) to host memory; keep the copies and return them (for the object
+        store): one call and one object per process however many stateful roles it hosts.
 
-        A rank that is its own peer (nothing else to hold it) keeps nothing more: its copy is in
-        its own memory and in the object store."""
-        nbytes = int(snapshot["bytes"])
-        own = owner_role == getattr(self, "role", None) and int(owner_rank) == self.rank
-        if not own:
-            if self._held_snapshots is None:
-                self._held_snapshots = {}
-            held = self._held_snapshots.setdefault((owner_role, int(owner_rank)), {})
-            held[int(step)] = snapshot
-            for old in sorted(held)[:-KEEP]:
-                del held[old]
-        return {"step": int(step), "bytes": nbytes, "held": not own}
+        Returns ``{"step", "rank", "roles": {role: snapshot}}``; a snapshot is ``{"format",
+        "step", "rank", "world_size", "bytes", "layout", "data", "extra"}`` and its ``data`` a
+        view of the rank's ring buffer, valid until :data:`KEEP` later snapshots (Ray copies it
+        into the object store when the call returns). A role not hosted by this process at this
+        rank raises a ValueError."""
+        step = int(step)
+        out = {}
+        for role in roles or [self.role]:
+            worker = self if role == self.role else process_role(role)
+            if worker is None or worker.rank != self.rank:
+                raise ValueError(f"take_snapshot: this process hosts no {role} rank {self.rank}")
+            out[role] = worker._take(step)
+        return {"step": step, "rank": self.rank, "roles": out}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hold_snapshot(self, step: int, owners: list[list], *taken: dict) -> dict:
+        """Keep copies of ``step`` taken by other processes (this process is their ring peer):
+        ``taken[i]`` is what one ``take_snapshot`` returned, ``owners[i]`` the ``(role, rank)``
+        of its copies to keep. Returns ``{"step", "bytes": {"role:rank": bytes}}``.
+
+        A copy is kept as Ray handed it over (a read-only view of this node's object store,
+        which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
+        keeps nothing more: its copy is in its own memory and in the object store."""
+        step = int(step)
+        if len(owners) != len(taken):
+            raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
+        sizes = {}
+        for keys, bundle in zip(owners, taken):
+            for role, rank in keys:
+                snap = bundle["roles"][role]
+                sizes[f"{role}:{int(rank)}"] = int(snap["bytes"])
+                local_worker = process_role(role)
+                if local_worker is not None and local_worker.rank == int(rank):
+                    continue
+                if self._held_snapshots is None:
+                    self._held_snapshots = {}
+                held = self._held_snapshots.setdefault((role, int(rank)), {})
+                held[step] = snap
+                for old in sorted(held)[:-KEEP]:
+                    del held[old]
+        return {"step": step, "bytes": sizes}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
-        """The copy of ``step`` this rank holds for ``owner_role`` rank ``owner_rank``, or None
-        (it was restarted since)."""
-        return ((self._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+        """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
+        by any of its roles), or None (it was restarted since)."""
+        for worker in process_workers():
+            snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+            if snap is not None:
+                return snap
+        return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def has_snapshot(self, step: int) -> bool:
@@ -132,8 +190,11 @@ class SnapshotMixin:
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def snapshot_memory(self) -> dict:
-        """Host bytes this rank spends on snapshots: its own copies and the neighbours' it holds."""
-        own = sum(state_bytes(s) for s in (self._own_snapshots or {}).values())
+        """Host bytes this rank spends on snapshots: its ring buffers (own copies) and the
+        neighbours' copies it holds."""
+        ring = self._snapshot_ring
+        own = sum(b.numel() for b in ring.buffers if b is not None) if ring is not None else 0
+        own += sum(int(s["bytes"]) for slot, s in (self._own_snapshots or {}).values() if slot is None)
         held = sum(int(s["bytes"]) for h in (self._held_snapshots or {}).values() for s in h.values())
         return {"own_bytes": own, "held_bytes": held}
 
@@ -144,29 +205,55 @@ class SnapshotMixin:
 
         ``source``: None for this process's own copy; ``[ref]`` (an ObjectRef wrapped in a list,
         so that Ray hands it over unresolved) for a copy in the object store, read here within
-        ``timeout_s``; a snapshot dict for one handed over by value."""
+        ``timeout_s``; a snapshot dict for one handed over by value. A copy that does not match
+        the rank's state raises a ValueError naming the first path that differs."""
         step = int(step)
+        slot = None
         if source is None:
-            state = (self._own_snapshots or {}).get(step)
+            slot, snap = (self._own_snapshots or {}).get(step, (None, None))
         elif isinstance(source, list):
             try:
                 snap = ray.get(source[0], timeout=timeout_s)
             except Exception:  # lost with its node, or its task failed: not available
                 return False
-            state = snap["state"] if snap is not None and snap.get("step") == step else None
         else:
-            state = source["state"] if source.get("step") == step else None
-        if state is None:
+            snap = source
+        if snap is not None and "roles" in snap:  # what take_snapshot returned: this role's copy
+            snap = snap["roles"].get(getattr(self, "role", None))
+        if snap is None or snap.get("step") != step:
             return False
         self.reset_checkpoint_writer()
-        loaded = fill_like(self._state(), state)
-        e = self.engine
-        set_model_state_dict(e.model, loaded["model"])
-        set_optimizer_state_dict(e.model, e.optimizer, loaded["optim"])
-        e.scheduler.load_state_dict(loaded["scheduler"])
-        torch.set_rng_state(loaded["rng"]["torch"])
+        self.restore_snapshot_state(snap)
         if self._own_snapshots is None:
             self._own_snapshots = {}
-        self._own_snapshots[step] = state
+        self._own_snapshots[step] = (slot, snap)
         self.prepare_checkpoint_staging()
         return True
+
+    def restore_snapshot_state(self, snap: dict) -> None:
+        """Write ``snap`` into the engine in place: tensors, optimizer hyperparameters and
+        non-tensor state, scheduler, RNG. Bit-identical to the state it was taken from."""
+        if snap.get("format") != FORMAT:
+            raise ValueError(f"snapshot format {snap.get('format')!r} is not {FORMAT}")
+        e = self.engine
+        layout = Layout.from_list(snap["layout"])
+        extra = snap["extra"]
+        has_optim_state = any(entry.name.startswith("optim/") for entry in layout.entries) or extra["optim_scalars"]
+        if has_optim_state and not e.optimizer.state:
+            # A rebuilt optimizer has no state to write into: create it the way a checkpoint load
+            # does (a zero-learning-rate step; every value is overwritten below).
+            get_optimizer_state_dict(e.model, e.optimizer)
+        elif not has_optim_state and e.optimizer.state:
+            e.optimizer.state.clear()
+        copy_in(layout, snap["data"], self._snapshot_tensors())
+        if len(extra["param_groups"]) != len(e.optimizer.param_groups):
+            raise ValueError(f"snapshot does not match the state at optim/param_groups: "
+                             f"{len(extra['param_groups'])} groups, the rank's {len(e.optimizer.param_groups)}")
+        for group, saved in zip(e.optimizer.param_groups, extra["param_groups"]):
+            group.update(copy.deepcopy(saved))
+        params = [p for g in e.optimizer.param_groups for p in g["params"]]
+        for key, value in extra["optim_scalars"].items():
+            index, name = key.split("/", 1)
+            e.optimizer.state[params[int(index)]][name] = copy.deepcopy(value)
+        e.scheduler.load_state_dict(copy.deepcopy(extra["scheduler"]))
+        torch.set_rng_state(as_tensor(np.asarray(extra["rng"])).clone())

@@ -1,0 +1,247 @@
+"""The worker-side copy path of in-memory snapshots (workers/snapshot.py, workers/snapshot_buffers.py):
+a round trip restores model, optimizer, schedule and RNG bit for bit, in place, on plain modules
+and on an FSDP2 model (gloo, world size 1)."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient_rl.workers import snapshot_buffers
+from resilient_rl.workers.snapshot import SnapshotMixin
+from resilient_rl.workers.snapshot_buffers import Layout, named_tensors
+
+
+class Rank(SnapshotMixin):
+    """A SnapshotMixin host without Ray: rank 0 of 1, with a model, AdamW and a LambdaLR."""
+
+    role = "actor"
+    rank, world_size = 0, 1
+
+    def __init__(self, build):
+        torch.manual_seed(0)
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
+        self.resets = 0
+
+    def reset_checkpoint_writer(self):
+        self.resets += 1
+
+    def prepare_checkpoint_staging(self):
+        return False
+
+    def train(self, seed: int) -> torch.Tensor:
+        e = self.engine
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+        noise = torch.rand(())  # consumes the global RNG: restored RNG must replay it
+        loss = (e.model(x).pow(2).mean() + noise * 0).sum()
+        loss.backward()
+        e.optimizer.step()
+        e.optimizer.zero_grad(set_to_none=True)
+        e.scheduler.step()
+        return noise
+
+    def fingerprint(self) -> dict:
+        e = self.engine
+        out = {n: t.detach().clone() for n, t in named_tensors(e.model, e.optimizer)}
+        out["lr"] = e.optimizer.param_groups[0]["lr"]
+        out["sched"] = e.scheduler.state_dict()["last_epoch"]
+        out["rng"] = torch.get_rng_state().clone()
+        return out
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
+    """Train ``rank`` 2 steps, snapshot, train on; load the snapshot into ``other`` (or
+    ``rank`` itself) and check the state and the continued training are identical."""
+    for s in range(2):
+        rank.train(s)
+    taken = rank.take_snapshot(2)
+    assert taken["step"] == 2 and list(taken["roles"]) == ["actor"]
+    snap = taken["roles"]["actor"]
+    at_snapshot = rank.fingerprint()
+    if via_pickle:  # as Ray hands it over (what take_snapshot returned): the buffer as a read-only view
+        snap = pickle.loads(pickle.dumps(taken, protocol=5))
+        snap["roles"]["actor"]["data"].setflags(write=False)
+    rank.train(2)
+    noise_a = rank.train(3)
+    after_a = rank.fingerprint()
+    assert other.load_snapshot(2, None if other is rank else snap) is True
+    assert_same(other.fingerprint(), at_snapshot)
+    other.train(2)
+    noise_b = other.train(3)
+    assert torch.equal(noise_a, noise_b)
+    assert_same(other.fingerprint(), after_a)
+
+
+def test_own_copy_round_trip_in_place():
+    rank = Rank(mlp)
+    params = [p for p in rank.engine.model.parameters()]
+    roundtrip(rank, rank, via_pickle=False)
+    assert [p for p in rank.engine.model.parameters()] == params  # written in place, not replaced
+    assert rank.resets == 1
+
+
+def test_copy_into_a_fresh_rank_whose_optimizer_has_no_state():
+    rank, fresh = Rank(mlp), Rank(mlp)
+    assert not fresh.engine.optimizer.state
+    roundtrip(rank, fresh, via_pickle=True)
+
+
+def test_snapshot_before_the_optimizer_had_state_clears_it():
+    rank = Rank(mlp)
+    snap = rank.take_snapshot(0)["roles"]["actor"]
+    before = rank.fingerprint()
+    assert not any(e[0].startswith("optim/") for e in snap["layout"])
+    rank.train(0)
+    assert rank.engine.optimizer.state
+    assert rank.load_snapshot(0) is True
+    assert not rank.engine.optimizer.state
+    assert_same(rank.fingerprint(), before)
+    # The next step is AdamW's first again (its step counter restarts at 1).
+    rank.train(0)
+    assert all(float(s["step"]) == 1.0 for s in rank.engine.optimizer.state.values())
+
+
+def test_taken_copy_is_not_changed_by_later_training_and_ring_keeps_two():
+    rank = Rank(mlp)
+    rank.train(0)
+    first = rank.take_snapshot(1)["roles"]["actor"]
+    kept = first["data"].copy()
+    rank.train(1)
+    rank.take_snapshot(2)
+    assert np.array_equal(first["data"], kept)  # the second copy went into the other buffer
+    rank.train(2)
+    rank.take_snapshot(3)
+    assert sorted(rank._own_snapshots) == [2, 3]
+    assert rank.has_snapshot(3) and not rank.has_snapshot(1)
+    mem = rank.snapshot_memory()
+    assert mem["own_bytes"] == 2 * first["bytes"] and mem["held_bytes"] == 0
+
+
+def test_mismatch_names_the_path():
+    rank = Rank(mlp)
+    rank.train(0)
+    snap = rank.take_snapshot(1)["roles"]["actor"]
+    other = Rank(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
+    other.train(0)
+    with pytest.raises(ValueError, match=r"model/0\.weight has shape \(5, 4\), the rank's \(6, 4\)"):
+        other.load_snapshot(1, snap)
+    renamed = Rank(lambda: nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3)))  # no Tanh: "1." not "2."
+    renamed.train(0)
+    with pytest.raises(ValueError, match=r"model/2\.weight: not in the rank's state"):
+        renamed.load_snapshot(1, snap)
+
+
+def test_layout_is_self_describing_and_aligned():
+    rank = Rank(mlp)
+    rank.train(0)
+    snap = rank.take_snapshot(1)["roles"]["actor"]
+    layout = Layout.from_list(snap["layout"])
+    assert all(e.offset % snapshot_buffers.ALIGN == 0 for e in layout.entries)
+    views = layout.views(torch.from_numpy(snap["data"]))
+    got = dict(zip((e.name for e in layout.entries), views))
+    for name, t in named_tensors(rank.engine.model, rank.engine.optimizer):
+        assert torch.equal(got[name], t)
+    assert {n.rsplit("/", 1)[-1] for n in got if n.startswith("optim/")} == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_copy_reports_progress_per_chunk(monkeypatch):
+    from resilient_rl.controller import progress
+
+    rank = Rank(mlp)
+    rank.train(0)
+    monkeypatch.setattr(snapshot_buffers, "CHUNK_BYTES", 64)
+    before = progress.snapshot().advances
+    snap = rank.take_snapshot(1)["roles"]["actor"]
+    layout = Layout.from_list(snap["layout"])
+    chunks = list(snapshot_buffers._chunks(layout, len(layout.entries)))
+    assert len(chunks) > 4 and sum(len(c) for c in chunks) == len(layout.entries)
+    assert progress.snapshot().advances - before == len(chunks)  # one report per chunk copied
+    assert rank.load_snapshot(1) is True
+
+
+@pytest.fixture()
+def single_rank_group():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_mlp():
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def test_fsdp2_round_trip(single_rank_group):
+    rank, fresh = Rank(fsdp_mlp), Rank(fsdp_mlp)
+    assert all(hasattr(p, "to_local") for p in rank.engine.model.parameters())
+    roundtrip(rank, fresh, via_pickle=True)
+    assert all(hasattr(s["exp_avg"], "to_local") for s in fresh.engine.optimizer.state.values())
+    roundtrip(rank, rank, via_pickle=False)
+
+
+def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
+    from resilient_rl.workers import snapshot as snapshot_mod
+
+    actor, critic = Rank(mlp), Rank(mlp)
+    critic.role = "critic"
+    saved = dict(snapshot_mod._PROCESS_ROLES)
+    try:
+        actor.register_snapshot_role()
+        critic.register_snapshot_role()
+        actor.train(0)
+        critic.train(1)
+        taken = actor.take_snapshot(1, ["actor", "critic"])
+        assert sorted(taken["roles"]) == ["actor", "critic"] and critic.has_snapshot(1)
+        with pytest.raises(ValueError, match="hosts no ref rank 0"):
+            actor.take_snapshot(1, ["ref"])
+        # Another process (rank 1 here) holds the bundle; its answer sizes each copy.
+        peer = Rank(mlp)
+        peer.rank = 1
+        snapshot_mod._PROCESS_ROLES.clear()
+        peer.register_snapshot_role()
+        answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], pickle.loads(pickle.dumps(taken)))
+        assert answer == {"step": 1, "bytes": {"actor:0": taken["roles"]["actor"]["bytes"],
+                                               "critic:0": taken["roles"]["critic"]["bytes"]}}
+        held = peer.held_snapshot(1, "critic", 0)
+        assert held is not None and np.array_equal(held["data"], taken["roles"]["critic"]["data"])
+        assert peer.snapshot_memory()["held_bytes"] == sum(answer["bytes"].values())
+        # The critic restores from the held copy (as the controller hands it over).
+        critic.train(2)
+        assert critic.load_snapshot(1, held) is True
+        assert np.array_equal(critic.take_snapshot(5)["roles"]["critic"]["data"], held["data"])
+    finally:
+        snapshot_mod._PROCESS_ROLES.clear()
+        snapshot_mod._PROCESS_ROLES.update(saved)
