@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray cluster per test module (``ray.init`` costs seconds here)."""
+"""Shared fixtures: one local Ray cluster per test module (``ray.init`` costs seconds here), a one-rank
+process group."""
 
 from __future__ import annotations
 
@@ -37,3 +38,18 @@ def moto():
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture()
+def single_rank_group():
+    """A one-rank gloo process group in this process (FSDP2 on one rank), unless one is up already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from resilient_rl.errors import ConfigError
 from resilient_rl.models import (
@@ -337,18 +336,6 @@ def test_same_seed_same_parameters_and_global_rng_untouched(make_cfg, build):
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2
-
-
-@pytest.fixture()
-def single_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_shards_blocks_then_root_and_matches_unsharded(single_rank_group):

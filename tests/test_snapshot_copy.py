@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from resilient_rl.workers import snapshot_buffers
@@ -179,18 +178,6 @@ def test_copy_reports_progress_per_chunk(monkeypatch):
     assert len(chunks) > 4 and sum(len(c) for c in chunks) == len(layout.entries)
     assert progress.snapshot().advances - before == len(chunks)  # one report per chunk copied
     assert rank.load_snapshot(1) is True
-
-
-@pytest.fixture()
-def single_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def fsdp_mlp():

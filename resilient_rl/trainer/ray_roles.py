@@ -218,9 +218,14 @@ class RayRoles:
                 g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
 
     def init_models(self, groups: list[str] | None = None) -> None:
-        for role in ("actor", "ref", "rollout", "critic"):
-            if role in self.groups and (groups is None or self._parent(self.groups[role]).name_prefix in groups):
-                self.groups[role].init_model()
+        roles = [role for role in ("actor", "ref", "rollout", "critic") if role in self.groups
+                 and (groups is None or self._parent(self.groups[role]).name_prefix in groups)]
+        # Every old engine of a process is dropped before the cycle collector runs, once per process.
+        last = {self._parent(self.groups[role]).name_prefix: role for role in roles}
+        for role in roles:
+            self.groups[role].drop_engine(last[self._parent(self.groups[role]).name_prefix] == role)
+        for role in roles:
+            self.groups[role].init_model()
 
     def shutdown(self) -> None:
         """Kill every actor of the run and remove its placement groups."""
