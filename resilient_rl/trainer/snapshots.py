@@ -218,29 +218,30 @@ class SnapshotKeeper:
 
     def _load(self, groups, snap: Snapshot) -> dict[tuple[str, int], str] | None:
         """Fill every rank of ``snap``; (role, rank) -> the copy used, or None when some rank's
-        copies are all lost (reported as ``snapshot_unusable``)."""
+        copies are all lost (reported as ``snapshot_unusable``). Each tier of copies is asked of
+        every rank still to fill, of all roles at once (one round of calls per tier)."""
         used: dict[tuple[str, int], str] = {}
         by_role = dict(groups)
-        for role, g in groups:
-            n = g.world_size
-            todo = list(range(n))
-            tiers: list[tuple[str, Callable[[int], Any]]] = [("own", lambda r: None)]
-            if self.object_store_ok:
-                tiers.append(("object_store", lambda r, role=role: [snap.takes[role][r]]))
-            tiers.append(("peer", lambda r, role=role: self._held(by_role, snap, role, r)))
-            for name, source in tiers:
-                if not todo:
-                    break
-                refs = [g.execute_rank_async(r, "load_snapshot", snap.step, source(r), self.timeout_s) for r in todo]
-                results = self._answers(g, refs)
-                for r, ok in zip(list(todo), results):
-                    if ok is True:
-                        used[(role, r)] = name
-                        todo.remove(r)
-            if todo:
-                self.emit("snapshot_unusable", step=snap.step,
-                          reason=f"every copy of {role} rank(s) {todo} is lost")
-                return None
+        sources: list[tuple[str, Callable[[str, int], Any]]] = [("own", lambda role, r: None)]
+        if self.object_store_ok:
+            sources.append(("object_store", lambda role, r: [snap.takes[role][r]]))
+        sources.append(("peer", lambda role, r: self._held(by_role, snap, role, r)))
+        todo = [(role, r) for role, g in groups for r in range(g.world_size)]
+        for name, source in sources:
+            if not todo:
+                break
+            calls = [(key, by_role[key[0]]) for key in todo]
+            refs = [g.execute_rank_async(r, "load_snapshot", snap.step, source(role, r), self.timeout_s)
+                    for (role, r), g in calls]
+            for ((role, r), g), ref in zip(calls, refs):
+                if self._answers(g, [ref])[0] is True:
+                    used[(role, r)] = name
+                    todo.remove((role, r))
+        if todo:
+            role = todo[0][0]
+            self.emit("snapshot_unusable", step=snap.step,
+                      reason=f"every copy of {role} rank(s) {[r for k, r in todo if k == role]} is lost")
+            return None
         return used
 
     @staticmethod

@@ -11,8 +11,10 @@ placement actor rank 0 broadcasts them over a weight channel
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
+import json
 import threading
 import time
 
@@ -44,6 +46,18 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 #: Whether an engine of this process was dropped and its reference cycles not collected yet.
 _UNCOLLECTED = [False]
+#: The run config each process built last: (its plain mapping as JSON, the Config).
+_CONFIG: dict = {}
+
+
+def _run_config(config: dict):
+    """The run's Config from its plain mapping, validated once per process (it costs ~0.25 s:
+    colocated roles, and a warm spare taking a rank, would pay it once per role); each role gets
+    its own copy."""
+    key = json.dumps(config, sort_keys=True, default=str)
+    if _CONFIG.get("key") != key:
+        _CONFIG.update(key=key, cfg=config_from_dict(config))
+    return copy.deepcopy(_CONFIG["cfg"])
 
 
 class RoleWorker(Worker):
@@ -59,7 +73,7 @@ class RoleWorker(Worker):
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__()
-        self.cfg = config_from_dict(config)
+        self.cfg = _run_config(config)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
