@@ -85,7 +85,9 @@ def _looks_collective(exc: BaseException) -> bool:
     """A torch.distributed failure (a peer died or hung) rather than a bug in the method."""
     name = type(exc).__name__
     text = str(exc).lower()
-    return "DistBackendError" in name or "DistNetworkError" in name or any(m in text for m in _COLLECTIVE_MARKERS)
+    # DistStoreError: a rendezvous waited in vain for a peer (it died while the group was forming).
+    return (any(n in name for n in ("DistBackendError", "DistNetworkError", "DistStoreError"))
+            or any(m in text for m in _COLLECTIVE_MARKERS))
 
 
 def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
