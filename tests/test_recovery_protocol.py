@@ -81,6 +81,7 @@ def test_a_dead_rank_is_restarted_rejoined_and_restored():
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
     assert h.states == [S.REJOINING, S.RESTORING]
     assert h.ckpt.abandoned == 1 and h.restores == 1
+    assert h.pool.empty_inits == [True]  # models rebuilt empty: the restore fills them
     assert h.recovery.policy.restarts == {"actor:1": 1}
     assert "kill" not in h.pool.ops()  # nothing to kill: the process was already gone
 

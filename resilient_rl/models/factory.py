@@ -21,8 +21,8 @@ from resilient_rl.models.hf import hf_layers, load_hf_causal_lm, load_hf_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.models.value import CausalLMWithValueHead
 
-__all__ = ["build_causal_lm", "build_value_model", "model_vocab_size", "seeded_init", "tiny_config",
-           "transformer_blocks"]
+__all__ = ["build_causal_lm", "build_value_model", "model_vocab_size", "parameters_on_meta", "seeded_init",
+           "tiny_config", "transformer_blocks"]
 
 _KINDS = ("tiny", "hf")
 
@@ -38,28 +38,57 @@ def seeded_init(seed: int) -> Iterator[None]:
         yield
 
 
-def build_causal_lm(model_cfg: Any, vocab_size: int | None, seed: int) -> nn.Module:
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built in the block get their parameters on the meta device (shape and dtype, no
+    memory, no initialisation); buffers stay real, so values computed at construction (rotary
+    frequencies) survive. :func:`~resilient_rl.workers.fsdp.wrap_fsdp2` later allocates the
+    parameters, sharded, on the compute device, for a restore to fill. Not thread-safe: it patches
+    ``nn.Module.register_parameter`` while it lasts (models are built on one thread per process)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # attributes a library set on the parameter
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_causal_lm(model_cfg: Any, vocab_size: int | None, seed: int, empty: bool = False) -> nn.Module:
     """The causal LM described by ``model_cfg`` (tiny or Hugging Face), initialised from ``seed``.
 
     ``vocab_size`` is the tokenizer's vocabulary: the tiny model uses it as is; a Hugging Face
     config dict without ``vocab_size`` gets it, and a model whose vocabulary is smaller is rejected.
+    ``empty``: parameters on the meta device, neither initialised nor read from ``model.path``
+    (see :func:`parameters_on_meta`), for a caller that fills every one of them (a restore).
     """
     kind = _kind(model_cfg)
-    with seeded_init(seed):
+    with seeded_init(seed), _maybe_empty(empty):
         if kind == "tiny":
             return TinyCausalLM(tiny_config(model_cfg, vocab_size))
-        return _build_hf(model_cfg, vocab_size)
+        return _build_hf(model_cfg, vocab_size, empty)
 
 
-def build_value_model(model_cfg: Any, vocab_size: int | None, seed: int) -> CausalLMWithValueHead:
+def build_value_model(model_cfg: Any, vocab_size: int | None, seed: int, empty: bool = False) -> CausalLMWithValueHead:
     """The critic: the same backbone as :func:`build_causal_lm` plus a value head, from ``seed``."""
     kind = _kind(model_cfg)
-    with seeded_init(seed):
+    with seeded_init(seed), _maybe_empty(empty):
         if kind == "tiny":
             backbone: nn.Module = TinyCausalLM(tiny_config(model_cfg, vocab_size))
         else:
-            backbone = _build_hf(model_cfg, vocab_size)
+            backbone = _build_hf(model_cfg, vocab_size, empty)
         return CausalLMWithValueHead(backbone)
+
+
+def _maybe_empty(empty: bool) -> contextlib.AbstractContextManager:
+    return parameters_on_meta() if empty else contextlib.nullcontext()
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -131,13 +160,13 @@ def model_vocab_size(model_cfg: Any, vocab_size: int | None) -> int | None:
     return declared
 
 
-def _build_hf(model_cfg: Any, vocab_size: int | None) -> nn.Module:
+def _build_hf(model_cfg: Any, vocab_size: int | None, empty: bool = False) -> nn.Module:
     path = getattr(model_cfg, "path", None)
     hf_config = getattr(model_cfg, "hf_config", None)
     resolved = model_vocab_size(model_cfg, vocab_size)
     if hf_config is not None and resolved is not None and path is None:
         hf_config = {**dict(hf_config), "vocab_size": resolved}
-    model = load_hf_causal_lm(path=path, hf_config=hf_config, dtype=_dtype(model_cfg))
+    model = load_hf_causal_lm(path=path, hf_config=hf_config, dtype=_dtype(model_cfg), weights=not empty)
     model_vocab = model.get_input_embeddings().num_embeddings
     if vocab_size is not None and model_vocab < vocab_size:
         raise ConfigError(f"model vocabulary ({model_vocab} embeddings, from "

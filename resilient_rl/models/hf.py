@@ -39,18 +39,22 @@ def _transformers() -> Any:
 
 
 def load_hf_causal_lm(path: str | None = None, hf_config: dict[str, Any] | None = None,
-                      dtype: torch.dtype = torch.float32) -> nn.Module:
+                      dtype: torch.dtype = torch.float32, weights: bool = True) -> nn.Module:
     """Load a causal LM from the local directory ``path`` or build one from ``hf_config``.
 
     Exactly one of ``path`` and ``hf_config`` must be given. ``hf_config`` is a dict of
     ``AutoConfig.for_model`` arguments and must hold ``model_type`` (see :func:`tiny_llama_config`);
-    a model built from it has random weights drawn from the global torch RNG. Raises
-    :class:`ConfigError` naming the path when it does not exist or holds no loadable model.
+    a model built from it has random weights drawn from the global torch RNG. ``weights=False``
+    builds a model from ``path``'s config without reading its weights (they are about to be
+    overwritten). Raises :class:`ConfigError` naming the path when it does not exist or holds no
+    loadable model.
     """
     if (path is None) == (hf_config is None):
         raise ConfigError("set exactly one of model.path (a local model directory) and model.hf_config "
                           f"(a config dict); got path={path!r}, hf_config={'set' if hf_config else hf_config!r}")
     transformers = _transformers()
+    if path is not None and not weights:
+        return transformers.AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype)
     if path is not None:
         local = os.path.expanduser(str(path))
         if not os.path.exists(local):

@@ -46,6 +46,7 @@ class FakePool:
                       for g in self.groups for r in range(self.world_size)}
         self.known = {key: self._info(key) for key in self.procs}
         self.calls: list[tuple] = []
+        self.empty_inits: list[bool] = []  # the ``empty`` argument of each init_models call
         self._failures: dict[str, list[BaseException]] = {}
         self.ready_spares = {g: self.spares for g in self.groups}
         self._refills: dict[str, int] = {g: 0 for g in self.groups}
@@ -171,8 +172,9 @@ class FakePool:
         self._maybe_fail("rendezvous")
         self.generation += 1
 
-    def init_models(self, groups: list[str] | None = None) -> None:
+    def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         self.calls.append(("init_models", groups))
+        self.empty_inits.append(empty)
         self._maybe_fail("init_models")
 
     def ops(self) -> list[str]:

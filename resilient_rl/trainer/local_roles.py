@@ -43,7 +43,7 @@ class LocalRoles:
         self.generation = 1
         self.init_models()
 
-    def init_models(self, groups: list[str] | None = None) -> None:
+    def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         cfg, tokenizer = self.cfg, self.tokenizer
         plan = plan_device(cfg.trainer.device)
         vocab, seed, steps = tokenizer.vocab_size, cfg.trainer.seed, cfg.trainer.total_steps

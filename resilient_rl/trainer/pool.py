@@ -102,9 +102,11 @@ class WorkerPool(Protocol):
         """Join the process groups named in ``groups`` (every one when None) with a new
         generation (also after a failure); the others keep theirs."""
 
-    def init_models(self, groups: list[str] | None = None) -> None:
+    def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         """(Re)build the models of the roles living in ``groups`` (every role when None) on the
-        current process groups."""
+        current process groups. ``empty``: the stateful roles' models are allocated, not
+        initialised (a restore of their whole state follows). The rollout may be built empty
+        either way: a weight sync must follow before the next generation."""
 
     def checkpoint_groups(self) -> list[tuple[str, Any]]:
         """(role, worker group) of every role whose state a checkpoint saves and loads."""

@@ -73,6 +73,7 @@ class RayRoles:
             self.refresh_workers()
             self.rendezvous()
             self.init_models()
+            self.sync_weights(0)  # the rollout, built empty, gets the actor's initial weights
             # Started last: they warm up while the first step runs.
             self.spares = {g.name_prefix: SparePool(g, cfg.recovery.spares, cfg.recovery.rendezvous_timeout_s)
                            for g in self.distinct_groups()} if cfg.recovery.spares else {}
@@ -217,7 +218,7 @@ class RayRoles:
             for g, r in zip((actor, rollout), refs):
                 g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
 
-    def init_models(self, groups: list[str] | None = None) -> None:
+    def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         roles = [role for role in ("actor", "ref", "rollout", "critic") if role in self.groups
                  and (groups is None or self._parent(self.groups[role]).name_prefix in groups)]
         # Every old engine of a process is dropped before the cycle collector runs, once per process.
@@ -225,7 +226,8 @@ class RayRoles:
         for role in roles:
             self.groups[role].drop_engine(last[self._parent(self.groups[role]).name_prefix] == role)
         for role in roles:
-            self.groups[role].init_model()
+            # The rollout is always built empty: a weight sync follows every (re)build.
+            self.groups[role].init_model(True if role == "rollout" else empty)
 
     def shutdown(self) -> None:
         """Kill every actor of the run and remove its placement groups."""

@@ -202,7 +202,7 @@ class Recovery:
         a.rejoin |= self._broken_groups(pool, a)
         groups = sorted(a.rejoin)
         pool.rendezvous(groups)
-        pool.init_models(groups)
+        pool.init_models(groups, empty=True)  # the restore that follows fills every state
         return S.RESTORING
 
     def _restoring(self, a: _Attempt) -> RecoveryState:

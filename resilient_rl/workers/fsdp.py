@@ -49,15 +49,49 @@ def plan_device(device: str = "auto") -> DevicePlan:
     return DevicePlan(torch.device("cpu"), torch.float32, torch.float32)
 
 
+def has_meta_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` was built empty (:func:`~resilient_rl.models.factory.parameters_on_meta`)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Allocate the meta parameters of ``model`` (sharded ones as local shards) on ``device``,
+    uninitialised, for a restore to fill; buffers keep their values (``to_empty`` alone would
+    leave them uninitialised too)."""
+    buffers = {name: b.detach().to(device) for name, b in model.named_buffers()}
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters (an embedding and its LM head)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                shared.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for (owner, name), *others in (sites for sites in shared.values() if len(sites) > 1):
+        for module, other in others:  # to_empty gives each site its own tensor: tie them again
+            setattr(module, other, getattr(owner, name))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return model
+
+
+def to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device``; an empty model gets its parameters allocated there, uninitialised."""
+    return materialize(model, device) if has_meta_parameters(model) else model.to(device)
+
+
 def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` over the default process group with FSDP2 (blocks first, then the root).
 
     Without an initialised process group (a single-process run) the model is returned unsharded on
-    the device: FSDP over one rank only adds overhead.
+    the device: FSDP over one rank only adds overhead. A model built empty is sharded on the meta
+    device and each rank then allocates only its shard on the device, uninitialised: no rank
+    ever holds or initialises the full model.
     """
-    model = model.to(plan.device)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return model
+        return to_device(model, plan.device)
+    empty = has_meta_parameters(model)
+    if not empty:
+        model = model.to(plan.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -68,7 +102,7 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    return model
+    return materialize(model, plan.device) if empty else model
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:

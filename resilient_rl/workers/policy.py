@@ -38,11 +38,14 @@ class PolicyEngine:
     """A causal LM that scores responses and, when trainable, takes PPO steps."""
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
-                 total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True):
+                 total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
+                 empty: bool = False):
+        """``empty``: the weights are allocated, not initialised, for a restore to fill (the
+        caller must load the whole state before using the engine)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
-        model = build_causal_lm(model_cfg, vocab_size, seed)
+        model = build_causal_lm(model_cfg, vocab_size, seed, empty=empty)
         if not trainable:
             model.requires_grad_(False)
         self.model = wrap_fsdp2(model, plan, reshard_after_forward=reshard_after_forward)

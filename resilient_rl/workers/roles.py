@@ -117,13 +117,15 @@ class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
     role = "actor"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> bool:
+    def init_model(self, empty: bool = False) -> bool:
+        """Build the model with its initial weights, or ``empty`` (allocated on the device, not
+        initialised) when a restore of the whole state follows."""
         c = self.cfg
         self.release_engine()
         self.reset_checkpoint_writer()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True,
-                                   reshard_after_forward=c.actor.reshard_after_forward)
+                                   reshard_after_forward=c.actor.reshard_after_forward, empty=empty)
         self.prepare_checkpoint_staging()  # the first save then stalls no longer than later ones
         return True
 
@@ -191,13 +193,14 @@ class CriticWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
     role = "critic"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> bool:
+    def init_model(self, empty: bool = False) -> bool:
+        """As the actor's: ``empty`` when a restore of the whole state follows."""
         c = self.cfg
         self.release_engine()
         self.reset_checkpoint_writer()
         # A different seed from the actor's: the critic's backbone is its own model.
         self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
-                                  total_steps=c.trainer.total_steps)
+                                  total_steps=c.trainer.total_steps, empty=empty)
         self.prepare_checkpoint_staging()
         return True
 
@@ -219,7 +222,8 @@ class RefWorker(RoleWorker):
     role = "ref"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> bool:
+    def init_model(self, empty: bool = False) -> bool:
+        """Always the initial weights (no checkpoint or snapshot holds them): ``empty`` is ignored."""
         c = self.cfg
         self.release_engine()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
@@ -239,11 +243,14 @@ class RolloutWorker(RoleWorker):
     role = "rollout"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> bool:
+    def init_model(self, empty: bool = True) -> bool:
+        """Built empty unless asked otherwise: its weights are always the actor's, which the
+        controller syncs after every (re)build before the next generation (it refuses to
+        generate until then)."""
         c = self.cfg
         self.release_engine()
         self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
-                                    self.eos_token_id, self.pad_token_id)
+                                    self.eos_token_id, self.pad_token_id, empty=empty)
         # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
         weight_sync.register_sink(self.engine.model)
         return True

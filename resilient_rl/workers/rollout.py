@@ -16,7 +16,10 @@ from resilient_rl.errors import WorkerError
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.models.generation import generate
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import DevicePlan
+from resilient_rl.workers.fsdp import DevicePlan, to_device
+
+#: The weights version of a rollout built empty, before it received any weights.
+NO_WEIGHTS = -1
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:
@@ -29,17 +32,19 @@ class RolloutEngine:
     """Generates responses for left-padded prompts."""
 
     def __init__(self, model_cfg, rollout_cfg, vocab_size: int, seed: int, plan: DevicePlan, eos_token_id: int,
-                 pad_token_id: int):
+                 pad_token_id: int, empty: bool = False):
+        """``empty``: the weights are allocated, not initialised, and the version is
+        :data:`NO_WEIGHTS` until the actor's first sync (generation refuses to run before it)."""
         self.plan = plan
         self.cfg = rollout_cfg
-        self.model = build_causal_lm(model_cfg, vocab_size, seed).to(plan.device)
+        self.model = to_device(build_causal_lm(model_cfg, vocab_size, seed, empty=empty), plan.device)
         if plan.mixed_precision:
             self.model = self.model.to(plan.param_dtype)
         self.model.requires_grad_(False)
         self.model.train(False)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        self.version = 0
+        self.version = NO_WEIGHTS if empty else 0
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Copy the actor's full weights in; returns the new version."""
@@ -61,8 +66,10 @@ class RolloutEngine:
     def generate_sequences(self, prompts: DataProto, rank: int) -> DataProto:
         meta = prompts.meta_info
         expected = meta.get("weights_version")
-        if expected is not None and int(expected) != self.version:
-            raise WorkerError(f"rollout rank {rank} holds weights version {self.version}, asked for {expected}",
+        if self.version == NO_WEIGHTS or (expected is not None and int(expected) != self.version):
+            held = "no weights yet (built empty, never synced)" if self.version == NO_WEIGHTS else \
+                f"weights version {self.version}"
+            raise WorkerError(f"rollout rank {rank} holds {held}, asked for {expected}",
                               role="rollout", rank=rank, cause="stale_weights")
         gen = torch.Generator(device=self.plan.device)
         gen.manual_seed(sampling_seed(int(meta.get("seed", 0)), int(meta.get("step", 0)), rank))

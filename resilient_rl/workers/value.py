@@ -26,10 +26,12 @@ def response_values(model, data: DataProto, device: torch.device) -> torch.Tenso
 class ValueEngine:
     """A value model (backbone + scalar head) trained with the clipped value loss."""
 
-    def __init__(self, model_cfg, critic_cfg, vocab_size: int, seed: int, plan: DevicePlan, total_steps: int = 1):
+    def __init__(self, model_cfg, critic_cfg, vocab_size: int, seed: int, plan: DevicePlan, total_steps: int = 1,
+                 empty: bool = False):
+        """``empty``: as for :class:`~resilient_rl.workers.policy.PolicyEngine`."""
         self.plan = plan
         self.cfg = critic_cfg
-        self.model = wrap_fsdp2(build_value_model(model_cfg, vocab_size, seed), plan,
+        self.model = wrap_fsdp2(build_value_model(model_cfg, vocab_size, seed, empty=empty), plan,
                                 reshard_after_forward=critic_cfg.reshard_after_forward)
         self.model.train(False)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
