@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from resilient_rl import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker
-from resilient_rl.faults.injectors import FaultError, process_state
+from resilient_rl.faults.injectors import FaultError
+from resilient_rl.process_state import process_state
 from resilient_rl.faults.monkey import ChaosMonkey, find_run_workers
 from resilient_rl.testing.wait import wait_until
 
@@ -35,11 +36,11 @@ def test_monkey_finds_and_hits_the_runs_workers(ray_cluster):
         dry = ChaosMonkey("monkeyrun", interval_s=0, max_faults=3, seed=1, dry_run=True, echo=lines.append)
         dry.run()
         assert len(dry.done) == 3 and all("would send" in line for line in lines[1:])
-        assert all(process_state(p) not in (None, "Z", "T") for p in before), "a dry run touches nothing"
+        assert all(process_state(p) not in (None, "zombie", "stopped") for p in before), "a dry run touches nothing"
 
         monkey = ChaosMonkey("monkeyrun", interval_s=0, max_faults=1, kinds=("sigstop",), seed=3, echo=lines.append)
         (kind, target), = monkey.run()
-        wait_until(lambda: process_state(target.pid) == "T", 10, 0.1, "the chosen worker to be stopped")
+        wait_until(lambda: process_state(target.pid) == "stopped", 10, 0.1, "the chosen worker to be stopped")
 
         monkey = ChaosMonkey("monkeyrun", interval_s=0, max_faults=1, kinds=("sigkill",), seed=3, echo=lines.append)
         (kind, target), = monkey.run()

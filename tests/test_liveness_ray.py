@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from resilient_rl import Dispatch, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker, register
 from resilient_rl.controller import progress
-from resilient_rl.controller.health import HEALTH_GROUPS
+from resilient_rl.controller.health import HEALTH_GROUPS, process_gone, replaced
 from resilient_rl.errors import CollectiveError, WorkerError, WorkerTimeoutError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -146,6 +146,13 @@ def test_killing_a_stalled_rank_frees_its_peer_for_the_next_rendezvous(ray_clust
             wg.get([refs[0]], timeout_s=30)
         assert peer.value.cause in ("collective", "exception")
         wg.wait_alive(60)
+        # The old process is gone, but the rank is not: Ray runs it in a new process, whose
+        # answer a probe waits for (it is not reported dead).
+        assert process_gone(pids[1], infos[1].node_id) and replaced(wg.workers[1], pids[1])
+        assert not replaced(wg.workers[0], pids[0])
+        probe = wg.probe(timeout_s=10, gone=lambda rank: process_gone(pids[rank], infos[rank].node_id)
+                         and not replaced(wg.workers[rank], pids[rank]))
+        assert probe[1].pid != pids[1]
         wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
         assert wg.all_reduce_check(1.0) == [3.0, 3.0]
         assert wg.ping()[1].pid != pids[1]

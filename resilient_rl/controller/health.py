@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 from ray.exceptions import RayTaskError
 
 from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
+from resilient_rl.process_state import process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,7 @@ def process_gone(pid: int, node_id: str | None) -> bool:
             return False
     except Exception:
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):  # no procfs (not Linux): unknown
-        return False
+    return not process_alive(pid)
 
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
@@ -103,13 +98,23 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
 
 
+def _actor_record(actor) -> dict:
+    """The GCS's record of ``actor`` (state, pid, restarts); empty when it cannot be read."""
+    try:
+        return ray._private.state.actors(actor._actor_id.hex()) or {}
+    except Exception:  # the GCS may be briefly unreachable: nothing known
+        return {}
+
+
 def dead_for_good(actor) -> bool:
     """Whether Ray has given up on ``actor`` (state DEAD: no restarts left, or killed for good)."""
-    try:
-        info = ray._private.state.actors(actor._actor_id.hex())
-    except Exception:  # the GCS may be briefly unreachable; treat as not known dead
-        return False
-    return bool(info) and info.get("State") == "DEAD"
+    return _actor_record(actor).get("State") == "DEAD"
+
+
+def replaced(actor, pid: int) -> bool:
+    """Whether Ray already runs ``actor`` in a process other than ``pid`` (it restarted it)."""
+    record = _actor_record(actor)
+    return record.get("State") == "ALIVE" and record.get("Pid") not in (None, pid)
 
 
 class HealthMixin:

@@ -20,7 +20,8 @@ from typing import Any
 
 import ray
 
-from resilient_rl.faults.injectors import FaultSchedule, process_state
+from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.process_state import process_alive, process_state
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.run_dir import deterministic_view
@@ -135,7 +136,7 @@ def leftovers(result: RunResult, wait_s: float = 15.0) -> list[str]:
             if pg.get("name", "").startswith(result.run_prefix) and pg.get("state") != "REMOVED":
                 found.append(f"placement group {pg['name']} ({pg.get('state')})")
         for pid in sorted(result.pids):
-            if process_state(pid) not in (None, "Z"):
+            if process_alive(pid):
                 found.append(f"process {pid} ({process_state(pid)})")
         if not found or time.monotonic() > deadline:
             return found
@@ -192,7 +193,7 @@ def check_invariants(result: RunResult, reference: RunResult, expect_recoveries:
         for f in result.schedule.faults:
             if not f.fired:
                 raise InvariantError(f"fault {f} never fired")
-            if f.kind in ("sigkill", "sigstop", "ray_kill") and (f.pid is None or process_state(f.pid) not in (None, "Z")):
+            if f.kind in ("sigkill", "sigstop", "ray_kill") and (f.pid is None or process_alive(f.pid)):
                 raise InvariantError(f"fault {f.kind} on {f.target}: process {f.pid} is still alive")
     left = leftovers(result)
     if left:

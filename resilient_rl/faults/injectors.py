@@ -64,15 +64,6 @@ class Fault:
             raise FaultError(f"unknown fault trigger {self.trigger!r}; allowed: {', '.join(TRIGGERS)}")
 
 
-def process_state(pid: int) -> str | None:
-    """The kernel's state letter of ``pid`` (R, S, T for stopped, Z), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-
-
 def inject(kind: str, roles, role: str, rank: int) -> int:
     """Apply ``kind`` to (role, rank) of a running :class:`RayRoles`; returns the pid hit."""
     pids = roles.worker_pids()

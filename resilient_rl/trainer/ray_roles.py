@@ -16,7 +16,7 @@ import uuid
 
 import ray
 
-from resilient_rl.controller.health import process_gone
+from resilient_rl.controller.health import process_gone, replaced
 from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.spares import SparePool
@@ -130,8 +130,10 @@ class RayRoles:
         known = self.known_workers
 
         def gone(rank: int) -> bool:
+            # The process known for the rank exited, and Ray has not started its successor yet
+            # (whose answer is then waited for, not taken as a death).
             pid, node = known.get((group, rank), (None, None))
-            return pid is not None and process_gone(pid, node)
+            return pid is not None and process_gone(pid, node) and not replaced(g.workers[rank], pid)
 
         return g.probe(timeout_s=timeout_s, gone=gone)
 

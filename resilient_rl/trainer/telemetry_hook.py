@@ -34,12 +34,11 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
-import psutil
-
 from resilient_rl.controller.device_poller import DeviceReportPoller
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics,
                                     TrainerMetrics, gpu_assignments)
+from resilient_rl.process_state import process_alive
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
 from resilient_rl.trainer.goodput import UsefulTime
 from resilient_rl.trainer.pool import WorkerPool, role_order
@@ -193,7 +192,7 @@ class TelemetryHook:
         if group is not None and rank is not None and cause in _NAMING_CAUSES and self.pool is not None:
             down |= {(r, int(rank)) for r in self.pool.roles_of(group)}
         local = {key for key, (_, node) in self._workers.items() if node in (None, self.node_id)}
-        pids_gone = {pid for key, (pid, _) in self._workers.items() if key in local and not _alive(pid)}
+        pids_gone = {pid for key, (pid, _) in self._workers.items() if key in local and not process_alive(pid)}
         down |= {key for key in local if self._workers[key][0] in pids_gone}
         for key in sorted(down):
             if key in self._workers:
@@ -314,11 +313,3 @@ class TelemetryHook:
         self.file_sd.update([(controller, {**labels, "node": self.node})]
                             + [(e.target, {**labels, "node": e.node}) for e in self.node_exporters.values()])
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:  # e.g. access denied: it exists
-        return True
