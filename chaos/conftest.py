@@ -21,6 +21,27 @@ from resilient_rl.faults.storage import register as register_faulty_storage
 register_faulty_storage()
 
 STEPS = 6
+#: ``RRL_CHAOS_RECOVERY=fast`` runs every scenario (and the reference) with warm spares and a
+#: snapshot after every step; scenarios about the storage path itself keep snapshots off.
+FAST_RECOVERY = ("recovery.spares=1", "recovery.snapshot_every=1")
+#: What a scenario that tests restoring from storage adds (a snapshot would be preferred).
+STORAGE_ONLY = ("recovery.snapshot_every=0",)
+
+
+def recovery_mode() -> tuple[str, ...]:
+    mode = os.environ.get("RRL_CHAOS_RECOVERY", "")
+    if mode not in ("", "default", "fast"):
+        raise pytest.UsageError(f"RRL_CHAOS_RECOVERY={mode!r}: use 'fast' (spares and snapshots) or leave it unset")
+    return FAST_RECOVERY if mode == "fast" else ()
+
+
+def check_restore_point(recovered: dict, *checkpoint_steps: int) -> None:
+    """A recovery restored one of ``checkpoint_steps`` from storage or, with fast recovery, a
+    snapshot (the newest complete one, which no storage step pins down)."""
+    if recovery_mode():
+        assert recovered["source"] == "snapshot", recovered
+    else:
+        assert recovered["restored_step"] in checkpoint_steps, recovered
 
 
 def chaos_overrides(tmp: str) -> list[str]:
@@ -32,7 +53,7 @@ def chaos_overrides(tmp: str) -> list[str]:
         "checkpoint.save_every=2", "checkpoint.keep_last=3",
         "recovery.call_timeout_s=6", "recovery.health_timeout_s=2", "recovery.collective_timeout_s=30",
         "recovery.restart_timeout_s=60", "recovery.max_restarts=4", "recovery.max_failures=6",
-        f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt",
+        f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt", *recovery_mode(),
     ]
 
 

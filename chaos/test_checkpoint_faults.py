@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import STORAGE_ONLY
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.storage import FaultPlan, faulty_url
@@ -21,7 +22,7 @@ def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run,
     """Slow storage keeps step 4's shards in flight; actor rank 1 dies while writing them."""
     extra, _ = _storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3))
     schedule = FaultSchedule().at_checkpoint(4).kill("actor", 1, delay_s=0.1)
-    result = chaos_run(schedule, *extra)
+    result = chaos_run(schedule, *extra, *STORAGE_ONLY)
     check_invariants(result, reference)
     assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [4]
     assert result.events_of("recovered")[0]["restored_step"] == 2, "the torn step-4 save was never loaded"
@@ -31,7 +32,7 @@ def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run,
 def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, chaos_run, damage):
     schedule = FaultSchedule().at_step(6)
     schedule.corrupt_latest_checkpoint(truncate=damage == "truncate").kill("critic", 0, delay_s=0.05)
-    result = chaos_run(schedule)
+    result = chaos_run(schedule, *STORAGE_ONLY)
     check_invariants(result, reference)
     assert schedule.faults[0].path.endswith("step_00000004/actor/shard_00000.safetensors")
     assert [e["step"] for e in result.events_of("checkpoint_corrupt")] == [4]

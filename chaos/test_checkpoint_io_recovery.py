@@ -3,6 +3,7 @@ a storage outage over a few saves, an outage longer than ``checkpoint.max_skippe
 
 from __future__ import annotations
 
+from conftest import STORAGE_ONLY
 from resilient_rl.cli import EXIT_RUNTIME, exit_code
 from resilient_rl.errors import CheckpointsSkippedError
 from resilient_rl.faults.harness import check_invariants, metric_totals
@@ -23,7 +24,7 @@ def test_worker_killed_with_the_last_save_pending_recovers(reference, chaos_run,
     the last save is inside the recovery, so the run rolls back to step 4 and replays to the end."""
     extra = _storage_overrides(chaos_dir, "lastsave", FaultPlan(slow_s=0.3))
     schedule = FaultSchedule().at_checkpoint(6).kill("actor", 1, delay_s=0.1)
-    result = chaos_run(schedule, *extra)
+    result = chaos_run(schedule, *extra, *STORAGE_ONLY)
     check_invariants(result, reference)
     assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [6]
     assert result.events_of("recovered")[0]["restored_step"] == 4
