@@ -41,6 +41,10 @@ class LoopWorker(Worker):
         return self.ping()
 
     @ray.method(concurrency_group="health")
+    def call_off_rendezvous(self, generation: int) -> None:
+        super().call_off_rendezvous(generation)
+
+    @ray.method(concurrency_group="health")
     def release(self):
         """End a stalled loop (from the health thread, since the main one is busy in it)."""
         self.released.set()
@@ -156,6 +160,24 @@ def test_killing_a_stalled_rank_frees_its_peer_for_the_next_rendezvous(ray_clust
         wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
         assert wg.all_reduce_check(1.0) == [3.0, 3.0]
         assert wg.ping()[1].pid != pids[1]
+    finally:
+        wg.shutdown()
+
+
+def test_a_rendezvous_a_peer_never_joins_is_called_off_and_the_next_one_forms(ray_cluster):
+    wg = make_group("calloff", call_timeout_s=60)
+    try:
+        addr, port = ray.get(wg.workers[0].get_master_addr_port.remote(), timeout=30)
+        waiting = wg.workers[0].rendezvous.remote(5, addr, port, "gloo", 120.0)  # rank 1 never comes
+        assert ray.wait([waiting], timeout=1.0)[0] == [], "rank 0 waits for its peer"
+        t0 = time.monotonic()
+        wg.call_off_rendezvous(5)
+        with pytest.raises(ray.exceptions.RayTaskError, match="called off"):
+            ray.get(waiting, timeout=30)
+        assert time.monotonic() - t0 < 20.0  # not the rendezvous' 120 s
+        # The rank is free again: the next generation forms at once (it does not queue behind).
+        assert wg.init_process_group(generation=6, backend="gloo", timeout_s=20) == 6
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
     finally:
         wg.shutdown()
 

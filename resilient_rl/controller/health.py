@@ -4,7 +4,8 @@ waiting for Ray to restart dead ones, and telling a broken collective from a bug
 Worker classes that declare ``@ray.remote(concurrency_groups=HEALTH_GROUPS)`` and set
 ``_rrl_health_group = True`` answer ``health()`` from their own thread, so a rank blocked in a
 collective (waiting on a stopped peer) still answers and only the stopped rank is killed. Other
-classes are probed with ``ping`` and may look hung while a long call runs.
+classes are probed with ``ping`` and may look hung while a long call runs. Such classes also
+declare ``call_off_rendezvous`` in that group, so a rendezvous a peer failed in can be called off.
 """
 
 from __future__ import annotations

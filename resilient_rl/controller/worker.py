@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_rl import env
-from resilient_rl.controller import progress
+from resilient_rl.controller import progress, rendezvous
 from resilient_rl.controller.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
 from resilient_rl.telemetry.gpu_owners import device_report
@@ -207,9 +207,13 @@ class Worker:
                 torch.cuda.set_device(_PG_STATE["cuda_device"])
                 # CPU-side collectives (checkpoint metadata, object gathers) ride on gloo next to nccl.
                 backend = "cpu:gloo,cuda:nccl"
+            # Every rank is in the store before torch builds the group: a rendezvous whose peer
+            # died is called off there, instead of blocking in torch until the timeout.
+            store = rendezvous.join_store(generation, master_addr, master_port, self._rank, self._world_size,
+                                          timeout_s)
             dist.init_process_group(
                 backend=backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
+                store=store,
                 rank=self._rank,
                 world_size=self._world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -218,6 +222,12 @@ class Worker:
             logger.info("rank %d joined generation %d (%s, world size %d)", self._rank, generation, backend,
                         self._world_size)
             return generation
+
+    def call_off_rendezvous(self, generation: int) -> None:
+        """Call off this process's rendezvous of ``generation``: a rank waiting there for a peer
+        that will not come gives up at once (classes with a health thread answer this from it,
+        while the rendezvous call itself is running)."""
+        rendezvous.call_off(generation)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.ALL)
     def all_reduce_check(self, value: float) -> float:

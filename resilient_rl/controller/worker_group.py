@@ -325,8 +325,24 @@ class RayWorkerGroup(HealthMixin):
         addr, port = self.get([self._workers[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
         pg_timeout = collective_timeout_s or timeout_s
         refs = [w.rendezvous.remote(generation, addr, port, backend, pg_timeout) for w in self._workers]
-        self.get(refs, timeout_s=timeout_s + 5.0)
+        try:
+            self.get(refs, timeout_s=timeout_s + 5.0)
+        except BaseException:
+            self.call_off_rendezvous(generation)
+            raise
         return generation
+
+    def call_off_rendezvous(self, generation: int) -> None:
+        """Tell every rank to stop waiting in the rendezvous of ``generation`` (a rank failed in
+        it), so that the next generation's does not queue behind it. Not waited for; only
+        classes with a health thread can hear it during the call."""
+        if not self._has_health_group():
+            return
+        for w in self._workers:
+            try:
+                w.call_off_rendezvous.remote(generation)
+            except Exception:  # noqa: BLE001 -- a dead handle: nothing waits there
+                pass
 
     # ------------------------------------------------------------------ warm spares
     def start_spare(self, name: str):
@@ -406,6 +422,10 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
         @ray.method(concurrency_group="health")
         def health(self):
             return self.ping()
+
+        @ray.method(concurrency_group="health")
+        def call_off_rendezvous(self, generation: int) -> None:
+            Worker.call_off_rendezvous(self, generation)
 
         def __init__(self):
             super().__init__()

@@ -71,6 +71,11 @@ class RoleWorker(Worker):
         """Answers while a training call is running (or blocked in a collective)."""
         return self.ping()
 
+    @ray.method(concurrency_group="health")
+    def call_off_rendezvous(self, generation: int) -> None:
+        """Heard while the rendezvous call runs (see :meth:`Worker.call_off_rendezvous`)."""
+        super().call_off_rendezvous(generation)
+
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__()
         self.cfg = _run_config(config)
