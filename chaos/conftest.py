@@ -24,8 +24,9 @@ STEPS = 6
 #: ``RRL_CHAOS_RECOVERY=fast`` runs every scenario (and the reference) with warm spares and a
 #: snapshot after every step; scenarios about the storage path itself keep snapshots off.
 FAST_RECOVERY = ("recovery.spares=1", "recovery.snapshot_every=1")
-#: What a scenario that tests restoring from storage adds (a snapshot would be preferred).
-STORAGE_ONLY = ("recovery.snapshot_every=0",)
+#: What a scenario that tests restoring from storage adds: no snapshot (one would be preferred)
+#: and no spares (a fault waits for them to be ready, which would move it off the save it targets).
+STORAGE_ONLY = ("recovery.snapshot_every=0", "recovery.spares=0")
 
 
 def recovery_mode() -> tuple[str, ...]:

@@ -199,6 +199,20 @@ def test_fsdp2_round_trip(single_rank_group):
     roundtrip(rank, rank, via_pickle=False)
 
 
+def test_a_root_left_gathered_by_a_forward_without_backward_is_copied_as_its_shards(single_rank_group):
+    """FSDP2 keeps the root's parameters gathered after a no-grad forward (log-probs): a survivor
+    of a step cut short there must still copy, and be restored into, its shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    fully_shard(model)  # one unit, the root (as on CPU)
+    shards = [t.data_ptr() for _, t in named_tensors(model, None)]
+    with torch.no_grad():
+        model(torch.ones(2, 4))
+    assert not hasattr(next(model.parameters()), "to_local")  # gathered
+    assert [t.data_ptr() for _, t in named_tensors(model, None)] == shards
+
+
 def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
     from resilient_rl.workers import snapshot as snapshot_mod
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from resilient_rl.errors import WorkerDiedError
 from resilient_rl.trainer.snapshots import SnapshotKeeper, ring_holders
 
 
@@ -37,6 +38,7 @@ class FakeGroup:
         self.held = [dict() for _ in range(n)]  # rank -> (owner, step) -> state
         self.store_lost: set[int] = set()
         self.dead_holders: set[int] = set()
+        self.dead_loaders: set[int] = set()  # ranks whose process dies when asked to load
         self.loaded: dict[int, tuple] = {}
         self.calls: list[tuple] = []
         self.hold_pending = False
@@ -76,6 +78,9 @@ class FakeGroup:
             return Ref(None)
         if method == "load_snapshot":
             step, source, _timeout = args
+            if rank in self.dead_loaders:
+                return Ref(error=WorkerDiedError(f"{self.role} rank {rank} died", role=self.role, rank=rank,
+                                                 cause="died"))
             if source is None:
                 state = self.own[rank].get(step)
                 kind = "own"
@@ -218,6 +223,17 @@ def test_object_store_skipped_when_tasks_are_retried():
     k.restore(roles, None)
     assert g.loaded[1] == ("peer", "actor1@5")
     assert not any(m == "load_snapshot" and isinstance(a[1], list) for _, m, a in g.calls)
+
+
+def test_a_loading_rank_that_dies_fails_the_restore_so_that_recovery_starts_over():
+    """Not a lost copy to fall back from: the rank itself is gone (Ray would restart it empty)."""
+    g = FakeGroup(2)
+    k = keeper()
+    roles = FakeRoles(g)
+    k.take(roles, 5, {"step": 5})
+    g.dead_loaders = {1}
+    with pytest.raises(WorkerDiedError):
+        k.restore(roles, None)
 
 
 def test_owner_and_holder_lost_falls_back():

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import ray
 
+from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
+
 logger = logging.getLogger(__name__)
 
 #: Most snapshots kept at once: the newest complete one and those in flight after it.
@@ -253,12 +255,17 @@ class SnapshotKeeper:
         return groups[h_role].execute_rank_async(h_rank, "held_snapshot", snap.step, role, rank)
 
     def _answers(self, g, refs: list) -> list:
-        """Each call's result, or False for a call that failed (a peer that died with its node):
-        the rank then tries its next copy. The loading ranks themselves must be alive."""
+        """Each call's result, or False for a copy that could not be used (it does not match):
+        the rank then tries its next copy. A copy lost with its holder is not an error here
+        (the loader answers False). A loading rank that died or hung is a failure during
+        recovery, raised: the recovery starts over and rebuilds its group, rather than the
+        restore going on around a rank Ray restarts empty."""
         out = []
         for ref in refs:
             try:
                 out.append(g.get([ref], timeout_s=self.timeout_s + 10.0)[0])
+            except (WorkerDiedError, WorkerTimeoutError):
+                raise
             except Exception as exc:
                 logger.warning("loading a snapshot copy failed: %s", exc)
                 out.append(False)

@@ -105,6 +105,19 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
     return materialize(model, plan.device) if empty else model
 
 
+def reshard(model: nn.Module) -> nn.Module:
+    """Put the parameters of an FSDP2 model back in their sharded form: FSDP2 keeps the root's
+    parameters unsharded after a forward with no backward (log-probs), so until the next update
+    ``named_parameters`` gives the gathered tensors, not the shards. A no-op when already sharded
+    or not FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, from an OptimConfig."""
     params = [p for p in model.parameters() if p.requires_grad]

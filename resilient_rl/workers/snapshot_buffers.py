@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from resilient_rl.controller import progress
+from resilient_rl.workers.fsdp import reshard
 
 #: Alignment of every tensor in a packed buffer (bytes): any dtype can be viewed at any offset.
 ALIGN = 64
@@ -52,7 +53,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
     """The tensors a snapshot copies, in a fixed order: ``model/<name>`` for each parameter
     and persistent buffer (local shards), ``optim/<param name>/<key>`` for each tensor of the
-    optimizer's per-parameter state (parameters in ``param_groups`` order, keys sorted)."""
+    optimizer's per-parameter state (parameters in ``param_groups`` order, keys sorted). An FSDP2
+    model is resharded first (a survivor of a step cut short may hold its root gathered)."""
+    reshard(model)
     out: list[tuple[str, torch.Tensor]] = []
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
