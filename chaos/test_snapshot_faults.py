@@ -58,8 +58,9 @@ class _RemoveActorNode:
     """Hook: remove the node hosting actor rank 1 when step ``step`` starts (after a short delay,
     so step ``step - 1``'s snapshot is complete); remembers which stateful ranks lived elsewhere."""
 
-    def __init__(self, cluster, step: int):
+    def __init__(self, cluster, step: int, replacement_cpus: int):
         self.cluster, self.step, self.removed, self.survivors = cluster, step, None, []
+        self.replacement_cpus = replacement_cpus
 
     def on_step_start(self, trainer, step):
         if step != self.step or self.removed:
@@ -74,7 +75,7 @@ class _RemoveActorNode:
         self.removed = node_id
         self.cluster.remove_node(node, allow_graceful=False)
         # A replacement node (as an autoscaler would add): the lost ranks need its CPUs to restart.
-        self.cluster.add_node(num_cpus=3)
+        self.cluster.add_node(num_cpus=self.replacement_cpus)
 
 
 @pytest.mark.slow
@@ -83,23 +84,26 @@ def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
     or share the other with one more role). The node of actor rank 1 is removed (and a
     replacement added, where the lost ranks restart): its own and object-store copies go with it. When a stateful rank (the critic) lives on the other node, it
     holds the actor's peer copies and the run recovers from them without reading storage; when
-    none does, every copy is lost and the run falls back to storage. Either way: bit-identical."""
+    none does, every copy is lost and the run falls back to storage. Either way: bit-identical.
+    With warm spares (``RRL_CHAOS_RECOVERY=fast``) each node has room for two more processes, as
+    a cluster provisioned for its spares would: the four groups' spares fit beside the ranks."""
     import ray
     from ray.cluster_utils import Cluster
 
-    from conftest import chaos_overrides
+    from conftest import chaos_overrides, recovery_mode
     from resilient_rl.faults.harness import run_training
 
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
-        cluster.add_node(num_cpus=2)
-        cluster.add_node(num_cpus=3)
+        room = 2 if "recovery.spares=1" in recovery_mode() else 0
+        cluster.add_node(num_cpus=2 + room)
+        cluster.add_node(num_cpus=3 + room)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="rrl-chaos-snap-nodes", log_to_driver=False,
                  configure_logging=False)
-        hook = _RemoveActorNode(cluster, step=4)
+        hook = _RemoveActorNode(cluster, step=4, replacement_cpus=3 + room)
         result = run_training(chaos_overrides(chaos_dir) + list(SNAPSHOTS) + [
             "ray.cpus_per_worker=1", "recovery.restart_timeout_s=120"], "snap-node-loss", hooks=(hook,))
         assert hook.removed is not None

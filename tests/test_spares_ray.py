@@ -4,11 +4,14 @@ process it replaced comes back as a spare, and a colocated run recovers through 
 from __future__ import annotations
 
 import os
+import types
 import signal
 
 import pytest
 import ray
 
+from resilient_rl.controller.health import dead_for_good
+from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.spares import SparePool
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.testing.wait import wait_until
@@ -70,6 +73,43 @@ def test_a_spare_gone_for_good_is_replaced_and_none_ready_leaves_the_rank_alone(
         wg.shutdown()
 
 
+def test_release_kills_the_spares_outside_bundles_and_refill_starts_new_ones(ray_cluster):
+    wg = make_group(1, "release", max_restarts=1, call_timeout_s=60)
+    pool = SparePool(wg, 2, timeout_s=30)
+    try:
+        wait_until(lambda: len(pool.ready()) == 2, 60, 0.2, "the spares to start")
+        old = [s.handle for s in pool._spares]
+        kept = wg.workers[0]
+        pool.give(kept)  # as a replaced rank's process is: it lives in the rank's bundle
+        pool.release()
+        assert [s.handle for s in pool._spares] == [kept] and ray.get(kept.ping.remote(), timeout=30)
+        wait_until(lambda: all(dead_for_good(h) for h in old), 30, 0.2, "the released spares to be killed")
+        pool.refill()  # one more: the kept one counts
+        wait_until(lambda: len(pool.ready()) == 2, 60, 0.2, "the refilled spare to start")
+        assert not {s.handle._actor_id for s in pool._spares} & {h._actor_id for h in old}
+        pool.refill()  # full: starts nothing
+        assert len(pool) == 2
+    finally:
+        pool.shutdown()
+        wg.shutdown()
+
+
+def test_a_pool_knows_when_a_bundle_waits_to_be_placed(ray_cluster):
+    from ray.util.placement_group import placement_group
+
+    placed = RayResourcePool([1], name_prefix="placed", cpus_per_bundle=0.1)
+    waiting = RayResourcePool([1], name_prefix="waiting", cpus_per_bundle=0.1)
+    try:
+        placed.get_placement_groups()
+        assert not placed.unplaced()
+        # A bundle no node can hold now stays pending, as a lost node's bundles do until placed again.
+        waiting.pgs = [placement_group([{"CPU": 0.1, "rrl_test_missing": 1.0}])]
+        wait_until(lambda: waiting.unplaced(), 10, 0.2, "the pending bundle to be reported")
+    finally:
+        placed.release()
+        waiting.release()
+
+
 def test_colocated_run_recovers_through_a_spare_and_matches_the_fault_free_run(ray_cluster, tmp_path):
     fast = ("checkpoint.save_every=20", "recovery.snapshot_every=1", "recovery.spares=1", "trainer.total_steps=4")
     reference = PPOTrainer(small_cfg(tmp_path, "ref", *fast))
@@ -89,3 +129,45 @@ def test_colocated_run_recovers_through_a_spare_and_matches_the_fault_free_run(r
     rec = [e for e in events if e["event"] == "recovered"]
     assert len(rec) == 1 and rec[0]["source"] == "snapshot" and rec[0]["steps_replayed"] == 0
     assert deterministic_view(trainer.run_dir.read_metrics()) == deterministic_view(reference.run_dir.read_metrics())
+
+
+class _Pool:
+    """A spare pool with ``ready`` spares (each adoption takes one)."""
+
+    def __init__(self, ready: int):
+        self.n, self.adopted = ready, []
+
+    def ready(self):
+        return [object()] * self.n
+
+    def adopt(self, rank):
+        if not self.n:
+            return None
+        self.n -= 1
+        self.adopted.append(rank)
+        return types.SimpleNamespace(pid=1000 + rank)
+
+
+def _roles_with(spares: dict[str, int], unplaced: set[str]):
+    from resilient_rl.trainer.ray_roles import RayRoles
+
+    roles = object.__new__(RayRoles)
+    roles.spares = {name: _Pool(n) for name, n in spares.items()}
+    groups = {name: types.SimpleNamespace(name_prefix=name, resource_pool=types.SimpleNamespace(
+        unplaced=lambda name=name: name in unplaced)) for name in spares}
+    roles._process_group = groups.__getitem__
+    roles.torch_groups, roles.groups, roles.worker_info = [], {}, {}
+    return roles
+
+
+def test_a_group_whose_bundles_wait_to_be_placed_takes_spares_only_for_every_dead_rank():
+    # Bundles placed (a process died, its node lives): each spare takes a rank, the rest restart in place.
+    roles = _roles_with({"actor": 1}, unplaced=set())
+    assert roles.adopt_spares([("actor", 0), ("actor", 1)]) == [("actor", 0)]
+    # Node lost with both ranks, one spare: none is taken (the placement group must be placed anyway).
+    roles = _roles_with({"actor": 1, "critic": 1}, unplaced={"actor"})
+    assert roles.adopt_spares([("actor", 0), ("actor", 1), ("critic", 0)]) == [("critic", 0)]
+    assert roles.spares["actor"].adopted == []
+    # Node lost, a spare for every dead rank: the group goes on without its placement group.
+    roles = _roles_with({"actor": 2}, unplaced={"actor"})
+    assert roles.adopt_spares([("actor", 0), ("actor", 1)]) == [("actor", 0), ("actor", 1)]

@@ -168,17 +168,20 @@ class HealthMixin:
         """Ranks whose actor Ray has given up on (state DEAD: no restarts left)."""
         return [rank for rank, w in enumerate(self._workers) if dead_for_good(w)]
 
-    def wait_alive(self, timeout_s: float) -> list:
-        """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past ``timeout_s``."""
+    def wait_alive(self, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> list:
+        """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past
+        ``timeout_s``. ``while_waiting`` is called before each try (every few seconds at most)."""
         deadline = time.monotonic() + timeout_s
         last: Exception | None = None
         while True:
+            if while_waiting is not None:
+                while_waiting()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkerDiedError(f"{self.name_prefix}: not every rank came back within {timeout_s:g}s: {last}",
                                       role=self.name_prefix, rank=getattr(last, "rank", None), cause="died")
             try:
-                return self.ping(timeout_s=min(remaining, 10.0))
+                return self.ping(timeout_s=min(remaining, 5.0))
             except (WorkerError, RayActorError) as exc:
                 last = exc
                 dead = self.permanently_dead()

@@ -8,11 +8,17 @@ rendezvous queues behind that call. Here each rank first joins the generation's 
 controller calls the generation off (:func:`call_off`, sent from the worker's health thread) or
 its deadline passes. Only once every rank is there does torch build the group, which then does
 not wait for anyone.
+
+A rank connects to the store only once rank 0's port accepts connections: torch's client, started
+before the server listens, backs off for about half a second before it tries again, and in a
+recovery the ranks reach the rendezvous at nearly the same time, so that wait would be paid in most
+rejoins.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 
@@ -48,6 +54,15 @@ def _check(generation: int, rank: int, deadline: float, timeout_s: float, waitin
                               f"{timeout_s:.0f}s waiting for {waiting_for}", rank=rank, cause="collective")
 
 
+def _listening(addr: str, port: int) -> bool:
+    """Whether ``addr:port`` accepts a TCP connection now."""
+    try:
+        with socket.create_connection((addr, port), timeout=_CONNECT_TRY_S):
+            return True
+    except OSError:
+        return False
+
+
 def join_store(generation: int, addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """The generation's store, once all ``world_size`` ranks have joined it; rank 0 hosts it.
 
@@ -58,8 +73,11 @@ def join_store(generation: int, addr: str, port: int, rank: int, world_size: int
     if rank == 0:
         store = dist.TCPStore(addr, port, world_size, True, timeout=timeout, wait_for_workers=False)
     else:
-        while True:  # rank 0 may not host it yet: connect in short tries, checking in between
+        while True:  # rank 0 may not host it yet: connect once it listens, checking in between
             _check(generation, rank, deadline, timeout_s, f"rank 0's store at {addr}:{port}")
+            if not _listening(addr, port):
+                time.sleep(_POLL_S)
+                continue
             try:
                 store = dist.TCPStore(addr, port, world_size, False,
                                       timeout=datetime.timedelta(seconds=_CONNECT_TRY_S), wait_for_workers=False)

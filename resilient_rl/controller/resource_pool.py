@@ -13,6 +13,7 @@ import uuid
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util import placement_group_table
 
 from resilient_rl.errors import ResourceError
 
@@ -116,6 +117,19 @@ class RayResourcePool:
                                 f"available: {ray.available_resources()}")
         self.pgs = pgs
         return pgs
+
+    def unplaced(self) -> bool:
+        """Whether a bundle of the pool's placement groups waits to be placed again (Ray
+        reschedules the bundles of a node that was lost; the ranks in them restart once placed)."""
+        for pg in self.pgs or []:
+            try:
+                state = placement_group_table(pg).get("state")
+            except Exception as exc:  # the GCS did not answer: do not act on a guess
+                logger.debug("placement group state unknown: %s", exc)
+                continue
+            if state not in ("CREATED", "REMOVED"):
+                return True
+        return False
 
     def release(self) -> None:
         """Remove the pool's placement groups (the actors in them are killed by Ray)."""

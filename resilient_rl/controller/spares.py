@@ -12,11 +12,22 @@ rank. The process it replaced is being restarted by Ray meanwhile and joins the 
 once it answers: the pool refills in the background, and the run holds the same resources as
 before (the replaced process keeps the rank's placement-group bundle).
 
-A spare is *ready* once it has answered a ping; one still starting is never waited for (the
-rank then waits for Ray's restart, as without spares). A spare that dies while idle or while
+A spare is *ready* once its process has started and finished warming up (its background imports,
+:meth:`~resilient_rl.controller.worker.Worker.warmed_up`); one still starting is never waited for
+(the rank then waits for Ray's restart, as without spares). A spare that dies while idle or while
 taking over is restarted by Ray and tried again once it answers; one Ray has given up on is
 replaced by a fresh one. Spares need free resources: on a cluster with none left (every GPU
 taken by a rank), they stay pending and recovery falls back to Ray's restart.
+
+Spares never compete with ranks for resources. A rank's restart normally goes into its own
+placement-group bundle, whose resources stay reserved for it; but when a node is lost, Ray must
+place its bundles again, and spares started outside the bundles could take the free resources
+first. The pool's owner then releases those spares (:meth:`~SparePool.release`; a replaced process
+kept as a spare sits in its rank's bundle and stays) and refills the pool once every rank answers
+again (:meth:`~SparePool.refill`). For the same reason a group whose bundles wait to be placed
+again takes spares only when every dead rank of it gets one
+(:meth:`~resilient_rl.trainer.ray_roles.RayRoles.adopt_spares`): a rank left to wait needs the
+whole placement group placed, and a spare holding a rank outside it only takes resources from it.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ class _Spare:
     handle: Any
     ping: Any  # the ObjectRef of its ping in flight
     ok: bool = False  # whether its last ping answered (a new one is sent after each answer)
+    in_bundle: bool = False  # a replaced rank's process: it lives in that rank's placement-group bundle
 
 
 class SparePool:
@@ -49,22 +61,27 @@ class SparePool:
 
     def __init__(self, group, n: int, timeout_s: float) -> None:
         self.group = group
+        self.n = n
         self.timeout_s = timeout_s
         self._names = itertools.count()
         self._spares: list[_Spare] = []
-        for _ in range(n):
+        self.refill()
+
+    def refill(self) -> None:
+        """Start spares until there are ``n`` (none is waited for)."""
+        while len(self._spares) < self.n:
             self._start()
 
     def _start(self) -> None:
         handle = self.group.start_spare(f"{self.group.name_prefix}_spare{next(self._names)}")
-        self._spares.append(_Spare(handle, handle.ping.remote()))
+        self._spares.append(_Spare(handle, handle.warmed_up.remote()))
 
     def __len__(self) -> int:
         return len(self._spares)
 
     def ready(self) -> list:
-        """The spares whose last ping answered (without waiting). Each answer sends the next
-        ping, so a spare that died since is found at a later call: it is asked again once Ray
+        """The spares whose last ping answered (without waiting; the first one answers once the
+        process has warmed up). Each answer sends the next ping, so a spare that died since is found at a later call: it is asked again once Ray
         restarted it, or replaced where Ray gave up on it."""
         out = []
         for spare in list(self._spares):
@@ -81,7 +98,8 @@ class SparePool:
                         self._spares.remove(spare)
                         self._start()
                         continue
-                spare.ping = spare.handle.ping.remote()
+                # A restarted process is asked to warm up again before it counts as ready.
+                spare.ping = spare.handle.ping.remote() if spare.ok else spare.handle.warmed_up.remote()
             if spare.ok:
                 out.append(spare)
         return out
@@ -99,21 +117,30 @@ class SparePool:
                 replaced, info = self.group.adopt(rank, spare.handle, self.timeout_s)
             except WorkerError as exc:  # it died taking over: Ray restarts it, a spare again later
                 logger.warning("warm spare of %s died taking over rank %d: %s", self.group.name_prefix, rank, exc)
-                self.give(spare.handle)
+                self._spares.append(_Spare(spare.handle, spare.handle.warmed_up.remote(), in_bundle=spare.in_bundle))
                 continue
             self.give(replaced)
             return info
         return None
 
     def give(self, handle) -> None:
-        """Keep ``handle`` (a process Ray is restarting) as a spare once it answers."""
-        self._spares.append(_Spare(handle, handle.ping.remote()))
+        """Keep ``handle`` (a replaced rank's process, which Ray is restarting in that rank's
+        bundle) as a spare once it answers."""
+        self._spares.append(_Spare(handle, handle.warmed_up.remote(), in_bundle=True))
+
+    def release(self) -> None:
+        """Kill the spares started outside placement groups (no restart), freeing their resources
+        for ranks; :meth:`refill` starts them again."""
+        self._kill([s for s in self._spares if not s.in_bundle])
 
     def shutdown(self) -> None:
         """Kill every spare (no restart)."""
-        for spare in self._spares:
+        self._kill(list(self._spares))
+
+    def _kill(self, spares: list[_Spare]) -> None:
+        for spare in spares:
+            self._spares.remove(spare)
             try:
                 ray.kill(spare.handle, no_restart=True)
             except Exception as exc:  # already gone
                 logger.debug("ray.kill of a spare failed: %s", exc)
-        self._spares = []

@@ -105,6 +105,8 @@ class RayRoles:
         node (to tell restarted actors and to kill hung ones) and its GPU (for telemetry)."""
         self.worker_info = {(g.name_prefix, rank): info for g in self.distinct_groups()
                             for rank, info in enumerate(g.ping())}
+        for pool in self.spares.values():  # every rank answers: spares released for them start again
+            pool.refill()
 
     @property
     def known_workers(self) -> dict[tuple[str, int], tuple[int, str]]:
@@ -142,8 +144,18 @@ class RayRoles:
         self._process_group(key[0]).kill_rank(key[1], pid, node)
 
     def adopt_spares(self, keys) -> list[tuple[str, int]]:
-        """Hand each dead rank of ``keys`` to a ready warm spare of its group; the ranks handed over."""
+        """Hand each dead rank of ``keys`` to a ready warm spare of its group; the ranks handed over.
+
+        A group whose placement groups wait to be placed again (a node was lost) takes spares
+        only when every dead rank of it gets one: a rank left to wait needs the whole placement
+        group placed, and a spare holding another rank outside it would only take resources from it."""
         adopted = []
+        for name in sorted({key[0] for key in keys} & set(self.spares)):
+            dead = sum(1 for key in keys if key[0] == name)
+            if dead > len(self.spares[name].ready()) and self._process_group(name).resource_pool.unplaced():
+                logger.warning("%s lost %d rank(s) with a placement group that waits to be placed again, and "
+                               "has fewer warm spares ready: they wait for the placement group", name, dead)
+                keys = [key for key in keys if key[0] != name]
         for key in keys:
             info = self.spares[key[0]].adopt(key[1]) if key[0] in self.spares else None
             if info is not None:
@@ -160,7 +172,21 @@ class RayRoles:
 
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         g = self._process_group(group)
-        return g.reidentify(g.wait_alive(timeout_s))
+        return g.reidentify(g.wait_alive(timeout_s, while_waiting=self._yield_to_unplaced_ranks))
+
+    def _yield_to_unplaced_ranks(self) -> None:
+        """Release the warm spares started outside placement groups while a rank's bundle waits to
+        be placed again (its node was lost): they must not take the free resources the bundle
+        needs. :meth:`refresh_workers` starts them again once every rank answers."""
+        if not any(len(pool) for pool in self.spares.values()):
+            return
+        unplaced = [g.name_prefix for g in self.distinct_groups()
+                    if g.resource_pool is not None and g.resource_pool.unplaced()]
+        if unplaced:
+            logger.warning("placement groups of %s wait to be placed again: releasing the warm spares "
+                           "so that their ranks get the resources", ", ".join(unplaced))
+            for pool in self.spares.values():
+                pool.release()
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         """(process group, role) of the worker group ``name``; a colocated role's group is
@@ -217,8 +243,13 @@ class RayRoles:
             args = (self.generation, addr, port, rollout.world_size + 1, self.backend, rc.collective_timeout_s)
             refs = (actor.execute_all_async("join_weight_channel", *args),
                     rollout.execute_all_async("join_weight_channel", *args))
-            for g, r in zip((actor, rollout), refs):
-                g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
+            try:
+                for g, r in zip((actor, rollout), refs):
+                    g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
+            except BaseException:  # the ranks still waiting for a failed peer give up at once
+                for g in (actor, rollout):
+                    g.call_off_rendezvous(self.generation)
+                raise
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         roles = [role for role in ("actor", "ref", "rollout", "critic") if role in self.groups

@@ -15,7 +15,6 @@ import copy
 import gc
 import hashlib
 import json
-import threading
 import time
 import weakref
 
@@ -23,7 +22,7 @@ import ray
 import torch
 
 from resilient_rl.controller.dispatch import Dispatch, register
-from resilient_rl.controller.worker import Worker
+from resilient_rl.controller.worker import Worker, warm_in_background
 from resilient_rl.controller.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol_utils import tensordict_class
@@ -94,7 +93,7 @@ class RoleWorker(Worker):
         torch.manual_seed(self.cfg.trainer.seed)
         # A (re)started worker answers its first ping before the slow tensordict import is done:
         # the import then overlaps the controller's rendezvous instead of the restart wait.
-        threading.Thread(target=tensordict_class, name="warm-imports", daemon=True).start()
+        warm_in_background(tensordict_class, "warm-imports")
 
     def release_engine(self) -> None:
         """Drop the engine of an earlier generation before building the next one.

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resilient_rl.controller import rendezvous
 from resilient_rl.errors import CollectiveError
 from resilient_rl.workers import weight_sync
 
@@ -40,7 +41,9 @@ def join(generation: int, addr: str, port: int, rank: int, size: int, backend: s
             return generation
         _close_locked()
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(addr, port, size, rank == 0, timeout=timeout)
+        # Every channel rank is in the store before the group is built: a peer that died on the
+        # way gets the rendezvous called off (RayRoles.rendezvous) instead of a wait in torch.
+        store = rendezvous.join_store(generation, addr, port, rank, size, timeout_s)
         prefixed = dist.PrefixStore(f"rrl-weights/{generation}", store)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
