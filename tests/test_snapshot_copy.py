@@ -233,7 +233,7 @@ def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
         peer.rank = 1
         snapshot_mod._PROCESS_ROLES.clear()
         peer.register_snapshot_role()
-        answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], pickle.loads(pickle.dumps(taken)))
+        answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
         assert answer == {"step": 1, "bytes": {"actor:0": taken["roles"]["actor"]["bytes"],
                                                "critic:0": taken["roles"]["critic"]["bytes"]}}
         held = peer.held_snapshot(1, "critic", 0)

@@ -58,7 +58,7 @@ class FakeGroup:
                 out[role] = {"step": step, "rank": rank, "bytes": 10, "state": state}
             return Ref({"step": step, "rank": rank, "roles": out})
         if method == "hold_snapshot":
-            step, owners, *takes = args
+            step, owners, takes, _timeout_s = args
             for take in takes:
                 if take.error is not None:
                     return Ref(error=take.error)

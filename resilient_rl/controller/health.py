@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 #: Class attribute of worker classes whose ``health`` method runs in its own concurrency group.
 HEALTH_ATTR = "_rrl_health_group"
-#: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``.
-HEALTH_GROUPS = {"health": 1}
+#: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``:
+#: "health" for health calls, "snapshot" for keeping the ring neighbours' snapshot copies (a call
+#: that may wait for a neighbour; see ``SnapshotMixin.hold_snapshot``).
+HEALTH_GROUPS = {"health": 1, "snapshot": 1}
 
 
 @ray.remote(num_cpus=0)

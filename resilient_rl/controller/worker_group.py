@@ -438,6 +438,9 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
         from resilient_rl.controller.dispatch import MAGIC_ATTR
         setattr(method, MAGIC_ATTR, settings)
         method.__name__ = f"{role}_{name}"
+        group = getattr(getattr(role_classes[role], name), "__ray_concurrency_group__", None)
+        if group is not None:  # the role's method runs on a thread of its own: so does the forwarder
+            method.__ray_concurrency_group__ = group
         return method
 
     for role, cls in role_classes.items():

@@ -138,7 +138,9 @@ class SnapshotKeeper:
         for (h_role, h_rank), by_owner in kept.values():
             owners = list(by_owner.values())
             refs = [takes[o[0][0]][o[0][1]] for o in owners]
-            ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, *refs)
+            # The takes go as references (not arguments Ray waits for before sending the call):
+            # see hold_snapshot.
+            ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, holds, holders)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]

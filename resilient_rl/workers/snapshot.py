@@ -28,6 +28,7 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from typing import Any
 
@@ -62,6 +63,7 @@ def _optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
 
 
 _PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
+_HELD_LOCK = threading.Lock()  # the neighbours' copies: kept on the "snapshot" thread, read on the call thread
 
 
 def process_role(role: str) -> "SnapshotMixin | None":
@@ -146,10 +148,18 @@ class SnapshotMixin:
         return {"step": step, "rank": self.rank, "roles": out}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def hold_snapshot(self, step: int, owners: list[list], *taken: dict) -> dict:
+    @ray.method(concurrency_group="snapshot")
+    def hold_snapshot(self, step: int, owners: list[list], taken: list, timeout_s: float = 60.0) -> dict:
         """Keep copies of ``step`` taken by other processes (this process is their ring peer):
-        ``taken[i]`` is what one ``take_snapshot`` returned, ``owners[i]`` the ``(role, rank)``
-        of its copies to keep. Returns ``{"step", "bytes": {"role:rank": bytes}}``.
+        ``taken[i]`` is what one ``take_snapshot`` returned (or its ObjectRef, fetched here within
+        ``timeout_s``), ``owners[i]`` the ``(role, rank)`` of its copies to keep. Returns
+        ``{"step", "bytes": {"role:rank": bytes}}``.
+
+        It runs on a thread of its own ("snapshot" concurrency group) and the copies arrive as
+        references, not as arguments Ray resolves before sending the call: an owner that stops
+        before its copy is done then blocks only this call, never the health calls and step
+        calls sent to this process after it (Ray sends an actor's calls in order, each once its
+        arguments are ready).
 
         A copy is kept as Ray handed it over (a read-only view of this node's object store,
         which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
@@ -157,6 +167,11 @@ class SnapshotMixin:
         step = int(step)
         if len(owners) != len(taken):
             raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
+        taken = [ray.get(t, timeout=timeout_s) if isinstance(t, ray.ObjectRef) else t for t in taken]
+        with _HELD_LOCK:
+            return self._hold(step, owners, taken)
+
+    def _hold(self, step: int, owners: list[list], taken: list) -> dict:
         sizes = {}
         for keys, bundle in zip(owners, taken):
             for role, rank in keys:
@@ -177,10 +192,11 @@ class SnapshotMixin:
     def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
         """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
         by any of its roles), or None (it was restarted since)."""
-        for worker in process_workers():
-            snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
-            if snap is not None:
-                return snap
+        with _HELD_LOCK:
+            for worker in process_workers():
+                snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+                if snap is not None:
+                    return snap
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -195,7 +211,8 @@ class SnapshotMixin:
         ring = self._snapshot_ring
         own = sum(b.numel() for b in ring.buffers if b is not None) if ring is not None else 0
         own += sum(int(s["bytes"]) for slot, s in (self._own_snapshots or {}).values() if slot is None)
-        held = sum(int(s["bytes"]) for h in (self._held_snapshots or {}).values() for s in h.values())
+        with _HELD_LOCK:
+            held = sum(int(s["bytes"]) for h in (self._held_snapshots or {}).values() for s in h.values())
         return {"own_bytes": own, "held_bytes": held}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
