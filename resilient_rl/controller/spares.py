@@ -81,8 +81,9 @@ class SparePool:
 
     def ready(self) -> list:
         """The spares whose last ping answered (without waiting; the first one answers once the
-        process has warmed up). Each answer sends the next ping, so a spare that died since is found at a later call: it is asked again once Ray
-        restarted it, or replaced where Ray gave up on it."""
+        process has warmed up). Each answer sends the next ping, so a spare that died since is
+        found at a later call: it is asked again once Ray restarted it, or replaced where Ray
+        gave up on it."""
         out = []
         for spare in list(self._spares):
             done, _ = ray.wait([spare.ping], timeout=0)
