@@ -82,9 +82,10 @@ class _RemoveActorNode:
 def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
     """Two worker nodes (2 and 3 CPUs, one CPU per process: the actor's two ranks fill one node
     or share the other with one more role). The node of actor rank 1 is removed (and a
-    replacement added, where the lost ranks restart): its own and object-store copies go with it. When a stateful rank (the critic) lives on the other node, it
-    holds the actor's peer copies and the run recovers from them without reading storage; when
-    none does, every copy is lost and the run falls back to storage. Either way: bit-identical.
+    replacement added, where the lost ranks restart): its own and object-store copies go with
+    it. When a stateful rank (the critic) lives on the other node, it holds the actor's peer
+    copies and the run recovers from them without reading storage; when none does, every copy
+    is lost and the run falls back to storage. Either way: bit-identical.
     With warm spares (``RRL_CHAOS_RECOVERY=fast``) each node has room for two more processes, as
     a cluster provisioned for its spares would: the four groups' spares fit beside the ranks."""
     import ray
