@@ -73,8 +73,11 @@ class SparePool:
             self._start()
 
     def _start(self) -> None:
-        handle = self.group.start_spare(f"{self.group.name_prefix}_spare{next(self._names)}")
-        self._spares.append(_Spare(handle, handle.warmed_up.remote()))
+        self._watch(self.group.start_spare(f"{self.group.name_prefix}_spare{next(self._names)}"), in_bundle=False)
+
+    def _watch(self, handle, in_bundle: bool) -> None:
+        """Keep ``handle`` as a spare, ready once its process has warmed up."""
+        self._spares.append(_Spare(handle, handle.warmed_up.remote(), in_bundle=in_bundle))
 
     def __len__(self) -> int:
         return len(self._spares)
@@ -118,7 +121,7 @@ class SparePool:
                 replaced, info = self.group.adopt(rank, spare.handle, self.timeout_s)
             except WorkerError as exc:  # it died taking over: Ray restarts it, a spare again later
                 logger.warning("warm spare of %s died taking over rank %d: %s", self.group.name_prefix, rank, exc)
-                self._spares.append(_Spare(spare.handle, spare.handle.warmed_up.remote(), in_bundle=spare.in_bundle))
+                self._watch(spare.handle, spare.in_bundle)
                 continue
             self.give(replaced)
             return info
@@ -127,7 +130,7 @@ class SparePool:
     def give(self, handle) -> None:
         """Keep ``handle`` (a replaced rank's process, which Ray is restarting in that rank's
         bundle) as a spare once it answers."""
-        self._spares.append(_Spare(handle, handle.warmed_up.remote(), in_bundle=True))
+        self._watch(handle, in_bundle=True)
 
     def release(self) -> None:
         """Kill the spares started outside placement groups (no restart), freeing their resources
