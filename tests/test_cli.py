@@ -316,7 +316,9 @@ def test_resume_refuses_another_resume_mode(tmp_path, capsys):
 # ----------------------------------------------------------------------------- real runs (Ray)
 _TRAIN_ARGS = ["trainer.total_steps=2", "checkpoint.save_every=1", "checkpoint.async_save=false",
                "data.batch_size=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8", "data.num_prompts=64",
-               "trainer.progress_bar=false", "trainer.run_name=cli-ray"]
+               "trainer.progress_bar=false", "trainer.run_name=cli-ray",
+               # Sharded, so that export has shards to consolidate (on CPU the default is a replica).
+               "actor.strategy=fsdp", "critic.strategy=fsdp"]
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:

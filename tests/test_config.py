@@ -101,6 +101,8 @@ def test_range_errors_name_full_dotted_key(override, key):
 def test_allowed_values_are_listed():
     with pytest.raises(ConfigError, match=r"trainer\.device='tpu'.*'auto', 'cpu', 'cuda'"):
         load_config(overrides=["trainer.device=tpu"])
+    with pytest.raises(ConfigError, match=r"critic\.strategy='fsdp1'.*'auto', 'fsdp', 'ddp'"):
+        load_config(overrides=["critic.strategy=fsdp1"])
 
 
 def test_checkpoint_resume_accepts_path_prefix():

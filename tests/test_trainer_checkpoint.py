@@ -21,6 +21,10 @@ def cfg(tmp_path, name, *extra):
                                       f"trainer.run_name={name}", *extra])
 
 
+def strategy(name: str) -> tuple[str, str]:
+    return f"actor.strategy={name}", f"critic.strategy={name}"
+
+
 def actor_weights(trainer) -> dict[str, torch.Tensor]:
     return next(w for w in trainer.roles.groups["actor"].full_weights() if w is not None)
 
@@ -46,12 +50,13 @@ def test_stop_and_resume_is_bit_identical(ray_cluster, tmp_path):
     assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)
 
 
-@pytest.mark.parametrize("world_size", [1, 4])
-def test_resume_on_another_world_size(ray_cluster, tmp_path, world_size):
-    saved, w_saved = fit(cfg(tmp_path, "src", "trainer.total_steps=2"))
+@pytest.mark.parametrize("world_size,saved_as,loaded_as", [(1, "fsdp", "ddp"), (4, "ddp", "fsdp")])
+def test_resume_on_another_world_size(ray_cluster, tmp_path, world_size, saved_as, loaded_as):
+    """FSDP2 shards load into replicas, and replicas (written once, by rank 0) into 4 shards."""
+    saved, w_saved = fit(cfg(tmp_path, "src", "trainer.total_steps=2", *strategy(saved_as)))
     step_dir = saved.ckpt.manager.step_dir(2)
     c = cfg(tmp_path, f"dst{world_size}", "trainer.total_steps=3", f"actor.world_size={world_size}",
-            f"checkpoint.resume=path:{step_dir}")
+            f"checkpoint.resume=path:{step_dir}", *strategy(loaded_as))
     t = PPOTrainer(c)
     try:
         t.start_roles()

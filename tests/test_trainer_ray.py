@@ -75,16 +75,19 @@ def test_hf_llama_backbone_trains(ray_cluster, tmp_path):
     assert all(np.isfinite(r["actor/pg_loss"]) for r in rows) and "critic/vf_loss" not in rows[0]
 
 
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_two_fsdp_ranks_match_a_single_process_step(ray_cluster, tmp_path, loss_agg_mode):
-    """One optimizer step on the same batch: 2 FSDP ranks (gloo) vs one process without FSDP.
+@pytest.mark.parametrize("loss_agg_mode,strategy", [("token-mean", "fsdp"), ("seq-mean-token-mean", "fsdp"),
+                                                    ("token-mean", "ddp")])
+def test_two_ranks_match_a_single_process_step(ray_cluster, tmp_path, loss_agg_mode, strategy):
+    """One optimizer step on the same batch: 2 ranks (gloo; FSDP2 shards or ddp replicas) vs one
+    process without either.
 
     Tolerance: the gradient norm agrees to 1e-5 relative and the weights after one AdamW step to
     2e-4 absolute (lr 3e-3; the loss is a global token mean on both sides, only the order of float
     additions differs).
     """
     cfg = small_cfg(tmp_path, "match", "actor.ppo_epochs=1", "actor.mini_batch_size=16", "actor.optim.warmup_steps=0",
-                    "actor.optim.grad_clip=1000", f"actor.loss_agg_mode={loss_agg_mode}")
+                    "actor.optim.grad_clip=1000", f"actor.loss_agg_mode={loss_agg_mode}",
+                    f"actor.strategy={strategy}")
     trainer = PPOTrainer(cfg)
     local = LocalRoles(cfg, trainer.tokenizer)
     prompts = make_prompts(trainer.loader.next_batch(), 1, {"seed": 1, "step": 1, "weights_version": 0})

@@ -24,6 +24,8 @@ from resilient_rl.data.rewards import REWARDS
 
 KL_ESTIMATORS = ("k1", "abs", "mse", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: Data-parallel strategies of the trained roles (see ActorConfig.strategy).
+STRATEGIES = ("auto", "fsdp", "ddp")
 BUILTIN_TASKS = ("reverse", "copy", "add")
 
 
@@ -194,6 +196,12 @@ class ActorConfig(Section):
     kl_loss_type: str = "low_var_kl"
     loss_agg_mode: str = "token-mean"
     world_size: int = 2
+    #: Data parallelism over the ranks: ``fsdp`` shards parameters, gradients and optimizer state
+    #: (FSDP2); ``ddp`` keeps a full replica on every rank and averages gradients with one all-reduce
+    #: per mini-batch (fewer, larger collectives; for models whose state fits one device; computes
+    #: in the parameters' dtype, without FSDP2's bf16 mixed precision); ``auto`` is ``ddp`` on CPU
+    #: (gloo pays a round of latency per collective) and ``fsdp`` on CUDA.
+    strategy: str = "auto"
     #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
@@ -206,6 +214,7 @@ class ActorConfig(Section):
         require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         choice("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
         choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        choice("strategy", self.strategy, STRATEGIES)
 
 
 @dataclass
@@ -223,6 +232,8 @@ class CriticConfig(Section):
     mini_batch_size: int = 32
     cliprange_value: float = 0.5
     world_size: Optional[int] = None
+    #: As ``ActorConfig.strategy``.
+    strategy: str = "auto"
     #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
@@ -232,6 +243,7 @@ class CriticConfig(Section):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _world_size_or_unset(self.world_size)
         require(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
+        choice("strategy", self.strategy, STRATEGIES)
 
 
 @dataclass

@@ -105,6 +105,53 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
     return materialize(model, plan.device) if empty else model
 
 
+def resolve_strategy(strategy: str, device: torch.device) -> str:
+    """A role's data-parallel strategy on ``device``: ``auto`` is ``ddp`` on CPU, ``fsdp`` on CUDA."""
+    if strategy == "auto":
+        return "fsdp" if device.type == "cuda" else "ddp"
+    if strategy not in ("fsdp", "ddp"):
+        raise ConfigError(f"strategy must be auto, fsdp or ddp, got {strategy!r}")
+    return strategy
+
+
+def wrap_model(model: nn.Module, plan: DevicePlan, strategy: str = "fsdp",
+               reshard_after_forward: bool = True) -> nn.Module:
+    """``model`` on the device for data parallelism with ``strategy`` (see :func:`resolve_strategy`).
+
+    ``fsdp``: sharded by :func:`wrap_fsdp2`. ``ddp``: a full replica on every rank, in the
+    parameters' dtype; the caller averages its gradients with :func:`all_reduce_gradients` after
+    each backward. It holds no process group, so it outlives a new generation's rendezvous.
+    """
+    if resolve_strategy(strategy, plan.device) == "ddp":
+        return to_device(model, plan.device)
+    return wrap_fsdp2(model, plan, reshard_after_forward=reshard_after_forward)
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    """Average the gradients of a replicated model over the default group: one all-reduce of one
+    flat buffer. A no-op for an FSDP2 model (it reduces its own) or without a group of 2 or more.
+
+    A parameter without a gradient on this rank contributes zeros, so that every rank flattens the
+    same list. Every rank then holds the same averaged bits (each element is reduced once and sent
+    to all), so the replicas stay identical.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params or isinstance(params[0], DTensor):
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+
+
 def reshard(model: nn.Module) -> nn.Module:
     """Put the parameters of an FSDP2 model back in their sharded form: FSDP2 keeps the root's
     parameters unsharded after a forward with no backward (log-probs), so until the next update

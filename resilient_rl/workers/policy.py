@@ -16,9 +16,9 @@ from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits,
 from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler,
+from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
                                        clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
-                                       wrap_fsdp2)
+                                       wrap_model)
 
 
 def dp_world_size() -> int:
@@ -48,7 +48,10 @@ class PolicyEngine:
         model = build_causal_lm(model_cfg, vocab_size, seed, empty=empty)
         if not trainable:
             model.requires_grad_(False)
-        self.model = wrap_fsdp2(model, plan, reshard_after_forward=reshard_after_forward)
+        # The ref (no actor config) follows ``auto``: a replica on CPU (its forward then runs no
+        # FSDP hooks), FSDP2 shards on CUDA (less memory; once gathered, no collectives either).
+        strategy = actor_cfg.strategy if actor_cfg is not None else "auto"
+        self.model = wrap_model(model, plan, strategy, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
@@ -108,6 +111,7 @@ class PolicyEngine:
             else:
                 seq_scale = world * mask.bool().any(dim=-1).sum() / seqs
                 (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
+            all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
                 self.optimizer.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.snapshot import SnapshotMixin
-from resilient_rl.workers.fsdp import full_state_dict, plan_device
+from resilient_rl.workers.fsdp import full_state_dict, plan_device, resolve_strategy
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
@@ -293,7 +293,9 @@ class RolloutWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def receive_weights(self, version: int, actor_world_size: int) -> int:
         """Receive the weights actor rank 0 broadcasts over the weight channel; returns the new version."""
-        weight_channel.receive(self.engine.model, actor_world_size)
+        # A replicated (ddp) actor sends its full weights: they arrive as from one rank.
+        replicated = resolve_strategy(self.cfg.actor.strategy, self.plan.device) == "ddp"
+        weight_channel.receive(self.engine.model, 1 if replicated else actor_world_size)
         self.engine.version = int(version)
         return self.engine.version
 

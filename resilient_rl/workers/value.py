@@ -8,9 +8,9 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers.fsdp import (DevicePlan, build_optimizer, build_scheduler,
+from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
                                        clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
-                                       wrap_fsdp2)
+                                       wrap_model)
 from resilient_rl.workers.policy import dp_world_size
 
 
@@ -31,8 +31,8 @@ class ValueEngine:
         """``empty``: as for :class:`~resilient_rl.workers.policy.PolicyEngine`."""
         self.plan = plan
         self.cfg = critic_cfg
-        self.model = wrap_fsdp2(build_value_model(model_cfg, vocab_size, seed, empty=empty), plan,
-                                reshard_after_forward=critic_cfg.reshard_after_forward)
+        self.model = wrap_model(build_value_model(model_cfg, vocab_size, seed, empty=empty), plan,
+                                critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
         self.model.train(False)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
@@ -64,6 +64,7 @@ class ValueEngine:
             vf_loss, vf_clipfrac = value_loss(vpreds, b["values"].to(self.plan.device),
                                               b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
             (vf_loss * scale).backward()
+            all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
                 self.optimizer.zero_grad(set_to_none=True)
