@@ -43,6 +43,64 @@ def test_push_writes_the_actor_weights_into_the_registered_rollout():
         assert a.data_ptr() != r.data_ptr()  # a copy: the actor's next update must not leak in
 
 
+def test_push_follows_the_actor_through_updates_restores_and_rebuilds():
+    """A push pairs the actor's parameters with the sink's once; later pushes copy through the
+    pairs, and still see an in-place update, a swapped ``.data`` (a restore) and a rebuilt model."""
+    actor, rollout = _model(0), _model(1).requires_grad_(False)
+    weight_sync.register_sink(rollout)
+    try:
+        weight_sync.push(actor, version=1)
+        with torch.no_grad():
+            for p in actor.parameters():
+                p.add_(1.0)
+        actor.lm_head.weight.data = torch.full_like(actor.lm_head.weight, 3.0)
+        weight_sync.push(actor, version=2)
+        for (name, a), (_, r) in zip(actor.named_parameters(), rollout.named_parameters()):
+            assert torch.equal(a, r), name
+        rebuilt = _model(2)
+        assert weight_sync.push(rebuilt, version=3) == sum(p.numel() * 4 for p in rollout.parameters())
+        weight_sync.take(3)
+        assert all(torch.equal(a, r) for a, r in zip(rebuilt.parameters(), rollout.parameters()))
+    finally:
+        weight_sync.clear_sink()
+
+
+def test_an_fsdp2_actor_is_not_paired_so_a_push_after_a_gathering_forward_stays_right(single_rank_group):
+    """FSDP2 registers its gathered parameters after a forward without backward (log-probs) and
+    its shards again after the next backward: a push must follow whichever are registered."""
+    from torch.distributed.fsdp import fully_shard
+
+    actor, rollout = _model(0), _model(1).requires_grad_(False)
+    fully_shard(actor)
+    weight_sync.register_sink(rollout)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            actor(input_ids=ids)
+        assert not hasattr(next(actor.parameters()), "to_local")  # gathered
+        weight_sync.push(actor, version=1)
+        actor(input_ids=ids).logits.sum().backward()  # resharded after the backward
+        with torch.no_grad():
+            for p in actor.parameters():
+                p.to_local().add_(1.0)
+        weight_sync.push(actor, version=2)
+        full = {n: p.full_tensor() for n, p in actor.named_parameters()}
+    finally:
+        weight_sync.clear_sink()
+    for name, r in rollout.named_parameters():
+        assert torch.equal(full[name], r), name
+
+
+def test_push_casts_into_a_rollout_of_another_dtype():
+    actor, rollout = _model(0), _model(1).to(torch.bfloat16).requires_grad_(False)
+    weight_sync.register_sink(rollout)
+    try:
+        assert weight_sync.push(actor, version=1) == sum(p.numel() * 2 for p in rollout.parameters())
+    finally:
+        weight_sync.clear_sink()
+    assert all(torch.equal(a.to(torch.bfloat16), r) for a, r in zip(actor.parameters(), rollout.parameters()))
+
+
 def test_write_into_casts_to_the_rollout_dtype_and_rejects_other_models():
     actor = _model(0)
     rollout = _model(1).to(torch.bfloat16)

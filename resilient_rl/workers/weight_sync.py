@@ -22,6 +22,7 @@ names, so a stale or missing sync is an error, never a silent stale generation.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -194,8 +195,13 @@ def write_into(model: nn.Module, dst: dict[str, torch.Tensor], bucket_bytes: int
 
 @dataclass
 class _Sink:
-    params: dict[str, torch.Tensor]
+    params: dict[str, nn.Parameter]
     version: int | None = None
+    #: The unsharded model last pushed and its parameters paired with the sink's (same order), so
+    #: that a later push from it is one ``_foreach_copy_`` with no walk of either module.
+    source: weakref.ref | None = None
+    pairs: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
+    nbytes: int = 0
 
 
 _STATE: dict[str, _Sink | None] = {"sink": None}
@@ -204,7 +210,7 @@ _STATE: dict[str, _Sink | None] = {"sink": None}
 def register_sink(model: nn.Module) -> None:
     """Make ``model``'s parameters the destination of this process's weight syncs (version unset)."""
     with _LOCK:
-        _STATE["sink"] = _Sink({name: p.data for name, p in model.named_parameters()})
+        _STATE["sink"] = _Sink(dict(model.named_parameters()))
 
 
 def clear_sink() -> None:
@@ -220,10 +226,41 @@ def _sink() -> _Sink:
     return sink
 
 
+def _pair(sink: _Sink, model: nn.Module) -> None:
+    """Pair ``model``'s parameters with the sink's when ``model`` is not FSDP2 (else clear the pairs).
+
+    The pairs hold the parameter objects, not their data: a restore that copies into them or
+    swaps their ``.data`` is seen by the next push. A rebuilt model is a new source. An FSDP2
+    model is never paired: it swaps its registered parameters between the sharded and the
+    gathered ones (a forward without backward leaves the gathered ones registered).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    check_same_parameters(model, sink.params)
+    sink.source = weakref.ref(model)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        sink.pairs = None
+        return
+    params = dict(model.named_parameters())
+    sink.pairs = ([sink.params[n] for n in params], list(params.values()))
+    sink.nbytes = sum(t.numel() * t.element_size() for t in sink.pairs[0])
+
+
 def push(model: nn.Module, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Write ``model``'s weights into this process's sink and mark it ``version``; returns bytes written."""
+    """Write ``model``'s weights into this process's sink and mark it ``version``; returns bytes written.
+
+    Unsharded, one ``_foreach_copy_`` into the sink's parameters (a device copy per tensor, cast to
+    the rollout's dtype); sharded, the bucketed gather of :func:`write_into`.
+    """
     sink = _sink()
-    nbytes = write_into(model, sink.params, bucket_bytes)
+    if sink.source is None or sink.source() is not model:
+        _pair(sink, model)
+    if sink.pairs is None:
+        nbytes = write_into(model, {n: p.data for n, p in sink.params.items()}, bucket_bytes)
+    else:
+        with torch.no_grad():
+            torch._foreach_copy_(*sink.pairs)
+        nbytes = sink.nbytes
     with _LOCK:
         sink.version = int(version)
     return nbytes
