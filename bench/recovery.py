@@ -77,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated parts to measure (default: all of {','.join(PARTS)})")
     p.add_argument("--fault-step", type=int, default=4, help="step during which the fault lands (default: 4)")
-    p.add_argument("--delay", type=float, default=0.3, help="seconds into that step (default: 0.3)")
+    # About half of a step of this config on a 2-core machine, so that the kill lands inside the
+    # step (in its updates, where a step spends most of its time) on both sides.
+    p.add_argument("--delay", type=float, default=0.15, help="seconds into that step (default: 0.15)")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.hang_timeout_s of the hang run (default: 5)")
     p.add_argument("--rt-kill-after", type=int, default=5, help="Ray Train: kill after this step (default: 5)")
     p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")

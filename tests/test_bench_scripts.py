@@ -142,9 +142,11 @@ def test_format_report_without_peak_or_sync(bench):
 
 def test_train_bench_weight_sync_line(bench):
     _, train = bench
-    copy_s = train.plain_copy_s(1 << 16, "cpu", repeats=3)
-    assert copy_s > 0
+    assert train.plain_copy_s(1 << 16, "cpu", repeats=3) > 0
+    assert train.plain_copy_s(1 << 16, "cpu", repeats=1, cold=True) > 0
     results = {"ray": train.summarize(_rows()), "single process": train.summarize(_rows()[:1])}
     results["single process"]["weight_sync_worker_s"] = None
     line = train.weight_sync_line(results, 0.001)
-    assert line == "weight sync / plain copy: ray 2.0x (2.00 ms), single process n/a; plain copy of 2.0 MiB 1.00 ms"
+    assert line == "weight sync / plain copy: ray 2.0x (2.00 ms), single process n/a; plain copy of 2.0 MiB 1.000 ms"
+    assert train.weight_sync_line(results, 0.001, 0.0005).endswith(
+        "plain copy of 2.0 MiB 1.000 ms from cold caches (0.500 ms from warm ones)")
