@@ -89,15 +89,29 @@ def chaos_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("chaos"))
 
 
-@pytest.fixture(scope="session")
-def reference(chaos_dir):
-    """The fault-free run every scenario is compared with (computed once per session)."""
+def fault_free_run(chaos_dir: str, name: str, *extra: str):
     ensure_ray()
-    result = run_training(chaos_overrides(chaos_dir), "reference")
+    result = run_training(chaos_overrides(chaos_dir) + list(extra), name)
     assert result.error is None, result.error
     assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
     assert result.final_files, "the reference run committed no checkpoint"
     return result
+
+
+@pytest.fixture(scope="session")
+def reference(chaos_dir):
+    """The fault-free run every scenario is compared with (computed once per session)."""
+    return fault_free_run(chaos_dir, "reference")
+
+
+#: The trained roles sharded with FSDP2 (on CPU they default to replicas, ``ddp``).
+FSDP = ("actor.strategy=fsdp", "critic.strategy=fsdp")
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(chaos_dir):
+    """The fault-free run of the scenarios that shard the trained roles with FSDP2."""
+    return fault_free_run(chaos_dir, "reference-fsdp", *FSDP)
 
 
 @pytest.fixture

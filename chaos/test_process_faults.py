@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import check_restore_point
+from conftest import FSDP, check_restore_point
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 
@@ -19,6 +19,16 @@ def test_sigkill(reference, chaos_run, role, rank):
     check_invariants(result, reference)
     failure = result.events_of("failure")[0]
     assert failure["step"] == 4 and failure["cause"] in ("died", "collective")
+    check_restore_point(result.events_of("recovered")[0], 2)
+
+
+def test_sigkill_of_an_fsdp_rank(fsdp_reference, chaos_run):
+    """The same fault with the actor and critic sharded by FSDP2: a survivor's shards and the
+    restarted rank's come back as they were (the default on CPU replicates them)."""
+    schedule = FaultSchedule().at_step(4).kill("actor", 1)
+    result = chaos_run(schedule, *FSDP)
+    check_invariants(result, fsdp_reference)
+    assert result.events_of("failure")[0]["step"] == 4
     check_restore_point(result.events_of("recovered")[0], 2)
 
 

@@ -22,9 +22,11 @@ def test_second_kill_during_recovery(reference, chaos_run, state, role, rank):
 
 
 def test_mixed_schedule(reference, chaos_run):
+    # A delayed hang can land in the step after its own, and two faults in one step make one
+    # recovery: the Ray kill comes three steps after the hang.
     schedule = (FaultSchedule().at_step(2).kill("critic", 0)
-                .at_step(4).hang("actor", 0, delay_s=0.2)
-                .at_step(5).ray_kill("rollout", 0))
+                .at_step(3).hang("actor", 0, delay_s=0.05)
+                .at_step(6).ray_kill("rollout", 0))
     result = chaos_run(schedule)
     check_invariants(result, reference, expect_recoveries=3)
 
