@@ -49,7 +49,9 @@ def warm_in_background(fn, name: str) -> None:
     answers its first ping at once; :meth:`Worker.warmed_up` waits for every such thread."""
     thread = threading.Thread(target=fn, name=name, daemon=True)
     thread.start()
-    _WARMING.append(thread)
+    # A process that takes over one rank after another warms up again each time: keep only the
+    # threads still running.
+    _WARMING[:] = [t for t in _WARMING if t.is_alive()] + [thread]
 
 
 @dataclass

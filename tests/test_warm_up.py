@@ -1,0 +1,22 @@
+"""Background warm-up of a worker process (:func:`warm_in_background`)."""
+
+from __future__ import annotations
+
+import threading
+
+from resilient_rl.controller import worker
+
+
+def test_warm_up_threads_are_waited_for_and_finished_ones_are_dropped(monkeypatch):
+    monkeypatch.setattr(worker, "_WARMING", [])
+    release = threading.Event()
+    worker.warm_in_background(release.wait, "slow-import")
+    for i in range(20):  # a process that takes over rank after rank warms up each time
+        worker.warm_in_background(lambda: None, f"quick-{i}")
+        worker._WARMING[-1].join(timeout=10)
+    assert [t.name for t in worker._WARMING] == ["slow-import", "quick-19"]
+    release.set()
+    for thread in list(worker._WARMING):
+        thread.join(timeout=10)
+    worker.warm_in_background(lambda: None, "last")
+    assert [t.name for t in worker._WARMING] == ["last"]
