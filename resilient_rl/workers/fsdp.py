@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resilient_rl.config.sections import STRATEGIES
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.factory import transformer_blocks
 
@@ -109,8 +110,8 @@ def resolve_strategy(strategy: str, device: torch.device) -> str:
     """A role's data-parallel strategy on ``device``: ``auto`` is ``ddp`` on CPU, ``fsdp`` on CUDA."""
     if strategy == "auto":
         return "fsdp" if device.type == "cuda" else "ddp"
-    if strategy not in ("fsdp", "ddp"):
-        raise ConfigError(f"strategy must be auto, fsdp or ddp, got {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     return strategy
 
 
@@ -125,6 +126,14 @@ def wrap_model(model: nn.Module, plan: DevicePlan, strategy: str = "fsdp",
     if resolve_strategy(strategy, plan.device) == "ddp":
         return to_device(model, plan.device)
     return wrap_fsdp2(model, plan, reshard_after_forward=reshard_after_forward)
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (its registered parameters may be the gathered ones
+    between a forward and the next reshard, so their type does not tell)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def all_reduce_gradients(model: nn.Module) -> None:
