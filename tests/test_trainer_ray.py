@@ -50,15 +50,17 @@ def test_same_seed_same_history_bit_for_bit(ray_cluster, tmp_path):
     assert deterministic_view(c) != deterministic_view(a)  # the seed matters: the test can fail
 
 
-def test_split_placement_runs_end_to_end(ray_cluster, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_split_placement_runs_end_to_end(ray_cluster, tmp_path, strategy):
     """Split placement: weights through the object store, or broadcast by actor rank 0 over a weight
-    channel of their own (gloo here; NCCL on GPU): the same run either way."""
-    rows, trainer = run(small_cfg(tmp_path, "split", "trainer.placement=split", "rollout.world_size=2",
-                                  "rollout.weight_transfer=object_store"))
+    channel of their own (gloo here; NCCL on GPU): the same run either way. ``fsdp``: every actor
+    rank gathers its shards for rank 0 to send; ``ddp``: rank 0 sends its replica alone."""
+    split = ("trainer.placement=split", "rollout.world_size=2", f"actor.strategy={strategy}",
+             f"critic.strategy={strategy}")
+    rows, trainer = run(small_cfg(tmp_path, f"split-{strategy}", *split, "rollout.weight_transfer=object_store"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(np.isfinite(r["actor/pg_loss"]) and np.isfinite(r["critic/vf_loss"]) for r in rows)
-    channel, _ = run(small_cfg(tmp_path, "channel", "trainer.placement=split", "rollout.world_size=2",
-                               "rollout.weight_transfer=channel"))
+    channel, _ = run(small_cfg(tmp_path, f"channel-{strategy}", *split, "rollout.weight_transfer=channel"))
     assert deterministic_view(channel) == deterministic_view(rows)
     assert all(r["perf/weight_sync_bytes"] > 0 for r in channel)
 

@@ -27,6 +27,7 @@ from torch import nn
 from resilient_rl.controller import rendezvous
 from resilient_rl.errors import CollectiveError
 from resilient_rl.workers import weight_sync
+from resilient_rl.workers.fsdp import is_fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,11 @@ def _broadcast(tensor: torch.Tensor) -> None:
 
 def send(model: nn.Module, dtype: torch.dtype, is_root: bool,
          bucket_bytes: int = weight_sync.DEFAULT_BUCKET_BYTES) -> int:
-    """Every actor rank: gather the weights; actor rank 0 (``is_root``) broadcasts them to the rollout."""
+    """Every actor rank: gather the weights; actor rank 0 (``is_root``) broadcasts them to the rollout.
+
+    A replicated (not FSDP2) actor needs no other rank's part: rank 0 alone packs and sends."""
+    if not is_root and not is_fsdp(model):
+        return 0
     return weight_sync.gather_buckets(model, dtype, lambda bucket, recv: _broadcast(recv) if is_root else None,
                                       bucket_bytes)
 

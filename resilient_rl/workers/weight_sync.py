@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient_rl.errors import WorkerError
+from resilient_rl.workers.fsdp import is_fsdp
 
 #: Default bucket size of a sync (bytes in the rollout's dtype).
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
@@ -234,11 +235,9 @@ def _pair(sink: _Sink, model: nn.Module) -> None:
     model is never paired: it swaps its registered parameters between the sharded and the
     gathered ones (a forward without backward leaves the gathered ones registered).
     """
-    from torch.distributed.fsdp import FSDPModule
-
     check_same_parameters(model, sink.params)
     sink.source = weakref.ref(model)
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if is_fsdp(model):
         sink.pairs = None
         return
     params = dict(model.named_parameters())
