@@ -13,8 +13,9 @@ the ratio Ray / single process, the mean step time, and each phase's share of th
 weight sync as the workers time it (``perf/weight_sync_worker_s``) against a plain copy of the same
 bytes into a preallocated tensor in this process (the floor for moving them), from cold CPU caches
 as the sync finds the weights after an update (the warm copy is printed too), and the cost of an
-empty Ray round trip to the workers, times the number of worker-group calls per step: a floor on
-what the Ray trainer pays for remote calls before any data moves.
+empty Ray round trip to the workers, times the round trips a step waits for (calls in flight
+together are waited for as one): a floor on what the Ray trainer pays for remote calls before any
+data moves.
 
     python bench/train.py                          # colocated, 30 steps each (a few minutes)
     python bench/train.py --placement split
@@ -70,7 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace, output_dir: str):
-    overrides = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false",
+    # Checkpoints (the default schedule, part of what the Ray trainer pays) go to the temporary
+    # directory too: a run left in ./checkpoints would otherwise be resumed, or its lease refused.
+    overrides = [f"trainer.output_dir={output_dir}", f"checkpoint.root={output_dir}/checkpoints",
+                 "trainer.progress_bar=false",
                  f"trainer.placement={args.placement}",
                  # The LR schedule depends on the run length: make it the same for both trainers.
                  f"trainer.total_steps={args.warmup + args.steps}"]
@@ -170,16 +174,19 @@ def probe_ray_call(trainer: PPOTrainer, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def group_calls_per_step(cfg) -> int:
-    """Worker-group calls the Ray trainer makes in one step (see trainer/step.py and ray_roles.py)."""
+def group_calls_per_step(cfg, roles) -> tuple[int, int]:
+    """(worker-group calls, round trips waited for) of one Ray trainer step (see trainer/step.py and
+    ray_roles.py): calls in flight together are waited for as one round trip."""
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
     critic = 2 if cfg.critic.enabled else 0  # compute_values, update_critic
     # generate, old log-probs, update_actor, export_weights + update_weights
-    return 5 + (1 if need_ref else 0) + critic
+    calls = 5 + (1 if need_ref else 0) + critic
+    # generate; the forward passes; the updates; the weight sync (two waits through the object store)
+    return calls, 3 + (1 if roles.colocated or roles.weight_channel else 2)
 
 
 def report(args, cfg, results: dict[str, dict], ray_call_s: float | None, wall_s: float,
-           copy_s: float | None = None, warm_s: float | None = None) -> None:
+           copy_s: float | None = None, warm_s: float | None = None, roles=None) -> None:
     ray, local = results[RAY], results[LOCAL]
     name = f"ray {args.placement} ({cfg.actor.world_size} ranks)"
     print()
@@ -203,11 +210,11 @@ def report(args, cfg, results: dict[str, dict], ray_call_s: float | None, wall_s
     print()
     print(f"tokens/s ratio ray / single process: {ray['tokens_per_s'] / local['tokens_per_s']:.2f}x")
     print(weight_sync_line({"ray": ray, "single process": local}, copy_s, warm_s))
-    if ray_call_s is not None:
-        calls = group_calls_per_step(cfg)
-        floor = calls * ray_call_s
+    if ray_call_s is not None and roles is not None:
+        calls, waits = group_calls_per_step(cfg, roles)
+        floor = waits * ray_call_s
         print(f"empty Ray round trip to the {cfg.actor.world_size} actor ranks: {1e3 * ray_call_s:.2f} ms; "
-              f"x {calls} group calls per step = {1e3 * floor:.1f} ms "
+              f"{calls} group calls per step in {waits} round trips = {1e3 * floor:.1f} ms "
               f"({100 * floor / ray['step_s']:.1f}% of the Ray step)")
 
 
@@ -238,7 +245,7 @@ def main(argv=None) -> None:
             nbytes = next((r["weight_sync_bytes"] for r in results.values() if r["weight_sync_bytes"]), None)
             copy_s = plain_copy_s(int(nbytes), cold=True) if nbytes else None
             warm_s = plain_copy_s(int(nbytes)) if nbytes else None
-            report(args, cfg, results, ray_call_s, wall, copy_s, warm_s)
+            report(args, cfg, results, ray_call_s, wall, copy_s, warm_s, trainers[RAY].roles)
         finally:
             for t in trainers.values():
                 t.shutdown()
