@@ -35,7 +35,8 @@ def _rank(rank: int, port: int, out) -> None:
         loss = model(x).sum() if rank == 0 else model[0](x).sum()
         loss.backward()
         all_reduce_gradients(model)
-        out.put((rank, [p.grad.clone() for p in model.parameters()]))
+        # Plain lists: a tensor put on the queue lives in its sender's shared memory, gone with it.
+        out.put((rank, [p.grad.tolist() for p in model.parameters()]))
     finally:
         dist.destroy_process_group()
 
@@ -48,7 +49,7 @@ def test_replicas_average_their_gradients_and_a_missing_one_counts_as_zero():
     for p in procs:
         p.start()
     try:
-        grads = dict(out.get(timeout=120) for _ in procs)
+        grads = {rank: [torch.tensor(g) for g in got] for rank, got in (out.get(timeout=120) for _ in procs)}
     finally:
         for p in procs:
             p.join(timeout=30)
