@@ -54,7 +54,7 @@ def test_ray_kill_actor(reference, chaos_run):
 
 def test_sigstop_actor_rank_mid_collective(reference, chaos_run):
     """Rank 0 stops inside the update; rank 1 blocks in the collective but answers health probes."""
-    schedule = FaultSchedule().at_step(4).hang("actor", 0, delay_s=0.3)
+    schedule = FaultSchedule().at_step(4).hang("actor", 0, in_call="update_actor")
     result = chaos_run(schedule)
     check_invariants(result, reference)
     assert [e["rank"] for e in result.events_of("kill_unresponsive")] == [0]

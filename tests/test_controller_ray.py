@@ -116,6 +116,13 @@ def test_every_dispatch_mode(ray_cluster, n):
         assert ray.get(refs) == [40] * n
         assert wg.execute_all_sync("echo", "same") == [(i, "same") for i in range(n)]
         assert wg.execute_rank_zero_sync("echo", 5) == (0, 5)
+        # submit: several calls in flight at once, each collected as its blocking call returns it.
+        calls = [wg.submit("double", proto(7)), wg.submit("metric", proto(4 * n)), wg.submit("only_rank_zero"),
+                 wg.submit("custom", 2), wg.submit("later", 4)]
+        doubled, metrics_again, zero, custom, later = (c.result() for c in calls)
+        assert doubled.batch["y"].tolist() == out.batch["y"].tolist() and len(doubled) == 7
+        assert metrics_again == metrics and zero == 0 and custom == wg.custom(2)
+        assert later == [40] * n  # a non-blocking method's call, collected, gives the values
     finally:
         wg.shutdown()
 
@@ -125,6 +132,8 @@ def test_bad_input_fails_fast(ray_cluster):
     try:
         with pytest.raises(DispatchError, match="no method 'nope'"):
             wg.execute_all_sync("nope")
+        with pytest.raises(DispatchError, match="no registered method 'nope'"):
+            wg.submit("nope")
         with pytest.raises(DispatchError, match="world size 2.*length 3"):
             wg.add_rank([1, 2, 3])
         data = proto(3)
@@ -160,6 +169,9 @@ def test_colocated_roles_share_one_process_per_bundle(ray_cluster):
         assert [x[:2] for x in c] == [("critic", 0), ("critic", 1)]
         out = actor.double(proto(4))
         assert out.batch["y"].tolist() == [0.0, 6.0, 12.0, 18.0]  # scale=3 reached the actor role
+        # Calls to two roles of one process, in flight together, run there in order.
+        calls = [actor.submit("double", proto(4)), critic.submit("role")]
+        assert calls[0].result().batch["y"].tolist() == [0.0, 6.0, 12.0, 18.0] and calls[1].result() == c
         with pytest.raises(DispatchError, match="no colocated role 'ref'"):
             wg.spawn(prefix_set={"ref"})
     finally:

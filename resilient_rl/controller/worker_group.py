@@ -25,13 +25,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from resilient_rl.controller.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
                                            kill_process)
 from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
+from resilient_rl.controller.group_call import GroupCall
 from resilient_rl.controller.liveness import LivenessWatch
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.worker import Worker, export_identity
 from resilient_rl.errors import (DispatchError, WorkerTimeoutError)
-from resilient_rl.protocol import DataProto, unpad_dataproto
 
 logger = logging.getLogger(__name__)
+
+#: Dispatch modes that hand out one entry per rank (rank-zero execution takes entry 0).
+_PER_RANK_MODES = (Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_PROTO,
+                   Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, Dispatch.DP_COMPUTE_METRIC)
 
 
 def _actor_class(ray_cls) -> type:
@@ -176,36 +180,39 @@ class RayWorkerGroup(HealthMixin):
             setattr(self, name, self._make_group_method(remote_prefix + name, settings))
 
     def _make_group_method(self, remote_name: str, settings: dict) -> Callable:
-        fns = resolve_dispatch(settings["dispatch_mode"])
-        dispatch_fn, collect_fn = fns["dispatch_fn"], fns["collect_fn"]
-        execute_mode: Execute = settings["execute_mode"]
         blocking: bool = settings["blocking"]
-        # These built-in modes hand out one entry per rank; rank-zero execution takes entry 0.
-        per_rank_args = settings["dispatch_mode"] in (Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_PROTO,
-                                                      Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, Dispatch.DP_COMPUTE_METRIC)
 
         def group_method(*args, **kwargs):
-            args, kwargs = dispatch_fn(self, *args, **kwargs)
-            pad_size = kwargs.pop(PAD_SIZE_KEY, 0)
-            if execute_mode is Execute.RANK_ZERO:
-                # Like verl: rank zero's single result (or ref) is what the collect function sees.
-                if per_rank_args:
-                    args, kwargs = tuple(a[0] for a in args), {k: v[0] for k, v in kwargs.items()}
-                ref = self._call(0, remote_name, *args, **kwargs)
-                if not blocking:
-                    return ref
-                output = collect_fn(self, self.get([ref])[0])
-                return output
-            refs = self.execute_all_async(remote_name, *args, **kwargs)
-            if not blocking:
-                return refs
-            output = collect_fn(self, self.get(refs))
-            if pad_size and isinstance(output, DataProto):
-                output = unpad_dataproto(output, pad_size)
-            return output
+            call = self._submit(remote_name, settings, *args, **kwargs)
+            if not blocking:  # like verl: the ObjectRefs (rank zero's alone for rank-zero execution)
+                return call.refs[0] if settings["execute_mode"] is Execute.RANK_ZERO else call.refs
+            return call.result()
 
         group_method.__name__ = remote_name
+        group_method.settings = settings
         return group_method
+
+    def submit(self, method_name: str, *args, **kwargs) -> GroupCall:
+        """Dispatch a registered method's call to the ranks without waiting: its :class:`GroupCall`,
+        whose ``result()`` is what ``group.method_name(*args, **kwargs)`` returns."""
+        method = getattr(self, method_name, None)
+        settings = getattr(method, "settings", None)
+        if settings is None:
+            raise DispatchError(f"worker group {self.name_prefix!r} has no registered method {method_name!r}")
+        return self._submit(self._remote_prefix + method_name, settings, *args, **kwargs)
+
+    def _submit(self, remote_name: str, settings: dict, *args, **kwargs) -> GroupCall:
+        fns = resolve_dispatch(settings["dispatch_mode"])
+        collect = fns["collect_fn"]
+        args, kwargs = fns["dispatch_fn"](self, *args, **kwargs)
+        pad_size = kwargs.pop(PAD_SIZE_KEY, 0)
+        if settings["execute_mode"] is Execute.RANK_ZERO:
+            # Like verl: rank zero's single result is what the collect function sees. These
+            # built-in modes hand out one entry per rank; rank-zero execution takes entry 0.
+            if settings["dispatch_mode"] in _PER_RANK_MODES:
+                args, kwargs = tuple(a[0] for a in args), {k: v[0] for k, v in kwargs.items()}
+            return GroupCall(self, [self._call(0, remote_name, *args, **kwargs)], collect, rank_zero=True)
+        return GroupCall(self, self.execute_all_async(remote_name, *args, **kwargs), collect, pad_size)
 
     # ------------------------------------------------------------------ properties
     @property

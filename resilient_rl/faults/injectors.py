@@ -1,7 +1,7 @@
 """Fault injectors for worker processes, and a schedule that fires them during a run.
 
     schedule = (FaultSchedule().at_step(3).kill("critic", 1)
-                .at_step(5).hang("actor", 0, delay_s=0.2)      # lands inside the step's collectives
+                .at_step(5).hang("actor", 0, in_call="update_actor")  # inside the update's collectives
                 .at_checkpoint(6).kill("actor", 1, delay_s=0.05)  # while the shards are being written
                 .during_recovery("rejoining").kill("critic", 0)   # a second failure inside recovery
                 .at_step(9).corrupt_latest_checkpoint()
@@ -9,8 +9,9 @@
     trainer = PPOTrainer(cfg, hooks=[schedule])
 
 Each fault fires once, the first time its trigger happens (a replayed step after recovery does not
-fire it again), optionally after a delay so it lands mid-step. Every fault records what it did
-(pid, file, time) so a test can prove it took effect.
+fire it again), optionally after a delay, or once its target is inside a given call (``in_call``:
+however long the run's steps take, the fault lands where the test means it to). Every fault
+records what it did (pid, file, time) so a test can prove it took effect.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Fault:
     role: str | None = None      # None: a random role
     rank: int | None = None      # None: a random rank
     delay_s: float = 0.0
+    # Fire once the target is inside this registered call and has advanced there (see wait_in_call).
+    in_call: str | None = None
     fired: bool = False
     pid: int | None = None
     fired_at: float | None = None
@@ -89,6 +92,30 @@ def slow_down(roles, role: str, rank: int, seconds_per_advance: float, advances:
     logger.warning("fault: slow %s rank %d (pid %d): %d advance(s) %.2fs slower", role, rank, pids[(role, rank)],
                    advances, seconds_per_advance)
     return pids[(role, rank)]
+
+
+def wait_in_call(roles, role: str, rank: int, call: str, timeout_s: float = 60.0, poll_s: float = 0.002) -> bool:
+    """Wait until (role, rank) is inside the registered call ``call`` and has advanced there at
+    least once (a mini-batch done, a block of tokens generated), as its health replies say; whether
+    it got there within ``timeout_s``."""
+    worker = roles.groups[role].workers[rank]
+    deadline = time.monotonic() + timeout_s
+    entered_at = None  # the progress counter when the call was first seen
+    while time.monotonic() < deadline:
+        try:
+            info = ray.get(worker.health.remote(), timeout=5)
+        except Exception as exc:  # died or restarting: the moment is gone
+            logger.warning("fault: %s rank %d did not answer while waiting for %r: %s", role, rank, call, exc)
+            return False
+        if info.call != call:
+            entered_at = None
+        elif entered_at is None:
+            entered_at = info.advances
+        elif info.advances > entered_at:
+            return True
+        time.sleep(poll_s)
+    logger.warning("fault: %s rank %d was not seen inside %r within %.0fs", role, rank, call, timeout_s)
+    return False
 
 
 def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
@@ -149,26 +176,30 @@ class FaultSchedule:
         self._at = ("recovery", state)
         return self
 
-    def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float) -> "FaultSchedule":
+    def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float,
+             in_call: str | None = None) -> "FaultSchedule":
         if self._at is None:
             raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n) or during_recovery(state) before "
                              "adding a fault")
         trigger, at = self._at
-        self.faults.append(Fault(at, kind, trigger, role, rank, delay_s))
+        self.faults.append(Fault(at, kind, trigger, role, rank, delay_s, in_call))
         return self
 
     def corrupt_latest_checkpoint(self, truncate: bool = False) -> "FaultSchedule":
         """Flip a byte in (or truncate) a shard of the newest committed checkpoint."""
         return self._add("truncate" if truncate else "corrupt", "actor", 0, 0.0)
 
-    def kill(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0) -> "FaultSchedule":
-        return self._add("sigkill", role, rank, delay_s)
+    def kill(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0,
+             in_call: str | None = None) -> "FaultSchedule":
+        return self._add("sigkill", role, rank, delay_s, in_call)
 
-    def hang(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0) -> "FaultSchedule":
-        return self._add("sigstop", role, rank, delay_s)
+    def hang(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0,
+             in_call: str | None = None) -> "FaultSchedule":
+        return self._add("sigstop", role, rank, delay_s, in_call)
 
-    def ray_kill(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0) -> "FaultSchedule":
-        return self._add("ray_kill", role, rank, delay_s)
+    def ray_kill(self, role: str | None = None, rank: int | None = None, delay_s: float = 0.0,
+                 in_call: str | None = None) -> "FaultSchedule":
+        return self._add("ray_kill", role, rank, delay_s, in_call)
 
     def slow(self, role: str | None = None, rank: int | None = None, seconds_per_advance: float = 1.0,
              advances: int = 8) -> "FaultSchedule":
@@ -222,13 +253,15 @@ class FaultSchedule:
         def run():
             if fault.delay_s:
                 time.sleep(fault.delay_s)
+            if fault.in_call and not wait_in_call(roles, role, rank, fault.in_call):
+                return  # not fired: the run's checks report that the fault did not take effect
             if fault.kind == "slow":
                 fault.pid = slow_down(roles, role, rank, fault.slow_s, fault.slow_advances)
             else:
                 fault.pid = inject(fault.kind, roles, role, rank)
             fault.fired_at = time.time()
 
-        if fault.delay_s:
+        if fault.delay_s or fault.in_call:
             threading.Thread(target=run, name=f"fault-{fault.kind}", daemon=True).start()
         else:
             run()

@@ -60,14 +60,19 @@ class NonFiniteAdvantage:
             return
         self.fired.append(step)
         roles = trainer.roles
-        original = roles.update_actor
+        original = roles.concurrently
 
-        def poisoned(data):
-            del roles.update_actor  # once: the role's own method answers the next call
-            data.batch["advantages"][self.index] = self.value
-            return original(data)
+        def poisoned(calls):
+            # The step's updates go out together: poison the actor's, once (the pool's own method
+            # answers every later call). The critic's update reads no advantages.
+            if any(method == "update_actor" for method, _ in calls):
+                del roles.concurrently
+                for method, data in calls:
+                    if method == "update_actor":
+                        data.batch["advantages"][self.index] = self.value
+            return original(calls)
 
-        roles.update_actor = poisoned
+        roles.concurrently = poisoned
 
 
 def nonfinite_tensors(root: str, run_name: str, storage_options: dict | None = None) -> list[str]:

@@ -12,6 +12,7 @@ import time
 from resilient_rl.controller.worker import WorkerInfo, compute_cuda_device
 from resilient_rl.errors import RRLError
 from resilient_rl.protocol import DataProto
+from resilient_rl.trainer.pool import step_role
 from resilient_rl.telemetry.gpu_owners import device_report
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
@@ -73,6 +74,12 @@ class LocalRoles:
 
     def update_actor(self, data: DataProto) -> list[dict]:
         return [self.actor.update(data, int(data.meta_info["step"]))]
+
+    def concurrently(self, calls: list[tuple[str, DataProto]]):
+        """One engine at a time in this process: each call runs when its result is asked for."""
+        for method, _ in calls:
+            step_role(method)  # every name checked before anything runs
+        return (getattr(self, method)(data) for method, data in calls)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()

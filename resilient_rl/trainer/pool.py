@@ -13,8 +13,9 @@ of worker processes (colocated roles share one; in the split placement each role
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
+from resilient_rl.errors import RRLError
 from resilient_rl.protocol import DataProto
 
 #: (process group, rank): one worker process.
@@ -23,6 +24,19 @@ ProcessKey = tuple[str, int]
 RoleKey = tuple[str, int]
 #: Roles whose state lives in checkpoints (ref is rebuilt from its source, rollout gets the actor's weights).
 STATEFUL_ROLES = ("actor", "critic")
+#: The step's calls on the roles' data, and the role each runs on.
+STEP_CALLS = {"compute_ref_log_prob": "ref", "compute_log_prob": "actor", "compute_values": "critic",
+              "update_critic": "critic", "update_actor": "actor"}
+
+
+def step_role(method: str) -> str:
+    """The role that runs the step call ``method`` (see :data:`STEP_CALLS`)."""
+    try:
+        return STEP_CALLS[method]
+    except KeyError:
+        raise RRLError(f"{method!r} is not a step call (known: {', '.join(STEP_CALLS)})") from None
+
+
 #: Roles in the order a process shared by several is reported under.
 ROLE_ORDER = ("actor", "critic", "rollout", "ref")
 
@@ -57,6 +71,11 @@ class WorkerPool(Protocol):
     def update_actor(self, data: DataProto) -> list[dict]: ...
     def sync_weights(self, version: int) -> dict[str, float]:
         """Give the rollout the actor's weights as ``version``; returns transfer statistics."""
+    def concurrently(self, calls: list[tuple[str, DataProto]]) -> Iterator[Any]:
+        """Put independent step calls (``(method, data)``, methods of :data:`STEP_CALLS`) in
+        flight together and yield their results in order, each as its own call would return it:
+        calls to one process run back to back there without a round trip to the controller in
+        between, calls to different processes run side by side."""
 
     # -- processes ---------------------------------------------------------------------------
     def process_groups(self) -> list[str]:

@@ -24,7 +24,7 @@ from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorker
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
-from resilient_rl.trainer.pool import STATEFUL_ROLES, primary_role
+from resilient_rl.trainer.pool import STATEFUL_ROLES, primary_role, step_role
 from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -294,14 +294,21 @@ class RayRoles:
     def update_actor(self, data: DataProto) -> list[dict]:
         return self.groups["actor"].update_actor(data)
 
+    def concurrently(self, calls: list[tuple[str, DataProto]]):
+        """Every call dispatched now (its data serialized as it is at this point), results collected
+        in order when iterated."""
+        pending = [self.groups[step_role(method)].submit(method, data) for method, data in calls]
+        return (call.result() for call in pending)
+
     def sync_weights(self, version: int) -> dict[str, float]:
         """Give the rollout the actor's weights as ``version``; returns the bytes moved and, where the
         workers time it, the seconds they spent (the slowest rank)."""
         actor, rollout = self.groups["actor"], self.groups["rollout"]
         stats: list = []
         if self.colocated:
-            stats = actor.export_weights(version, True)
-            versions = rollout.update_weights(None, version)
+            # One process per rank runs both, in order: the check is queued behind the write.
+            calls = (actor.submit("export_weights", version, True), rollout.submit("update_weights", None, version))
+            stats, versions = (c.result() for c in calls)
         elif self.weight_channel:
             refs = (actor.execute_all_async("send_weights", version),
                     rollout.execute_all_async("receive_weights", version, actor.world_size))

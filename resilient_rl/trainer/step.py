@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -35,6 +36,18 @@ class PhaseTimer:
             yield
         finally:
             self.durations[phase] = self.durations.get(phase, 0.0) + time.perf_counter() - t0
+
+    def each(self, phases: list[str], results: Callable[[], Iterator]) -> Iterator[tuple[str, object]]:
+        """``(phase, result)`` for calls in flight together (``results()`` starts them and yields
+        their results in order): each phase is charged the wall time from the end of the one before
+        it (or the start) until its result has been handled, so the phases still add up to the
+        step's time, as when each call ran alone."""
+        t = time.perf_counter()
+        for phase, result in zip(phases, results()):
+            yield phase, result
+            now = time.perf_counter()
+            self.durations[phase] = self.durations.get(phase, 0.0) + now - t
+            t = now
 
 
 def make_prompts(batch: dict, n: int, meta: dict) -> DataProto:
@@ -82,15 +95,12 @@ def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl
     scores = np.where(bad_scores, np.float32(0.0), scores)
     data.batch["token_level_scores"] = token_level_scores(scores, mask)
 
+    # The forward passes depend on the rollout's data only: all in flight at once.
     need_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss
-    if need_ref:
-        with timer("ref"):
-            data.union(roles.compute_ref_log_prob(data))
-    with timer("old_log_prob"):
-        data.union(roles.compute_log_prob(data))
-    if roles.critic_enabled:
-        with timer("values"):
-            data.union(roles.compute_values(data))
+    forward = ([("ref", "compute_ref_log_prob")] if need_ref else []) + [("old_log_prob", "compute_log_prob")] \
+        + ([("values", "compute_values")] if roles.critic_enabled else [])
+    for _, out in timer.each([p for p, _ in forward], lambda: roles.concurrently([(m, data) for _, m in forward])):
+        data.union(out)
 
     with timer("adv"):
         metrics: dict[str, float] = {}
@@ -110,11 +120,10 @@ def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl
                                                     whiten=algo.whiten_advantages)
         data.batch["advantages"], data.batch["returns"] = adv, ret
 
-    if roles.critic_enabled:
-        with timer("update_critic"):
-            metrics.update(_mean_metrics(roles.update_critic(data)))
-    with timer("update_actor"):
-        metrics.update(_mean_metrics(roles.update_actor(data)))
+    # The critic's and the actor's updates are independent: both in flight at once.
+    updates = (["update_critic"] if roles.critic_enabled else []) + ["update_actor"]
+    for _, per_rank in timer.each(updates, lambda: roles.concurrently([(u, data) for u in updates])):
+        metrics.update(_mean_metrics(per_rank))
     with timer("weight_sync"):
         metrics.update(roles.sync_weights(version + 1))
 

@@ -1,0 +1,31 @@
+"""A registered method's call in flight on a worker group.
+
+``wg.method(x)`` dispatches, runs and collects in one go. :meth:`RayWorkerGroup.submit` stops after
+the dispatch and returns a :class:`GroupCall`, so that a controller can put several independent calls
+in flight at once (on one group they queue in its processes and run back to back; on different
+groups they run side by side) and collect each later exactly as the blocking call would have.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from resilient_rl.protocol import DataProto, unpad_dataproto
+
+
+class GroupCall:
+    """The ObjectRefs of one call on a group's ranks, and how to collect them."""
+
+    def __init__(self, group, refs: list, collect: Callable, pad_size: int = 0, rank_zero: bool = False):
+        self.group, self.refs = group, refs
+        self._collect, self._pad_size, self._rank_zero = collect, pad_size, rank_zero
+
+    def result(self) -> Any:
+        """Wait for every rank (watching their liveness, as a blocking call does) and collect."""
+        values = self.group.get(self.refs)
+        if self._rank_zero:
+            return self._collect(self.group, values[0])
+        output = self._collect(self.group, values)
+        if self._pad_size and isinstance(output, DataProto):
+            output = unpad_dataproto(output, self._pad_size)
+        return output
