@@ -41,6 +41,8 @@ needs_prometheus = pytest.mark.skipif(
     "(Debian/Ubuntu: apt-get install prometheus; .ci/run installs it)")
 
 STEPS = 8
+#: Prometheus's scrape and rule-evaluation interval in these tests, seconds.
+SCRAPE_S = 1.0
 SMALL = [f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "data.batch_size=16",
          "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=2", "critic.ppo_epochs=2",
          "data.num_prompts=64", "ray.cpus_per_worker=0.05", "checkpoint.save_every=2",
@@ -98,12 +100,25 @@ class Prometheus:
         self._log.close()
 
 
+class HoldRecovery:
+    """Trainer hook: a recovery stays in its rejoining state for ``seconds``, so that an outage
+    lasts long enough for a scrape to see it, however fast the recovery would have been."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_recovery_state(self, trainer, state) -> None:
+        if getattr(state, "value", state) == "rejoining":
+            time.sleep(self.seconds)
+
+
 def prometheus_config(tmp_path: Path, targets_file: Path) -> Path:
-    """A copy of monitoring/ whose file_sd reads ``targets_file``, every interval 1s."""
+    """A copy of monitoring/ whose file_sd reads ``targets_file``, every interval SCRAPE_S."""
     config_dir = tmp_path / "monitoring"
     shutil.copytree(MONITORING / "rules", config_dir / "rules")
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    every = f"{SCRAPE_S:g}s"
+    config["global"].update(scrape_interval=every, scrape_timeout=every, evaluation_interval=every)
     config["rule_files"] = [str(config_dir / "rules" / "*.yml")]
     (job,) = config["scrape_configs"]
     job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
@@ -117,7 +132,7 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
     cfg = load_config(None, SMALL + [f"trainer.output_dir={tmp_path / 'runs'}", "trainer.run_name=e2e",
                                      f"checkpoint.root={tmp_path / 'ckpt'}"])
     schedule = FaultSchedule().at_step(4).kill("actor", 1, delay_s=0.1)
-    trainer = PPOTrainer(cfg, hooks=[schedule])
+    trainer = PPOTrainer(cfg, hooks=[schedule, HoldRecovery(SCRAPE_S * 2.5)])
     targets = trainer.telemetry.file_sd.path
     assert targets == trainer.run_dir.path / "prometheus_targets.json"
     prom = Prometheus(prometheus_config(tmp_path, targets), tmp_path / "tsdb", tmp_path / "prometheus.log")
@@ -138,6 +153,11 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
             return (prom.value("rrl_step") == STEPS and prom.value("rrl_checkpoint_last_committed_step") == STEPS
                     and prom.value("rrl_recoveries_total") == 1)
         wait_until(final_state_scraped, 30, 0.25, "a scrape of the run's final state", ignore=(OSError,))
+        # A few more scrapes of it: rates over the run need two samples of every series, those
+        # that appeared with the recovery too, however quickly the run went.
+        scrapes = prom.value("count_over_time(rrl_step[10m])")
+        wait_until(lambda: prom.value("count_over_time(rrl_step[10m])") >= scrapes + 2, 30, 0.25,
+                   "two more scrapes of the run's final state", ignore=(OSError,))
         rules = wait_until(lambda: [r for g in prom.api("rules")["groups"] for r in g["rules"]
                                     if r["health"] != "unknown"], 30, 0.25, "an evaluation of the alert rules",
                            ignore=(OSError,))

@@ -117,7 +117,10 @@ def test_colocated_run_recovers_through_a_spare_and_matches_the_fault_free_run(r
         reference.fit()
     finally:
         reference.shutdown()
-    schedule = FaultSchedule().after_snapshot(3).kill("actor", 1)
+    # Inside the update, so its peer's collective names the death at once: a death met by a
+    # plain call is learnt from Ray's notice a second or two later, by when Ray may have restarted
+    # the process itself (with no spare needed).
+    schedule = FaultSchedule().after_snapshot(3).kill("actor", 1, in_call="update_actor")
     trainer = PPOTrainer(small_cfg(tmp_path, "faulted", *fast), hooks=[schedule])
     try:
         trainer.fit()
