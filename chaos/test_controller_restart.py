@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,11 @@ def test_controller_killed_and_started_again_resumes(reference, chaos_dir, chaos
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: latest.exists() and len(_steps(metrics)) >= 3, 300,
+        # Polled often and frozen at once: a step takes a few tens of milliseconds, and the run
+        # must still have steps to go when it dies.
+        wait_until(lambda: latest.exists() and len(_steps(metrics)) >= 3, 300, interval_s=0.01,
                    message=lambda: f"progress of the first controller (exit {proc.poll()})")
+        os.kill(proc.pid, signal.SIGSTOP)
         tree = process_tree(proc.pid)
         assert len(tree) > 1, "the controller runs its own local Ray cluster"
         assert kill_tree(tree) == [], "every process of the killed controller and its cluster is gone"
