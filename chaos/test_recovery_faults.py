@@ -48,7 +48,9 @@ def test_randomised_soak(reference, chaos_run):
     seed = int(os.environ.get("RRL_CHAOS_SEED") or random.SystemRandom().randrange(1 << 30))
     os.environ["RRL_CHAOS_SEED"] = str(seed)
     print(f"chaos soak seed: {seed} (replay with RRL_CHAOS_SEED={seed})")
+    # Delays under the 0.05 s the suite's steps take on a 2-core laptop: a fault of the last step
+    # must fire before the run ends.
     schedule = FaultSchedule.random(seed, steps=6, n_faults=3, roles=["actor", "critic", "ref", "rollout"],
-                                    world_sizes={"actor": 2, "critic": 1, "ref": 1, "rollout": 1})
+                                    world_sizes={"actor": 2, "critic": 1, "ref": 1, "rollout": 1}, max_delay_s=0.03)
     result = chaos_run(schedule, name=f"soak-{seed}")
     check_invariants(result, reference, expect_recoveries=1)

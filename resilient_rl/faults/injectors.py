@@ -272,14 +272,18 @@ class FaultSchedule:
 
     @classmethod
     def random(cls, seed: int, steps: int, n_faults: int, roles: list[str], world_sizes: dict[str, int],
-               kinds: tuple[str, ...] = ("sigkill", "sigstop", "ray_kill")) -> "FaultSchedule":
-        """A reproducible random schedule (the soak test prints ``seed`` so a failure can be replayed)."""
+               kinds: tuple[str, ...] = ("sigkill", "sigstop", "ray_kill"),
+               max_delay_s: float = 0.3) -> "FaultSchedule":
+        """A reproducible random schedule (the soak test prints ``seed`` so a failure can be replayed).
+
+        Each fault fires at the start of its step after a delay of up to ``max_delay_s``: keep it
+        below a step's time, or a fault of the last step fires after the run has ended."""
         rng = random.Random(seed)
         schedule = cls(seed=seed)
         for step in sorted(rng.sample(range(2, steps + 1), min(n_faults, steps - 1))):
             role = rng.choice(roles)
             schedule.at_step(step)._add(rng.choice(kinds), role, rng.randrange(world_sizes[role]),
-                                        round(rng.uniform(0.0, 0.3), 3))
+                                        round(rng.uniform(0.0, max_delay_s), 3))
         return schedule
 
 
