@@ -4,7 +4,6 @@ it waits at (workers/pipe_barrier.py): real processes in a real gloo group, real
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -14,15 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from resilient_rl.errors import CollectiveError
+from resilient_rl.testing.monitoring import free_port
 from resilient_rl.workers.pipe_barrier import PipeBarrier, create_fifos
 
 ROUNDS = 5  # more than the two sets of slots: each is reused
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _grads(rank: int, round_: int) -> list[torch.Tensor]:
@@ -72,7 +66,7 @@ def _tensors(results: list) -> list[list[torch.Tensor]]:
 def _run(world: int, shm_dirs: list[str], mode: str = "average") -> list[tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, shm_dirs, mode, out)) for r in range(world)]
     for p in procs:
         p.start()

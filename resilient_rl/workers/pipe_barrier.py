@@ -41,12 +41,13 @@ def create_fifos(prefix: str, world: int) -> list[str]:
                     made.append(fifo_path(prefix, src, dst))
     except OSError:
         for path in made:
-            _unlink(path)
+            unlink_quietly(path)
         raise
     return made
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; one already gone (or never made) is no error."""
     try:
         os.unlink(path)
     except OSError:

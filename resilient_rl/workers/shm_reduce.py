@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from resilient_rl.workers.pipe_barrier import PipeBarrier, create_fifos
+from resilient_rl.workers.pipe_barrier import PipeBarrier, create_fifos, unlink_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,6 @@ class SharedMemoryReducer:
         self._round = 0
         self._mean = torch.empty(segment.shape[2], dtype=segment.dtype)
         self._views: dict[tuple, list[torch.Tensor]] = {}
-
-    @property
-    def numel(self) -> int:
-        return self._slots.shape[2]
 
     def average_(self, tensors: list[torch.Tensor]) -> None:
         """Each of ``tensors`` (``numel`` elements together, the same shapes on every rank)
@@ -110,7 +106,7 @@ def open_reducer(numel: int, dtype: torch.dtype) -> SharedMemoryReducer | None:
         ok = _everyone(ok and barrier.open_writers())
     finally:
         for path in created:  # every rank has opened them (or given up): rank 0 removes them
-            _unlink(path)
+            unlink_quietly(path)
     if not ok:
         if barrier is not None:
             barrier.close()
@@ -136,17 +132,10 @@ def _create(nbytes: int, world: int) -> tuple[str | None, list[str]]:
         os.posix_fallocate(fd, 0, nbytes)
         return name, [prefix] + create_fifos(prefix, world)
     except OSError:
-        _unlink(prefix)
+        unlink_quietly(prefix)
         return None, []
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _everyone(ok: bool) -> bool:
