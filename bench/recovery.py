@@ -2,13 +2,13 @@
 
 The measurements (``--parts``), each in its own Ray cluster (``ray.init`` ... ``ray.shutdown``) and temp dir:
 
-1. **in-place**: a :class:`FaultSchedule` SIGKILLs actor rank 1 ``--delay`` seconds into step
-   ``--fault-step``; the trainer recovers by itself. Time from the kill to the completion of the
-   failed step (the first step completed after recovery, once the lost steps are replayed), split
-   from the run's events into detect (kill -> ``failure``), restart (-> last ``worker_restarted``:
-   every rank answers), rejoin (rendezvous + model re-init, -> start of the checkpoint load),
-   restore (checkpoint load + weight sync, -> ``recovered``) and replay (-> the failed step's
-   metrics row).
+1. **in-place**: a :class:`FaultSchedule` SIGKILLs actor rank ``--rank`` (default 1) ``--delay``
+   seconds into step ``--fault-step``; the trainer recovers by itself. Time from the kill to the
+   completion of the failed step (the first step completed after recovery, once the lost steps are
+   replayed), split from the run's events into detect (kill -> ``failure``), restart (-> last
+   ``worker_restarted``: every rank answers), rejoin (rendezvous + model re-init, -> start of the
+   checkpoint load), restore (checkpoint load + weight sync, -> ``recovered``) and replay (-> the
+   failed step's metrics row).
 2. **full restart**: the same run is "killed" at the same point (step start + ``--delay``) by
    shutting the trainer and Ray down, then a new ``ray.init`` and a new trainer with
    ``checkpoint.resume=auto`` carry on. Split into teardown (trainer + Ray shutdown, which a real
@@ -24,7 +24,7 @@ The measurements (``--parts``), each in its own Ray cluster (``ray.init`` ... ``
    ``recovery.snapshot_every=1``), and with both off (the recovery path of before). The fault is
    fired once the spares are ready (a run's steady state). Printed with the same split; "restart"
    is then the hand-over to a spare.
-5. **hang**: a SIGSTOP of actor rank 1 with ``recovery.hang_timeout_s=--hang-timeout``; the time
+5. **hang**: a SIGSTOP of actor rank ``--rank`` with ``recovery.hang_timeout_s=--hang-timeout``; the time
    from the SIGSTOP to the ``failure`` event against that deadline (it must be within deadline + 1 s;
    a stopped rank is found sooner, when its health call goes unanswered for ``health_timeout_s``).
 
@@ -35,6 +35,7 @@ in-place / Ray Train and in-place / full restart.
     python bench/recovery.py                       # all parts, once (3-6 minutes on 2 busy cores)
     python bench/recovery.py --repeats 3
     python bench/recovery.py --skip-ray-train model.num_layers=4    # any config override
+    python bench/recovery.py --parts old,fast --rank 0 actor.world_size=1 ...   # one GPU
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # About half of a step of this config on a 2-core machine, so that the kill lands inside the
     # step (in its updates, where a step spends most of its time) on both sides.
     p.add_argument("--delay", type=float, default=0.15, help="seconds into that step (default: 0.15)")
+    p.add_argument("--rank", type=int, default=1, help="actor rank killed or stopped (default: 1)")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.hang_timeout_s of the hang run (default: 5)")
     p.add_argument("--rt-kill-after", type=int, default=5, help="Ray Train: kill after this step (default: 5)")
     p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")
@@ -90,8 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.parts = [x for x in args.parts if x != "raytrain"]
     if not set(args.parts) <= set(PARTS) or not args.parts:
         p.error(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
-    if args.repeats < 1 or args.fault_step < 2 or args.delay < 0 or args.hang_timeout <= 0 or args.rt_kill_after < 1:
-        p.error("need --repeats >= 1, --fault-step >= 2, --delay >= 0, --hang-timeout > 0, --rt-kill-after >= 1")
+    if args.repeats < 1 or args.fault_step < 2 or args.delay < 0 or args.hang_timeout <= 0 or args.rt_kill_after < 1 \
+            or args.rank < 0:
+        p.error("need --repeats >= 1, --fault-step >= 2, --delay >= 0, --hang-timeout > 0, --rt-kill-after >= 1, "
+                "--rank >= 0")
     return args
 
 
@@ -230,7 +234,7 @@ def run_trainer(cfg, hooks: list) -> None:
 # ---------------------------------------------------------------------------- parts
 def measure_inplace(args, root: str) -> dict:
     cfg = build_config(args, root)
-    sched = FaultSchedule().at_step(args.fault_step).kill("actor", 1, delay_s=args.delay)
+    sched = FaultSchedule().at_step(args.fault_step).kill("actor", args.rank, delay_s=args.delay)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
     watcher = MetricsWatcher(run_dir / "metrics.jsonl")
 
@@ -311,7 +315,7 @@ def measure_full_restart(args, root: str) -> dict:
 
 def measure_hang(args, root: str) -> dict:
     cfg = build_config(args, root, [f"recovery.hang_timeout_s={args.hang_timeout}"])
-    sched = FaultSchedule().at_step(args.fault_step).hang("actor", 1, delay_s=args.delay)
+    sched = FaultSchedule().at_step(args.fault_step).hang("actor", args.rank, delay_s=args.delay)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
     ray_session(cfg, lambda: run_trainer(cfg, [sched]))
     ev = read_events(run_dir)
@@ -488,7 +492,7 @@ def main(argv=None) -> None:
             res[name].append(in_tmp(fn, args, name))
 
     cfg = build_config(args, "unused")
-    print(f"\nfault: SIGKILL of actor rank 1, {args.delay:g} s into step {args.fault_step}; checkpoint every "
+    print(f"\nfault: SIGKILL of actor rank {args.rank}, {args.delay:g} s into step {args.fault_step}; checkpoint every "
           f"{cfg.checkpoint.save_every} steps (old/fast: 20); measured in {time.time() - t0:.0f} s")
     med: dict[str, dict] = {}
     if res["inplace"]:
@@ -526,7 +530,7 @@ def main(argv=None) -> None:
     for name, value, target in ratios:
         print(f"  {name:<44}{value:6.2f}x   target <= {target}x  {'ok' if value <= target else 'MISSED'}")
     if res["hang"]:
-        print(f"\nSIGSTOP of actor rank 1 with recovery.hang_timeout_s={args.hang_timeout:g}: "
+        print(f"\nSIGSTOP of actor rank {args.rank} with recovery.hang_timeout_s={args.hang_timeout:g}: "
               "failure event - SIGSTOP, against deadline + 1 s")
     for i, h in enumerate(res["hang"]):
         print(f"  #{i + 1}: detected in {h['detect']:.2f} s (deadline {h['deadline']:g} s, cause {h['cause']}, "
