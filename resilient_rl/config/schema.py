@@ -113,7 +113,9 @@ class Config(Section):
         if self.trainer.device == "cuda":
             import torch  # only here: importing torch is slow and most configs never need it
 
-            require(torch.cuda.is_available(), "trainer.device", self.trainer.device,
+            # Counted through NVML until CUDA is initialised: validating a worker's config must
+            # not initialise CUDA in it (see resilient_rl.controller.devices).
+            require(torch.cuda.device_count() > 0, "trainer.device", self.trainer.device,
                      "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
 
     def _resolve_critic(self, grpo: bool) -> None:

@@ -186,7 +186,8 @@ class HealthMixin:
                 return self.ping(timeout_s=min(remaining, 5.0))
             except (WorkerError, RayActorError) as exc:
                 last = exc
-                dead = self.permanently_dead()
+                # A rank whose warm spare Ray gave up on goes back to its own bundle's process.
+                dead = self.rehome(self.permanently_dead())
                 if dead:
                     raise WorkerDiedError(f"{self.name_prefix} rank {dead[0]} is dead and Ray will not restart it "
                                           f"(max_restarts={self.max_restarts} spent)", role=self.name_prefix,

@@ -16,8 +16,13 @@ A spare is *ready* once its process has started and finished warming up (its bac
 :meth:`~resilient_rl.controller.worker.Worker.warmed_up`); one still starting is never waited for
 (the rank then waits for Ray's restart, as without spares). A spare that dies while idle or while
 taking over is restarted by Ray and tried again once it answers; one Ray has given up on is
-replaced by a fresh one. Spares need free resources: on a cluster with none left (every GPU
-taken by a rank), they stay pending and recovery falls back to Ray's restart.
+replaced by a fresh one. A CPU group's spares need free resources (a rank's share), and where
+there are none they stay pending and recovery falls back to Ray's restart. A GPU group's spares
+reserve no GPU: each waits on a node of the group's ranks and takes the GPUs of a rank of its node
+that dies (:mod:`resilient_rl.controller.devices`), so they start where every GPU runs a rank; a
+rank of a node without a ready spare waits for Ray's restart. When a spare that served a rank is
+gone for good (its node was lost), the process of the rank's own bundle, which Ray restarts with
+the bundle, serves the rank again (:meth:`~resilient_rl.controller.worker_group.RayWorkerGroup.rehome`).
 
 Spares never compete with ranks for resources. A rank's restart normally goes into its own
 placement-group bundle, whose resources stay reserved for it; but when a node is lost, Ray must
@@ -50,6 +55,7 @@ class _Spare:
     handle: Any
     ping: Any  # the ObjectRef of its ping in flight
     ok: bool = False  # whether its last ping answered (a new one is sent after each answer)
+    node: str | None = None  # its node, from its last answer
     in_bundle: bool = False  # a replaced rank's process: it lives in that rank's placement-group bundle
 
 
@@ -89,10 +95,14 @@ class SparePool:
         gave up on it."""
         out = []
         for spare in list(self._spares):
+            if any(spare.handle is w for w in self.group.workers):  # it serves a rank again (rehome)
+                self._spares.remove(spare)
+                self._start()
+                continue
             done, _ = ray.wait([spare.ping], timeout=0)
             if done:
                 try:
-                    ray.get(spare.ping, timeout=0)
+                    spare.node = getattr(ray.get(spare.ping, timeout=0), "node_id", None)
                     spare.ok = True
                 except Exception as exc:  # it died, and Ray restarts it or gave up on it
                     spare.ok = False
@@ -109,18 +119,21 @@ class SparePool:
         return out
 
     def adopt(self, rank: int):
-        """Hand ``rank`` to a ready spare; the spare's ping reply (its pid, node), or None when no
-        spare is ready or every ready one died while taking over (the rank then waits for Ray's
+        """Hand ``rank`` to a ready spare, those on the rank's node first (the only ones that can
+        take a GPU rank's devices); the spare's ping reply (its pid, node), or None when no spare
+        is ready or none of the ready ones could take over (the rank then waits for Ray's
         restart)."""
         ready = self.ready()
+        node = self.group.placement(rank)[0]
+        ready.sort(key=lambda spare: spare.node != node)
         logger.info("%s rank %d is dead: %d of %d warm spares ready", self.group.name_prefix, rank, len(ready),
                     len(self._spares))
         for spare in ready:
             self._spares.remove(spare)
             try:
                 replaced, info = self.group.adopt(rank, spare.handle, self.timeout_s)
-            except WorkerError as exc:  # it died taking over: Ray restarts it, a spare again later
-                logger.warning("warm spare of %s died taking over rank %d: %s", self.group.name_prefix, rank, exc)
+            except WorkerError as exc:  # it died (Ray restarts it), or cannot take the rank's GPUs
+                logger.warning("warm spare of %s could not take over rank %d: %s", self.group.name_prefix, rank, exc)
                 self._watch(spare.handle, spare.in_bundle)
                 continue
             self.give(replaced)
@@ -128,9 +141,9 @@ class SparePool:
         return None
 
     def give(self, handle) -> None:
-        """Keep ``handle`` (a replaced rank's process, which Ray is restarting in that rank's
-        bundle) as a spare once it answers."""
-        self._watch(handle, in_bundle=True)
+        """Keep ``handle`` (a replaced rank's process, which Ray is restarting: in that rank's
+        bundle, or where the spare that served the rank was) as a spare once it answers."""
+        self._watch(handle, in_bundle=self.group.is_bundle_process(handle))
 
     def release(self) -> None:
         """Kill the spares started outside placement groups (no restart), freeing their resources

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from resilient_rl import env
 from resilient_rl.controller import progress, rendezvous
+from resilient_rl.controller.devices import visible_devices
 from resilient_rl.controller.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
 from resilient_rl.telemetry.gpu_owners import device_report
@@ -62,7 +63,9 @@ class WorkerInfo:
     are its caching allocator's allocated and reserved bytes there (None on CPU). ``call``,
     ``progress_age_s`` and ``advances`` are the process's progress
     (:mod:`resilient_rl.controller.progress`): the registered call it is in (None when idle), the
-    seconds since it last advanced, and how many times it has advanced."""
+    seconds since it last advanced, and how many times it has advanced. ``devices`` is the
+    process's ``CUDA_VISIBLE_DEVICES`` (None when unset): the GPUs Ray gave it, which a warm spare
+    takes over when the rank dies (:mod:`resilient_rl.controller.devices`)."""
 
     rank: int
     world_size: int
@@ -75,6 +78,7 @@ class WorkerInfo:
     call: str | None = None
     progress_age_s: float | None = None
     advances: int = 0
+    devices: str | None = None
 
 
 def _node_ip() -> str:
@@ -90,6 +94,8 @@ def _node_id() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # outside Ray: asking the runtime context would start a cluster
+            return "local"
         return ray.get_runtime_context().get_node_id() or "local"
     except Exception:
         return "local"
@@ -126,7 +132,9 @@ def compute_cuda_device() -> int | None:
     current device once CUDA is initialised (a worker that built its model before joining a
     group), else None (on CPU, or nothing on the GPU yet)."""
     index = _PG_STATE["cuda_device"]
-    if index is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized first: is_available would initialise the CUDA driver in a process (a warm
+    # spare) that must still be free to choose its devices.
+    if index is None and torch.cuda.is_initialized():
         index = torch.cuda.current_device()
     return index
 
@@ -198,7 +206,7 @@ class Worker:
         return WorkerInfo(self._rank, self._world_size, _PG_STATE["generation"], os.getpid(), self._node_id,
                           report.gpu_uuids, report.torch_allocated_bytes,
                           report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
-                          advances=done.advances)
+                          advances=done.advances, devices=visible_devices())
 
     def inject_slowdown(self, seconds_per_advance: float, advances: int) -> None:
         """Fault injection (chaos suite): the next ``advances`` progress points of this process each

@@ -1,4 +1,4 @@
-"""``RayClassWithInitArgs``, ``RayWorkerGroup`` and colocated worker classes.
+"""``RayWorkerGroup``: the ranks of a worker class, driven as one object by the controller.
 
 A worker group starts one Ray actor per bundle of a :class:`RayResourcePool`, all at once, and
 binds every ``@register``-ed method of the worker class onto itself: calling ``wg.method(x)``
@@ -13,14 +13,14 @@ boundary are classified into :class:`WorkerDiedError`, :class:`WorkerTimeoutErro
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-import weakref
 from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from resilient_rl.controller.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
                                            kill_process)
@@ -28,7 +28,8 @@ from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, re
 from resilient_rl.controller.group_call import GroupCall
 from resilient_rl.controller.liveness import LivenessWatch
 from resilient_rl.controller.resource_pool import RayResourcePool
-from resilient_rl.controller.worker import Worker, export_identity
+from resilient_rl.controller.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
+                                                 create_colocated_worker_cls)
 from resilient_rl.errors import (DispatchError, WorkerTimeoutError)
 
 logger = logging.getLogger(__name__)
@@ -36,79 +37,6 @@ logger = logging.getLogger(__name__)
 #: Dispatch modes that hand out one entry per rank (rank-zero execution takes entry 0).
 _PER_RANK_MODES = (Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_PROTO,
                    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, Dispatch.DP_COMPUTE_METRIC)
-
-
-def _actor_class(ray_cls) -> type:
-    """The plain Python class behind a ``@ray.remote`` class (or the class itself)."""
-    return getattr(ray_cls, "__ray_actor_class__", ray_cls)
-
-
-# One ranked remote class per remote class, so that Ray exports each class definition once per job
-# however many groups are built from it.
-_RANKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _ranked_remote_class(ray_cls):
-    """A remote subclass of ``ray_cls``'s class whose constructor takes a rank's identity first.
-
-    The identity is exported to the process environment before the worker's ``__init__`` runs, so
-    the worker reads ``RANK``/``WORLD_SIZE`` as usual, also when Ray restarts the actor (it replays
-    the constructor with the same arguments). The options of the user's ``@ray.remote(...)``
-    (concurrency groups among them, which ``.options()`` cannot set) carry over. The subclass gets
-    its own qualified name: Ray keys class definitions by module and qualified name, and the plain
-    class may be started as an actor too.
-    """
-    ranked = _RANKED.get(ray_cls)
-    if ranked is None:
-        user_cls = _actor_class(ray_cls)
-
-        class Ranked(user_cls):  # type: ignore[valid-type, misc]
-            def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
-                self._rrl_init_args = (args, kwargs)
-                export_identity(identity)
-                super().__init__(*args, **kwargs)
-
-            def adopt_identity(self, identity: dict[str, str]):
-                """Become the rank ``identity`` names (a warm spare taking a dead rank's place):
-                export it and run the worker's constructor again under it. A spare never served
-                a rank before (it is a fresh process), so nothing of an earlier rank is left."""
-                args, kwargs = self._rrl_init_args
-                export_identity(identity)
-                user_cls.__init__(self, *args, **kwargs)
-                return self.ping()
-
-        Ranked.__name__ = user_cls.__name__
-        Ranked.__qualname__ = f"Ranked({user_cls.__qualname__})"
-        Ranked.__module__ = user_cls.__module__
-        Ranked.__doc__ = user_cls.__doc__
-        defaults = dict(getattr(ray_cls, "_default_options", None) or {})
-        ranked = ray.remote(**defaults)(Ranked) if defaults else ray.remote(Ranked)
-        _RANKED[ray_cls] = ranked
-    return ranked
-
-
-class RayClassWithInitArgs:
-    """A ``@ray.remote`` worker class with the arguments of its constructor."""
-
-    def __init__(self, cls, *args, **kwargs) -> None:
-        if not issubclass(_actor_class(cls), Worker):
-            raise DispatchError(f"{_actor_class(cls).__name__} must subclass resilient_rl.Worker")
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-        self._options: dict[str, Any] = {}
-
-    def update_options(self, options: dict[str, Any]) -> None:
-        """Extra Ray actor options (merged over the worker group's)."""
-        self._options.update(options)
-
-    def __call__(self, options: dict[str, Any], identity: dict[str, str] | None = None):
-        """Start one actor with ``options``; ``identity`` (RANK, WORLD_SIZE, ...) is exported in its
-        process before the worker is constructed."""
-        if identity is None:
-            return self.cls.options(**{**options, **self._options}).remote(*self.args, **self.kwargs)
-        ranked = _ranked_remote_class(self.cls)
-        return ranked.options(**{**options, **self._options}).remote(identity, *self.args, **self.kwargs)
 
 
 class RayWorkerGroup(HealthMixin):
@@ -122,6 +50,11 @@ class RayWorkerGroup(HealthMixin):
         self._workers: list = []
         self._worker_names: list[str] = []
         self._identities: list[dict[str, str]] = []  # each rank's RANK, WORLD_SIZE, ... (see Ranked)
+        # Each rank's node and CUDA_VISIBLE_DEVICES as its process last reported them (a warm spare
+        # taking the rank takes these GPUs), and the process started in the rank's bundle.
+        self._placements: list[tuple[str | None, str | None]] = []
+        self._bundle_workers: list = []
+        self._spare_nodes = itertools.count()
         self._base_options: dict[str, Any] = {}
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
@@ -167,9 +100,11 @@ class RayWorkerGroup(HealthMixin):
                 self._workers.append(cls_with_init(options, identity))
                 self._worker_names.append(name)
                 rank += 1
+        self._bundle_workers = list(self._workers)
+        self._placements = [(None, None)] * len(self._workers)
         # Constructors run in parallel; wait for all of them (a failing constructor names its rank).
-        self.get([w.ping.remote() for w in self._workers], timeout_s=max(self.call_timeout_s or 0, 300.0),
-                 liveness=False)
+        self._note_placements(self.get([w.ping.remote() for w in self._workers],
+                                       timeout_s=max(self.call_timeout_s or 0, 300.0), liveness=False))
 
     def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
         self._remote_prefix = remote_prefix
@@ -321,7 +256,19 @@ class RayWorkerGroup(HealthMixin):
 
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
-        return self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s, liveness=False)
+        return self._note_placements(self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s,
+                                              liveness=False))
+
+    def _note_placements(self, infos: list) -> list:
+        """Remember the node and GPUs of each rank whose process answered as that rank."""
+        for rank, info in enumerate(infos):
+            if rank < len(self._placements) and getattr(info, "rank", None) == rank:
+                self._placements[rank] = (info.node_id, getattr(info, "devices", None))
+        return infos
+
+    def placement(self, rank: int) -> tuple[str | None, str | None]:
+        """(node id, ``CUDA_VISIBLE_DEVICES``) of ``rank`` as its process last reported them."""
+        return self._placements[rank] if rank < len(self._placements) else (None, None)
 
     def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0,
                            collective_timeout_s: float | None = None) -> int:
@@ -353,23 +300,59 @@ class RayWorkerGroup(HealthMixin):
 
     # ------------------------------------------------------------------ warm spares
     def start_spare(self, name: str):
-        """Start one more process of this group's class outside its placement groups (spread over
-        the cluster's nodes), with the same resources and restart budget as a rank: a warm spare
-        (:mod:`resilient_rl.controller.spares`). Its handle, not waited for."""
-        options = {**self._base_options, "scheduling_strategy": "SPREAD", "name": name}
+        """Start one more process of this group's class outside its placement groups, with the
+        restart budget of a rank: a warm spare (:mod:`resilient_rl.controller.spares`). Its
+        handle, not waited for.
+
+        A CPU group's spare asks for a rank's resources, spread over the cluster's nodes. A GPU
+        group's spare asks for no GPU and waits on a node of the group's ranks (each new spare on
+        the next such node): it takes a dead rank's GPUs when it takes the rank
+        (:mod:`resilient_rl.controller.devices`), so it starts even where every GPU runs a rank."""
+        options = {**self._base_options, "name": name, "scheduling_strategy": "SPREAD"}
+        nodes = list(dict.fromkeys(node for node, _ in self._placements if node is not None))
+        if options.get("num_gpus") and nodes:
+            options["num_gpus"] = 0
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                nodes[next(self._spare_nodes) % len(nodes)], soft=False)
         return self.ray_cls_with_init(options, dict(self._identities[0]))
+
+    def is_bundle_process(self, handle) -> bool:
+        """Whether ``handle`` is a process started in one of the group's placement-group bundles."""
+        return any(handle is w for w in self._bundle_workers)
 
     def adopt(self, rank: int, spare, timeout_s: float):
         """Make ``spare`` (a started process of this group's class) rank ``rank``: it takes the
-        rank's identity, and the group (every colocated role group sharing its processes too)
-        calls it from now on. Returns the process it replaced and the spare's ping reply. Raises
-        WorkerError when the spare fails to take over (it died): the group is then unchanged."""
-        info = self.get([spare.adopt_identity.remote(self._identities[rank])], timeout_s=timeout_s, liveness=False)[0]
+        rank's GPUs and identity, and the group (every colocated role group sharing its
+        processes too) calls it from now on. Returns the process it replaced and the spare's
+        ping reply. Raises WorkerError when the spare fails to take over (it died, or it cannot
+        compute on the rank's GPUs): the group is then unchanged."""
+        node, devices = self.placement(rank)
+        info = self.get([spare.adopt_identity.remote(self._identities[rank], devices, node)], timeout_s=timeout_s,
+                        liveness=False)[0]
         old = self._workers[rank]
         self._workers[rank] = spare  # in place: colocated role groups share this list
+        self._placements[rank] = (info.node_id, info.devices)
         self.forget_liveness()
         logger.warning("%s rank %d is now served by a warm spare (pid %d)", self.name_prefix, rank, info.pid)
         return old, info
+
+    def rehome(self, ranks: list[int]) -> list[int]:
+        """Serve each of ``ranks`` (whose process Ray has given up on) by the process started in
+        the rank's own bundle again, where a warm spare served it and that process serves no other
+        rank (Ray restarts it with the bundle, also on another node after a node loss). Returns
+        the ranks left without a process."""
+        left = []
+        for rank in ranks:
+            home = self._bundle_workers[rank] if rank < len(self._bundle_workers) else None
+            if home is None or home is self._workers[rank] or any(home is w for w in self._workers):
+                left.append(rank)
+                continue
+            self._workers[rank] = home
+            self._placements[rank] = (None, None)  # known again once it answers
+            self.forget_liveness()
+            logger.warning("%s rank %d: the warm spare serving it is gone for good; the process of the "
+                           "rank's own bundle serves it again", self.name_prefix, rank)
+        return left
 
     def reidentify(self, infos: list) -> list:
         """Give each rank whose process answers under another identity (``infos``: their ping
@@ -380,13 +363,16 @@ class RayWorkerGroup(HealthMixin):
                  and (info.rank != rank or info.world_size != self.world_size)]
         if not wrong:
             return infos
-        answers = self.get([self._workers[r].adopt_identity.remote(self._identities[r]) for r in wrong],
-                           timeout_s=self.health_timeout_s + 60.0, liveness=False)
+        # A spare that served a rank takes the rank's GPUs again (on the rank's node: the process
+        # of a GPU group's spare is restarted where it was).
+        answers = self.get([self._workers[r].adopt_identity.remote(self._identities[r], self.placement(r)[1],
+                                                                   self.placement(r)[0])
+                            for r in wrong], timeout_s=self.health_timeout_s + 60.0, liveness=False)
         infos = list(infos)
         for rank, info in zip(wrong, answers):
             logger.warning("%s rank %d came back under another identity; it has its own again", self.name_prefix, rank)
             infos[rank] = info
-        return infos
+        return self._note_placements(infos)
 
     # ------------------------------------------------------------------ colocated roles
     def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
@@ -415,43 +401,3 @@ class RayWorkerGroup(HealthMixin):
         self._workers = []
         if release_pool and self.resource_pool is not None:
             self.resource_pool.release()
-
-
-def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
-    """A worker class hosting every role of ``class_dict`` in one process; methods are named ``{role}_{method}``."""
-    role_classes = {role: _actor_class(c.cls) for role, c in class_dict.items()}
-    init_args = {role: (c.args, c.kwargs) for role, c in class_dict.items()}
-
-    class WorkerDict(Worker):
-        _rrl_role_classes = role_classes
-        _rrl_health_group = True
-
-        @ray.method(concurrency_group="health")
-        def health(self):
-            return self.ping()
-
-        @ray.method(concurrency_group="health")
-        def call_off_rendezvous(self, generation: int) -> None:
-            Worker.call_off_rendezvous(self, generation)
-
-        def __init__(self):
-            super().__init__()
-            self.worker_dict = {role: cls(*init_args[role][0], **init_args[role][1])
-                                for role, cls in role_classes.items()}
-
-    def forwarder(role: str, name: str, settings: dict):
-        def method(self, *args, **kwargs):
-            return getattr(self.worker_dict[role], name)(*args, **kwargs)
-        from resilient_rl.controller.dispatch import MAGIC_ATTR
-        setattr(method, MAGIC_ATTR, settings)
-        method.__name__ = f"{role}_{name}"
-        group = getattr(getattr(role_classes[role], name), "__ray_concurrency_group__", None)
-        if group is not None:  # the role's method runs on a thread of its own: so does the forwarder
-            method.__ray_concurrency_group__ = group
-        return method
-
-    for role, cls in role_classes.items():
-        for name, settings in registered_methods(cls).items():
-            setattr(WorkerDict, f"{role}_{name}", forwarder(role, name, settings))
-    WorkerDict.__name__ = "WorkerDict_" + "_".join(role_classes)
-    return RayClassWithInitArgs(ray.remote(concurrency_groups=HEALTH_GROUPS)(WorkerDict))

@@ -41,10 +41,23 @@ class DevicePlan:
         return self.param_dtype != self.reduce_dtype
 
 
-def plan_device(device: str = "auto") -> DevicePlan:
-    """CUDA with bf16 mixed precision when there is a GPU (``auto`` or ``cuda``), else fp32 on CPU."""
+def _check_device(device: str) -> None:
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {device!r}")
+
+
+def uses_cuda(device: str = "auto") -> bool:
+    """Whether a worker with ``trainer.device=device`` computes on CUDA, decided without
+    initialising CUDA (until it is, torch counts the visible devices through NVML), so that a
+    process can still choose its devices afterwards (:mod:`resilient_rl.controller.devices`)."""
+    _check_device(device)
+    return device == "cuda" or (device == "auto" and torch.cuda.device_count() > 0)
+
+
+def plan_device(device: str = "auto") -> DevicePlan:
+    """CUDA with bf16 mixed precision when there is a GPU (``auto`` or ``cuda``), else fp32 on CPU.
+    On CUDA it initialises CUDA on the current device."""
+    _check_device(device)
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but torch sees no CUDA device")

@@ -30,7 +30,7 @@ from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.snapshot import SnapshotMixin
-from resilient_rl.workers.fsdp import full_state_dict, plan_device, resolve_strategy
+from resilient_rl.workers.fsdp import DevicePlan, full_state_dict, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
@@ -85,15 +85,24 @@ class RoleWorker(Worker):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        self.plan = plan_device(self.cfg.trainer.device)
+        self._plan: DevicePlan | None = None
         # One intra-op thread per CPU worker: workers share the host's cores, and a fixed thread
         # count keeps CPU reductions in the same order run after run (bit-identical results).
-        if self.plan.device.type == "cpu":
+        if not uses_cuda(self.cfg.trainer.device):
             torch.set_num_threads(1)
         torch.manual_seed(self.cfg.trainer.seed)
         # A (re)started worker answers its first ping before the slow tensordict import is done:
         # the import then overlaps the controller's rendezvous instead of the restart wait.
         warm_in_background(tensordict_class, "warm-imports")
+
+    @property
+    def plan(self) -> DevicePlan:
+        """Where this worker computes, decided at first use (a model build, after the rendezvous
+        made the rank's GPU current): the constructor never initialises CUDA, so a warm spare
+        built like a rank can still take a dead rank's GPUs (:mod:`resilient_rl.controller.devices`)."""
+        if self._plan is None:
+            self._plan = plan_device(self.cfg.trainer.device)
+        return self._plan
 
     def release_engine(self) -> None:
         """Drop the engine of an earlier generation before building the next one.

@@ -1,0 +1,140 @@
+"""Worker classes as a worker group starts them: ranked remote classes, ``RayClassWithInitArgs``
+and colocated classes.
+
+A rank's process is an actor of a *ranked* subclass of the user's worker class, whose constructor
+exports the rank's identity (``RANK``, ``WORLD_SIZE``, ...) before the worker's own ``__init__``
+runs, and which can take another rank's identity later (a warm spare taking a dead rank's place,
+with the rank's GPUs: :mod:`resilient_rl.controller.devices`). A colocated class hosts several
+roles in one process, each role's methods named ``{role}_{method}``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import ray
+
+from resilient_rl.controller.devices import take_devices
+from resilient_rl.controller.dispatch import registered_methods
+from resilient_rl.controller.health import HEALTH_GROUPS
+from resilient_rl.controller.worker import Worker, export_identity
+from resilient_rl.errors import DispatchError
+
+
+def _actor_class(ray_cls) -> type:
+    """The plain Python class behind a ``@ray.remote`` class (or the class itself)."""
+    return getattr(ray_cls, "__ray_actor_class__", ray_cls)
+
+
+# One ranked remote class per remote class, so that Ray exports each class definition once per job
+# however many groups are built from it.
+_RANKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ranked_remote_class(ray_cls):
+    """A remote subclass of ``ray_cls``'s class whose constructor takes a rank's identity first.
+
+    The identity is exported to the process environment before the worker's ``__init__`` runs, so
+    the worker reads ``RANK``/``WORLD_SIZE`` as usual, also when Ray restarts the actor (it replays
+    the constructor with the same arguments). The options of the user's ``@ray.remote(...)``
+    (concurrency groups among them, which ``.options()`` cannot set) carry over. The subclass gets
+    its own qualified name: Ray keys class definitions by module and qualified name, and the plain
+    class may be started as an actor too.
+    """
+    ranked = _RANKED.get(ray_cls)
+    if ranked is None:
+        user_cls = _actor_class(ray_cls)
+
+        class Ranked(user_cls):  # type: ignore[valid-type, misc]
+            def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
+                self._rrl_init_args = (args, kwargs)
+                export_identity(identity)
+                super().__init__(*args, **kwargs)
+
+            def adopt_identity(self, identity: dict[str, str], devices: str | None = None,
+                               node_id: str | None = None):
+                """Become the rank ``identity`` names (a warm spare taking a dead rank's place):
+                take the rank's GPUs (``devices``, its ``CUDA_VISIBLE_DEVICES`` on node
+                ``node_id``; :func:`~resilient_rl.controller.devices.take_devices` raises
+                DevicesUnavailable, changing nothing, where this process cannot), export the
+                identity and run the worker's constructor again under it. A spare never served a
+                rank before (it is a fresh process), so nothing of an earlier rank is left."""
+                take_devices(devices, node_id, self.node_id)
+                args, kwargs = self._rrl_init_args
+                export_identity(identity)
+                user_cls.__init__(self, *args, **kwargs)
+                return self.ping()
+
+        Ranked.__name__ = user_cls.__name__
+        Ranked.__qualname__ = f"Ranked({user_cls.__qualname__})"
+        Ranked.__module__ = user_cls.__module__
+        Ranked.__doc__ = user_cls.__doc__
+        defaults = dict(getattr(ray_cls, "_default_options", None) or {})
+        ranked = ray.remote(**defaults)(Ranked) if defaults else ray.remote(Ranked)
+        _RANKED[ray_cls] = ranked
+    return ranked
+
+
+class RayClassWithInitArgs:
+    """A ``@ray.remote`` worker class with the arguments of its constructor."""
+
+    def __init__(self, cls, *args, **kwargs) -> None:
+        if not issubclass(_actor_class(cls), Worker):
+            raise DispatchError(f"{_actor_class(cls).__name__} must subclass resilient_rl.Worker")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self._options: dict[str, Any] = {}
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        """Extra Ray actor options (merged over the worker group's)."""
+        self._options.update(options)
+
+    def __call__(self, options: dict[str, Any], identity: dict[str, str] | None = None):
+        """Start one actor with ``options``; ``identity`` (RANK, WORLD_SIZE, ...) is exported in its
+        process before the worker is constructed."""
+        if identity is None:
+            return self.cls.options(**{**options, **self._options}).remote(*self.args, **self.kwargs)
+        ranked = _ranked_remote_class(self.cls)
+        return ranked.options(**{**options, **self._options}).remote(identity, *self.args, **self.kwargs)
+
+
+def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
+    """A worker class hosting every role of ``class_dict`` in one process; methods are named ``{role}_{method}``."""
+    role_classes = {role: _actor_class(c.cls) for role, c in class_dict.items()}
+    init_args = {role: (c.args, c.kwargs) for role, c in class_dict.items()}
+
+    class WorkerDict(Worker):
+        _rrl_role_classes = role_classes
+        _rrl_health_group = True
+
+        @ray.method(concurrency_group="health")
+        def health(self):
+            return self.ping()
+
+        @ray.method(concurrency_group="health")
+        def call_off_rendezvous(self, generation: int) -> None:
+            Worker.call_off_rendezvous(self, generation)
+
+        def __init__(self):
+            super().__init__()
+            self.worker_dict = {role: cls(*init_args[role][0], **init_args[role][1])
+                                for role, cls in role_classes.items()}
+
+    def forwarder(role: str, name: str, settings: dict):
+        def method(self, *args, **kwargs):
+            return getattr(self.worker_dict[role], name)(*args, **kwargs)
+        from resilient_rl.controller.dispatch import MAGIC_ATTR
+        setattr(method, MAGIC_ATTR, settings)
+        method.__name__ = f"{role}_{name}"
+        group = getattr(getattr(role_classes[role], name), "__ray_concurrency_group__", None)
+        if group is not None:  # the role's method runs on a thread of its own: so does the forwarder
+            method.__ray_concurrency_group__ = group
+        return method
+
+    for role, cls in role_classes.items():
+        for name, settings in registered_methods(cls).items():
+            setattr(WorkerDict, f"{role}_{name}", forwarder(role, name, settings))
+    WorkerDict.__name__ = "WorkerDict_" + "_".join(role_classes)
+    return RayClassWithInitArgs(ray.remote(concurrency_groups=HEALTH_GROUPS)(WorkerDict))

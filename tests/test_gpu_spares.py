@@ -1,0 +1,144 @@
+"""Warm spares of GPU groups: they reserve no GPU and take a dead rank's GPUs.
+
+The device hand-over (:mod:`resilient_rl.controller.devices`) is tested directly, and the spare
+pool on a local Ray cluster with logical GPUs: Ray assigns them (``CUDA_VISIBLE_DEVICES``) to the
+ranks exactly as on GPU machines, though no CUDA runs here. That a process given a GPU this way
+computes on it is CUDA's part and needs a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+
+from resilient_rl.config.schema import load_config
+from resilient_rl.controller import devices
+from resilient_rl.controller.devices import DevicesUnavailable, take_devices
+from resilient_rl.controller.resource_pool import RayResourcePool
+from resilient_rl.controller.spares import SparePool
+from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
+from resilient_rl.errors import ConfigError
+from resilient_rl.testing.wait import wait_until
+from resilient_rl.workers.fsdp import uses_cuda
+from resilient_rl.workers.roles import ActorWorker
+from test_controller_ray import EchoWorker
+
+
+# ---------------------------------------------------------------------------- the hand-over itself
+
+def test_take_devices_sets_the_rank_s_devices_before_cuda_starts(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # restored after the test
+    take_devices(None, "n1", "n1", driver_initialized=lambda: True)  # a CPU rank: nothing to take
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    take_devices("3", "n1", "n1", driver_initialized=lambda: False)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and devices.visible_devices() == "3"
+    # Already the rank's: nothing to do, whatever CUDA's state.
+    take_devices("3", "n1", "n1", driver_initialized=lambda: True)
+
+
+def test_take_devices_refuses_another_node_or_an_initialised_driver(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(DevicesUnavailable, match="on node n2, this process runs on node n1"):
+        take_devices("GPU-bbbb", "n2", "n1", driver_initialized=lambda: False)
+    with pytest.raises(DevicesUnavailable, match="already initialised .* on CUDA_VISIBLE_DEVICES=0"):
+        take_devices("GPU-bbbb", "n1", "n1", driver_initialized=lambda: True)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0", "a refusal changes nothing"
+
+
+def test_the_driver_probe_initialises_nothing():
+    # No CUDA driver on this machine: never initialised. (On a GPU machine the probe asks the
+    # driver, which answers CUDA_ERROR_NOT_INITIALIZED until cuInit has run.)
+    assert devices.cuda_driver_initialized() is False
+
+
+def test_a_role_worker_decides_its_device_at_first_use(tmp_path):
+    assert uses_cuda("cpu") is False and uses_cuda("auto") is False
+    with pytest.raises(ConfigError, match="trainer.device must be auto, cpu or cuda"):
+        uses_cuda("tpu")
+    cfg = load_config(None, ["trainer.device=cpu"])
+    from resilient_rl.config.schema import config_to_dict
+
+    worker = ActorWorker.__ray_actor_class__(config_to_dict(cfg), 16, 1, 0)
+    assert worker._plan is None, "the constructor leaves the device to the first build"
+    assert worker.plan.device.type == "cpu" and worker.plan is worker.plan
+
+
+# ---------------------------------------------------------------------------- spares on Ray
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    """A local Ray cluster with 2 logical GPUs (no CUDA): shut down after the module."""
+    ray.init(address="local", num_cpus=16, num_gpus=2, include_dashboard=False, namespace="rrl-gpu-spares",
+             object_store_memory=128 * 1024**2, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _gpu_group(prefix: str) -> RayWorkerGroup:
+    pool = RayResourcePool([2], use_gpu=True, name_prefix=prefix, cpus_per_bundle=0.1)
+    return RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=1.0), max_restarts=2, call_timeout_s=60)
+
+
+@pytest.mark.ray
+def test_a_gpu_spare_starts_with_every_gpu_taken_and_takes_the_dead_rank_s_gpu(gpu_cluster):
+    wg = _gpu_group("gpuspare")
+    pool = SparePool(wg, 1, timeout_s=30)
+    try:
+        before = wg.ping()
+        assert sorted(i.devices for i in before) == ["0", "1"], "Ray gave each rank one GPU"
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
+        assert ray.available_resources().get("GPU", 0) == 0, "the spare reserves no GPU"
+        spare = ray.get(pool._spares[0].handle.ping.remote())
+        assert spare.node_id == before[1].node_id and spare.devices != before[1].devices
+
+        os.kill(before[1].pid, signal.SIGKILL)
+        info = pool.adopt(1)
+        assert info is not None and info.pid == spare.pid and info.rank == 1
+        assert info.devices == before[1].devices, "the spare computes on the dead rank's GPU"
+        assert wg.placement(1) == (before[1].node_id, before[1].devices)
+        wg.init_process_group(generation=1, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+
+        # Ray restarts the replaced process in rank 1's bundle, with its GPU: the next spare.
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the replaced process to come back as a spare")
+        home = pool._spares[0].handle
+        assert wg.is_bundle_process(home) and ray.get(home.ping.remote()).devices == before[1].devices
+        # The spare serving rank 1 is gone for good (as with its node): the process of rank 1's
+        # own bundle serves it again, and leaves the pool.
+        ray.kill(wg.workers[1], no_restart=True)
+        wait_until(lambda: ray.get(wg.workers[0].ping.remote()) and wg.permanently_dead() == [1], 30, 0.2,
+                   "Ray to give up on the spare")
+        infos = wg.reidentify(wg.wait_alive(30))
+        assert wg.workers[1] is home and [i.rank for i in infos] == [0, 1]
+        assert infos[1].devices == before[1].devices
+        pool.ready()
+        assert all(s.handle is not home for s in pool._spares), "a process serving a rank is no spare"
+        wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
+        assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+    finally:
+        pool.shutdown()
+        wg.shutdown()
+
+
+@pytest.mark.ray
+def test_a_spare_that_cannot_take_the_gpus_changes_nothing(gpu_cluster):
+    wg = _gpu_group("gpurefuse")
+    pool = SparePool(wg, 1, timeout_s=30)
+    try:
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
+        handles = list(wg.workers)
+        node, gpus = wg.placement(1)
+        wg._placements[1] = ("a-lost-node", gpus)  # rank 1 ran on a node this spare is not on
+        assert pool.adopt(1) is None and wg.workers == handles
+        wait_until(lambda: len(pool.ready()) == 1, 30, 0.2, "the refusing spare to be ready again")
+        assert ray.get(pool._spares[0].handle.ping.remote()).rank == 0, "it kept a spare's identity"
+        wg._placements[1] = (node, gpus)
+        assert pool.adopt(1).devices == gpus
+    finally:
+        pool.shutdown()
+        wg.shutdown()
