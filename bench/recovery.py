@@ -59,6 +59,7 @@ from pathlib import Path  # noqa: E402
 
 import ray  # noqa: E402
 
+from resilient_rl.env import fail_fast_on_dead_actors  # noqa: E402
 from resilient_rl.events import read_events  # noqa: E402
 from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
 from resilient_rl.config.schema import load_config  # noqa: E402
@@ -200,6 +201,7 @@ def start_cluster(cfg) -> None:
 
     ``address="local"`` because every measurement needs a cluster of its own: a bare ``ray.init()``
     would join whatever ``/tmp/ray/ray_current_cluster`` names (another ``ray start`` on the machine)."""
+    fail_fast_on_dead_actors()
     r = cfg.ray
     kwargs = dict(address="local", num_cpus=r.num_cpus, include_dashboard=False, namespace=r.namespace,
                   log_to_driver=False, configure_logging=False)

@@ -13,8 +13,12 @@ import statistics
 
 import pytest
 
+from resilient_rl.env import fail_fast_on_dead_actors
 from resilient_rl.faults.harness import run_training
 from resilient_rl.faults.storage import register as register_faulty_storage
+
+# The suite's clusters handle dead actors as the trainer's own do (see resilient_rl.env).
+fail_fast_on_dead_actors()
 
 # The fault-injecting faulty:// storage is opt-in: on here, before the suite's Ray cluster starts,
 # so its workers can open it too.

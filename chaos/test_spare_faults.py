@@ -19,8 +19,8 @@ def _pids_of(result, kind: str) -> list[int]:
 
 
 def test_sigkill_actor_rank_is_served_by_a_spare(reference, chaos_run):
-    # Inside the update: its peer's collective names the death at once. A death met by a plain
-    # call is learnt from Ray's notice a second or two later, by when Ray may have restarted the
+    # Inside the update: the death is seen at once (the call and its peer's collective fail). A
+    # death between calls is seen only by the next call, by when Ray may have restarted the
     # process itself (and recovery rightly takes that one rather than the spare).
     result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1, in_call="update_actor"), *FAST)
     check_invariants(result, reference)

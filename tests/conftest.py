@@ -7,6 +7,11 @@ import os
 
 import pytest
 
+from resilient_rl.env import fail_fast_on_dead_actors
+
+# The clusters tests start handle dead actors as the trainer's own do (see resilient_rl.env).
+fail_fast_on_dead_actors()
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():

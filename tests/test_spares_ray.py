@@ -117,9 +117,8 @@ def test_colocated_run_recovers_through_a_spare_and_matches_the_fault_free_run(r
         reference.fit()
     finally:
         reference.shutdown()
-    # Inside the update, so its peer's collective names the death at once: a death met by a
-    # plain call is learnt from Ray's notice a second or two later, by when Ray may have restarted
-    # the process itself (with no spare needed).
+    # Inside the update, so the death is seen at once: a death between calls is seen only by the
+    # next call, by when Ray may have restarted the process itself (with no spare needed).
     schedule = FaultSchedule().after_snapshot(3).kill("actor", 1, in_call="update_actor")
     trainer = PPOTrainer(small_cfg(tmp_path, "faulted", *fast), hooks=[schedule])
     try:

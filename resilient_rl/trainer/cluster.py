@@ -26,6 +26,7 @@ def connect(ray_cfg) -> bool:
     """
     if ray.is_initialized():
         return False
+    env.fail_fast_on_dead_actors()
     address = ray_cfg.address or env.ray_address()
     if address:
         ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
