@@ -2,14 +2,15 @@
 
 The measurements (``--parts``), each in its own Ray cluster (``ray.init`` ... ``ray.shutdown``) and temp dir:
 
-1. **in-place**: a :class:`FaultSchedule` SIGKILLs actor rank ``--rank`` (default 1) ``--delay``
-   seconds into step ``--fault-step``; the trainer recovers by itself. Time from the kill to the
-   completion of the failed step (the first step completed after recovery, once the lost steps are
-   replayed), split from the run's events into detect (kill -> ``failure``), restart (-> last
-   ``worker_restarted``: every rank answers), rejoin (rendezvous + model re-init, -> start of the
-   checkpoint load), restore (checkpoint load + weight sync, -> ``recovered``) and replay (-> the
-   failed step's metrics row).
-2. **full restart**: the same run is "killed" at the same point (step start + ``--delay``) by
+1. **in-place**: a :class:`FaultSchedule` SIGKILLs actor rank ``--rank`` (default 1) once it is
+   inside ``--in-call`` (default ``update_actor``, where a step spends most of its time) of step
+   ``--fault-step``, or ``--delay`` seconds into that step; the trainer recovers by itself. Time
+   from the kill to the completion of the failed step (the first step completed after recovery, once
+   the lost steps are replayed), split from the run's events into detect (kill -> ``failure``),
+   restart (-> last ``worker_restarted``: every rank answers), rejoin (rendezvous + model re-init,
+   -> start of the checkpoint load), restore (checkpoint load + weight sync, -> ``recovered``) and
+   replay (-> the failed step's metrics row).
+2. **full restart**: the same run is "killed" ``--delay`` seconds into the same step by
    shutting the trainer and Ray down, then a new ``ray.init`` and a new trainer with
    ``checkpoint.resume=auto`` carry on. Split into teardown (trainer + Ray shutdown, which a real
    crash would replace by the scheduler noticing it), ray start, worker start (trainer, actors,
@@ -83,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # step (in its updates, where a step spends most of its time) on both sides.
     p.add_argument("--delay", type=float, default=0.15, help="seconds into that step (default: 0.15)")
     p.add_argument("--rank", type=int, default=1, help="actor rank killed or stopped (default: 1)")
+    p.add_argument("--in-call", default="update_actor",
+                   help="the rank is killed (stopped) once inside this call of the fault step, whatever "
+                        "a step takes on the machine (default: update_actor; '' for --delay s into the step)")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.hang_timeout_s of the hang run (default: 5)")
     p.add_argument("--rt-kill-after", type=int, default=5, help="Ray Train: kill after this step (default: 5)")
     p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")
@@ -234,9 +238,14 @@ def run_trainer(cfg, hooks: list) -> None:
 
 
 # ---------------------------------------------------------------------------- parts
+def _when(args) -> dict:
+    """When in the fault step the trainer's fault fires: inside ``--in-call``, else ``--delay`` in."""
+    return {"in_call": args.in_call} if args.in_call else {"delay_s": args.delay}
+
+
 def measure_inplace(args, root: str) -> dict:
     cfg = build_config(args, root)
-    sched = FaultSchedule().at_step(args.fault_step).kill("actor", args.rank, delay_s=args.delay)
+    sched = FaultSchedule().at_step(args.fault_step).kill("actor", args.rank, **_when(args))
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
     watcher = MetricsWatcher(run_dir / "metrics.jsonl")
 
@@ -317,7 +326,7 @@ def measure_full_restart(args, root: str) -> dict:
 
 def measure_hang(args, root: str) -> dict:
     cfg = build_config(args, root, [f"recovery.hang_timeout_s={args.hang_timeout}"])
-    sched = FaultSchedule().at_step(args.fault_step).hang("actor", args.rank, delay_s=args.delay)
+    sched = FaultSchedule().at_step(args.fault_step).hang("actor", args.rank, **_when(args))
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
     ray_session(cfg, lambda: run_trainer(cfg, [sched]))
     ev = read_events(run_dir)
@@ -494,7 +503,9 @@ def main(argv=None) -> None:
             res[name].append(in_tmp(fn, args, name))
 
     cfg = build_config(args, "unused")
-    print(f"\nfault: SIGKILL of actor rank {args.rank}, {args.delay:g} s into step {args.fault_step}; checkpoint every "
+    when = f"inside {args.in_call}" if args.in_call else f"{args.delay:g} s into"
+    print(f"\nfault: SIGKILL of actor rank {args.rank}, {when} step {args.fault_step} (full restart and Ray "
+          f"Train: {args.delay:g} s in); checkpoint every "
           f"{cfg.checkpoint.save_every} steps (old/fast: 20); measured in {time.time() - t0:.0f} s")
     med: dict[str, dict] = {}
     if res["inplace"]:
