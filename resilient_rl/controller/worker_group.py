@@ -326,15 +326,18 @@ class RayWorkerGroup(HealthMixin):
         processes too) calls it from now on. Returns the process it replaced and the spare's
         ping reply. Raises WorkerError when the spare fails to take over (it died, or it cannot
         compute on the rank's GPUs): the group is then unchanged."""
-        node, devices = self.placement(rank)
-        info = self.get([spare.adopt_identity.remote(self._identities[rank], devices, node)], timeout_s=timeout_s,
-                        liveness=False)[0]
+        info = self.get([self._take_rank(spare, rank)], timeout_s=timeout_s, liveness=False)[0]
         old = self._workers[rank]
         self._workers[rank] = spare  # in place: colocated role groups share this list
         self._placements[rank] = (info.node_id, info.devices)
         self.forget_liveness()
         logger.warning("%s rank %d is now served by a warm spare (pid %d)", self.name_prefix, rank, info.pid)
         return old, info
+
+    def _take_rank(self, handle, rank: int):
+        """Have process ``handle`` take rank ``rank``'s GPUs and identity; its ObjectRef (the ping reply)."""
+        node, devices = self.placement(rank)
+        return handle.adopt_identity.remote(self._identities[rank], devices, node)
 
     def rehome(self, ranks: list[int]) -> list[int]:
         """Serve each of ``ranks`` (whose process Ray has given up on) by the process started in
@@ -344,7 +347,7 @@ class RayWorkerGroup(HealthMixin):
         left = []
         for rank in ranks:
             home = self._bundle_workers[rank] if rank < len(self._bundle_workers) else None
-            if home is None or home is self._workers[rank] or any(home is w for w in self._workers):
+            if home is None or any(home is w for w in self._workers):  # it serves this rank or another
                 left.append(rank)
                 continue
             self._workers[rank] = home
@@ -365,9 +368,8 @@ class RayWorkerGroup(HealthMixin):
             return infos
         # A spare that served a rank takes the rank's GPUs again (on the rank's node: the process
         # of a GPU group's spare is restarted where it was).
-        answers = self.get([self._workers[r].adopt_identity.remote(self._identities[r], self.placement(r)[1],
-                                                                   self.placement(r)[0])
-                            for r in wrong], timeout_s=self.health_timeout_s + 60.0, liveness=False)
+        answers = self.get([self._take_rank(self._workers[r], r) for r in wrong],
+                           timeout_s=self.health_timeout_s + 60.0, liveness=False)
         infos = list(infos)
         for rank, info in zip(wrong, answers):
             logger.warning("%s rank %d came back under another identity; it has its own again", self.name_prefix, rank)
