@@ -398,7 +398,7 @@ def measure_ray_train(args, root: str) -> dict:
         import ray.train
         from ray.train.torch import TorchTrainer
     except ImportError as exc:
-        raise SystemExit(f"Ray Train is not importable ({exc}): pip install 'ray[train]', or pass --skip-ray-train")
+        raise SystemExit(f"Ray Train is not importable ({exc}): pip install -e '.[bench]', or pass --skip-ray-train")
 
     if __name__ != "__main__":  # imported (not run as a script): ship this module's functions by value
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
