@@ -7,17 +7,22 @@ Measured in one run, each part in its own Ray cluster (helpers of ``bench/recove
 2. **in-place, snapshots**: the same fault with ``checkpoint.save_every=20`` and
    ``recovery.snapshot_every=1``. Printed: steps replayed, restored step and source, and the time
    from the kill to the failed step's completion (MTTR) as a ratio to the baseline's.
-3. **cost**: fault-free runs of ``--steps`` steps with ``checkpoint.save_every=20``, snapshots off
-   and every step (``--repeats`` alternated pairs); the median step time (the first step
-   excluded) as a ratio (the median of the pairs' ratios), the same for the CPU time the run's
-   processes (controller, GCS, raylet, workers) spend per step (a busy machine changes wall
-   times far more than it changes this), and the bytes of one
-   snapshot copy per rank with the host memory each rank spends on snapshots (its own copies and
-   the neighbour's it holds; the object store keeps one more copy per kept snapshot).
+3. **cost**: fault-free runs of ``--steps`` steps with ``checkpoint.save_every=20`` in which
+   snapshots are switched on and off every ``--block`` steps (a first block with them on warms
+   up and is not counted), so that both sides share the machine's load of the same seconds
+   (this machine is shared: separate runs minutes apart differ by more than the cost). A step's
+   time runs from its start to the next step's start, so it holds the controller's work after the
+   step (starting the snapshot) and the workers' copy queued before the next step's calls; the
+   first step of each block is left out (it carries the previous block's last snapshot, or
+   not). Printed: the median step time on each side and its ratio, the same for the CPU time the
+   run's processes (controller, GCS, raylet, workers) spend per step, the median of the
+   ``--repeats`` runs' ratios, and the bytes of one snapshot copy per rank with the host memory
+   each rank spends on snapshots (its own copies and the neighbours' it holds; the object store
+   keeps one more copy per kept snapshot).
 
     python bench/snapshots.py                     # about 2 minutes on 2 busy cores
-    python bench/snapshots.py --steps 12 model.num_layers=4
-    python bench/snapshots.py --cost-only --steps 12 --repeats 3   # the cost part only
+    python bench/snapshots.py --steps 85 model.num_layers=4
+    python bench/snapshots.py --cost-only --repeats 3   # the cost part only
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,12 +47,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fault-step", type=int, default=4, help="step during which actor rank 1 is killed")
     p.add_argument("--delay", type=float, default=0.3, help="seconds into that step")
-    p.add_argument("--steps", type=int, default=10, help="steps of each fault-free cost run")
+    p.add_argument("--steps", type=int, default=65, help="steps of each cost run (default: 65)")
+    p.add_argument("--block", type=int, default=5, help="steps between switching snapshots on and off (default: 5)")
     p.add_argument("--cost-only", action="store_true", help="measure only the cost (skip the two fault runs)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="pairs of cost runs (off, every step), alternated; the ratio is the median of the pairs'")
+    p.add_argument("--repeats", type=int, default=1, help="cost runs; the ratio printed is the median of theirs")
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.block < 2 or args.steps < 5 * args.block or args.repeats < 1:
+        p.error("need --block >= 2, --steps >= 5 * --block (a warm-up block and two of each side) and --repeats >= 1")
+    return args
 
 
 def with_overrides(args, extra) -> argparse.Namespace:
@@ -67,35 +76,58 @@ def cpu_seconds() -> float:
     return total
 
 
-class CpuClock:
-    """Trainer hook: the CPU seconds of the whole run at the start of step 2 (after the first step,
-    which also warms up) and at the start of each later step; the last reading is taken after the
-    run."""
+class Blocks:
+    """Trainer hook: switches snapshots on and off every ``block`` steps (on for the first block,
+    the warm-up) and notes each step's start time, and the run's CPU seconds at the start of the
+    first two steps of each block (what the measured steps of a block spent lies between the
+    second step of one block and the first of the next)."""
 
-    def __init__(self):
-        self.readings: list[float] = []
+    def __init__(self, block: int):
+        self.block = block
+        self.starts: dict[int, float] = {}
+        self.cpu: dict[int, float] = {}
+
+    def on(self, step: int) -> bool:
+        """Whether step ``step`` (from 1) is snapshotted."""
+        return ((step - 1) // self.block) % 2 == 0
 
     def on_step_start(self, trainer, step: int) -> None:
-        if step >= 2:
-            self.readings.append(cpu_seconds())
+        if (step - 1) % self.block < 2:
+            self.cpu[step] = cpu_seconds()
+        trainer.snapshots.every = 1 if self.on(step) else 0
+        self.starts[step] = time.perf_counter()
+
+    def sides(self) -> dict[bool, dict[str, float]]:
+        """Median step time and CPU seconds per step with snapshots on (True) and off (False),
+        over every block after the first that the run finished, less each block's first step."""
+        times: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}
+        first = 1 + self.block
+        while first + self.block in self.starts:
+            steps = range(first + 1, first + self.block)
+            side = self.on(first)
+            times[side] += [self.starts[s + 1] - self.starts[s] for s in steps]
+            cpu[side].append((self.cpu[first + self.block] - self.cpu[first + 1]) / len(steps))
+            first += self.block
+        return {side: {"step_s": statistics.median(times[side]), "cpu_s": statistics.median(cpu[side])}
+                for side in (True, False)}
 
 
-def measure_cost(args, root: str, snapshot_every: int) -> dict:
-    cfg = rb.build_config(with_overrides(args, ["checkpoint.save_every=20", f"recovery.snapshot_every={snapshot_every}",
+def measure_cost(args, root: str) -> dict:
+    cfg = rb.build_config(with_overrides(args, ["checkpoint.save_every=20", "recovery.snapshot_every=1",
                                                 f"trainer.total_steps={args.steps}"]), root)
     out: dict = {}
 
     def run():
-        clock = CpuClock()
-        trainer = PPOTrainer(cfg, hooks=[clock])
+        blocks = Blocks(args.block)
+        trainer = PPOTrainer(cfg, hooks=[blocks])
         try:
-            rows = trainer.fit()
-            clock.readings.append(cpu_seconds())
-            out["step_s"] = statistics.median(r["timing/step_s"] for r in rows[1:])
-            out["cpu_s"] = (clock.readings[-1] - clock.readings[0]) / max(1, len(clock.readings) - 1)
-            if trainer.snapshots is not None:
-                out["copy_bytes"] = trainer.snapshots.memory()
-                out["host_bytes"] = {role: g.snapshot_memory() for role, g in trainer.roles.checkpoint_groups()}
+            trainer.fit()
+            sides = blocks.sides()
+            out.update(off_s=sides[False]["step_s"], on_s=sides[True]["step_s"],
+                       off_cpu=sides[False]["cpu_s"], on_cpu=sides[True]["cpu_s"])
+            out["copy_bytes"] = trainer.snapshots.memory()
+            out["host_bytes"] = {role: g.snapshot_memory() for role, g in trainer.roles.checkpoint_groups()}
         finally:
             trainer.shutdown()
 
@@ -110,26 +142,25 @@ def main(argv=None) -> None:
         base = rb.in_tmp(rb.measure_inplace, args, "storage")
         print("in-place recovery from snapshots (save_every=20, snapshot_every=1):", flush=True)
         snap = rb.in_tmp(rb.measure_inplace, with_overrides(args, SNAPSHOTS), "snapshot")
-    print("cost, snapshots off / every step:", flush=True)
-    pairs = []
-    for _ in range(max(1, args.repeats)):  # alternated: a change in the machine's load hits both
-        off = rb.in_tmp(lambda a, root: measure_cost(a, root, 0), args, "cost-off")
-        on = rb.in_tmp(lambda a, root: measure_cost(a, root, 1), args, "cost-on")
-        pairs.append((off["step_s"], on["step_s"], off["cpu_s"], on["cpu_s"]))
+    print(f"cost, snapshots every step / off, switched every {args.block} steps:", flush=True)
+    runs = [rb.in_tmp(measure_cost, args, "cost") for _ in range(args.repeats)]
     print()
     if not args.cost_only:
         print(f"steps replayed: storage {base['replayed']} (from step {base['from_step']}), "
               f"snapshots {snap['replayed']} (from step {snap['from_step']})")
         print(f"MTTR (kill -> failed step done): storage {base['total']:.2f}s, snapshots {snap['total']:.2f}s, "
               f"ratio snapshots/storage {snap['total'] / base['total']:.2f}")
-    for off_s, on_s, off_cpu, on_cpu in pairs if len(pairs) > 1 else ():
-        print(f"  pair: step off {off_s:.3f}s, every step {on_s:.3f}s, ratio {on_s / off_s:.3f}; "
-              f"CPU per step off {off_cpu:.3f}s, every step {on_cpu:.3f}s, ratio {on_cpu / off_cpu:.3f}")
-    med = [statistics.median(p[i] for p in pairs) for i in range(4)]
-    print(f"step time: off {med[0]:.3f}s, every step {med[1]:.3f}s, "
-          f"ratio {statistics.median(p[1] / p[0] for p in pairs):.3f}")
-    print(f"CPU time per step (the run's processes, less sensitive to other load on the machine): off "
-          f"{med[2]:.3f}s, every step {med[3]:.3f}s, ratio {statistics.median(p[3] / p[2] for p in pairs):.3f}")
+    for r in runs if len(runs) > 1 else ():
+        print(f"  run: step off {r['off_s']:.3f}s, every step {r['on_s']:.3f}s, ratio {r['on_s'] / r['off_s']:.3f}; "
+              f"CPU per step off {r['off_cpu']:.3f}s, every step {r['on_cpu']:.3f}s, "
+              f"ratio {r['on_cpu'] / r['off_cpu']:.3f}")
+    med = {k: statistics.median(r[k] for r in runs) for k in ("off_s", "on_s", "off_cpu", "on_cpu")}
+    ratio = statistics.median(r["on_s"] / r["off_s"] for r in runs)
+    print(f"step time: off {med['off_s']:.3f}s, every step {med['on_s']:.3f}s, ratio {ratio:.3f}   "
+          f"target <= 1.05  {'ok' if ratio <= 1.05 else 'MISSED'}")
+    print(f"CPU time per step (the run's processes): off {med['off_cpu']:.3f}s, every step {med['on_cpu']:.3f}s, "
+          f"ratio {statistics.median(r['on_cpu'] / r['off_cpu'] for r in runs):.3f}")
+    on = runs[-1]
     for role, sizes in on.get("copy_bytes", {}).items():
         for rank, nbytes in enumerate(sizes):
             host = on["host_bytes"][role][rank]

@@ -44,8 +44,9 @@ def test_failure_during_a_snapshot(reference, chaos_run):
 
 @pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
 def test_owner_and_holder_killed_together(reference, chaos_run):
-    """Both actor ranks die (rank 0 holds rank 1's peer copy): their own copies and the one held
-    by rank 0 are gone; the object store's copies (and rank 0's, held by the critic) remain."""
+    """Both actor ranks die with their own copies (on one node no peer keeps another: it would be
+    a view of the object store's memory). They load the object store's copies, the critic,
+    which survived, its own."""
     result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 0).kill("actor", 1), *SNAPSHOTS)
     check_invariants(result, reference)
     rec = _recovered(result)

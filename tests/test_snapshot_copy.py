@@ -31,6 +31,11 @@ class Rank(SnapshotMixin):
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.resets = 0
 
+    def snapshot(self, step: int, roles=None) -> dict:
+        """Take and publish the snapshot of ``step``, as the controller asks a process: the copies."""
+        self.take_snapshot(step, roles)
+        return self.publish_snapshot(step, roles)[1]
+
     def reset_checkpoint_writer(self):
         self.resets += 1
 
@@ -75,11 +80,13 @@ def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
     ``rank`` itself) and check the state and the continued training are identical."""
     for s in range(2):
         rank.train(s)
-    taken = rank.take_snapshot(2)
-    assert taken["step"] == 2 and list(taken["roles"]) == ["actor"]
+    done = rank.take_snapshot(2)
+    stored, taken = rank.publish_snapshot(2)
+    assert taken["step"] == 2 and list(taken["roles"]) == ["actor"] and stored == {"step": 2}
+    assert done == {"step": 2, "bytes": {"actor": taken["roles"]["actor"]["bytes"]}}
     snap = taken["roles"]["actor"]
     at_snapshot = rank.fingerprint()
-    if via_pickle:  # as Ray hands it over (what take_snapshot returned): the buffer as a read-only view
+    if via_pickle:  # as Ray hands it over (what publish_snapshot returned): the buffer as a read-only view
         snap = pickle.loads(pickle.dumps(taken, protocol=5))
         snap["roles"]["actor"]["data"].setflags(write=False)
     rank.train(2)
@@ -109,7 +116,7 @@ def test_copy_into_a_fresh_rank_whose_optimizer_has_no_state():
 
 def test_snapshot_before_the_optimizer_had_state_clears_it():
     rank = Rank(mlp)
-    snap = rank.take_snapshot(0)["roles"]["actor"]
+    snap = rank.snapshot(0)["roles"]["actor"]
     before = rank.fingerprint()
     assert not any(e[0].startswith("optim/") for e in snap["layout"])
     rank.train(0)
@@ -125,13 +132,13 @@ def test_snapshot_before_the_optimizer_had_state_clears_it():
 def test_taken_copy_is_not_changed_by_later_training_and_ring_keeps_two():
     rank = Rank(mlp)
     rank.train(0)
-    first = rank.take_snapshot(1)["roles"]["actor"]
+    first = rank.snapshot(1)["roles"]["actor"]
     kept = first["data"].copy()
     rank.train(1)
-    rank.take_snapshot(2)
+    rank.snapshot(2)
     assert np.array_equal(first["data"], kept)  # the second copy went into the other buffer
     rank.train(2)
-    rank.take_snapshot(3)
+    rank.snapshot(3)
     assert sorted(rank._own_snapshots) == [2, 3]
     assert rank.has_snapshot(3) and not rank.has_snapshot(1)
     mem = rank.snapshot_memory()
@@ -141,7 +148,7 @@ def test_taken_copy_is_not_changed_by_later_training_and_ring_keeps_two():
 def test_mismatch_names_the_path():
     rank = Rank(mlp)
     rank.train(0)
-    snap = rank.take_snapshot(1)["roles"]["actor"]
+    snap = rank.snapshot(1)["roles"]["actor"]
     other = Rank(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
     other.train(0)
     with pytest.raises(ValueError, match=r"model/0\.weight has shape \(5, 4\), the rank's \(6, 4\)"):
@@ -155,7 +162,7 @@ def test_mismatch_names_the_path():
 def test_layout_is_self_describing_and_aligned():
     rank = Rank(mlp)
     rank.train(0)
-    snap = rank.take_snapshot(1)["roles"]["actor"]
+    snap = rank.snapshot(1)["roles"]["actor"]
     layout = Layout.from_list(snap["layout"])
     assert all(e.offset % snapshot_buffers.ALIGN == 0 for e in layout.entries)
     views = layout.views(torch.from_numpy(snap["data"]))
@@ -172,7 +179,7 @@ def test_copy_reports_progress_per_chunk(monkeypatch):
     rank.train(0)
     monkeypatch.setattr(snapshot_buffers, "CHUNK_BYTES", 64)
     before = progress.snapshot().advances
-    snap = rank.take_snapshot(1)["roles"]["actor"]
+    snap = rank.snapshot(1)["roles"]["actor"]
     layout = Layout.from_list(snap["layout"])
     chunks = list(snapshot_buffers._chunks(layout, len(layout.entries)))
     assert len(chunks) > 4 and sum(len(c) for c in chunks) == len(layout.entries)
@@ -224,25 +231,76 @@ def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
         critic.register_snapshot_role()
         actor.train(0)
         critic.train(1)
-        taken = actor.take_snapshot(1, ["actor", "critic"])
+        done = actor.take_snapshot(1, ["actor", "critic"])
+        _, taken = actor.publish_snapshot(1, ["actor", "critic"])
+        assert done["bytes"] == {role: taken["roles"][role]["bytes"] for role in ("actor", "critic")}
         assert sorted(taken["roles"]) == ["actor", "critic"] and critic.has_snapshot(1)
         with pytest.raises(ValueError, match="hosts no ref rank 0"):
             actor.take_snapshot(1, ["ref"])
-        # Another process (rank 1 here) holds the bundle; its answer sizes each copy.
+        # Another process (rank 1 here) holds the bundle.
         peer = Rank(mlp)
         peer.rank = 1
         snapshot_mod._PROCESS_ROLES.clear()
         peer.register_snapshot_role()
         answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
-        assert answer == {"step": 1, "bytes": {"actor:0": taken["roles"]["actor"]["bytes"],
-                                               "critic:0": taken["roles"]["critic"]["bytes"]}}
+        assert answer == {"step": 1, "kept": 2}
         held = peer.held_snapshot(1, "critic", 0)
         assert held is not None and np.array_equal(held["data"], taken["roles"]["critic"]["data"])
-        assert peer.snapshot_memory()["held_bytes"] == sum(answer["bytes"].values())
+        assert peer.snapshot_memory()["held_bytes"] == sum(done["bytes"].values())
         # The critic restores from the held copy (as the controller hands it over).
         critic.train(2)
         assert critic.load_snapshot(1, held) is True
-        assert np.array_equal(critic.take_snapshot(5)["roles"]["critic"]["data"], held["data"])
+        again = critic.snapshot(5)["roles"]["critic"]
+        layout = Layout.from_list(held["layout"])
+        assert all(torch.equal(a, b) for a, b in zip(layout.views(torch.from_numpy(again["data"])),
+                                                     layout.views(torch.from_numpy(held["data"].copy()))))
     finally:
         snapshot_mod._PROCESS_ROLES.clear()
         snapshot_mod._PROCESS_ROLES.update(saved)
+
+
+def test_a_publish_waits_for_its_take_and_fails_with_it():
+    import threading
+
+    rank = Rank(mlp)
+    rank.train(0)
+    got = {}
+    publish = threading.Thread(target=lambda: got.update(out=rank.publish_snapshot(1, None, 30.0)))
+    publish.start()  # on the "snapshot" thread, possibly before the call thread's take
+    rank.take_snapshot(1)
+    publish.join(30)
+    assert got["out"][0] == {"step": 1} and got["out"][1]["roles"]["actor"]["step"] == 1
+
+    def broken():
+        raise RuntimeError("copy failed")
+
+    rank._snapshot_tensors = broken
+    with pytest.raises(RuntimeError, match="copy failed"):
+        rank.take_snapshot(2)
+    with pytest.raises(RuntimeError, match=r"actor copy of step 2 is gone \(RuntimeError: copy failed\)"):
+        rank.publish_snapshot(2, None, 30.0)  # at once, not after the timeout
+    with pytest.raises(RuntimeError, match="no actor copy of step 3 after 0s"):
+        rank.publish_snapshot(3, None, 0.01)  # never taken
+
+
+def test_a_slot_is_not_written_while_ray_may_still_store_its_publish(monkeypatch):
+    from resilient_rl.workers import snapshot as snapshot_mod
+
+    rank = Rank(mlp)
+    rank.train(0)
+    first = rank.snapshot(1)["roles"]["actor"]  # its slot is being stored until the next publish starts
+    kept = first["data"].copy()
+    rank.train(1)
+    rank.take_snapshot(2)
+    rank.train(2)
+    monkeypatch.setattr(snapshot_mod, "SLOT_WAIT_S", 0.05)
+    rank.take_snapshot(3)  # the only slot not kept is step 1's, still published: it gets a new buffer
+    assert np.array_equal(first["data"], kept)
+    assert not np.shares_memory(first["data"], rank._own_snapshots[3][1]["data"])
+    # The usual order: the next publish starts (so step 1's was stored) before the take that reuses its slot.
+    rank.publish_snapshot(3)
+    slot_of_2 = rank._own_snapshots[2][0]
+    reused = rank._snapshot_ring.buffers[slot_of_2].data_ptr()
+    rank.train(3)
+    rank.take_snapshot(4)
+    assert rank._own_snapshots[4][0] == slot_of_2 and rank._snapshot_ring.buffers[slot_of_2].data_ptr() == reused

@@ -41,7 +41,7 @@ class FakeGroup:
         self.dead_loaders: set[int] = set()  # ranks whose process dies when asked to load
         self.loaded: dict[int, tuple] = {}
         self.calls: list[tuple] = []
-        self.hold_pending = False
+        self.hold_pending = self.take_pending = self.publish_pending = False
         self.take_error: set[int] = set()
         self.siblings: dict[str, "FakeGroup"] = {}  # role -> group sharing this group's processes
 
@@ -51,23 +51,26 @@ class FakeGroup:
             step, take_roles = args
             if rank in self.take_error:
                 return Ref(error=RuntimeError(f"rank {rank} died"))
-            out = {}
             for role in take_roles:  # this process's roles (colocated ones in sibling groups)
-                state = f"{role}{rank}@{step}"
-                self.siblings.get(role, self).own[rank][step] = state
-                out[role] = {"step": step, "rank": rank, "bytes": 10, "state": state}
-            return Ref({"step": step, "rank": rank, "roles": out})
+                self.siblings.get(role, self).own[rank][step] = f"{role}{rank}@{step}"
+            return Ref({"step": step, "bytes": {role: 10 for role in take_roles}}, ready=not self.take_pending)
+        if method == "publish_snapshot":
+            step, take_roles, _timeout_s = args
+            if rank in self.take_error:
+                error = RuntimeError(f"publish_snapshot: the copy of step {step} is gone")
+                return [Ref(error=error), Ref(error=error)]
+            out = {role: {"step": step, "rank": rank, "bytes": 10, "state": f"{role}{rank}@{step}"}
+                   for role in take_roles}
+            return [Ref({"step": step}, ready=not self.publish_pending), Ref({"step": step, "rank": rank, "roles": out})]
         if method == "hold_snapshot":
             step, owners, takes, _timeout_s = args
             for take in takes:
                 if take.error is not None:
                     return Ref(error=take.error)
-            sizes = {}
             for keys, take in zip(owners, takes):
                 for owner_role, owner in keys:
                     self.held[rank][(owner_role, owner, step)] = take.value["roles"][owner_role]
-                    sizes[f"{owner_role}:{owner}"] = 10
-            return Ref({"step": step, "bytes": sizes}, ready=not self.hold_pending)
+            return Ref({"step": step, "kept": sum(map(len, owners))}, ready=not self.hold_pending)
         if method == "held_snapshot":
             step, owner_role, owner = args
             if rank in self.dead_holders:
@@ -106,7 +109,8 @@ class FakeGroup:
 
 
 class FakeRoles:
-    """Each role in its own processes, or (``colocated``) every role's rank r in process r."""
+    """Each role in its own processes, or (``colocated``) every role's rank r in process r; each
+    process on a node of its own unless ``nodes`` ((role, rank) -> node) says otherwise."""
 
     def __init__(self, *groups, nodes=None, colocated=False):
         self.groups = list(groups)
@@ -120,8 +124,12 @@ class FakeRoles:
         return [(g.role, g) for g in self.groups]
 
     def role_processes(self):
-        return {(g.role, r): (f"p{r}" if self.colocated else f"{g.role}{r}", self.nodes.get((g.role, r), "n0"))
-                for g in self.groups for r in range(g.world_size)}
+        out = {}
+        for g in self.groups:
+            for r in range(g.world_size):
+                pid = f"p{r}" if self.colocated else f"{g.role}{r}"
+                out[(g.role, r)] = (pid, self.nodes.get((g.role, r), f"node-of-{pid}"))
+        return out
 
 
 def keeper(every=1, max_task_retries=0, events=None):
@@ -190,7 +198,7 @@ def test_keeps_newest_complete_and_in_flight_only():
     for step in (1, 2, 3):
         k.take(roles, step, {"step": step})
     assert [s.step for s in k.snapshots] == [3]
-    g.hold_pending = True
+    g.take_pending = True
     k.take(roles, 4, {"step": 4})
     assert [s.step for s in k.snapshots] == [3, 4]
 
@@ -263,7 +271,7 @@ def test_older_than_the_last_checkpoint_or_other_world_size_is_not_used():
 def test_drop_after_forgets_newer_steps():
     g = FakeGroup(1)
     k = keeper()
-    g.hold_pending = True
+    g.take_pending = True
     for step in (1, 2, 3):
         k.take(FakeRoles(g), step, {"step": step})
     k.drop_after(2)
@@ -295,3 +303,58 @@ def test_colocated_roles_take_once_per_process_and_hold_once_per_peer():
     assert k.restore(roles, None).step == 4
     assert actor.loaded == {0: ("own", "actor0@4"), 1: ("peer", "actor1@4")}
     assert critic.loaded == {0: ("own", "critic0@4"), 1: ("peer", "critic1@4")}
+
+
+def test_complete_only_once_every_take_and_publish_answered():
+    g = FakeGroup(2)
+    k = keeper()
+    g.take_pending = g.publish_pending = True
+    snap = k.take(FakeRoles(g), 3, {"step": 3})
+    assert not k.is_complete(snap)
+    for r in snap.done["actor"]:
+        r.ready = True
+    assert not k.is_complete(snap), "the copies are not in the object store yet"
+    for r in snap.published:
+        r.ready = True
+    assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10]}
+
+
+def test_one_node_asks_no_peer_and_reads_the_object_store():
+    """Every stateful rank on one node: a peer there would keep a view of the same object-store
+    memory, so no hold is sent; a restarted rank reads the object store's copy."""
+    actor, critic = FakeGroup(2, "actor"), FakeGroup(1, "critic")
+    one_node = {(role, r): "n0" for role, n in (("actor", 2), ("critic", 1)) for r in range(n)}
+    roles = FakeRoles(actor, critic, nodes=one_node)
+    events = []
+    k = keeper(events=events)
+    snap = k.take(roles, 6, {"step": 6})
+    assert snap.holds == [] and snap.holders == {"actor": [None, None], "critic": [None]}
+    assert not any(m == "hold_snapshot" for g in (actor, critic) for _, m, _ in g.calls)
+    assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10], "critic": [10]}
+    actor.restart(1)
+    assert k.restore(roles, None).step == 6
+    assert actor.loaded[1] == ("object_store", "actor1@6")
+    # The node's object store is gone too: no copy is left, and no peer is asked for one.
+    actor.restart(1)
+    actor.store_lost = {1}
+    actor.calls.clear()
+    assert k.restore(roles, None) is None
+    assert events[-1][0] == "snapshot_unusable" and "actor rank(s) [1]" in events[-1][1]["reason"]
+    assert not any(m == "held_snapshot" for _, m, _ in actor.calls + critic.calls)
+
+
+def test_one_node_keeps_a_peer_copy_where_the_object_store_is_not_read():
+    g = FakeGroup(2)
+    roles = FakeRoles(g, nodes={("actor", 0): "n0", ("actor", 1): "n0"})
+    k = keeper(max_task_retries=1)
+    snap = k.take(roles, 5, {"step": 5})
+    assert snap.holders == {"actor": [("actor", 1), ("actor", 0)]}
+    g.restart(1)
+    assert k.restore(roles, None).step == 5 and g.loaded[1] == ("peer", "actor1@5")
+
+
+def test_a_process_is_never_its_own_peer():
+    actor, critic = FakeGroup(1, "actor"), FakeGroup(1, "critic")
+    k = keeper(max_task_retries=1)
+    snap = k.take(FakeRoles(actor, critic, colocated=True), 2, {"step": 2})
+    assert snap.holds == [] and snap.holders == {"actor": [None], "critic": [None]}

@@ -128,9 +128,11 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
         from resilient_rl.controller.dispatch import MAGIC_ATTR
         setattr(method, MAGIC_ATTR, settings)
         method.__name__ = f"{role}_{name}"
-        group = getattr(getattr(role_classes[role], name), "__ray_concurrency_group__", None)
-        if group is not None:  # the role's method runs on a thread of its own: so does the forwarder
-            method.__ray_concurrency_group__ = group
+        # The role method's Ray options (a thread of its own, several return values) are the forwarder's.
+        for option in ("__ray_concurrency_group__", "__ray_num_returns__"):
+            value = getattr(getattr(role_classes[role], name), option, None)
+            if value is not None:
+                setattr(method, option, value)
         return method
 
     for role, cls in role_classes.items():

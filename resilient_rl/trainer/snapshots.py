@@ -2,23 +2,28 @@
 
 Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
 stateful role (actor, critic) to copy its state to host memory (``take_snapshot``, one call per
-process for the stateful roles it hosts: the ranks keep their copies, and the returned value stays
-in Ray's object store, owned by this controller), then asks each rank's ring peer to keep a copy
-too (``hold_snapshot``: the next stateful rank, of any stateful role, in ring order on another
-node, else in another process; one call per holding process). Nothing is waited for: the calls
-queue behind the step on the workers and overlap the controller's own work. The controller keeps, per snapshot, the object
-references, which rank holds which copy and its own state (``trainer.state_dict()``) of that step.
+process for the stateful roles it hosts: the ranks keep their copies) and to hand the copies to
+Ray's object store, where they stay owned by this controller (``publish_snapshot``, on the
+process's "snapshot" thread: the store's copy overlaps the next step). Then it asks each rank's
+ring peer on another node to keep a copy too (``hold_snapshot``: the next stateful rank, of any
+stateful role, in ring order on another node; one call per holding process). A peer on the
+rank's own node would keep a view of the same object-store memory, so none is asked there
+(unless the object store's copy is not read, see below: then the next rank in another process
+keeps one). Nothing is waited for: the calls queue behind the step on the workers and overlap
+the controller's own work. The controller keeps, per snapshot, the object references, which rank
+holds which copy and its own state (``trainer.state_dict()``) of that step.
 
-A snapshot is **complete** when every take and every hold of every rank has finished without an
-error (checked without waiting, at use): the same all-ranks rule as a checkpoint commit. Only the
-newest complete snapshot and the ones in flight after it are kept.
+A snapshot is **complete** when every take, publish and hold of every rank has finished without
+an error (checked without waiting, at use, from their small answers: no copy is fetched): the
+same all-ranks rule as a checkpoint commit. Only the newest complete snapshot and the ones in
+flight after it are kept.
 
 :meth:`SnapshotKeeper.restore` loads the newest complete snapshot that is not older than the last
 committed checkpoint and was taken at the current world sizes (snapshots are never resharded).
 Each rank is filled from the first copy that is still there: its own (its process survived), the
 object store's (skipped when ``recovery.max_task_retries`` > 0, where Ray could rebuild a lost
 copy by re-running the snapshot on the restarted actor), its peer's. When a rank's copies are all
-lost (its node and its peer's went down together) the snapshot is unusable; the caller rebuilds
+lost (its node and its peer's went down together, or its node where no other node has a stateful rank) the snapshot is unusable; the caller rebuilds
 the models and falls back to storage.
 """
 
@@ -38,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: Most snapshots kept at once: the newest complete one and those in flight after it.
 MAX_KEPT = 3
+#: What a tier of copies gives for a rank it has no copy of (that rank is not asked to load it).
+NO_COPY = object()
 
 
 def ring_holders(places: list[tuple[Any, Any]]) -> list[int]:
@@ -77,9 +84,11 @@ class Snapshot:
     step: int
     trainer_state: dict
     world_sizes: dict[str, int]
-    takes: dict[str, list]  # role -> ObjectRef of the take_snapshot holding each rank's copy (one per process)
+    takes: dict[str, list]  # role -> ObjectRef of each rank's copy (what its process's publish_snapshot returned)
+    done: dict[str, list]  # role -> ObjectRef of each rank's take_snapshot answer (the bytes of its copy)
+    published: list  # ObjectRef of each publish_snapshot's small answer (its copies are stored)
     holds: list[tuple[Any, list[tuple[str, int]]]]  # ObjectRef of each hold_snapshot, the (role, rank) it keeps
-    holders: dict[str, list[tuple[str, int]]]  # role -> the (role, rank) holding each rank's peer copy
+    holders: dict[str, list]  # role -> the (role, rank) holding each rank's peer copy, None where none does
     failed: bool = False
     complete: bool = False
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
@@ -112,25 +121,32 @@ class SnapshotKeeper:
     def take(self, roles, step: int, trainer_state: dict) -> Snapshot:
         """Start the snapshot of ``step`` on every stateful rank (nothing is waited for).
 
-        One ``take_snapshot`` per process (its colocated stateful roles together) and one
-        ``hold_snapshot`` per holding process (every copy it keeps of this step)."""
+        One ``take_snapshot`` and one ``publish_snapshot`` per process (its colocated stateful
+        roles together) and one ``hold_snapshot`` per holding process (every copy it keeps of
+        this step)."""
         groups = dict(roles.checkpoint_groups())
         places = roles.role_processes()
         ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
         ring = ring_holders([places.get(key, (None, None)) for key in ranks])
         sizes = {role: g.world_size for role, g in groups.items()}
-        procs = processes(ranks, places)
         takes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
-        for members in procs.values():
-            role0, r0 = members[0]
-            ref = groups[role0].execute_rank_async(r0, "take_snapshot", step, [role for role, _ in members])
+        done: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
+        published = []
+        for members in processes(ranks, places).values():
+            (role0, r0), here = members[0], [role for role, _ in members]
+            answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here)
+            stored, copies = groups[role0].execute_rank_async(r0, "publish_snapshot", step, here, self.timeout_s)
+            published.append(stored)
             for role, r in members:
-                takes[role][r] = ref
-        holders: dict[str, list[tuple[str, int]]] = {role: [] for role in groups}
+                takes[role][r], done[role][r] = copies, answer
+        holders: dict[str, list] = {role: [] for role in groups}
         # holding process -> (its (role, rank) that is called, {owner process: owners kept})
         kept: dict[Any, tuple[tuple[str, int], dict[Any, list[tuple[str, int]]]]] = {}
         for i, (role, r) in enumerate(ranks):
             holder = ranks[ring[i]]
+            if not self.peer_adds_a_copy(places.get((role, r), (None, None)), places.get(holder, (None, None))):
+                holders[role].append(None)
+                continue
             holders[role].append(holder)
             _, by_owner = kept.setdefault(process_key(holder, places), (holder, {}))
             by_owner.setdefault(process_key((role, r), places), []).append((role, r))
@@ -142,10 +158,21 @@ class SnapshotKeeper:
             # see hold_snapshot.
             ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
-        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, holds, holders)
+        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
+
+    def peer_adds_a_copy(self, owner: tuple[Any, Any], holder: tuple[Any, Any]) -> bool:
+        """Whether a ring peer at ``holder`` keeping the copy of the rank at ``owner`` (each its
+        (pid, node), None where unknown) adds a copy that survives what the others do not. Not in
+        the owner's own process; and not on the owner's node while the object store's copy is
+        read, because a holder there keeps a view of that same object-store memory (Ray hands a
+        process of the node the node's copy), lost with the same node."""
+        (o_pid, o_node), (h_pid, h_node) = owner, holder
+        if o_pid is not None and o_pid == h_pid:
+            return False
+        return not self.object_store_ok or o_node is None or h_node is None or o_node != h_node
 
     def _prune(self) -> None:
         """Keep the newest complete snapshot and the ones after it (at most :data:`MAX_KEPT`)."""
@@ -157,23 +184,23 @@ class SnapshotKeeper:
         self.snapshots = kept[-MAX_KEPT:]
 
     def is_complete(self, snap: Snapshot) -> bool:
-        """Whether every take and hold of ``snap`` finished without an error (does not wait)."""
+        """Whether every take, publish and hold of ``snap`` finished without an error (does not wait)."""
         if snap.complete or snap.failed:
             return snap.complete
-        refs = list({id(r): r for rs in snap.takes.values() for r in rs}.values()) + [r for r, _ in snap.holds]
+        answers = list({id(r): r for rs in snap.done.values() for r in rs}.values())
+        refs = answers + snap.published + [r for r, _ in snap.holds]
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if len(ready) < len(refs):
             return False
         try:
-            # A hold depends on its owner's take: a failed take fails the hold, so the small
-            # hold answers tell whether the whole snapshot is good without fetching any copy.
-            answers = self._get([r for r, _ in snap.holds], timeout=self.timeout_s)
+            # Small answers: whether every copy is done and kept, without fetching any copy.
+            done = {id(r): a for r, a in zip(answers, self._get(refs, timeout=self.timeout_s))}
         except Exception as exc:  # a rank died during the snapshot
             logger.info("snapshot of step %d is incomplete: %s", snap.step, exc)
             snap.failed = True
             return False
-        sizes = {key: int(n) for a in answers for key, n in a["bytes"].items()}
-        snap.bytes = {role: [sizes[f"{role}:{r}"] for r in range(n)] for role, n in snap.world_sizes.items()}
+        snap.bytes = {role: [int(done[id(ref)]["bytes"][role]) for ref in refs_of_role]
+                      for role, refs_of_role in snap.done.items()}
         snap.complete = True
         return True
 
@@ -234,11 +261,11 @@ class SnapshotKeeper:
         for name, source in sources:
             if not todo:
                 break
-            calls = [(key, by_role[key[0]]) for key in todo]
-            refs = [g.execute_rank_async(r, "load_snapshot", snap.step, source(role, r), self.timeout_s)
-                    for (role, r), g in calls]
-            for ((role, r), g), ref in zip(calls, refs):
-                if self._answers(g, [ref])[0] is True:
+            asked = [(key, c) for key, c in ((key, source(*key)) for key in todo) if c is not NO_COPY]
+            refs = [by_role[role].execute_rank_async(r, "load_snapshot", snap.step, c, self.timeout_s)
+                    for (role, r), c in asked]
+            for ((role, r), _), ref in zip(asked, refs):
+                if self._answers(by_role[role], [ref])[0] is True:
                     used[(role, r)] = name
                     todo.remove((role, r))
         if todo:
@@ -250,10 +277,12 @@ class SnapshotKeeper:
 
     @staticmethod
     def _held(groups: dict, snap: Snapshot, role: str, rank: int):
-        """A reference to the peer copy of ``role`` rank ``rank`` (resolved by Ray for the loader)."""
-        h_role, h_rank = snap.holders[role][rank]
-        if h_role not in groups:
-            return None
+        """A reference to the peer copy of ``role`` rank ``rank`` (resolved by Ray for the loader),
+        :data:`NO_COPY` where no peer keeps one."""
+        holder = snap.holders[role][rank]
+        if holder is None or holder[0] not in groups:
+            return NO_COPY
+        h_role, h_rank = holder
         return groups[h_role].execute_rank_async(h_rank, "held_snapshot", snap.step, role, rank)
 
     def _answers(self, g, refs: list) -> list:

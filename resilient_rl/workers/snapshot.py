@@ -5,12 +5,14 @@ RNG), taken straight from the engine's tensors (no state dict is built): the ten
 into a preallocated host buffer (:mod:`resilient_rl.workers.snapshot_buffers`), the few
 non-tensor parts (scheduler, optimizer hyperparameters, RNG) ride along as plain values.
 :meth:`SnapshotMixin.take_snapshot` keeps the newest copies in the process (:data:`KEEP`
-buffers, reused in turn) and returns the copy, so the controller's object reference keeps a
-second one in Ray's object store (owned by the controller: it outlives this process); one call
-takes every stateful role the process hosts (colocated roles), so a process puts one object.
+buffers, reused in turn); :meth:`SnapshotMixin.publish_snapshot` then returns them from the
+process's "snapshot" thread, so the controller's object reference keeps a second copy in Ray's
+object store (owned by the controller: it outlives this process) while the next step runs. One
+call of each covers every stateful role the process hosts (colocated roles): a process puts one
+object per snapshot.
 :meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
-copy, on another node where there is one), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a copy back into
-the rank's tensors in place.
+copy, on another node), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a
+copy back into the rank's tensors in place.
 
 A snapshot (a dict) is self-describing: ``layout`` names each packed tensor with its dtype,
 shape and offset in ``data`` (a flat uint8 NumPy array, which Ray moves out of band, without
@@ -64,6 +66,13 @@ def _optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
 
 _PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
 _HELD_LOCK = threading.Lock()  # the neighbours' copies: kept on the "snapshot" thread, read on the call thread
+#: Guards the own copies and the ring slots a publish may still be reading, across the call
+#: thread (takes) and the "snapshot" thread (publishes); notified when either changes.
+_SLOTS = threading.Condition()
+#: Seconds a take waits for a ring slot that a publish may still be reading, before it gives that
+#: slot a new buffer (the publish keeps reading the old one). In a steady run no take waits: the
+#: slot's publish was stored while the step ran.
+SLOT_WAIT_S = 2.0
 
 
 def process_role(role: str) -> "SnapshotMixin | None":
@@ -74,6 +83,15 @@ def process_role(role: str) -> "SnapshotMixin | None":
 
 def process_workers() -> list["SnapshotMixin"]:
     return [w for w in (r() for r in list(_PROCESS_ROLES.values())) if w is not None]
+
+
+def _previous_publishes_stored() -> None:
+    """Called as a call starts on the "snapshot" thread. The thread runs one call at a time and Ray
+    stores a call's return before it starts the next, so no ring slot is read by a publish any more."""
+    with _SLOTS:
+        for worker in process_workers():
+            worker._publishing = frozenset()
+        _SLOTS.notify_all()
 
 
 class SnapshotMixin:
@@ -89,6 +107,8 @@ class SnapshotMixin:
         _PROCESS_ROLES[getattr(self, "role", "worker")] = weakref.ref(self)
 
     _own_snapshots: dict | None = None  # step -> (ring slot or None, this rank's copy)
+    _take_failed: tuple[int, str] | None = None  # (step, why) of the last take that raised
+    _publishing: frozenset = frozenset()  # ring slots whose copy a publish handed to Ray to store
     _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
     _snapshot_ring: HostRing | None = None
     _snapshot_layout: Layout | None = None
@@ -98,15 +118,41 @@ class SnapshotMixin:
         return named_tensors(e.model, e.optimizer)
 
     def _free_slot(self) -> int:
-        """A ring slot no kept copy lives in, after dropping own copies beyond the newest KEEP - 1."""
-        own = self._own_snapshots
-        for old in sorted(own)[:-(KEEP - 1) or None]:
-            del own[old]
-        used = {slot for slot, _ in own.values()}
-        return next(s for s in range(KEEP) if s not in used)
+        """A ring slot no kept copy lives in and no publish reads, after dropping own copies beyond
+        the newest KEEP - 1. Waits (up to :data:`SLOT_WAIT_S`) for a publish still being stored;
+        past that, the slot gets a new buffer and the publish keeps the old one."""
+        with _SLOTS:
+            own = self._own_snapshots
+            for old in sorted(own)[:-(KEEP - 1) or None]:
+                del own[old]
+            kept = {slot for slot, _ in own.values()}
+            free = lambda: [s for s in range(KEEP) if s not in kept and s not in self._publishing]  # noqa: E731
+            if _SLOTS.wait_for(free, timeout=SLOT_WAIT_S):
+                return free()[0]
+            slot = next(s for s in range(KEEP) if s not in kept)
+            self._snapshot_ring.forget(slot)
+            self._publishing = self._publishing - {slot}
+            return slot
 
     def _take(self, step: int) -> dict:
         """Copy this rank's state into a ring buffer; keep the copy and return it."""
+        try:
+            slot, snap = self._copy(step)
+        except BaseException as exc:
+            with _SLOTS:
+                self._take_failed = (step, f"{type(exc).__name__}: {exc}")
+                _SLOTS.notify_all()
+            raise
+        self._keep_own(step, slot, snap)
+        return snap
+
+    def _keep_own(self, step: int, slot: int | None, snap: dict) -> None:
+        with _SLOTS:
+            self._own_snapshots[step] = (slot, snap)
+            _SLOTS.notify_all()
+
+    def _copy(self, step: int) -> tuple[int, dict]:
+        """Pack this rank's state into a free ring slot: (the slot, the snapshot)."""
         if self._own_snapshots is None:
             self._own_snapshots = {}
         if self._snapshot_ring is None:
@@ -115,7 +161,8 @@ class SnapshotMixin:
         if self._snapshot_layout is None or not self._snapshot_layout.matches(tensors):
             self._snapshot_layout = Layout.of(tensors)
         layout = self._snapshot_layout
-        self._own_snapshots.pop(step, None)
+        with _SLOTS:
+            self._own_snapshots.pop(step, None)
         slot = self._free_slot()
         data = self._snapshot_ring.copy_out(layout, [t for _, t in tensors], slot)
         e = self.engine
@@ -124,36 +171,72 @@ class SnapshotMixin:
                 "bytes": int(layout.total), "layout": layout.to_list(), "data": data,
                 "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
                           "optim_scalars": scalars, "rng": torch.get_rng_state().numpy().copy()}}
-        self._own_snapshots[step] = (slot, snap)
-        return snap
+        return slot, snap
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def take_snapshot(self, step: int, roles: list[str] | None = None) -> dict:
-        """Copy the state of this rank and of the ``roles`` colocated with it in this process
-        (default: this role only) to host memory; keep the copies and return them (for the object
-        store): one call and one object per process however many stateful roles it hosts.
-
-        Returns ``{"step", "rank", "roles": {role: snapshot}}``; a snapshot is ``{"format",
-        "step", "rank", "world_size", "bytes", "layout", "data", "extra"}`` and its ``data`` a
-        view of the rank's ring buffer, valid until :data:`KEEP` later snapshots (Ray copies it
-        into the object store when the call returns). A role not hosted by this process at this
-        rank raises a ValueError."""
-        step = int(step)
+    def _process_workers_of(self, roles: list[str] | None, call: str) -> dict[str, "SnapshotMixin"]:
+        """role -> its worker in this process at this rank, for each of ``roles`` (default: this
+        role); a role not hosted here at this rank raises a ValueError."""
         out = {}
         for role in roles or [self.role]:
             worker = self if role == self.role else process_role(role)
             if worker is None or worker.rank != self.rank:
-                raise ValueError(f"take_snapshot: this process hosts no {role} rank {self.rank}")
-            out[role] = worker._take(step)
-        return {"step": step, "rank": self.rank, "roles": out}
+                raise ValueError(f"{call}: this process hosts no {role} rank {self.rank}")
+            out[role] = worker
+        return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def take_snapshot(self, step: int, roles: list[str] | None = None) -> dict:
+        """Copy the state of this rank and of the ``roles`` colocated with it in this process
+        (default: this role only) to host memory and keep the copies: one call per process however
+        many stateful roles it hosts. Returns ``{"step", "bytes": {role: bytes of its copy}}``;
+        :meth:`publish_snapshot` hands the copies to the object store.
+
+        A snapshot (the copy of one role) is ``{"format", "step", "rank", "world_size", "bytes",
+        "layout", "data", "extra"}``, its ``data`` a view of the rank's ring buffer, valid until
+        :data:`KEEP` later snapshots."""
+        step = int(step)
+        workers = self._process_workers_of(roles, "take_snapshot")
+        return {"step": step, "bytes": {role: int(w._take(step)["bytes"]) for role, w in workers.items()}}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group="snapshot", num_returns=2)
+    def publish_snapshot(self, step: int, roles: list[str] | None = None, timeout_s: float = 60.0) -> tuple[dict, dict]:
+        """The copies :meth:`take_snapshot` made of ``step`` for ``roles``, returned so that Ray
+        stores them in the object store (owned by the caller, they outlive this process): one
+        object per process.
+
+        It runs on the "snapshot" thread, so that Ray's copy into the object store overlaps the
+        next step's calls instead of delaying them; it waits up to ``timeout_s`` for the take
+        (sent before it, running on the call thread) and raises a RuntimeError when the take
+        failed or its copy is gone. The ring slots it returns are not written again before
+        Ray has stored them (the next call on this thread).
+
+        Returns two values (two ObjectRefs through Ray): ``{"step"}``, which tells that the copies
+        are stored without fetching them, and ``{"step", "rank", "roles": {role: snapshot}}``."""
+        _previous_publishes_stored()
+        step = int(step)
+        workers = self._process_workers_of(roles, "publish_snapshot")
+        out = {}
+        with _SLOTS:
+            for role, w in workers.items():
+                taken = lambda: step in (w._own_snapshots or {}) or (w._take_failed or (None,))[0] == step  # noqa: E731
+                if not _SLOTS.wait_for(taken, timeout=timeout_s):
+                    raise RuntimeError(f"publish_snapshot: no {role} copy of step {step} after {timeout_s:.0f}s")
+                if step not in (w._own_snapshots or {}):
+                    why = w._take_failed[1] if w._take_failed and w._take_failed[0] == step else "superseded"
+                    raise RuntimeError(f"publish_snapshot: the {role} copy of step {step} is gone ({why})")
+                slot, out[role] = w._own_snapshots[step]
+                if slot is not None:
+                    w._publishing = w._publishing | {slot}
+        return {"step": step}, {"step": step, "rank": self.rank, "roles": out}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group="snapshot")
     def hold_snapshot(self, step: int, owners: list[list], taken: list, timeout_s: float = 60.0) -> dict:
         """Keep copies of ``step`` taken by other processes (this process is their ring peer):
-        ``taken[i]`` is what one ``take_snapshot`` returned (or its ObjectRef, fetched here within
+        ``taken[i]`` is the copies one ``publish_snapshot`` returned (or their ObjectRef, fetched here within
         ``timeout_s``), ``owners[i]`` the ``(role, rank)`` of its copies to keep. Returns
-        ``{"step", "bytes": {"role:rank": bytes}}``.
+        ``{"step", "kept": copies kept}``.
 
         It runs on a thread of its own ("snapshot" concurrency group) and the copies arrive as
         references, not as arguments Ray resolves before sending the call: an owner that stops
@@ -164,6 +247,7 @@ class SnapshotMixin:
         A copy is kept as Ray handed it over (a read-only view of this node's object store,
         which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
         keeps nothing more: its copy is in its own memory and in the object store."""
+        _previous_publishes_stored()
         step = int(step)
         if len(owners) != len(taken):
             raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
@@ -172,11 +256,10 @@ class SnapshotMixin:
             return self._hold(step, owners, taken)
 
     def _hold(self, step: int, owners: list[list], taken: list) -> dict:
-        sizes = {}
+        kept = 0
         for keys, bundle in zip(owners, taken):
             for role, rank in keys:
                 snap = bundle["roles"][role]
-                sizes[f"{role}:{int(rank)}"] = int(snap["bytes"])
                 local_worker = process_role(role)
                 if local_worker is not None and local_worker.rank == int(rank):
                     continue
@@ -184,9 +267,10 @@ class SnapshotMixin:
                     self._held_snapshots = {}
                 held = self._held_snapshots.setdefault((role, int(rank)), {})
                 held[step] = snap
+                kept += 1
                 for old in sorted(held)[:-KEEP]:
                     del held[old]
-        return {"step": step, "bytes": sizes}
+        return {"step": step, "kept": kept}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
@@ -235,7 +319,7 @@ class SnapshotMixin:
                 return False
         else:
             snap = source
-        if snap is not None and "roles" in snap:  # what take_snapshot returned: this role's copy
+        if snap is not None and "roles" in snap:  # what publish_snapshot returned: this role's copy
             snap = snap["roles"].get(getattr(self, "role", None))
         if snap is None or snap.get("step") != step:
             return False
@@ -243,7 +327,7 @@ class SnapshotMixin:
         self.restore_snapshot_state(snap)
         if self._own_snapshots is None:
             self._own_snapshots = {}
-        self._own_snapshots[step] = (slot, snap)
+        self._keep_own(step, slot, snap)
         self.prepare_checkpoint_staging()
         return True
 

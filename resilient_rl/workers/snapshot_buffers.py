@@ -189,11 +189,15 @@ class HostRing:
     def buffer(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
         buf = self.buffers[slot]
         if buf is None or buf.numel() != nbytes or (pin and not buf.is_pinned()):
-            self.buffers[slot] = None  # free the old one first
-            self._views[slot] = (None, [])
+            self.forget(slot)  # free the old one first
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             self.buffers[slot] = buf
         return buf
+
+    def forget(self, slot: int) -> None:
+        """Give ``slot`` a new buffer at its next use (whoever still reads the old one keeps it)."""
+        self.buffers[slot] = None
+        self._views[slot] = (None, [])
 
     def views(self, slot: int, layout: Layout) -> list[torch.Tensor]:
         """The views of ``layout`` into buffer ``slot`` (made once per layout and buffer)."""
