@@ -2,8 +2,9 @@
 
 Measured in one run, each part in its own Ray cluster (helpers of ``bench/recovery.py``):
 
-1. **in-place, storage** (the baseline): SIGKILL of actor rank 1 ``--delay`` s into step
-   ``--fault-step`` with ``checkpoint.save_every=2`` and no snapshots.
+1. **in-place, storage** (the baseline): SIGKILL of actor rank ``--rank`` once it is inside
+   ``--in-call`` of step ``--fault-step`` (or ``--delay`` s into that step) with
+   ``checkpoint.save_every=2`` and no snapshots.
 2. **in-place, snapshots**: the same fault with ``checkpoint.save_every=20`` and
    ``recovery.snapshot_every=1``. Printed: steps replayed, restored step and source, and the time
    from the kill to the failed step's completion (MTTR) as a ratio to the baseline's.
@@ -45,16 +46,21 @@ SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--fault-step", type=int, default=4, help="step during which actor rank 1 is killed")
-    p.add_argument("--delay", type=float, default=0.3, help="seconds into that step")
+    p.add_argument("--fault-step", type=int, default=4, help="step during which the actor rank is killed (default: 4)")
+    p.add_argument("--rank", type=int, default=1, help="actor rank killed (default: 1)")
+    p.add_argument("--in-call", default="update_actor",
+                   help="the rank is killed once inside this call of the fault step (default: update_actor; "
+                        "'' for --delay s into the step)")
+    p.add_argument("--delay", type=float, default=0.3, help="seconds into that step, with --in-call '' (default: 0.3)")
     p.add_argument("--steps", type=int, default=65, help="steps of each cost run (default: 65)")
     p.add_argument("--block", type=int, default=5, help="steps between switching snapshots on and off (default: 5)")
     p.add_argument("--cost-only", action="store_true", help="measure only the cost (skip the two fault runs)")
     p.add_argument("--repeats", type=int, default=1, help="cost runs; the ratio printed is the median of theirs")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
-    if args.block < 2 or args.steps < 5 * args.block or args.repeats < 1:
-        p.error("need --block >= 2, --steps >= 5 * --block (a warm-up block and two of each side) and --repeats >= 1")
+    if args.block < 2 or args.steps < 5 * args.block or args.repeats < 1 or args.fault_step < 2 or args.rank < 0:
+        p.error("need --block >= 2, --steps >= 5 * --block (a warm-up block and two of each side), --repeats >= 1, "
+                "--fault-step >= 2 and --rank >= 0")
     return args
 
 
@@ -82,8 +88,8 @@ class Blocks:
     first two steps of each block (what the measured steps of a block spent lies between the
     second step of one block and the first of the next)."""
 
-    def __init__(self, block: int):
-        self.block = block
+    def __init__(self, block: int, clock=time.perf_counter):
+        self.block, self.clock = block, clock
         self.starts: dict[int, float] = {}
         self.cpu: dict[int, float] = {}
 
@@ -95,7 +101,7 @@ class Blocks:
         if (step - 1) % self.block < 2:
             self.cpu[step] = cpu_seconds()
         trainer.snapshots.every = 1 if self.on(step) else 0
-        self.starts[step] = time.perf_counter()
+        self.starts[step] = self.clock()
 
     def sides(self) -> dict[bool, dict[str, float]]:
         """Median step time and CPU seconds per step with snapshots on (True) and off (False),

@@ -150,3 +150,42 @@ def test_train_bench_weight_sync_line(bench):
     assert line == "weight sync / plain copy: ray 2.0x (2.00 ms), single process n/a; plain copy of 2.0 MiB 1.000 ms"
     assert train.weight_sync_line(results, 0.001, 0.0005).endswith(
         "plain copy of 2.0 MiB 1.000 ms from cold caches (0.500 ms from warm ones)")
+
+
+def test_snapshot_bench_arguments_carry_what_the_recovery_helpers_read(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import recovery
+    import snapshots
+
+    args = snapshots.parse_args([])
+    assert (args.rank, args.in_call, args.fault_step) == (1, "update_actor", 4)
+    assert recovery._when(args) == {"in_call": "update_actor"}
+    assert recovery._when(snapshots.parse_args(["--in-call", "", "--delay", "0.2"])) == {"delay_s": 0.2}
+    for bad in (["--block", "1"], ["--steps", "20"], ["--repeats", "0"], ["--rank", "-1"]):
+        with pytest.raises(SystemExit):
+            snapshots.parse_args(bad)
+
+
+def test_snapshot_bench_blocks_switch_snapshots_and_compare_the_sides(monkeypatch):
+    """Blocks of 3 steps, on (warm-up), off, on, off: each side's step time is the median of its
+    blocks' steps after the first, from a step's start to the next one's."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import snapshots
+
+    readings = iter(range(100))
+    monkeypatch.setattr(snapshots, "cpu_seconds", lambda: float(next(readings)))
+    clock = iter([0.0, 1.0, 2.0,  3.0, 4.0, 5.0,  6.0, 7.5, 9.0,  10.5, 11.5, 12.5,  13.5])
+    blocks = snapshots.Blocks(3, clock=lambda: next(clock))
+    trainer = type("T", (), {"snapshots": type("K", (), {"every": 1})()})()
+    seen = []
+    for step in range(1, 14):
+        blocks.on_step_start(trainer, step)
+        seen.append(trainer.snapshots.every)
+    assert seen == [1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1]
+    sides = blocks.sides()
+    # Off blocks (steps 4-6, 10-12): steps 5, 6 and 11, 12 take 1 s each; on (7-9): steps 8, 9 take 1.5 s.
+    assert sides[False]["step_s"] == 1.0 and sides[True]["step_s"] == 1.5
+    # CPU readings are taken at the first two steps of each block; a block's measured steps span
+    # its second step's reading to the next block's first.
+    assert set(blocks.cpu) == {1, 2, 4, 5, 7, 8, 10, 11, 13}
+    assert sides[True]["cpu_s"] == (blocks.cpu[10] - blocks.cpu[8]) / 2
