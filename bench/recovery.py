@@ -72,6 +72,16 @@ FULL = ("teardown", "ray_start", "worker_start", "restore", "replay")
 RAYTRAIN = ("detect", "restart", "restore", "first_step")
 
 
+def add_fault_args(p: argparse.ArgumentParser, delay: float) -> None:
+    """Where the fault of an in-place run lands: ``--fault-step``, ``--rank``, ``--in-call``, ``--delay``."""
+    p.add_argument("--fault-step", type=int, default=4, help="step during which the fault lands (default: 4)")
+    p.add_argument("--rank", type=int, default=1, help="actor rank killed or stopped (default: 1)")
+    p.add_argument("--in-call", default="update_actor",
+                   help="the rank is killed (stopped) once inside this call of the fault step, whatever "
+                        "a step takes on the machine (default: update_actor; '' for --delay s into the step)")
+    p.add_argument("--delay", type=float, default=delay, help=f"seconds into that step (default: {delay})")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,14 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-ray-train", action="store_true", help="do not measure Ray Train")
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated parts to measure (default: all of {','.join(PARTS)})")
-    p.add_argument("--fault-step", type=int, default=4, help="step during which the fault lands (default: 4)")
     # About half of a step of this config on a 2-core machine, so that the kill lands inside the
     # step (in its updates, where a step spends most of its time) on both sides.
-    p.add_argument("--delay", type=float, default=0.15, help="seconds into that step (default: 0.15)")
-    p.add_argument("--rank", type=int, default=1, help="actor rank killed or stopped (default: 1)")
-    p.add_argument("--in-call", default="update_actor",
-                   help="the rank is killed (stopped) once inside this call of the fault step, whatever "
-                        "a step takes on the machine (default: update_actor; '' for --delay s into the step)")
+    add_fault_args(p, delay=0.15)
     p.add_argument("--hang-timeout", type=float, default=5.0, help="recovery.hang_timeout_s of the hang run (default: 5)")
     p.add_argument("--rt-kill-after", type=int, default=5, help="Ray Train: kill after this step (default: 5)")
     p.add_argument("--rt-pause", type=float, default=0.2, help="Ray Train: extra seconds per step (default: 0.2)")

@@ -46,12 +46,7 @@ SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--fault-step", type=int, default=4, help="step during which the actor rank is killed (default: 4)")
-    p.add_argument("--rank", type=int, default=1, help="actor rank killed (default: 1)")
-    p.add_argument("--in-call", default="update_actor",
-                   help="the rank is killed once inside this call of the fault step (default: update_actor; "
-                        "'' for --delay s into the step)")
-    p.add_argument("--delay", type=float, default=0.3, help="seconds into that step, with --in-call '' (default: 0.3)")
+    rb.add_fault_args(p, delay=0.3)
     p.add_argument("--steps", type=int, default=65, help="steps of each cost run (default: 65)")
     p.add_argument("--block", type=int, default=5, help="steps between switching snapshots on and off (default: 5)")
     p.add_argument("--cost-only", action="store_true", help="measure only the cost (skip the two fault runs)")
