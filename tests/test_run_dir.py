@@ -82,10 +82,13 @@ def test_truncate_keeps_the_prefix_bytes_and_never_rewrites_them(tmp_path):
 
 
 def test_appends_are_single_writes_of_whole_lines(tmp_path):
-    """Two processes appending long rows at once never interleave inside a line."""
+    """Two processes appending long rows at once never interleave inside a line. (Each skips the
+    first append's cut of a torn tail: a run has one writer, and here the other writer's line in
+    progress would look torn.)"""
     rd = RunDir(str(tmp_path), "run")
     code = ("import sys; from resilient_rl.trainer.run_dir import RunDir\n"
             "rd = RunDir(sys.argv[1], 'run')\n"
+            "rd._repaired.add(rd.metrics_path)\n"
             "for i in range(200): rd.append_metrics({'step': i, 'who': sys.argv[2], 'pad': sys.argv[2] * 20000})\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), who], env=env) for who in "ab"]
