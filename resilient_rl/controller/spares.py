@@ -95,7 +95,7 @@ class SparePool:
         gave up on it."""
         out = []
         for spare in list(self._spares):
-            if any(spare.handle is w for w in self.group.workers):  # it serves a rank again (rehome)
+            if self.group.serves_a_rank(spare.handle):  # it serves a rank again (rehome)
                 self._spares.remove(spare)
                 self._start()
                 continue

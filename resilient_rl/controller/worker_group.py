@@ -316,6 +316,10 @@ class RayWorkerGroup(HealthMixin):
                 nodes[next(self._spare_nodes) % len(nodes)], soft=False)
         return self.ray_cls_with_init(options, dict(self._identities[0]))
 
+    def serves_a_rank(self, handle) -> bool:
+        """Whether process ``handle`` serves one of the group's ranks now."""
+        return any(handle is w for w in self._workers)
+
     def is_bundle_process(self, handle) -> bool:
         """Whether ``handle`` is a process started in one of the group's placement-group bundles."""
         return any(handle is w for w in self._bundle_workers)
@@ -347,7 +351,7 @@ class RayWorkerGroup(HealthMixin):
         left = []
         for rank in ranks:
             home = self._bundle_workers[rank] if rank < len(self._bundle_workers) else None
-            if home is None or any(home is w for w in self._workers):  # it serves this rank or another
+            if home is None or self.serves_a_rank(home):  # it serves this rank or another
                 left.append(rank)
                 continue
             self._workers[rank] = home
