@@ -18,8 +18,8 @@ Measured in one run, each part in its own Ray cluster (helpers of ``bench/recove
    not). Printed: the median step time on each side and its ratio, the same for the CPU time the
    run's processes (controller, GCS, raylet, workers) spend per step, the median of the
    ``--repeats`` runs' ratios, and the bytes of one snapshot copy per rank with the host memory
-   each rank spends on snapshots (its own copies and the neighbours' it holds; the object store
-   keeps one more copy per kept snapshot).
+   each rank spends on snapshots (its own copies, in node memory unless
+   ``recovery.snapshot_node_dir=""``, and the neighbours' it holds).
 
     python bench/snapshots.py                     # about 2 minutes on 2 busy cores
     python bench/snapshots.py --steps 85 model.num_layers=4

@@ -7,6 +7,10 @@ end bit-identical to the fault-free reference.
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
+
 import pytest
 
 from resilient_rl.faults.harness import check_invariants
@@ -21,15 +25,38 @@ def _recovered(result) -> dict:
     return recovered[0]
 
 
-def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run):
-    # Once step 3's snapshot is complete (a kill racing it is test_failure_during_a_snapshot).
-    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS)
+def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run, tmp_path):
+    """The killed rank's new process (or spare) reads the copy it left in node memory; the run's
+    node memory is gone once it ends."""
+    root = f"/dev/shm/rrl-chaos-{uuid.uuid4().hex[:8]}" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    try:
+        # Once step 3's snapshot is complete (a kill racing it is test_failure_during_a_snapshot).
+        result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS,
+                           f"recovery.snapshot_node_dir={root}")
+        assert os.listdir(root) == [], "the run's node memory was left behind"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     check_invariants(result, reference)
     rec = _recovered(result)
     assert (rec["failed_step"], rec["restored_step"], rec["steps_replayed"], rec["source"]) == (4, 3, 0, "snapshot")
     restored = result.events_of("snapshot_restored")
-    assert restored[0]["step"] == rec["restored_step"] and restored[0]["sources"].get("own") >= 1
+    assert restored[0]["step"] == rec["restored_step"]
+    assert restored[0]["sources"].get("own") >= 1 and restored[0]["sources"].get("node") == 1, restored
     assert not result.events_of("checkpoint_restored"), "storage was read"
+
+
+def test_node_memory_unusable_falls_back_to_the_object_store(reference, chaos_run):
+    """A node-memory directory that cannot be created: the first snapshot does not count (the
+    event names the directory), later ones keep their copies in the object store, and a killed
+    rank reads its copy there."""
+    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS,
+                       "recovery.snapshot_node_dir=/proc/rrl-no-such-dir")
+    check_invariants(result, reference)
+    unusable = result.events_of("snapshot_unusable")
+    assert unusable and unusable[0]["step"] == 1 and "/proc/rrl-no-such-dir" in unusable[0]["reason"], unusable
+    rec = _recovered(result)
+    assert (rec["restored_step"], rec["steps_replayed"], rec["source"]) == (3, 0, "snapshot"), rec
+    assert result.events_of("snapshot_restored")[0]["sources"].get("object_store") == 1
 
 
 @pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
@@ -44,15 +71,17 @@ def test_failure_during_a_snapshot(reference, chaos_run):
 
 @pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
 def test_owner_and_holder_killed_together(reference, chaos_run):
-    """Both actor ranks die with their own copies (on one node no peer keeps another: it would be
-    a view of the object store's memory). They load the object store's copies, the critic,
-    which survived, its own."""
+    """Both actor ranks die with their own processes (on one node no peer keeps another copy:
+    the copies they left in node memory outlive them). Their new processes load those (the
+    object store's, where node memory is unusable), the critic, which survived, its own."""
     result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 0).kill("actor", 1), *SNAPSHOTS)
     check_invariants(result, reference)
     rec = _recovered(result)
     assert (rec["restored_step"], rec["steps_replayed"], rec["source"]) == (3, 0, "snapshot"), rec
     sources = result.events_of("snapshot_restored")[0]["sources"]
-    assert sources.get("object_store", 0) >= 2 and "own" in sources  # the critic survived with its own
+    where = "node" if os.access("/dev/shm", os.W_OK) else "object_store"  # recovery.snapshot_node_dir's default
+    assert sources.get(where, 0) >= 2, sources
+    assert "own" in sources  # the critic survived with its own
 
 
 class _RemoveActorNode:

@@ -83,7 +83,7 @@ def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
     done = rank.take_snapshot(2)
     stored, taken = rank.publish_snapshot(2)
     assert taken["step"] == 2 and list(taken["roles"]) == ["actor"] and stored == {"step": 2}
-    assert done == {"step": 2, "bytes": {"actor": taken["roles"]["actor"]["bytes"]}}
+    assert done == {"step": 2, "bytes": {"actor": taken["roles"]["actor"]["bytes"]}, "node_failed": {}}
     snap = taken["roles"]["actor"]
     at_snapshot = rank.fingerprint()
     if via_pickle:  # as Ray hands it over (what publish_snapshot returned): the buffer as a read-only view

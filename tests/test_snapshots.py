@@ -8,6 +8,7 @@ import pytest
 
 from resilient_rl.errors import WorkerDiedError
 from resilient_rl.trainer.snapshots import SnapshotKeeper, ring_holders
+from resilient_rl.workers.node_memory import NodeCopy
 
 
 class Ref:
@@ -43,17 +44,27 @@ class FakeGroup:
         self.calls: list[tuple] = []
         self.hold_pending = self.take_pending = self.publish_pending = False
         self.take_error: set[int] = set()
+        self.node: list[dict] = [dict() for _ in range(n)]  # rank -> snapshot id -> state in its node's memory
+        self.node_error: set[int] = set()  # ranks whose node memory is unusable
+        self.node_lost: set[int] = set()  # ranks now on another node than their node copies
         self.siblings: dict[str, "FakeGroup"] = {}  # role -> group sharing this group's processes
 
     def execute_rank_async(self, rank, method, *args):
         self.calls.append((rank, method, args))
         if method == "take_snapshot":
-            step, take_roles = args
+            step, take_roles, where = args
             if rank in self.take_error:
                 return Ref(error=RuntimeError(f"rank {rank} died"))
+            failed = {}
             for role in take_roles:  # this process's roles (colocated ones in sibling groups)
-                self.siblings.get(role, self).own[rank][step] = f"{role}{rank}@{step}"
-            return Ref({"step": step, "bytes": {role: 10 for role in take_roles}}, ready=not self.take_pending)
+                g = self.siblings.get(role, self)
+                g.own[rank][step] = f"{role}{rank}@{step}"
+                if where is not None and rank in g.node_error:
+                    failed[role] = "OSError: [Errno 28] No space left on device"
+                elif where is not None:
+                    g.node[rank][where["id"]] = (where["dir"], f"{role}{rank}@{step}")
+            return Ref({"step": step, "bytes": {role: 10 for role in take_roles}, "node_failed": failed},
+                       ready=not self.take_pending)
         if method == "publish_snapshot":
             step, take_roles, _timeout_s = args
             if rank in self.take_error:
@@ -87,6 +98,11 @@ class FakeGroup:
             if source is None:
                 state = self.own[rank].get(step)
                 kind = "own"
+            elif isinstance(source, NodeCopy):
+                where, state = self.node[rank].get(source.snap_id, (None, None))
+                if rank in self.node_lost or where != source.run_dir:
+                    state = None
+                kind = "node"
             elif isinstance(source, list):
                 state = None if rank in self.store_lost else source[0].value["roles"][self.role]["state"]
                 kind = "object_store"
@@ -132,8 +148,9 @@ class FakeRoles:
         return out
 
 
-def keeper(every=1, max_task_retries=0, events=None):
-    cfg = SimpleNamespace(snapshot_every=every, max_task_retries=max_task_retries, call_timeout_s=10.0)
+def keeper(every=1, max_task_retries=0, events=None, node_dir=""):
+    cfg = SimpleNamespace(snapshot_every=every, max_task_retries=max_task_retries, call_timeout_s=10.0,
+                          snapshot_node_dir=node_dir)
     emit = (lambda kind, **f: events.append((kind, f))) if events is not None else (lambda kind, **f: None)
     return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get)
 
@@ -358,3 +375,78 @@ def test_a_process_is_never_its_own_peer():
     k = keeper(max_task_retries=1)
     snap = k.take(FakeRoles(actor, critic, colocated=True), 2, {"step": 2})
     assert snap.holds == [] and snap.holders == {"actor": [None], "critic": [None]}
+
+
+# ---------------------------------------------------------------------------- node memory
+
+
+def test_node_memory_replaces_the_object_store_where_no_peer_is_on_another_node():
+    """Every stateful rank on one node, copies in node memory: no publish and no hold is sent,
+    and a restarted rank reads the copy its process left in node memory."""
+    actor, critic = FakeGroup(2, "actor"), FakeGroup(1, "critic")
+    one_node = {(role, r): "n0" for role, n in (("actor", 2), ("critic", 1)) for r in range(n)}
+    roles = FakeRoles(actor, critic, nodes=one_node)
+    events = []
+    k = keeper(events=events, node_dir="/dev/shm")
+    snap = k.take(roles, 6, {"step": 6})
+    assert k.node_dir.startswith("/dev/shm/resilient-rl-")
+    methods = [m for g in (actor, critic) for _, m, _ in g.calls]
+    assert "publish_snapshot" not in methods and "hold_snapshot" not in methods
+    assert snap.published == [] and snap.takes == {"actor": [None, None], "critic": [None]}
+    assert k.is_complete(snap)
+    actor.restart(1)
+    assert k.restore(roles, None).step == 6
+    assert actor.loaded == {0: ("own", "actor0@6"), 1: ("node", "actor1@6")}
+    assert events[-1][1]["sources"] == {"own": 2, "node": 1}
+    # Restarted on another node: no copy is left (the object store never had one).
+    actor.restart(1)
+    actor.node_lost = {1}
+    assert k.restore(roles, None) is None
+    assert events[-1][0] == "snapshot_unusable" and "actor rank(s) [1]" in events[-1][1]["reason"]
+
+
+def test_node_memory_publishes_for_a_peer_on_another_node():
+    actor, critic = FakeGroup(2, "actor"), FakeGroup(1, "critic")
+    roles = FakeRoles(actor, critic, nodes={("actor", 0): "a", ("actor", 1): "a", ("critic", 0): "b"})
+    k = keeper(node_dir="/dev/shm")
+    snap = k.take(roles, 7, {"step": 7})
+    # Actor ranks (node a) are held by the critic on node b: their copies travel through the
+    # object store; the critic's holder is actor 0 on node a: published too.
+    assert snap.holders == {"actor": [("critic", 0), ("critic", 0)], "critic": [("actor", 0)]}
+    assert len(snap.published) == 3 and all(t is not None for ts in snap.takes.values() for t in ts)
+    assert k.is_complete(snap)
+    # Node a is lost: the actor ranks restart elsewhere and read the peer's copies.
+    for r in (0, 1):
+        actor.restart(r)
+    actor.node_lost = actor.store_lost = {0, 1}
+    assert k.restore(roles, None).step == 7
+    assert actor.loaded == {0: ("peer", "actor0@7"), 1: ("peer", "actor1@7")}
+
+
+def test_same_node_peer_not_asked_where_node_memory_keeps_the_copy():
+    g = FakeGroup(2)
+    k = keeper(max_task_retries=1, node_dir="/dev/shm")
+    snap = k.take(FakeRoles(g, nodes={("actor", 0): "n0", ("actor", 1): "n0"}), 5, {"step": 5})
+    assert snap.holders == {"actor": [None, None]} and snap.holds == []
+
+
+def test_unusable_node_memory_fails_that_snapshot_then_publishes():
+    g = FakeGroup(2)
+    roles = FakeRoles(g, nodes={("actor", 0): "n0", ("actor", 1): "n0"})
+    events = []
+    k = keeper(events=events, node_dir="/dev/shm")
+    g.node_error = {1}
+    first = k.take(roles, 1, {"step": 1})
+    assert not k.is_complete(first) and first.failed
+    assert events[-1][0] == "snapshot_unusable" and "actor rank 1" in events[-1][1]["reason"]
+    assert "No space left" in events[-1][1]["reason"]
+    second = k.take(roles, 2, {"step": 2})
+    # Rank 1's process now publishes (its take no longer names a node directory); rank 0 does not.
+    takes = [(r, a[2]) for r, m, a in g.calls if m == "take_snapshot" and a[0] == 2]
+    assert takes == [(0, {"dir": k.node_dir, "id": "2.2"}), (1, None)]
+    assert second.takes["actor"][0] is None and second.takes["actor"][1] is not None
+    assert k.is_complete(second)
+    g.restart(0)
+    g.restart(1)
+    assert k.restore(roles, None).step == 2
+    assert g.loaded == {0: ("node", "actor0@2"), 1: ("object_store", "actor1@2")}

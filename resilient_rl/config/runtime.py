@@ -100,9 +100,13 @@ class RecoveryConfig(Section):
     exporter's calls ``telemetry.call_timeout_s``.
 
     ``snapshot_every``: every that many steps each stateful rank copies its state to host memory,
-    kept by itself, by a ring peer and in the object store (:mod:`resilient_rl.trainer.snapshots`);
+    kept in its node's memory, by a ring peer on another node, else in the object store
+    (:mod:`resilient_rl.trainer.snapshots`);
     a recovery restores the newest complete snapshot instead of the older storage checkpoint.
-    0 turns snapshots off.
+    0 turns snapshots off. ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
+    each rank keeps its snapshots, so that they outlive its process on that node
+    (:mod:`resilient_rl.workers.node_memory`); "" keeps them in the process and in Ray's object
+    store instead (also where the directory cannot hold them).
 
     ``spares``: warm spare processes per worker group (:mod:`resilient_rl.controller.spares`),
     started ahead of need on free resources; a dead rank is handed to one at once instead of
@@ -121,6 +125,7 @@ class RecoveryConfig(Section):
     health_timeout_s: float = 2.0
     hang_timeout_s: float = 300.0
     snapshot_every: int = 0
+    snapshot_node_dir: str = "/dev/shm"
     spares: int = 0
 
     def validate(self) -> None:
@@ -129,6 +134,8 @@ class RecoveryConfig(Section):
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
                 require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+        require(not self.snapshot_node_dir or self.snapshot_node_dir.startswith("/"), "snapshot_node_dir",
+                self.snapshot_node_dir, "must be an absolute path, or empty to keep snapshots in the processes")
         # A stopped rank must be named before its peers, which stall waiting for it in a collective.
         require(self.hang_timeout_s > self.health_timeout_s, "hang_timeout_s", self.hang_timeout_s,
                  f"must be greater than recovery.health_timeout_s ({self.health_timeout_s:g})")

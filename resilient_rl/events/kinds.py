@@ -148,7 +148,8 @@ class Recovered(Event):
 @_kind("snapshot_restored")
 class SnapshotRestored(Event):
     """A recovery loaded the in-memory snapshot of ``step``; ``sources`` counts the ranks per copy
-    read (``own``: the rank's process survived, ``object_store``, ``peer``: its ring neighbour)."""
+    read (``own``: the rank's process survived, ``node``: the copy it left in its node's memory,
+    ``object_store``, ``peer``: its ring neighbour)."""
 
     step: int
     duration_s: float

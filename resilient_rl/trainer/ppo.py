@@ -223,6 +223,8 @@ class PPOTrainer:
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
+        if self.snapshots is not None:
+            self.snapshots.close()
         self.ckpt.release_lease()
 
     # ------------------------------------------------------------------ loop

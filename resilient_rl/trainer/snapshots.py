@@ -2,13 +2,17 @@
 
 Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
 stateful role (actor, critic) to copy its state to host memory (``take_snapshot``, one call per
-process for the stateful roles it hosts: the ranks keep their copies) and to hand the copies to
-Ray's object store, where they stay owned by this controller (``publish_snapshot``, on the
-process's "snapshot" thread: the store's copy overlaps the next step). Then it asks each rank's
-ring peer on another node to keep a copy too (``hold_snapshot``: the next stateful rank, of any
-stateful role, in ring order on another node; one call per holding process). A peer on the
-rank's own node would keep a view of the same object-store memory, so none is asked there
-(unless the object store's copy is not read, see below: then the next rank in another process
+process for the stateful roles it hosts). The ranks keep their copies in node memory
+(:mod:`resilient_rl.workers.node_memory`, under ``recovery.snapshot_node_dir`` in a directory of
+this controller's own), where they outlive the process. Then it asks each rank's ring peer on
+another node to keep a copy too (``hold_snapshot``: the next stateful rank, of any stateful role,
+in ring order on another node; one call per holding process); the copies for a peer travel
+through Ray's object store (``publish_snapshot``, on the process's "snapshot" thread, so the
+store's copy overlaps the next step; the object stays owned by this controller). A process whose
+node memory is unusable (its take says so: that snapshot does not count) publishes from then on,
+so the object store keeps its copy instead; so do all with ``snapshot_node_dir=""``. A peer on
+the rank's own node would keep nothing that outlives what node memory or the object store keeps,
+so none is asked there (unless neither is read, see below: then the next rank in another process
 keeps one). Nothing is waited for: the calls queue behind the step on the workers and overlap
 the controller's own work. The controller keeps, per snapshot, the object references, which rank
 holds which copy and its own state (``trainer.state_dict()``) of that step.
@@ -20,11 +24,12 @@ flight after it are kept.
 
 :meth:`SnapshotKeeper.restore` loads the newest complete snapshot that is not older than the last
 committed checkpoint and was taken at the current world sizes (snapshots are never resharded).
-Each rank is filled from the first copy that is still there: its own (its process survived), the
-object store's (skipped when ``recovery.max_task_retries`` > 0, where Ray could rebuild a lost
-copy by re-running the snapshot on the restarted actor), its peer's. When a rank's copies are all
-lost (its node and its peer's went down together, or its node where no other node has a stateful rank) the snapshot is unusable; the caller rebuilds
-the models and falls back to storage.
+Each rank is filled from the first copy that is still there: its own (its process survived), its
+node memory's (its new process runs on the same node), the object store's (skipped when
+``recovery.max_task_retries`` > 0, where Ray could rebuild a lost copy by re-running the snapshot
+on the restarted actor), its peer's. When a rank's copies are all lost (its node and its peer's
+went down together, or its node where no other node has a stateful rank) the snapshot is
+unusable; the caller rebuilds the models and falls back to storage.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ import copy
 import dataclasses
 import logging
 import time
+import uuid
 from typing import Any, Callable
 
 import ray
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
+from resilient_rl.workers.node_memory import NodeCopy, remove_run, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +91,13 @@ class Snapshot:
     step: int
     trainer_state: dict
     world_sizes: dict[str, int]
-    takes: dict[str, list]  # role -> ObjectRef of each rank's copy (what its process's publish_snapshot returned)
+    takes: dict[str, list]  # role -> ObjectRef of each rank's copy (what its process's publish_snapshot returned), None where not published
     done: dict[str, list]  # role -> ObjectRef of each rank's take_snapshot answer (the bytes of its copy)
     published: list  # ObjectRef of each publish_snapshot's small answer (its copies are stored)
     holds: list[tuple[Any, list[tuple[str, int]]]]  # ObjectRef of each hold_snapshot, the (role, rank) it keeps
     holders: dict[str, list]  # role -> the (role, rank) holding each rank's peer copy, None where none does
+    node: dict[str, list] = dataclasses.field(default_factory=dict)  # role -> each rank's NodeCopy, None where none
+    process_of: dict = dataclasses.field(default_factory=dict)  # (role, rank) -> key of its process
     failed: bool = False
     complete: bool = False
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
@@ -108,6 +117,11 @@ class SnapshotKeeper:
                  wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter):
         self.every = cfg.snapshot_every
         self.object_store_ok = cfg.max_task_retries == 0
+        root = getattr(cfg, "snapshot_node_dir", "")
+        # This run's node-memory directory (one part per node), unique to this controller.
+        self.node_dir = run_path(root, uuid.uuid4().hex[:16]) if root else None
+        self.no_node: set = set()  # processes whose node memory failed: their copies are published
+        self._taken = 0
         self.timeout_s = min(cfg.call_timeout_s, 120.0)
         self.emit = emit
         self._wait, self._get, self.clock = wait, get, clock
@@ -129,27 +143,41 @@ class SnapshotKeeper:
         ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
         ring = ring_holders([places.get(key, (None, None)) for key in ranks])
         sizes = {role: g.world_size for role, g in groups.items()}
-        takes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
-        done: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
-        published = []
-        for members in processes(ranks, places).values():
-            (role0, r0), here = members[0], [role for role, _ in members]
-            answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here)
-            stored, copies = groups[role0].execute_rank_async(r0, "publish_snapshot", step, here, self.timeout_s)
-            published.append(stored)
-            for role, r in members:
-                takes[role][r], done[role][r] = copies, answer
+        by_process = processes(ranks, places)
+        process_of = {key: pkey for pkey, members in by_process.items() for key in members}
+        self._taken += 1
+        snap_id = f"{step}.{self._taken}"
+        node = {pkey: self.node_dir is not None and pkey not in self.no_node for pkey in by_process}
         holders: dict[str, list] = {role: [] for role in groups}
         # holding process -> (its (role, rank) that is called, {owner process: owners kept})
         kept: dict[Any, tuple[tuple[str, int], dict[Any, list[tuple[str, int]]]]] = {}
         for i, (role, r) in enumerate(ranks):
             holder = ranks[ring[i]]
-            if not self.peer_adds_a_copy(places.get((role, r), (None, None)), places.get(holder, (None, None))):
+            owner = places.get((role, r), (None, None))
+            if not self.peer_adds_a_copy(owner, places.get(holder, (None, None)), node[process_of[(role, r)]]):
                 holders[role].append(None)
                 continue
             holders[role].append(holder)
             _, by_owner = kept.setdefault(process_key(holder, places), (holder, {}))
-            by_owner.setdefault(process_key((role, r), places), []).append((role, r))
+            by_owner.setdefault(process_of[(role, r)], []).append((role, r))
+        held = {pkey for _, by_owner in kept.values() for pkey in by_owner}
+        takes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
+        done: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
+        nodes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
+        published = []
+        for pkey, members in by_process.items():
+            (role0, r0), here = members[0], [role for role, _ in members]
+            where = {"dir": self.node_dir, "id": snap_id} if node[pkey] else None
+            answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here, where)
+            copies = None
+            # The object store's copy: the way to a peer on another node, or the copy that
+            # outlives the process where node memory does not.
+            if pkey in held or not node[pkey]:
+                stored, copies = groups[role0].execute_rank_async(r0, "publish_snapshot", step, here, self.timeout_s)
+                published.append(stored)
+            for role, r in members:
+                takes[role][r], done[role][r] = copies, answer
+                nodes[role][r] = NodeCopy(self.node_dir, snap_id) if node[pkey] else None
         holds = []
         for (h_role, h_rank), by_owner in kept.values():
             owners = list(by_owner.values())
@@ -158,21 +186,25 @@ class SnapshotKeeper:
             # see hold_snapshot.
             ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
-        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders)
+        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders,
+                        node=nodes, process_of=process_of)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
 
-    def peer_adds_a_copy(self, owner: tuple[Any, Any], holder: tuple[Any, Any]) -> bool:
+    def peer_adds_a_copy(self, owner: tuple[Any, Any], holder: tuple[Any, Any], node_copy: bool = False) -> bool:
         """Whether a ring peer at ``holder`` keeping the copy of the rank at ``owner`` (each its
         (pid, node), None where unknown) adds a copy that survives what the others do not. Not in
-        the owner's own process; and not on the owner's node while the object store's copy is
-        read, because a holder there keeps a view of that same object-store memory (Ray hands a
-        process of the node the node's copy), lost with the same node."""
+        the owner's own process; and not on the owner's node where the owner's copy already
+        outlives its process there: in node memory (``node_copy``), or in the object store while
+        its copy is read (a holder there would keep a view of that same object-store memory: Ray
+        hands a process of the node the node's copy), lost with the same node."""
         (o_pid, o_node), (h_pid, h_node) = owner, holder
         if o_pid is not None and o_pid == h_pid:
             return False
-        return not self.object_store_ok or o_node is None or h_node is None or o_node != h_node
+        if o_node is None or h_node is None or o_node != h_node:
+            return True
+        return not (self.object_store_ok or node_copy)
 
     def _prune(self) -> None:
         """Keep the newest complete snapshot and the ones after it (at most :data:`MAX_KEPT`)."""
@@ -197,6 +229,19 @@ class SnapshotKeeper:
             done = {id(r): a for r, a in zip(answers, self._get(refs, timeout=self.timeout_s))}
         except Exception as exc:  # a rank died during the snapshot
             logger.info("snapshot of step %d is incomplete: %s", snap.step, exc)
+            snap.failed = True
+            return False
+        failed = {(role, r): done[id(ref)].get("node_failed", {}).get(role)
+                  for role, refs_of_role in snap.done.items() for r, ref in enumerate(refs_of_role)}
+        failed = {key: why for key, why in failed.items() if why and snap.node[key[0]][key[1]] is not None}
+        if failed:
+            # Those ranks' copies are only in their processes: from the next snapshot on, the
+            # object store keeps them instead.
+            (role, r), why = next(iter(failed.items()))
+            self.no_node |= {snap.process_of[key] for key in failed}
+            self.emit("snapshot_unusable", step=snap.step,
+                      reason=f"node memory under {self.node_dir} is unusable for {role} rank {r} ({why}); "
+                             "copies go to the object store from the next snapshot on")
             snap.failed = True
             return False
         snap.bytes = {role: [int(done[id(ref)]["bytes"][role]) for ref in refs_of_role]
@@ -253,9 +298,12 @@ class SnapshotKeeper:
         every rank still to fill, of all roles at once (one round of calls per tier)."""
         used: dict[tuple[str, int], str] = {}
         by_role = dict(groups)
-        sources: list[tuple[str, Callable[[str, int], Any]]] = [("own", lambda role, r: None)]
+        sources: list[tuple[str, Callable[[str, int], Any]]] = [
+            ("own", lambda role, r: None),
+            ("node", lambda role, r: snap.node.get(role, [None] * (r + 1))[r] or NO_COPY)]
         if self.object_store_ok:
-            sources.append(("object_store", lambda role, r: [snap.takes[role][r]]))
+            sources.append(("object_store", lambda role, r: NO_COPY if snap.takes[role][r] is None
+                            else [snap.takes[role][r]]))
         sources.append(("peer", lambda role, r: self._held(by_role, snap, role, r)))
         todo = [(role, r) for role, g in groups for r in range(g.world_size)]
         for name, source in sources:
@@ -301,6 +349,23 @@ class SnapshotKeeper:
                 logger.warning("loading a snapshot copy failed: %s", exc)
                 out.append(False)
         return out
+
+    def close(self) -> None:
+        """Remove this run's node memory on every live node (at the end of the run)."""
+        if self.node_dir is None:
+            return
+        try:
+            if not ray.is_initialized():
+                remove_run(self.node_dir)
+                return
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            remove = ray.remote(num_cpus=0, max_retries=0)(remove_run)
+            refs = [remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                    .remote(self.node_dir) for n in ray.nodes() if n.get("Alive")]
+            ray.get(refs, timeout=30)
+        except Exception as exc:  # a node that went away meanwhile: its memory went with it
+            logger.warning("removing snapshot node memory %s: %s", self.node_dir, exc)
 
     def memory(self) -> dict[str, list[int]]:
         """Bytes of one copy per role and rank, from the newest complete snapshot."""

@@ -4,12 +4,15 @@ A snapshot is the rank's state as a checkpoint sees it (model and optimizer shar
 RNG), taken straight from the engine's tensors (no state dict is built): the tensors are packed
 into a preallocated host buffer (:mod:`resilient_rl.workers.snapshot_buffers`), the few
 non-tensor parts (scheduler, optimizer hyperparameters, RNG) ride along as plain values.
-:meth:`SnapshotMixin.take_snapshot` keeps the newest copies in the process (:data:`KEEP`
-buffers, reused in turn); :meth:`SnapshotMixin.publish_snapshot` then returns them from the
-process's "snapshot" thread, so the controller's object reference keeps a second copy in Ray's
-object store (owned by the controller: it outlives this process) while the next step runs. One
-call of each covers every stateful role the process hosts (colocated roles): a process puts one
-object per snapshot.
+:meth:`SnapshotMixin.take_snapshot` keeps the newest copies (:data:`KEEP` buffers, reused in
+turn) in node memory where the controller names a directory
+(:mod:`resilient_rl.workers.node_memory`: they outlive the process, and a new process of the rank
+on the same node loads them back), else in the process.
+:meth:`SnapshotMixin.publish_snapshot`, where the controller asks for it (a peer on another node
+needs the copies, or they are not in node memory), returns them from the process's "snapshot"
+thread, so the controller's object reference keeps a copy in Ray's object store (owned by the
+controller: it outlives this process) while the next step runs. One call of each covers every
+stateful role the process hosts (colocated roles): a process puts one object per snapshot.
 :meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
 copy, on another node), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a
 copy back into the rank's tensors in place.
@@ -30,6 +33,7 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import weakref
 from typing import Any
@@ -40,7 +44,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from resilient_rl.controller.dispatch import Dispatch, register
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
 from resilient_rl.workers.snapshot_buffers import HostRing, Layout, as_tensor, copy_in, named_tensors
+
+logger = logging.getLogger(__name__)
 
 #: Snapshot steps a rank keeps of its own and of each neighbour it holds for (the newest complete
 #: one and the one in flight).
@@ -112,6 +119,23 @@ class SnapshotMixin:
     _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
     _snapshot_ring: HostRing | None = None
     _snapshot_layout: Layout | None = None
+    _node_failed: tuple[str, str] | None = None  # (run directory, why) where node memory failed
+
+    def _ring_for(self, node: dict | None) -> HostRing:
+        """The ring for a take: in node memory of the run directory ``node["dir"]`` when given
+        (and usable here), else in this process's memory. A new ring starts with no kept copy."""
+        run_dir = (node or {}).get("dir")
+        if run_dir is not None and self._node_failed is not None and self._node_failed[0] == run_dir:
+            run_dir = None  # it failed here before: the controller publishes this rank's copies
+        ring = self._snapshot_ring
+        want = None if run_dir is None else (node_path(run_dir), self.role, self.rank)
+        have = None if ring is None or ring.files is None else (ring.files.dir, ring.files.role, ring.files.rank)
+        if ring is None or have != want:
+            ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want))
+            with _SLOTS:
+                self._own_snapshots = {s: v for s, v in (self._own_snapshots or {}).items() if v[0] is None}
+                self._publishing = frozenset()
+        return ring
 
     def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:
         e = self.engine
@@ -134,10 +158,21 @@ class SnapshotMixin:
             self._publishing = self._publishing - {slot}
             return slot
 
-    def _take(self, step: int) -> dict:
+    def _take(self, step: int, node: dict | None = None) -> dict:
         """Copy this rank's state into a ring buffer; keep the copy and return it."""
         try:
-            slot, snap = self._copy(step)
+            try:
+                slot, snap = self._copy(step, node)
+            except OSError as exc:
+                if node is None or self._snapshot_ring is None or self._snapshot_ring.files is None:
+                    raise
+                # Node memory cannot hold the ring (a small tmpfs, a missing directory): this
+                # rank keeps its copies in its own memory; the controller publishes them.
+                self._node_failed = (node["dir"], f"{type(exc).__name__}: {exc}")
+                logger.warning("snapshot node memory under %s is unusable for %s rank %d (%s): "
+                               "copies stay in the process and go to the object store",
+                               node["dir"], self.role, self.rank, exc)
+                slot, snap = self._copy(step, node)
         except BaseException as exc:
             with _SLOTS:
                 self._take_failed = (step, f"{type(exc).__name__}: {exc}")
@@ -151,12 +186,12 @@ class SnapshotMixin:
             self._own_snapshots[step] = (slot, snap)
             _SLOTS.notify_all()
 
-    def _copy(self, step: int) -> tuple[int, dict]:
-        """Pack this rank's state into a free ring slot: (the slot, the snapshot)."""
+    def _copy(self, step: int, node: dict | None) -> tuple[int, dict]:
+        """Pack this rank's state into a free ring slot: (the slot, the snapshot). In node memory
+        the slot's old snapshot is withdrawn first and the new one committed last."""
         if self._own_snapshots is None:
             self._own_snapshots = {}
-        if self._snapshot_ring is None:
-            self._snapshot_ring = HostRing(KEEP)
+        ring = self._ring_for(node)
         tensors = self._snapshot_tensors()
         if self._snapshot_layout is None or not self._snapshot_layout.matches(tensors):
             self._snapshot_layout = Layout.of(tensors)
@@ -164,13 +199,18 @@ class SnapshotMixin:
         with _SLOTS:
             self._own_snapshots.pop(step, None)
         slot = self._free_slot()
-        data = self._snapshot_ring.copy_out(layout, [t for _, t in tensors], slot)
+        if ring.files is not None:
+            ring.files.invalidate(slot)
+        data = ring.copy_out(layout, [t for _, t in tensors], slot)
         e = self.engine
         groups, scalars = _optim_extras(e.optimizer)
         snap = {"format": FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "bytes": int(layout.total), "layout": layout.to_list(), "data": data,
                 "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
                           "optim_scalars": scalars, "rng": torch.get_rng_state().numpy().copy()}}
+        if ring.files is not None:
+            snap["id"] = node["id"]
+            ring.files.commit(slot, {k: v for k, v in snap.items() if k != "data"})
         return slot, snap
 
     def _process_workers_of(self, roles: list[str] | None, call: str) -> dict[str, "SnapshotMixin"]:
@@ -185,18 +225,26 @@ class SnapshotMixin:
         return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def take_snapshot(self, step: int, roles: list[str] | None = None) -> dict:
+    def take_snapshot(self, step: int, roles: list[str] | None = None, node: dict | None = None) -> dict:
         """Copy the state of this rank and of the ``roles`` colocated with it in this process
         (default: this role only) to host memory and keep the copies: one call per process however
-        many stateful roles it hosts. Returns ``{"step", "bytes": {role: bytes of its copy}}``;
-        :meth:`publish_snapshot` hands the copies to the object store.
+        many stateful roles it hosts. Returns ``{"step", "bytes": {role: bytes of its copy},
+        "node_failed": {role: why}}``; :meth:`publish_snapshot` hands the copies to the object
+        store.
+
+        ``node``: ``{"dir": the run's node-memory directory, "id": the snapshot's id}`` to keep
+        the copies in node memory (:mod:`resilient_rl.workers.node_memory`), where they outlive
+        this process; a role whose copy could not go there is named in ``node_failed``.
 
         A snapshot (the copy of one role) is ``{"format", "step", "rank", "world_size", "bytes",
         "layout", "data", "extra"}``, its ``data`` a view of the rank's ring buffer, valid until
         :data:`KEEP` later snapshots."""
         step = int(step)
         workers = self._process_workers_of(roles, "take_snapshot")
-        return {"step": step, "bytes": {role: int(w._take(step)["bytes"]) for role, w in workers.items()}}
+        sizes = {role: int(w._take(step, node)["bytes"]) for role, w in workers.items()}
+        failed = {role: w._node_failed[1] for role, w in workers.items()
+                  if node is not None and w._node_failed is not None and w._node_failed[0] == node["dir"]}
+        return {"step": step, "bytes": sizes, "node_failed": failed}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group="snapshot", num_returns=2)
@@ -304,12 +352,16 @@ class SnapshotMixin:
         """Fill model, optimizer, schedule and RNG from a snapshot of ``step``; False when the
         copy is not available here (the controller then tries the next source).
 
-        ``source``: None for this process's own copy; ``[ref]`` (an ObjectRef wrapped in a list,
-        so that Ray hands it over unresolved) for a copy in the object store, read here within
-        ``timeout_s``; a snapshot dict for one handed over by value. A copy that does not match
-        the rank's state raises a ValueError naming the first path that differs."""
+        ``source``: None for this process's own copy; a :class:`NodeCopy` for the copy this rank
+        left in node memory (read where this process runs: False on another node); ``[ref]`` (an
+        ObjectRef wrapped in a list, so that Ray hands it over unresolved) for a copy in the
+        object store, read here within ``timeout_s``; a snapshot dict for one handed over by
+        value. A copy that does not match the rank's state raises a ValueError naming the first
+        path that differs."""
         step = int(step)
         slot = None
+        if isinstance(source, NodeCopy):
+            return self._load_node_copy(step, source)
         if source is None:
             slot, snap = (self._own_snapshots or {}).get(step, (None, None))
         elif isinstance(source, list):
@@ -327,6 +379,29 @@ class SnapshotMixin:
         self.restore_snapshot_state(snap)
         if self._own_snapshots is None:
             self._own_snapshots = {}
+        self._keep_own(step, slot, snap)
+        self.prepare_checkpoint_staging()
+        return True
+
+    def _load_node_copy(self, step: int, source: NodeCopy) -> bool:
+        """Load the copy of ``step`` this rank left in this node's memory and keep it as its own
+        (the slot becomes its ring's: the next take writes the other one)."""
+        files = NodeFiles(node_path(source.run_dir), self.role, self.rank)
+        found = files.find(KEEP, step, source.snap_id)
+        if found is None:
+            return False
+        slot, meta, buf = found
+        snap = dict(meta, data=buf.numpy())
+        self.reset_checkpoint_writer()
+        self.restore_snapshot_state(snap)
+        if not files.still(slot, source.snap_id):  # written over while read: no process should be
+            logger.warning("%s rank %d: node copy of step %d changed while read", self.role, self.rank, step)
+            return False
+        self._node_failed = None
+        ring = self._ring_for({"dir": source.run_dir})
+        with _SLOTS:
+            self._own_snapshots = {}
+        ring.adopt(slot, buf)
         self._keep_own(step, slot, snap)
         self.prepare_checkpoint_staging()
         return True

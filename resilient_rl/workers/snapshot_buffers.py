@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from resilient_rl.controller import progress
+from resilient_rl.workers import node_memory
 from resilient_rl.workers.fsdp import reshard
 
 #: Alignment of every tensor in a packed buffer (bytes): any dtype can be viewed at any offset.
@@ -178,25 +179,43 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) 
 
 
 class HostRing:
-    """``slots`` flat host buffers of one layout's size, reused in turn (pinned where CUDA is)."""
+    """``slots`` flat host buffers of one layout's size, reused in turn (pinned where CUDA is).
 
-    def __init__(self, slots: int) -> None:
+    With ``files`` (:class:`~resilient_rl.workers.node_memory.NodeFiles`) the buffers are that
+    rank's files in node memory, which outlive the process; else the process's own memory."""
+
+    def __init__(self, slots: int, files=None) -> None:
         self.slots = slots
+        self.files = files
         self.buffers: list[torch.Tensor | None] = [None] * slots
+        self._pinned = [False] * slots
         self._views: list[tuple[Layout | None, list]] = [(None, [])] * slots
         self._stream = None
 
     def buffer(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
         buf = self.buffers[slot]
-        if buf is None or buf.numel() != nbytes or (pin and not buf.is_pinned()):
+        if buf is None or buf.numel() != nbytes or (pin and not self._pinned[slot]):
             self.forget(slot)  # free the old one first
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            if self.files is None:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                self._pinned[slot] = pin
+            else:
+                buf = self.files.map(slot, nbytes)
+                self._pinned[slot] = pin and node_memory.pin(buf)
             self.buffers[slot] = buf
         return buf
 
+    def adopt(self, slot: int, buf: torch.Tensor) -> None:
+        """Use ``buf`` (a node-memory file read back) as buffer ``slot``."""
+        self.forget(slot)
+        self.buffers[slot] = buf
+
     def forget(self, slot: int) -> None:
         """Give ``slot`` a new buffer at its next use (whoever still reads the old one keeps it)."""
+        if self._pinned[slot] and self.files is not None:
+            node_memory.unpin(self.buffers[slot])
         self.buffers[slot] = None
+        self._pinned[slot] = False
         self._views[slot] = (None, [])
 
     def views(self, slot: int, layout: Layout) -> list[torch.Tensor]:

@@ -1,0 +1,235 @@
+"""Node memory for in-memory snapshots: a rank's ring buffers as files in a node-shared tmpfs.
+
+A rank's snapshot ring (:class:`~resilient_rl.workers.snapshot_buffers.HostRing`) lives, where
+the controller names a directory (``recovery.snapshot_node_dir``, ``/dev/shm`` by default), in
+memory-mapped files there instead of the process's own memory. The copy costs the same memory
+copy, and it outlives the process: a restarted process or a spare of the same rank on the same
+node reads it back, without a copy of the state through Ray's object store after every
+snapshot (which costs each snapshot an object to create, seal, pin and free).
+
+Layout, one directory per run and node (:func:`node_path`)::
+
+    <root>/resilient-rl-<run>/<node id>/
+        .alive                          shared lock held by every process using the directory
+        <role>-<rank>-<slot>.data       the packed tensors (preallocated with posix_fallocate)
+        <role>-<rank>-<slot>.meta       the snapshot without its data (pickled), written last
+
+The ``.meta`` file is the commit marker: a take first removes the slot's ``.meta``, then copies
+into ``.data``, then writes the new ``.meta`` (to a temporary name, renamed over). A reader
+(:meth:`NodeFiles.find`) trusts only a slot whose ``.meta`` names the snapshot it was asked for
+(step and the controller's id of that snapshot), and checks again after reading
+(:meth:`NodeFiles.still`). The space is reserved up front (``posix_fallocate``): a tmpfs too
+small for the ring fails the reservation with an OSError, never a SIGBUS during the copy.
+
+Directories are removed by the controller at the end of a run (:func:`remove_run`, on every
+node); one left behind by a controller that crashed is removed by the next process that opens a
+directory on the same node (:func:`sweep_stale`) once no process holds its ``.alive`` lock and
+it has not changed for :data:`STALE_S`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import pickle
+import shutil
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of a run's directory under the root.
+PREFIX = "resilient-rl-"
+#: Age (seconds since its last change) past which an unused run directory is removed.
+STALE_S = 600.0
+
+_ALIVE: dict[str, int] = {}  # directory -> fd of its .alive file, locked shared by this process
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCopy:
+    """Where a rank finds a snapshot in node memory: the run's directory (``<root>/resilient-rl-
+    <run>``, this node's part of it is read) and the controller's id of the snapshot."""
+
+    run_dir: str
+    snap_id: str
+
+
+def node_id() -> str:
+    """This process's Ray node id ("local" outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # pragma: no cover - an old or partly started Ray: one node
+        pass
+    return "local"
+
+
+def node_path(run_dir: str) -> str:
+    """This node's directory of the run directory ``run_dir`` (``<root>/resilient-rl-<run>``)."""
+    return os.path.join(run_dir, node_id())
+
+
+def run_path(root: str, run: str) -> str:
+    return os.path.join(root, PREFIX + run)
+
+
+def remove_run(path: str) -> None:
+    """Remove a run's directory on this node (nothing when there is none)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _hold_alive(directory: str) -> None:
+    if directory in _ALIVE:
+        return
+    fd = os.open(os.path.join(directory, ".alive"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _ALIVE[directory] = fd
+
+
+def sweep_stale(root: str, keep: str, now: float | None = None) -> list[str]:
+    """Remove the run directories under ``root`` (other than ``keep``) that no live process uses
+    and that have not changed for :data:`STALE_S`; returns those removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        run = os.path.join(root, name)
+        if run == keep:
+            continue
+        try:
+            nodes = [os.path.join(run, n) for n in os.listdir(run)]
+            if max([os.stat(run).st_mtime] + [os.stat(n).st_mtime for n in nodes]) > now - STALE_S:
+                continue
+            fds = []
+            try:
+                for n in nodes:
+                    alive = os.path.join(n, ".alive")
+                    if os.path.exists(alive):
+                        fd = os.open(alive, os.O_RDWR)
+                        fds.append(fd)
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
+                shutil.rmtree(run, ignore_errors=True)
+                removed.append(run)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed snapshot memory left by runs that ended: %s", removed)
+    return removed
+
+
+class NodeFiles:
+    """The ring files of one rank (``role``, ``rank``) in a node directory."""
+
+    def __init__(self, directory: str, role: str, rank: int) -> None:
+        self.dir, self.role, self.rank = directory, role, int(rank)
+
+    def open(self) -> None:
+        """Create the directory, mark it in use by this process, remove stale runs beside it."""
+        first = not os.path.isdir(self.dir)
+        os.makedirs(self.dir, exist_ok=True)
+        _hold_alive(self.dir)
+        if first:
+            run = os.path.dirname(self.dir)
+            sweep_stale(os.path.dirname(run), keep=run)
+
+    def _path(self, slot: int, ext: str) -> str:
+        return os.path.join(self.dir, f"{self.role}-{self.rank}-{slot}.{ext}")
+
+    def map(self, slot: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over slot ``slot``'s data file of ``nbytes`` bytes, its space
+        reserved (an OSError, e.g. ENOSPC, when the directory cannot hold it)."""
+        self.open()
+        path = self._path(slot, "data")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                os.ftruncate(fd, 0)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+    def invalidate(self, slot: int) -> None:
+        """Withdraw slot ``slot``'s snapshot (before its data is written again)."""
+        try:
+            os.unlink(self._path(slot, "meta"))
+        except FileNotFoundError:
+            pass
+
+    def commit(self, slot: int, meta: dict) -> None:
+        """Publish slot ``slot``'s snapshot (``meta``: the snapshot without its data, with its
+        ``id``) once its data is complete."""
+        path = self._path(slot, "meta")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+
+    def _meta(self, slot: int) -> dict | None:
+        try:
+            with open(self._path(slot, "meta"), "rb") as f:
+                return pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+
+    def find(self, slots: int, step: int, snap_id: Any) -> tuple[int, dict, torch.Tensor] | None:
+        """(slot, snapshot without data, its data) of the committed snapshot ``snap_id`` of
+        ``step``, or None when this node has none."""
+        if not os.path.isdir(self.dir):
+            return None
+        for slot in range(slots):
+            meta = self._meta(slot)
+            if meta is None or meta.get("step") != step or meta.get("id") != snap_id:
+                continue
+            path = self._path(slot, "data")
+            try:
+                if os.path.getsize(path) < int(meta["bytes"]):
+                    continue
+            except OSError:
+                continue
+            self.open()
+            return slot, meta, torch.from_file(path, shared=True, size=int(meta["bytes"]), dtype=torch.uint8)
+        return None
+
+    def still(self, slot: int, snap_id: Any) -> bool:
+        """Whether slot ``slot`` still holds snapshot ``snap_id`` (checked after reading it)."""
+        meta = self._meta(slot)
+        return meta is not None and meta.get("id") == snap_id
+
+
+def pin(t: torch.Tensor, cudart: Any = None) -> bool:
+    """Page-lock ``t``'s memory for asynchronous device-to-host copies (``cudaHostRegister``);
+    False when CUDA refuses (the copies then go to pageable memory: correct, not overlapped)."""
+    if not t.numel():
+        return False
+    cudart = cudart if cudart is not None else torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(getattr(err, "value", err)) != 0:
+        logger.warning("cudaHostRegister of %d bytes of snapshot node memory failed (%s): copies "
+                       "from the GPU into it are not asynchronous", t.numel(), err)
+        return False
+    return True
+
+
+def unpin(t: torch.Tensor, cudart: Any = None) -> None:
+    cudart = cudart if cudart is not None else torch.cuda.cudart()
+    cudart.cudaHostUnregister(t.data_ptr())

@@ -1,0 +1,146 @@
+"""Snapshots in node memory (workers/node_memory.py): a rank's ring as files that outlive its
+process; a new process of the same rank reads its copy back bit for bit; the commit marker; a
+directory too small falls back to process memory; stale run directories are swept."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+from resilient_rl.workers import node_memory
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path, sweep_stale
+
+from test_snapshot_copy import Rank, assert_same, mlp
+
+
+def take(rank: Rank, step: int, run_dir: str, snap_id: str) -> dict:
+    return rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+
+
+def test_a_new_process_of_the_rank_loads_the_copy_its_predecessor_left(tmp_path):
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    for s in range(2):
+        rank.train(s)
+    answer = take(rank, 2, run_dir, "2.1")
+    assert answer["node_failed"] == {}
+    at_snapshot = rank.fingerprint()
+    files = sorted(os.listdir(node_path(run_dir)))
+    assert files == [".alive", "actor-0-0.data", "actor-0-0.meta"]
+    rank.train(2)
+    noise_a = rank.train(3)
+    after_a = rank.fingerprint()
+    del rank  # the process is gone; its copy is not
+
+    fresh = Rank(mlp)
+    assert fresh.load_snapshot(2, NodeCopy(run_dir, "2.1")) is True
+    assert_same(fresh.fingerprint(), at_snapshot)
+    fresh.train(2)
+    assert torch.equal(fresh.train(3), noise_a)
+    assert_same(fresh.fingerprint(), after_a)
+    # The copy became the new process's own (its ring slot); its next take writes the other slot.
+    assert fresh.has_snapshot(2)
+    take(fresh, 4, run_dir, "4.2")
+    assert sorted(os.listdir(node_path(run_dir)))[1:] == ["actor-0-0.data", "actor-0-0.meta",
+                                                          "actor-0-1.data", "actor-0-1.meta"]
+
+
+def test_only_the_snapshot_asked_for_is_read(tmp_path):
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    take(rank, 1, run_dir, "1.1")
+    fresh = Rank(mlp)
+    assert fresh.load_snapshot(1, NodeCopy(run_dir, "1.9")) is False  # another timeline's step 1
+    assert fresh.load_snapshot(2, NodeCopy(run_dir, "1.1")) is False  # another step
+    assert fresh.load_snapshot(1, NodeCopy(str(tmp_path / "resilient-rl-other"), "1.1")) is False
+    other_rank = Rank(mlp)
+    other_rank.rank = 1
+    assert other_rank.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False  # rank 0's files are not its
+
+
+def test_a_slot_being_written_is_withdrawn_first(tmp_path):
+    """A process that dies while copying into a slot leaves that slot without a commit marker:
+    its older snapshot there is no longer offered, the other slot's still is."""
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    take(rank, 1, run_dir, "1.1")
+    rank.train(0)
+    take(rank, 2, run_dir, "2.2")
+    rank.train(1)
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt("killed during the copy")
+
+    rank._snapshot_ring.copy_out = dies
+    with pytest.raises(KeyboardInterrupt):
+        take(rank, 3, run_dir, "3.3")  # reuses step 1's slot
+    files = NodeFiles(node_path(run_dir), "actor", 0)
+    assert files.find(2, 1, "1.1") is None
+    assert files.find(2, 2, "2.2") is not None
+
+
+def test_no_space_in_node_memory_keeps_copies_in_the_process(tmp_path, monkeypatch):
+    run_dir = str(tmp_path / "resilient-rl-run1")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    rank = Rank(mlp)
+    answer = take(rank, 1, run_dir, "1.1")
+    assert "No space left on device" in answer["node_failed"]["actor"]
+    assert rank._snapshot_ring.files is None and rank.has_snapshot(1)
+    assert not [f for f in os.listdir(node_path(run_dir)) if f.endswith(".data")]  # no sparse file left
+    _, copies = rank.publish_snapshot(1)
+    assert copies["roles"]["actor"]["step"] == 1
+    # Later takes for the same run do not try again; the copy loads back from the process.
+    assert take(rank, 2, run_dir, "2.2")["node_failed"]
+    rank.train(0)
+    assert rank.load_snapshot(2) is True
+
+
+def test_stale_run_directories_are_swept_unless_in_use(tmp_path):
+    root = tmp_path
+    live = NodeFiles(str(root / "resilient-rl-live" / "n0"), "actor", 0)
+    live.map(0, 64)  # this process holds its .alive lock
+    dead = root / "resilient-rl-dead" / "n0"
+    dead.mkdir(parents=True)
+    (dead / ".alive").write_bytes(b"")
+    (dead / "actor-0-0.data").write_bytes(b"x" * 64)
+    (root / "resilient-rl-unmarked" / "n0").mkdir(parents=True)  # no process ever locked it
+    (root / "unrelated").mkdir()
+    later = time.time() + 2 * node_memory.STALE_S
+    removed = sweep_stale(str(root), keep=str(root / "resilient-rl-mine"), now=later)
+    assert sorted(removed) == [str(root / "resilient-rl-dead"), str(root / "resilient-rl-unmarked")]
+    assert (root / "resilient-rl-live").exists() and (root / "unrelated").exists()
+    # Recently changed: kept whoever uses it.
+    (root / "resilient-rl-x" / "n0").mkdir(parents=True)
+    assert sweep_stale(str(root), keep="", now=time.time()) == []
+
+
+class FakeCudart:
+    def __init__(self, code=0):
+        self.code, self.registered = code, []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append((ptr, size, flags))
+        return self.code
+
+    def cudaHostUnregister(self, ptr):
+        self.registered = [r for r in self.registered if r[0] != ptr]
+        return 0
+
+
+def test_node_buffers_are_page_locked_for_device_copies(tmp_path):
+    files = NodeFiles(str(tmp_path / "resilient-rl-r" / "n0"), "actor", 0)
+    buf = files.map(0, 4096)
+    ok = FakeCudart()
+    assert node_memory.pin(buf, ok) is True and ok.registered == [(buf.data_ptr(), 4096, 0)]
+    node_memory.unpin(buf, ok)
+    assert ok.registered == []
+    assert node_memory.pin(buf, FakeCudart(code=712)) is False  # refused: pageable, still correct
