@@ -144,3 +144,14 @@ def test_node_buffers_are_page_locked_for_device_copies(tmp_path):
     node_memory.unpin(buf, ok)
     assert ok.registered == []
     assert node_memory.pin(buf, FakeCudart(code=712)) is False  # refused: pageable, still correct
+
+
+def test_a_new_controller_of_the_run_removes_its_predecessors_node_memory(tmp_path):
+    mine = node_memory.run_path(str(tmp_path), "abc123", "new")
+    for controller in ("old1", "old2", "new"):
+        os.makedirs(os.path.join(node_memory.run_path(str(tmp_path), "abc123", controller), "n0"))
+    other_run = node_memory.run_path(str(tmp_path), "abc123x", "c")  # another run's key
+    os.makedirs(other_run)
+    removed = node_memory.remove_predecessors(mine)
+    assert sorted(os.path.basename(p) for p in removed) == ["resilient-rl-abc123-old1", "resilient-rl-abc123-old2"]
+    assert sorted(os.listdir(tmp_path)) == ["resilient-rl-abc123-new", "resilient-rl-abc123x-c"]

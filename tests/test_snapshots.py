@@ -152,7 +152,7 @@ def keeper(every=1, max_task_retries=0, events=None, node_dir=""):
     cfg = SimpleNamespace(snapshot_every=every, max_task_retries=max_task_retries, call_timeout_s=10.0,
                           snapshot_node_dir=node_dir)
     emit = (lambda kind, **f: events.append((kind, f))) if events is not None else (lambda kind, **f: None)
-    return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get)
+    return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get, run_key="run")
 
 
 def test_ring_holders_prefer_another_node_then_another_process():
@@ -387,9 +387,9 @@ def test_node_memory_replaces_the_object_store_where_no_peer_is_on_another_node(
     one_node = {(role, r): "n0" for role, n in (("actor", 2), ("critic", 1)) for r in range(n)}
     roles = FakeRoles(actor, critic, nodes=one_node)
     events = []
-    k = keeper(events=events, node_dir="/dev/shm")
+    k = keeper(events=events, node_dir="/nonexistent-root")
     snap = k.take(roles, 6, {"step": 6})
-    assert k.node_dir.startswith("/dev/shm/resilient-rl-")
+    assert k.node_dir.startswith("/nonexistent-root/resilient-rl-run-")
     methods = [m for g in (actor, critic) for _, m, _ in g.calls]
     assert "publish_snapshot" not in methods and "hold_snapshot" not in methods
     assert snap.published == [] and snap.takes == {"actor": [None, None], "critic": [None]}
@@ -408,7 +408,7 @@ def test_node_memory_replaces_the_object_store_where_no_peer_is_on_another_node(
 def test_node_memory_publishes_for_a_peer_on_another_node():
     actor, critic = FakeGroup(2, "actor"), FakeGroup(1, "critic")
     roles = FakeRoles(actor, critic, nodes={("actor", 0): "a", ("actor", 1): "a", ("critic", 0): "b"})
-    k = keeper(node_dir="/dev/shm")
+    k = keeper(node_dir="/nonexistent-root")
     snap = k.take(roles, 7, {"step": 7})
     # Actor ranks (node a) are held by the critic on node b: their copies travel through the
     # object store; the critic's holder is actor 0 on node a: published too.
@@ -425,7 +425,7 @@ def test_node_memory_publishes_for_a_peer_on_another_node():
 
 def test_same_node_peer_not_asked_where_node_memory_keeps_the_copy():
     g = FakeGroup(2)
-    k = keeper(max_task_retries=1, node_dir="/dev/shm")
+    k = keeper(max_task_retries=1, node_dir="/nonexistent-root")
     snap = k.take(FakeRoles(g, nodes={("actor", 0): "n0", ("actor", 1): "n0"}), 5, {"step": 5})
     assert snap.holders == {"actor": [None, None]} and snap.holds == []
 
@@ -434,7 +434,7 @@ def test_unusable_node_memory_fails_that_snapshot_then_publishes():
     g = FakeGroup(2)
     roles = FakeRoles(g, nodes={("actor", 0): "n0", ("actor", 1): "n0"})
     events = []
-    k = keeper(events=events, node_dir="/dev/shm")
+    k = keeper(events=events, node_dir="/nonexistent-root")
     g.node_error = {1}
     first = k.take(roles, 1, {"step": 1})
     assert not k.is_complete(first) and first.failed

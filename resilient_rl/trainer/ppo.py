@@ -87,7 +87,7 @@ class PPOTrainer:
                                  on_state=lambda state: self.fire("on_recovery_state", state),
                                  restore_source=lambda: self.restore_source)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
-        self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event)
+        self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key)
                           if cfg.recovery.snapshot_every > 0 and self.checkpoints_on else None)
         self.restore_source: str | None = None  # where the last restore came from (the recovered event)
         # The controller's part of a checkpoint: one line per stateful part.

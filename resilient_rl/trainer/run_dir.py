@@ -16,6 +16,7 @@ such row (found by one forward scan), never by rewriting the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -88,6 +89,11 @@ class RunDir:
         self.events_path = self.path / "events.jsonl"
         self.bus = EventBus()  # every event written, as a typed event, to its subscribers (trackers)
         self._repaired: set[Path] = set()
+
+    @property
+    def key(self) -> str:
+        """A short key of this run's folder (the same for every controller of the run)."""
+        return hashlib.sha1(str(self.path.resolve()).encode()).hexdigest()[:12]
 
     def save_config(self, cfg) -> None:
         """Write the resolved config (credentials in storage options redacted)."""

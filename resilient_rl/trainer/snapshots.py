@@ -44,7 +44,7 @@ from typing import Any, Callable
 import ray
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
-from resilient_rl.workers.node_memory import NodeCopy, remove_run, run_path
+from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +110,20 @@ class SnapshotKeeper:
         cfg: the ``recovery`` config section (``snapshot_every``, ``max_task_retries``,
             ``call_timeout_s``).
         emit: ``emit(kind, **fields)`` records an event of the run.
+        run_key: the run's key (:attr:`RunDir.key`), the same for each controller of the run.
         wait, get: ``ray.wait`` and ``ray.get``, replaced by fakes in tests.
     """
 
     def __init__(self, cfg, emit: Callable[..., None] = lambda kind, **f: None,
-                 wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter):
+                 wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter,
+                 *, run_key: str):
         self.every = cfg.snapshot_every
         self.object_store_ok = cfg.max_task_retries == 0
         root = getattr(cfg, "snapshot_node_dir", "")
-        # This run's node-memory directory (one part per node), unique to this controller.
-        self.node_dir = run_path(root, uuid.uuid4().hex[:16]) if root else None
+        # This run's node-memory directory (one part per node), unique to this controller; an
+        # earlier controller's of the same run is removed at the first snapshot.
+        self.node_dir = run_path(root, run_key, uuid.uuid4().hex[:12]) if root else None
+        self._predecessors_removed = root == ""
         self.no_node: set = set()  # processes whose node memory failed: their copies are published
         self._taken = 0
         self.timeout_s = min(cfg.call_timeout_s, 120.0)
@@ -138,6 +142,9 @@ class SnapshotKeeper:
         One ``take_snapshot`` and one ``publish_snapshot`` per process (its colocated stateful
         roles together) and one ``hold_snapshot`` per holding process (every copy it keeps of
         this step)."""
+        if not self._predecessors_removed:
+            self._predecessors_removed = True
+            self._on_every_node(remove_predecessors, wait=False)
         groups = dict(roles.checkpoint_groups())
         places = roles.role_processes()
         ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
@@ -352,20 +359,25 @@ class SnapshotKeeper:
 
     def close(self) -> None:
         """Remove this run's node memory on every live node (at the end of the run)."""
-        if self.node_dir is None:
-            return
+        if self.node_dir is not None:
+            self._on_every_node(remove_run, wait=True)
+
+    def _on_every_node(self, fn: Callable[[str], Any], wait: bool) -> None:
+        """Run ``fn(self.node_dir)`` on every live node (here, outside Ray), as a task needing
+        no CPU; ``wait``: until done (at most 30 s)."""
         try:
             if not ray.is_initialized():
-                remove_run(self.node_dir)
+                fn(self.node_dir)
                 return
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            remove = ray.remote(num_cpus=0, max_retries=0)(remove_run)
-            refs = [remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            task = ray.remote(num_cpus=0, max_retries=0)(fn)
+            refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
                     .remote(self.node_dir) for n in ray.nodes() if n.get("Alive")]
-            ray.get(refs, timeout=30)
+            if wait:
+                ray.get(refs, timeout=30)
         except Exception as exc:  # a node that went away meanwhile: its memory went with it
-            logger.warning("removing snapshot node memory %s: %s", self.node_dir, exc)
+            logger.warning("cleaning snapshot node memory %s: %s", self.node_dir, exc)
 
     def memory(self) -> dict[str, list[int]]:
         """Bytes of one copy per role and rank, from the newest complete snapshot."""

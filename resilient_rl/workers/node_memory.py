@@ -9,7 +9,7 @@ snapshot (which costs each snapshot an object to create, seal, pin and free).
 
 Layout, one directory per run and node (:func:`node_path`)::
 
-    <root>/resilient-rl-<run>/<node id>/
+    <root>/resilient-rl-<run>-<controller>/<node id>/
         .alive                          shared lock held by every process using the directory
         <role>-<rank>-<slot>.data       the packed tensors (preallocated with posix_fallocate)
         <role>-<rank>-<slot>.meta       the snapshot without its data (pickled), written last
@@ -22,9 +22,10 @@ into ``.data``, then writes the new ``.meta`` (to a temporary name, renamed over
 small for the ring fails the reservation with an OSError, never a SIGBUS during the copy.
 
 Directories are removed by the controller at the end of a run (:func:`remove_run`, on every
-node); one left behind by a controller that crashed is removed by the next process that opens a
-directory on the same node (:func:`sweep_stale`) once no process holds its ``.alive`` lock and
-it has not changed for :data:`STALE_S`.
+node). One left behind by a controller that crashed is removed by the next controller of the same
+run when it starts snapshotting (:func:`remove_predecessors`), else by the next process that
+opens a directory on the same node (:func:`sweep_stale`) once no process holds its ``.alive``
+lock and it has not changed for :data:`STALE_S`.
 """
 
 from __future__ import annotations
@@ -76,13 +77,30 @@ def node_path(run_dir: str) -> str:
     return os.path.join(run_dir, node_id())
 
 
-def run_path(root: str, run: str) -> str:
-    return os.path.join(root, PREFIX + run)
+def run_path(root: str, run: str, controller: str) -> str:
+    """The directory of run ``run`` (a key of the run's folder) as one controller ``controller``
+    drives it: ``<root>/resilient-rl-<run>-<controller>``."""
+    return os.path.join(root, f"{PREFIX}{run}-{controller}")
 
 
 def remove_run(path: str) -> None:
     """Remove a run's directory on this node (nothing when there is none)."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_predecessors(path: str) -> list[str]:
+    """Remove the directories that earlier controllers of the run of ``path`` (a
+    :func:`run_path`) left on this node: a run has one controller at a time (its lease), so
+    theirs are no longer used. Returns those removed."""
+    root, name = os.path.split(path)
+    run = name.rsplit("-", 1)[0] + "-"
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(run) and n != name and "-" not in n[len(run):]]
+    except OSError:
+        return []
+    for n in names:
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    return [os.path.join(root, n) for n in names]
 
 
 def _hold_alive(directory: str) -> None:
