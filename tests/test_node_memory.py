@@ -155,3 +155,18 @@ def test_a_new_controller_of_the_run_removes_its_predecessors_node_memory(tmp_pa
     removed = node_memory.remove_predecessors(mine)
     assert sorted(os.path.basename(p) for p in removed) == ["resilient-rl-abc123-old1", "resilient-rl-abc123-old2"]
     assert sorted(os.listdir(tmp_path)) == ["resilient-rl-abc123-new", "resilient-rl-abc123x-c"]
+
+
+def test_a_replaced_ring_unregisters_its_page_locked_buffers(tmp_path, monkeypatch):
+    from resilient_rl.workers.snapshot_buffers import HostRing
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    ring = HostRing(2, NodeFiles(str(tmp_path / "resilient-rl-r-c" / "n0"), "actor", 0))
+    ring.buffer(0, 4096, pin=True)
+    ring.buffer(1, 4096, pin=True)
+    assert len(cudart.registered) == 2
+    ring.forget(0)
+    assert len(cudart.registered) == 1
+    ring.release()
+    assert cudart.registered == []

@@ -131,6 +131,8 @@ class SnapshotMixin:
         want = None if run_dir is None else (node_path(run_dir), self.role, self.rank)
         have = None if ring is None or ring.files is None else (ring.files.dir, ring.files.role, ring.files.rank)
         if ring is None or have != want:
+            if ring is not None:
+                ring.release()
             ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want))
             with _SLOTS:
                 self._own_snapshots = {s: v for s, v in (self._own_snapshots or {}).items() if v[0] is None}

@@ -210,6 +210,12 @@ class HostRing:
         self.forget(slot)
         self.buffers[slot] = buf
 
+    def release(self) -> None:
+        """Unregister the page-locked node-memory buffers (the ring is being replaced; readers of
+        its buffers keep them)."""
+        for slot in range(self.slots):
+            self.forget(slot)
+
     def forget(self, slot: int) -> None:
         """Give ``slot`` a new buffer at its next use (whoever still reads the old one keeps it)."""
         if self._pinned[slot] and self.files is not None:
