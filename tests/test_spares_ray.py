@@ -4,8 +4,9 @@ process it replaced comes back as a spare, and a colocated run recovers through 
 from __future__ import annotations
 
 import os
-import types
 import signal
+import socket
+import types
 
 import pytest
 import ray
@@ -51,6 +52,42 @@ def test_a_spare_becomes_the_dead_rank_and_the_replaced_process_a_spare(ray_clus
         assert [i.rank for i in wg.reidentify(infos)] == [0, 1] and [i.rank for i in wg.ping()] == [0, 1]
         wg.init_process_group(generation=3, backend="gloo", timeout_s=20)
         assert wg.all_reduce_check(1.0) == [3.0, 3.0]
+    finally:
+        pool.shutdown()
+        wg.shutdown()
+
+
+def test_a_node_answers_while_its_raylet_accepts_connections(ray_cluster, monkeypatch):
+    from resilient_rl.controller import health
+
+    me = ray.get_runtime_context().get_node_id()
+    assert health.node_answers(me) and not health.node_answers("ff" * 28)
+    with socket.socket() as s:  # a port nothing listens on: the raylet of a killed node
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    nodes = ray.nodes()
+    monkeypatch.setattr(health.ray, "nodes", lambda: [{**n, "NodeManagerAddress": "127.0.0.1",
+                                                       "NodeManagerPort": closed} for n in nodes])
+    assert not health.node_answers(me)
+
+
+def test_spares_on_a_node_that_no_longer_answers_are_not_adopted(ray_cluster, monkeypatch):
+    """The node of the dead rank is being lost: its spare answered its last ping, but would die
+    with the node while taking over; the rank waits for Ray's restart elsewhere instead."""
+    from resilient_rl.controller import spares
+
+    wg = make_group(1, "lostnode", max_restarts=1, call_timeout_s=60)
+    pool = SparePool(wg, 1, timeout_s=30)
+    try:
+        wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
+        wg.ping()
+        asked = []
+        monkeypatch.setattr(spares, "node_answers", lambda node: asked.append(node) or False)
+        handles = list(wg.workers)
+        assert pool.adopt(0) is None and wg.workers == handles and len(pool.ready()) == 1
+        assert asked == [wg.placement(0)[0]]
+        monkeypatch.setattr(spares, "node_answers", lambda node: True)
+        assert pool.adopt(0) is not None and wg.workers != handles
     finally:
         pool.shutdown()
         wg.shutdown()

@@ -11,6 +11,7 @@ declare ``call_off_rendezvous`` in that group, so a rendezvous a peer failed in 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Callable
 
@@ -62,6 +63,22 @@ def kill_process(pid: int, node_id: str) -> None:
                 timeout=30)
     except Exception as exc:  # the node may be gone with the process
         logger.warning("could not kill pid %d on node %s: %s", pid, node_id, exc)
+
+
+def node_answers(node_id: str, timeout_s: float = 1.0) -> bool:
+    """Whether node ``node_id``'s raylet accepts a connection now: False for a node Ray lists as
+    dead or not at all, or whose raylet refuses or does not answer within ``timeout_s``.
+
+    Ray marks a lost node dead only after its health checks fail for seconds; its raylet's port
+    tells at once (a killed raylet refuses the connection; a machine that went away does not answer)."""
+    record = next((n for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    if record is None or not record.get("Alive"):
+        return False
+    try:
+        with socket.create_connection((record["NodeManagerAddress"], int(record["NodeManagerPort"])), timeout_s):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def process_gone(pid: int, node_id: str | None) -> bool:

@@ -44,7 +44,7 @@ from typing import Any
 
 import ray
 
-from resilient_rl.controller.health import dead_for_good
+from resilient_rl.controller.health import dead_for_good, node_answers
 from resilient_rl.errors import WorkerError
 
 logger = logging.getLogger(__name__)
@@ -120,11 +120,16 @@ class SparePool:
 
     def adopt(self, rank: int):
         """Hand ``rank`` to a ready spare, those on the rank's node first (the only ones that can
-        take a GPU rank's devices); the spare's ping reply (its pid, node), or None when no spare
-        is ready or none of the ready ones could take over (the rank then waits for Ray's
-        restart)."""
+        take a GPU rank's devices) unless that node's raylet does not answer (the node is being
+        lost: its spares die with it, though their last ping answered); the spare's ping reply
+        (its pid, node), or None when no spare is ready or none of the ready ones could take over
+        (the rank then waits for Ray's restart)."""
         ready = self.ready()
         node = self.group.placement(rank)[0]
+        if node is not None and any(spare.node == node for spare in ready) and not node_answers(node):
+            logger.warning("%s rank %d is dead and its node %s does not answer: its spares there go with it",
+                           self.group.name_prefix, rank, node)
+            ready = [spare for spare in ready if spare.node != node]
         ready.sort(key=lambda spare: spare.node != node)
         logger.info("%s rank %d is dead: %d of %d warm spares ready", self.group.name_prefix, rank, len(ready),
                     len(self._spares))
