@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from resilient_rl.cli import EXIT_RUNTIME, exit_code
+from resilient_rl.cli import EXIT_ERROR, EXIT_RUNTIME, exit_code
 from resilient_rl.controller.recovery import Decision, FailurePolicy, classify
-from resilient_rl.errors import CheckpointsSkippedError, StorageError, WorkerDiedError
+from resilient_rl.checkpoint import Storage
+from resilient_rl.checkpoint.lease import RunLease
+from resilient_rl.errors import CheckpointsSkippedError, LeaseLostError, StorageError, WorkerDiedError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.telemetry.metrics import TrainerMetrics
 from resilient_rl.testing.checkpoint_roles import LocalCheckpointRoles
@@ -128,6 +130,25 @@ def test_a_permanent_storage_error_still_stops_the_run(tmp_path):
             coord.wait(roles)
         assert not isinstance(info.value, CheckpointsSkippedError)
         assert _kinds(events, "checkpoint_skipped") == []
+
+
+def test_a_write_that_fails_after_a_takeover_stops_on_the_lost_lease(tmp_path):
+    """A hung controller wakes mid-save after another took the run over and cleaned up the step
+    it was writing: its failed write is reported as the takeover (exit 2), not a storage error."""
+    coord, events = _coordinator(tmp_path, FaultPlan(enospc_after_bytes=4000), name="taken")
+    coord.acquire_lease()
+    try:
+        with LocalCheckpointRoles() as roles:
+            _save(coord, roles, 2)  # fenced: the lease is still ours
+            other = RunLease(Storage(str(tmp_path / "ckpt")), RUN, ttl_s=60, renew_s=20, takeover=True)
+            other.acquire()
+            with pytest.raises(LeaseLostError, match=other.holder) as info:
+                coord.wait(roles)
+            assert isinstance(info.value.__cause__, StorageError) and "No space left" in str(info.value.__cause__)
+            assert exit_code(info.value) == EXIT_ERROR
+            other.close()
+    finally:
+        coord.release_lease()
 
 
 def test_a_storage_outage_is_recoverable_for_the_failure_policy():

@@ -30,7 +30,8 @@ exclusive creation, acquire falls back to exists-then-write and read-back, and t
 takers can both believe they won until the next check (the loser stops at its first check); (2) a
 check and the write it guards are not one atomic step: a takeover landing between them lets one
 last write of the old holder through (a commit of a step the new holder does not read unless it is
-newer than its own timeline, see ``CheckpointManager.timeline_steps``); (3) workers of an old holder
+newer than its own timeline, see ``CheckpointManager.timeline_steps``), and a write of the old holder
+that fails on the new holder's clean-up is reported as the lost lease, not as a storage error; (3) workers of an old holder
 that is stopped mid-save may keep writing shard files until their process ends.
 """
 

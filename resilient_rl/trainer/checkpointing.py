@@ -27,8 +27,8 @@ from typing import Any, Callable
 from resilient_rl.checkpoint import CheckpointManager, FileRecord
 from resilient_rl.checkpoint.lease import Lease, RunLease
 from resilient_rl.checkpoint.retry import is_outage
-from resilient_rl.errors import (CheckpointError, CheckpointsSkippedError, ConfigError, RRLError, StorageError,
-                                 WorkerDiedError)
+from resilient_rl.errors import (CheckpointError, CheckpointsSkippedError, ConfigError, LeaseLostError, RRLError,
+                                 StorageError, WorkerDiedError)
 from resilient_rl.trainer.checkpoint_restore import CheckpointRestore
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class CheckpointCoordinator(CheckpointRestore):
             self.manager.write_trainer_state(step, trainer_state)
         except StorageError as exc:
             if not is_outage(exc):
-                raise
+                raise self._stopping_error(exc)
             self._leftovers = True
             self._skip(step, "storage", str(exc))
             return time.perf_counter() - t0
@@ -239,7 +239,7 @@ class CheckpointCoordinator(CheckpointRestore):
             detail = f"{role} rank {rank} could not write its shards: {r.get('storage_error')}"
             if not r.get("outage"):
                 self.abandon(reason="storage")
-                raise StorageError(f"checkpoint of step {step}: {detail}")
+                raise self._stopping_error(StorageError(f"checkpoint of step {step}: {detail}"))
             self.pending = None
             self._leftovers = True
             self._skip(step, "storage", detail)
@@ -274,6 +274,20 @@ class CheckpointCoordinator(CheckpointRestore):
         if self.lease is not None:
             self.lease.raise_if_lost()  # found by the renewal thread; no storage access
 
+    def _stopping_error(self, exc: StorageError) -> Exception:
+        """What a storage error that stops the run is reported as: the lost lease when another
+        controller took the run over meanwhile (a write of this one raced the takeover and failed on
+        the new holder's clean-up of the step it was writing), else ``exc`` itself."""
+        if self.lease is not None:
+            try:
+                self.lease.check()
+            except LeaseLostError as lost:
+                lost.__cause__ = exc
+                return lost
+            except StorageError:  # the lease cannot be read either: the storage error stands
+                pass
+        return exc
+
     def fence(self) -> None:
         """Raise LeaseLostError if another controller took the run over (reads the lease now);
         a no-op without a lease. Guards writes outside checkpoints, e.g. the metrics log."""
@@ -294,7 +308,7 @@ class CheckpointCoordinator(CheckpointRestore):
             self.manager.commit(p["step"], files, p["world_sizes"], p["digest"], known_good=p.get("known_good", True))
         except StorageError as exc:  # manifest, ``latest`` or retention: the storage went away
             if not is_outage(exc):
-                raise
+                raise self._stopping_error(exc)
             self.pending = None
             self._leftovers = True
             self._skip(p["step"], "storage", f"commit: {exc}")
