@@ -96,8 +96,8 @@ class Snapshot:
     published: list  # ObjectRef of each publish_snapshot's small answer (its copies are stored)
     holds: list[tuple[Any, list[tuple[str, int]]]]  # ObjectRef of each hold_snapshot, the (role, rank) it keeps
     holders: dict[str, list]  # role -> the (role, rank) holding each rank's peer copy, None where none does
-    node: dict[str, list] = dataclasses.field(default_factory=dict)  # role -> each rank's NodeCopy, None where none
-    process_of: dict = dataclasses.field(default_factory=dict)  # (role, rank) -> key of its process
+    node: dict[str, list]  # role -> each rank's NodeCopy, None where none
+    process_of: dict  # (role, rank) -> key of its process
     failed: bool = False
     complete: bool = False
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
@@ -119,7 +119,7 @@ class SnapshotKeeper:
                  *, run_key: str):
         self.every = cfg.snapshot_every
         self.object_store_ok = cfg.max_task_retries == 0
-        root = getattr(cfg, "snapshot_node_dir", "")
+        root = cfg.snapshot_node_dir
         # This run's node-memory directory (one part per node), unique to this controller; an
         # earlier controller's of the same run is removed at the first snapshot.
         self.node_dir = run_path(root, run_key, uuid.uuid4().hex[:12]) if root else None
@@ -193,8 +193,8 @@ class SnapshotKeeper:
             # see hold_snapshot.
             ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
-        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders,
-                        node=nodes, process_of=process_of)
+        snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders, nodes,
+                        process_of)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
@@ -307,7 +307,7 @@ class SnapshotKeeper:
         by_role = dict(groups)
         sources: list[tuple[str, Callable[[str, int], Any]]] = [
             ("own", lambda role, r: None),
-            ("node", lambda role, r: snap.node.get(role, [None] * (r + 1))[r] or NO_COPY)]
+            ("node", lambda role, r: snap.node[role][r] or NO_COPY)]
         if self.object_store_ok:
             sources.append(("object_store", lambda role, r: NO_COPY if snap.takes[role][r] is None
                             else [snap.takes[role][r]]))
