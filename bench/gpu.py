@@ -249,7 +249,7 @@ def count_params(cfg, vocab_size: int) -> int:
 def run(args: argparse.Namespace, tmp: str) -> dict:
     """Warm up, then measure; returns what :func:`format_report` needs besides the copy time."""
     from resilient_rl.telemetry.device import GpuSampler
-    from resilient_rl.trainer.cluster import connect, disconnect
+    from resilient_rl.runtime.cluster import connect, disconnect
     from resilient_rl.trainer.ppo import PPOTrainer
 
     cfg = build_config(args, tmp)

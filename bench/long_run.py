@@ -22,8 +22,8 @@ import os
 import tempfile
 import time
 
-from resilient_rl.trainer.run_dir import RunDir
-from resilient_rl.trainer.goodput import UsefulTime
+from resilient_rl.run.folder import RunDir
+from resilient_rl.telemetry.goodput import UsefulTime
 
 BLOCK = 1000
 

@@ -51,10 +51,10 @@ import numpy as np
 import psutil
 
 from resilient_rl.faults.injectors import FaultSchedule
-from resilient_rl.trainer import cluster
+from resilient_rl.runtime import cluster
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.run_dir import RunDir, deterministic_view
+from resilient_rl.run.folder import RunDir, deterministic_view
 
 RSS_TARGET_MB = 50.0
 MIN_FIT_SPAN = 500  # steps of samples a growth verdict needs

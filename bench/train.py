@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from resilient_rl.trainer.cluster import connect, disconnect
+from resilient_rl.runtime.cluster import connect, disconnect
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer

@@ -6,7 +6,7 @@ changing its imports::
     from resilient_rl import Worker, register, Dispatch, RayResourcePool, RayClassWithInitArgs, RayWorkerGroup
 """
 
-from resilient_rl.controller.dispatch import (
+from resilient_rl.runtime.dispatch import (
     Dispatch,
     Execute,
     collect_all_to_all,
@@ -22,9 +22,9 @@ from resilient_rl.controller.dispatch import (
     get_predefined_dispatch_fn,
     register,
 )
-from resilient_rl.controller.resource_pool import RayResourcePool, merge_resource_pool
-from resilient_rl.controller.worker import Worker
-from resilient_rl.controller.worker_group import (
+from resilient_rl.runtime.resource_pool import RayResourcePool, merge_resource_pool
+from resilient_rl.runtime.worker import Worker
+from resilient_rl.runtime.worker_group import (
     RayClassWithInitArgs,
     RayWorkerGroup,
     create_colocated_worker_cls,

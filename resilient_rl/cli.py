@@ -62,17 +62,17 @@ def exit_code(exc: BaseException) -> int:
 
 
 def _setup_logging(quiet: bool) -> None:
-    from resilient_rl.trainer.run_log import setup_console
+    from resilient_rl.run.log import setup_console
 
     setup_console(logging.WARNING if quiet else getattr(logging, env.log_level(), logging.INFO))
 
 
 def _fit(cfg) -> int:
     """Run the trainer on ``cfg`` to ``trainer.total_steps``; shared by train and resume."""
-    from resilient_rl.trainer.cluster import connect, disconnect
+    from resilient_rl.runtime.cluster import connect, disconnect
     from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
 
-    from resilient_rl.trainer.run_log import RunLog
+    from resilient_rl.run.log import RunLog
 
     trainer = PPOTrainer(cfg)
     log_path = trainer.run_dir.path / "train.log"

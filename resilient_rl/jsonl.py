@@ -1,6 +1,6 @@
 """Reading the JSON-lines files of a run folder (``metrics.jsonl``, ``events.jsonl``).
 
-A writer appends each line with one ``write`` call (see :mod:`resilient_rl.trainer.run_dir`),
+A writer appends each line with one ``write`` call (see :mod:`resilient_rl.run.folder`),
 so a line counts only once its newline is on disk: an unterminated last line was cut short by a
 writer killed mid-append (or is being written right now) and is skipped with a warning. Any
 other line that is not a JSON object is damage, reported with :class:`RunFolderError` naming

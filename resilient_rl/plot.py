@@ -1,7 +1,7 @@
 """``resilient-rl plot RUN``: reward, step time and KL over steps, with where the run lost time.
 
 :func:`build_figure` draws three panels sharing the step axis from a run folder
-(:mod:`resilient_rl.runinfo`): mean reward, step duration and KL. Every panel marks each failure
+(:mod:`resilient_rl.run.info`): mean reward, step duration and KL. Every panel marks each failure
 (a red dashed line at the step that failed) and the steps it cost (a shaded span from the
 checkpoint it restored to the failed step), each committed checkpoint (a green tick on the step
 axis) and an aborted run (a black line). The step-time panel labels each failure with its
@@ -22,7 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from resilient_rl.errors import ConfigError, RunFolderError
-from resilient_rl.runinfo import RunFiles, checkpoint_steps, failure_episodes, goodput, open_run
+from resilient_rl.run.info import RunFiles, checkpoint_steps, failure_episodes, goodput, open_run
 
 #: (row key, label) of the KL series, drawn when present: the policy's drift within a step, and
 #: the divergence from the reference policy (in the reward, or as a loss term).

@@ -1,6 +1,6 @@
 """``resilient-rl status RUN``: what an operator asks first about a run, from its folder.
 
-:func:`gather_status` reads the run folder (:mod:`resilient_rl.runinfo`) and the run's checkpoints
+:func:`gather_status` reads the run folder (:mod:`resilient_rl.run.info`) and the run's checkpoints
 (through :func:`resilient_rl.checkpoint.export.inspect_run`, the reader of ``checkpoints list``)
 into a :class:`RunStatus`: whether it runs or how it ended (and whether its controller process is
 alive), step and rate, the newest committed checkpoint and its age, failures with their causes and
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient_rl.errors import RRLError
-from resilient_rl.runinfo import FailureEpisode, RunFiles, failure_episodes, goodput, last_write_time, open_run
-from resilient_rl.trainer.controller_record import controller_alive
+from resilient_rl.run.info import FailureEpisode, RunFiles, failure_episodes, goodput, last_write_time, open_run
+from resilient_rl.run.record import controller_alive
 
 #: Steps whose mean duration is reported as the recent step time.
 RECENT_STEPS = 10

@@ -11,7 +11,7 @@ import pytest
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
 from resilient_rl.cli import main
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
 
 RUN = "clean"

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.cli import EXIT_ERROR, EXIT_RUNTIME, exit_code
-from resilient_rl.controller.recovery import Decision, FailurePolicy, classify
+from resilient_rl.recovery.policy import Decision, FailurePolicy, classify
 from resilient_rl.checkpoint import Storage
 from resilient_rl.checkpoint.lease import RunLease
 from resilient_rl.errors import CheckpointsSkippedError, LeaseLostError, StorageError, WorkerDiedError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.telemetry.metrics import TrainerMetrics
 from resilient_rl.testing.checkpoint_roles import LocalCheckpointRoles
-from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
 
 RUN = "io"

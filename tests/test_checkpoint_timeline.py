@@ -11,7 +11,7 @@ import pytest
 
 from resilient_rl.checkpoint import CheckpointManager, Manifest
 from resilient_rl.testing.local_group import CheckpointOnlyPool
-from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
 
 from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, save_step

@@ -27,7 +27,7 @@ from resilient_rl.events import read_events
 from resilient_rl.models.hf import tiny_llama_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.config.schema import config_digest, config_from_dict
-from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.run.folder import RunDir
 from resilient_rl.data.tasks import get_task
 from resilient_rl.data.tokenizer import build_tokenizer
 from resilient_rl.workers.checkpointing import CheckpointMixin

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from resilient_rl.config.schema import load_config
-from resilient_rl.trainer.cluster import connect, disconnect
+from resilient_rl.runtime.cluster import connect, disconnect
 
 
 def test_a_cluster_initialised_by_the_caller_outlives_connect_and_disconnect(ray_cluster):

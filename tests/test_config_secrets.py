@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from resilient_rl.config.schema import REDACTED, config_digest, load_config
-from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.run.folder import RunDir
 
 SECRETS = ["checkpoint.storage_options.key=AKIAEXAMPLEKEY", "checkpoint.storage_options.secret=s3cr3t-value",
            "checkpoint.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:9000",

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.ray
 def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkeypatch):
     import ray
 
-    from resilient_rl.trainer.cluster import connect, disconnect
+    from resilient_rl.runtime.cluster import connect, disconnect
     from resilient_rl.config.schema import load_config
-    from resilient_rl.trainer.run_log import RunLog
+    from resilient_rl.run.log import RunLog
 
     cfg = load_config(None, ["ray.num_cpus=2", "ray.object_store_memory=100000000"])
     log = tmp_path / "train.log"

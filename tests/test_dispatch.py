@@ -10,7 +10,7 @@ from resilient_rl import (DataProto, Dispatch, Execute, collect_all_to_all, coll
                           collect_dp_compute_data_proto, collect_rank_zero, dispatch_all_to_all, dispatch_dp_compute,
                           dispatch_dp_compute_data_proto, dispatch_dp_compute_data_proto_with_func,
                           dispatch_one_to_all, dispatch_rank_zero, get_predefined_dispatch_fn, register)
-from resilient_rl.controller.dispatch import PAD_SIZE_KEY, registered_methods, resolve_dispatch
+from resilient_rl.runtime.dispatch import PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import unpad_dataproto
 

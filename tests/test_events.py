@@ -14,7 +14,7 @@ import resilient_rl
 from resilient_rl.errors import RunFolderError
 from resilient_rl.events import (EVENT_TYPES, SCHEMA_VERSION, Event, EventBus, EventSchemaError, UnknownEvent,
                                  event_to_json, make_event, parse_event, read_events)
-from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.run.folder import RunDir
 
 #: One event of every kind, with values of the types its emitter passes.
 SAMPLES: dict[str, dict] = {
@@ -263,7 +263,7 @@ def test_checkpoint_coordinator_events_are_valid_lines(tmp_path):
     from resilient_rl.errors import WorkerDiedError
     from resilient_rl.faults.storage import FaultPlan, faulty_url
     from resilient_rl.testing.checkpoint_roles import LocalCheckpointRoles
-    from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+    from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 
     url, options = faulty_url(str(tmp_path / "ckpt"), FaultPlan(slow_s=0.05), name=f"ev-{tmp_path.name}")
     flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",

@@ -21,9 +21,9 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from resilient_rl import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker, register, Dispatch
-from resilient_rl.controller.device_poller import DeviceReportPoller
-from resilient_rl.controller.health import HEALTH_GROUPS
-from resilient_rl.controller.worker import WorkerInfo
+from resilient_rl.runtime.device_poller import DeviceReportPoller
+from resilient_rl.runtime.health import HEALTH_GROUPS
+from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, GpuSampler, MetricsServer, NodeExporter,
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics, TrainerMetrics,
                                     device_report, gpu_assignments)

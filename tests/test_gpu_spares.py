@@ -1,6 +1,6 @@
 """Warm spares of GPU groups: they reserve no GPU and take a dead rank's GPUs.
 
-The device hand-over (:mod:`resilient_rl.controller.devices`) is tested directly, and the spare
+The device hand-over (:mod:`resilient_rl.runtime.devices`) is tested directly, and the spare
 pool on a local Ray cluster with logical GPUs: Ray assigns them (``CUDA_VISIBLE_DEVICES``) to the
 ranks exactly as on GPU machines, though no CUDA runs here. That a process given a GPU this way
 computes on it is CUDA's part and needs a GPU machine.
@@ -15,11 +15,11 @@ import pytest
 import ray
 
 from resilient_rl.config.schema import load_config
-from resilient_rl.controller import devices
-from resilient_rl.controller.devices import DevicesUnavailable, take_devices
-from resilient_rl.controller.resource_pool import RayResourcePool
-from resilient_rl.controller.spares import SparePool
-from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
+from resilient_rl.runtime import devices
+from resilient_rl.runtime.devices import DevicesUnavailable, take_devices
+from resilient_rl.runtime.resource_pool import RayResourcePool
+from resilient_rl.runtime.spares import SparePool
+from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup
 from resilient_rl.errors import ConfigError
 from resilient_rl.testing.wait import wait_until
 from resilient_rl.workers.fsdp import uses_cuda

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from resilient_rl import Dispatch, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker, register
-from resilient_rl.controller import progress
-from resilient_rl.controller.health import HEALTH_GROUPS, process_gone, replaced
+from resilient_rl.runtime import progress
+from resilient_rl.runtime.health import HEALTH_GROUPS, process_gone, replaced
 from resilient_rl.errors import CollectiveError, WorkerError, WorkerTimeoutError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -18,9 +18,9 @@ from resilient_rl.events import read_events
 from resilient_rl.faults.nonfinite import NonFiniteAdvantage, NonFiniteReward
 from resilient_rl.protocol import DataProto
 from resilient_rl.testing.local_group import local_roles
-from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.config.schema import config_from_dict, load_config
-from resilient_rl.trainer.nonfinite import find_nonfinite
+from resilient_rl.recovery.nonfinite import find_nonfinite
 from resilient_rl.workers.checkpointing import state_is_finite
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine

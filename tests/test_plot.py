@@ -9,7 +9,7 @@ from matplotlib.container import BarContainer
 from resilient_rl.cli import main
 from resilient_rl.errors import RunFolderError
 from resilient_rl.plot import build_figure
-from resilient_rl.runinfo import open_run
+from resilient_rl.run.info import open_run
 from resilient_rl.testing.run_folder import FakeRun, play_two_failures
 
 

@@ -31,7 +31,7 @@ from resilient_rl.testing.monitoring import (MONITORING, alert_rules, dashboard_
 from resilient_rl.testing.wait import wait_until
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter
+from resilient_rl.telemetry.nodes import RemoteNodeExporter
 
 pytestmark = pytest.mark.ray
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from resilient_rl.controller.recovery import (ALLOWED, Cause, Decision, Failure, FailurePolicy, IllegalTransition,
+from resilient_rl.recovery.policy import (ALLOWED, Cause, Decision, Failure, FailurePolicy, IllegalTransition,
                                               RecoveryState, RecoveryStateMachine, classify)
 from resilient_rl.testing.clock import FakeClock
 from resilient_rl.errors import (CollectiveError, ConfigError, WorkerDiedError, WorkerError, WorkerTimeoutError)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.config.runtime import RecoveryConfig
-from resilient_rl.controller.recovery import RecoveryState
+from resilient_rl.recovery.policy import RecoveryState
 from resilient_rl.errors import (CollectiveError, LeaseError, RecoveryError, StorageError, WorkerDiedError,
                                  WorkerError, WorkerTimeoutError)
 from resilient_rl.testing.clock import FakeClock
 from resilient_rl.testing.fake_pool import FakePool
-from resilient_rl.trainer.resilience import Recovery
+from resilient_rl.recovery.driver import Recovery
 
 S = RecoveryState
 

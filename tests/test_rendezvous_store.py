@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from resilient_rl.controller import rendezvous
+from resilient_rl.runtime import rendezvous
 from resilient_rl.errors import CollectiveError
 
 

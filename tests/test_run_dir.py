@@ -12,7 +12,7 @@ import pytest
 
 from resilient_rl.errors import RunFolderError
 from resilient_rl.trainer.ppo import HISTORY_WINDOW, reward_summary
-from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.run.folder import RunDir
 
 
 def _rows(n: int) -> list[dict]:
@@ -35,7 +35,7 @@ def _tear(path, nbytes: int = 7) -> None:
 def test_torn_tail_is_skipped_with_a_warning(tmp_path, caplog):
     rd = _filled(tmp_path, 3)
     _tear(rd.metrics_path, 20)
-    with caplog.at_level(logging.WARNING, logger="resilient_rl.trainer.run_dir"):
+    with caplog.at_level(logging.WARNING, logger="resilient_rl.run.folder"):
         assert rd.read_metrics() == _rows(3)
     assert "torn last line" in caplog.text and str(rd.metrics_path) in caplog.text
 
@@ -86,7 +86,7 @@ def test_appends_are_single_writes_of_whole_lines(tmp_path):
     first append's cut of a torn tail: a run has one writer, and here the other writer's line in
     progress would look torn.)"""
     rd = RunDir(str(tmp_path), "run")
-    code = ("import sys; from resilient_rl.trainer.run_dir import RunDir\n"
+    code = ("import sys; from resilient_rl.run.folder import RunDir\n"
             "rd = RunDir(sys.argv[1], 'run')\n"
             "rd._repaired.add(rd.metrics_path)\n"
             "for i in range(200): rd.append_metrics({'step': i, 'who': sys.argv[2], 'pad': sys.argv[2] * 20000})\n")

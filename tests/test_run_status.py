@@ -16,10 +16,10 @@ import pytest
 from resilient_rl.cli import main
 from resilient_rl.errors import RecoveryError
 from resilient_rl.run_status import gather_status
-from resilient_rl.runinfo import failure_episodes, open_run
+from resilient_rl.run.info import failure_episodes, open_run
 from resilient_rl.telemetry import FileSDWriter
 from resilient_rl.testing.run_folder import FakeRun, play_two_failures
-from resilient_rl.trainer.controller_record import (ControllerRecord, controller_alive, controller_session,
+from resilient_rl.run.record import (ControllerRecord, controller_alive, controller_session,
                                                     read_controller_record)
 
 

@@ -173,7 +173,7 @@ def test_layout_is_self_describing_and_aligned():
 
 
 def test_copy_reports_progress_per_chunk(monkeypatch):
-    from resilient_rl.controller import progress
+    from resilient_rl.runtime import progress
 
     rank = Rank(mlp)
     rank.train(0)

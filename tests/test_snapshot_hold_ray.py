@@ -10,8 +10,8 @@ import time
 import pytest
 import ray
 
-from resilient_rl.controller.health import HEALTH_GROUPS
-from resilient_rl.controller.worker import Worker
+from resilient_rl.runtime.health import HEALTH_GROUPS
+from resilient_rl.runtime.worker import Worker
 from resilient_rl.workers.snapshot import SnapshotMixin
 
 pytestmark = pytest.mark.ray

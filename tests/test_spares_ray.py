@@ -11,12 +11,12 @@ import types
 import pytest
 import ray
 
-from resilient_rl.controller.health import dead_for_good
-from resilient_rl.controller.resource_pool import RayResourcePool
-from resilient_rl.controller.spares import SparePool
+from resilient_rl.runtime.health import dead_for_good
+from resilient_rl.runtime.resource_pool import RayResourcePool
+from resilient_rl.runtime.spares import SparePool
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.testing.wait import wait_until
-from resilient_rl.trainer.run_dir import deterministic_view
+from resilient_rl.run.folder import deterministic_view
 from test_controller_ray import make_group
 from test_trainer_ray import small_cfg
 from resilient_rl.trainer.ppo import PPOTrainer
@@ -58,7 +58,7 @@ def test_a_spare_becomes_the_dead_rank_and_the_replaced_process_a_spare(ray_clus
 
 
 def test_a_node_answers_while_its_raylet_accepts_connections(ray_cluster, monkeypatch):
-    from resilient_rl.controller import health
+    from resilient_rl.runtime import health
 
     me = ray.get_runtime_context().get_node_id()
     assert health.node_answers(me) and not health.node_answers("ff" * 28)
@@ -74,7 +74,7 @@ def test_a_node_answers_while_its_raylet_accepts_connections(ray_cluster, monkey
 def test_spares_on_a_node_that_no_longer_answers_are_not_adopted(ray_cluster, monkeypatch):
     """The node of the dead rank is being lost: its spare answered its last ping, but would die
     with the node while taking over; the rank waits for Ray's restart elsewhere instead."""
-    from resilient_rl.controller import spares
+    from resilient_rl.runtime import spares
 
     wg = make_group(1, "lostnode", max_restarts=1, call_timeout_s=60)
     pool = SparePool(wg, 1, timeout_s=30)

@@ -8,7 +8,7 @@ import pytest
 
 from resilient_rl.errors import RRLError
 from resilient_rl.trainer import step as step_module
-from resilient_rl.trainer.pool import STEP_CALLS, step_role
+from resilient_rl.runtime.pool import STEP_CALLS, step_role
 from resilient_rl.trainer.step import PhaseTimer
 
 

@@ -449,7 +449,7 @@ def local_run(tmp_path_factory):
     handler = logging.Handler()
     records: list[str] = []
     handler.emit = lambda record: records.append(record.getMessage())
-    log = logging.getLogger("resilient_rl.trainer.telemetry_hook")
+    log = logging.getLogger("resilient_rl.telemetry.hook")
     log.addHandler(handler)
     level = log.level
     log.setLevel(logging.INFO)
@@ -463,7 +463,7 @@ def local_run(tmp_path_factory):
 
 
 def test_node_exporters_are_called_with_the_telemetry_timeout(tmp_path, monkeypatch):
-    from resilient_rl.trainer import telemetry_hook
+    from resilient_rl.telemetry import hook as telemetry_hook
 
     seen = {}
 
@@ -586,7 +586,7 @@ def test_observe_phase_records_a_known_phase_only(trainer):
 
 
 def test_useful_time_is_a_running_total_that_rolls_back():
-    from resilient_rl.trainer.goodput import UsefulTime
+    from resilient_rl.telemetry.goodput import UsefulTime
 
     u = UsefulTime()
     for step, seconds in ((1, 1.0), (2, 2.0), (3, 4.0)):

@@ -15,8 +15,8 @@ import pytest
 
 from resilient_rl.errors import ConfigError
 from resilient_rl.config.schema import load_config
-from resilient_rl.trainer.run_dir import RunDir
-from resilient_rl.trainer.trackers import TrackerSet, _require_extra, build_trackers
+from resilient_rl.run.folder import RunDir
+from resilient_rl.telemetry.trackers import TrackerSet, _require_extra, build_trackers
 
 RECOVERED = {"failed_step": 4, "restored_step": 2, "steps_replayed": 1, "duration_s": 2.5,
              "restarted": [["actor", 1]], "generation": 2, "source": "checkpoint"}
@@ -139,7 +139,7 @@ def test_mlflow_file_store_holds_metrics_and_events(tmp_path, monkeypatch):
 def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_log(tmp_path, capsys):
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer
-    from resilient_rl.trainer.run_log import TqdmConsoleHandler, setup_console
+    from resilient_rl.run.log import TqdmConsoleHandler, setup_console
 
     cfg = load_config(None, ["trainer.total_steps=5", "trainer.log_every=2", "data.batch_size=8", "data.num_prompts=16",
                              "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=1",
@@ -158,19 +158,19 @@ def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_lo
         assert sum(isinstance(h, TqdmConsoleHandler) for h in root.handlers) == \
             sum(isinstance(h, TqdmConsoleHandler) for h in saved[0])
     err = capsys.readouterr().err
-    summaries = [line for line in err.splitlines() if "resilient_rl.trainer.trackers: step " in line]
+    summaries = [line for line in err.splitlines() if "resilient_rl.telemetry.trackers: step " in line]
     assert [s.split("step ")[1].split(" ")[0] for s in summaries] == ["2/5", "4/5", "5/5"]
     assert "reward" in summaries[0] and "s/step" in summaries[0]
     assert "resilient_rl.steps" not in err
     log = (tmp_path / "console" / "train.log").read_text()
     steps = [line for line in log.splitlines() if "resilient_rl.steps: step " in line]
     assert len(steps) == 5 and all("critic/vf_loss=" in s and "perf/tokens_per_s=" in s for s in steps)
-    assert log.count("resilient_rl.trainer.trackers: step ") == 3
+    assert log.count("resilient_rl.telemetry.trackers: step ") == 3
     assert len((tmp_path / "console" / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 def test_run_log_is_reentrant_and_routes_worker_lines(tmp_path, capsys):
-    from resilient_rl.trainer.run_log import QUIET_RAY_LOGGERS, RunLog, _log_worker_lines
+    from resilient_rl.run.log import QUIET_RAY_LOGGERS, RunLog, _log_worker_lines
 
     root = logging.getLogger()
     before = list(root.handlers)
@@ -193,7 +193,7 @@ def test_run_log_is_reentrant_and_routes_worker_lines(tmp_path, capsys):
 
 
 def test_a_chosen_backend_that_is_not_installed_fails_before_anything_starts(tmp_path, monkeypatch):
-    from resilient_rl.trainer import trackers
+    from resilient_rl.telemetry import trackers
     from resilient_rl.trainer.ppo import PPOTrainer
 
     monkeypatch.setitem(trackers.PACKAGES, "wandb", "resilient_rl_no_such_package")

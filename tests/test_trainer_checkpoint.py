@@ -8,7 +8,7 @@ import torch
 from resilient_rl.config.schema import load_config
 from resilient_rl.events import read_events
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.run_dir import deterministic_view
+from resilient_rl.run.folder import deterministic_view
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,7 @@ from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.ray_roles import RayRoles
-from resilient_rl.trainer.run_dir import deterministic_view
+from resilient_rl.run.folder import deterministic_view
 from resilient_rl.trainer.step import make_prompts
 
 pytestmark = pytest.mark.ray

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from resilient_rl.controller import worker
+from resilient_rl.runtime import worker
 
 
 def test_warm_up_threads_are_waited_for_and_finished_ones_are_dropped(monkeypatch):

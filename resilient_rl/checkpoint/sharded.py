@@ -32,7 +32,7 @@ from resilient_rl.checkpoint.reader import CheckpointDir, ReadTarget, read_targe
 from resilient_rl.checkpoint.safetensors_io import build_header, dtype_name, iter_file_chunks
 from resilient_rl.checkpoint.state_tree import flatten_state, is_under, unflatten_state
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.controller import progress
+from resilient_rl.runtime import progress
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [

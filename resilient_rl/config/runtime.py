@@ -32,7 +32,7 @@ class TrainerConfig(Section):
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     project_name: str = "resilient-rl"
     # What a step that meets NaN/Inf (loss, grad norm, reward, KL) does: skip the poisoned update,
-    # roll back to the newest known-good checkpoint, or raise. See trainer/nonfinite.py.
+    # roll back to the newest known-good checkpoint, or raise. See recovery/nonfinite.py.
     nonfinite: str = "skip"
     # Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
     max_nonfinite: int = 3
@@ -101,14 +101,14 @@ class RecoveryConfig(Section):
 
     ``snapshot_every``: every that many steps each stateful rank copies its state to host memory,
     kept in its node's memory, by a ring peer on another node, else in the object store
-    (:mod:`resilient_rl.trainer.snapshots`);
+    (:mod:`resilient_rl.recovery.snapshots`);
     a recovery restores the newest complete snapshot instead of the older storage checkpoint.
     0 turns snapshots off. ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
     each rank keeps its snapshots, so that they outlive its process on that node
     (:mod:`resilient_rl.workers.node_memory`); "" keeps them in the process and in Ray's object
     store instead (also where the directory cannot hold them).
 
-    ``spares``: warm spare processes per worker group (:mod:`resilient_rl.controller.spares`),
+    ``spares``: warm spare processes per worker group (:mod:`resilient_rl.runtime.spares`),
     started ahead of need on free resources; a dead rank is handed to one at once instead of
     waiting for Ray to start a new process. 0 turns spares off."""
 

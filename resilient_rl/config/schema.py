@@ -114,7 +114,7 @@ class Config(Section):
             import torch  # only here: importing torch is slow and most configs never need it
 
             # Counted through NVML until CUDA is initialised: validating a worker's config must
-            # not initialise CUDA in it (see resilient_rl.controller.devices).
+            # not initialise CUDA in it (see resilient_rl.runtime.devices).
             require(torch.cuda.device_count() > 0, "trainer.device", self.trainer.device,
                      "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
 

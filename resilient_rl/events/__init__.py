@@ -28,7 +28,7 @@ versions of the code, e.g. ``resilient-rl status`` of a run that a newer trainer
   (:func:`read_events` raises it as a RunFolderError naming the file and line).
 
 :class:`EventBus` carries events from the writer to its subscribers (the experiment trackers);
-:class:`~resilient_rl.trainer.run_dir.RunDir` owns one as ``run_dir.bus``.
+:class:`~resilient_rl.run.folder.RunDir` owns one as ``run_dir.bus``.
 """
 
 from resilient_rl.events.io import EventBus, event_to_json, events_path, make_event, parse_event, read_events

@@ -109,7 +109,7 @@ class FailureEvent(Event):
     """Step ``step`` failed; recovery starts. ``role`` and ``rank`` name the failing worker's role
     (``actor``, ``critic``, ...), ``group`` its process group where known (older runs: none, and
     ``role`` may hold a worker-group name); ``cause`` is a
-    :class:`~resilient_rl.controller.recovery.Cause` value."""
+    :class:`~resilient_rl.recovery.policy.Cause` value."""
 
     step: int
     role: str | None

@@ -24,7 +24,7 @@ from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.process_state import process_alive, process_state
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.run_dir import deterministic_view
+from resilient_rl.run.folder import deterministic_view
 
 
 class InvariantError(AssertionError):
@@ -101,8 +101,8 @@ def run_training(overrides: list[str], name: str, schedule: FaultSchedule | None
 
 def collect_run(cfg) -> RunResult:
     """What a run left on disk (metrics, events, checkpoints), without starting anything."""
-    from resilient_rl.trainer.checkpointing import CheckpointCoordinator
-    from resilient_rl.trainer.run_dir import RunDir
+    from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
+    from resilient_rl.run.folder import RunDir
 
     run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
     manager = CheckpointCoordinator(cfg).manager

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from resilient_rl.controller import progress
+from resilient_rl.runtime import progress
 from resilient_rl.errors import ConfigError, ModelInputError
 
 __all__ = ["GenerationOutput", "compute_position_ids", "generate", "sample_next_token"]

@@ -2,7 +2,7 @@
 
 A run exports one device endpoint per node that hosts workers. The controller's node is served
 by the controller's own exporter; every other node runs a :class:`NodeExporter`, placed there by
-the trainer as a small Ray actor (see :mod:`resilient_rl.trainer.telemetry_hook`). This module
+the trainer as a small Ray actor (see :mod:`resilient_rl.telemetry.hook`). This module
 does not depend on Ray, so the exporter can be tested and used on its own.
 """
 

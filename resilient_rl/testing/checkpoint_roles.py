@@ -1,7 +1,7 @@
 """In-process stand-ins for the trainable roles, as the checkpoint coordinator sees them.
 
 :class:`LocalCheckpointRoles` has the ``groups`` that
-:class:`~resilient_rl.trainer.checkpointing.CheckpointCoordinator` talks to. Each rank of a
+:class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator` talks to. Each rank of a
 group is a :class:`LocalCheckpointRank`: the workers' own
 :class:`~resilient_rl.workers.checkpointing.CheckpointMixin` over a tiny model, AdamW and an LR
 schedule, with the real background shard writer. So a coordinator test saves, commits and

@@ -1,6 +1,6 @@
 """A scripted worker pool: the recovery protocol, run in milliseconds (with :mod:`resilient_rl.testing.clock`).
 
-:class:`FakePool` implements the process side of :class:`~resilient_rl.trainer.pool.WorkerPool`
+:class:`FakePool` implements the process side of :class:`~resilient_rl.runtime.pool.WorkerPool`
 the way Ray and the workers behave: a killed or crashed process is restarted with a new pid
 until its actor has used ``ray_max_restarts`` restarts (then waiting for it fails with cause
 ``exhausted``); a stopped process answers no probe until killed; a rank inside a call reports
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from resilient_rl.controller.worker import WorkerInfo
+from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.errors import WorkerDiedError, WorkerError
 
 

@@ -1,5 +1,5 @@
 """One rank of a trainable role hosted in this process, with the worker-group calls that
-:class:`~resilient_rl.trainer.checkpointing.CheckpointCoordinator` makes.
+:class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator` makes.
 
 It runs the real worker checkpoint code (:class:`~resilient_rl.workers.checkpointing.CheckpointMixin`)
 around a single-process engine, so the controller's save/commit/restore protocol can be tested
@@ -9,7 +9,7 @@ without Ray. A group call returns one result per rank, as a Ray worker group's d
 from __future__ import annotations
 
 
-from resilient_rl.trainer.pool import STATEFUL_ROLES
+from resilient_rl.runtime.pool import STATEFUL_ROLES
 from resilient_rl.workers.checkpointing import CheckpointMixin
 
 

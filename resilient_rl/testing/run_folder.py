@@ -1,8 +1,8 @@
 """Write a run folder and its checkpoints the way the trainer does, without training.
 
 For tests of the readers of a run (``status``, ``plot``): :class:`FakeRun` writes metric rows
-through :class:`~resilient_rl.trainer.run_dir.RunDir` with the trainer's keys, the events that
-:class:`~resilient_rl.trainer.resilience.Recovery` and the checkpoint coordinator write (same
+through :class:`~resilient_rl.run.folder.RunDir` with the trainer's keys, the events that
+:class:`~resilient_rl.recovery.driver.Recovery` and the checkpoint coordinator write (same
 kinds, same fields, same order) and commits real checkpoints (trainer state only) with
 :class:`~resilient_rl.checkpoint.CheckpointManager`. A failure rolls the metric history back to
 the restored step exactly as a recovery does, so the replayed steps are written again.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from resilient_rl.checkpoint import CheckpointManager
 from resilient_rl.config.schema import config_digest, config_from_dict
-from resilient_rl.trainer.run_dir import RunDir
+from resilient_rl.run.folder import RunDir
 
 #: The worker-group name prefix of the colocated group, as ``RayRoles`` names it.
 GROUP = "rrl_{run}_a1b2c3_main"

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import time
 
-from resilient_rl.controller.worker import WorkerInfo, compute_cuda_device
+from resilient_rl.runtime.worker import WorkerInfo, compute_cuda_device
 from resilient_rl.errors import RRLError
 from resilient_rl.protocol import DataProto
-from resilient_rl.trainer.pool import step_role
+from resilient_rl.runtime.pool import step_role
 from resilient_rl.telemetry.gpu_owners import device_report
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
@@ -30,7 +30,7 @@ def _controller_node_id() -> str | None:
 
 class LocalRoles:
     """Actor, critic, ref and rollout engines in this process: a
-    :class:`~resilient_rl.trainer.pool.WorkerPool` of one process group, ``local``, of one rank.
+    :class:`~resilient_rl.runtime.pool.WorkerPool` of one process group, ``local``, of one rank.
 
     It saves no checkpoints (so the trainer takes no lease on the run for it), and its only
     process is the controller's: a failure here is the controller's own and is not recovered.

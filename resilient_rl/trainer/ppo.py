@@ -16,22 +16,22 @@ import numpy as np
 from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import CheckpointCorruptError, WorkerError
 from resilient_rl.models.factory import model_vocab_size
-from resilient_rl.trainer.checkpointing import CheckpointCoordinator
+from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.trainer.controller_state import Attribute, ControllerState
-from resilient_rl.trainer.pool import WorkerPool
+from resilient_rl.runtime.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
-from resilient_rl.trainer.controller_record import controller_session
+from resilient_rl.run.record import controller_session
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
-from resilient_rl.trainer.nonfinite import NonFiniteGuard
-from resilient_rl.trainer.resilience import Recovery
-from resilient_rl.trainer.run_dir import RunDir
-from resilient_rl.trainer.run_log import RunLog
-from resilient_rl.trainer.snapshots import SnapshotKeeper
+from resilient_rl.recovery.nonfinite import NonFiniteGuard
+from resilient_rl.recovery.driver import Recovery
+from resilient_rl.run.folder import RunDir
+from resilient_rl.run.log import RunLog
+from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.data.tasks import get_task
-from resilient_rl.trainer.telemetry_hook import TelemetryHook
+from resilient_rl.telemetry.hook import TelemetryHook
 from resilient_rl.data.tokenizer import build_tokenizer
-from resilient_rl.trainer.trackers import build_trackers, check_available
+from resilient_rl.telemetry.trackers import build_trackers, check_available
 
 logger = logging.getLogger(__name__)
 

@@ -16,15 +16,15 @@ import uuid
 
 import ray
 
-from resilient_rl.controller.health import process_gone, replaced
-from resilient_rl.controller.worker import WorkerInfo
-from resilient_rl.controller.resource_pool import RayResourcePool
-from resilient_rl.controller.spares import SparePool
-from resilient_rl.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+from resilient_rl.runtime.health import process_gone, replaced
+from resilient_rl.runtime.worker import WorkerInfo
+from resilient_rl.runtime.resource_pool import RayResourcePool
+from resilient_rl.runtime.spares import SparePool
+from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
-from resilient_rl.trainer.pool import STATEFUL_ROLES, primary_role, step_role
+from resilient_rl.runtime.pool import STATEFUL_ROLES, primary_role, step_role
 from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 class RayRoles:
     """Starts the worker groups of a run, joins their process groups and builds their models.
 
-    Implements :class:`~resilient_rl.trainer.pool.WorkerPool`; a process group is named by its
+    Implements :class:`~resilient_rl.runtime.pool.WorkerPool`; a process group is named by its
     worker group's ``name_prefix``.
     """
 

@@ -20,7 +20,7 @@ from resilient_rl.algos.kl import apply_kl_penalty
 from resilient_rl.protocol import DataProto
 from resilient_rl.telemetry.metrics import PHASES  # noqa: F401 -- the step's phases; defined there, imported here
 from resilient_rl.data.tasks import compute_rewards
-from resilient_rl.trainer.pool import WorkerPool
+from resilient_rl.runtime.pool import WorkerPool
 
 
 class PhaseTimer:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from resilient_rl.checkpoint import AsyncShardWriter, FileRecord, Storage, load_shard_into, stage, write_shard
 from resilient_rl.checkpoint.retry import is_outage
-from resilient_rl.controller.dispatch import Dispatch, register
+from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.errors import StorageError
 
 #: Flat-key prefixes whose values differ per rank (each rank saves and restores its own).

@@ -49,7 +49,7 @@ def _check_device(device: str) -> None:
 def uses_cuda(device: str = "auto") -> bool:
     """Whether a worker with ``trainer.device=device`` computes on CUDA, decided without
     initialising CUDA (until it is, torch counts the visible devices through NVML), so that a
-    process can still choose its devices afterwards (:mod:`resilient_rl.controller.devices`)."""
+    process can still choose its devices afterwards (:mod:`resilient_rl.runtime.devices`)."""
     _check_device(device)
     return device == "cuda" or (device == "auto" and torch.cuda.device_count() > 0)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss
-from resilient_rl.controller import progress
+from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,

@@ -21,9 +21,9 @@ import weakref
 import ray
 import torch
 
-from resilient_rl.controller.dispatch import Dispatch, register
-from resilient_rl.controller.worker import Worker, warm_in_background
-from resilient_rl.controller.health import HEALTH_GROUPS
+from resilient_rl.runtime.dispatch import Dispatch, register
+from resilient_rl.runtime.worker import Worker, warm_in_background
+from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol_utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
@@ -99,7 +99,7 @@ class RoleWorker(Worker):
     def plan(self) -> DevicePlan:
         """Where this worker computes, decided at first use (a model build, after the rendezvous
         made the rank's GPU current): the constructor never initialises CUDA, so a warm spare
-        built like a rank can still take a dead rank's GPUs (:mod:`resilient_rl.controller.devices`)."""
+        built like a rank can still take a dead rank's GPUs (:mod:`resilient_rl.runtime.devices`)."""
         if self._plan is None:
             self._plan = plan_device(self.cfg.trainer.device)
         return self._plan

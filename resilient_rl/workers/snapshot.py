@@ -43,7 +43,7 @@ import ray
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from resilient_rl.controller.dispatch import Dispatch, register
+from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
 from resilient_rl.workers.snapshot_buffers import HostRing, Layout, as_tensor, copy_in, named_tensors
 

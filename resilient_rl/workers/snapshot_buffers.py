@@ -7,7 +7,7 @@ across steps) and every tensor of the optimizer's per-parameter state (AdamW: ``
 (:class:`Layout`: name, dtype, shape and offset of each) is computed once and reused while the
 tensors keep their names, shapes and dtypes; each snapshot copies them into a preallocated host
 buffer (:class:`HostRing`, pinned on CUDA), chunk by chunk, reporting progress after each chunk
-(:mod:`resilient_rl.controller.progress`), so a rank copying a large state still advances. On
+(:mod:`resilient_rl.runtime.progress`), so a rank copying a large state still advances. On
 CUDA the copies run on a side stream (after the current stream's queued work) into pinned memory
 with ``non_blocking=True``; :func:`copy_out` waits for each chunk's event (the GIL is released
 while it waits, so the health concurrency group answers) and returns only once the host copy is
@@ -30,7 +30,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from resilient_rl.controller import progress
+from resilient_rl.runtime import progress
 from resilient_rl.workers import node_memory
 from resilient_rl.workers.fsdp import reshard
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from resilient_rl.algos.losses import value_loss
-from resilient_rl.controller import progress
+from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient_rl.controller import rendezvous
+from resilient_rl.runtime import rendezvous
 from resilient_rl.errors import CollectiveError
 from resilient_rl.workers import weight_sync
 from resilient_rl.workers.fsdp import is_fsdp

@@ -29,7 +29,7 @@ def _split_step_url(url: str) -> tuple[str, str, int]:
 
 
 class CheckpointRestore:
-    """The restore half of :class:`~resilient_rl.trainer.checkpointing.CheckpointCoordinator`
+    """The restore half of :class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator`
     (which provides ``manager``, ``base``, ``storage_options``, ``last_committed``, ``metrics``,
     ``on_event``, ``fence``, ``cleanup``, ``_on_corrupt`` and ``_groups``)."""
 

@@ -7,7 +7,7 @@ rank at most, never blocking) and judges with :func:`judge`:
 - a rank whose health call has not answered for ``health_timeout_s`` is *unresponsive*: its
   process is stopped (SIGSTOP) or wedged below Python;
 - a rank that answers, is inside a registered call, and reports no progress
-  (:mod:`resilient_rl.controller.progress`) for ``hang_timeout_s`` is *stalled*: stuck in a
+  (:mod:`resilient_rl.runtime.progress`) for ``hang_timeout_s`` is *stalled*: stuck in a
   collective, a deadlock, an endless loop.
 
 A call that keeps advancing is healthy however long it runs; ``recovery.call_timeout_s`` remains
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from resilient_rl.controller.progress import ProgressSnapshot
+from resilient_rl.runtime.progress import ProgressSnapshot
 
 
 @dataclass

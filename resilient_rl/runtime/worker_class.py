@@ -4,7 +4,7 @@ and colocated classes.
 A rank's process is an actor of a *ranked* subclass of the user's worker class, whose constructor
 exports the rank's identity (``RANK``, ``WORLD_SIZE``, ...) before the worker's own ``__init__``
 runs, and which can take another rank's identity later (a warm spare taking a dead rank's place,
-with the rank's GPUs: :mod:`resilient_rl.controller.devices`). A colocated class hosts several
+with the rank's GPUs: :mod:`resilient_rl.runtime.devices`). A colocated class hosts several
 roles in one process, each role's methods named ``{role}_{method}``.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import ray
 
-from resilient_rl.controller.devices import take_devices
-from resilient_rl.controller.dispatch import registered_methods
-from resilient_rl.controller.health import HEALTH_GROUPS
-from resilient_rl.controller.worker import Worker, export_identity
+from resilient_rl.runtime.devices import take_devices
+from resilient_rl.runtime.dispatch import registered_methods
+from resilient_rl.runtime.health import HEALTH_GROUPS
+from resilient_rl.runtime.worker import Worker, export_identity
 from resilient_rl.errors import DispatchError
 
 
@@ -56,7 +56,7 @@ def _ranked_remote_class(ray_cls):
                                node_id: str | None = None):
                 """Become the rank ``identity`` names (a warm spare taking a dead rank's place):
                 take the rank's GPUs (``devices``, its ``CUDA_VISIBLE_DEVICES`` on node
-                ``node_id``; :func:`~resilient_rl.controller.devices.take_devices` raises
+                ``node_id``; :func:`~resilient_rl.runtime.devices.take_devices` raises
                 DevicesUnavailable, changing nothing, where this process cannot), export the
                 identity and run the worker's constructor again under it. A spare never served a
                 rank before (it is a fresh process), so nothing of an earlier rank is left."""
@@ -125,7 +125,7 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
     def forwarder(role: str, name: str, settings: dict):
         def method(self, *args, **kwargs):
             return getattr(self.worker_dict[role], name)(*args, **kwargs)
-        from resilient_rl.controller.dispatch import MAGIC_ATTR
+        from resilient_rl.runtime.dispatch import MAGIC_ATTR
         setattr(method, MAGIC_ATTR, settings)
         method.__name__ = f"{role}_{name}"
         # The role method's Ray options (a thread of its own, several return values) are the forwarder's.

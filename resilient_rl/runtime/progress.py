@@ -5,7 +5,7 @@ A slow step is not a hang. Every ``@register``-ed call marks :func:`begin` / :fu
 :func:`advance` (a mini-batch done, a block of tokens generated, a checkpoint chunk written). The
 worker's health reply, answered from its health concurrency group even while a call runs, carries
 :func:`snapshot`; the controller calls a rank hung when it is inside a call and has not advanced
-for ``recovery.hang_timeout_s``, however long the call is (see :mod:`resilient_rl.controller.liveness`).
+for ``recovery.hang_timeout_s``, however long the call is (see :mod:`resilient_rl.runtime.liveness`).
 
 The tracker is per process (colocated roles share one), because a process is what hangs and what
 gets killed. :func:`advance` is on hot paths: a monotonic clock read and two attribute stores; it

@@ -1,8 +1,8 @@
 """Read what a run left in its folder, without starting anything: for ``status`` and ``plot``.
 
-A run folder is ``{trainer.output_dir}/{run_name}/`` (:class:`~resilient_rl.trainer.run_dir.RunDir`):
+A run folder is ``{trainer.output_dir}/{run_name}/`` (:class:`~resilient_rl.run.folder.RunDir`):
 ``config.yaml``, ``metrics.jsonl`` (one row per kept step), ``events.jsonl`` (failures, recoveries,
-checkpoints), ``controller.json`` (:mod:`resilient_rl.trainer.controller_record`) and, while the
+checkpoints), ``controller.json`` (:mod:`resilient_rl.run.record`) and, while the
 run serves metrics, ``prometheus_targets.json``. :func:`open_run` reads all of it;
 :func:`failure_episodes` pairs each failure with the recovery (or abort) that followed it.
 
@@ -26,7 +26,7 @@ import yaml
 from resilient_rl.errors import RunFolderError
 from resilient_rl.events import read_events
 from resilient_rl.jsonl import read_jsonl
-from resilient_rl.trainer.controller_record import ControllerRecord, read_controller_record
+from resilient_rl.run.record import ControllerRecord, read_controller_record
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ binds every ``@register``-ed method of the worker class onto itself: calling ``w
 dispatches ``x`` over the ranks, runs the method on them and collects the results.
 
 Every wait on the workers watches the ranks' liveness (a rank that stops answering its health call
-or stops advancing for ``hang_timeout_s`` is hung, see :mod:`resilient_rl.controller.liveness`)
+or stops advancing for ``hang_timeout_s`` is hung, see :mod:`resilient_rl.runtime.liveness`)
 under a generous ceiling (``call_timeout_s``), and errors crossing the Ray
 boundary are classified into :class:`WorkerDiedError`, :class:`WorkerTimeoutError`,
 :class:`CollectiveError` or :class:`WorkerError`, each naming the group and the rank.
@@ -22,13 +22,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from resilient_rl.controller.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
+from resilient_rl.runtime.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
                                            kill_process)
-from resilient_rl.controller.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
-from resilient_rl.controller.group_call import GroupCall
-from resilient_rl.controller.liveness import LivenessWatch
-from resilient_rl.controller.resource_pool import RayResourcePool
-from resilient_rl.controller.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
+from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
+from resilient_rl.runtime.group_call import GroupCall
+from resilient_rl.runtime.liveness import LivenessWatch
+from resilient_rl.runtime.resource_pool import RayResourcePool
+from resilient_rl.runtime.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
                                                  create_colocated_worker_cls)
 from resilient_rl.errors import (DispatchError, WorkerTimeoutError)
 
@@ -301,13 +301,13 @@ class RayWorkerGroup(HealthMixin):
     # ------------------------------------------------------------------ warm spares
     def start_spare(self, name: str):
         """Start one more process of this group's class outside its placement groups, with the
-        restart budget of a rank: a warm spare (:mod:`resilient_rl.controller.spares`). Its
+        restart budget of a rank: a warm spare (:mod:`resilient_rl.runtime.spares`). Its
         handle, not waited for.
 
         A CPU group's spare asks for a rank's resources, spread over the cluster's nodes. A GPU
         group's spare asks for no GPU and waits on a node of the group's ranks (each new spare on
         the next such node): it takes a dead rank's GPUs when it takes the rank
-        (:mod:`resilient_rl.controller.devices`), so it starts even where every GPU runs a rank."""
+        (:mod:`resilient_rl.runtime.devices`), so it starts even where every GPU runs a rank."""
         options = {**self._base_options, "name": name, "scheduling_strategy": "SPREAD"}
         nodes = list(dict.fromkeys(node for node, _ in self._placements if node is not None))
         if options.get("num_gpus") and nodes:

@@ -3,7 +3,7 @@
 Every node that hosts workers, other than the controller's, gets a small Ray actor running a
 :class:`~resilient_rl.telemetry.NodeExporter`, pinned there with a
 ``NodeAffinitySchedulingStrategy``; :class:`RemoteNodeExporter` starts, feeds and stops it for
-:class:`~resilient_rl.trainer.telemetry_hook.TelemetryHook`.
+:class:`~resilient_rl.telemetry.hook.TelemetryHook`.
 """
 
 from __future__ import annotations

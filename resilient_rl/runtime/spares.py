@@ -5,7 +5,7 @@ seconds on any machine: Python, torch and the worker's imports, then its constru
 group with ``recovery.spares`` = N keeps N processes of its class started ahead of need, outside
 its placement groups and spread over the cluster's nodes (Ray's ``SPREAD``), with the resources
 and restart budget of a rank. When recovery finds a rank dead, :meth:`SparePool.adopt` hands the
-rank to a ready spare (:meth:`~resilient_rl.controller.worker_group.RayWorkerGroup.adopt`): the
+rank to a ready spare (:meth:`~resilient_rl.runtime.worker_group.RayWorkerGroup.adopt`): the
 spare takes the rank's identity and the group calls it from then on. It then joins the new
 process-group generation, builds its models and restores the rank's state like any restarted
 rank. The process it replaced is being restarted by Ray meanwhile and joins the pool as a spare
@@ -13,16 +13,16 @@ once it answers: the pool refills in the background, and the run holds the same 
 before (the replaced process keeps the rank's placement-group bundle).
 
 A spare is *ready* once its process has started and finished warming up (its background imports,
-:meth:`~resilient_rl.controller.worker.Worker.warmed_up`); one still starting is never waited for
+:meth:`~resilient_rl.runtime.worker.Worker.warmed_up`); one still starting is never waited for
 (the rank then waits for Ray's restart, as without spares). A spare that dies while idle or while
 taking over is restarted by Ray and tried again once it answers; one Ray has given up on is
 replaced by a fresh one. A CPU group's spares need free resources (a rank's share), and where
 there are none they stay pending and recovery falls back to Ray's restart. A GPU group's spares
 reserve no GPU: each waits on a node of the group's ranks and takes the GPUs of a rank of its node
-that dies (:mod:`resilient_rl.controller.devices`), so they start where every GPU runs a rank; a
+that dies (:mod:`resilient_rl.runtime.devices`), so they start where every GPU runs a rank; a
 rank of a node without a ready spare waits for Ray's restart. When a spare that served a rank is
 gone for good (its node was lost), the process of the rank's own bundle, which Ray restarts with
-the bundle, serves the rank again (:meth:`~resilient_rl.controller.worker_group.RayWorkerGroup.rehome`).
+the bundle, serves the rank again (:meth:`~resilient_rl.runtime.worker_group.RayWorkerGroup.rehome`).
 
 Spares never compete with ranks for resources. A rank's restart normally goes into its own
 placement-group bundle, whose resources stay reserved for it; but when a node is lost, Ray must
@@ -44,7 +44,7 @@ from typing import Any
 
 import ray
 
-from resilient_rl.controller.health import dead_for_good, node_answers
+from resilient_rl.runtime.health import dead_for_good, node_answers
 from resilient_rl.errors import WorkerError
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class _Spare:
 
 
 class SparePool:
-    """``n`` warm spares of ``group`` (a :class:`~resilient_rl.controller.worker_group.RayWorkerGroup`
+    """``n`` warm spares of ``group`` (a :class:`~resilient_rl.runtime.worker_group.RayWorkerGroup`
     that started its own processes); see the module docstring.
 
     ``timeout_s`` bounds a spare's taking over a rank (its constructor runs again)."""

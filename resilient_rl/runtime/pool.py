@@ -110,7 +110,7 @@ class WorkerPool(Protocol):
         """The roles whose ranks live in the processes of ``group``."""
 
     def poll_device_reports(self, poller) -> bool:
-        """Refresh ``poller``'s reports (a :class:`~resilient_rl.controller.device_poller.DeviceReportPoller`)
+        """Refresh ``poller``'s reports (a :class:`~resilient_rl.runtime.device_poller.DeviceReportPoller`)
         without waiting; whether any changed."""
 
     def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:

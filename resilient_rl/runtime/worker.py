@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from resilient_rl import env
-from resilient_rl.controller import progress, rendezvous
-from resilient_rl.controller.devices import visible_devices
-from resilient_rl.controller.dispatch import Dispatch, Execute, register
+from resilient_rl.runtime import progress, rendezvous
+from resilient_rl.runtime.devices import visible_devices
+from resilient_rl.runtime.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
 from resilient_rl.telemetry.gpu_owners import device_report
 
@@ -62,10 +62,10 @@ class WorkerInfo:
     ``gpu_uuids`` names the GPU(s) the process computes on (empty on CPU); the torch counters
     are its caching allocator's allocated and reserved bytes there (None on CPU). ``call``,
     ``progress_age_s`` and ``advances`` are the process's progress
-    (:mod:`resilient_rl.controller.progress`): the registered call it is in (None when idle), the
+    (:mod:`resilient_rl.runtime.progress`): the registered call it is in (None when idle), the
     seconds since it last advanced, and how many times it has advanced. ``devices`` is the
     process's ``CUDA_VISIBLE_DEVICES`` (None when unset): the GPUs Ray gave it, which a warm spare
-    takes over when the rank dies (:mod:`resilient_rl.controller.devices`)."""
+    takes over when the rank dies (:mod:`resilient_rl.runtime.devices`)."""
 
     rank: int
     world_size: int

@@ -4,21 +4,21 @@ When a step fails (an actor died, a collective broke, a rank stopped answering o
 a call passed its ceiling), :meth:`Recovery.handle` drives the recovery state machine: one handler
 per state does that state's work and returns the next state.
 
-1. RECOVERING: the failure is classified once (a :class:`~resilient_rl.controller.recovery.Cause`);
+1. RECOVERING: the failure is classified once (a :class:`~resilient_rl.recovery.policy.Cause`);
    every rank is probed through its health concurrency group; the :class:`FailurePolicy` decides
    *before* anything is killed or waited for, knowing which ranks would need a restart. Then a
    rank that does not answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as
    not advancing (it still answers the probe); survivors still inside a call are waited for (a
    collective error ends it at once when a peer died) and killed if they stop advancing; then
    each dead rank is handed to a ready warm spare of its group where there is one
-   (``recovery.spares``, :mod:`resilient_rl.controller.spares`), and the protocol waits until
+   (``recovery.spares``, :mod:`resilient_rl.runtime.spares`), and the protocol waits until
    Ray has restarted every other dead actor (``max_restarts``) and all answer.
    Survivors keep their processes. Each restart spends the restarted actor's budget.
 2. REJOINING: the process groups that lost a member, and the one the failure names, join a new
    generation (survivors drop the broken one), and their roles rebuild their models on it (FSDP2
    modules are bound to their process group). Groups whose members all survived keep their
    process group and models: a dead rollout does not make the actor re-initialise.
-3. RESTORING: the newest complete in-memory snapshot (:mod:`resilient_rl.trainer.snapshots`)
+3. RESTORING: the newest complete in-memory snapshot (:mod:`resilient_rl.recovery.snapshots`)
    or else the newest committed checkpoint that verifies is loaded into actor and critic, the
    controller's own state (step, data position, KL coefficient) rolls back with it, and the
    rollout gets the restored weights.
@@ -42,10 +42,10 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from resilient_rl.controller.recovery import (Cause, Decision, Failure, FailurePolicy, RecoveryState,
+from resilient_rl.recovery.policy import (Cause, Decision, Failure, FailurePolicy, RecoveryState,
                                               RecoveryStateMachine, classify)
 from resilient_rl.errors import LeaseError, RecoveryError, RRLError, WorkerError, WorkerTimeoutError
-from resilient_rl.trainer.pool import ProcessKey, WorkerPool, primary_role
+from resilient_rl.runtime.pool import ProcessKey, WorkerPool, primary_role
 
 logger = logging.getLogger(__name__)
 S = RecoveryState
@@ -75,7 +75,7 @@ class _Attempt:
 
 
 class Recovery:
-    """Runs the recovery protocol against a :class:`~resilient_rl.trainer.pool.WorkerPool`.
+    """Runs the recovery protocol against a :class:`~resilient_rl.runtime.pool.WorkerPool`.
 
     Args:
         cfg: the ``recovery`` config section.

@@ -11,7 +11,7 @@ Where non-finite values are caught (each on the step it appears):
   the step's rewards are NaN, so its updates are skipped by the workers.
 - **metric**: any other value of the row that is not finite.
 - **checkpoint**: a worker's saved tensors or the controller's state not finite: the save is
-  refused by :class:`~resilient_rl.trainer.checkpointing.CheckpointCoordinator`, never committed.
+  refused by :class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator`, never committed.
 
 What happens then is ``trainer.nonfinite``:
 

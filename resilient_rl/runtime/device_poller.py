@@ -1,6 +1,6 @@
 """Workers' device reports, collected without ever blocking the controller.
 
-A worker's health reply (:class:`~resilient_rl.controller.worker.WorkerInfo`) says which GPU its
+A worker's health reply (:class:`~resilient_rl.runtime.worker.WorkerInfo`) says which GPU its
 process computes on and how much memory torch holds there. Telemetry wants that refreshed while
 training runs, and the training loop must never wait for it: :class:`DeviceReportPoller` sends
 ``health`` calls (answered through the workers' health concurrency group even while a training
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import ray
 
-from resilient_rl.controller.health import HEALTH_ATTR
+from resilient_rl.runtime.health import HEALTH_ATTR
 
 logger = logging.getLogger(__name__)
 

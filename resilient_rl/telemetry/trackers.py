@@ -24,7 +24,7 @@ import logging
 from typing import Any, Callable, Protocol
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.trainer.run_log import STEP_LOG
+from resilient_rl.run.log import STEP_LOG
 
 logger = logging.getLogger(__name__)
 

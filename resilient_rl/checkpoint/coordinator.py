@@ -9,7 +9,7 @@ still writing after ``checkpoint.save_timeout_s`` is skipped; a storage outage (
 past the retries) skips the checkpoint while training goes on, until more than
 ``checkpoint.max_skipped`` were skipped in a row (CheckpointsSkippedError; the last committed
 checkpoint stays intact). A permanent storage error (no space left) still stops the run.
-Restoring is :mod:`~resilient_rl.trainer.checkpoint_restore`.
+Restoring is :mod:`~resilient_rl.checkpoint.restore`.
 
 One writer per run: before writing, the controller takes the run's lease (``acquire_lease``,
 ``checkpoint/lease.py``); every commit and deletion checks it, and its fencing token goes into
@@ -29,7 +29,7 @@ from resilient_rl.checkpoint.lease import Lease, RunLease
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.errors import (CheckpointError, CheckpointsSkippedError, ConfigError, LeaseLostError, RRLError,
                                  StorageError, WorkerDiedError)
-from resilient_rl.trainer.checkpoint_restore import CheckpointRestore
+from resilient_rl.checkpoint.restore import CheckpointRestore
 
 logger = logging.getLogger(__name__)
 

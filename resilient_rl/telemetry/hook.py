@@ -18,12 +18,12 @@
   controller's exporter (a :class:`DeviceMetrics` in the same registry, sampling the worker
   processes on this node); every other node gets a small Ray actor running a
   :class:`NodeExporter`, pinned there with a ``NodeAffinitySchedulingStrategy``
-  (:mod:`resilient_rl.trainer.telemetry_nodes`);
+  (:mod:`resilient_rl.telemetry.nodes`);
 - a Prometheus ``file_sd`` targets file listing those endpoints (``telemetry.file_sd_path``,
   default ``{run_dir}/prometheus_targets.json``), labelled with job, run and node.
 
 Goodput is the summed duration of the steps that were kept (a step rolled back by a recovery
-no longer counts; its replay does; :mod:`resilient_rl.trainer.goodput`) over the wall time since
+no longer counts; its replay does; :mod:`resilient_rl.telemetry.goodput`) over the wall time since
 the exporter started, which is the start of ``fit``.
 """
 
@@ -34,15 +34,15 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
-from resilient_rl.controller.device_poller import DeviceReportPoller
+from resilient_rl.runtime.device_poller import DeviceReportPoller
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics,
                                     TrainerMetrics, gpu_assignments)
 from resilient_rl.process_state import process_alive
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
-from resilient_rl.trainer.goodput import UsefulTime
-from resilient_rl.trainer.pool import WorkerPool, role_order
-from resilient_rl.trainer.telemetry_nodes import RemoteNodeExporter, Worker, node_table, ray_if_initialized
+from resilient_rl.telemetry.goodput import UsefulTime
+from resilient_rl.runtime.pool import WorkerPool, role_order
+from resilient_rl.telemetry.nodes import RemoteNodeExporter, Worker, node_table, ray_if_initialized
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class TelemetryHook:
                 logger.warning("telemetry: cannot refresh the worker series after recovery: %s", exc)
 
     def _event_nonfinite(self, e: dict) -> None:
-        """Count a NaN/Inf met by a step or refused in a checkpoint (:mod:`resilient_rl.trainer.nonfinite`)."""
+        """Count a NaN/Inf met by a step or refused in a checkpoint (:mod:`resilient_rl.recovery.nonfinite`)."""
         self.metrics.record_nonfinite(e["quantity"], e["action"])
 
     # ------------------------------------------------------------------ checkpoints' metrics

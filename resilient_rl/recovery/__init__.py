@@ -1,0 +1,1 @@
+"""Recovery of a run: failure causes, the failure policy, the state machine, rolling back."""
