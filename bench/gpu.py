@@ -258,8 +258,8 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
     stalls: list[tuple[int, float]] = []
     try:
         trainer = PPOTrainer(cfg)
-        trainer.run_dir.subscribe(lambda kind, f: stalls.append((f["step"], f["stall_s"]))
-                                  if kind == "checkpoint_started" else None)
+        trainer.run_dir.subscribe(lambda ev: stalls.append((ev.step, ev.stall_s))
+                                  if ev.kind == "checkpoint_started" else None)
         trainer.start_roles()
 
         def step() -> dict:

@@ -65,6 +65,7 @@ from resilient_rl.events import read_events  # noqa: E402
 from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
 from resilient_rl.config.schema import load_config  # noqa: E402
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
+from resilient_rl.trainer.hooks import TrainerHook
 
 PARTS = ("inplace", "full", "raytrain", "old", "fast", "hang")
 INPLACE = ("detect", "restart", "rejoin", "restore", "replay")
@@ -127,7 +128,7 @@ def process_start_time(pid: int) -> float:
     return time.time() - age
 
 
-class StepClock:
+class StepClock(TrainerHook):
     """Trainer hook: a ``bench_step_start`` event at the start of every step.
 
     It also notes when the process of every restarted worker was created (``spawned``: pid ->
@@ -147,7 +148,7 @@ class StepClock:
                     pass
 
 
-class JobKill:
+class JobKill(TrainerHook):
     """Trainer hook: at ``step``, wait ``delay_s`` (the job runs into the step) and end the job."""
 
     class Killed(Exception):

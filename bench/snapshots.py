@@ -40,6 +40,7 @@ import psutil  # noqa: E402
 import recovery as rb  # noqa: E402  (bench/recovery.py)
 
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
+from resilient_rl.trainer.hooks import TrainerHook
 
 SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
 
@@ -77,7 +78,7 @@ def cpu_seconds() -> float:
     return total
 
 
-class Blocks:
+class Blocks(TrainerHook):
     """Trainer hook: switches snapshots on and off every ``block`` steps (on for the first block,
     the warm-up) and notes each step's start time, and the run's CPU seconds at the start of the
     first two steps of each block (what the measured steps of a block spent lies between the

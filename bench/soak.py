@@ -55,6 +55,7 @@ from resilient_rl.runtime import cluster
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.run.folder import RunDir, deterministic_view
+from resilient_rl.trainer.hooks import TrainerHook
 
 RSS_TARGET_MB = 50.0
 MIN_FIT_SPAN = 500  # steps of samples a growth verdict needs
@@ -117,7 +118,7 @@ def build_schedule(plan: list[dict], seed: int) -> FaultSchedule:
 
 
 # ---------------------------------------------------------------------------- NaN injection
-class NanRewards:
+class NanRewards(TrainerHook):
     """Wraps the trainer's task: the first sample of each step in ``steps`` is scored NaN.
 
     Sits on the task's public ``reward(response, answer)``, so it does not depend on how the
@@ -162,7 +163,7 @@ def probe(pid: int) -> tuple[int, int, int, int] | None:
         return None
 
 
-class ResourceSampler:
+class ResourceSampler(TrainerHook):
     """Trainer hook: every ``every`` step starts, RSS/fds/threads of the controller and each worker."""
 
     def __init__(self, every: int):

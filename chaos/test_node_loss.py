@@ -15,9 +15,10 @@ from ray.cluster_utils import Cluster
 
 from conftest import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, run_training
+from resilient_rl.trainer.hooks import TrainerHook
 
 
-class RemoveNode:
+class RemoveNode(TrainerHook):
     """Hook: remove the node hosting actor rank 1 when step ``step`` starts."""
 
     def __init__(self, cluster: Cluster, step: int):

@@ -31,6 +31,7 @@ from resilient_rl.faults.processes import kill_tree, process_tree
 from resilient_rl.config.schema import load_config
 from resilient_rl.testing.wait import wait_until
 from resilient_rl.trainer.ppo import PPOTrainer
+from resilient_rl.trainer.hooks import TrainerHook
 
 
 def _steps(path: Path) -> list[int]:
@@ -39,7 +40,7 @@ def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-class _SecondController:
+class _SecondController(TrainerHook):
     """At the start of step 3, runs the same config again in this process: it must be refused."""
 
     def __init__(self, cfg):

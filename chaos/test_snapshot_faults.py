@@ -15,6 +15,7 @@ import pytest
 
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.trainer.hooks import TrainerHook
 
 SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
 
@@ -84,7 +85,7 @@ def test_owner_and_holder_killed_together(reference, chaos_run):
     assert "own" in sources  # the critic survived with its own
 
 
-class _RemoveActorNode:
+class _RemoveActorNode(TrainerHook):
     """Hook: remove the node hosting actor rank 1 when step ``step`` starts (after a short delay,
     so step ``step - 1``'s snapshot is complete); remembers which stateful ranks lived elsewhere."""
 

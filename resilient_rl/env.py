@@ -60,3 +60,14 @@ FAULT_INJECTION = "RRL_FAULT_INJECTION"
 def fault_injection() -> bool:
     """``RRL_FAULT_INJECTION``: whether this process may open ``faulty://`` storage URLs."""
     return os.environ.get(FAULT_INJECTION, "").strip().lower() not in ("", "0", "false", "no")
+
+
+#: fsspec implementations a process registers only when opted in, by protocol: the class path
+#: (fsspec imports it on first use), so storage code never imports the fault injectors.
+OPT_IN_FILESYSTEMS = {"faulty": "resilient_rl.faults.storage.FaultyFileSystem"}
+
+
+def opt_in_filesystems() -> dict[str, str]:
+    """The opt-in fsspec implementations this process may register (none unless
+    ``RRL_FAULT_INJECTION`` is set)."""
+    return dict(OPT_IN_FILESYSTEMS) if fault_injection() else {}

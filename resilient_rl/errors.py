@@ -8,6 +8,30 @@ the config key, the path, the checkpoint, the role and rank.
 
 from __future__ import annotations
 
+from enum import Enum
+
+
+class Cause(str, Enum):
+    """Why a step (or a recovery) failed, named where the failure is raised.
+
+    A ``str`` enum: its value is what events, logs and the ``cause`` metric label carry. A
+    :class:`WorkerError` carries one; an unknown name is a bug at the raise site (ValueError),
+    never a silent "unknown".
+    """
+
+    DIED = "died"                # a worker process exited (SIGKILL, OOM, crash)
+    TIMEOUT = "timeout"          # a call passed its ceiling
+    HANG = "hang"                # a rank stopped advancing inside a call
+    COLLECTIVE = "collective"    # a collective broke (a peer died or left)
+    NODE_LOST = "node_lost"      # the node under a worker went away
+    UNAVAILABLE = "unavailable"  # a worker cannot be reached (restarting, network)
+    STORAGE = "storage"          # checkpoint storage unreachable past its retries
+    EXHAUSTED = "exhausted"      # Ray has no restarts left for an actor
+    STALE_WEIGHTS = "stale_weights"  # the rollout does not hold the weights it should
+    ERROR = "error"              # a project error (bad config, corrupt state): a bug to fix
+    EXCEPTION = "exception"      # an exception raised by user or library code
+    UNKNOWN = "unknown"          # a worker call failed in a way Ray did not describe
+
 
 class RRLError(Exception):
     """Root of every error raised by resilient-rl."""
@@ -30,18 +54,23 @@ class ResourceError(RRLError):
 
 
 class WorkerError(RRLError):
-    """A worker failed: died, hung past its deadline or raised. Names role and rank."""
+    """A worker failed: died, hung past its deadline or raised. Names role, rank and its
+    :class:`Cause` (each subclass has its own default; a name is checked here)."""
+
+    default_cause = Cause.EXCEPTION
 
     def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
-                 cause: str | None = None):
+                 cause: Cause | str | None = None):
         super().__init__(message)
         self.role = role
         self.rank = rank
-        self.cause = cause
+        self.cause: Cause = self.default_cause if cause is None else Cause(cause)
 
 
 class WorkerDiedError(WorkerError):
     """The worker's process is gone (killed, crashed, node lost)."""
+
+    default_cause = Cause.DIED
 
 
 class WorkerTimeoutError(WorkerError):
@@ -49,8 +78,10 @@ class WorkerTimeoutError(WorkerError):
     inside a call; ``hang_kind`` says which and ``pid`` names its process where known) or a call
     passed its ceiling (cause "timeout")."""
 
+    default_cause = Cause.TIMEOUT
+
     def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
-                 cause: str | None = None, pid: int | None = None, hang_kind: str | None = None):
+                 cause: Cause | str | None = None, pid: int | None = None, hang_kind: str | None = None):
         super().__init__(message, role=role, rank=rank, cause=cause)
         self.pid = pid
         self.hang_kind = hang_kind
@@ -58,6 +89,8 @@ class WorkerTimeoutError(WorkerError):
 
 class CollectiveError(WorkerError):
     """A torch.distributed collective failed on a surviving rank (a peer died or timed out)."""
+
+    default_cause = Cause.COLLECTIVE
 
 
 class CheckpointError(RRLError):

@@ -26,9 +26,9 @@ import torch
 
 from resilient_rl.errors import DataProtoError
 # The helpers live in protocol_utils; the public ones are re-exported here, where verl has them.
-from resilient_rl.protocol_utils import (as_object_array, batch_from_wire, batch_to_wire, pad_dataproto_to_divisor,
-                                         positive_int, tensordict_class, union_dict, union_numpy_dict,
-                                         union_tensor_dict, unpad_dataproto, values_equal)
+from resilient_rl.protocol_utils import (as_object_array, batch_from_wire, batch_to_wire, positive_int,
+                                         tensordict_class, union_dict, union_numpy_dict, union_tensor_dict,
+                                         values_equal)
 
 if TYPE_CHECKING:  # imported on first use at run time, see tensordict_class
     from tensordict import TensorDict
@@ -408,3 +408,22 @@ class DataProto:
         if not values_equal(self.non_tensor_batch, other.non_tensor_batch):
             return False
         return not check_meta_info or values_equal(self.meta_info, other.meta_info)
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
+    when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
+    size_divisor = positive_int("size_divisor", size_divisor)
+    n = len(data)
+    pad_size = (-n) % size_divisor
+    if pad_size == 0:  # includes the empty proto: nothing to pad, no rows to repeat
+        return data, 0
+    padding = data.select_idxs(torch.arange(pad_size) % n)
+    return type(data).concat([data, padding]), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
+    if isinstance(pad_size, bool) or not isinstance(pad_size, (int, np.integer)) or not 0 <= pad_size <= len(data):
+        raise DataProtoError(f"pad_size must be an integer in [0, {len(data)}], got {pad_size!r}")
+    return data if pad_size == 0 else data.slice(0, len(data) - int(pad_size))

@@ -23,9 +23,6 @@ from resilient_rl.errors import DataProtoError
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-    # protocol imports this module; the functions below only call DataProto's methods.
-    from resilient_rl.protocol import DataProto
-
 __all__ = [
     "tensordict_class",
     "values_equal",
@@ -38,8 +35,6 @@ __all__ = [
     "tensor_from_wire",
     "batch_to_wire",
     "batch_from_wire",
-    "pad_dataproto_to_divisor",
-    "unpad_dataproto",
 ]
 
 
@@ -181,22 +176,3 @@ def batch_from_wire(state: dict[str, Any] | None) -> TensorDict | None:
     tensors = {k: tensor_from_wire(k, raw, dtype, torch.Size(shape), dev)
                for k, dtype, shape, dev, raw in state["tensors"]}
     return tensordict_class()(tensors, batch_size=list(state["batch_size"]), device=state["device"])
-
-
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
-    when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
-    size_divisor = positive_int("size_divisor", size_divisor)
-    n = len(data)
-    pad_size = (-n) % size_divisor
-    if pad_size == 0:  # includes the empty proto: nothing to pad, no rows to repeat
-        return data, 0
-    padding = data.select_idxs(torch.arange(pad_size) % n)
-    return type(data).concat([data, padding]), pad_size
-
-
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
-    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
-    if isinstance(pad_size, bool) or not isinstance(pad_size, (int, np.integer)) or not 0 <= pad_size <= len(data):
-        raise DataProtoError(f"pad_size must be an integer in [0, {len(data)}], got {pad_size!r}")
-    return data if pad_size == 0 else data.slice(0, len(data) - int(pad_size))

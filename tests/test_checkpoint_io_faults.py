@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.cli import EXIT_ERROR, EXIT_RUNTIME, exit_code
-from resilient_rl.recovery.policy import Decision, FailurePolicy, classify
+from resilient_rl.recovery.causes import classify
+from resilient_rl.recovery.policy import Decision, FailurePolicy
 from resilient_rl.checkpoint import Storage
 from resilient_rl.checkpoint.lease import RunLease
 from resilient_rl.errors import CheckpointsSkippedError, LeaseLostError, StorageError, WorkerDiedError

@@ -175,7 +175,7 @@ def test_run_dir_publishes_on_its_bus_after_writing(tmp_path):
     rd = RunDir(str(tmp_path), "r")
     seen = []
     rd.bus.subscribe(lambda ev: seen.append((ev, len(rd.read_events()))))
-    rd.subscribe(lambda kind, fields: (_ for _ in ()).throw(RuntimeError("a broken tracker")))
+    rd.subscribe(lambda ev: (_ for _ in ()).throw(RuntimeError("a broken tracker")))
     rd.event("checkpoint_corrupt", step=2, reason="checksum")
     (ev, lines), = seen
     assert ev.kind == "checkpoint_corrupt" and ev.step == 2 and lines == 1

@@ -29,7 +29,8 @@ from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, GpuSampler, Met
                                     device_report, gpu_assignments)
 from resilient_rl.telemetry.exporter import scrape
 from resilient_rl.testing.wait import wait_until
-from resilient_rl.telemetry.gpu_owners import join_labels, processes_from_reports, visible_gpu_uuids
+from resilient_rl.runtime.devices import visible_gpu_uuids
+from resilient_rl.telemetry.gpu_owners import join_labels, processes_from_reports
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML, NVMLError_DriverNotLoaded
 
 RULES = Path(__file__).resolve().parents[1] / "monitoring" / "rules" / "rrl-alerts.yml"

@@ -11,7 +11,7 @@ from resilient_rl.runtime.dispatch import register
 from resilient_rl.runtime.liveness import RankWatch, judge
 from resilient_rl.runtime.progress import ProgressSnapshot, ProgressTracker
 from resilient_rl.errors import WorkerTimeoutError
-from resilient_rl.recovery.policy import classify
+from resilient_rl.recovery.causes import classify
 from resilient_rl.testing.clock import FakeClock
 
 
@@ -128,7 +128,7 @@ def test_a_hang_is_its_own_recoverable_cause():
     exc = WorkerTimeoutError("actor rank 1 is hung", role="actor", rank=1, cause="hang", pid=9, hang_kind="stalled")
     assert classify(exc).cause == "hang"
     assert classify(WorkerTimeoutError("ceiling", role="actor", rank=0, cause="timeout")).cause == "timeout"
-    from resilient_rl.recovery.policy import RECOVERABLE_CAUSES
+    from resilient_rl.recovery.causes import RECOVERABLE_CAUSES
 
     assert "hang" in RECOVERABLE_CAUSES
 

@@ -14,7 +14,7 @@ from resilient_rl.algos.kl import AdaptiveKLController, apply_kl_penalty
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
 from resilient_rl.checkpoint.manifest import Manifest
 from resilient_rl.errors import CheckpointCorruptError, ConfigError, NonFiniteError
-from resilient_rl.events import read_events
+from resilient_rl.events import make_event, read_events
 from resilient_rl.faults.nonfinite import NonFiniteAdvantage, NonFiniteReward
 from resilient_rl.protocol import DataProto
 from resilient_rl.testing.local_group import local_roles
@@ -265,7 +265,7 @@ def test_the_budget_counts_steps_in_a_row_and_refused_saves(tmp_path):
     assert guard.after_step({"step": 2, "reward/nonfinite": 0.0}) and guard.in_a_row == 0  # a clean step ends a row
     assert guard.after_step({"step": 3, "critic/nonfinite_skipped": 2.0})
     assert not guard.take_known_good() and guard.take_known_good()  # only the interval with the NaN
-    guard.on_checkpoint_event("checkpoint_refused", {"step": 3})
+    guard.on_checkpoint_event(make_event("checkpoint_refused", step=3, role="critic", reason="non-finite"))
     with pytest.raises(NonFiniteError, match=r"step 4: non-finite loss/critic.*3 step\(s\) in a row"):
         guard.after_step({"step": 4, "critic/nonfinite_skipped": 1.0})
     trainer = _local_trainer(tmp_path / "rb", [], "trainer.nonfinite=rollback")

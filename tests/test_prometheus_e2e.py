@@ -32,6 +32,7 @@ from resilient_rl.testing.wait import wait_until
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.telemetry.nodes import RemoteNodeExporter
+from resilient_rl.trainer.hooks import TrainerHook
 
 pytestmark = pytest.mark.ray
 
@@ -100,7 +101,7 @@ class Prometheus:
         self._log.close()
 
 
-class HoldRecovery:
+class HoldRecovery(TrainerHook):
     """Trainer hook: a recovery stays in its rejoining state for ``seconds``, so that an outage
     lasts long enough for a scrape to see it, however fast the recovery would have been."""
 

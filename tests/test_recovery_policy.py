@@ -2,8 +2,10 @@
 
 import pytest
 
-from resilient_rl.recovery.policy import (ALLOWED, Cause, Decision, Failure, FailurePolicy, IllegalTransition,
-                                              RecoveryState, RecoveryStateMachine, classify)
+from resilient_rl.errors import Cause
+from resilient_rl.recovery.causes import Failure, classify
+from resilient_rl.recovery.policy import Decision, FailurePolicy
+from resilient_rl.recovery.states import ALLOWED, IllegalTransition, RecoveryState, RecoveryStateMachine
 from resilient_rl.testing.clock import FakeClock
 from resilient_rl.errors import (CollectiveError, ConfigError, WorkerDiedError, WorkerError, WorkerTimeoutError)
 
@@ -114,6 +116,9 @@ def test_state_machine_rejects_illegal_transitions():
     sm = RecoveryStateMachine()
     with pytest.raises(IllegalTransition, match="running -> restoring"):
         sm.to(S.RESTORING)
+    with pytest.raises(IllegalTransition, match="running -> aborting"):  # the policy decides in RECOVERING
+        sm.to(S.ABORTING)
+    sm.to(S.RECOVERING)
     sm.to(S.ABORTING)
     sm.to(S.FAILED)
     for s in S:
@@ -121,9 +126,9 @@ def test_state_machine_rejects_illegal_transitions():
             sm.to(s)
 
 
-def test_every_state_can_abort_except_the_end():
+def test_every_recovery_state_can_abort_except_the_end():
     for state, allowed in ALLOWED.items():
-        if state not in (S.ABORTING, S.FAILED):
+        if state not in (S.RUNNING, S.ABORTING, S.FAILED):
             assert S.ABORTING in allowed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.config.runtime import RecoveryConfig
-from resilient_rl.recovery.policy import RecoveryState
+from resilient_rl.recovery.states import RecoveryState
 from resilient_rl.errors import (CollectiveError, LeaseError, RecoveryError, StorageError, WorkerDiedError,
                                  WorkerError, WorkerTimeoutError)
 from resilient_rl.testing.clock import FakeClock
@@ -37,11 +37,13 @@ class Harness:
         self.restores = 0
         self._restore = restore
         cfg = RecoveryConfig(**{"max_restarts": 3, "max_failures": 5, "failure_window_s": 3600.0, **recovery})
-        self.recovery = Recovery(cfg, pool=lambda: self.pool, checkpoints=self.ckpt, restore=self.restore,
+        self.source = None  # where the roll-back went (a scripted restore names none)
+        self.recovery = Recovery(cfg, checkpoints=self.ckpt, rollback=self,
                                  emit=lambda kind, **f: self.events.append((kind, f)), on_state=self.states.append,
                                  clock=self.clock, sleep=self.clock.sleep, wall_clock=self.wall)
 
-    def restore(self) -> int:
+    def after_failure(self, roles) -> int:
+        assert roles is self.pool
         self.restores += 1
         if self._restore is not None:
             return self._restore()
@@ -54,7 +56,7 @@ class Harness:
         return [f for k, f in self.events if k == kind]
 
     def handle(self, exc: BaseException, step: int = 7) -> None:
-        self.recovery.handle(exc, step)
+        self.recovery.handle(exc, step, self.pool)
 
     def path(self) -> list[RecoveryState]:
         return [to for _, _, to in self.recovery.sm.history]

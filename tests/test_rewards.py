@@ -84,3 +84,10 @@ def test_shipped_gsm8k_sample_is_consistent():
         assert calcs, s.source
         for expr, value in calcs:
             assert float(eval(expr, {"__builtins__": {}})) == float(value), (s.source, expr, value)
+
+
+def test_the_config_accepts_exactly_the_registered_reward_names():
+    from resilient_rl.config.sections import BUILTIN_REWARDS
+    from resilient_rl.data.rewards import REWARDS
+
+    assert tuple(REWARDS) == BUILTIN_REWARDS

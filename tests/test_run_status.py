@@ -21,6 +21,7 @@ from resilient_rl.telemetry import FileSDWriter
 from resilient_rl.testing.run_folder import FakeRun, play_two_failures
 from resilient_rl.run.record import (ControllerRecord, controller_alive, controller_session,
                                                     read_controller_record)
+from resilient_rl.trainer.hooks import TrainerHook
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -204,7 +205,7 @@ def _local_trainer(tmp_path, hooks=(), roles_factory=None):
 def test_the_trainer_records_its_controller_while_it_runs_and_how_it_ended(tmp_path):
     seen = []
 
-    class Probe:
+    class Probe(TrainerHook):
         def on_step_start(self, trainer, step):
             seen.append(gather_status(str(trainer.run_dir.path)))
 

@@ -170,7 +170,8 @@ def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_lo
 
 
 def test_run_log_is_reentrant_and_routes_worker_lines(tmp_path, capsys):
-    from resilient_rl.run.log import QUIET_RAY_LOGGERS, RunLog, _log_worker_lines
+    from resilient_rl.run.log import QUIET_RAY_LOGGERS, RunLog
+    from resilient_rl.runtime.worker_output import _log_worker_lines
 
     root = logging.getLogger()
     before = list(root.handlers)

@@ -77,10 +77,9 @@ class ReadableStorage:
         self.storage_options = dict(storage_options or {})
         if fs is None:
             faulty = url.startswith("faulty://")
-            if faulty and env.fault_injection():
-                from resilient_rl.faults.storage import register
-
-                register()
+            for protocol, cls in env.opt_in_filesystems().items():
+                if url.startswith(f"{protocol}://"):
+                    fsspec.register_implementation(protocol, cls, clobber=True)
             try:
                 fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
             except (ImportError, ValueError, TypeError) as exc:

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.data.rewards import REWARDS
 
 KL_ESTIMATORS = ("k1", "abs", "mse", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 #: Data-parallel strategies of the trained roles (see ActorConfig.strategy).
 STRATEGIES = ("auto", "fsdp", "ddp")
 BUILTIN_TASKS = ("reverse", "copy", "add")
+#: Rewards ``data.reward_fn`` may name without an import path (:data:`resilient_rl.data.rewards.REWARDS`).
+BUILTIN_REWARDS = ("exact_match", "partial_match", "gsm8k")
 
 
 class ConfigFieldError(ConfigError):
@@ -347,9 +348,9 @@ class DataConfig(Section):
             require(self.reward_fn is not None, "reward_fn", self.reward_fn,
                      "data.task='jsonl' needs data.reward_fn ('package.module:function')")
         if self.reward_fn is not None:
-            require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in REWARDS,
+            require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in BUILTIN_REWARDS,
                      "reward_fn", self.reward_fn, "must be an import path 'package.module:function' or one of "
-                     + ", ".join(repr(r) for r in REWARDS))
+                     + ", ".join(repr(r) for r in BUILTIN_REWARDS))
         require(self.tokenizer is None or self.tokenizer.strip() != "", "tokenizer", self.tokenizer,
                  "must be a local tokenizer folder (or 'pkg://package/dir'), or null for the character tokenizer")
         require(not self.chat_template or self.tokenizer is not None, "chat_template", self.chat_template,

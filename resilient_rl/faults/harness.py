@@ -25,6 +25,7 @@ from resilient_rl.process_state import process_alive, process_state
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.run.folder import deterministic_view
+from resilient_rl.trainer.hooks import TrainerHook
 
 
 class InvariantError(AssertionError):
@@ -74,7 +75,7 @@ def run_training(overrides: list[str], name: str, schedule: FaultSchedule | None
         trainer.start_roles()
         pids |= _all_pids(trainer)
 
-        class _Track:
+        class _Track(TrainerHook):
             def on_step_start(self, tr, step):
                 pids.update(_all_pids(tr))
 
@@ -84,13 +85,11 @@ def run_training(overrides: list[str], name: str, schedule: FaultSchedule | None
     except Exception as exc:  # the caller decides whether an error was expected
         error = exc
     finally:
-        telemetry = getattr(trainer, "telemetry", None)
-        registry = getattr(getattr(telemetry, "metrics", None), "registry", None)
-        if registry is not None:
+        if trainer.telemetry is not None:
             from prometheus_client import generate_latest
 
-            metrics_text = generate_latest(registry).decode()
-        prefix = getattr(trainer.roles, "instance", "") if trainer.roles is not None else ""
+            metrics_text = generate_latest(trainer.telemetry.metrics.registry).decode()
+        prefix = trainer.roles.instance if trainer.roles is not None else ""
         trainer.shutdown()
     wall = time.monotonic() - t0
     result = collect_run(trainer.cfg)

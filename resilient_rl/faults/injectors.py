@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import ray
 
 from resilient_rl.errors import RRLError
+from resilient_rl.trainer.hooks import TrainerHook
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def wait_in_call(roles, role: str, rank: int, call: str, timeout_s: float = 60.0
 
 def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
     """Wait until the trainer's in-memory snapshot of ``step`` is complete (or ``timeout_s`` passed)."""
-    keeper = getattr(trainer, "snapshots", None)
+    keeper = trainer.snapshots
     deadline = time.monotonic() + timeout_s
     while keeper is not None and time.monotonic() < deadline:
         snap = next((s for s in keeper.snapshots if s.step == step), None)
@@ -132,17 +133,13 @@ def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
 def _wait_spares(trainer, timeout_s: float = 90.0) -> None:
     """Wait until every warm spare of the run is ready (``recovery.spares``; up to ``timeout_s``):
     faults hit a run in its steady state, where its spares have long been started."""
-    roles = getattr(trainer, "roles", None)
-    spares = getattr(roles, "spares", None)
     deadline = time.monotonic() + timeout_s
-    while spares and time.monotonic() < deadline:
-        if all(len(pool.ready()) == len(pool) for pool in spares.values()):
-            return
+    while not trainer.roles.spares_ready() and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
 @dataclass
-class FaultSchedule:
+class FaultSchedule(TrainerHook):
     """Faults keyed by step, fired by the trainer's ``on_step_start`` hook."""
 
     seed: int = 0
@@ -238,7 +235,7 @@ class FaultSchedule:
         self._trigger(trainer, "snapshot", step)
 
     def on_recovery_state(self, trainer, state) -> None:
-        self._trigger(trainer, "recovery", getattr(state, "value", state))
+        self._trigger(trainer, "recovery", state.value)
 
     def _choose(self, roles, fault: Fault) -> tuple[str, int]:
         rng = random.Random(f"{self.seed}:{fault.step}:{fault.kind}")
@@ -265,10 +262,6 @@ class FaultSchedule:
             threading.Thread(target=run, name=f"fault-{fault.kind}", daemon=True).start()
         else:
             run()
-
-    def summary(self) -> list[dict]:
-        return [{"trigger": f.trigger, "at": f.step, "kind": f.kind, "target": f.target, "pid": f.pid,
-                 "path": f.path, "fired": f.fired} for f in self.faults]
 
     @classmethod
     def random(cls, seed: int, steps: int, n_faults: int, roles: list[str], world_sizes: dict[str, int],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from typing import Iterable
+from resilient_rl.trainer.hooks import TrainerHook
 
 
 class _PoisonedTask:
@@ -31,7 +32,7 @@ class _PoisonedTask:
         return self.value if self.active else self.inner.reward(response, answer)
 
 
-class NonFiniteReward:
+class NonFiniteReward(TrainerHook):
     """Make every reward of steps ``steps`` equal ``value`` (NaN by default)."""
 
     def __init__(self, steps: Iterable[int], value: float = math.nan):
@@ -47,7 +48,7 @@ class NonFiniteReward:
             self.fired.append(step)
 
 
-class NonFiniteAdvantage:
+class NonFiniteAdvantage(TrainerHook):
     """Set the advantage of sample ``index`` to ``value`` (NaN) in the actor update of ``steps``."""
 
     def __init__(self, steps: Iterable[int], index: int = 0, value: float = math.nan):

@@ -34,9 +34,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from resilient_rl.errors import NonFiniteError
+from resilient_rl.events import AnyEvent
+from resilient_rl.events.kinds import CheckpointCommitted, CheckpointRefused
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +72,34 @@ def find_nonfinite(row: Mapping[str, Any]) -> list[Finding]:
     return found
 
 
-class NonFiniteGuard:
-    """Applies ``trainer.nonfinite`` to each step's row of a :class:`PPOTrainer`."""
+@dataclass(frozen=True)
+class Verdict:
+    """A step's verdict: true when its state stands; else ``roll_back`` names the non-finite
+    quantities and the trainer rolls the run back past the step."""
 
-    def __init__(self, trainer):
-        tc = trainer.cfg.trainer
-        self.trainer = trainer
-        self.mode = tc.nonfinite
-        self.budget = tc.max_nonfinite
+    roll_back: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.roll_back is None
+
+
+STANDS = Verdict()
+
+
+class NonFiniteGuard:
+    """Applies ``trainer.nonfinite`` to each step's metrics row; the trainer acts on its answer.
+
+    Args:
+        cfg: the ``trainer`` config section (``nonfinite``, ``max_nonfinite``).
+        emit: ``emit(kind, **fields)`` records an event of the run.
+        can_roll_back: whether the run's roles save checkpoints (a rollback restores one).
+    """
+
+    def __init__(self, cfg, emit: Callable[..., None], can_roll_back: bool):
+        self.mode = cfg.nonfinite
+        self.budget = cfg.max_nonfinite
+        self.emit = emit
+        self.can_roll_back = can_roll_back
         self.in_a_row = 0       # steps with non-finite values, see the module docstring
         self.dirty = False      # a non-finite value met since the last save started
         self.awaiting_good = False  # rolled back; only a known-good commit ends the row
@@ -85,9 +107,8 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ reporting
     def _report(self, step: int, finding: Finding, action: str) -> None:
-        tr = self.trainer
-        tr.run_dir.event("nonfinite", step=step, quantity=finding.quantity, role=finding.role, action=action,
-                         count=finding.count)
+        self.emit("nonfinite", step=step, quantity=finding.quantity, role=finding.role, action=action,
+                  count=finding.count)
         logger.warning("step %d: non-finite %s%s (%g) -> %s", step, finding.quantity,
                        f" ({finding.role})" if finding.role else "", finding.count, action)
 
@@ -100,15 +121,16 @@ class NonFiniteGuard:
             return "rolled_back"
         return "skipped" if finding.quantity in ("loss", "kl") else "reported"
 
-    # ------------------------------------------------------------------ hooks from the trainer
-    def after_step(self, row: Mapping[str, Any]) -> bool:
-        """Handle step ``row``; True when its state stands (checkpoint as usual), False after a
-        rollback. Raises NonFiniteError per policy or when the budget is spent."""
+    # ------------------------------------------------------------------ the trainer asks
+    def after_step(self, row: Mapping[str, Any], last_committed: int | None = None) -> Verdict:
+        """Judge step ``row``: :data:`STANDS` (checkpoint as usual), or a verdict naming what was
+        non-finite, and the trainer rolls back (then calls :meth:`rolled_back`). Raises
+        NonFiniteError per policy or when the budget is spent (naming ``last_committed``)."""
         findings = find_nonfinite(row)
         if not findings:
             if not self.awaiting_good:
                 self.in_a_row = 0
-            return True
+            return STANDS
         step = int(row["step"])
         self.dirty = True
         self.total += 1
@@ -122,18 +144,30 @@ class NonFiniteGuard:
             why = (f"{self.in_a_row} step(s) in a row with NaN/Inf (trainer.max_nonfinite={self.budget})"
                    if over else "trainer.nonfinite=raise")
             raise NonFiniteError(f"step {step}: non-finite {what}; stopping: {why}; the last committed "
-                                 f"checkpoint is step {self.trainer.ckpt.last_committed}")
-        if "rolled_back" in actions.values():
-            self.rollback(step, what)
-            return False
-        return True
+                                 f"checkpoint is step {last_committed}")
+        if "rolled_back" not in actions.values():
+            return STANDS
+        if not self.can_roll_back:
+            raise NonFiniteError(f"step {step}: non-finite {what}; trainer.nonfinite=rollback needs the Ray "
+                                 "roles (checkpoints), use skip or raise with local roles")
+        return Verdict(roll_back=what)
 
-    def on_checkpoint_event(self, kind: str, fields: Mapping[str, Any]) -> None:
+    def rolled_back(self, failed_step: int, restored_step: int, what: str) -> None:
+        """The trainer rolled back to the newest known-good checkpoint (or the start) after
+        ``failed_step``, keeping the data position: the next step trains on the batch after the
+        poisoned one."""
+        self.dirty = False
+        self.awaiting_good = True
+        self.emit("nonfinite_rollback", failed_step=failed_step, restored_step=restored_step, quantity=what)
+        logger.warning("step %d: non-finite %s; rolled back to step %d, continuing with the next data",
+                       failed_step, what, restored_step)
+
+    def on_checkpoint_event(self, event: AnyEvent) -> None:
         """A refused save counts as a step with non-finite state; a known-good commit ends a row."""
-        if kind == "checkpoint_refused":
+        if isinstance(event, CheckpointRefused):
             self.dirty = True
             self.in_a_row += 1
-        elif kind == "checkpoint_committed" and fields.get("known_good") is not False:
+        elif isinstance(event, CheckpointCommitted) and event.known_good is not False:
             self.in_a_row = 0
             self.awaiting_good = False
 
@@ -141,31 +175,3 @@ class NonFiniteGuard:
         """Whether the save starting now is known good; starts a new interval."""
         good, self.dirty = not self.dirty, False
         return good
-
-    # ------------------------------------------------------------------ rollback
-    def rollback(self, step: int, what: str) -> None:
-        """Restore the newest known-good checkpoint (or the initial weights) and keep the data
-        position: the next step trains on the batch after the poisoned one."""
-        tr = self.trainer
-        if not tr.checkpoints_on:
-            raise NonFiniteError(f"step {step}: non-finite {what}; trainer.nonfinite=rollback needs the Ray "
-                                 "roles (checkpoints), use skip or raise with local roles")
-        position = tr.loader.state_dict()
-        tr.ckpt.wait(tr.roles)  # a save in flight commits first (or is refused if not finite)
-        state = tr.ckpt.restore(tr.roles, "known_good")
-        if state is None:
-            tr.roles.init_models()  # no known-good checkpoint: back to the initial weights
-            tr.state.load_state_dict(tr.initial_state)  # the data position is set back below
-        else:
-            tr.load_state_dict(state)
-        tr.loader.load_state_dict(position)
-        tr.roles.sync_weights(tr.step)
-        tr.run_dir.truncate_metrics_after(tr.step)
-        tr.history = tr.run_dir.read_metrics()
-        if tr.snapshots is not None:  # the steps after the rollback point are not this timeline's
-            tr.snapshots.drop_after(tr.step)
-        self.dirty = False
-        self.awaiting_good = True
-        tr.run_dir.event("nonfinite_rollback", failed_step=step, restored_step=tr.step, quantity=what)
-        logger.warning("step %d: non-finite %s; rolled back to step %d, continuing with the next data",
-                       step, what, tr.step)

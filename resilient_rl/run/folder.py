@@ -158,14 +158,11 @@ class RunDir:
         self._append(self.events_path, event_to_json(ev))
         self.bus.publish(ev)
 
-    def subscribe(self, listener: Callable[[str, dict[str, Any]], None]) -> Callable[[], None]:
-        """Call ``listener(kind, fields)`` on every later event (``fields``: every field of the kind,
-        without ``time``); returns a function that unsubscribes. A listener that raises is logged
-        and skipped (:class:`~resilient_rl.events.EventBus`)."""
-        def forward(ev: AnyEvent) -> None:
-            listener(ev.kind, ev.payload())
-
-        return self.bus.subscribe(forward)
+    def subscribe(self, listener: Callable[[AnyEvent], None]) -> Callable[[], None]:
+        """Call ``listener(event)`` with every later event, typed (one dataclass per kind,
+        :mod:`resilient_rl.events.kinds`); returns a function that unsubscribes. A listener that
+        raises is logged and skipped (:class:`~resilient_rl.events.EventBus`)."""
+        return self.bus.subscribe(listener)
 
 
 def deterministic_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

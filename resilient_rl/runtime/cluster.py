@@ -1,7 +1,7 @@
 """Connecting to Ray: a local cluster by default, an existing one when ``ray.address`` is set.
 
 What the workers print (warnings, tracebacks) is sent to the run's ``train.log`` instead of the
-driver's terminal, where it would tear the progress bar (see :mod:`resilient_rl.run.log`).
+driver's terminal, where it would tear the progress bar (see :mod:`resilient_rl.runtime.worker_output`).
 A worker's exception still reaches the controller with its traceback and is reported there.
 """
 
@@ -12,7 +12,7 @@ import logging
 import ray
 
 from resilient_rl import env
-from resilient_rl.run.log import capture_worker_output, release_worker_output
+from resilient_rl.runtime.worker_output import capture_worker_output, release_worker_output
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
+from dataclasses import dataclass
+from typing import Any
 
 from resilient_rl import env
+from resilient_rl.nvml import as_str as _as_str, load_pynvml as _load_pynvml, resolve_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +80,78 @@ def take_devices(devices: str | None, node_id: str | None, own_node_id: str,
                                  f"{visible_devices()}; it cannot compute on {devices} instead")
     os.environ["CUDA_VISIBLE_DEVICES"] = devices
     logger.info("this process computes on CUDA_VISIBLE_DEVICES=%s from now on", devices)
+
+
+# ---------------------------------------------------------------------------- device identity
+# What a worker says about its GPU in every ping (see resilient_rl.telemetry.gpu_owners).
+
+_VISIBLE_LOCK = threading.Lock()
+_VISIBLE_CACHE: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
+
+def visible_gpu_uuids(nvml: Any | None = None) -> tuple[str, ...]:
+    """UUIDs of this process's CUDA devices in CUDA order (entry ``i`` is ``cuda:i``).
+
+    Read once per NVML module and ``CUDA_VISIBLE_DEVICES`` value (neither changes under a
+    running process), without initialising CUDA. Empty without NVML, a driver or a GPU.
+    ``nvml``: a ``pynvml``-like module (a test double); None imports ``pynvml``.
+    """
+    entries = env.cuda_visible_devices()
+    key = (id(nvml), None if entries is None else tuple(entries))
+    with _VISIBLE_LOCK:
+        if key in _VISIBLE_CACHE:
+            return _VISIBLE_CACHE[key]
+        module = nvml if nvml is not None else _load_pynvml()
+        uuids: tuple[str, ...] = ()
+        if module is not None:
+            try:
+                module.nvmlInit()
+            except module.NVMLError as exc:
+                logger.debug("NVML is unavailable (%s): this process reports no GPU", exc)
+            else:
+                try:
+                    every = [_as_str(module.nvmlDeviceGetUUID(module.nvmlDeviceGetHandleByIndex(i)))
+                             for i in range(module.nvmlDeviceGetCount())]
+                    uuids = tuple(every[i] for i in resolve_visible_devices(entries, every))
+                except module.NVMLError as exc:
+                    logger.warning("NVML cannot list the GPUs (%s): this process reports no GPU", exc)
+                finally:
+                    try:
+                        module.nvmlShutdown()
+                    except module.NVMLError:
+                        pass
+        if nvml is None:  # a test double may change between calls; the real driver does not
+            _VISIBLE_CACHE[key] = uuids
+        return uuids
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """What a worker process says about its GPU: the UUIDs it computes on, and torch's caching
+    allocator counters on that device (None on CPU or before CUDA is initialised)."""
+
+    gpu_uuids: tuple[str, ...] = ()
+    torch_allocated_bytes: int | None = None
+    torch_reserved_bytes: int | None = None
+
+
+def device_report(cuda_index: int | None, nvml: Any | None = None) -> DeviceReport:
+    """The report of a process computing on CUDA device ``cuda_index`` (None: on CPU).
+
+    Cheap enough for every health call: NVML is read once per process (see
+    :func:`visible_gpu_uuids`) and torch's counters are host-side. Never initialises CUDA.
+    """
+    if cuda_index is None:
+        return DeviceReport()
+    uuids = visible_gpu_uuids(nvml)
+    if not 0 <= cuda_index < len(uuids):
+        return DeviceReport()
+    allocated = reserved = None
+    import torch
+
+    # Reading the counters before CUDA is initialised would report zeros for memory in use by
+    # nobody yet; after, they are host-side reads of the caching allocator (no synchronisation).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        allocated = int(torch.cuda.memory_allocated(cuda_index))
+        reserved = int(torch.cuda.memory_reserved(cuda_index))
+    return DeviceReport((uuids[cuda_index],), allocated, reserved)

@@ -1,11 +1,20 @@
-"""The worker pool: everything the controller asks of the processes that run the roles.
+"""The worker pool: what the controller asks of the processes that run the roles, by caller.
 
-Two back ends implement :class:`WorkerPool`: :class:`~resilient_rl.trainer.ray_roles.RayRoles`
-(Ray worker groups, one process per rank) and :class:`~resilient_rl.trainer.local_roles.LocalRoles`
-(every engine in the controller's process). The trainer, the recovery protocol, the checkpoint
-coordinator and the telemetry talk to a pool only through this interface, so none of them asks
-which back end it has, and the recovery protocol is unit-tested against a fake pool
-(:mod:`resilient_rl.testing.fake_pool`).
+Each caller sees only its part of a pool:
+
+- :class:`StepRoles`: what one PPO/GRPO step needs (the role calls, in flight together, and the
+  weight sync); also rebuilding the models, which a roll-back to the start needs;
+- :class:`RecoveryPool`: what recovery needs (probe, kill, hand ranks to spares, wait for restarts,
+  rejoin, rebuild), on top of the step's part;
+- :class:`StatefulTargets`: what checkpoints and snapshots need (the worker groups whose state
+  they save and load);
+- :class:`TelemetrySource`: what telemetry reads (processes, roles, device reports).
+
+:class:`WorkerPool` is all of them: :class:`~resilient_rl.trainer.ray_roles.RayRoles` (Ray worker
+groups, one process per rank) implements it. :class:`~resilient_rl.trainer.local_roles.LocalRoles`
+(every engine in the controller's process) implements the step's part and telemetry's, which is
+all it does: it has no processes to recover and saves no checkpoint. The recovery protocol is
+unit-tested against a fake pool (:mod:`resilient_rl.testing.fake_pool`).
 
 Processes are named by :data:`ProcessKey`: (process group, rank), where a process group is one set
 of worker processes (colocated roles share one; in the split placement each role has its own).
@@ -52,17 +61,11 @@ def primary_role(roles) -> str | None:
     return min(roles, key=role_order) if roles else None
 
 
-class WorkerPool(Protocol):
-    """The roles' processes, as the controller drives them."""
+class StepRoles(Protocol):
+    """The roles as one step drives them (see :mod:`resilient_rl.trainer.step`)."""
 
-    #: Whether the pool's stateful roles save and load sharded checkpoints (and so the run needs
-    #: a lease, and recovery restores from storage).
-    writes_checkpoints: bool
     critic_enabled: bool
-    #: The process-group generation, bumped by every :meth:`rendezvous`.
-    generation: int
 
-    # -- one step (see resilient_rl.trainer.step) --------------------------------------------
     def generate(self, prompts: DataProto) -> DataProto: ...
     def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
     def compute_log_prob(self, data: DataProto) -> DataProto: ...
@@ -76,59 +79,76 @@ class WorkerPool(Protocol):
         flight together and yield their results in order, each as its own call would return it:
         calls to one process run back to back there without a round trip to the controller in
         between, calls to different processes run side by side."""
-
-    # -- processes ---------------------------------------------------------------------------
-    def process_groups(self) -> list[str]:
-        """The names of the distinct process groups."""
-
-    def workers(self) -> dict[ProcessKey, Any]:
-        """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
-
-    def refresh_workers(self) -> None:
-        """Ping every process again and remember the replies."""
-
-    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, Any]:
-        """rank -> health reply, an exception (died, restarting) or None (no answer in time).
-
-        With ``during_call`` only groups whose health calls do not queue behind a running call
-        are probed (others return ``{}``)."""
-
-    def kill(self, key: ProcessKey) -> None:
-        """SIGKILL the process (stopped or hung) so that it is restarted."""
-
-    def adopt_spares(self, keys: list[ProcessKey]) -> list[ProcessKey]:
-        """Hand each dead process of ``keys`` to a ready warm spare (``recovery.spares``) instead
-        of waiting for its restart; the keys handed over (none without spares)."""
-
-    def wait_alive(self, group: str, timeout_s: float) -> list[Any]:
-        """Wait until every rank of ``group`` answers (restarted where it died); their replies."""
-
-    def locate(self, name: str | None) -> tuple[str | None, str | None]:
-        """(process group, role) of the worker group an error names (``WorkerError.role``)."""
-
-    def roles_of(self, group: str) -> tuple[str, ...]:
-        """The roles whose ranks live in the processes of ``group``."""
-
-    def poll_device_reports(self, poller) -> bool:
-        """Refresh ``poller``'s reports (a :class:`~resilient_rl.runtime.device_poller.DeviceReportPoller`)
-        without waiting; whether any changed."""
-
-    def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:
-        """(role, rank) -> (pid, node id) of every role's rank."""
-
-    # -- the process groups and the models ---------------------------------------------------
-    def rendezvous(self, groups: list[str] | None = None) -> None:
-        """Join the process groups named in ``groups`` (every one when None) with a new
-        generation (also after a failure); the others keep theirs."""
-
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         """(Re)build the models of the roles living in ``groups`` (every role when None) on the
         current process groups. ``empty``: the stateful roles' models are allocated, not
         initialised (a restore of their whole state follows). The rollout may be built empty
         either way: a weight sync must follow before the next generation."""
+    def shutdown(self) -> None:
+        """Stop every process of the pool."""
+
+
+class TelemetrySource(Protocol):
+    """What telemetry reads of the processes that run the roles."""
+
+    def process_groups(self) -> list[str]:
+        """The names of the distinct process groups."""
+    def workers(self) -> dict[ProcessKey, Any]:
+        """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
+    def roles_of(self, group: str) -> tuple[str, ...]:
+        """The roles whose ranks live in the processes of ``group``."""
+    def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:
+        """(role, rank) -> (pid, node id) of every role's rank."""
+    def poll_device_reports(self, poller) -> bool:
+        """Refresh ``poller``'s reports (a :class:`~resilient_rl.runtime.device_poller.DeviceReportPoller`)
+        without waiting; whether any changed."""
+
+
+class RecoveryPool(StepRoles, Protocol):
+    """The processes as recovery repairs them (see :mod:`resilient_rl.recovery`)."""
+
+    #: The process-group generation, bumped by every :meth:`rendezvous`.
+    generation: int
+
+    def process_groups(self) -> list[str]:
+        """The names of the distinct process groups."""
+    def workers(self) -> dict[ProcessKey, Any]:
+        """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
+    def roles_of(self, group: str) -> tuple[str, ...]:
+        """The roles whose ranks live in the processes of ``group``."""
+    def refresh_workers(self) -> None:
+        """Ping every process again and remember the replies."""
+    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, Any]:
+        """rank -> health reply, an exception (died, restarting) or None (no answer in time).
+
+        With ``during_call`` only groups whose health calls do not queue behind a running call
+        are probed (others return ``{}``)."""
+    def kill(self, key: ProcessKey) -> None:
+        """SIGKILL the process (stopped or hung) so that it is restarted."""
+    def adopt_spares(self, keys: list[ProcessKey]) -> list[ProcessKey]:
+        """Hand each dead process of ``keys`` to a ready warm spare (``recovery.spares``) instead
+        of waiting for its restart; the keys handed over (none without spares)."""
+    def wait_alive(self, group: str, timeout_s: float) -> list[Any]:
+        """Wait until every rank of ``group`` answers (restarted where it died); their replies."""
+    def locate(self, name: str | None) -> tuple[str | None, str | None]:
+        """(process group, role) of the worker group an error names (``WorkerError.role``)."""
+    def rendezvous(self, groups: list[str] | None = None) -> None:
+        """Join the process groups named in ``groups`` (every one when None) with a new
+        generation (also after a failure); the others keep theirs."""
+
+
+class StatefulTargets(Protocol):
+    """The worker groups whose state checkpoints and snapshots save and load."""
 
     def checkpoint_groups(self) -> list[tuple[str, Any]]:
         """(role, worker group) of every role whose state a checkpoint saves and loads."""
+    def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:
+        """(role, rank) -> (pid, node id) of every role's rank."""
 
-    def shutdown(self) -> None:
-        """Stop every process of the pool."""
+
+class WorkerPool(RecoveryPool, TelemetrySource, StatefulTargets, Protocol):
+    """Every part: the roles' processes as the controller drives them on Ray."""
+
+    #: Whether the pool's stateful roles save and load sharded checkpoints (and so the run needs
+    #: a lease, and recovery restores from storage).
+    writes_checkpoints: bool

@@ -33,7 +33,7 @@ from resilient_rl.runtime import progress, rendezvous
 from resilient_rl.runtime.devices import visible_devices
 from resilient_rl.runtime.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
-from resilient_rl.telemetry.gpu_owners import device_report
+from resilient_rl.runtime.devices import device_report
 
 logger = logging.getLogger(__name__)
 

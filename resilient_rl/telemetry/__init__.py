@@ -3,8 +3,8 @@
 from resilient_rl.telemetry.device import GpuSample, GpuSampler, ProcessSample, ProcessSampler
 from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_values, scrape
 from resilient_rl.telemetry.file_sd import FileSDWriter
-from resilient_rl.telemetry.gpu_owners import (DeviceReport, ProcessDevices, TorchMemoryMetrics,
-                                               device_report, gpu_assignments)
+from resilient_rl.runtime.devices import DeviceReport, device_report
+from resilient_rl.telemetry.gpu_owners import ProcessDevices, TorchMemoryMetrics, gpu_assignments
 from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASE_LABELS, PHASES, DeviceMetrics, TrainerMetrics
 from resilient_rl.telemetry.node_exporter import NodeExporter
 

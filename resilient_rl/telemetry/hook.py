@@ -34,6 +34,7 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
+from resilient_rl.events import AnyEvent
 from resilient_rl.runtime.device_poller import DeviceReportPoller
 from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSampler, MetricsServer,
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics,
@@ -173,14 +174,14 @@ class TelemetryHook:
             self.metrics.set_goodput(self._useful.total, time.monotonic() - self._started_at)
 
     # ------------------------------------------------------------------ the run's events
-    def _event(self, kind: str, fields: dict) -> None:
-        handler = self._on_event.get(kind)
+    def _event(self, event: AnyEvent) -> None:
+        handler = self._on_event.get(event.kind)
         if handler is None:
             return
         try:
-            handler(fields)
+            handler(event.payload())
         except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a run
-            logger.warning("telemetry: event %s not recorded: %s", kind, exc)
+            logger.warning("telemetry: event %s not recorded: %s", event.kind, exc)
 
     def _event_failure(self, e: dict) -> None:
         """Count a failure and mark down the workers it took out: every role of the process the

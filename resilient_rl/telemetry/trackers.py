@@ -24,6 +24,7 @@ import logging
 from typing import Any, Callable, Protocol
 
 from resilient_rl.errors import ConfigError
+from resilient_rl.events import AnyEvent
 from resilient_rl.run.log import STEP_LOG
 
 logger = logging.getLogger(__name__)
@@ -230,7 +231,8 @@ class TrackerSet:
         for t in self.trackers:
             t.log_metrics(step, row)
 
-    def log_event(self, kind: str, fields: dict[str, Any]) -> None:
+    def log_event(self, event: AnyEvent) -> None:
+        kind, fields = event.kind, event.payload()
         step = fields.get("step", fields.get("failed_step", self.last_step))
         step = step if isinstance(step, int) else self.last_step
         for t in self.trackers:

@@ -10,10 +10,9 @@ import os
 import time
 
 from resilient_rl.runtime.worker import WorkerInfo, compute_cuda_device
-from resilient_rl.errors import RRLError
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime.pool import step_role
-from resilient_rl.telemetry.gpu_owners import device_report
+from resilient_rl.runtime.devices import device_report
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -29,8 +28,9 @@ def _controller_node_id() -> str | None:
 
 
 class LocalRoles:
-    """Actor, critic, ref and rollout engines in this process: a
-    :class:`~resilient_rl.runtime.pool.WorkerPool` of one process group, ``local``, of one rank.
+    """Actor, critic, ref and rollout engines in this process: the step's part of a pool
+    (:class:`~resilient_rl.runtime.pool.StepRoles`) and telemetry's
+    (:class:`~resilient_rl.runtime.pool.TelemetrySource`), one process group, ``local``, of one rank.
 
     It saves no checkpoints (so the trainer takes no lease on the run for it), and its only
     process is the controller's: a failure here is the controller's own and is not recovered.
@@ -41,7 +41,6 @@ class LocalRoles:
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.generation = 1
         self.init_models()
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
@@ -104,35 +103,11 @@ class LocalRoles:
     def workers(self) -> dict[tuple[str, int], WorkerInfo]:
         return {(self.GROUP, 0): self._info()}
 
-    def refresh_workers(self) -> None:
-        pass  # the controller's own process: nothing to ask
-
-    def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, WorkerInfo]:
-        return {} if during_call else {0: self._info()}
-
-    def kill(self, key: tuple[str, int]) -> None:
-        raise RRLError(f"local roles: refusing to kill {key}, the controller's own process")
-
-    def adopt_spares(self, keys: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        return []  # one process, the controller's: nothing to stand in for it
-
-    def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
-        return [self._info()]
-
-    def locate(self, name: str | None) -> tuple[str | None, str | None]:
-        return (self.GROUP, name) if name in self.roles_of(self.GROUP) else (None, None)
-
     def roles_of(self, group: str) -> tuple[str, ...]:
         return ("actor", "rollout", "ref") + (("critic",) if self.critic_enabled else ())
 
     def role_processes(self) -> dict[tuple[str, int], tuple[int, str | None]]:
         return {(role, 0): (os.getpid(), None) for role in self.roles_of(self.GROUP)}
 
-    def rendezvous(self, groups: list[str] | None = None) -> None:
-        self.generation += 1  # no process group: the engines run unsharded
-
-    def checkpoint_groups(self) -> list:
-        return []
-
     def shutdown(self) -> None:
-        pass
+        """Nothing to stop: the engines live in this process and go with it."""

@@ -14,19 +14,24 @@ from typing import Callable, Sequence
 import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
-from resilient_rl.errors import CheckpointCorruptError, WorkerError
+from resilient_rl.errors import WorkerError
+from resilient_rl.events import AnyEvent
+from resilient_rl.events.kinds import CheckpointStarted
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
-from resilient_rl.trainer.controller_state import Attribute, ControllerState
+from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
 from resilient_rl.runtime.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
 from resilient_rl.run.record import controller_session
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
+from resilient_rl.recovery.policy import FailurePolicy
+from resilient_rl.recovery.rollback import AFTER_NONFINITE, RollBack, checkpoint
 from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
+from resilient_rl.trainer.hooks import check_hooks
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.data.tasks import get_task
 from resilient_rl.telemetry.hook import TelemetryHook
@@ -66,7 +71,7 @@ class PPOTrainer:
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
-        self.hooks = list(hooks or [])
+        self.hooks = check_hooks(list(hooks or []))
         if roles_factory is None:
             from resilient_rl.trainer.ray_roles import RayRoles
 
@@ -79,36 +84,33 @@ class PPOTrainer:
                           else None)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
         self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
-        self.nonfinite = NonFiniteGuard(self)
+        self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
         self.run_dir.subscribe(self._on_event)
-        self.recovery = Recovery(cfg.recovery, pool=lambda: self.roles, checkpoints=self.ckpt,
-                                 restore=self.restore_after_failure, emit=self.run_dir.event,
-                                 on_state=lambda state: self.fire("on_recovery_state", state),
-                                 restore_source=lambda: self.restore_source)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
         self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key)
                           if cfg.recovery.snapshot_every > 0 and self.checkpoints_on else None)
-        self.restore_source: str | None = None  # where the last restore came from (the recovered event)
         # The controller's part of a checkpoint: one line per stateful part.
+        policy = FailurePolicy.from_config(cfg.recovery)
         self.state = ControllerState()
         self.state.register("step", Attribute(self, "step", int))
         self.state.register("loader", self.loader)
         self.state.register("kl_ctrl", self.kl_ctrl)
-        self.state.register("failure_budget", self.recovery.policy, optional=True)  # older checkpoints: none
-        self.initial_state = self.state.state_dict()  # what a run with no valid checkpoint restarts from
+        self.state.register("failure_budget", policy, optional=True)  # older checkpoints: none
+        # Rolling back (resume, recovery, NaN) and recovering; what the state holds now is the start.
+        self.rollback = RollBack(self.ckpt, self.snapshots, self.state, self.run_dir, self.history, self.digest)
+        self.recovery = Recovery(cfg.recovery, checkpoints=self.ckpt, rollback=self.rollback, emit=self.run_dir.event,
+                                 on_state=self._on_recovery_state, policy=policy)
 
-    def fire(self, name: str, *args) -> None:
-        """Call ``name(trainer, *args)`` on every hook that has it (fault injectors, probes)."""
+    def _on_recovery_state(self, state) -> None:
         for hook in self.hooks:
-            fn = getattr(hook, name, None)
-            if fn is not None:
-                fn(self, *args)
+            hook.on_recovery_state(self, state)
 
-    def _on_event(self, kind: str, fields: dict) -> None:
+    def _on_event(self, event: AnyEvent) -> None:
         """Fault hooks hear of a save as it starts (to fail it mid-write)."""
-        if kind == "checkpoint_started":
-            self.fire("on_checkpoint_started", fields["step"])
+        if isinstance(event, CheckpointStarted):
+            for hook in self.hooks:
+                hook.on_checkpoint_started(self, event.step)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -124,7 +126,7 @@ class PPOTrainer:
                 self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
-                self.restore(self.cfg.checkpoint.resume)
+                self.rollback.roll_back_to(self.roles, checkpoint(self.cfg.checkpoint.resume))
             if self.telemetry is not None:
                 self.telemetry.watch_roles(self.roles, self.ckpt.last_committed_at())
         return self.roles
@@ -135,69 +137,20 @@ class PPOTrainer:
         return {**self.state.state_dict(), "config_digest": self.digest}
 
     def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
-        if state.get("config_digest") not in (None, self.digest):
-            logger.warning("resuming a checkpoint written with a different config (digest %s, now %s)",
-                           state.get("config_digest"), self.digest)
-
-    def restore(self, resume: str = "auto") -> int | None:
-        """Load the checkpoint named by ``resume`` into the roles and the controller; returns its step."""
-        state = self.ckpt.restore(self.roles, resume)
-        if state is None:
-            return None
-        try:
-            self.load_state_dict(state)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # checksummed, so crafted
-            raise CheckpointCorruptError(f"trainer_state.json of step {state.get('step')}: malformed "
-                                         f"controller state ({exc!r})") from exc
-        self.restore_source = "checkpoint"
-        return self._rolled_back()
-
-    def _rolled_back(self) -> int:
-        """After roles and controller state were restored: the rollout gets the weights, the
-        metrics after the step are dropped, and so are the snapshots of the abandoned steps."""
-        self.roles.sync_weights(self.step)
-        self.run_dir.truncate_metrics_after(self.step)
-        self.history = deque(self.run_dir.read_metrics(last=HISTORY_WINDOW), maxlen=HISTORY_WINDOW)
-        if self.snapshots is not None:
-            self.snapshots.drop_after(self.step)
-        return self.step
-
-    def restore_snapshot(self) -> int | None:
-        """Roll back to the newest complete in-memory snapshot not older than the last committed
-        checkpoint; None when there is none (the models are then rebuilt for a storage restore)."""
-        if self.snapshots is None:
-            return None
-        self.ckpt.fence()
-        snap = self.snapshots.restore(self.roles, self.ckpt.last_committed)
-        if snap is None:
-            if self.snapshots.partial:  # some ranks hold part of a snapshot: back to fresh models
-                self.roles.init_models()
-            return None
-        self.load_state_dict(snap.trainer_state)
-        self.ckpt.cleanup()  # what an abandoned save left half-written
-        self.restore_source = "snapshot"
-        return self._rolled_back()
+        """Take over the controller's part of a checkpoint (see :meth:`state_dict`)."""
+        self.rollback.load_controller_state(state)
 
     def restore_after_failure(self) -> int:
         """Roll roles and controller back to the newest complete snapshot, else the newest valid
         checkpoint, else the start; returns its step."""
-        step = self.restore_snapshot()
-        if step is not None:
-            return step
-        step = self.restore("auto")
-        if step is None:
-            self.restore_source = "start"
-            # Back to the initial weights: the groups a recovery did not rebuild kept theirs.
-            self.roles.init_models()
-            if self.snapshots is not None:
-                self.snapshots.drop_after(0)
-            self.state.load_state_dict(self.initial_state)  # the failure budget is never refilled
-            self.roles.sync_weights(0)
-            self.run_dir.truncate_metrics_after(0)
-            self.history.clear()
-            step = 0
-        return step
+        return self.rollback.after_failure(self.roles)
+
+    def roll_back_nonfinite(self, failed_step: int, what: str) -> None:
+        """After a NaN or Inf in ``failed_step``: the newest known-good checkpoint (or the start),
+        keeping the data position, so the next step trains on the batch after the poisoned one."""
+        self.ckpt.wait(self.roles)  # a save in flight commits first (or is refused if not finite)
+        self.rollback.first_of(self.roles, AFTER_NONFINITE, keep_data_position=True)
+        self.nonfinite.rolled_back(failed_step, self.step, what)
 
     def maybe_checkpoint(self) -> None:
         """Save when due (async: the step waits only for staging); commit finished saves."""
@@ -213,7 +166,8 @@ class PPOTrainer:
         """Start the in-memory snapshot of this step when due (not waited for)."""
         if self.snapshots is not None and self.snapshots.due(self.step):
             self.snapshots.take(self.roles, self.step, self.state_dict())
-            self.fire("on_snapshot_started", self.step)
+            for hook in self.hooks:
+                hook.on_snapshot_started(self, self.step)
 
     def shutdown(self) -> None:
         # Never started (e.g. refused by the run's lease): stopping would delete the live
@@ -233,7 +187,8 @@ class PPOTrainer:
         step = self.step + 1
         if self.checkpoints_on and self.ckpt.pending is not None:
             self.ckpt.poll(self.roles)  # commit a save that finished writing before this step starts
-        self.fire("on_step_start", step)
+        for hook in self.hooks:
+            hook.on_step_start(self, step)
         batch = self.loader.next_batch()
         t0 = time.perf_counter()
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
@@ -282,7 +237,9 @@ class PPOTrainer:
             while self.step < total:
                 try:
                     row = self.train_step()
-                    if not self.nonfinite.after_step(row):  # rolled back past a NaN/Inf
+                    verdict = self.nonfinite.after_step(row, self.ckpt.last_committed)
+                    if not verdict:  # a NaN/Inf: roll back past it
+                        self.roll_back_nonfinite(row["step"], verdict.roll_back)
                         bar.n = self.step
                         bar.refresh()
                         continue
@@ -293,7 +250,8 @@ class PPOTrainer:
                         # it rolls the run back to the last commit and the final steps are replayed.
                         self.ckpt.finish(self.roles)
                 except WorkerError as exc:
-                    self.recovery.handle(exc, self.step + 1)
+                    # Pools that save no checkpoints run in this process: nothing to restart there.
+                    self.recovery.handle(exc, self.step + 1, self.roles if self.checkpoints_on else None)
                     bar.n = self.step
                     bar.refresh()
                     continue

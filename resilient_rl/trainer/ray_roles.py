@@ -166,9 +166,9 @@ class RayRoles:
                 g.forget_liveness()
         return adopted
 
-    def spares_ready(self) -> dict[str, int]:
-        """Process group -> how many of its warm spares are ready now (none without spares)."""
-        return {name: len(pool.ready()) for name, pool in self.spares.items()}
+    def spares_ready(self) -> bool:
+        """Whether every warm spare of the pool is ready now (true without spares)."""
+        return all(len(pool.ready()) == len(pool) for pool in self.spares.values())
 
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         g = self._process_group(group)

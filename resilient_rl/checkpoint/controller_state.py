@@ -41,6 +41,14 @@ class ControllerState:
         if optional:
             self._optional.add(name)
 
+    def part(self, name: str) -> Stateful:
+        """The part registered as ``name``."""
+        return self._parts[name]
+
+    def value(self, name: str) -> Any:
+        """What part ``name`` holds now (its ``state_dict()``)."""
+        return self._parts[name].state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self._parts.items()}
 

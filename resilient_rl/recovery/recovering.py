@@ -1,0 +1,154 @@
+"""RECOVERING: the failure is decided, then the pool's processes are repaired.
+
+Every rank is probed through its health concurrency group; the :class:`FailurePolicy` decides
+*before* anything is killed or waited for, knowing which ranks would need a restart. Then a rank
+that does not answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as not
+advancing (it still answers the probe); survivors still inside a call are waited for (a
+collective error ends it at once when a peer died) and killed if they stop advancing; each dead
+rank is handed to a ready warm spare of its group where there is one (``recovery.spares``), and
+the state waits until Ray has restarted every other dead actor (``max_restarts``) and all answer.
+Survivors keep their processes. Each restart spends the restarted actor's budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from resilient_rl.errors import Cause, WorkerTimeoutError
+from resilient_rl.recovery.attempt import Attempt, Context
+from resilient_rl.recovery.policy import Decision
+from resilient_rl.recovery.states import RecoveryState as S
+from resilient_rl.runtime.pool import ProcessKey, RecoveryPool, primary_role
+
+
+class Recovering:
+    """The RECOVERING state: decide, then repair the pool (kill, hand to spares, wait for restarts)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def enter(self, a: Attempt, pool: RecoveryPool) -> S:
+        ctx = self.ctx
+        if not ctx.cfg.enabled:
+            a.reason = f"recovery is disabled: {a.failure.message}"
+            return S.ABORTING
+        known = pool.workers()
+        unresponsive, dead, replaced = self._probe(pool, known)
+        lost = dead + replaced
+        hung = self._hung_rank(a, known)
+        if a.failure.cause is Cause.EXCEPTION and (lost or unresponsive):
+            # A survivor's error raced ahead of the death that caused it: the death is the failure.
+            group, rank = (lost or unresponsive)[0]
+            a.failure = dataclasses.replace(a.failure, cause=Cause.DIED, role=primary_role(pool.roles_of(group)),
+                                            rank=rank)
+            a.group = group
+        to_restart = sorted(set(unresponsive) | set(lost) | ({hung} if hung else set()))
+        verdict = ctx.policy.decide(a.failure, restarting=[budget_key(pool, k) for k in to_restart])
+        if verdict.decision is Decision.RAISE:
+            a.reason = verdict.reason
+            return S.ABORTING
+        killed: set[ProcessKey] = set()
+        for key in unresponsive:
+            self._kill(pool, key, known, "kill_unresponsive", killed)
+        if hung is not None and hung not in killed:
+            self._kill(pool, hung, known, "kill_hung", killed, reason=a.failure.message[:300])
+        # Spares first: the drain then probes them (idle, answering) rather than dead processes.
+        adopted = self._adopt_spares(pool, set(dead) | killed)
+        self._drain(pool, known, killed)
+        self._adopt_spares(pool, killed - adopted)  # survivors the drain found stalled
+        restarted = self._wait_restarted(pool, known, a.failure.cause)
+        a.restarted += restarted
+        verdict = ctx.policy.record_restarts([budget_key(pool, k) for k in restarted])
+        if verdict.decision is Decision.RAISE:
+            a.reason = verdict.reason
+            return S.ABORTING
+        return S.REJOINING
+
+    def _probe(self, pool: RecoveryPool, known: dict) -> tuple[list[ProcessKey], list[ProcessKey], list[ProcessKey]]:
+        """(unresponsive, dead, replaced): known ranks that do not answer the health probe
+        (stopped, hung outside a call), ranks whose process died, and ranks whose process was
+        already replaced (restarted)."""
+        unresponsive, dead, replaced = [], [], []
+        for group in pool.process_groups():
+            for rank, info in pool.probe(group, timeout_s=self.ctx.cfg.health_timeout_s).items():
+                key = (group, rank)
+                if key not in known:
+                    continue
+                if info is None:
+                    unresponsive.append(key)
+                elif isinstance(info, BaseException):
+                    dead.append(key)
+                elif info.pid != known[key].pid:
+                    replaced.append(key)
+        return unresponsive, dead, replaced
+
+    @staticmethod
+    def _hung_rank(a: Attempt, known: dict) -> ProcessKey | None:
+        """The process ``a``'s error names as not advancing, if it is still the one known."""
+        exc = a.exc
+        if not isinstance(exc, WorkerTimeoutError) or exc.cause is not Cause.HANG or exc.rank is None \
+                or a.group is None:
+            return None
+        info = known.get((a.group, exc.rank))
+        if info is None or (exc.pid is not None and info.pid != exc.pid):
+            return None
+        return a.group, exc.rank
+
+    def _kill(self, pool: RecoveryPool, key: ProcessKey, known: dict, kind: str, killed: set, **extra: Any) -> None:
+        info = known[key]
+        self.ctx.emit(kind, group=key[0], rank=key[1], pid=info.pid, node=info.node_id, **extra)
+        pool.kill(key)
+        killed.add(key)
+
+    def _adopt_spares(self, pool: RecoveryPool, dead: set[ProcessKey]) -> set[ProcessKey]:
+        """Hand the ``dead`` ranks to warm spares where their groups have ready ones."""
+        adopted = set(pool.adopt_spares(sorted(dead))) if dead else set()
+        for group, rank in sorted(adopted):
+            self.ctx.emit("spare_adopted", group=group, rank=rank, role=primary_role(pool.roles_of(group)))
+        return adopted
+
+    def _drain(self, pool: RecoveryPool, known: dict, killed: set) -> None:
+        """Wait until no survivor is inside a call, so the rendezvous does not queue behind one.
+
+        A survivor whose peer died normally leaves its call at once with a collective error; one
+        that stays inside a call without advancing for ``hang_timeout_s`` is killed too."""
+        cfg, clock = self.ctx.cfg, self.ctx.clock
+        deadline = clock() + cfg.restart_timeout_s
+        while clock() < deadline:
+            busy = 0
+            for group in pool.process_groups():
+                for rank, info in pool.probe(group, timeout_s=cfg.health_timeout_s, during_call=True).items():
+                    key = (group, rank)
+                    if key in killed or key not in known or isinstance(info, BaseException):
+                        continue
+                    if info is None:
+                        self._kill(pool, key, known, "kill_unresponsive", killed)
+                    elif info.call is not None and info.pid == known[key].pid:
+                        if (info.progress_age_s or 0.0) > cfg.hang_timeout_s:
+                            self._kill(pool, key, known, "kill_hung", killed,
+                                       reason=f"inside {info.call!r} without progress for {info.progress_age_s:.1f}s")
+                        else:
+                            busy += 1
+            if not busy:
+                return
+            self.ctx.sleep(0.2)
+
+    def _wait_restarted(self, pool: RecoveryPool, known: dict, cause: Cause) -> list[ProcessKey]:
+        """Wait until every rank answers; the ranks that came back in a new process."""
+        restarted = []
+        for group in pool.process_groups():
+            for rank, info in enumerate(pool.wait_alive(group, self.ctx.cfg.restart_timeout_s)):
+                old = known.get((group, rank))
+                if old is None or old.pid != info.pid:
+                    restarted.append((group, rank))
+                    self.ctx.emit("worker_restarted", group=group, rank=rank, pid=info.pid, node=info.node_id,
+                                  role=primary_role(pool.roles_of(group)), cause=cause.value)
+        pool.refresh_workers()
+        return restarted
+
+
+def budget_key(pool: RecoveryPool, key: ProcessKey) -> tuple[str, int]:
+    """(role, rank): the name a process's restart budget is kept under, the same for every
+    controller of the run (process-group names carry a per-controller instance id)."""
+    return primary_role(pool.roles_of(key[0])) or key[0], key[1]
