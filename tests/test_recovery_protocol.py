@@ -42,8 +42,8 @@ class Harness:
                                  emit=lambda kind, **f: self.events.append((kind, f)), on_state=self.states.append,
                                  clock=self.clock, sleep=self.clock.sleep, wall_clock=self.wall)
 
-    def after_failure(self, roles) -> int:
-        assert roles is self.pool
+    def roll_back_to(self, roles, *points) -> int:
+        assert roles is self.pool and points[-1].kind == "start"
         self.restores += 1
         if self._restore is not None:
             return self._restore()

@@ -43,6 +43,7 @@ from resilient_rl.recovery.attempt import Attempt, Context
 from resilient_rl.recovery.causes import classify
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.recovery.recovering import Recovering
+from resilient_rl.recovery.rollback import AFTER_FAILURE, Point
 from resilient_rl.recovery.states import RecoveryState, RecoveryStateMachine
 from resilient_rl.runtime.pool import RecoveryPool
 
@@ -63,7 +64,7 @@ class RollBackAfterFailure(Protocol):
 
     source: str | None  # where the last roll-back went: snapshot, checkpoint or start
 
-    def after_failure(self, roles) -> int: ...
+    def roll_back_to(self, roles, *points: Point) -> int | None: ...
 
 
 class Rejoining:
@@ -94,7 +95,7 @@ class Restoring:
         self.rollback = rollback
 
     def enter(self, a: Attempt, pool: RecoveryPool) -> S:
-        a.restored = self.rollback.after_failure(pool)
+        a.restored = self.rollback.roll_back_to(pool, *AFTER_FAILURE)
         a.source = self.rollback.source
         return S.RUNNING
 
@@ -118,8 +119,8 @@ class Recovery:
     Args:
         cfg: the ``recovery`` config section.
         checkpoints: the checkpoint coordinator (``abandon``, ``last_committed``).
-        rollback: rolls pool and controller back to the newest snapshot, valid checkpoint or the
-            start (``after_failure``) and says where it went (``source``).
+        rollback: rolls pool and controller back to the first point that exists of the newest
+            snapshot, valid checkpoint or the start (``roll_back_to``) and says where it went (``source``).
         emit: ``emit(kind, **fields)`` records an event of the run (``events.jsonl``, metrics).
         on_state: called with each state entered after RECOVERING (fault hooks).
         clock, sleep, wall_clock: monotonic time, sleeping and the time of day, replaced by fakes in tests.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from resilient_rl.checkpoint.controller_state import ControllerState
 from resilient_rl.errors import CheckpointCorruptError
@@ -76,32 +76,16 @@ class RollBack:
         self.digest = digest
         self.source: str | None = None  # where the last roll-back went (the recovered event)
 
-    def after_failure(self, roles) -> int:
-        """Roll back to the newest complete snapshot, else the newest valid checkpoint, else the start."""
-        return self.first_of(roles, AFTER_FAILURE)
-
-    def first_of(self, roles, points: Sequence[Point], keep_data_position: bool = False) -> int:
-        """Roll back to the first of ``points`` that exists (the last must be :data:`START`)."""
-        if points[-1] != START:
-            raise ValueError("a chain of roll-back points ends with START, which always exists")
-        for point in points:
-            step = self.roll_back_to(roles, point, keep_data_position)
-            if step is not None:
-                return step
-        raise AssertionError("unreachable: START always exists")
-
-    def roll_back_to(self, roles, point: Point, keep_data_position: bool = False) -> int | None:
-        """Roll the run back to ``point``; its step, or None when no such point exists (nothing changed,
-        but a snapshot that only some ranks held leaves fresh models behind for the next point)."""
+    def roll_back_to(self, roles, *points: Point, keep_data_position: bool = False) -> int | None:
+        """Roll the run back to the first of ``points`` that exists; its step, or None when none
+        does (nothing changed then, but a snapshot that only some ranks held leaves fresh models
+        behind for the next point). A chain ending with :data:`START` always rolls back."""
         position = self.state.part("loader").state_dict() if keep_data_position else None
-        if point.kind == "snapshot":
-            state = self._snapshot(roles)
-        elif point.kind == "checkpoint":
-            state = self.checkpoints.restore(roles, point.resume)
+        for point in points:
+            state = self._load(roles, point)
+            if state is not None:
+                break
         else:
-            roles.init_models()  # the groups a recovery did not rebuild kept their weights
-            state = self.initial_state
-        if state is None:
             return None
         self.load_controller_state(state, checked=point.kind == "checkpoint")
         if position is not None:
@@ -115,6 +99,15 @@ class RollBack:
         if self.snapshots is not None:  # the steps after the point are not this timeline's
             self.snapshots.drop_after(step)
         return step
+
+    def _load(self, roles, point: Point) -> dict | None:
+        """Load ``point``'s state into the roles; the controller's part of it, or None when there is no such point."""
+        if point.kind == "snapshot":
+            return self._snapshot(roles)
+        if point.kind == "checkpoint":
+            return self.checkpoints.restore(roles, point.resume)
+        roles.init_models()  # the start: the groups a recovery did not rebuild kept their weights
+        return self.initial_state
 
     def _snapshot(self, roles) -> dict | None:
         """Load the newest complete snapshot not older than the last commit; its trainer state."""

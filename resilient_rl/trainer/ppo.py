@@ -27,7 +27,7 @@ from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
-from resilient_rl.recovery.rollback import AFTER_NONFINITE, RollBack, checkpoint
+from resilient_rl.recovery.rollback import AFTER_FAILURE, AFTER_NONFINITE, RollBack, checkpoint
 from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
@@ -143,13 +143,13 @@ class PPOTrainer:
     def restore_after_failure(self) -> int:
         """Roll roles and controller back to the newest complete snapshot, else the newest valid
         checkpoint, else the start; returns its step."""
-        return self.rollback.after_failure(self.roles)
+        return self.rollback.roll_back_to(self.roles, *AFTER_FAILURE)
 
     def roll_back_nonfinite(self, failed_step: int, what: str) -> None:
         """After a NaN or Inf in ``failed_step``: the newest known-good checkpoint (or the start),
         keeping the data position, so the next step trains on the batch after the poisoned one."""
         self.ckpt.wait(self.roles)  # a save in flight commits first (or is refused if not finite)
-        self.rollback.first_of(self.roles, AFTER_NONFINITE, keep_data_position=True)
+        self.rollback.roll_back_to(self.roles, *AFTER_NONFINITE, keep_data_position=True)
         self.nonfinite.rolled_back(failed_step, self.step, what)
 
     def maybe_checkpoint(self) -> None:
