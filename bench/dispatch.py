@@ -16,6 +16,13 @@ the two sides interleaved so that load from other processes hits both alike:
 Medians are printed with the ratios and their targets (startup within 1.3x, round trip within 1.1x)::
 
     python bench/dispatch.py --start-reps 5 --iters 200
+
+With ``--verl``, verl's own worker group starts in the same interleaved loop (4 ranks of a verl
+``Worker`` subclass that imports torch, CPU bundles, until every rank answered a ``ONE_TO_ALL``
+call), and the startup of ours is also printed as a ratio of verl's (target 0.6x). verl must be
+importable beside the project, e.g. in a separate virtual environment that sees this checkout::
+
+    PYTHONPATH=$PWD python bench/dispatch.py --verl --start-reps 7 --skip-round-trip
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 WORLD = 4
 START_TARGET = 1.3
 CALL_TARGET = 1.1
+#: Our startup over verl's, both measured here.
+VERL_START_TARGET = 0.6
 
 
 @ray.remote
@@ -91,24 +100,75 @@ def _kill_bare(actors: list) -> None:
         ray.kill(a, no_restart=True)
 
 
+def _verl_starter():
+    """A function starting verl's worker group of ``WORLD`` ranks (seconds, stop function), or None
+    where verl cannot be imported."""
+    try:
+        from verl.single_controller.base import Worker as VerlWorker
+        from verl.single_controller.base.decorator import Dispatch as VerlDispatch
+        from verl.single_controller.base.decorator import register as verl_register
+        from verl.single_controller.ray import RayClassWithInitArgs as VerlClass
+        from verl.single_controller.ray import RayResourcePool as VerlPool
+        from verl.single_controller.ray import RayWorkerGroup as VerlGroup
+    except ImportError:
+        return None
+
+    @ray.remote
+    class VerlBenchWorker(VerlWorker):
+        def __init__(self) -> None:
+            super().__init__()
+            import torch  # noqa: F401 - as our worker and the bare actor do
+
+        @verl_register(dispatch_mode=VerlDispatch.ONE_TO_ALL)
+        def ping(self) -> int:
+            return 0
+
+    def start() -> tuple[float, callable]:
+        t0 = time.perf_counter()
+        # One CPU per bundle (verl asks max_colocate_count CPUs per bundle), no GPU.
+        pool = VerlPool([WORLD], use_gpu=False, max_colocate_count=1)
+        wg = VerlGroup(pool, VerlClass(cls=VerlBenchWorker), device_name="cpu")
+        wg.ping()  # every rank has started and answers
+        dt = time.perf_counter() - t0
+
+        def stop() -> None:
+            for w in wg.workers:
+                ray.kill(w, no_restart=True)
+            for name in (f"{wg.name_prefix}_register_center",):
+                try:
+                    ray.kill(ray.get_actor(name), no_restart=True)
+                except ValueError:
+                    pass
+            for pg in pool.pgs or []:
+                ray.util.remove_placement_group(pg)
+        return dt, stop
+
+    return start
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def bench_startup(reps: int, cpus_per_bundle: float, x: torch.Tensor) -> dict[str, list[float]]:
-    """Interleaved start times (seconds) of our group and of bare actors; who goes first alternates.
+def bench_startup(reps: int, cpus_per_bundle: float, x: torch.Tensor, verl=None) -> dict[str, list[float]]:
+    """Interleaved start times (seconds) of our group, of bare actors and (``verl``: its starter)
+    of verl's group; who goes first rotates.
 
     Also the first round trip of ``x`` on the fresh workers (``first_*``): a worker imports what
     handling a batch needs (tensordict, for a DataProto) when the first one arrives, not at start.
     """
     data = DataProto.from_dict({"x": x})
     chunks = list(x.chunk(WORLD))
-    out: dict[str, list[float]] = {"ours": [], "bare": [], "first_ours": [], "first_bare": []}
+    out: dict[str, list[float]] = {"ours": [], "bare": [], "verl": [], "first_ours": [], "first_bare": []}
+    sides = ["ours", "bare"] + (["verl"] if verl is not None else [])
     for rep in range(reps):
-        for side in (("ours", "bare") if rep % 2 == 0 else ("bare", "ours")):
-            if side == "ours":
+        for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+            if side == "verl":
+                dt, stop = verl()
+                stop()
+            elif side == "ours":
                 dt, wg = _start_ours(cpus_per_bundle)
                 out["first_ours"].append(_timed(lambda: wg.double(data)))
                 wg.shutdown()
@@ -180,15 +240,23 @@ def main() -> None:
     parser.add_argument("--cpus-per-bundle", type=float, default=0.1)
     parser.add_argument("--skip-startup", action="store_true")
     parser.add_argument("--skip-round-trip", action="store_true")
+    parser.add_argument("--verl", action="store_true", help="also start verl's worker group (verl must import)")
     args = parser.parse_args()
+    verl = _verl_starter() if args.verl else None
+    if args.verl and verl is None:
+        parser.error("--verl: verl cannot be imported here (see the module docstring)")
 
     ray.init(address="local", num_cpus=16, include_dashboard=False)
     try:
         lines = []
         if not args.skip_startup:
             x = torch.randn(args.rows, args.cols, dtype=torch.float32)
-            st = bench_startup(args.start_reps, args.cpus_per_bundle, x)
+            st = bench_startup(args.start_reps, args.cpus_per_bundle, x, verl)
             lines.append(_row(f"startup ({WORLD} workers)", st["ours"], st["bare"], 1.0, "s", START_TARGET))
+            if verl is not None:
+                lines.append(_row("startup, verl as the base", st["ours"], st["verl"], 1.0, "s", VERL_START_TARGET)
+                             .replace(" bare ", " verl "))
+                print(f"startup samples (s): verl {[round(t, 2) for t in st['verl']]}")
             lines.append(_row("  then first call (info)", st["first_ours"], st["first_bare"], 1.0, "s", None))
             print(f"startup samples (s): ours {[round(t, 2) for t in st['ours']]}, "
                   f"bare {[round(t, 2) for t in st['bare']]}")
