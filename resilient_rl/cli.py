@@ -9,7 +9,8 @@
     resilient-rl plot   RUN [--out FILE.png] [--output-dir runs]
 
 RUN and CHECKPOINT are a run name (under ``--root``, default ``checkpoints``), a run folder URL
-or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.export`. For ``status`` and
+or a step folder URL; the logic lives in :mod:`resilient_rl.checkpoint.inspect` and
+:mod:`resilient_rl.checkpoint.export`. For ``status`` and
 ``plot``, RUN is a run name under ``--output-dir`` (default ``runs``) or a run folder path; their
 logic lives in :mod:`resilient_rl.run_status` and :mod:`resilient_rl.plot`.
 """
@@ -107,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from resilient_rl.checkpoint.export import require_committed
+    from resilient_rl.checkpoint.inspect import require_committed
     from resilient_rl.config.schema import load_config
 
     for item in args.overrides:
@@ -135,7 +136,7 @@ def _storage_options(text: str | None) -> dict | None:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from resilient_rl.checkpoint.export import describe_status, inspect_run, locate, verify_problem
+    from resilient_rl.checkpoint.inspect import describe_status, inspect_run, locate, verify_problem
 
     deep = args.action == "verify"
     loc = locate(args.run, args.root, getattr(args, "step", None))

@@ -1,7 +1,7 @@
 """``resilient-rl status RUN``: what an operator asks first about a run, from its folder.
 
 :func:`gather_status` reads the run folder (:mod:`resilient_rl.run.info`) and the run's checkpoints
-(through :func:`resilient_rl.checkpoint.export.inspect_run`, the reader of ``checkpoints list``)
+(through :func:`resilient_rl.checkpoint.inspect.inspect_run`, the reader of ``checkpoints list``)
 into a :class:`RunStatus`: whether it runs or how it ended (and whether its controller process is
 alive), step and rate, the newest committed checkpoint and its age, failures with their causes and
 recoveries, goodput, and where its metrics are served. :meth:`RunStatus.format_text` is the
@@ -215,7 +215,7 @@ def _state(run: RunFiles) -> tuple[str, str | None, ControllerInfo | None]:
 
 
 def _checkpoint(run: RunFiles, root: str | None) -> CheckpointInfo:
-    from resilient_rl.checkpoint.export import DEFAULT_ROOT, CheckpointLocation, inspect_run
+    from resilient_rl.checkpoint.inspect import DEFAULT_ROOT, CheckpointLocation, inspect_run
     from resilient_rl.errors import CheckpointNotFoundError
 
     root = root or run.setting("checkpoint.root") or DEFAULT_ROOT

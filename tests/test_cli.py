@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
-from resilient_rl.checkpoint.export import inspect_run, locate
+from resilient_rl.checkpoint.inspect import inspect_run, locate
 from resilient_rl.cli import main
 from resilient_rl.errors import ConfigError
 from resilient_rl.events import read_events

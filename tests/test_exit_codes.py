@@ -33,7 +33,7 @@ def test_exit_code_of_each_error(exc, code):
     (ZeroDivisionError("division by zero"), 70, "internal error (ZeroDivisionError"),
 ])
 def test_main_maps_errors_to_codes(monkeypatch, capsys, raised, code, says):
-    import resilient_rl.checkpoint.export as export
+    import resilient_rl.checkpoint.inspect as export
 
     def boom(*_a, **_k):
         raise raised

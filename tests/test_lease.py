@@ -220,7 +220,7 @@ def test_lease_settings_are_validated(tmp_path):
 
 
 def test_checkpoints_list_shows_the_lease_and_set_aside_timelines(tmp_path):
-    from resilient_rl.checkpoint.export import CheckpointLocation, inspect_run
+    from resilient_rl.checkpoint.inspect import CheckpointLocation, inspect_run
 
     manager = CheckpointManager(str(tmp_path), "run", keep_last=5, retry=FAST)
     manager.lease = RunLease(manager.storage, "run", ttl_s=60)

@@ -1,13 +1,7 @@
-"""Checkpoint tooling behind the command line: find, inspect, verify and export a run's checkpoints.
+"""Exporting a run's checkpoint as a model folder (``resilient-rl export``).
 
-A checkpoint is named on the command line in one of three ways (see :func:`locate`):
-
-- a run name, under a checkpoint root (``ppo-copy`` with ``--root checkpoints``);
-- a run folder URL (``checkpoints/ppo-copy``, ``s3://bucket/ckpt/ppo-copy``);
-- a step folder URL (``checkpoints/ppo-copy/step_00000020``).
-
-:func:`inspect_run` lists a run's step folders with their commit state, size, age and checksum
-state (sizes only, or every file's sha256 with ``deep``). :func:`export_checkpoint` verifies a
+The checkpoint is named as for ``checkpoints list`` (:func:`resilient_rl.checkpoint.inspect.locate`).
+:func:`export_checkpoint` verifies a
 committed step and writes its model as one ``model.safetensors`` keyed by the model's own
 state-dict names, plus a ``config.json``: the Hugging Face config for ``model.kind=hf`` (so
 ``AutoModelForCausalLM.from_pretrained(out)`` loads it) or the :class:`TinyLMConfig` fields for
@@ -31,226 +25,21 @@ import fsspec
 import torch
 import yaml
 
-from resilient_rl.checkpoint.lease import Lease, read_lease
-from resilient_rl.checkpoint.manager import ABANDONED_DIR, CheckpointManager
-from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname, step_dirname
+from resilient_rl.checkpoint.manifest import MANIFEST_NAME, step_dirname
 from resilient_rl.checkpoint.safetensors_io import build_header, iter_file_chunks
 from resilient_rl.checkpoint.sharded import gather_full_state
 from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.checkpoint.inspect import describe_status, locate, open_manager
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 
-__all__ = [
-    "DEFAULT_OUTPUT_DIR", "DEFAULT_ROOT", "CheckpointLocation", "CheckpointRow", "ExportResult", "RunReport",
-    "describe_status", "export_checkpoint", "inspect_run", "locate", "require_committed", "verify_problem",
-]
+__all__ = ["DEFAULT_OUTPUT_DIR", "ExportResult", "export_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROOT = "checkpoints"   # CheckpointConfig.root's default
 DEFAULT_OUTPUT_DIR = "runs"    # TrainerConfig.output_dir's default
 MODEL_PREFIX = "model"         # the actor saves {"model": get_model_state_dict(...), "optim": ...}
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-# --------------------------------------------------------------------------------- locations
-@dataclass(frozen=True)
-class CheckpointLocation:
-    """A run (``root`` + ``run``) and, when one was named, a step of it."""
-
-    root: str
-    run: str
-    step: int | None = None
-
-
-def locate(target: str, root: str | None = None, step: int | None = None) -> CheckpointLocation:
-    """Resolve a run name, run folder URL or step folder URL (see the module docstring).
-
-    ``root`` only goes with a bare run name; ``step`` must agree with a step folder URL."""
-    if not target or not target.strip():
-        raise ConfigError("a run name or checkpoint folder URL is required")
-    target = target.strip()
-    if step is not None and step < 0:
-        raise ConfigError(f"--step must be >= 0, got {step}")
-    if "/" not in target:
-        return CheckpointLocation(root or DEFAULT_ROOT, target, step)
-    if root is not None:
-        raise ConfigError(f"--root {root!r} goes with a run name; {target!r} is already a folder URL")
-    parent, _, name = target.rstrip("/").rpartition("/")
-    named = parse_step_dirname(name)
-    if named is not None:
-        if step is not None and step != named:
-            raise ConfigError(f"--step {step} contradicts the step folder {target!r}")
-        parent, _, name = parent.rpartition("/")
-        step = named
-    if not name or not parent or parent.endswith(":/"):
-        raise ConfigError(f"{target!r}: expected a run folder such as checkpoints/my-run "
-                          "or a step folder such as checkpoints/my-run/step_00000020")
-    return CheckpointLocation(parent, name, step)
-
-
-def _manager(loc: CheckpointLocation, storage_options: dict[str, Any] | None) -> CheckpointManager:
-    return CheckpointManager(loc.root, loc.run, storage_options=storage_options)
-
-
-def _pointer(manager: CheckpointManager) -> int | None:
-    data = manager.storage.try_read_bytes(Storage.join(manager.run_name, LATEST_NAME))
-    return None if data is None else parse_step_dirname(data.decode(errors="replace").strip())
-
-
-def describe_status(manager: CheckpointManager, step: int, status: str) -> str:
-    """A status from :meth:`CheckpointManager.verify` with the corrupt file's full URL."""
-    if not status.startswith("corrupt:"):
-        return f"{manager.step_dir(step)}: {status}"
-    _, path, why = (status.split(": ", 2) + ["", ""])[:3]
-    return f"{manager.step_dir(step)}/{path}: {why}"
-
-
-def require_committed(root: str, run: str, storage_options: dict[str, Any] | None = None) -> int:
-    """The newest committed step of ``run`` whose files have the manifest's sizes; raises
-    CheckpointNotFoundError naming the run and root when there is none (a run to resume)."""
-    manager = CheckpointManager(root, run, storage_options=storage_options)
-    committed = manager.timeline_steps()
-    if not committed:
-        raise CheckpointNotFoundError(
-            f"cannot resume run {run!r}: it has no committed checkpoint under checkpoint.root={root!r} "
-            f"({manager.run_url}); start it with `resilient-rl train`")
-    for step in reversed(committed):
-        if manager.verify(step, deep=False) == "ok":
-            return step
-    raise CheckpointCorruptError(
-        f"cannot resume run {run!r}: every committed checkpoint under checkpoint.root={root!r} is damaged "
-        f"(newest: {describe_status(manager, committed[-1], manager.verify(committed[-1], deep=False))})")
-
-
-# --------------------------------------------------------------------------------- list / verify
-@dataclass(frozen=True)
-class CheckpointRow:
-    """One step folder as shown by ``checkpoints list|verify``."""
-
-    step: int
-    committed: bool
-    size_bytes: int
-    age_s: float | None
-    status: str
-    latest: bool
-
-
-@dataclass
-class RunReport:
-    """A run's step folders and the checksum depth they were checked with."""
-
-    manager: CheckpointManager
-    rows: list[CheckpointRow]
-    deep: bool
-    pointer: int | None
-    step: int | None = None  # the one step asked for, if any
-    lease: Lease | None = None  # who writes (or last wrote) the run
-    resumed: int | None = None  # the step a resume would start from (the timeline's newest)
-    set_aside: int = 0  # timelines moved to {run}/abandoned/
-
-    @property
-    def run_url(self) -> str:
-        return self.manager.run_url
-
-    def newest_committed(self) -> CheckpointRow | None:
-        committed = [r for r in self.rows if r.committed]
-        return committed[-1] if committed else None
-
-    def format_table(self) -> str:
-        """A fixed-width table, one line per step folder, oldest first."""
-        header = ("STEP", "COMMITTED", "SIZE", "AGE", "CHECK", "LATEST")
-        lines = [tuple(str(x) for x in (r.step, "yes" if r.committed else "no", _size(r.size_bytes),
-                                        _age(r.age_s), self._check(r), "latest" if r.latest else ""))
-                 for r in self.rows]
-        widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-        out = [f"run: {self.run_url}"]
-        for row in [header, *lines]:
-            out.append("  ".join(c.rjust(w) if i == 0 else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        if not self.rows:
-            out.append("(no step folders)")
-        newest = self.newest_committed()
-        if self.step is None and newest is not None and self.pointer != newest.step:
-            why = ("it is the one resumed from" if self.resumed in (None, newest.step) else
-                   f"committed before step {self.pointer}: not on the run's timeline; a resume loads step {self.resumed}")
-            out.append(f"note: `{LATEST_NAME}` names {self.pointer if self.pointer is not None else 'nothing'}; "
-                       f"the newest committed step is {newest.step} ({why})")
-        if self.lease is not None:
-            state = "released by" if self.lease.released else "held by"
-            out.append(f"lease: {state} {self.lease.describe()}")
-        if self.set_aside:
-            out.append(f"set aside: {self.set_aside} abandoned timeline(s) under {self.run_url}/{ABANDONED_DIR}/")
-        return "\n".join(out)
-
-    def _check(self, row: CheckpointRow) -> str:
-        if row.status == "ok":
-            return "sha256 ok" if self.deep else "sizes ok"
-        return row.status.replace("corrupt:", "CORRUPT:", 1)
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
-        if s >= size:
-            return f"{s // size}{unit} {(s % size) // sub_size:02d}{sub}"
-    return f"{s}s"
-
-
-def inspect_run(loc: CheckpointLocation, deep: bool, storage_options: dict[str, Any] | None = None) -> RunReport:
-    """Every step folder of the run (only ``loc.step`` when given), checked by size, or by
-    size and sha256 of every file with ``deep``. Raises CheckpointNotFoundError when the run
-    folder or the asked step does not exist."""
-    manager = _manager(loc, storage_options)
-    if not manager.storage.exists(loc.run):
-        raise CheckpointNotFoundError(f"no checkpoints of run {loc.run!r} under root {loc.root!r} "
-                                      f"({manager.run_url} does not exist)")
-    pointer = _pointer(manager)
-    rows = []
-    for info in manager.list_checkpoints():
-        if loc.step is not None and info.step != loc.step:
-            continue
-        status = info.status
-        if deep and info.committed and status == "ok":
-            status = manager.verify(info.step, deep=True)
-        rows.append(CheckpointRow(info.step, info.committed, info.size_bytes, info.age_s, status,
-                                  info.step == pointer))
-    if loc.step is not None and not rows:
-        raise CheckpointNotFoundError(f"run {loc.run!r} has no step {loc.step} ({manager.step_dir(loc.step)} "
-                                      "does not exist)")
-    lease = read_lease(manager.storage, loc.run)
-    set_aside = len(manager.storage.ls(Storage.join(loc.run, ABANDONED_DIR)))
-    return RunReport(manager, rows, deep, pointer, loc.step, lease, manager.latest_step(), set_aside)
-
-
-def verify_problem(report: RunReport) -> str | None:
-    """Why ``checkpoints verify`` fails: the asked step (or else the newest committed one) is
-    uncommitted or corrupt, or nothing is committed. None when it passes."""
-    manager = report.manager
-    if report.step is not None:
-        row = report.rows[0]
-        if not row.committed:
-            return f"{manager.step_dir(row.step)} is not committed (no {MANIFEST_NAME})"
-        return None if row.status == "ok" else f"corrupt checkpoint: {describe_status(manager, row.step, row.status)}"
-    newest = report.newest_committed()
-    if newest is None:
-        return f"run {manager.run_name!r} has no committed checkpoint under {report.run_url}"
-    if newest.status == "ok":
-        return None
-    valid = [r.step for r in report.rows if r.committed and r.status == "ok"]
-    fallback = f"; resuming falls back to step {valid[-1]}" if valid else "; no valid checkpoint is left"
-    return f"latest checkpoint is corrupt: {describe_status(manager, newest.step, newest.status)}{fallback}"
 
 
 # --------------------------------------------------------------------------------- export
@@ -380,7 +169,7 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
     if "://" in out_dir or (Path(out_dir).exists() and not Path(out_dir).is_dir()):
         raise ConfigError(f"--out {out_dir!r} must be a local folder (from_pretrained reads local files)")
     loc = locate(target, root, step)
-    manager = _manager(loc, storage_options)
+    manager = open_manager(loc, storage_options)
     step = loc.step if loc.step is not None else manager.latest_step()
     if step is None:
         raise CheckpointNotFoundError(f"run {loc.run!r} has no committed checkpoint under {manager.run_url}")
