@@ -65,7 +65,8 @@ from resilient_rl.events import read_events  # noqa: E402
 from resilient_rl.faults.injectors import FaultSchedule  # noqa: E402
 from resilient_rl.config.schema import load_config  # noqa: E402
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
-from resilient_rl.trainer.hooks import TrainerHook
+from resilient_rl.runtime.cluster import local_cluster_options  # noqa: E402
+from resilient_rl.trainer.hooks import TrainerHook  # noqa: E402
 
 PARTS = ("inplace", "full", "raytrain", "old", "fast", "hang")
 INPLACE = ("detect", "restart", "rejoin", "restore", "replay")
@@ -212,14 +213,7 @@ def start_cluster(cfg) -> None:
     ``address="local"`` because every measurement needs a cluster of its own: a bare ``ray.init()``
     would join whatever ``/tmp/ray/ray_current_cluster`` names (another ``ray start`` on the machine)."""
     fail_fast_on_dead_actors()
-    r = cfg.ray
-    kwargs = dict(address="local", num_cpus=r.num_cpus, include_dashboard=False, namespace=r.namespace,
-                  log_to_driver=False, configure_logging=False)
-    if r.num_gpus is not None:
-        kwargs["num_gpus"] = r.num_gpus
-    if r.object_store_memory:
-        kwargs["object_store_memory"] = r.object_store_memory
-    ray.init(**kwargs)
+    ray.init(**local_cluster_options(cfg.ray, log_to_driver=False))
 
 
 def ray_session(cfg, fn, on_started=None):

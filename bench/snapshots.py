@@ -40,7 +40,7 @@ import psutil  # noqa: E402
 import recovery as rb  # noqa: E402  (bench/recovery.py)
 
 from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
-from resilient_rl.trainer.hooks import TrainerHook
+from resilient_rl.trainer.hooks import TrainerHook  # noqa: E402
 
 SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
 

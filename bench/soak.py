@@ -55,7 +55,7 @@ from resilient_rl.runtime import cluster
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.run.folder import RunDir, deterministic_view
-from resilient_rl.trainer.hooks import TrainerHook
+from resilient_rl.trainer.hooks import TrainerHook  # noqa: E402
 
 RSS_TARGET_MB = 50.0
 MIN_FIT_SPAN = 500  # steps of samples a growth verdict needs

@@ -32,17 +32,23 @@ def connect(ray_cfg) -> bool:
         ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
         capture_worker_output()
         return True
-    # address="local": always start a new cluster, never attach to one a stale
-    # /tmp/ray/ray_current_cluster file points at.
+    ray.init(**local_cluster_options(ray_cfg))
+    capture_worker_output()
+    return True
+
+
+def local_cluster_options(ray_cfg, log_to_driver: bool = True) -> dict:
+    """``ray.init`` arguments of a new local cluster with the ``ray`` section's resources.
+
+    ``address="local"``: always a new cluster, never one a stale ``/tmp/ray/ray_current_cluster``
+    file points at."""
     kwargs = dict(address="local", num_cpus=ray_cfg.num_cpus, include_dashboard=False, namespace=ray_cfg.namespace,
-                  log_to_driver=True, configure_logging=False)
+                  log_to_driver=log_to_driver, configure_logging=False)
     if ray_cfg.num_gpus is not None:
         kwargs["num_gpus"] = ray_cfg.num_gpus
     if ray_cfg.object_store_memory:
         kwargs["object_store_memory"] = ray_cfg.object_store_memory
-    ray.init(**kwargs)
-    capture_worker_output()
-    return True
+    return kwargs
 
 
 def disconnect(owned: bool) -> None:
