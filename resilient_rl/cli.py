@@ -76,6 +76,11 @@ def _fit(cfg) -> int:
 
     trainer = PPOTrainer(cfg)
     log_path = trainer.run_dir.path / "train.log"
+    try:  # the run's leases first: a refused controller starts nothing and writes nothing
+        trainer.claim()
+    except BaseException:
+        trainer.shutdown()
+        raise
     with RunLog(log_path):  # Ray's start-up notices and the workers' output land here, off the console
         owned = connect(cfg.ray)
         try:

@@ -139,15 +139,15 @@ class Lease:
         return lease
 
 
-def _claims(storage: Storage, run: str) -> list[int]:
+def _claims(storage: Storage, run: str, lease_dir: str = LEASE_DIR) -> list[int]:
     """Tokens of the run's claims, ascending."""
-    names = storage.ls(Storage.join(run, LEASE_DIR))
+    names = storage.ls(Storage.join(run, lease_dir))
     return sorted(int(m.group(1)) for m in map(_CLAIM_RE.match, names) if m)
 
 
-def _read_claim(storage: Storage, run: str, token: int) -> Lease | None:
+def _read_claim(storage: Storage, run: str, token: int, lease_dir: str = LEASE_DIR) -> Lease | None:
     """The claim of ``token``; None when it is gone or unreadable (a creator that died mid-write)."""
-    rel = Storage.join(run, LEASE_DIR, claim_name(token))
+    rel = Storage.join(run, lease_dir, claim_name(token))
     data = storage.try_read_bytes(rel)
     if data is None:
         return None
@@ -158,11 +158,11 @@ def _read_claim(storage: Storage, run: str, token: int) -> Lease | None:
         return None
 
 
-def read_lease(storage: Storage, run: str) -> Lease | None:
+def read_lease(storage: Storage, run: str, lease_dir: str = LEASE_DIR) -> Lease | None:
     """The run's current lease (its highest readable claim, live or not), or None when the run
     was never leased. For status displays: this takes nothing and writes nothing."""
-    for token in reversed(_claims(storage, run)):
-        lease = _read_claim(storage, run, token)
+    for token in reversed(_claims(storage, run, lease_dir)):
+        lease = _read_claim(storage, run, token, lease_dir)
         if lease is not None:
             return lease
     return None
@@ -194,7 +194,7 @@ class RunLease:
 
     def __init__(self, storage: Storage, run: str, ttl_s: float = 60.0, renew_s: float | None = None,
                  takeover: bool = False, clock: Callable[[], float] = time.time,
-                 alive: Callable[[Lease], bool | None] = holder_alive):
+                 alive: Callable[[Lease], bool | None] = holder_alive, lease_dir: str = LEASE_DIR):
         if not ttl_s > 0:
             raise ConfigError(f"lease ttl_s must be > 0, got {ttl_s}")
         renew_s = ttl_s / 3 if renew_s is None else renew_s
@@ -202,6 +202,7 @@ class RunLease:
             raise ConfigError(f"lease renew_s must be > 0 and < ttl_s={ttl_s}, got {renew_s}")
         self.storage = storage
         self.run = run
+        self.lease_dir = lease_dir  # the folder of the claims under ``run``
         self.ttl_s = float(ttl_s)
         self.renew_s = float(renew_s)
         self.takeover = takeover
@@ -229,7 +230,7 @@ class RunLease:
         return self.storage.url_for(self.run)
 
     def _rel(self, token: int) -> str:
-        return Storage.join(self.run, LEASE_DIR, claim_name(token))
+        return Storage.join(self.run, self.lease_dir, claim_name(token))
 
     # ------------------------------------------------------------------ acquire
     def _refuse(self, current: Lease, now: float) -> LeaseHeldError:
@@ -248,8 +249,8 @@ class RunLease:
         superseded: str | None = None  # the one holder `takeover` may displace: the first one seen
         for _ in range(_ATTEMPTS):
             now = self.clock()
-            tokens = _claims(self.storage, self.run)
-            current = read_lease(self.storage, self.run)
+            tokens = _claims(self.storage, self.run, self.lease_dir)
+            current = read_lease(self.storage, self.run, self.lease_dir)
             if current is not None and current.live(now) and current.holder != self.holder:
                 alive = self.alive(current)
                 if alive is False:
@@ -272,10 +273,10 @@ class RunLease:
             with _OPEN_LOCK:
                 _OPEN.add(self.uid)
             created = self.storage.create_exclusive(self._rel(token), mine.to_bytes())
-            back = _read_claim(self.storage, self.run, token)
+            back = _read_claim(self.storage, self.run, token, self.lease_dir)
             if not created and (back is None or back.holder != self.holder):
                 continue  # someone else took this token first: decide again on what is there now
-            if back is None or back.holder != self.holder or _claims(self.storage, self.run)[-1] != token:
+            if back is None or back.holder != self.holder or _claims(self.storage, self.run, self.lease_dir)[-1] != token:
                 continue  # a fallback-backend race or a higher claim appeared: decide again
             self.lease = back
             self._collect(token)
@@ -290,14 +291,14 @@ class RunLease:
 
     def _collect(self, token: int) -> None:
         """Delete the claims below ours (the new claim records the one it replaced)."""
-        for old in _claims(self.storage, self.run):
+        for old in _claims(self.storage, self.run, self.lease_dir):
             if old < token:
                 with contextlib.suppress(StorageError):
                     self.storage.rm(self._rel(old))
 
     # ------------------------------------------------------------------ check / renew
     def _lost(self, highest: int) -> LeaseLostError:
-        other = _read_claim(self.storage, self.run, highest)
+        other = _read_claim(self.storage, self.run, highest, self.lease_dir)
         who = other.describe(self.clock()) if other is not None else f"token {highest}"
         return LeaseLostError(
             f"run {self.run!r} ({self.run_url}) was taken over by {who}; this controller ({self.holder}, "
@@ -309,7 +310,7 @@ class RunLease:
             raise LeaseError(f"run {self.run!r}: writing without holding its lease (call acquire first)")
         if self.lost is not None:
             raise self.lost
-        tokens = _claims(self.storage, self.run)
+        tokens = _claims(self.storage, self.run, self.lease_dir)
         if not tokens or tokens[-1] != self.lease.token:
             if tokens and tokens[-1] > self.lease.token:
                 self.lost = self._lost(tokens[-1])

@@ -322,12 +322,18 @@ def redacted_config_dict(cfg: Config) -> Dict[str, Any]:
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML to ``path`` (any fsspec URL), credentials redacted;
     load_config reads it back (redacted options then come from the environment)."""
+    data = redacted_config_dict(cfg)
+    # A takeover is for the start that asked for it: a resume from this file must not silently
+    # displace a live controller again.
+    data["checkpoint"]["takeover"] = False
     with fsspec.open(path, "w") as f:
-        yaml.safe_dump(redacted_config_dict(cfg), f, sort_keys=False)
+        yaml.safe_dump(data, f, sort_keys=False)
 
 
 def config_digest(cfg: Config) -> str:
     """First 16 hex chars of the sha256 of the config's canonical JSON (sorted keys, no spaces).
     Credentials are left out (redacted): rotating a key does not make a resume warn."""
-    canonical = json.dumps(redacted_config_dict(cfg), sort_keys=True, separators=(",", ":"))
+    data = redacted_config_dict(cfg)
+    data["checkpoint"].pop("takeover", None)  # one start's choice, not the run's config
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

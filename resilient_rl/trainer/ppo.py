@@ -24,6 +24,7 @@ from resilient_rl.trainer.controller_record import controller_session
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.trainer.nonfinite import NonFiniteGuard
 from resilient_rl.trainer.resilience import Recovery
+from resilient_rl.trainer.run_claim import RunClaim
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.run_log import RunLog
 from resilient_rl.trainer.snapshots import SnapshotKeeper
@@ -64,7 +65,6 @@ class PPOTrainer:
         self.step = 0
         check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
-        self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
         self.hooks = list(hooks or [])
         if roles_factory is None:
@@ -78,7 +78,8 @@ class PPOTrainer:
         self.telemetry = (TelemetryHook(cfg, self.run_dir, self.run_dir.subscribe) if cfg.telemetry.enabled
                           else None)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
-        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
+        self.claim_ = RunClaim(cfg, self.run_dir.path, self.ckpt)
+        self._claimed = False
         self.nonfinite = NonFiniteGuard(self)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
         self.run_dir.subscribe(self._on_event)
@@ -110,6 +111,18 @@ class PPOTrainer:
         if kind == "checkpoint_started":
             self.fire("on_checkpoint_started", fields["step"])
 
+    def claim(self) -> None:
+        """Take the run's leases (run folder and checkpoint folder; LeaseHeldError when another
+        controller holds one), then write the config: the first thing a controller writes, and
+        before it opens its log or starts Ray (idempotent)."""
+        if self._claimed:
+            return
+        if self.checkpoints_on:
+            self.claim_.acquire()
+        self.run_dir.save_config(self.cfg)
+        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
+        self._claimed = True
+
     # ------------------------------------------------------------------ roles
     @property
     def checkpoints_on(self) -> bool:
@@ -118,10 +131,9 @@ class PPOTrainer:
 
     def start_roles(self) -> WorkerPool:
         if self.roles is None:
+            self.claim()  # before any worker starts: a second controller is refused at once
             if self.telemetry is not None:
                 self.telemetry.start()
-            if self.checkpoints_on:
-                self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.restore(self.cfg.checkpoint.resume)
@@ -223,9 +235,10 @@ class PPOTrainer:
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
-        if self.snapshots is not None:
+        if self.snapshots is not None and self._claimed:  # a refused controller's key is the live run's
             self.snapshots.close()
-        self.ckpt.release_lease()
+        self.claim_.release()
+        self._claimed = False
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict:
@@ -239,6 +252,7 @@ class PPOTrainer:
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
                                    version=self.step)
         duration = time.perf_counter() - t0
+        self.claim_.raise_if_lost()
         self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
@@ -262,6 +276,7 @@ class PPOTrainer:
         """
         from tqdm import tqdm
 
+        self.claim()  # a refused controller opens no log and writes nothing
         with RunLog(self.run_dir.path / "train.log"):
             self.trackers = build_trackers(self.cfg, self.run_dir)
             try:
