@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from resilient_rl.config.schema import save_config
+from resilient_rl.config.secrets import redact
 from resilient_rl.events import AnyEvent, EventBus, event_to_json, make_event, read_events
 from resilient_rl.jsonl import iter_lines, parse_line, read_jsonl, warn_torn
 
@@ -154,7 +155,7 @@ class RunDir:
         Raises:
             EventSchemaError: ``kind`` is unknown or ``fields`` are not its fields
             (:func:`resilient_rl.events.make_event`); nothing is written then."""
-        ev = make_event(kind, **fields)
+        ev = make_event(kind, **redact(fields, keys=False))  # e.g. a URL with credentials in a reason
         self._append(self.events_path, event_to_json(ev))
         self.bus.publish(ev)
 

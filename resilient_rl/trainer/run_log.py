@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from resilient_rl.config.secrets import RedactingFilter
+
 #: One line per step with every metric; written to ``train.log`` only.
 STEP_LOG = logging.getLogger("resilient_rl.steps")
 #: Lines printed by Ray workers (and the raylet); written to ``train.log`` only.
@@ -50,6 +52,7 @@ class TqdmConsoleHandler(logging.Handler):
 def setup_console(level: int) -> None:
     """Log to stderr at ``level`` through tqdm; the root logger lets INFO through for ``train.log``."""
     handler = TqdmConsoleHandler()
+    handler.addFilter(RedactingFilter())
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     root = logging.getLogger()
@@ -78,6 +81,7 @@ class RunLog:
             handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
             handler.setLevel(logging.INFO)
             handler.setFormatter(logging.Formatter(_FORMAT))
+            handler.addFilter(RedactingFilter())  # no credential reaches the file, however it was logged
             for lg in self._loggers():
                 lg.addHandler(handler)
             for name in QUIET_RAY_LOGGERS:
