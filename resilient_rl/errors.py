@@ -101,6 +101,15 @@ class LeaseLostError(LeaseError):
     """Another controller took the run over: this one stops without writing or deleting anything."""
 
 
+class LeaseExpiredError(LeaseLostError):
+    """The lease was not renewed in time (its storage could not be read or written): another
+    controller may take the run over from now on, so this one stops writing by itself."""
+
+
+class LeaseFormatError(LeaseError):
+    """A lease claim this version cannot read (a newer format, or fields it does not know)."""
+
+
 class RecoveryError(RRLError):
     """Recovery gave up: the failure budget is spent or the failure is not recoverable."""
 

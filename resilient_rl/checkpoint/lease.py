@@ -38,20 +38,19 @@ that is stopped mid-save may keep writing shard files until their process ends.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import replace
 
+from resilient_rl.checkpoint.lease_claim import FORMAT_VERSION, Lease, _fmt_time, _process_identity, claim_name
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.errors import ConfigError, LeaseError, LeaseHeldError, LeaseLostError, StorageError
+from resilient_rl.errors import (ConfigError, LeaseError, LeaseExpiredError, LeaseFormatError, LeaseHeldError,
+                                 LeaseLostError, StorageError)
 
 log = logging.getLogger(__name__)
 
@@ -63,80 +62,6 @@ _ATTEMPTS = 8
 # here belongs to a lease object that was closed (or never released because storage failed).
 _OPEN: set[str] = set()
 _OPEN_LOCK = threading.Lock()
-
-
-def claim_name(token: int) -> str:
-    return f"token_{token:08d}.json"
-
-
-def _read_text(path: str) -> str:
-    with contextlib.suppress(OSError):
-        with open(path) as f:
-            return f.read().strip()
-    return ""
-
-
-def _process_identity() -> dict[str, Any]:
-    """Who this process is, precisely enough to tell later whether it still exists."""
-    ns = ""
-    with contextlib.suppress(OSError):
-        ns = os.readlink("/proc/self/ns/pid")
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": ns}
-
-
-def _fmt_time(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One claim on a run: who holds it, with which fencing token, until when."""
-
-    run: str
-    token: int
-    holder: str
-    host: str
-    pid: int
-    acquired_at: float
-    renewed_at: float
-    expires_at: float
-    ttl_s: float
-    released: bool = False
-    boot_id: str = ""
-    pid_ns: str = ""
-    previous: dict[str, Any] | None = None
-
-    def live(self, now: float) -> bool:
-        """Held: not released and not expired at ``now``."""
-        return not self.released and now < self.expires_at
-
-    @property
-    def uid(self) -> str:
-        return self.holder.rsplit(":", 1)[-1]
-
-    def describe(self, now: float | None = None) -> str:
-        """``host:pid:uuid (token N) until T (in Xs)`` for messages."""
-        now = time.time() if now is None else now
-        if self.released:
-            return f"{self.holder} (token {self.token}, released at {_fmt_time(self.renewed_at)})"
-        left = self.expires_at - now
-        when = f"in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
-        return f"{self.holder} (token {self.token}) until {_fmt_time(self.expires_at)} ({when})"
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"format_version": 1, **asdict(self)}, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "Lease":
-        try:
-            obj = json.loads(data)
-            obj.pop("format_version", None)
-            lease = cls(**obj)
-            float(lease.expires_at), int(lease.token)
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
-            raise LeaseError(f"{where}: not a lease claim ({exc})") from exc
-        return lease
 
 
 def _claims(storage: Storage, run: str, lease_dir: str = LEASE_DIR) -> list[int]:
@@ -153,6 +78,8 @@ def _read_claim(storage: Storage, run: str, token: int, lease_dir: str = LEASE_D
         return None
     try:
         return Lease.from_bytes(data, storage.url_for(rel))
+    except LeaseFormatError:
+        raise
     except LeaseError as exc:
         log.warning("ignoring an unreadable lease claim: %s", exc)
         return None
@@ -194,7 +121,8 @@ class RunLease:
 
     def __init__(self, storage: Storage, run: str, ttl_s: float = 60.0, renew_s: float | None = None,
                  takeover: bool = False, clock: Callable[[], float] = time.time,
-                 alive: Callable[[Lease], bool | None] = holder_alive, lease_dir: str = LEASE_DIR):
+                 alive: Callable[[Lease], bool | None] = holder_alive, lease_dir: str = LEASE_DIR,
+                 skew_s: float | None = None, sleep: Callable[[float], None] = time.sleep):
         if not ttl_s > 0:
             raise ConfigError(f"lease ttl_s must be > 0, got {ttl_s}")
         renew_s = ttl_s / 3 if renew_s is None else renew_s
@@ -203,6 +131,10 @@ class RunLease:
         self.storage = storage
         self.run = run
         self.lease_dir = lease_dir  # the folder of the claims under ``run``
+        # Clock-skew margin: this holder counts its lease as over this much before its expiry,
+        # so it stops writing before another host's clock lets a successor in.
+        self.skew_s = min(5.0, float(ttl_s) / 10) if skew_s is None else float(skew_s)
+        self.sleep = sleep
         self.ttl_s = float(ttl_s)
         self.renew_s = float(renew_s)
         self.takeover = takeover
@@ -304,13 +236,44 @@ class RunLease:
             f"run {self.run!r} ({self.run_url}) was taken over by {who}; this controller ({self.holder}, "
             f"token {self.token}) stops without writing or deleting anything of the run")
 
-    def check(self) -> Lease:
-        """Raise LeaseLostError unless our claim is still the highest (read from storage now)."""
+    def _expired(self, cause: Exception | None = None) -> LeaseExpiredError:
+        why = f" (reading it failed: {cause})" if cause is not None else ""
+        return LeaseExpiredError(
+            f"run {self.run!r} ({self.run_url}): the lease of this controller ({self.holder}, token "
+            f"{self.lease.token}) was last renewed at {_fmt_time(self.lease.renewed_at)} and expires at "
+            f"{_fmt_time(self.lease.expires_at)} (less a {self.skew_s:g}s clock-skew margin){why}; another "
+            "controller may take the run over now, so this one stops writing")
+
+    def _fence_expired(self) -> None:
+        """Self-fencing: past our expiry (less the skew margin) nothing more is written."""
+        if self.clock() >= self.lease.expires_at - self.skew_s:
+            raise self._expired()
+
+    def _tokens_within_margin(self) -> list[int]:
+        """The run's claims; a read that fails is retried while the lease is surely still ours
+        (until its expiry less the skew margin), so one slow or failed read does not end a run."""
+        delay = 0.1
+        while True:
+            try:
+                return _claims(self.storage, self.run, self.lease_dir)
+            except StorageError as exc:
+                left = self.lease.expires_at - self.skew_s - self.clock()
+                if left <= 0:
+                    raise self._expired(exc) from exc
+                log.warning("lease of run %s: reading it failed (%s); retrying (the lease holds for %.0fs more)",
+                            self.run_url, exc, left)
+                self.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+
+    def check(self, _renewing: bool = False) -> Lease:
+        """Raise LeaseLostError unless our claim is still the highest (read from storage now),
+        and LeaseExpiredError once it expired without a renewal (self-fencing)."""
         if self.lease is None:
             raise LeaseError(f"run {self.run!r}: writing without holding its lease (call acquire first)")
         if self.lost is not None:
             raise self.lost
-        tokens = _claims(self.storage, self.run, self.lease_dir)
+        # The renewal reads once (it runs again soon); a writer waits out a storage hiccup.
+        tokens = _claims(self.storage, self.run, self.lease_dir) if _renewing else self._tokens_within_margin()
         if not tokens or tokens[-1] != self.lease.token:
             if tokens and tokens[-1] > self.lease.token:
                 self.lost = self._lost(tokens[-1])
@@ -319,17 +282,22 @@ class RunLease:
                     f"run {self.run!r} ({self.run_url}): the lease claim of this controller ({self.holder}, "
                     f"token {self.lease.token}) is gone; stopping without writing")
             raise self.lost
+        if not _renewing:
+            self._fence_expired()
         return self.lease
 
     def raise_if_lost(self) -> None:
-        """Raise the LeaseLostError the renewal thread found, if any (no storage access)."""
+        """Raise the LeaseLostError the renewal thread found, if any, or LeaseExpiredError when the
+        lease is past its expiry less the skew margin (no storage access)."""
         if self.lost is not None:
             raise self.lost
+        if self.lease is not None:
+            self._fence_expired()
 
     def renew(self) -> Lease:
         """Push our expiry to ``now + ttl_s``; raises LeaseLostError when taken over."""
         with self._lock:
-            self.check()
+            self.check(_renewing=True)
             now = self.clock()
             renewed = replace(self.lease, renewed_at=now, expires_at=now + self.ttl_s)
             self.storage.write_bytes_atomic(self._rel(renewed.token), renewed.to_bytes())
@@ -337,15 +305,17 @@ class RunLease:
             return renewed
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.renew_s):
+        wait = self.renew_s
+        while not self._stop.wait(wait):
             try:
                 self.renew()
+                wait = self.renew_s
             except LeaseLostError as exc:
                 log.error("%s", exc)
                 return
-            except Exception as exc:  # storage trouble: keep trying; the lease may expire meanwhile
-                log.warning("lease of run %s: renewal failed (%s); retrying in %.0fs", self.run_url, exc,
-                            self.renew_s)
+            except Exception as exc:  # storage trouble: retry sooner; the lease may expire meanwhile
+                wait = min(self.renew_s, max(0.05, self.renew_s / 4))
+                log.warning("lease of run %s: renewal failed (%s); retrying in %.1fs", self.run_url, exc, wait)
 
     def start_renewing(self) -> None:
         """Renew every ``renew_s`` seconds in a daemon thread until :meth:`close`."""
