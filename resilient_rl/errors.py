@@ -72,6 +72,16 @@ class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint fails verification (missing file, size or checksum mismatch)."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint written by a newer version (a higher ``format_version``): not corrupt, and never
+    skipped or set aside as if it were; the run stops and names the upgrade."""
+
+
+class NoValidCheckpointError(CheckpointCorruptError):
+    """The run has committed checkpoints and none of them verifies: it stops rather than start
+    over (which would set them aside and cut its metric history)."""
+
+
 class StorageError(CheckpointError):
     """The storage backend failed permanently (after retries).
 

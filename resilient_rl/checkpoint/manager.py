@@ -39,7 +39,7 @@ from resilient_rl.checkpoint.manifest import (
 )
 from resilient_rl.checkpoint.storage import TEMP_NAME_RE, RetryPolicy, Storage
 from resilient_rl.errors import (
-    CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
+    CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointNotFoundError, ConfigError,
 )
 
 log = logging.getLogger(__name__)
@@ -301,6 +301,9 @@ class CheckpointManager:
                 manifest = self.load_manifest(step)
             except CheckpointCorruptError as exc:
                 infos.append(CheckpointInfo(step, True, size, None, f"corrupt: {MANIFEST_NAME}: {exc}"))
+                continue
+            except CheckpointFormatError as exc:  # listed, not loaded: a newer version wrote it
+                infos.append(CheckpointInfo(step, True, size, None, f"newer format: {exc}"))
                 continue
             status = self._check(step, manifest, files, deep=False)
             infos.append(CheckpointInfo(step, True, size, max(0.0, now - manifest.created_at), status))

@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
-from resilient_rl.errors import CheckpointCorruptError, WorkerError
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointFormatError, NoValidCheckpointError, RecoveryError,
+                                 WorkerError)
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.controller_state import Attribute, ControllerState
@@ -137,6 +138,8 @@ class PPOTrainer:
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.restore(self.cfg.checkpoint.resume)
+            if self.step == 0:  # a fresh start: an earlier history in the folder is not this run's
+                self.run_dir.set_aside_history()
             if self.telemetry is not None:
                 self.telemetry.watch_roles(self.roles, self.ckpt.last_committed_at())
         return self.roles
@@ -197,7 +200,10 @@ class PPOTrainer:
         step = self.restore_snapshot()
         if step is not None:
             return step
-        step = self.restore("auto")
+        try:
+            step = self.restore("auto")
+        except (NoValidCheckpointError, CheckpointFormatError) as exc:  # never start over past them
+            raise RecoveryError(f"recovery found no checkpoint it may restore: {exc}") from exc
         if step is None:
             self.restore_source = "start"
             # Back to the initial weights: the groups a recovery did not rebuild kept theirs.
