@@ -93,6 +93,11 @@ class StorageError(CheckpointError):
         self.outage = outage
 
 
+class StaleWriteError(StorageError):
+    """A background shard write from before a recovery found its step committed by a later save:
+    its file is dropped, never published over the committed one."""
+
+
 class CheckpointsSkippedError(StorageError):
     """Checkpoint saves failed ``checkpoint.max_skipped`` times in a row and one more failed: the
     run stops, its last committed checkpoint intact (``checkpoint/`` storage outage, see

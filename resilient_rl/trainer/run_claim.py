@@ -15,12 +15,14 @@ to ``trainer.output_dir`` would otherwise make the two leases one and the same f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 from resilient_rl.checkpoint.lease import RunLease
+from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.errors import LeaseError
+from resilient_rl.errors import ConfigError, LeaseError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,17 @@ def run_folder_lease(cfg, run_path: Path, clock=None) -> RunLease:
     folder = Path(run_path).resolve()
     return RunLease(Storage(str(folder.parent)), folder.name, c.lease_ttl_s, c.lease_renew_s,
                     takeover=c.takeover, lease_dir=RUN_LEASE_DIR, **extra)
+
+
+@contextlib.contextmanager
+def _unwritable_is_config(key: str, value: str):
+    """A lease that cannot be written for good (not a passing outage) is a setting to fix."""
+    try:
+        yield
+    except StorageError as exc:
+        if is_outage(exc):
+            raise
+        raise ConfigError(f"{key}={value!r} cannot be written: {exc}") from exc
 
 
 class RunClaim:
@@ -60,8 +73,10 @@ class RunClaim:
             return
         self.folder = run_folder_lease(self.cfg, self.run_path, self.clock)
         try:
-            self.folder.acquire()
-            self.checkpoints.acquire_lease(**({"clock": self.clock} if self.clock is not None else {}))
+            with _unwritable_is_config("trainer.output_dir", self.cfg.trainer.output_dir):
+                self.folder.acquire()
+            with _unwritable_is_config("checkpoint.root", self.cfg.checkpoint.root):
+                self.checkpoints.acquire_lease(**({"clock": self.clock} if self.clock is not None else {}))
         except BaseException:
             self.release()
             raise
