@@ -124,3 +124,8 @@ def test_status_never_passes_the_placeholder_as_a_credential(tmp_path, monkeypat
     monkeypatch.setattr(export, "inspect_run", spy)
     gather_status(str(run_dir.path))
     assert seen == [{"x": 1}]
+
+
+def test_prose_about_authentication_is_left_alone():
+    text = "Token authentication is enabled for this Ray cluster. Basic authentication needs a password."
+    assert redact_text(text) == text

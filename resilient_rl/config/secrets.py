@@ -40,7 +40,10 @@ _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 # scheme://userinfo@ : the userinfo (user:password, or a bare token) is the secret.
 _URL_USERINFO_RE = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://)([^/@\s?#]+)@")
 _QUERY_RE = re.compile(r"([?&;])([^=&#\s]+)=([^&#\s\"']*)")
-_BEARER_RE = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=\-]{4,}", re.IGNORECASE)
+# A credential after Bearer/Basic looks like one (a digit or a base64/JWT character in it), so
+# prose such as "Basic authentication" is left alone.
+_BEARER_RE = re.compile(r"\b(Bearer|Basic)\s+(?=[A-Za-z0-9._~+/=\-]*[0-9._~+/=\-])[A-Za-z0-9._~+/=\-]{6,}",
+                        re.IGNORECASE)
 # key=value / key: value / "key": "value" in free text, for credential-like keys.
 _ASSIGN_RE = re.compile(r"""(["']?)([A-Za-z0-9_.\-]+)\1(\s*[=:]\s*)(["']?)([^\s"',}\]]+)\4""")
 
