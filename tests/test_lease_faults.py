@@ -100,3 +100,16 @@ def test_a_lease_claim_this_version_cannot_read_is_an_error(tmp_path, change, ma
     with pytest.raises(LeaseFormatError, match=match):
         RunLease(Storage(str(tmp_path)), "run", ttl_s=60).acquire()
     lease.close()
+
+
+def test_an_expired_holder_names_its_successor_when_there_is_one(tmp_path):
+    clock = FakeClock(1_800_000_000.0)
+    old = RunLease(Storage(str(tmp_path)), "run", ttl_s=60, renew_s=20, clock=clock)
+    old.acquire()
+    clock.now += 61  # hung past its expiry; another controller took the run over
+    new = RunLease(Storage(str(tmp_path)), "run", ttl_s=60, renew_s=20, clock=clock)
+    new.acquire()
+    with pytest.raises(LeaseLostError, match=f"was taken over by {new.holder}"):
+        old.raise_if_lost()
+    old.close()
+    new.close()

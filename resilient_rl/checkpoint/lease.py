@@ -245,9 +245,18 @@ class RunLease:
             "controller may take the run over now, so this one stops writing")
 
     def _fence_expired(self) -> None:
-        """Self-fencing: past our expiry (less the skew margin) nothing more is written."""
-        if self.clock() >= self.lease.expires_at - self.skew_s:
-            raise self._expired()
+        """Self-fencing: past our expiry (less the skew margin) nothing more is written. The
+        error names the successor when one took the run over (one read, in this rare case)."""
+        if self.clock() < self.lease.expires_at - self.skew_s:
+            return
+        try:
+            tokens = _claims(self.storage, self.run, self.lease_dir)
+        except StorageError:
+            tokens = []
+        if tokens and tokens[-1] > self.lease.token:
+            self.lost = self._lost(tokens[-1])
+            raise self.lost
+        raise self._expired()
 
     def _tokens_within_margin(self) -> list[int]:
         """The run's claims; a read that fails is retried while the lease is surely still ours

@@ -258,8 +258,8 @@ class PPOTrainer:
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
                                    version=self.step)
         duration = time.perf_counter() - t0
-        self.claim_.raise_if_lost()
         self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
+        self.claim_.raise_if_lost()
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
                **{f"timing/{p}_s": phases[p] for p in PHASES if p in phases},
