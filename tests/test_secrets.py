@@ -129,3 +129,22 @@ def test_status_never_passes_the_placeholder_as_a_credential(tmp_path, monkeypat
 def test_prose_about_authentication_is_left_alone():
     text = "Token authentication is enabled for this Ray cluster. Basic authentication needs a password."
     assert redact_text(text) == text
+
+
+def test_the_cli_error_line_is_redacted(capsys, monkeypatch):
+    from resilient_rl import cli
+    from resilient_rl.errors import StorageError
+
+    def fails(args):
+        raise StorageError("open failed for s3://AKIACLIKEY:cli-secret-0042@bucket/run")
+
+    monkeypatch.setattr(cli, "cmd_train", fails)
+    monkeypatch.setattr(cli, "_setup_logging", lambda quiet: None)
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    for action in parser._subparsers._group_actions[0].choices.values():
+        if action.get_default("func") is not None and action.prog.endswith(" train"):
+            action.set_defaults(func=fails)
+    assert cli.main(["train"]) == cli.EXIT_RUNTIME
+    err = capsys.readouterr().err
+    assert "cli-secret-0042" not in err and "s3://<redacted>@bucket/run" in err
