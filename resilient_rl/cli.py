@@ -77,6 +77,11 @@ def _fit(cfg) -> int:
 
     trainer = PPOTrainer(cfg)
     log_path = trainer.run_dir.path / "train.log"
+    try:  # the run's leases first: a refused controller starts nothing and writes nothing
+        trainer.claim()
+    except BaseException:
+        trainer.shutdown()
+        raise
     with RunLog(log_path):  # Ray's start-up notices and the workers' output land here, off the console
         owned = connect(cfg.ray)
         try:
@@ -272,23 +277,31 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
+def redact_text(text: str) -> str:
+    """:func:`resilient_rl.config.secrets.redact_text`, imported when an error is printed (the
+    config package is not needed to start the CLI)."""
+    from resilient_rl.config.secrets import redact_text as redact
+
+    return redact(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.quiet)
     try:
         return args.func(args)
-    except CheckpointCorruptError as exc:
-        print(f"resilient-rl: corrupt: {exc}", file=sys.stderr)
+    except CheckpointCorruptError as exc:  # messages are redacted: a library's error may quote a credential
+        print(redact_text(f"resilient-rl: corrupt: {exc}"), file=sys.stderr)
         return EXIT_CORRUPT
     except RRLError as exc:
-        print(f"resilient-rl: error: {exc}", file=sys.stderr)
+        print(redact_text(f"resilient-rl: error: {exc}"), file=sys.stderr)
         return exit_code(exc)
     except Exception as exc:  # noqa: BLE001 -- a bug: say so, with the traceback, under its own code
         import traceback
 
-        traceback.print_exc()
-        print(f"resilient-rl: internal error ({type(exc).__name__}: {exc}); please report it with the "
-              "traceback above", file=sys.stderr)
+        print(redact_text(traceback.format_exc()), file=sys.stderr, end="")
+        print(redact_text(f"resilient-rl: internal error ({type(exc).__name__}: {exc}); please report it with the "
+                          "traceback above"), file=sys.stderr)
         return EXIT_INTERNAL
 
 

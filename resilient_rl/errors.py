@@ -105,6 +105,16 @@ class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint fails verification (missing file, size or checksum mismatch)."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint written by a newer version (a higher ``format_version``): not corrupt, and never
+    skipped or set aside as if it were; the run stops and names the upgrade."""
+
+
+class NoValidCheckpointError(CheckpointCorruptError):
+    """The run has committed checkpoints and none of them verifies: it stops rather than start
+    over (which would set them aside and cut its metric history)."""
+
+
 class StorageError(CheckpointError):
     """The storage backend failed permanently (after retries).
 
@@ -114,6 +124,11 @@ class StorageError(CheckpointError):
     def __init__(self, *args, outage: bool = False):
         super().__init__(*args)
         self.outage = outage
+
+
+class StaleWriteError(StorageError):
+    """A background shard write from before a recovery found its step committed by a later save:
+    its file is dropped, never published over the committed one."""
 
 
 class CheckpointsSkippedError(StorageError):
@@ -132,6 +147,15 @@ class LeaseHeldError(LeaseError):
 
 class LeaseLostError(LeaseError):
     """Another controller took the run over: this one stops without writing or deleting anything."""
+
+
+class LeaseExpiredError(LeaseLostError):
+    """The lease was not renewed in time (its storage could not be read or written): another
+    controller may take the run over from now on, so this one stops writing by itself."""
+
+
+class LeaseFormatError(LeaseError):
+    """A lease claim this version cannot read (a newer format, or fields it does not know)."""
 
 
 class RecoveryError(RRLError):

@@ -216,17 +216,27 @@ def _state(run: RunFiles) -> tuple[str, str | None, ControllerInfo | None]:
 
 def _checkpoint(run: RunFiles, root: str | None) -> CheckpointInfo:
     from resilient_rl.checkpoint.inspect import DEFAULT_ROOT, CheckpointLocation, inspect_run
+    from resilient_rl.config.secrets import REDACTED, redact_text, without_redacted
     from resilient_rl.errors import CheckpointNotFoundError
 
     root = root or run.setting("checkpoint.root") or DEFAULT_ROOT
     info = CheckpointInfo(root=str(root))
+    # Credentials were redacted when the config was saved: the storage is opened with this
+    # user's own (environment, credential files), never with the "<redacted>" placeholder.
+    options, redacted = without_redacted(run.setting("checkpoint.storage_options") or {},
+                                         "checkpoint.storage_options")
+    if REDACTED in str(root):
+        info.error = (f"checkpoint.root {root} was saved with its credentials redacted; pass the root "
+                      "(without credentials in it) with --root and the credentials through the environment")
+        return info
     try:
-        report = inspect_run(CheckpointLocation(str(root), run.name), deep=False,
-                             storage_options=run.setting("checkpoint.storage_options"))
+        report = inspect_run(CheckpointLocation(str(root), run.name), deep=False, storage_options=options or None)
     except CheckpointNotFoundError:
         return info
     except (RRLError, OSError, ValueError) as exc:  # unreachable storage must not hide the rest
-        info.error = str(exc)
+        info.error = redact_text(str(exc)) + (f" (the saved {', '.join(redacted)} were redacted; the storage was opened "
+                                 "with this user's own credentials from the environment or credential files)"
+                                 if redacted else "")
         return info
     if report.lease is not None:
         info.lease = report.lease.describe(run.read_at)

@@ -414,3 +414,12 @@ def test_grafana_is_loopback_only_and_has_no_default_password():
     # ${VAR:?message} makes `docker compose up` fail while the variable is unset or empty.
     assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", env["GF_SECURITY_ADMIN_PASSWORD"])
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def test_prometheus_cannot_be_shut_down_from_the_network():
+    """No lifecycle API (``/-/quit``, ``/-/reload`` for anyone reaching the port) and loopback by default."""
+    compose = yaml.safe_load((MONITORING / "docker-compose.yml").read_text())
+    command = compose["services"]["prometheus"]["command"]
+    assert not any(arg.startswith("--web.enable-lifecycle") for arg in command)
+    listen = next(arg for arg in command if arg.startswith("--web.listen-address="))
+    assert listen.endswith(":-127.0.0.1:9090}"), listen

@@ -9,6 +9,7 @@ from resilient_rl.config.schema import load_config
 from resilient_rl.events import read_events
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.run.folder import deterministic_view
+from resilient_rl.recovery.rollback import AFTER_FAILURE
 
 pytestmark = pytest.mark.ray
 
@@ -77,7 +78,8 @@ def test_resume_from_an_earlier_step_keeps_its_timeline(ray_cluster, tmp_path):
     try:
         t.start_roles()
         assert t.step == 2 and t.ckpt.manager.committed_steps() == [2], "step 4 was set aside"
-        assert t.restore_after_failure() == 2, "a recovery before the next commit keeps the resumed timeline"
+        assert t.rollback.roll_back_to(t.roles, *AFTER_FAILURE) == 2, \
+            "a recovery before the next commit keeps the resumed timeline"
         t.fit()
         assert [r["step"] for r in t.run_dir.read_metrics()] == [1, 2, 3, 4]
         w_again = actor_weights(t)

@@ -22,6 +22,7 @@ from resilient_rl.checkpoint.manifest import FileRecord
 from resilient_rl.checkpoint.sharded import (StagedShard, allocate_staging, default_rank, stage,
                                              staging_spec, write_shard)
 from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.checkpoint.write_guard import not_committed
 from resilient_rl.errors import CheckpointError, CheckpointTimeoutError
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,13 @@ log = logging.getLogger(__name__)
 class AsyncShardWriter:
     """Writes staged shards on one background thread; exceptions come back through the future."""
 
-    def __init__(self, name: str = "rrl-ckpt-writer", buffers: StagedShard | None = None):
+    def __init__(self, name: str = "rrl-ckpt-writer", buffers: StagedShard | None = None,
+                 generation: int | None = None):
         """``buffers``: host buffers to stage the first save into (e.g. those of a writer that
-        was closed after a recovery); nothing may still be reading them."""
+        was closed after a recovery); nothing may still be reading them. ``generation``: the
+        process-group generation this writer's saves belong to; a save still writing after its
+        step was committed by a later one drops its files (:mod:`~resilient_rl.checkpoint.write_guard`)."""
+        self.generation = generation
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._lock = threading.RLock()
         self._pending: cf.Future[list[FileRecord]] | None = None
@@ -105,7 +110,8 @@ class AsyncShardWriter:
                 raise CheckpointError("AsyncShardWriter is closed; cannot submit a save")
             if self._pending is not None:
                 cf.wait([self._pending])
-            self._pending = self._pool.submit(write_shard, staged, storage, dir_path, rank)
+            guard = not_committed(storage, dir_path, self.generation)
+            self._pending = self._pool.submit(write_shard, staged, storage, dir_path, rank, guard=guard)
             return self._pending
 
     def stage_and_submit(self, state: Mapping[str, Any], storage: Storage, dir_path: str,

@@ -27,8 +27,8 @@ from typing import Any, Callable
 from resilient_rl.checkpoint import CheckpointManager, FileRecord
 from resilient_rl.checkpoint.lease import Lease, RunLease
 from resilient_rl.checkpoint.retry import is_outage
-from resilient_rl.errors import (CheckpointError, CheckpointsSkippedError, ConfigError, LeaseLostError, RRLError,
-                                 StorageError, WorkerDiedError)
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointsSkippedError, ConfigError,
+                                 LeaseLostError, RRLError, StorageError, WorkerDiedError)
 from resilient_rl.checkpoint.restore import CheckpointRestore
 
 logger = logging.getLogger(__name__)
@@ -309,6 +309,11 @@ class CheckpointCoordinator(CheckpointRestore):
         except StorageError as exc:  # manifest, ``latest`` or retention: the storage went away
             if not is_outage(exc):
                 raise self._stopping_error(exc)
+            self.pending = None
+            self._leftovers = True
+            self._skip(p["step"], "storage", f"commit: {exc}")
+            return
+        except CheckpointCorruptError as exc:  # a shard is not what its writer reported: never committed
             self.pending = None
             self._leftovers = True
             self._skip(p["step"], "storage", f"commit: {exc}")

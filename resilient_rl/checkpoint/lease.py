@@ -38,20 +38,19 @@ that is stopped mid-save may keep writing shard files until their process ends.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import replace
 
+from resilient_rl.checkpoint.lease_claim import Lease, _fmt_time, _process_identity, claim_name
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.errors import ConfigError, LeaseError, LeaseHeldError, LeaseLostError, StorageError
+from resilient_rl.errors import (ConfigError, LeaseError, LeaseExpiredError, LeaseFormatError, LeaseHeldError,
+                                 LeaseLostError, StorageError)
 
 log = logging.getLogger(__name__)
 
@@ -65,104 +64,32 @@ _OPEN: set[str] = set()
 _OPEN_LOCK = threading.Lock()
 
 
-def claim_name(token: int) -> str:
-    return f"token_{token:08d}.json"
-
-
-def _read_text(path: str) -> str:
-    with contextlib.suppress(OSError):
-        with open(path) as f:
-            return f.read().strip()
-    return ""
-
-
-def _process_identity() -> dict[str, Any]:
-    """Who this process is, precisely enough to tell later whether it still exists."""
-    ns = ""
-    with contextlib.suppress(OSError):
-        ns = os.readlink("/proc/self/ns/pid")
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": ns}
-
-
-def _fmt_time(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One claim on a run: who holds it, with which fencing token, until when."""
-
-    run: str
-    token: int
-    holder: str
-    host: str
-    pid: int
-    acquired_at: float
-    renewed_at: float
-    expires_at: float
-    ttl_s: float
-    released: bool = False
-    boot_id: str = ""
-    pid_ns: str = ""
-    previous: dict[str, Any] | None = None
-
-    def live(self, now: float) -> bool:
-        """Held: not released and not expired at ``now``."""
-        return not self.released and now < self.expires_at
-
-    @property
-    def uid(self) -> str:
-        return self.holder.rsplit(":", 1)[-1]
-
-    def describe(self, now: float | None = None) -> str:
-        """``host:pid:uuid (token N) until T (in Xs)`` for messages."""
-        now = time.time() if now is None else now
-        if self.released:
-            return f"{self.holder} (token {self.token}, released at {_fmt_time(self.renewed_at)})"
-        left = self.expires_at - now
-        when = f"in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
-        return f"{self.holder} (token {self.token}) until {_fmt_time(self.expires_at)} ({when})"
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"format_version": 1, **asdict(self)}, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "Lease":
-        try:
-            obj = json.loads(data)
-            obj.pop("format_version", None)
-            lease = cls(**obj)
-            float(lease.expires_at), int(lease.token)
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
-            raise LeaseError(f"{where}: not a lease claim ({exc})") from exc
-        return lease
-
-
-def _claims(storage: Storage, run: str) -> list[int]:
+def _claims(storage: Storage, run: str, lease_dir: str = LEASE_DIR) -> list[int]:
     """Tokens of the run's claims, ascending."""
-    names = storage.ls(Storage.join(run, LEASE_DIR))
+    names = storage.ls(Storage.join(run, lease_dir))
     return sorted(int(m.group(1)) for m in map(_CLAIM_RE.match, names) if m)
 
 
-def _read_claim(storage: Storage, run: str, token: int) -> Lease | None:
+def _read_claim(storage: Storage, run: str, token: int, lease_dir: str = LEASE_DIR) -> Lease | None:
     """The claim of ``token``; None when it is gone or unreadable (a creator that died mid-write)."""
-    rel = Storage.join(run, LEASE_DIR, claim_name(token))
+    rel = Storage.join(run, lease_dir, claim_name(token))
     data = storage.try_read_bytes(rel)
     if data is None:
         return None
     try:
         return Lease.from_bytes(data, storage.url_for(rel))
+    except LeaseFormatError:
+        raise
     except LeaseError as exc:
         log.warning("ignoring an unreadable lease claim: %s", exc)
         return None
 
 
-def read_lease(storage: Storage, run: str) -> Lease | None:
+def read_lease(storage: Storage, run: str, lease_dir: str = LEASE_DIR) -> Lease | None:
     """The run's current lease (its highest readable claim, live or not), or None when the run
     was never leased. For status displays: this takes nothing and writes nothing."""
-    for token in reversed(_claims(storage, run)):
-        lease = _read_claim(storage, run, token)
+    for token in reversed(_claims(storage, run, lease_dir)):
+        lease = _read_claim(storage, run, token, lease_dir)
         if lease is not None:
             return lease
     return None
@@ -194,7 +121,8 @@ class RunLease:
 
     def __init__(self, storage: Storage, run: str, ttl_s: float = 60.0, renew_s: float | None = None,
                  takeover: bool = False, clock: Callable[[], float] = time.time,
-                 alive: Callable[[Lease], bool | None] = holder_alive):
+                 alive: Callable[[Lease], bool | None] = holder_alive, lease_dir: str = LEASE_DIR,
+                 skew_s: float | None = None, sleep: Callable[[float], None] = time.sleep):
         if not ttl_s > 0:
             raise ConfigError(f"lease ttl_s must be > 0, got {ttl_s}")
         renew_s = ttl_s / 3 if renew_s is None else renew_s
@@ -202,6 +130,11 @@ class RunLease:
             raise ConfigError(f"lease renew_s must be > 0 and < ttl_s={ttl_s}, got {renew_s}")
         self.storage = storage
         self.run = run
+        self.lease_dir = lease_dir  # the folder of the claims under ``run``
+        # Clock-skew margin: this holder counts its lease as over this much before its expiry,
+        # so it stops writing before another host's clock lets a successor in.
+        self.skew_s = min(5.0, float(ttl_s) / 10) if skew_s is None else float(skew_s)
+        self.sleep = sleep
         self.ttl_s = float(ttl_s)
         self.renew_s = float(renew_s)
         self.takeover = takeover
@@ -229,7 +162,7 @@ class RunLease:
         return self.storage.url_for(self.run)
 
     def _rel(self, token: int) -> str:
-        return Storage.join(self.run, LEASE_DIR, claim_name(token))
+        return Storage.join(self.run, self.lease_dir, claim_name(token))
 
     # ------------------------------------------------------------------ acquire
     def _refuse(self, current: Lease, now: float) -> LeaseHeldError:
@@ -248,8 +181,8 @@ class RunLease:
         superseded: str | None = None  # the one holder `takeover` may displace: the first one seen
         for _ in range(_ATTEMPTS):
             now = self.clock()
-            tokens = _claims(self.storage, self.run)
-            current = read_lease(self.storage, self.run)
+            tokens = _claims(self.storage, self.run, self.lease_dir)
+            current = read_lease(self.storage, self.run, self.lease_dir)
             if current is not None and current.live(now) and current.holder != self.holder:
                 alive = self.alive(current)
                 if alive is False:
@@ -272,10 +205,10 @@ class RunLease:
             with _OPEN_LOCK:
                 _OPEN.add(self.uid)
             created = self.storage.create_exclusive(self._rel(token), mine.to_bytes())
-            back = _read_claim(self.storage, self.run, token)
+            back = _read_claim(self.storage, self.run, token, self.lease_dir)
             if not created and (back is None or back.holder != self.holder):
                 continue  # someone else took this token first: decide again on what is there now
-            if back is None or back.holder != self.holder or _claims(self.storage, self.run)[-1] != token:
+            if back is None or back.holder != self.holder or _claims(self.storage, self.run, self.lease_dir)[-1] != token:
                 continue  # a fallback-backend race or a higher claim appeared: decide again
             self.lease = back
             self._collect(token)
@@ -290,26 +223,66 @@ class RunLease:
 
     def _collect(self, token: int) -> None:
         """Delete the claims below ours (the new claim records the one it replaced)."""
-        for old in _claims(self.storage, self.run):
+        for old in _claims(self.storage, self.run, self.lease_dir):
             if old < token:
                 with contextlib.suppress(StorageError):
                     self.storage.rm(self._rel(old))
 
     # ------------------------------------------------------------------ check / renew
     def _lost(self, highest: int) -> LeaseLostError:
-        other = _read_claim(self.storage, self.run, highest)
+        other = _read_claim(self.storage, self.run, highest, self.lease_dir)
         who = other.describe(self.clock()) if other is not None else f"token {highest}"
         return LeaseLostError(
             f"run {self.run!r} ({self.run_url}) was taken over by {who}; this controller ({self.holder}, "
             f"token {self.token}) stops without writing or deleting anything of the run")
 
-    def check(self) -> Lease:
-        """Raise LeaseLostError unless our claim is still the highest (read from storage now)."""
+    def _expired(self, cause: Exception | None = None) -> LeaseExpiredError:
+        why = f" (reading it failed: {cause})" if cause is not None else ""
+        return LeaseExpiredError(
+            f"run {self.run!r} ({self.run_url}): the lease of this controller ({self.holder}, token "
+            f"{self.lease.token}) was last renewed at {_fmt_time(self.lease.renewed_at)} and expires at "
+            f"{_fmt_time(self.lease.expires_at)} (less a {self.skew_s:g}s clock-skew margin){why}; another "
+            "controller may take the run over now, so this one stops writing")
+
+    def _fence_expired(self) -> None:
+        """Self-fencing: past our expiry (less the skew margin) nothing more is written. The
+        error names the successor when one took the run over (one read, in this rare case)."""
+        if self.clock() < self.lease.expires_at - self.skew_s:
+            return
+        try:
+            tokens = _claims(self.storage, self.run, self.lease_dir)
+        except StorageError:
+            tokens = []
+        if tokens and tokens[-1] > self.lease.token:
+            self.lost = self._lost(tokens[-1])
+            raise self.lost
+        raise self._expired()
+
+    def _tokens_within_margin(self) -> list[int]:
+        """The run's claims; a read that fails is retried while the lease is surely still ours
+        (until its expiry less the skew margin), so one slow or failed read does not end a run."""
+        delay = 0.1
+        while True:
+            try:
+                return _claims(self.storage, self.run, self.lease_dir)
+            except StorageError as exc:
+                left = self.lease.expires_at - self.skew_s - self.clock()
+                if left <= 0:
+                    raise self._expired(exc) from exc
+                log.warning("lease of run %s: reading it failed (%s); retrying (the lease holds for %.0fs more)",
+                            self.run_url, exc, left)
+                self.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+
+    def check(self, _renewing: bool = False) -> Lease:
+        """Raise LeaseLostError unless our claim is still the highest (read from storage now),
+        and LeaseExpiredError once it expired without a renewal (self-fencing)."""
         if self.lease is None:
             raise LeaseError(f"run {self.run!r}: writing without holding its lease (call acquire first)")
         if self.lost is not None:
             raise self.lost
-        tokens = _claims(self.storage, self.run)
+        # The renewal reads once (it runs again soon); a writer waits out a storage hiccup.
+        tokens = _claims(self.storage, self.run, self.lease_dir) if _renewing else self._tokens_within_margin()
         if not tokens or tokens[-1] != self.lease.token:
             if tokens and tokens[-1] > self.lease.token:
                 self.lost = self._lost(tokens[-1])
@@ -318,17 +291,22 @@ class RunLease:
                     f"run {self.run!r} ({self.run_url}): the lease claim of this controller ({self.holder}, "
                     f"token {self.lease.token}) is gone; stopping without writing")
             raise self.lost
+        if not _renewing:
+            self._fence_expired()
         return self.lease
 
     def raise_if_lost(self) -> None:
-        """Raise the LeaseLostError the renewal thread found, if any (no storage access)."""
+        """Raise the LeaseLostError the renewal thread found, if any, or LeaseExpiredError when the
+        lease is past its expiry less the skew margin (no storage access)."""
         if self.lost is not None:
             raise self.lost
+        if self.lease is not None:
+            self._fence_expired()
 
     def renew(self) -> Lease:
         """Push our expiry to ``now + ttl_s``; raises LeaseLostError when taken over."""
         with self._lock:
-            self.check()
+            self.check(_renewing=True)
             now = self.clock()
             renewed = replace(self.lease, renewed_at=now, expires_at=now + self.ttl_s)
             self.storage.write_bytes_atomic(self._rel(renewed.token), renewed.to_bytes())
@@ -336,15 +314,17 @@ class RunLease:
             return renewed
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.renew_s):
+        wait = self.renew_s
+        while not self._stop.wait(wait):
             try:
                 self.renew()
+                wait = self.renew_s
             except LeaseLostError as exc:
                 log.error("%s", exc)
                 return
-            except Exception as exc:  # storage trouble: keep trying; the lease may expire meanwhile
-                log.warning("lease of run %s: renewal failed (%s); retrying in %.0fs", self.run_url, exc,
-                            self.renew_s)
+            except Exception as exc:  # storage trouble: retry sooner; the lease may expire meanwhile
+                wait = min(self.renew_s, max(0.05, self.renew_s / 4))
+                log.warning("lease of run %s: renewal failed (%s); retrying in %.1fs", self.run_url, exc, wait)
 
     def start_renewing(self) -> None:
         """Renew every ``renew_s`` seconds in a daemon thread until :meth:`close`."""

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient_rl.errors import CheckpointCorruptError
+from resilient_rl.errors import CheckpointCorruptError, CheckpointFormatError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
@@ -118,6 +118,11 @@ class Manifest:
         if not isinstance(obj, dict):
             raise CheckpointCorruptError(f"{where}: expected a JSON object")
         version = obj.get("format_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"{where}: written by a newer resilient-rl (format_version {version}; this version reads "
+                f"format_version {FORMAT_VERSION}). Upgrade resilient-rl (pip install -U resilient-rl) on this "
+                "controller and its workers to resume it; nothing was changed")
         if version != FORMAT_VERSION:
             raise CheckpointCorruptError(
                 f"{where}: unsupported format_version {version!r} (this build reads {FORMAT_VERSION})")

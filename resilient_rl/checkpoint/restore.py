@@ -6,6 +6,9 @@ continue from. One timeline per run: restoring step S (from ``auto``, a ``path:`
 ``resume=off``, nothing) sets the run's newer committed steps aside, and a later recovery restores
 from this timeline only: the run's own newest commit, else the checkpoint it was resumed from.
 A rollback after a NaN restores the newest known-good checkpoint (``resume=known_good``).
+When committed steps exist but none verifies, restoring stops (NoValidCheckpointError) instead of
+starting over, and a checkpoint of a newer format stops it too (CheckpointFormatError): neither
+sets the run's steps aside or lets the metric history be cut.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import logging
 import time
 
 from resilient_rl.checkpoint import CheckpointManager, Storage, step_dirname
-from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
+                                 ConfigError, NoValidCheckpointError)
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +62,25 @@ class CheckpointRestore:
             logger.error("the checkpoint this run was resumed from, %s, is now %s", manager.step_dir(step), status)
         return None
 
+    def _refuse_to_discard(self) -> None:
+        """Committed steps exist and none verifies: starting over would set every one of them
+        aside and cut the metric history to nothing, so stop instead (only ``resume=off`` does that)."""
+        steps = self.manager.timeline_steps()
+        if steps:
+            raise NoValidCheckpointError(
+                f"none of the committed checkpoints of run {self.manager.run_url} verifies (steps "
+                f"{', '.join(map(str, steps))}; each is reported in a checkpoint_corrupt event). Stopping without "
+                "setting them aside or cutting the metric history: inspect them with `resilient-rl checkpoints "
+                "verify`; to start the run over from scratch, pass checkpoint.resume=off")
+
     def _latest_known_good(self) -> tuple[CheckpointManager, int] | None:
         """The newest committed checkpoint that verifies and is known good (a rollback after a NaN)."""
         for step in reversed(self.manager.committed_steps()):
             try:
                 if self.manager.load_manifest(step).known_good and self.manager.verify(step) == "ok":
                     return self.manager, step
+            except CheckpointFormatError:
+                raise  # a newer version's checkpoint is not skipped (and so set aside) as if corrupt
             except CheckpointError as exc:
                 logger.error("checkpoint of step %d skipped for a rollback: %s", step, exc)
         return None
@@ -99,6 +116,8 @@ class CheckpointRestore:
         if found is None:
             if resume.startswith("path:"):
                 raise CheckpointNotFoundError(f"no checkpoint at {resume[5:]}")
+            if resume != "off":
+                self._refuse_to_discard()
             self._begin_timeline(None, None, resume)
             self.cleanup()
             return None

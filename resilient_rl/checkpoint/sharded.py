@@ -18,7 +18,7 @@ never calls pickle or ``torch.load``. See :mod:`resilient_rl.checkpoint.reader` 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,19 +244,28 @@ def _index_bytes(staged: StagedShard, data_file: str) -> bytes:
 
 
 def write_shard(staged: StagedShard, storage: Storage, dir_path: str, rank: int | None = None,
-                chunk_bytes: int = 16 * 1024 * 1024) -> list[FileRecord]:
+                chunk_bytes: int = 16 * 1024 * 1024, guard: Callable[[], None] | None = None) -> list[FileRecord]:
     """Write ``staged`` as ``shard_{rank}.safetensors`` + ``shard_{rank}.json`` under ``dir_path``.
 
     The tensor file streams straight from the staged buffers while its sha256 is computed.
-    Returns the two files' records, paths relative to ``dir_path``."""
+    ``guard`` (see :func:`~resilient_rl.checkpoint.write_guard.not_committed`) is called before
+    each file replaces its name (after the last byte is streamed, before the atomic rename or
+    upload completes); when it raises, the file is not published. Returns the two files'
+    records, paths relative to ``dir_path``."""
     if rank is not None and rank != staged.rank:
         raise CheckpointError(f"write_shard: rank {rank} differs from the staged shard's rank {staged.rank}")
     stem = shard_basename(staged.rank)
     data_name, index_name = f"{stem}.safetensors", f"{stem}.json"
     data = {key: st.data for key, st in staged.tensors.items()}
     header = build_header(data, {"format": "pt", "rrl_format_version": str(FORMAT_VERSION)})
-    written = storage.write_stream(Storage.join(dir_path, data_name),
-                                   lambda: progress.advancing(iter_file_chunks(header, data, chunk_bytes), "ckpt"))
+    def chunks():
+        yield from progress.advancing(iter_file_chunks(header, data, chunk_bytes), "ckpt")
+        if guard is not None:
+            guard()  # raising here aborts the write before the file replaces its name
+
+    written = storage.write_stream(Storage.join(dir_path, data_name), chunks)
+    if guard is not None:
+        guard()
     index = storage.write_bytes_atomic(Storage.join(dir_path, index_name),
                                        _index_bytes(staged, data_name))
     return [FileRecord(data_name, written.size, written.sha256),

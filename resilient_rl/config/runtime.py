@@ -36,6 +36,10 @@ class TrainerConfig(Section):
     nonfinite: str = "skip"
     # Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
     max_nonfinite: int = 3
+    # Deterministic GPU kernels (cuBLAS workspace, torch.use_deterministic_algorithms, cuDNN):
+    # a replayed or re-run step gives the same bits on a GPU too, at some cost in speed.
+    # CPU runs are bit-identical either way. See workers/determinism.py.
+    deterministic: bool = False
 
     def validate(self) -> None:
         require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")

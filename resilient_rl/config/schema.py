@@ -27,6 +27,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from resilient_rl.errors import ConfigError
 from resilient_rl.config.paths import resolve_path
+from resilient_rl.config.secrets import REDACTED, redact, remember_secrets
 from resilient_rl.config.runtime import (
     CheckpointConfig,
     RayConfig,
@@ -278,23 +279,9 @@ def config_to_dict(cfg: Config) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-#: What a credential in ``checkpoint.storage_options`` becomes in a saved or logged config.
-REDACTED = "<redacted>"
-# Option names that carry credentials in fsspec backends (s3fs key/secret/token, gcsfs token,
-# adlfs account_key/sas_token/connection_string/client_secret, ...), at any depth.
-_SECRET_RE = re.compile(r"(?:^|_)(?:key|secret|token|password|passwd|credentials?|signature|sas|auth)(?:_|$)"
-                        r"|connection_string", re.IGNORECASE)
-
-
 def redact_secrets(options: Any) -> Any:
-    """``options`` with the value of every credential-like key (at any depth) replaced by
-    :data:`REDACTED`; other keys and values are kept, so non-secret options survive a save."""
-    if isinstance(options, dict):
-        return {k: (REDACTED if isinstance(k, str) and _SECRET_RE.search(k) and v is not None
-                    else redact_secrets(v)) for k, v in options.items()}
-    if isinstance(options, list):
-        return [redact_secrets(v) for v in options]
-    return options
+    """``options`` with every credential redacted (:func:`resilient_rl.config.secrets.redact`)."""
+    return redact(options)
 
 
 def _drop_redacted(options: Dict[str, Any], prefix: str) -> Dict[str, Any]:
@@ -314,20 +301,25 @@ def redacted_config_dict(cfg: Config) -> Dict[str, Any]:
     """:func:`config_to_dict` with credentials in ``checkpoint.storage_options`` redacted: what
     is saved with the run and what may be logged."""
     data = config_to_dict(cfg)
-    if data["checkpoint"].get("storage_options"):
-        data["checkpoint"]["storage_options"] = redact_secrets(data["checkpoint"]["storage_options"])
-    return data
+    remember_secrets(data)  # the log redacts these values wherever they show up later
+    return redact(data)
 
 
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML to ``path`` (any fsspec URL), credentials redacted;
     load_config reads it back (redacted options then come from the environment)."""
+    data = redacted_config_dict(cfg)
+    # A takeover is for the start that asked for it: a resume from this file must not silently
+    # displace a live controller again.
+    data["checkpoint"]["takeover"] = False
     with fsspec.open(path, "w") as f:
-        yaml.safe_dump(redacted_config_dict(cfg), f, sort_keys=False)
+        yaml.safe_dump(data, f, sort_keys=False)
 
 
 def config_digest(cfg: Config) -> str:
     """First 16 hex chars of the sha256 of the config's canonical JSON (sorted keys, no spaces).
     Credentials are left out (redacted): rotating a key does not make a resume warn."""
-    canonical = json.dumps(redacted_config_dict(cfg), sort_keys=True, separators=(",", ":"))
+    data = redacted_config_dict(cfg)
+    data["checkpoint"].pop("takeover", None)  # one start's choice, not the run's config
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

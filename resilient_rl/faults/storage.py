@@ -11,7 +11,10 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
 - every write to a path containing one of the comma-separated ``outage_paths`` (e.g.
   ``"step_00000004/,step_00000006/actor"``) fails with the transient error, however often it is
   retried: a storage outage longer than the retries, for those saves only (the lease and the
-  other steps are untouched, in every process that opens the plan).
+  other steps are untouched, in every process that opens the plan);
+- every read or listing of a path containing one of the comma-separated ``outage_reads``
+  (e.g. ``"/lease"``) fails with the transient error: the lease's storage flapping, when the plan
+  is switched at run time.
 
 It is never registered in production. :func:`register` (called by :func:`faulty_url` and the chaos
 suite) registers it with fsspec as protocol ``faulty`` in this process and sets
@@ -57,9 +60,11 @@ class FaultPlan:
     slow_s: float = 0.0
     enospc_after_bytes: int | None = None
     outage_paths: str = ""
+    outage_reads: str = ""
 
     def __post_init__(self) -> None:
         self.outage_paths = self.outage_paths or ""  # an empty `key=` override reads as None
+        self.outage_reads = self.outage_reads or ""
         if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0:
             raise ValueError(f"FaultPlan counts and delays must be >= 0, got {self}")
 
@@ -167,7 +172,7 @@ class FaultyFileSystem(AbstractFileSystem):
                     part and part in path for part in self.plan.outage_paths.split(","))
             else:
                 self.reads += 1
-                failing = self.reads <= self.plan.transient_reads
+                failing = self.reads <= self.plan.transient_reads or self._read_outage(path)
             return self._transient(kind, path) if failing else None
 
     def _charge_bytes(self, n: int, path: str) -> None:
@@ -210,8 +215,13 @@ class FaultyFileSystem(AbstractFileSystem):
             raise fault
         self.target.mv(path1, path2, **kwargs)
 
-    # ------------------------------------------------------------- metadata (no faults)
+    def _read_outage(self, path: str) -> bool:
+        return any(part and part in path for part in self.plan.outage_reads.split(","))
+
+    # ------------------------------------------------------------- metadata (outage_reads only)
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        if self._read_outage(path):
+            raise self._transient("list", path)
         return self.target.ls(path, detail=detail, **kwargs)
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:

@@ -38,7 +38,8 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from resilient_rl.errors import LeaseError, RecoveryError, RRLError, WorkerError
+from resilient_rl.errors import (CheckpointFormatError, LeaseError, NoValidCheckpointError, RecoveryError, RRLError,
+                                 WorkerError)
 from resilient_rl.recovery.attempt import Attempt, Context
 from resilient_rl.recovery.causes import classify
 from resilient_rl.recovery.policy import FailurePolicy
@@ -95,7 +96,12 @@ class Restoring:
         self.rollback = rollback
 
     def enter(self, a: Attempt, pool: RecoveryPool) -> S:
-        a.restored = self.rollback.roll_back_to(pool, *AFTER_FAILURE)
+        try:
+            a.restored = self.rollback.roll_back_to(pool, *AFTER_FAILURE)
+        except (NoValidCheckpointError, CheckpointFormatError) as exc:
+            # Committed steps exist but none may be loaded: starting over would cut the run's
+            # history and set its checkpoints aside, so the recovery gives up instead.
+            raise RecoveryError(f"recovery found no checkpoint it may restore: {exc}") from exc
         a.source = self.rollback.source
         return S.RUNNING
 

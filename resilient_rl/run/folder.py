@@ -21,11 +21,13 @@ import json
 import logging
 import os
 import re
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from resilient_rl.config.schema import save_config
+from resilient_rl.config.secrets import redact
 from resilient_rl.events import AnyEvent, EventBus, event_to_json, make_event, read_events
 from resilient_rl.jsonl import iter_lines, parse_line, read_jsonl, warn_torn
 
@@ -131,6 +133,27 @@ class RunDir:
         self._repaired.add(path)
         return kept
 
+    def set_aside_history(self) -> Path | None:
+        """A run starting from step 0 in a folder that holds an earlier history: move that
+        ``metrics.jsonl`` to ``abandoned/metrics-<UTC time>.jsonl`` (kept, not deleted), so this
+        run's rows are not appended after it and a later rollback cannot cut the earlier rows
+        (they hold the same step numbers). Returns where it went; None when there was none."""
+        if not self.metrics_path.exists() or self.metrics_path.stat().st_size == 0:
+            return None
+        dest_dir = self.path / "abandoned"
+        dest_dir.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = dest_dir / f"metrics-{stamp}.jsonl"
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = dest_dir / f"metrics-{stamp}-{n}.jsonl"
+        os.replace(self.metrics_path, dest)
+        self._repaired.discard(self.metrics_path)
+        logger.warning("%s held the history of an earlier run of this folder; it was moved to %s and this run "
+                       "starts a new one from step 0", self.metrics_path, dest)
+        return dest
+
     def append_metrics(self, row: dict[str, Any]) -> None:
         self._append(self.metrics_path, row)
 
@@ -154,7 +177,7 @@ class RunDir:
         Raises:
             EventSchemaError: ``kind`` is unknown or ``fields`` are not its fields
             (:func:`resilient_rl.events.make_event`); nothing is written then."""
-        ev = make_event(kind, **fields)
+        ev = make_event(kind, **redact(fields, keys=False))  # e.g. a URL with credentials in a reason
         self._append(self.events_path, event_to_json(ev))
         self.bus.publish(ev)
 

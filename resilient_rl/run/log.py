@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from resilient_rl.config.secrets import RedactingFilter
 from resilient_rl.runtime import worker_output
 
 #: One line per step with every metric; written to ``train.log`` only.
@@ -45,6 +46,7 @@ class TqdmConsoleHandler(logging.Handler):
 def setup_console(level: int) -> None:
     """Log to stderr at ``level`` through tqdm; the root logger lets INFO through for ``train.log``."""
     handler = TqdmConsoleHandler()
+    handler.addFilter(RedactingFilter())
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     root = logging.getLogger()
@@ -73,6 +75,7 @@ class RunLog:
             handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
             handler.setLevel(logging.INFO)
             handler.setFormatter(logging.Formatter(_FORMAT))
+            handler.addFilter(RedactingFilter())  # no credential reaches the file, however it was logged
             for lg in self._loggers():
                 lg.addHandler(handler)
             worker_output.write_to(handler)

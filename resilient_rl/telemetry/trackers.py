@@ -128,8 +128,12 @@ class WandbTracker:
         wandb = _require_extra("wandb", "wandb")
         self.wandb = wandb
         try:
+            # No system metadata (it holds the command line, sys.argv: a key given as an override
+            # would be stored even with the config redacted) and no code capture.
             self.run = wandb.init(dir=run_dir, project=project, name=name, config=config, mode=mode,
-                                  settings=wandb.Settings(silent=True, console="off"))
+                                  settings=wandb.Settings(silent=True, console="off", x_disable_meta=True,
+                                                          x_disable_machine_info=True, save_code=False,
+                                                          disable_code=True, program="resilient-rl"))
         except Exception as exc:  # not logged in (no TTY to ask), no network, bad settings
             raise ConfigError(f"trainer.loggers: wandb could not start a run: {exc}; log in with `wandb login` "
                               "or set WANDB_MODE=offline (then `wandb sync` the run folder's wandb/ later)") from exc
@@ -308,20 +312,18 @@ def build_trackers(cfg, run_dir) -> TrackerSet:
 
 
 def _flat_config(cfg) -> dict[str, Any]:
-    """The resolved config as ``{"section.key": value}`` (hyperparameters for the trackers)."""
-    import dataclasses
+    """The resolved config, credentials redacted (:func:`~resilient_rl.config.schema.redacted_config_dict`),
+    as ``{"section.key": value}`` (hyperparameters for the trackers)."""
+    from resilient_rl.config.schema import redacted_config_dict
 
     out: dict[str, Any] = {}
 
     def walk(prefix: str, obj: Any) -> None:
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                walk(f"{prefix}{f.name}.", getattr(obj, f.name))
-        elif isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj):
+        if isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj):
             for k, v in obj.items():
                 walk(f"{prefix}{k}.", v)
         else:
             out[prefix[:-1]] = obj if isinstance(obj, (int, float, str, bool)) or obj is None else str(obj)
 
-    walk("", cfg)
+    walk("", redacted_config_dict(cfg))
     return out

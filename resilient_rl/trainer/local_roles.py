@@ -10,6 +10,7 @@ import os
 import time
 
 from resilient_rl.runtime.worker import WorkerInfo, compute_cuda_device
+from resilient_rl.workers.determinism import apply_deterministic
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime.pool import step_role
 from resilient_rl.runtime.devices import device_report
@@ -41,6 +42,7 @@ class LocalRoles:
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
+        apply_deterministic(cfg.trainer.deterministic)  # the engines run in this process
         self.init_models()
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:

@@ -27,7 +27,8 @@ from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
-from resilient_rl.recovery.rollback import AFTER_FAILURE, AFTER_NONFINITE, RollBack, checkpoint
+from resilient_rl.recovery.rollback import AFTER_NONFINITE, RollBack, checkpoint
+from resilient_rl.run.claim import RunClaim
 from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
@@ -69,7 +70,6 @@ class PPOTrainer:
         self.step = 0
         check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
-        self.run_dir.save_config(cfg)
         self.digest = config_digest(cfg)
         self.hooks = check_hooks(list(hooks or []))
         if roles_factory is None:
@@ -83,7 +83,8 @@ class PPOTrainer:
         self.telemetry = (TelemetryHook(cfg, self.run_dir, self.run_dir.subscribe) if cfg.telemetry.enabled
                           else None)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
-        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
+        self.claim_ = RunClaim(cfg, self.run_dir.path, self.ckpt)
+        self._claimed = False
         self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
         self.run_dir.subscribe(self._on_event)
@@ -112,6 +113,18 @@ class PPOTrainer:
             for hook in self.hooks:
                 hook.on_checkpoint_started(self, event.step)
 
+    def claim(self) -> None:
+        """Take the run's leases (run folder and checkpoint folder; LeaseHeldError when another
+        controller holds one), then write the config: the first thing a controller writes, and
+        before it opens its log or starts Ray (idempotent)."""
+        if self._claimed:
+            return
+        if self.checkpoints_on:
+            self.claim_.acquire()
+        self.run_dir.save_config(self.cfg)
+        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
+        self._claimed = True
+
     # ------------------------------------------------------------------ roles
     @property
     def checkpoints_on(self) -> bool:
@@ -120,13 +133,14 @@ class PPOTrainer:
 
     def start_roles(self) -> WorkerPool:
         if self.roles is None:
+            self.claim()  # before any worker starts: a second controller is refused at once
             if self.telemetry is not None:
                 self.telemetry.start()
-            if self.checkpoints_on:
-                self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.rollback.roll_back_to(self.roles, checkpoint(self.cfg.checkpoint.resume))
+            if self.step == 0:  # a fresh start: an earlier history in the folder is not this run's
+                self.run_dir.set_aside_history()
             if self.telemetry is not None:
                 self.telemetry.watch_roles(self.roles, self.ckpt.last_committed_at())
         return self.roles
@@ -139,11 +153,6 @@ class PPOTrainer:
     def load_state_dict(self, state: dict) -> None:
         """Take over the controller's part of a checkpoint (see :meth:`state_dict`)."""
         self.rollback.load_controller_state(state)
-
-    def restore_after_failure(self) -> int:
-        """Roll roles and controller back to the newest complete snapshot, else the newest valid
-        checkpoint, else the start; returns its step."""
-        return self.rollback.roll_back_to(self.roles, *AFTER_FAILURE)
 
     def roll_back_nonfinite(self, failed_step: int, what: str) -> None:
         """After a NaN or Inf in ``failed_step``: the newest known-good checkpoint (or the start),
@@ -177,9 +186,10 @@ class PPOTrainer:
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
-        if self.snapshots is not None:
+        if self.snapshots is not None and self._claimed:  # a refused controller's key is the live run's
             self.snapshots.close()
-        self.ckpt.release_lease()
+        self.claim_.release()
+        self._claimed = False
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict:
@@ -195,6 +205,7 @@ class PPOTrainer:
                                    version=self.step)
         duration = time.perf_counter() - t0
         self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
+        self.claim_.raise_if_lost()
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
                **{f"timing/{p}_s": phases[p] for p in PHASES if p in phases},
@@ -217,6 +228,7 @@ class PPOTrainer:
         """
         from tqdm import tqdm
 
+        self.claim()  # a refused controller opens no log and writes nothing
         with RunLog(self.run_dir.path / "train.log"):
             self.trackers = build_trackers(self.cfg, self.run_dir)
             try:

@@ -103,7 +103,8 @@ class CheckpointMixin:
                 self._writer = self._new_writer(buffers)
 
     def _new_writer(self, buffers=None) -> AsyncShardWriter:
-        return AsyncShardWriter(name=f"ckpt-{getattr(self, 'role', 'worker')}-{self.rank}", buffers=buffers)
+        return AsyncShardWriter(name=f"ckpt-{getattr(self, 'role', 'worker')}-{self.rank}", buffers=buffers,
+                                generation=getattr(self, "generation", None))
 
     def _checkpoint_writer(self) -> AsyncShardWriter:
         if self._writer is None:

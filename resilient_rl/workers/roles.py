@@ -21,6 +21,7 @@ import weakref
 import ray
 import torch
 
+from resilient_rl.workers.determinism import apply_deterministic
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.runtime.worker import Worker, warm_in_background
 from resilient_rl.runtime.health import HEALTH_GROUPS
@@ -90,6 +91,7 @@ class RoleWorker(Worker):
         # count keeps CPU reductions in the same order run after run (bit-identical results).
         if not uses_cuda(self.cfg.trainer.device):
             torch.set_num_threads(1)
+        apply_deterministic(self.cfg.trainer.deterministic)  # before anything here initialises CUDA
         torch.manual_seed(self.cfg.trainer.seed)
         # A (re)started worker answers its first ping before the slow tensordict import is done:
         # the import then overlaps the controller's rendezvous instead of the restart wait.
