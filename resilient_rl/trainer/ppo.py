@@ -16,6 +16,8 @@ import numpy as np
 from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import CheckpointCorruptError, WorkerError
 from resilient_rl.models.factory import model_vocab_size
+from resilient_rl.checkpoint.shared_root import require_shared_root
+from resilient_rl.trainer import cluster
 from resilient_rl.trainer.checkpointing import CheckpointCoordinator
 from resilient_rl.trainer.controller_state import Attribute, ControllerState
 from resilient_rl.trainer.pool import WorkerPool
@@ -121,6 +123,8 @@ class PPOTrainer:
             if self.telemetry is not None:
                 self.telemetry.start()
             if self.checkpoints_on:
+                # Before the lease and any worker: a node-local root cannot hold a multi-node run.
+                require_shared_root(self.cfg.checkpoint, cluster.alive_nodes())
                 self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
