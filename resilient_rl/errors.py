@@ -8,6 +8,8 @@ the config key, the path, the checkpoint, the role and rank.
 
 from __future__ import annotations
 
+import time
+
 
 class RRLError(Exception):
     """Root of every error raised by resilient-rl."""
@@ -30,7 +32,10 @@ class ResourceError(RRLError):
 
 
 class WorkerError(RRLError):
-    """A worker failed: died, hung past its deadline or raised. Names role and rank."""
+    """A worker failed: died, hung past its deadline or raised. Names role and rank.
+
+    ``raised_at`` (monotonic seconds) is when the controller learnt of the failure: recovery's
+    detect phase runs from there (from the start of a hang, for a hung worker) to recovery starting."""
 
     def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
                  cause: str | None = None):
@@ -38,6 +43,7 @@ class WorkerError(RRLError):
         self.role = role
         self.rank = rank
         self.cause = cause
+        self.raised_at = time.monotonic()
 
 
 class WorkerDiedError(WorkerError):
@@ -46,14 +52,17 @@ class WorkerDiedError(WorkerError):
 
 class WorkerTimeoutError(WorkerError):
     """A worker is hung (cause "hang": it stopped answering its health call, or stopped advancing
-    inside a call; ``hang_kind`` says which and ``pid`` names its process where known) or a call
-    passed its ceiling (cause "timeout")."""
+    inside a call; ``hang_kind`` says which, ``pid`` names its process where known and
+    ``stalled_s`` how long it had been silent or still when judged hung) or a call passed its
+    ceiling (cause "timeout")."""
 
     def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
-                 cause: str | None = None, pid: int | None = None, hang_kind: str | None = None):
+                 cause: str | None = None, pid: int | None = None, hang_kind: str | None = None,
+                 stalled_s: float | None = None):
         super().__init__(message, role=role, rank=rank, cause=cause)
         self.pid = pid
         self.hang_kind = hang_kind
+        self.stalled_s = stalled_s
 
 
 class CollectiveError(WorkerError):

@@ -540,19 +540,33 @@ def test_hook_marks_failed_workers_down_and_drops_lost_steps_from_goodput(local_
     assert value(data, "rrl_nonfinite_total", quantity="loss", action="skipped") == 1
 
     trainer.step = 1  # what restoring the checkpoint of step 1 does: steps 2 and 3 are lost
-    wall_before = time.monotonic() - hook._started_at
+    t_before = time.monotonic()
     emit("recovered", failed_step=3, restored_step=1, steps_replayed=1, duration_s=1.5, restarted=[["local", 0]],
-         generation=2)
-    wall_after = time.monotonic() - hook._started_at
+         generation=2, phases={"detect": 0.25, "restart": 1.0, "rejoin": 0.125, "restore": 0.125})
     data = samples(hook.url)
+    t_after = time.monotonic()
     useful = rows[0]["timing/step_s"]
-    assert useful / wall_after <= value(data, "rrl_goodput_ratio") <= useful / wall_before
+    started = hook.time.started
+    # Step 1 counts, and the replay in flight since the recovery (at most t_after - t_before).
+    assert useful / (t_after - started) <= value(data, "rrl_goodput_ratio") <= (
+        (useful + t_after - t_before) / (t_before - started))
+    assert value(data, "rrl_lost_seconds_total", cause="collective") >= sum(r["timing/step_s"] for r in rows[1:])
+    assert 0 < value(data, "rrl_ettr_ratio") <= 1
+    for phase, seconds in (("detect", 0.25), ("restart", 1.0), ("rejoin", 0.125), ("restore", 0.125)):
+        assert value(data, "rrl_recovery_phase_seconds_sum", phase=phase) == seconds
+    assert value(data, "rrl_recovery_phase_seconds_count", phase="replay") == 0
+    hook.observe_step({"step": 2, "timing/step_s": 0.01})  # a lost step replayed
+    assert value(samples(hook.url), "rrl_recovery_phase_seconds_count", phase="replay") == 0
+    hook.observe_step({"step": 3, "timing/step_s": 0.01})  # the failed step is done again
+    assert value(samples(hook.url), "rrl_recovery_phase_seconds_count", phase="replay") == 1
     assert value(data, "rrl_worker_up", role="actor", rank="0", node=node) == 1
     assert value(data, "rrl_recoveries_total") == 1 and value(data, "rrl_steps_replayed_total") == 1
 
     url = hook.url
     trainer.shutdown()
     assert not (trainer.run_dir.path / "prometheus_targets.json").exists()
+    ledger = json.loads((trainer.run_dir.path / "ettr.json").read_text())  # for the run's next controller
+    assert ledger["useful"][-1][0] == 3 and ledger["lost_s"]["collective"] > 0
     with pytest.raises(TelemetryError):
         scrape(url, timeout=2)
 

@@ -46,6 +46,7 @@ from resilient_rl.controller.recovery import (Cause, Decision, Failure, FailureP
                                               RecoveryStateMachine, classify)
 from resilient_rl.errors import LeaseError, RecoveryError, RRLError, WorkerError, WorkerTimeoutError
 from resilient_rl.trainer.pool import ProcessKey, WorkerPool, primary_role
+from resilient_rl.trainer.recovery_phases import detect_seconds, state_seconds
 
 logger = logging.getLogger(__name__)
 S = RecoveryState
@@ -116,11 +117,13 @@ class Recovery:
     def handle(self, exc: BaseException, failed_step: int) -> None:
         """Recover from ``exc`` raised while running step ``failed_step``, or raise RecoveryError."""
         t0 = self.clock()
+        detect = detect_seconds(exc)
         attempt = self._attempt(exc, failed_step)
         self._report("failure", attempt, step=failed_step)
         logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, attempt.failure.cause.value,
                        attempt.failure.role, attempt.failure.rank, attempt.failure.message)
         self.sm.to(S.RECOVERING)
+        first = len(self.sm.history) - 1  # this recovery's transitions, for its phase split
         self.checkpoints.abandon()
         state = S.RECOVERING
         while state is not S.RUNNING:
@@ -136,14 +139,16 @@ class Recovery:
                 following = S.RECOVERING
             self.sm.to(following)
             state = following
-        duration = self.clock() - t0
+        end = self.clock()
+        duration = end - t0
+        phases = {"detect": detect, **state_seconds(self.sm.history[first:], end)}
         replayed = max(0, failed_step - 1 - attempt.restored)
         self.recoveries += 1
         self.steps_replayed += replayed
         self.recovery_seconds += duration
         self.emit("recovered", failed_step=failed_step, restored_step=attempt.restored, steps_replayed=replayed,
                   duration_s=duration, restarted=[list(k) for k in attempt.restarted],
-                  generation=self.pool().generation, source=attempt.source)
+                  generation=self.pool().generation, source=attempt.source, phases=phases)
         logger.warning("recovered in %.1fs: restored step %d, replaying %d step(s)", duration, attempt.restored,
                        replayed)
 
