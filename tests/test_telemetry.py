@@ -611,3 +611,29 @@ def test_useful_time_is_a_running_total_that_rolls_back():
     u.record(2, 0.5)
     u.record(2, 0.25)  # recorded again: replaces, never double counts
     assert u.total == 1.25
+
+
+def test_node_exporters_use_the_base_port_on_every_host_and_the_next_ones_on_a_shared_host(tmp_path, monkeypatch):
+    """One port per machine or pod (a Kubernetes scrape annotation names one); nodes of a test
+    cluster sharing a host get one port each."""
+    from resilient_rl.trainer import telemetry_hook
+
+    class FakeNodeExporter:
+        def __init__(self, node_id, node, bind_address, port, advertise_host, gpu_max_age_s, timeout_s):
+            self.node, self.target = node, f"{advertise_host}:{port}"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(telemetry_hook, "RemoteNodeExporter", FakeNodeExporter)
+    trainer = local_trainer(tmp_path, "telemetry.worker_port_base=9401")
+    hook = trainer.telemetry
+    table = {"a": ("pod-a", "10.0.0.2"), "b": ("pod-b", "10.0.0.3"), "c": ("host-c1", "10.0.0.9"),
+             "d": ("host-c2", "10.0.0.9")}
+    try:
+        for node_id in table:
+            hook.node_exporters[node_id] = hook._start_node_exporter(node_id, table)
+        assert [e.target for e in hook.node_exporters.values()] == [
+            "10.0.0.2:9401", "10.0.0.3:9401", "10.0.0.9:9401", "10.0.0.9:9402"]
+    finally:
+        trainer.shutdown()

@@ -109,7 +109,6 @@ class TelemetryHook:
         self._sent_assignments: dict[str, dict[str, tuple[str, str]]] = {}  # node id -> last sent
         self.file_sd = FileSDWriter(tc.file_sd_path or run_dir.path / "prometheus_targets.json")
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
-        self._next_port = tc.worker_port_base
         self._workers: dict[Worker, tuple[int, str | None]] = {}  # (role, rank) -> (pid, node id)
         self._unknown_phases: set[str] = set()
         self._on_event = {"failure": self._event_failure, "worker_restarted": self._event_restart,
@@ -309,11 +308,22 @@ class TelemetryHook:
         labels = {node_id: self._node_label(node_id) for node_id in {p.node_id for p in processes}}
         self.torch_memory.set_processes(processes, labels)
 
+    def _port_for(self, ip: str) -> int:
+        """``telemetry.worker_port_base`` on every host (one scrape port per pod or machine, as a
+        Kubernetes scrape annotation needs), the next free one where several nodes share a host
+        (test clusters); 0 stays 0 (any free port)."""
+        base = self.cfg.worker_port_base
+        if not base:
+            return 0
+        taken = {e.target for e in self.node_exporters.values()}
+        port = base
+        while f"{ip}:{port}" in taken:
+            port += 1
+        return port
+
     def _start_node_exporter(self, node_id: str, table: dict[str, tuple[str, str]]) -> RemoteNodeExporter:
         node, ip = table.get(node_id, (node_id[:12], None))
-        port = self._next_port
-        if self._next_port:  # several nodes may share a host (test clusters): one port each
-            self._next_port += 1
+        port = self._port_for(ip or "")
         exporter = RemoteNodeExporter(node_id, node, self.cfg.bind_address, port, ip or "",
                                       self.cfg.gpu_sample_interval_s, self.timeout_s)
         logger.info("run %s: device metrics of node %s at http://%s/metrics", self.run, node, exporter.target)
