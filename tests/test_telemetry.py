@@ -637,3 +637,32 @@ def test_node_exporters_use_the_base_port_on_every_host_and_the_next_ones_on_a_s
             "10.0.0.2:9401", "10.0.0.3:9401", "10.0.0.9:9401", "10.0.0.9:9402"]
     finally:
         trainer.shutdown()
+
+
+def test_ettr_continues_in_the_run_folder_after_a_crashed_controller(tmp_path):
+    """The next controller of a run reads the ledger its crashed predecessor left: the pause and
+    the steps trained again are lost, and ETTR spans both controllers while goodput is its own."""
+    first = local_trainer(tmp_path)
+    try:
+        first.fit()
+    finally:
+        first.shutdown()
+    run = first.run_dir.path
+    before = json.loads((run / "ettr.json").read_text())
+    assert before["useful"][-1][0] == 3 and before["wall_s"] >= before["useful"][-1][1] > 0
+    # As if it had been SIGKILLed 100 s ago: its record still says running, its ledger is old.
+    record = json.loads((run / "controller.json").read_text())
+    (run / "controller.json").write_text(json.dumps({**record, "state": "running", "ended_at": None}))
+    (run / "ettr.json").write_text(json.dumps({**before, "updated_at": before["updated_at"] - 100.0}))
+
+    second = local_trainer(tmp_path)  # no checkpoints with local roles: it trains steps 1-3 again
+    try:
+        second.fit()
+        data = samples(second.telemetry.url)
+        lost = value(data, "rrl_lost_seconds_total", cause="controller")
+        assert lost >= 100.0 + before["useful"][-1][1] - 1e-9
+        assert value(data, "rrl_ettr_ratio") < value(data, "rrl_goodput_ratio")
+    finally:
+        second.shutdown()
+    after = json.loads((run / "ettr.json").read_text())
+    assert after["wall_s"] >= before["wall_s"] + 100.0 and after["lost_s"]["controller"] == pytest.approx(lost)
