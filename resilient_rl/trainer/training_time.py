@@ -18,7 +18,10 @@ When the previous controller crashed or failed (``controller.json`` still says `
 Lost seconds of a failure (cause as classified, e.g. ``died``, ``hang``) are the failed step's
 work up to the failure, the recovery itself and the steps the restore rolled back. A step in
 flight counts as useful up to :data:`INFLIGHT_CREDIT` times the slowest recent step, so goodput
-and ETTR fall while a step hangs instead of staying where the last finished step left them.
+and ETTR fall while a step hangs instead of staying where the last finished step left them
+(before this controller finished a step there is nothing to compare with: it counts in full).
+The ratios are read by the exporter's thread on every scrape; one lock keeps them consistent
+with the training loop's updates.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -107,73 +111,81 @@ class TrainingTime:
         self._replay: tuple[int, float] | None = None   # (failed step, recovered at) until it is done
         self._recent: deque[float] = deque(maxlen=16)
         self._written_at: float | None = None
+        self._lock = threading.RLock()  # the scrape thread reads what the training loop updates
 
     # ------------------------------------------------------------------ events
     def start(self) -> None:
         """This controller's wall clock starts (idempotent); a crashed predecessor's pause is lost."""
-        if self.started is not None:
-            return
-        self.started = self.clock()
-        if self._previous is not None:
-            gap = max(0.0, self.wall_clock() - self._previous["updated_at"])
-            self.wall_before += gap
-            self._lose("controller", gap)
-        self.save(force=True)
+        with self._lock:
+            if self.started is not None:
+                return
+            self.started = self.clock()
+            if self._previous is not None:
+                gap = max(0.0, self.wall_clock() - self._previous["updated_at"])
+                self.wall_before += gap
+                self._lose("controller", gap)
+            self.save(force=True)
 
     def steps_resume(self) -> None:
         """Workers are up (after start or a recovery): the next step is in flight from now."""
-        self._inflight_since = self.clock()
+        with self._lock:
+            self._inflight_since = self.clock()
 
     def step_done(self, step: int, seconds: float) -> float | None:
         """Step ``step`` finished in ``seconds``; returns the replay phase's seconds when this step
         completes the step a recovery failed at, else None."""
-        now = self.clock()
-        dropped = self.useful.record(step, seconds)
-        self.useful_here.record(step, seconds)
-        self._lose("controller", dropped)  # a resumed run re-trains its predecessor's last steps
-        self._recent.append(seconds)
-        self._inflight_since = now
-        replay = None
-        if self._replay is not None and step >= self._replay[0]:
-            replay, self._replay = now - self._replay[1], None
-        self.save()
-        return replay
+        with self._lock:
+            now = self.clock()
+            dropped = self.useful.record(step, seconds)
+            self.useful_here.record(step, seconds)
+            self._lose("controller", dropped)  # a resumed run re-trains its predecessor's last steps
+            self._recent.append(seconds)
+            self._inflight_since = now
+            replay = None
+            if self._replay is not None and step >= self._replay[0]:
+                replay, self._replay = now - self._replay[1], None
+            self.save()
+            return replay
 
     def failed(self, cause: str) -> None:
         """A step failed and recovery starts: the failed step's work so far is lost."""
-        now = self.clock()
-        if self._inflight_since is not None:
-            self._lose(cause, now - self._inflight_since)
-        self._inflight_since, self._replay = None, None
-        if self._failure is None:
-            self._failure = (cause, now)
+        with self._lock:
+            now = self.clock()
+            if self._inflight_since is not None:
+                self._lose(cause, now - self._inflight_since)
+            self._inflight_since, self._replay = None, None
+            if self._failure is None:
+                self._failure = (cause, now)
 
     def recovered(self, failed_step: int, restored_step: int) -> None:
         """Recovery finished: it and the steps it rolled back are lost to the failure's cause."""
-        now = self.clock()
-        cause, since = self._failure if self._failure is not None else ("unknown", now)
-        self._failure = None
-        self._lose(cause, now - since)
-        self.rolled_back(restored_step, cause)
-        self._inflight_since = now
-        self._replay = (failed_step, now)
-        self.save(force=True)
+        with self._lock:
+            now = self.clock()
+            cause, since = self._failure if self._failure is not None else ("unknown", now)
+            self._failure = None
+            self._lose(cause, now - since)
+            self.rolled_back(restored_step, cause)
+            self._inflight_since = now
+            self._replay = (failed_step, now)
+            self.save(force=True)
 
     def rolled_back(self, step: int, cause: str) -> None:
         """The run went back to ``step`` (the steps after it are trained again)."""
-        self.useful_here.rollback(step)
-        self._lose(cause, self.useful.rollback(step))
+        with self._lock:
+            self.useful_here.rollback(step)
+            self._lose(cause, self.useful.rollback(step))
 
     def close(self) -> None:
         """The controller stops: a recovery still under way (aborted) is lost; the ledger is written."""
-        if self.started is None:
-            return
-        if self._failure is not None:
-            cause, since = self._failure
-            self._failure = None
-            self._lose(cause, self.clock() - since)
-        self._inflight_since = None
-        self.save(force=True)
+        with self._lock:
+            if self.started is None:
+                return
+            if self._failure is not None:
+                cause, since = self._failure
+                self._failure = None
+                self._lose(cause, self.clock() - since)
+            self._inflight_since = None
+            self.save(force=True)
 
     # ------------------------------------------------------------------ ratios
     def _credit(self, now: float) -> float:
@@ -186,19 +198,21 @@ class TrainingTime:
 
     def ettr(self) -> float | None:
         """Useful over wall seconds of the run's whole life; None before this controller started."""
-        if self.started is None:
-            return None
-        now = self.clock()
-        wall = self.wall_before + (now - self.started)
-        return min(1.0, (self.useful.total + self._credit(now)) / wall) if wall > 0 else None
+        with self._lock:
+            if self.started is None:
+                return None
+            now = self.clock()
+            wall = self.wall_before + (now - self.started)
+            return min(1.0, (self.useful.total + self._credit(now)) / wall) if wall > 0 else None
 
     def goodput(self) -> float | None:
         """Useful over wall seconds of this controller; None before it started."""
-        if self.started is None:
-            return None
-        now = self.clock()
-        wall = now - self.started
-        return min(1.0, (self.useful_here.total + self._credit(now)) / wall) if wall > 0 else None
+        with self._lock:
+            if self.started is None:
+                return None
+            now = self.clock()
+            wall = now - self.started
+            return min(1.0, (self.useful_here.total + self._credit(now)) / wall) if wall > 0 else None
 
     # ------------------------------------------------------------------ ledger
     def _lose(self, cause: str, seconds: float) -> None:
@@ -208,19 +222,22 @@ class TrainingTime:
 
     def ledger(self) -> dict:
         """What :func:`write_ledger` persists now."""
-        wall = self.wall_before + (self.clock() - self.started if self.started is not None else 0.0)
-        return {"wall_s": wall, "lost_s": dict(self.lost), "useful": self.useful.tail(TAIL),
-                "updated_at": self.wall_clock()}
+        with self._lock:
+            wall = self.wall_before + (self.clock() - self.started if self.started is not None else 0.0)
+            return {"wall_s": wall, "lost_s": dict(self.lost), "useful": self.useful.tail(TAIL),
+                    "updated_at": self.wall_clock()}
 
     def save(self, force: bool = False) -> None:
         """Write the ledger (at most every ``write_interval_s`` unless ``force``); never raises."""
-        if self.run_path is None or self.started is None:
-            return
-        now = self.clock()
-        if not force and self._written_at is not None and now - self._written_at < self.write_interval_s:
-            return
-        try:
-            write_ledger(self.run_path, self.ledger())
-            self._written_at = now
-        except OSError as exc:
-            logger.warning("cannot write %s in %s: %s", LEDGER_NAME, self.run_path, exc)
+        with self._lock:
+            if self.run_path is None or self.started is None:
+                return
+            now = self.clock()
+            if not force and self._written_at is not None and now - self._written_at < self.write_interval_s:
+                return
+            try:
+                write_ledger(self.run_path, self.ledger())
+                self._written_at = now
+            except OSError as exc:
+                logger.warning("cannot write %s in %s: %s", LEDGER_NAME, self.run_path, exc)
+
