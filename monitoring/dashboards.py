@@ -358,7 +358,7 @@ def reliability() -> dict:
                                "restore + replay), mean over the recoveries in the time range."),
         ts_panel("Recovery phases (mean, 10m)", [(mean(phases, "10m", by="phase"), "{{phase}}")], "s",
                  stacked=True, w=8,
-                 description="detect: failure (or hang start) to recovery; restart: workers back; "
+                 description="detect: failure reported (or hang start) to recovery; restart: workers back; "
                              "rejoin: new process groups; restore: snapshot or checkpoint loaded; "
                              "replay: until the failed step is done again."),
         ts_panel("Lost time by cause", [(increments("rrl_lost_seconds_total", "$__interval", by="cause"),

@@ -1,7 +1,8 @@
 """Recovery you can watch: its phases, the seconds lost by cause, and the run's ETTR.
 
 - ``rrl_recovery_phase_seconds{phase}`` (histogram): one observation per recovery and phase:
-  ``detect`` (from the failure, or the start of a hang, to recovery starting), ``restart``
+  ``detect`` (from the controller learning of the failure, or from the start of a hang, to
+  recovery starting; a death's own delay before Ray reports it is not seen here), ``restart``
   (probing, killing, waiting for restarted or replacement workers), ``rejoin`` (new process-group
   generation and model rebuild), ``restore`` (snapshot or checkpoint loaded), ``replay`` (from
   training resumed until the step that failed is done again: the lost steps and that step).
