@@ -111,7 +111,22 @@ def test_an_unreadable_ledger_is_reported_and_accounting_starts_over(tmp_path, c
     t, _, _, _ = controller(tmp_path, previous_state="running")
     assert LEDGER_NAME in caplog.text and "unreadable" in caplog.text
     t.start()
+    t.steps_resume()
     assert t.wall_before == 0.0 and json.loads((tmp_path / LEDGER_NAME).read_text())["version"] == 1
+
+
+def test_a_controller_whose_workers_never_start_leaves_the_ledger_alone(tmp_path):
+    """A second controller refused by the run's lease starts its exporter first: it must not
+    overwrite the live controller's ledger."""
+    live, clock, wall, _ = controller(tmp_path)
+    live.start()
+    live.steps_resume()
+    run_steps(live, clock, wall, range(1, 4))
+    written = (tmp_path / LEDGER_NAME).read_text()
+    refused, _, _, _ = controller(tmp_path, previous_state="running", wall=wall.now + 5.0)
+    refused.start()
+    refused.close()
+    assert (tmp_path / LEDGER_NAME).read_text() == written
 
 
 def test_useful_time_seeded_from_a_tail_rolls_back_inside_and_beyond_it():

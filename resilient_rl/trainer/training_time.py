@@ -112,6 +112,9 @@ class TrainingTime:
         self._recent: deque[float] = deque(maxlen=16)
         self._written_at: float | None = None
         self._lock = threading.RLock()  # the scrape thread reads what the training loop updates
+        # Written only once the workers are up: a controller refused by the run's lease (it starts
+        # its exporter first) must not overwrite the live controller's ledger.
+        self._owns_ledger = False
 
     # ------------------------------------------------------------------ events
     def start(self) -> None:
@@ -124,12 +127,15 @@ class TrainingTime:
                 gap = max(0.0, self.wall_clock() - self._previous["updated_at"])
                 self.wall_before += gap
                 self._lose("controller", gap)
-            self.save(force=True)
 
     def steps_resume(self) -> None:
-        """Workers are up (after start or a recovery): the next step is in flight from now."""
+        """Workers are up (after start or a recovery): the next step is in flight from now, and
+        this controller, which holds the run by now, keeps the ledger."""
         with self._lock:
             self._inflight_since = self.clock()
+            if not self._owns_ledger:
+                self._owns_ledger = True
+                self.save(force=True)
 
     def step_done(self, step: int, seconds: float) -> float | None:
         """Step ``step`` finished in ``seconds``; returns the replay phase's seconds when this step
@@ -230,7 +236,7 @@ class TrainingTime:
     def save(self, force: bool = False) -> None:
         """Write the ledger (at most every ``write_interval_s`` unless ``force``); never raises."""
         with self._lock:
-            if self.run_path is None or self.started is None:
+            if self.run_path is None or self.started is None or not self._owns_ledger:
                 return
             now = self.clock()
             if not force and self._written_at is not None and now - self._written_at < self.write_interval_s:
