@@ -215,12 +215,13 @@ class TelemetryHook:
         """Count a recovery, forget the steps it rolled back and mark the workers up again."""
         self.metrics.record_recovery(float(e["duration_s"]), int(e["steps_replayed"]))
         self.time.recovered(int(e["failed_step"]), int(e["restored_step"]))
-        self.recovery_metrics.observe_phases(e.get("phases") or {})
         if self.pool is not None:
             try:
                 self._sync_workers(self.pool)
             except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a recovered run
                 logger.warning("telemetry: cannot refresh the worker series after recovery: %s", exc)
+        # Last: a malformed phase (an event of another version) must not keep the workers marked down.
+        self.recovery_metrics.observe_phases(e.get("phases") or {})
 
     def _event_nonfinite_rollback(self, e: dict) -> None:
         """The run rolled back past a NaN/Inf: the steps after the restored one are lost."""
