@@ -30,7 +30,8 @@ The measurements (``--parts``), each in its own Ray cluster (``ray.init`` ... ``
    a stopped rank is found sooner, when its health call goes unanswered for ``health_timeout_s``).
 
 Step completion times come from polling ``metrics.jsonl`` (10 ms); step starts from a hook that
-writes ``bench_step_start`` events. Printed: one row per repeat and the median, then the ratios
+writes ``bench_step_start`` events. Each in-place and hang repeat also prints the controller's own
+split (``ctl_*``: the ``recovered`` event's phases, as exported in ``rrl_recovery_phase_seconds``). Printed: one row per repeat and the median, then the ratios
 in-place / Ray Train and in-place / full restart.
 
     python bench/recovery.py                       # all parts, once (3-6 minutes on 2 busy cores)
@@ -270,7 +271,13 @@ def measure_inplace(args, root: str) -> dict:
             "detect": fail["time"] - t_kill, "restart": t_up - fail["time"], "rejoin": t_load - t_up,
             "restore": rec["time"] - t_load, "replay": t_done - rec["time"], "total": t_done - t_kill,
             "replayed": rec["steps_replayed"], "from_step": rec["restored_step"],
-            "cause": fail["cause"], "recovery_duration_s": rec["duration_s"]}
+            "cause": fail["cause"], "recovery_duration_s": rec["duration_s"], **controller_phases(rec)}
+
+
+def controller_phases(rec: dict) -> dict:
+    """The controller's own phase split (the ``recovered`` event's, what rrl_recovery_phase_seconds
+    exports), as ``ctl_<phase>``, printed next to the split measured here from the outside."""
+    return {f"ctl_{phase}": float(seconds) for phase, seconds in (rec.get("phases") or {}).items()}
 
 
 FAST = ("recovery.spares=1", "recovery.snapshot_every=1")
@@ -335,7 +342,7 @@ def measure_hang(args, root: str) -> dict:
     rec = first(ev, "recovered", fail["time"])
     return {"detect": fail["time"] - t_stop, "deadline": args.hang_timeout, "cause": fail["cause"],
             "within": fail["time"] - t_stop <= args.hang_timeout + 1.0, "recovery_duration_s": rec["duration_s"],
-            "killed": any(e["event"] == "kill_unresponsive" for e in ev)}
+            "killed": any(e["event"] == "kill_unresponsive" for e in ev), **controller_phases(rec)}
 
 
 # ---------------------------------------------------------------------------- Ray Train v2

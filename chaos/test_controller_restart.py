@@ -51,3 +51,9 @@ def test_controller_killed_and_started_again_resumes(reference, chaos_dir, chaos
     result = collect_run(load_config(None, overrides))
     assert [e for e in result.events if e["event"] == "checkpoint_restored"], "the second controller resumed"
     check_invariants(result, reference, expect_recoveries=0)
+    # ETTR spans both controllers: the second continued the first's ledger, and the pause between
+    # them (and any step trained again) is lost to the crashed controller.
+    ledger = json.loads((Path(chaos_dir) / "runs" / name / "ettr.json").read_text())
+    total = load_config(None, overrides).trainer.total_steps
+    assert ledger["useful"][-1][0] == total
+    assert ledger["lost_s"]["controller"] > 0 and ledger["wall_s"] > ledger["useful"][-1][1]

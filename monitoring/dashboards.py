@@ -145,6 +145,11 @@ def ts_panel(title: str, targets: list[tuple[str, str]], unit: str = "short", *,
     return Placed(p, w, h)
 
 
+def row(title: str) -> Placed:
+    """A row header across the grid: the panels after it, up to the next row, belong to it."""
+    return Placed(db.Row(title), WIDTH, 1)
+
+
 # -- dashboards ----------------------------------------------------------------------------
 
 def query_variable(name: str, label: str, query: str) -> db.QueryVariable:
@@ -184,7 +189,10 @@ def build(uid: str, title: str, description: str, panels: list[Placed],
         if x + placed.w > WIDTH:
             x, y, row_h = 0, y + row_h, 0
         placed.builder.id(panel_id).grid_pos(dm.GridPos(h=placed.h, w=placed.w, x=x, y=y))
-        board.with_panel(placed.builder)
+        if isinstance(placed.builder, db.Row):
+            board.with_row(placed.builder)
+        else:
+            board.with_panel(placed.builder)
         x, row_h = x + placed.w, max(row_h, placed.h)
     for variable in variables:
         board.with_variable(variable)
@@ -270,6 +278,10 @@ def reliability() -> dict:
     red_from_one = [("green", None), ("red", 1)]
     ckpt_save, ckpt_stall = "rrl_checkpoint_save_duration_seconds", "rrl_checkpoint_stall_seconds"
     ckpt_load, recovery = "rrl_checkpoint_load_duration_seconds", "rrl_recovery_duration_seconds"
+    phases = "rrl_recovery_phase_seconds"
+    # Failure to failed step done again, per recovery: every phase's time over the recoveries.
+    restarts_counted = sel(phases + "_count", RUN + ', phase="restart"')
+    mttr = f"sum(increase({sel(phases + '_sum')}[$__range])) / sum(increase({restarts_counted}[$__range]))"
     return build("rrl-reliability", "resilient-rl / Reliability",
                  "Workers, restarts, failures, recoveries, lost work and checkpoints.", [
         stat_panel("Workers up", f"sum({sel('rrl_worker_up')})", **count),
@@ -333,6 +345,29 @@ def reliability() -> dict:
                              "retries) or slow (the previous save still writing after "
                              "checkpoint.save_timeout_s). More than checkpoint.max_skipped in a row "
                              "stop the run."),
+        row("Recovery by phase and effective training time"),
+        stat_panel("ETTR (whole run)", f"min({sel('rrl_ettr_ratio')})", "percentunit",
+                   thresholds=GOODPUT_THRESHOLDS, w=8,
+                   description="Seconds of steps that count over wall seconds since the run began, "
+                               "across controller restarts (ettr.json in the run folder)."),
+        stat_panel("Lost time (range)", increments("rrl_lost_seconds_total", "$__range"), "s", w=8,
+                   description="Failed work, recovery, rolled-back steps and a crashed controller's "
+                               "pause, over the time range."),
+        stat_panel("Mean time to recover (range)", mttr, "s", w=8,
+                   description="Failure to the failed step done again (detect + restart + rejoin + "
+                               "restore + replay), mean over the recoveries in the time range."),
+        ts_panel("Recovery phases (mean, 10m)", [(mean(phases, "10m", by="phase"), "{{phase}}")], "s",
+                 stacked=True, w=8,
+                 description="detect: failure reported (or hang start) to recovery; restart: workers back; "
+                             "rejoin: new process groups; restore: snapshot or checkpoint loaded; "
+                             "replay: until the failed step is done again."),
+        ts_panel("Lost time by cause", [(increments("rrl_lost_seconds_total", "$__interval", by="cause"),
+                                         "{{cause}}")], "s", stacked=True, w=8),
+        ts_panel("ETTR and goodput", [(sel("rrl_ettr_ratio"), "ETTR {{instance}}"),
+                                      (sel("rrl_goodput_ratio"), "goodput {{instance}}")], "percentunit",
+                 min_val=0, max_val=1, w=8,
+                 description="ETTR spans the run's whole life; goodput this controller's. Both fall "
+                             "while a step hangs."),
     ], [run_variable()], [RECOVERY_ANNOTATION])
 
 

@@ -8,6 +8,7 @@ the config key, the path, the checkpoint, the role and rank.
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 
 
@@ -55,7 +56,10 @@ class ResourceError(RRLError):
 
 class WorkerError(RRLError):
     """A worker failed: died, hung past its deadline or raised. Names role, rank and its
-    :class:`Cause` (each subclass has its own default; a name is checked here)."""
+    :class:`Cause` (each subclass has its own default; a name is checked here).
+
+    ``raised_at`` (monotonic seconds) is when the controller learnt of the failure: recovery's
+    detect phase runs from there (from the start of a hang, for a hung worker) to recovery starting."""
 
     default_cause = Cause.EXCEPTION
 
@@ -65,6 +69,7 @@ class WorkerError(RRLError):
         self.role = role
         self.rank = rank
         self.cause: Cause = self.default_cause if cause is None else Cause(cause)
+        self.raised_at = time.monotonic()
 
 
 class WorkerDiedError(WorkerError):
@@ -75,16 +80,19 @@ class WorkerDiedError(WorkerError):
 
 class WorkerTimeoutError(WorkerError):
     """A worker is hung (cause "hang": it stopped answering its health call, or stopped advancing
-    inside a call; ``hang_kind`` says which and ``pid`` names its process where known) or a call
-    passed its ceiling (cause "timeout")."""
+    inside a call; ``hang_kind`` says which, ``pid`` names its process where known and
+    ``stalled_s`` how long it had been silent or still when judged hung) or a call passed its
+    ceiling (cause "timeout")."""
 
     default_cause = Cause.TIMEOUT
 
     def __init__(self, message: str, *, role: str | None = None, rank: int | None = None,
-                 cause: Cause | str | None = None, pid: int | None = None, hang_kind: str | None = None):
+                 cause: Cause | str | None = None, pid: int | None = None, hang_kind: str | None = None,
+                 stalled_s: float | None = None):
         super().__init__(message, role=role, rank=rank, cause=cause)
         self.pid = pid
         self.hang_kind = hang_kind
+        self.stalled_s = stalled_s
 
 
 class CollectiveError(WorkerError):

@@ -22,6 +22,7 @@ from typing import Any
 from resilient_rl.errors import RRLError
 from resilient_rl.run.info import FailureEpisode, RunFiles, failure_episodes, goodput, last_write_time, open_run
 from resilient_rl.run.record import controller_alive
+from resilient_rl.telemetry.training_time import read_ledger
 
 #: Steps whose mean duration is reported as the recent step time.
 RECENT_STEPS = 10
@@ -86,6 +87,8 @@ class RunStatus:
     goodput: float | None
     useful_s: float | None
     wall_s: float | None
+    ettr: float | None                # over the run's whole life, from ettr.json (as of its last write)
+    lost_s: dict[str, float]          # seconds lost by cause over the run's whole life
     metrics: MetricsEndpoint
     as_of: float                      # when the run folder was read (Unix time); ages count from here
 
@@ -128,6 +131,9 @@ class RunStatus:
             lines.append("goodput:     unknown (no controller record)")
         else:
             lines.append("goodput:     unknown (training had not started)")
+        if self.ettr is not None:
+            lost = ", ".join(f"{cause} {_dur(s)}" for cause, s in sorted(self.lost_s.items(), key=lambda x: -x[1]))
+            lines.append(f"ettr:        {self.ettr:.1%} over the run's life" + (f" (lost: {lost})" if lost else ""))
         m = self.metrics
         if m.urls:
             where = ", ".join(f"{u} ({n})" if n else u for u, n in zip(m.urls, m.nodes))
@@ -291,6 +297,9 @@ def gather_status(target: str, output_dir: str | None = None, checkpoint_root: s
     episodes = failure_episodes(run.events, run.name)
     recovered = [f for f in episodes if f.outcome == "recovered"]
     total = run.setting("trainer.total_steps")
+    ledger = read_ledger(run.path)
+    ettr = (min(1.0, ledger["useful"][-1][1] / ledger["wall_s"])
+            if ledger is not None and ledger["useful"] and ledger["wall_s"] > 0 else None)
     return RunStatus(
         run=run.name, path=str(run.path), state=state, detail=detail, controller=controller, step=step,
         total_steps=int(total) if total is not None else None,
@@ -300,4 +309,4 @@ def gather_status(target: str, output_dir: str | None = None, checkpoint_root: s
         steps_replayed=sum(f.steps_replayed for f in recovered),
         recovery_s=sum(float(f.recovery_s or 0.0) for f in recovered),
         goodput=gp[0] if gp else None, useful_s=gp[1] if gp else None, wall_s=gp[2] if gp else None,
-        metrics=_endpoint(run, state), as_of=run.read_at)
+        ettr=ettr, lost_s=ledger["lost_s"] if ledger is not None else {}, metrics=_endpoint(run, state), as_of=run.read_at)

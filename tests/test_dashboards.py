@@ -49,6 +49,13 @@ def dashboard_problems(board: dict, datasource_uid: str, panel_types: set[str]) 
         problems.append(f"{uid}: panel ids {ids} are not unique")
     for i, panel in enumerate(board["panels"]):
         where = f"{uid}/{panel.get('title')}"
+        if panel.get("type") == "row":  # a row header: no query; it spans the grid, above its panels
+            pos = panel["gridPos"]
+            if (pos["x"], pos["w"], pos["h"]) != (0, 24, 1) or panel.get("panels"):
+                problems.append(f"{where}: a row header spans the grid (x=0, w=24, h=1), got {pos}")
+            problems += [f"{where}: overlaps {other['title']}" for other in board["panels"][:i]
+                         if _overlaps(pos, other["gridPos"])]
+            continue
         if panel.get("type") not in panel_types:
             problems.append(f"{where}: unknown panel type {panel.get('type')!r}")
         if panel.get("datasource") != ds:
@@ -100,10 +107,12 @@ def test_dashboard_check_finds_each_kind_of_breakage():
     second["datasource"] = {"type": "prometheus", "uid": "other"}
     second["targets"][0]["expr"] = 'rrl_step{run=~"$run", node=~"$nod"}'
     board["panels"][2]["targets"] = []
+    board["panels"].append({"type": "row", "id": 999, "title": "half row", "panels": [],
+                            "gridPos": {"x": 0, "y": 1000, "w": 12, "h": 1}})
     problems = "\n".join(dashboard_problems(board, uid, panel_types))
     for expected in ["unknown panel type 'timeserie'", "outside the 24-column grid",
                      "overlaps", "are not unique", "datasource {'type': 'prometheus', 'uid': "
-                     "'other'}", "undefined variable(s) ['nod']", "no query"]:
+                     "'other'}", "undefined variable(s) ['nod']", "no query", "a row header spans the grid"]:
         assert expected in problems
 
 

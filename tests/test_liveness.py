@@ -98,7 +98,7 @@ def test_a_long_call_that_advances_is_live():
 def test_a_rank_inside_a_call_without_progress_is_stalled():
     watches = {0: _w("update_actor", age=0.5), 1: _w("update_actor", age=3.5, pid=42)}
     hung = judge(watches, now=1000.0, hang_timeout_s=3.0, health_timeout_s=2.0)
-    assert (hung.rank, hung.kind, hung.pid) == (1, "stalled", 42)
+    assert (hung.rank, hung.kind, hung.pid, hung.stalled_s) == (1, "stalled", 42, 3.5)  # the hang's age: detect
     assert "update_actor" in hung.detail and "hang_timeout_s" in hung.detail
 
 
@@ -120,7 +120,7 @@ def test_an_unanswered_health_call_beats_stalled_peers():
     clock.now += 2.5
     watches[1] = _w("update", age=3.5)
     hung = judge(watches, clock(), 3.0, 2.0)
-    assert (hung.rank, hung.kind) == (0, "unresponsive")
+    assert (hung.rank, hung.kind, hung.stalled_s) == (0, "unresponsive", 2.5)
     assert "health_timeout_s" in hung.detail
 
 

@@ -272,6 +272,23 @@ tests:
               summary: "Non-finite loss on c:1 (skipped)"
               description: "1 step(s) met NaN or Inf in loss in the last 30 minutes and the trainer skipped them (trainer.nonfinite). Look at the run's nonfinite events: a diverging learning rate, a reward function returning NaN, or a poisoned checkpoint."
       - {{alertname: RRLNonFiniteValues, eval_time: 40m, exp_alerts: []}}
+
+  - interval: 1m
+    input_series:
+      # ETTR over the run's life sinks below 70% at minute 10 and stays there.
+      - series: 'rrl_ettr_ratio{{instance="c:1"}}'
+        values: '0.9x9 0.6x80'
+      - series: 'rrl_ettr_ratio{{instance="ok:1"}}'
+        values: '0.95x90'
+    alert_rule_test:
+      - {{alertname: RRLEffectiveTrainingTimeLow, eval_time: 60m, exp_alerts: []}}
+      - alertname: RRLEffectiveTrainingTimeLow
+        eval_time: 75m
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "c:1"}}
+            exp_annotations:
+              summary: "Effective training time under 70% on c:1"
+              description: "Over the run's whole life only 60% of wall time went to steps that count. See rrl_lost_seconds_total by cause and rrl_recovery_phase_seconds for where the rest went."
 """
 
 

@@ -175,6 +175,12 @@ def test_prometheus_scrapes_a_run_with_a_failure_and_every_query_answers(ray_clu
         assert prom.value("rrl_steps_replayed_total") == trainer.recovery.steps_replayed
         assert prom.value("sum(rrl_failures_total)") == 1
         assert 0 < prom.value("rrl_goodput_ratio") < 1
+        # The recovery, phase by phase (replay: until the failed step was done again), and its cost.
+        for phase in ("detect", "restart", "rejoin", "restore", "replay"):
+            assert prom.value(f'rrl_recovery_phase_seconds_count{{phase="{phase}"}}') == 1, phase
+        assert prom.value('rrl_recovery_phase_seconds_sum{phase="restart"}') > 0
+        assert prom.value("sum(rrl_lost_seconds_total)") > 0
+        assert 0 < prom.value("rrl_ettr_ratio") < 1
         window = f"{int(end - start) + 5}s"
         # The killed worker was seen down, and is up again.
         assert prom.value(f'min_over_time(rrl_worker_up{{role="actor", rank="1"}}[{window}])') == 0

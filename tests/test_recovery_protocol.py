@@ -77,9 +77,11 @@ def test_a_dead_rank_is_restarted_rejoined_and_restored():
     restarted = h.of("worker_restarted")[0]
     assert (restarted["group"], restarted["rank"], restarted["role"]) == ("main", 1, "actor")
     assert restarted["pid"] != old_pid and h.pool.known[("main", 1)].pid == restarted["pid"]
-    assert h.of("recovered")[0] == {"failed_step": 7, "restored_step": 4, "steps_replayed": 2,
-                                    "duration_s": 0.0, "restarted": [["main", 1]], "generation": 2,
-                                    "source": None}
+    recovered = dict(h.of("recovered")[0])
+    phases = recovered.pop("phases")
+    assert recovered == {"failed_step": 7, "restored_step": 4, "steps_replayed": 2, "duration_s": 0.0,
+                         "restarted": [["main", 1]], "generation": 2, "source": None}
+    assert set(phases) == {"detect", "restart", "rejoin", "restore"} and phases["restart"] == 0.0
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
     assert h.states == [S.REJOINING, S.RESTORING]
     assert h.ckpt.abandoned == 1 and h.restores == 1
@@ -242,3 +244,37 @@ def test_a_lease_lost_during_recovery_is_not_recovered_from():
     with pytest.raises(LeaseError):
         h.handle(died())
     assert "recovered" not in h.kinds()
+
+
+def test_the_recovered_event_splits_the_recovery_into_its_phases():
+    """detect: from the hang's start (stalled_s before it was judged) to recovery; restart, rejoin,
+    restore: the time in each state, a failure inside recovery re-entering RECOVERING included."""
+    import time
+
+    h = Harness()
+    pool = h.pool
+    rendezvous, restores = pool.rendezvous, []
+
+    def slow_rendezvous(groups=None):
+        h.clock.advance(2.0)
+        rendezvous(groups)
+        if len(restores) == 0 and not getattr(slow_rendezvous, "failed", False):
+            slow_rendezvous.failed = True
+            raise CollectiveError("rendezvous broke", role="main:actor", rank=0)
+
+    def slow_restore():
+        h.clock.advance(3.0)
+        restores.append(1)
+        return 4
+
+    pool.rendezvous = slow_rendezvous
+    h._restore = slow_restore
+    pool.crash("main", 1)
+    exc = WorkerTimeoutError("main:actor rank 1 is hung", role="main:actor", rank=1, cause="hang", stalled_s=30.0)
+    exc.raised_at = time.monotonic() - 1.0  # learnt of a second before recovery started
+    h.handle(exc)
+    phases = h.of("recovered")[0]["phases"]
+    assert 31.0 <= phases["detect"] < 31.0 + 60.0
+    assert phases["rejoin"] == 4.0 and phases["restore"] == 3.0  # two rejoins of 2 s, one restore of 3 s
+    assert phases["restart"] == 0.0  # the fake pool restarts at once, also after the failed rejoin
+    assert h.path() == [S.RECOVERING, S.REJOINING, S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]

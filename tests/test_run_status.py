@@ -244,3 +244,18 @@ def test_status_names_the_holder_of_the_run_lease(tmp_path, capsys):
         lease.close()
     code, out, _ = _cli(capsys, "status", str(run.path))
     assert f"lease:       last held by {lease.holder} (token 1, released at" in out
+
+
+def test_status_reports_the_runs_ettr_from_its_ledger(tmp_path, capsys):
+    from resilient_rl.telemetry.training_time import write_ledger
+
+    run = _finished_run(tmp_path)
+    assert gather_status(str(run.path)).ettr is None  # no ledger (telemetry off): not known
+    write_ledger(run.path, {"wall_s": 200.0, "lost_s": {"died": 12.5, "controller": 30.0},
+                            "useful": [[11, 140.0], [12, 150.0]], "updated_at": time.time()})
+    code, out, err = _cli(capsys, "status", str(run.path), "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["ettr"] == pytest.approx(0.75) and s["lost_s"] == {"died": 12.5, "controller": 30.0}
+    code, out, _ = _cli(capsys, "status", str(run.path))
+    assert "ettr:        75.0% over the run's life (lost: controller 30.0 s, died 12.5 s)" in out

@@ -540,19 +540,33 @@ def test_hook_marks_failed_workers_down_and_drops_lost_steps_from_goodput(local_
     assert value(data, "rrl_nonfinite_total", quantity="loss", action="skipped") == 1
 
     trainer.step = 1  # what restoring the checkpoint of step 1 does: steps 2 and 3 are lost
-    wall_before = time.monotonic() - hook._started_at
+    t_before = time.monotonic()
     emit("recovered", failed_step=3, restored_step=1, steps_replayed=1, duration_s=1.5, restarted=[["local", 0]],
-         generation=2)
-    wall_after = time.monotonic() - hook._started_at
+         generation=2, phases={"detect": 0.25, "restart": 1.0, "rejoin": 0.125, "restore": 0.125})
     data = samples(hook.url)
+    t_after = time.monotonic()
     useful = rows[0]["timing/step_s"]
-    assert useful / wall_after <= value(data, "rrl_goodput_ratio") <= useful / wall_before
+    started = hook.time.started
+    # Step 1 counts, and the replay in flight since the recovery (at most t_after - t_before).
+    assert useful / (t_after - started) <= value(data, "rrl_goodput_ratio") <= (
+        (useful + t_after - t_before) / (t_before - started))
+    assert value(data, "rrl_lost_seconds_total", cause="collective") >= sum(r["timing/step_s"] for r in rows[1:])
+    assert 0 < value(data, "rrl_ettr_ratio") <= 1
+    for phase, seconds in (("detect", 0.25), ("restart", 1.0), ("rejoin", 0.125), ("restore", 0.125)):
+        assert value(data, "rrl_recovery_phase_seconds_sum", phase=phase) == seconds
+    assert value(data, "rrl_recovery_phase_seconds_count", phase="replay") == 0
+    hook.observe_step({"step": 2, "timing/step_s": 0.01})  # a lost step replayed
+    assert value(samples(hook.url), "rrl_recovery_phase_seconds_count", phase="replay") == 0
+    hook.observe_step({"step": 3, "timing/step_s": 0.01})  # the failed step is done again
+    assert value(samples(hook.url), "rrl_recovery_phase_seconds_count", phase="replay") == 1
     assert value(data, "rrl_worker_up", role="actor", rank="0", node=node) == 1
     assert value(data, "rrl_recoveries_total") == 1 and value(data, "rrl_steps_replayed_total") == 1
 
     url = hook.url
     trainer.shutdown()
     assert not (trainer.run_dir.path / "prometheus_targets.json").exists()
+    ledger = json.loads((trainer.run_dir.path / "ettr.json").read_text())  # for the run's next controller
+    assert ledger["useful"][-1][0] == 3 and ledger["lost_s"]["collective"] > 0
     with pytest.raises(TelemetryError):
         scrape(url, timeout=2)
 
@@ -597,3 +611,58 @@ def test_useful_time_is_a_running_total_that_rolls_back():
     u.record(2, 0.5)
     u.record(2, 0.25)  # recorded again: replaces, never double counts
     assert u.total == 1.25
+
+
+def test_node_exporters_use_the_base_port_on_every_host_and_the_next_ones_on_a_shared_host(tmp_path, monkeypatch):
+    """One port per machine or pod (a Kubernetes scrape annotation names one); nodes of a test
+    cluster sharing a host get one port each."""
+    from resilient_rl.telemetry import hook as telemetry_hook
+
+    class FakeNodeExporter:
+        def __init__(self, node_id, node, bind_address, port, advertise_host, gpu_max_age_s, timeout_s):
+            self.node, self.target = node, f"{advertise_host}:{port}"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(telemetry_hook, "RemoteNodeExporter", FakeNodeExporter)
+    trainer = local_trainer(tmp_path, "telemetry.worker_port_base=9401")
+    hook = trainer.telemetry
+    table = {"a": ("pod-a", "10.0.0.2"), "b": ("pod-b", "10.0.0.3"), "c": ("host-c1", "10.0.0.9"),
+             "d": ("host-c2", "10.0.0.9")}
+    try:
+        for node_id in table:
+            hook.node_exporters[node_id] = hook._start_node_exporter(node_id, table)
+        assert [e.target for e in hook.node_exporters.values()] == [
+            "10.0.0.2:9401", "10.0.0.3:9401", "10.0.0.9:9401", "10.0.0.9:9402"]
+    finally:
+        trainer.shutdown()
+
+
+def test_ettr_continues_in_the_run_folder_after_a_crashed_controller(tmp_path):
+    """The next controller of a run reads the ledger its crashed predecessor left: the pause and
+    the steps trained again are lost, and ETTR spans both controllers while goodput is its own."""
+    first = local_trainer(tmp_path)
+    try:
+        first.fit()
+    finally:
+        first.shutdown()
+    run = first.run_dir.path
+    before = json.loads((run / "ettr.json").read_text())
+    assert before["useful"][-1][0] == 3 and before["wall_s"] >= before["useful"][-1][1] > 0
+    # As if it had been SIGKILLed 100 s ago: its record still says running, its ledger is old.
+    record = json.loads((run / "controller.json").read_text())
+    (run / "controller.json").write_text(json.dumps({**record, "state": "running", "ended_at": None}))
+    (run / "ettr.json").write_text(json.dumps({**before, "updated_at": before["updated_at"] - 100.0}))
+
+    second = local_trainer(tmp_path)  # no checkpoints with local roles: it trains steps 1-3 again
+    try:
+        second.fit()
+        data = samples(second.telemetry.url)
+        lost = value(data, "rrl_lost_seconds_total", cause="controller")
+        assert lost >= 100.0 + before["useful"][-1][1] - 1e-9
+        assert value(data, "rrl_ettr_ratio") < value(data, "rrl_goodput_ratio")
+    finally:
+        second.shutdown()
+    after = json.loads((run / "ettr.json").read_text())
+    assert after["wall_s"] >= before["wall_s"] + 100.0 and after["lost_s"]["controller"] == pytest.approx(lost)

@@ -73,6 +73,9 @@ class CheckpointConfig(Section):
     takeover: bool = False
     save_timeout_s: float = 600.0
     max_skipped: int = 3
+    # A local ``root`` (a path, file://) is a different folder on every node: on a cluster of more
+    # than one node it is refused at start unless declared shared (NFS, a ReadWriteMany PVC, Lustre).
+    shared_filesystem: bool = False
 
     def validate(self) -> None:
         require(self.save_timeout_s > 0, "save_timeout_s", self.save_timeout_s,

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Union
 from resilient_rl.errors import RRLError
 
 #: Version of the line format and of every kind's fields; written as ``v`` on every line.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ``recovered`` gained ``phases``
 #: Keys of a line that are not fields of its event.
 ENVELOPE = ("event", "v", "time")
 
@@ -143,6 +143,8 @@ class Recovered(Event):
     restarted: list
     generation: int
     source: str | None = None  # "snapshot" (in memory), "checkpoint" (storage) or "start"
+    # Seconds per phase: detect, restart, rejoin, restore (trainer/recovery_phases.py); v2 on.
+    phases: dict | None = None
 
 
 @_kind("snapshot_restored")

@@ -43,6 +43,7 @@ from resilient_rl.errors import (CheckpointFormatError, LeaseError, NoValidCheck
 from resilient_rl.recovery.attempt import Attempt, Context
 from resilient_rl.recovery.causes import classify
 from resilient_rl.recovery.policy import FailurePolicy
+from resilient_rl.recovery.phases import detect_seconds, state_seconds
 from resilient_rl.recovery.recovering import Recovering
 from resilient_rl.recovery.rollback import AFTER_FAILURE, Point
 from resilient_rl.recovery.states import RecoveryState, RecoveryStateMachine
@@ -157,11 +158,13 @@ class Recovery:
         RecoveryError. ``pool`` None: the roles run in the controller's own process, which no
         recovery restarts: the failure is reported and the run stops."""
         t0 = self.clock()
+        detect = detect_seconds(exc)
         attempt = self._attempt(exc, failed_step, pool)
         self._report("failure", attempt, step=failed_step)
         logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, attempt.failure.cause.value,
                        attempt.failure.role, attempt.failure.rank, attempt.failure.message)
         self.sm.to(S.RECOVERING)
+        first = len(self.sm.history) - 1  # this recovery's transitions, for its phase split
         self.checkpoints.abandon()
         state = S.RECOVERING
         if pool is None:
@@ -183,14 +186,16 @@ class Recovery:
                 following = S.RECOVERING
             self.sm.to(following)
             state = following
-        duration = self.clock() - t0
+        end = self.clock()
+        duration = end - t0
+        phases = {"detect": detect, **state_seconds(self.sm.history[first:], end)}
         replayed = max(0, failed_step - 1 - attempt.restored)
         self.recoveries += 1
         self.steps_replayed += replayed
         self.recovery_seconds += duration
         self.emit("recovered", failed_step=failed_step, restored_step=attempt.restored, steps_replayed=replayed,
                   duration_s=duration, restarted=[list(k) for k in attempt.restarted],
-                  generation=pool.generation, source=attempt.source)
+                  generation=pool.generation, source=attempt.source, phases=phases)
         logger.warning("recovered in %.1fs: restored step %d, replaying %d step(s)", duration, attempt.restored,
                        replayed)
 

@@ -51,6 +51,13 @@ def local_cluster_options(ray_cfg, log_to_driver: bool = True) -> dict:
     return kwargs
 
 
+def alive_nodes() -> int:
+    """Nodes of the Ray cluster this process is connected to that are alive (1 without Ray)."""
+    if not ray.is_initialized():
+        return 1
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
 def disconnect(owned: bool) -> None:
     """Undo :func:`connect`; ``owned`` is what it returned.
 

@@ -39,12 +39,14 @@ class RankWatch:
 
 @dataclass(frozen=True)
 class Hung:
-    """A rank judged hung: ``kind`` is "unresponsive" or "stalled"."""
+    """A rank judged hung: ``kind`` is "unresponsive" or "stalled"; ``stalled_s`` is how long its
+    health call went unanswered, or it went without progress (the hang's age when judged)."""
 
     rank: int
     kind: str
     detail: str
     pid: int | None = None
+    stalled_s: float | None = None
 
 
 def judge(watches: dict[int, RankWatch], now: float, hang_timeout_s: float, health_timeout_s: float) -> Hung | None:
@@ -57,14 +59,14 @@ def judge(watches: dict[int, RankWatch], now: float, hang_timeout_s: float, heal
         waited, rank = max(silent)
         return Hung(rank, "unresponsive", f"its health call has not answered for {waited:.1f}s "
                     f"(recovery.health_timeout_s={health_timeout_s:g}): the process is stopped or wedged",
-                    watches[rank].pid)
+                    watches[rank].pid, waited)
     stalled = [(w.snapshot.age_s, r) for r, w in watches.items()
                if w.snapshot is not None and w.snapshot.call is not None and w.snapshot.age_s > hang_timeout_s]
     if stalled:
         age, rank = max(stalled)
         call = watches[rank].snapshot.call
         return Hung(rank, "stalled", f"it is inside {call!r} and has not advanced for {age:.1f}s "
-                    f"(recovery.hang_timeout_s={hang_timeout_s:g})", watches[rank].pid)
+                    f"(recovery.hang_timeout_s={hang_timeout_s:g})", watches[rank].pid, age)
     return None
 
 

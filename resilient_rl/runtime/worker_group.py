@@ -231,7 +231,7 @@ class RayWorkerGroup(HealthMixin):
                 if hung is not None:
                     raise WorkerTimeoutError(f"{self.name_prefix} rank {hung.rank} is hung: {hung.detail}",
                                              role=self.name_prefix, rank=hung.rank, cause="hang", pid=hung.pid,
-                                             hang_kind=hung.kind)
+                                             hang_kind=hung.kind, stalled_s=hung.stalled_s)
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 ranks = sorted(index[r] for r in pending)
                 raise WorkerTimeoutError(f"{self.name_prefix}: rank(s) {ranks} did not finish within the "

@@ -24,14 +24,18 @@
 
 Goodput is the summed duration of the steps that were kept (a step rolled back by a recovery
 no longer counts; its replay does; :mod:`resilient_rl.telemetry.goodput`) over the wall time since
-the exporter started, which is the start of ``fit``.
+the exporter started, which is the start of ``fit``; ETTR is the same ratio over the run's whole
+life, continued from the ledger earlier controllers left in the run folder. Both are read on
+every scrape and fall while a step hangs (:mod:`resilient_rl.telemetry.training_time`). Each
+recovery's phases (detect, restart, rejoin, restore from its ``recovered`` event; replay until the
+failed step is done again) and the seconds lost by cause are exported too
+(:mod:`resilient_rl.telemetry.recovery_metrics`).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import time
 from typing import Any, Callable, Mapping
 
 from resilient_rl.events import AnyEvent
@@ -41,9 +45,11 @@ from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSamp
                                     TrainerMetrics, gpu_assignments)
 from resilient_rl.process_state import process_alive
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
-from resilient_rl.telemetry.goodput import UsefulTime
+from resilient_rl.telemetry.recovery_metrics import RecoveryMetrics
+from resilient_rl.run.record import read_controller_record
 from resilient_rl.runtime.pool import WorkerPool, role_order
 from resilient_rl.telemetry.nodes import RemoteNodeExporter, Worker, node_table, ray_if_initialized
+from resilient_rl.telemetry.training_time import TrainingTime
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,12 @@ class TelemetryHook:
         self.timeout_s = tc.call_timeout_s
         self.pool: WorkerPool | None = None
         self.metrics = TrainerMetrics(run=self.run)
+        # Read before this controller's fit replaces controller.json: did the previous one crash?
+        previous = read_controller_record(run_dir.path)
+        self.time = TrainingTime(run_dir.path, previous.state if previous is not None else None,
+                                 on_lost=lambda cause, seconds: self.recovery_metrics.record_lost(cause, seconds))
+        self.recovery_metrics = RecoveryMetrics(self.metrics.registry, self.time.ettr, self.time.lost)
+        self.metrics.set_goodput_source(self.time.goodput)
         self.server = MetricsServer(self.metrics.registry, tc.bind_address, tc.port)
         self.node = socket.gethostname()
         self.node_id: str | None = None
@@ -98,13 +110,11 @@ class TelemetryHook:
         self._sent_assignments: dict[str, dict[str, tuple[str, str]]] = {}  # node id -> last sent
         self.file_sd = FileSDWriter(tc.file_sd_path or run_dir.path / "prometheus_targets.json")
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
-        self._next_port = tc.worker_port_base
         self._workers: dict[Worker, tuple[int, str | None]] = {}  # (role, rank) -> (pid, node id)
-        self._useful = UsefulTime()
-        self._started_at: float | None = None
         self._unknown_phases: set[str] = set()
         self._on_event = {"failure": self._event_failure, "worker_restarted": self._event_restart,
-                          "recovered": self._event_recovered, "nonfinite": self._event_nonfinite}
+                          "recovered": self._event_recovered, "nonfinite": self._event_nonfinite,
+                          "nonfinite_rollback": self._event_nonfinite_rollback}
         subscribe(self._event)
 
     @property
@@ -122,7 +132,7 @@ class TelemetryHook:
         if self.server.running:
             return
         self.server.start()
-        self._started_at = time.monotonic()
+        self.time.start()
         self._locate_controller()
         self._publish()
         logger.info("run %s: metrics at %s (Prometheus targets in %s)", self.run, self.url, self.file_sd.path)
@@ -132,12 +142,14 @@ class TelemetryHook:
         checkpoint resumed from (``(step, commit time)``)."""
         self.pool = pool
         self.start()
+        self.time.steps_resume()
         self._sync_workers(pool)
         if last_committed is not None:
             self.metrics.set_last_committed(*last_committed)
 
     def stop(self) -> None:
-        """Stop every exporter and delete the targets file; idempotent."""
+        """Write the run's time ledger, stop every exporter and delete the targets file; idempotent."""
+        self.time.close()
         for exporter in self.node_exporters.values():
             exporter.stop()
         self.node_exporters = {}
@@ -162,16 +174,13 @@ class TelemetryHook:
             step, duration, phases, tokens=int(row.get("tokens", 0)), reward_mean=row.get("reward/mean"),
             losses={kind: float(row[key]) for kind, key in LOSS_KEYS.items() if key in row}, kl=kl,
             lr={role: float(row[f"{role}/lr"]) for role in ("actor", "critic") if f"{role}/lr" in row} or None)
-        self._useful.record(step, duration)
-        self._update_goodput()
+        replay = self.time.step_done(step, duration)
+        if replay is not None:  # the step a recovery failed at is done again
+            self.recovery_metrics.observe_phases({"replay": replay})
         try:
             self._poll_device_reports()
         except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a training step
             logger.warning("telemetry: device reports not refreshed: %s", exc)
-
-    def _update_goodput(self) -> None:
-        if self._started_at is not None:
-            self.metrics.set_goodput(self._useful.total, time.monotonic() - self._started_at)
 
     # ------------------------------------------------------------------ the run's events
     def _event(self, event: AnyEvent) -> None:
@@ -189,6 +198,7 @@ class TelemetryHook:
         whose process is gone."""
         cause, group, rank = e["cause"], e.get("group"), e.get("rank")
         self.metrics.record_failure(cause)
+        self.time.failed(cause)
         down: set[Worker] = set()
         if group is not None and rank is not None and cause in _NAMING_CAUSES and self.pool is not None:
             down |= {(r, int(rank)) for r in self.pool.roles_of(group)}
@@ -205,13 +215,18 @@ class TelemetryHook:
     def _event_recovered(self, e: dict) -> None:
         """Count a recovery, forget the steps it rolled back and mark the workers up again."""
         self.metrics.record_recovery(float(e["duration_s"]), int(e["steps_replayed"]))
-        self._useful.rollback(int(e["restored_step"]))
-        self._update_goodput()
+        self.time.recovered(int(e["failed_step"]), int(e["restored_step"]))
         if self.pool is not None:
             try:
                 self._sync_workers(self.pool)
             except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a recovered run
                 logger.warning("telemetry: cannot refresh the worker series after recovery: %s", exc)
+        # Last: a malformed phase (an event of another version) must not keep the workers marked down.
+        self.recovery_metrics.observe_phases(e.get("phases") or {})
+
+    def _event_nonfinite_rollback(self, e: dict) -> None:
+        """The run rolled back past a NaN/Inf: the steps after the restored one are lost."""
+        self.time.rolled_back(int(e["restored_step"]), "nonfinite")
 
     def _event_nonfinite(self, e: dict) -> None:
         """Count a NaN/Inf met by a step or refused in a checkpoint (:mod:`resilient_rl.recovery.nonfinite`)."""
@@ -295,11 +310,22 @@ class TelemetryHook:
         labels = {node_id: self._node_label(node_id) for node_id in {p.node_id for p in processes}}
         self.torch_memory.set_processes(processes, labels)
 
+    def _port_for(self, ip: str) -> int:
+        """``telemetry.worker_port_base`` on every host (one scrape port per pod or machine, as a
+        Kubernetes scrape annotation needs), the next free one where several nodes share a host
+        (test clusters); 0 stays 0 (any free port)."""
+        base = self.cfg.worker_port_base
+        if not base:
+            return 0
+        taken = {e.target for e in self.node_exporters.values()}
+        port = base
+        while f"{ip}:{port}" in taken:
+            port += 1
+        return port
+
     def _start_node_exporter(self, node_id: str, table: dict[str, tuple[str, str]]) -> RemoteNodeExporter:
         node, ip = table.get(node_id, (node_id[:12], None))
-        port = self._next_port
-        if self._next_port:  # several nodes may share a host (test clusters): one port each
-            self._next_port += 1
+        port = self._port_for(ip or "")
         exporter = RemoteNodeExporter(node_id, node, self.cfg.bind_address, port, ip or "",
                                       self.cfg.gpu_sample_interval_s, self.timeout_s)
         logger.info("run %s: device metrics of node %s at http://%s/metrics", self.run, node, exporter.target)

@@ -106,17 +106,28 @@ class _LastValues(Collector):
     def __init__(self, docs: Mapping[str, str]) -> None:
         self._docs = dict(docs)
         self._values: dict[str, float] = {}
+        self._sources: dict[str, Callable[[], float | None]] = {}
 
     def set(self, name: str, value: float) -> None:
         if name not in self._docs:
             raise KeyError(name)
         self._values[name] = float(value)
 
+    def set_source(self, name: str, source: Callable[[], float | None]) -> None:
+        """Read ``name`` from ``source`` on every scrape from now on (None: absent)."""
+        if name not in self._docs:
+            raise KeyError(name)
+        self._sources[name] = source
+
     def describe(self) -> Iterable[Metric]:
         return [GaugeMetricFamily(name, doc) for name, doc in self._docs.items()]
 
     def collect(self) -> Iterable[Metric]:
         values = dict(self._values)
+        for name, source in list(self._sources.items()):
+            value = source()
+            if value is not None:
+                values[name] = float(value)
         for name, doc in self._docs.items():
             if name in values:
                 yield GaugeMetricFamily(name, doc, value=values[name])
@@ -273,6 +284,11 @@ class TrainerMetrics:
         wall = _non_negative("set_goodput: wall_s", wall_s)
         if wall > 0:
             self._signals.set("rrl_goodput_ratio", min(1.0, useful / wall))
+
+    def set_goodput_source(self, source: Callable[[], float | None]) -> None:
+        """Read the goodput ratio from ``source`` on every scrape, so that it falls while a step hangs
+        (:meth:`set_goodput` sets it only when told)."""
+        self._signals.set_source("rrl_goodput_ratio", source)
 
     # -- workers and failures ------------------------------------------------------------
     def set_workers_up(self, role: str, rank: int, node: str, up: bool) -> None:

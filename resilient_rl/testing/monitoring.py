@@ -21,6 +21,7 @@ import yaml
 from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, GpuSampler, ProcessDevices, ProcessSampler,
                                     TorchMemoryMetrics, TrainerMetrics)
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
+from resilient_rl.telemetry.recovery_metrics import RECOVERY_PHASES, RecoveryMetrics
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 DASHBOARDS = sorted((MONITORING / "grafana" / "dashboards").glob("*.json"))
@@ -98,6 +99,9 @@ def populated_registry() -> tuple[TrainerMetrics, DeviceMetrics]:
     trainer.record_corrupt_checkpoint()
     trainer.record_nonfinite("loss", "skipped")
     trainer.record_checkpoint_skipped("storage")
+    recovery = RecoveryMetrics(trainer.registry, ettr=lambda: 0.9, lost={"controller": 30.0})
+    recovery.observe_phases({phase: 0.5 for phase in RECOVERY_PHASES})
+    recovery.record_lost("died", 2.0)
     devices = DeviceMetrics(
         registry=trainer.registry, node="n0",
         gpu_sampler=GpuSampler(nvml=FakeNVML([FakeGpu(uuid="GPU-0000")]), all_devices=True),

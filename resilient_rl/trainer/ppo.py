@@ -20,6 +20,8 @@ from resilient_rl.events.kinds import CheckpointStarted
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
+from resilient_rl.checkpoint.shared_root import require_shared_root
+from resilient_rl.runtime import cluster
 from resilient_rl.runtime.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
 from resilient_rl.run.record import controller_session
@@ -136,6 +138,8 @@ class PPOTrainer:
             self.claim()  # before any worker starts: a second controller is refused at once
             if self.telemetry is not None:
                 self.telemetry.start()
+            if self.checkpoints_on:  # a node-local root cannot hold a multi-node run: before any worker
+                require_shared_root(self.cfg.checkpoint, cluster.alive_nodes())
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.rollback.roll_back_to(self.roles, checkpoint(self.cfg.checkpoint.resume))
