@@ -29,12 +29,12 @@ from resilient_rl.checkpoint.lease import Lease, RunLease
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointsSkippedError, ConfigError,
                                  LeaseLostError, RRLError, StorageError, WorkerDiedError)
-from resilient_rl.checkpoint.restore import CheckpointRestore
+from resilient_rl.checkpoint.restore import Restorer, rel_for
 
 logger = logging.getLogger(__name__)
 
 
-class CheckpointCoordinator(CheckpointRestore):
+class CheckpointCoordinator:
     """Saves, commits and restores the checkpoints of one run."""
 
     def __init__(self, cfg, on_event: Callable[..., None] | None = None, metrics=None):
@@ -58,9 +58,7 @@ class CheckpointCoordinator(CheckpointRestore):
         self.skipped_in_row = 0  # checkpoints skipped since the last commit
         self._leftovers = False  # a skipped save may have left files behind
         self.lease: RunLease | None = None
-        # Where this run's timeline starts when it was resumed from another run's checkpoint:
-        # recovery falls back to it until the run commits a step of its own.
-        self.base: tuple[CheckpointManager, int] | None = None
+        self.restorer = Restorer(self.manager, self.storage_options, self.on_event, self._on_corrupt)
 
     # ------------------------------------------------------------------ lease
     def acquire_lease(self, clock=None) -> Lease:
@@ -126,8 +124,22 @@ class CheckpointCoordinator(CheckpointRestore):
     def due(self, step: int) -> bool:
         return self.save_every > 0 and (step % self.save_every == 0 or step == self.cfg.trainer.total_steps)
 
-    def _groups(self, roles) -> list[tuple[str, Any]]:
-        return roles.checkpoint_groups()
+    def restore(self, roles, resume: str = "auto") -> dict | None:
+        """Load the checkpoint named by ``resume`` into every stateful role (see
+        :meth:`Restorer.restore`); returns its trainer state, or None when the run starts from
+        scratch."""
+        self.fence()  # a controller that lost the run must not even choose what to load
+        found = self.restorer.restore(roles, resume)
+        if found is None:
+            self.cleanup()
+            return None
+        state, step, duration, source = found
+        self.last_committed = step
+        self.cleanup()  # what the failure left half-written (the restored ranks' writers are closed)
+        self.on_event("checkpoint_restored", step=step, duration_s=duration, source=source)
+        if self.metrics is not None:
+            self.metrics.record_checkpoint_load(duration)
+        return state
 
     def _refuse(self, step: int, role: str, reason: str) -> None:
         """A save whose state is not finite: never committed (its folder is cleaned up later)."""
@@ -164,19 +176,19 @@ class CheckpointCoordinator(CheckpointRestore):
             self._leftovers = True
             self._skip(step, "storage", str(exc))
             return time.perf_counter() - t0
-        results = {role: g.save_checkpoint(self.root, self.storage_options, self._rel_for(self.manager, step, role),
+        results = {role: g.save_checkpoint(self.root, self.storage_options, rel_for(self.manager, step, role),
                                            self.async_save)
-                   for role, g in self._groups(roles)}
+                   for role, g in roles.checkpoint_groups()}
         stall = time.perf_counter() - t0
         self.pending = {"step": step, "t0": t0, "stall": stall, "digest": digest, "known_good": known_good,
-                        "world_sizes": {role: g.world_size for role, g in self._groups(roles)}}
+                        "world_sizes": {role: g.world_size for role, g in roles.checkpoint_groups()}}
         self.on_event("checkpoint_started", step=step, stall_s=stall)
         if not self.async_save:
             self._settle(results)
         return stall
 
     def _answers(self, roles, timeout_s: float) -> dict[str, list]:
-        return {role: g.checkpoint_done(timeout_s) for role, g in self._groups(roles)}
+        return {role: g.checkpoint_done(timeout_s) for role, g in roles.checkpoint_groups()}
 
     def poll(self, roles) -> bool:
         """Commit (or skip) the save in flight if every rank has written; True when nothing is

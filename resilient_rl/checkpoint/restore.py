@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from resilient_rl.checkpoint import CheckpointManager, Storage, step_dirname
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
@@ -32,10 +33,25 @@ def _split_step_url(url: str) -> tuple[str, str, int]:
     return parts[0], parts[1], int(parts[2][5:])
 
 
-class CheckpointRestore:
-    """The restore half of :class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator`
-    (which provides ``manager``, ``base``, ``storage_options``, ``last_committed``, ``metrics``,
-    ``on_event``, ``fence``, ``cleanup``, ``_on_corrupt`` and ``_groups``)."""
+class Restorer:
+    """Chooses the checkpoint a run continues from and loads it into every stateful role.
+
+    Args:
+        manager: the run's checkpoint manager.
+        storage_options: fsspec options of the checkpoint storage (also for ``path:`` checkpoints).
+        on_event: ``on_event(kind, **fields)`` records an event of the run.
+        on_corrupt: called with ``(step, reason)`` for a checkpoint that fails verification.
+    """
+
+    def __init__(self, manager: CheckpointManager, storage_options: dict | None, on_event: Callable[..., None],
+                 on_corrupt: Callable[[int, str], None]):
+        self.manager = manager
+        self.storage_options = storage_options
+        self.on_event = on_event
+        self._on_corrupt = on_corrupt
+        # Where this run's timeline starts when it was resumed from another run's checkpoint:
+        # recovery falls back to it until the run commits a step of its own.
+        self.base: tuple[CheckpointManager, int] | None = None
 
     def _source(self, resume: str) -> tuple[CheckpointManager, int] | None:
         if resume == "off":
@@ -104,14 +120,14 @@ class CheckpointRestore:
             self.on_event("checkpoints_set_aside", steps=moved, continued_from=step,
                           source=manager.step_dir(step) if manager is not None else None)
 
-    def restore(self, roles, resume: str = "auto") -> dict | None:
-        """Load the checkpoint named by ``resume`` into every stateful role; returns its trainer state
-        (None when there is none: the run starts from scratch). The run's committed steps that are
-        not on the resumed timeline are set aside (see :meth:`_begin_timeline`).
+    def restore(self, roles, resume: str = "auto") -> tuple[dict, int, float, str] | None:
+        """Load the checkpoint named by ``resume`` into every stateful role: (its trainer state, its
+        step, the seconds loading took, its folder), or None when there is none (the run starts
+        from scratch). The run's committed steps that are not on the resumed timeline are set
+        aside (see :meth:`_begin_timeline`).
 
         ``resume``: ``auto`` (newest valid), ``known_good`` (newest valid and known good: a
         rollback after a NaN), ``path:...`` (that step folder) or ``off``."""
-        self.fence()  # a controller that lost the run must not even choose what to load
         found = self._source(resume)
         if found is None:
             if resume.startswith("path:"):
@@ -119,7 +135,6 @@ class CheckpointRestore:
             if resume != "off":
                 self._refuse_to_discard()
             self._begin_timeline(None, None, resume)
-            self.cleanup()
             return None
         manager, step = found
         t0 = time.perf_counter()
@@ -128,21 +143,16 @@ class CheckpointRestore:
         if state.get("step") != step or isinstance(state.get("step"), bool):
             raise CheckpointCorruptError(f"{manager.step_dir(step)}/trainer_state.json: holds step "
                                          f"{str(state.get('step'))[:40]}, the manifest step {step}")
-        for role, g in self._groups(roles):
+        for role, g in roles.checkpoint_groups():
             if role not in manifest.world_sizes:
                 raise CheckpointError(f"checkpoint {manager.step_dir(step)} has no {role!r} state")
             files = [r.to_json() for r in manager.role_files(step, role)]
-            g.load_checkpoint(manager.storage.url_for(""), self.storage_options, self._rel_for(manager, step, role), files,
+            g.load_checkpoint(manager.storage.url_for(""), self.storage_options, rel_for(manager, step, role), files,
                               manifest.world_sizes[role])
         self._begin_timeline(manager, step, resume)
-        duration = time.perf_counter() - t0
-        self.last_committed = step
-        self.cleanup()  # what the failure left half-written (the restored ranks' writers are closed)
-        self.on_event("checkpoint_restored", step=step, duration_s=duration, source=manager.step_dir(step))
-        if self.metrics is not None:
-            self.metrics.record_checkpoint_load(duration)
-        return state
+        return state, step, time.perf_counter() - t0, manager.step_dir(step)
 
-    @staticmethod
-    def _rel_for(manager: CheckpointManager, step: int, role: str) -> str:
-        return Storage.join(manager.run_name, step_dirname(step), role)
+
+def rel_for(manager: CheckpointManager, step: int, role: str) -> str:
+    """The folder of ``role``'s shards of ``step``, relative to the storage root."""
+    return Storage.join(manager.run_name, step_dirname(step), role)
