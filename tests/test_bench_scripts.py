@@ -189,3 +189,27 @@ def test_snapshot_bench_blocks_switch_snapshots_and_compare_the_sides(monkeypatc
     # its second step's reading to the next block's first.
     assert set(blocks.cpu) == {1, 2, 4, 5, 7, 8, 10, 11, 13}
     assert sides[True]["cpu_s"] == (blocks.cpu[10] - blocks.cpu[8]) / 2
+
+
+def test_generation_bench_runs_tiny_and_reports_every_path():
+    """bench/generation.py end to end on a tiny model: the three paths ran and are compared."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "generation.py"), "--tiny", "--threads", "1"], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("qwen2 (tiny): 2 prompts x n=2")
+    assert [line.split()[0] for line in lines[1:]] == ["engine", "hf", "plain"]
+    assert all("engine is" in line and line.rstrip().endswith("x faster") for line in lines[2:])
+
+
+def test_generation_bench_batch_and_report(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import generation
+
+    ids, mask = generation.make_batch(vocab=50, prompts=3, prompt_len=8)
+    assert mask.sum(1).tolist() == [8, 6, 4] and bool((ids[mask == 0] == 0).all())
+    lines = generation.report({"engine": 1.0, "hf": 3.0, "plain": 2.0}, output_tokens=100)
+    assert "100 output tokens/s" in lines[0] and "3.00x faster" in lines[1] and "2.00x faster" in lines[2]
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--n", "0"])
