@@ -228,3 +228,21 @@ def test_engine_choice(tiny, llama):
         RolloutConfig(engine="vllm")
     with pytest.raises(ConfigFieldError, match="finish_check_every"):
         RolloutConfig(finish_check_every=0)
+
+
+def test_graphed_falls_back_to_the_eager_step_when_compiling_fails(monkeypatch, caplog):
+    """The CUDA-graph wrapper's logic, on CPU: a compiler failure leaves a working eager step."""
+    import resilient_rl.models.engine as engine
+
+    def broken_compile(fn, **kwargs):
+        assert kwargs == {"mode": "reduce-overhead", "dynamic": False}
+
+        def fail(*args):
+            raise RuntimeError("cannot capture")
+        return fail
+
+    monkeypatch.setattr(engine.torch, "compile", broken_compile)
+    calls = []
+    step = engine.graphed(lambda x: calls.append(x) or x + 1)
+    assert step(1) == 2 and step(2) == 3 and calls == [1, 2]
+    assert "decoding eagerly" in caplog.text

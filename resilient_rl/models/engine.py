@@ -28,7 +28,8 @@ to floating-point ties.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -46,8 +47,10 @@ from resilient_rl.models.kv_cache import StaticKVCache, select_cache_rows
 from resilient_rl.models.sampling import sample_tokens
 from resilient_rl.models.tiny import TinyCausalLM
 
-__all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "generate_static", "resolve_engine",
+__all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "generate_static", "graphed", "resolve_engine",
            "shared_prompt_groups", "static_unsupported_reason"]
+
+log = logging.getLogger(__name__)
 
 #: Values of ``rollout.engine``.
 ENGINES = ("auto", "static", "plain")
@@ -167,6 +170,28 @@ class _HFBackend:
         select_cache_rows(self.cache, index)
 
 
+def graphed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled with ``torch.compile(mode="reduce-overhead")`` (captured in a CUDA graph per
+    input shape), falling back to ``fn`` itself, with a warning, if compiling fails: a model the
+    compiler cannot handle still generates. A failed call may be repeated eagerly because a decode
+    step only overwrites one cache column and returns logits."""
+    compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+    chosen = [compiled]
+
+    def call(*args):
+        try:
+            return chosen[0](*args)
+        except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
+            if chosen[0] is fn:
+                raise
+            log.warning("rollout engine: compiling the decode step failed (%s: %s); decoding eagerly",
+                        type(exc).__name__, exc)
+            chosen[0] = fn
+            return fn(*args)
+
+    return call
+
+
 @torch.no_grad()
 def generate_static(
     model: nn.Module,
@@ -222,7 +247,7 @@ def generate_static(
     decode = backend.decode
     on_cuda = device.type == "cuda"
     if on_cuda and cuda_graphs:
-        decode = torch.compile(backend.decode, mode="reduce-overhead", dynamic=False)
+        decode = graphed(backend.decode)
     bucket = CUDA_ROW_BUCKET if on_cuda else 1
 
     responses = torch.full((max_new_tokens, batch), pad_token_id, dtype=input_ids.dtype, device=device)
