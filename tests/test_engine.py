@@ -246,3 +246,15 @@ def test_graphed_falls_back_to_the_eager_step_when_compiling_fails(monkeypatch, 
     step = engine.graphed(lambda x: calls.append(x) or x + 1)
     assert step(1) == 2 and step(2) == 3 and calls == [1, 2]
     assert "decoding eagerly" in caplog.text
+
+
+def test_decode_step_is_compiled_once_per_process(monkeypatch):
+    import resilient_rl.models.engine as engine
+
+    compiled = []
+    monkeypatch.setattr(engine.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    monkeypatch.setattr(engine, "_GRAPHED", {})
+    first = engine.graphed_once(engine._TinyBackend.decode)
+    assert engine.graphed_once(engine._TinyBackend.decode) is first
+    engine.graphed_once(engine._HFBackend.decode)
+    assert compiled == [engine._TinyBackend.decode, engine._HFBackend.decode]

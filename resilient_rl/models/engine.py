@@ -129,8 +129,14 @@ class _TinyBackend:
         mask = mask | (idx[None, :] == query[:, None])[None]
         return self.model.forward_static(input_ids, position_ids, self.cache, mask[:, None], query)
 
-    def decode(self, tokens, position_ids, column, key_valid) -> torch.Tensor:
-        return self.model.forward_static(tokens[:, None], position_ids, self.cache, key_valid[:, None, None, :], column)
+    def decode_inputs(self) -> tuple:
+        return (self.model, self.cache)
+
+    @staticmethod
+    def decode(model, cache, tokens, position_ids, column, key_valid) -> torch.Tensor:
+        """One decode step; a plain function of its inputs (the model and the cache among them), so
+        one compiled version serves every call and its captured graphs are reused."""
+        return model.forward_static(tokens[:, None], position_ids, cache, key_valid[:, None, None, :], column)
 
     def select(self, index: torch.Tensor) -> None:
         self.cache.select_rows(index)
@@ -161,13 +167,29 @@ class _HFBackend:
                          cache_position=torch.arange(input_ids.shape[1], device=input_ids.device))
         return out.logits[:, -1]
 
-    def decode(self, tokens, position_ids, column, key_valid) -> torch.Tensor:
-        out = self.model(input_ids=tokens[:, None], attention_mask=key_valid.long(), position_ids=position_ids,
-                         use_cache=True, cache_position=column, **{self.cache_arg: self.cache})
+    def decode_inputs(self) -> tuple:
+        return (self.model, {self.cache_arg: self.cache})
+
+    @staticmethod
+    def decode(model, cache_kwargs, tokens, position_ids, column, key_valid) -> torch.Tensor:
+        """One decode step (see :meth:`_TinyBackend.decode`)."""
+        out = model(input_ids=tokens[:, None], attention_mask=key_valid.long(), position_ids=position_ids,
+                    use_cache=True, cache_position=column, **cache_kwargs)
         return out.logits[:, -1]
 
     def select(self, index: torch.Tensor) -> None:
         select_cache_rows(self.cache, index)
+
+
+_GRAPHED: dict[Callable, Callable] = {}
+
+
+def graphed_once(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """:func:`graphed` ``fn``, made once per process: compiled code and captured graphs outlive a
+    single generation call."""
+    if fn not in _GRAPHED:
+        _GRAPHED[fn] = graphed(fn)
+    return _GRAPHED[fn]
 
 
 def graphed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -244,10 +266,10 @@ def generate_static(
         backend.select(group)
         logits = logits.index_select(0, group)
 
-    decode = backend.decode
+    decode = type(backend).decode
     on_cuda = device.type == "cuda"
     if on_cuda and cuda_graphs:
-        decode = graphed(backend.decode)
+        decode = graphed_once(decode)
     bucket = CUDA_ROW_BUCKET if on_cuda else 1
 
     responses = torch.full((max_new_tokens, batch), pad_token_id, dtype=input_ids.dtype, device=device)
@@ -280,7 +302,7 @@ def generate_static(
         # Finished rows are fed their sampled token, not the pad id: their logits are ignored,
         # and a pad id need not be a valid embedding index.
         key_valid.index_fill_(1, column, True)
-        logits = decode(sampled, position, column, key_valid)
+        logits = decode(*backend.decode_inputs(), sampled, position, column, key_valid)
         position = position + 1
         column = column + 1
 
