@@ -19,10 +19,10 @@ columns out) and differs in how it gets there:
   ``torch.compile(mode="reduce-overhead")``, which captures it in a CUDA graph per batch size.
 
 Random stream: a seeded generator reproduces the same tokens bit for bit (what a replayed step
-after recovery relies on), but it is a different stream from the plain path's: draws are
-exponential races rather than ``multinomial``, and rows that finished are not sampled once they
-left the batch. Greedy decoding (``temperature == 0``) picks the same tokens as the plain path up
-to floating-point ties.
+after recovery relies on), but it is a different stream from the plain path's: a draw inverts
+the cumulative distribution with one uniform number per row instead of calling ``multinomial``,
+and rows that finished are not sampled once they left the batch. Greedy decoding
+(``temperature == 0``) picks the same tokens as the plain path up to floating-point ties.
 """
 
 from __future__ import annotations

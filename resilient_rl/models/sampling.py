@@ -1,9 +1,11 @@
 """Token sampling that stays on the device: no host synchronisation, no ``torch.multinomial``.
 
-A categorical draw is taken as ``argmax(p / q)`` with ``q ~ Exp(1)`` per vocabulary entry (the
-exponential race, equivalent to the Gumbel-max trick): the same distribution as ``multinomial``,
-computed with elementwise ops and one reduction, and with a fixed number of random numbers per row
-(the vocabulary size), so the stream a seeded generator yields depends only on the batch shapes.
+A categorical draw is taken by inverting the cumulative distribution: one uniform number per row,
+scaled to the row's total mass, located in the row's running sum with ``searchsorted``. That is the
+distribution ``multinomial`` samples, computed with a scan and a binary search, with exactly one
+random number per row (drawing one per vocabulary entry, as an exponential race or Gumbel-max
+does, costs more than the rest of a small model's decode step on CPU). A seeded generator
+therefore yields a stream that depends only on the rows sampled at each step.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ from __future__ import annotations
 import torch
 
 __all__ = ["sample_tokens", "top_p_filter"]
-
-#: Smallest exponential draw used: an exact 0 would divide a filtered (zero) probability into NaN.
-_MIN_DRAW = 1e-20
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -34,5 +33,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p)
-    draws = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=_MIN_DRAW)
-    return probs.div_(draws).argmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    draw = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+    # The first entry whose running sum exceeds the draw: a zero-probability token never is (its
+    # sum equals its predecessor's); the clamp covers a draw rounding up to the total.
+    return torch.searchsorted(cdf, draw, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
