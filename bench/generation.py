@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     seconds = run(args)
     rows = args.prompts * args.n
-    print(f"{args.arch}{' (tiny)' if args.tiny else ''}: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, "
+    print(f"{args.arch}{' (tiny)' if args.tiny else ''}: {args.prompts} prompts x n={args.n}, "
+          f"prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, median of {args.repeats}")
     print("\n".join(report(seconds, rows * args.new_tokens)))
     return 0

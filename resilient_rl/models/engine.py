@@ -92,7 +92,8 @@ def shared_prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return starts.long().cumsum(0) - 1, starts.nonzero().squeeze(1)
 
 
-def compaction_rows(finished: torch.Tensor, unfinished: int, min_fraction: float, multiple: int = 1) -> torch.Tensor | None:
+def compaction_rows(finished: torch.Tensor, unfinished: int, min_fraction: float,
+                    multiple: int = 1) -> torch.Tensor | None:
     """Rows to keep (ascending, every unfinished row first in line) or None when compaction does not
     pay: the batch shrinks to ``unfinished`` rounded up to ``multiple`` (padded with finished rows,
     which keep decoding harmlessly), and only if that drops at least ``min_fraction`` of it."""
