@@ -27,6 +27,12 @@ attention mask; attention-score FLOPs and padding are left out, so this is a low
     update_actor   6·N·T · actor.ppo_epochs   forward + backward, every sequence once per epoch
     update_critic  6·N·T · critic.ppo_epochs
 
+``--workload gsm8k-1.5b`` / ``gsm8k-0.5b`` (bench/gpu_workloads.py) replaces the config with a GRPO
+run on Qwen2.5-1.5B / 0.5B shapes (random weights) over 64 GSM8K-like prompts of 256 tokens x 8
+samples, up to 512 new tokens, and adds: update and log-prob MFU by torchtitan's formula, verl's
+``perf/throughput``, and the same batch through the rollout engine and HF ``generate`` (dynamic and
+static cache) as ratios, with the engine's share of the decode roofline (bench/gpu_generation.py).
+
 On a machine without a CUDA device it prints one line saying so and exits 0.
 
     python bench/gpu.py                                # GRPO add, colocated, 1 GPU, 3 + 10 steps
@@ -34,6 +40,7 @@ On a machine without a CUDA device it prints one line saying so and exits 0.
         model.intermediate_size=8192 data.batch_size=64 rollout.n=4
     python bench/gpu.py --config resilient_rl/configs/ppo_copy.yaml actor.world_size=2
     python bench/gpu.py --peak-tflops 756 checkpoint.save_every=3    # H100 PCIe; checkpoint stalls
+    python bench/gpu.py --workload gsm8k-1.5b --warmup 1 --steps 3
 """
 
 from __future__ import annotations
@@ -47,7 +54,10 @@ import threading
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
+
+from gpu_workloads import WORKLOADS, torchtitan_params, workload_config, workload_lines, write_prompts
 
 NO_GPU = ("bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure "
           "(bench/train.py runs on CPU)")
@@ -219,6 +229,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense bf16 TFLOP/s per GPU for MFU (default: from the device name)")
     p.add_argument("--copy-repeats", type=int, default=20, help="plain copies timed (default: 20)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                   help="a real-shaped GRPO workload instead of --config (bench/gpu_workloads.py)")
+    p.add_argument("--skip-generation", action="store_true",
+                   help="with --workload: skip the engine vs HF generate comparison")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.batch_size=64")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.copy_repeats < 1 or args.sample_interval <= 0:
@@ -237,13 +251,23 @@ def build_config(args: argparse.Namespace, output_dir: str):
     return load_config(args.config, defaults + list(args.overrides))
 
 
-def count_params(cfg, vocab_size: int) -> int:
-    """Matmul parameters of the actor, built on the meta device (no memory, no weights read)."""
+def count_params(cfg, vocab_size: int) -> tuple[int, int]:
+    """Matmul parameters of the actor and torchtitan's FLOP parameter count (see
+    bench/gpu_workloads.py), built on the meta device (no memory, no weights read)."""
     from resilient_rl.models.factory import build_causal_lm, model_vocab_size
 
     with torch.device("meta"):
         model = build_causal_lm(cfg.model, model_vocab_size(cfg.model, vocab_size), cfg.trainer.seed)
-    return matmul_params(model)
+    return matmul_params(model), torchtitan_params(model)
+
+
+def prepare_workload(name: str, tmp: str) -> str:
+    """Write workload ``name``'s prompt file and config into ``tmp``; returns the config's path."""
+    w = WORKLOADS[name]
+    prompts = write_prompts(Path(tmp) / f"{name}.jsonl", 4 * w.prompts, w.prompt_len)
+    path = Path(tmp) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(workload_config(w, prompts)))
+    return str(path)
 
 
 def run(args: argparse.Namespace, tmp: str) -> dict:
@@ -279,8 +303,9 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
         if trainer is not None:
             trainer.shutdown()
         disconnect(owned)
+    n_params, titan_params = count_params(cfg, vocab)
     return {"cfg": cfg, "rows": rows, "readings": sampling.readings, "stalls": stalls,
-            "n_params": count_params(cfg, vocab)}
+            "n_params": n_params, "titan_params": titan_params}
 
 
 def main(argv=None) -> int:
@@ -292,6 +317,8 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
+        if args.workload:
+            args.config = prepare_workload(args.workload, tmp)
         r = run(args, tmp)
     cfg, rows = r["cfg"], r["rows"]
     nbytes = next((row["perf/weight_sync_bytes"] for row in rows if "perf/weight_sync_bytes" in row), None)
@@ -309,6 +336,16 @@ def main(argv=None) -> int:
                           device_name=name, peak=peak, n_gpus=gpus_used(cfg),
                           util=utilization_summary(r["readings"]), copy_s=copy_s, stalls=r["stalls"])
     print("\n".join(lines))
+    if args.workload:
+        from train import summarize
+
+        w = WORKLOADS[args.workload]
+        print("\n".join(workload_lines(w, summarize(rows), rows, r["titan_params"], peak, gpus_used(cfg),
+                                       cfg.actor.ppo_epochs)))
+        if not args.skip_generation:
+            from gpu_generation import compare_generation, generation_lines
+
+            print("\n".join(generation_lines(w, compare_generation(w), name)))
     return 0
 
 

@@ -189,3 +189,113 @@ def test_snapshot_bench_blocks_switch_snapshots_and_compare_the_sides(monkeypatc
     # its second step's reading to the next block's first.
     assert set(blocks.cpu) == {1, 2, 4, 5, 7, 8, 10, 11, 13}
     assert sides[True]["cpu_s"] == (blocks.cpu[10] - blocks.cpu[8]) / 2
+
+
+def test_generation_bench_runs_tiny_and_reports_every_path(monkeypatch, capsys):
+    """bench/generation.py end to end on a tiny model: the three paths ran and are compared."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import generation
+
+    assert generation.main(["--tiny"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("qwen2 (tiny): 2 prompts x n=2")
+    assert [line.split()[0] for line in lines[1:]] == ["engine", "hf", "plain"]
+    assert all("engine is" in line and line.rstrip().endswith("x faster") for line in lines[2:])
+
+
+def test_generation_bench_batch_and_report(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import generation
+
+    ids, mask = generation.make_batch(vocab=50, prompts=3, prompt_len=8)
+    assert mask.sum(1).tolist() == [8, 6, 4] and bool((ids[mask == 0] == 0).all())
+    lines = generation.report({"engine": 1.0, "hf": 3.0, "plain": 2.0}, output_tokens=100)
+    assert "100 output tokens/s" in lines[0] and "3.00x faster" in lines[1] and "2.00x faster" in lines[2]
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--n", "0"])
+
+
+# ------------------------------------------------------------------ bench/gpu.py --workload (pure parts)
+@pytest.fixture
+def workloads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gpu_generation
+    import gpu_workloads
+
+    return gpu_workloads, gpu_generation
+
+
+def test_workload_device_specs_by_cuda_name(workloads):
+    wl, _ = workloads
+    assert wl.device_specs("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert wl.device_specs("NVIDIA H100 PCIe") == (756e12, 2.0e12)
+    assert wl.device_specs("NVIDIA H100 NVL") == (835e12, 3.9e12)
+    assert wl.device_specs("NVIDIA H200") == (989e12, 4.8e12)
+    assert wl.device_specs("Tesla T4") is None
+
+
+def test_workload_flops_follow_torchtitan(workloads):
+    wl, _ = workloads
+    assert wl.flops_per_token(1000, 2, 4, 8, 16, training=True) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
+    assert wl.flops_per_token(1000, 2, 4, 8, 16, training=False) == (6 * 1000 + 12 * 2 * 4 * 8 * 16) / 3
+    assert wl.mfu(tokens=100, seconds=2.0, per_token_flops=1e9, peak=1e11) == pytest.approx(0.5)
+    tied = TinyCausalLM(TinyLMConfig(vocab_size=10, hidden_size=8, num_heads=2, intermediate_size=16,
+                                     max_seq_len=4, tie_embeddings=True))
+    embeddings = 10 * 8 + 4 * 8
+    assert wl.torchtitan_params(tied) == sum(p.numel() for p in tied.parameters()) - embeddings
+
+
+def test_decode_roofline_matches_the_published_anchors(workloads):
+    """Qwen2.5-1.5B bf16 on H100 SXM: ~1.1 k tokens/s at batch 1, ~43 k at batch 64 with 1 k context."""
+    wl, _ = workloads
+    w = wl.WORKLOADS["gsm8k-1.5b"]
+    assert w.kv_bytes_per_token() == 2 * 28 * 2 * 128 * 2
+    params = 1.544e9 * 2
+    bandwidth = wl.device_specs("NVIDIA H100 80GB HBM3")[1]
+    one = wl.decode_roofline_tokens_per_s(params, w.kv_bytes_per_token(), 1, 0, 1, bandwidth)
+    assert one == pytest.approx(1085, rel=0.01)
+    sixty_four = wl.decode_roofline_tokens_per_s(params, w.kv_bytes_per_token(), 64, 1024, 1, bandwidth)
+    assert sixty_four == pytest.approx(43.1e3, rel=0.01)
+    # A growing context lowers the bound: 256 + 512 tokens sits between the two extremes' contexts.
+    grow = wl.decode_roofline_tokens_per_s(params, w.kv_bytes_per_token(), 64, 256, 512, bandwidth)
+    assert wl.decode_roofline_tokens_per_s(params, w.kv_bytes_per_token(), 64, 767, 1, bandwidth) < grow < \
+        wl.decode_roofline_tokens_per_s(params, w.kv_bytes_per_token(), 64, 256, 1, bandwidth)
+    assert wl.verl_throughput(tokens=6000, step_seconds=2.0, gpus=2) == 1500
+
+
+def test_workload_config_loads_and_has_the_workload_shape(workloads, tmp_path, bench):
+    wl, _ = workloads
+    gpu, _ = bench
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.data.tasks import read_jsonl
+
+    path = gpu.prepare_workload("gsm8k-0.5b", str(tmp_path))
+    cfg = load_config(path, [f"trainer.output_dir={tmp_path}"])
+    assert cfg.model.kind == "hf" and cfg.model.hf_config["hidden_size"] == 896
+    assert (cfg.data.batch_size, cfg.rollout.n, cfg.rollout.max_new_tokens) == (64, 8, 512)
+    samples = read_jsonl(cfg.data.path)
+    assert len(samples) == 256 and {len(s.prompt) for s in samples} == {256}
+    args = gpu.parse_args(["--workload", "gsm8k-1.5b", "--skip-generation"])
+    assert args.workload == "gsm8k-1.5b" and args.skip_generation
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--workload", "gsm8k-70b"])
+
+
+def test_workload_and_generation_report_lines(workloads):
+    wl, gen = workloads
+    w = wl.WORKLOADS["gsm8k-0.5b"]
+    summary = {"tokens_per_step": 1000.0, "step_s": 4.0,
+               "phase_s": {"gen": 2.0, "update_actor": 1.0, "old_log_prob": 0.5, "ref": 0.0}}
+    rows = [{"response_length/mean": 10.0}, {"response_length/mean": 30.0}]
+    per_token = wl.flops_per_token(1_000_000, w.layers, w.heads, w.head_dim, 768, training=True)
+    lines = wl.workload_lines(w, summary, rows, 1_000_000, peak=1e12, gpus=1, ppo_epochs=2)
+    text = "\n".join(lines)
+    assert f"update MFU: {100 * 2000 * per_token / 1.0 / 1e12:.1f}%" in text
+    assert f"log-prob MFU: {100 * 1000 * per_token / 3 / 0.5 / 1e12:.1f}%" in text
+    assert "ref log-prob" not in text  # no ref phase ran
+    assert f"{20 * 64 * 8 / 2.0:.0f} output tokens/s" in text and "250 tokens/s/GPU" in text
+    seconds = {"engine": 2.0, "hf_dynamic": 8.0, "hf_static": 5.0, "param_bytes": 1e9}
+    glines = gen.generation_lines(w, seconds, "NVIDIA H200")
+    assert "4.00x faster" in glines[2] and "2.50x faster" in glines[3]
+    assert "decode roofline at 4.80 TB/s" in glines[4] and "% of it" in glines[4]
+    assert "n/a" in gen.generation_lines(w, seconds, "Tesla T4")[4]

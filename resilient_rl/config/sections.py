@@ -256,6 +256,12 @@ class RolloutConfig(Section):
     ``channel`` broadcasts them from actor rank 0 over a process group of their own (NCCL on GPU:
     the bytes stay on the devices), ``object_store`` sends them through host memory and Ray's
     object store, ``auto`` is ``channel`` on GPU and ``object_store`` on CPU.
+
+    ``engine``: ``static`` is the rollout engine of :mod:`resilient_rl.models.engine` (preallocated
+    KV cache, one prefill per prompt, finish checks every ``finish_check_every`` tokens, finished
+    rows dropped once ``compact_min_fraction`` of the batch has finished, the decode step in a CUDA
+    graph on GPU when ``cuda_graphs``); ``plain`` is the eager loop; ``auto`` is ``static`` for the
+    models it covers (the tiny model, Hugging Face models with static-cache support), else ``plain``.
     """
 
     temperature: float = 1.0
@@ -264,9 +270,17 @@ class RolloutConfig(Section):
     n: int = 1
     world_size: Optional[int] = None
     weight_transfer: str = "auto"
+    engine: str = "auto"
+    finish_check_every: int = 8
+    compact_min_fraction: float = 0.25
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))
+        choice("engine", self.engine, ("auto", "static", "plain"))
+        require(self.finish_check_every >= 1, "finish_check_every", self.finish_check_every, "must be >= 1")
+        require(0 <= self.compact_min_fraction <= 1, "compact_min_fraction", self.compact_min_fraction,
+                "must be in [0, 1]")
         require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         for name in ("max_new_tokens", "n"):

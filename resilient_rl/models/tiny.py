@@ -84,6 +84,19 @@ class TinyAttention(nn.Module):
         present = (k.contiguous(), v.contiguous()) if use_cache else None
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hidden)), present
 
+    def forward_static(self, x: torch.Tensor, mask: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                       cache_position: torch.Tensor) -> torch.Tensor:
+        """Attention over a preallocated cache: the new keys/values are written in place at the
+        columns ``cache_position`` of ``cache_k``/``cache_v`` ``[B, heads, L, head_dim]`` and the
+        queries attend over all ``L`` columns under ``mask`` ``[B, 1, T, L]`` (shapes never change,
+        which is what lets a decode step be captured in a CUDA graph)."""
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        cache_k.index_copy_(2, cache_position, k.to(cache_k.dtype))
+        cache_v.index_copy_(2, cache_position, v.to(cache_v.dtype))
+        out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+
 
 class TinyMLP(nn.Module):
     """Two-layer feed-forward block with a GELU."""
@@ -112,6 +125,12 @@ class TinyBlock(nn.Module):
         attn_out, present = self.attn(self.attn_norm(x), mask, past, use_cache)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), present
+
+    def forward_static(self, x: torch.Tensor, mask: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                       cache_position: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` over a preallocated cache (see :meth:`TinyAttention.forward_static`)."""
+        x = x + self.attn.forward_static(self.attn_norm(x), mask, cache_k, cache_v, cache_position)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class TinyCausalLM(nn.Module):
@@ -214,6 +233,22 @@ class TinyCausalLM(nn.Module):
                                                past_key_values, use_cache)
         return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=presents,
                               hidden_states=(hidden,) if output_hidden_states else None)
+
+
+    def forward_static(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, mask: torch.Tensor,
+                       cache_position: torch.Tensor) -> torch.Tensor:
+        """Logits of the last input position ``[B, V]`` through a
+        :class:`~resilient_rl.models.kv_cache.StaticKVCache` (the rollout engine's path).
+
+        No argument checks and no host synchronisation: the engine validates lengths once before
+        generating, and this runs once per generated token. ``mask`` is boolean ``[B, 1, T, L]``.
+        """
+        if self.lm_head is None:
+            raise ModelInputError("this TinyCausalLM has no lm_head (it backs a value model)")
+        x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_static(x, mask, cache.keys[i], cache.values[i], cache_position)
+        return self.lm_head(self.norm(x[:, -1]))
 
 
 def _attention_mask_4d(attention_mask: torch.Tensor, past_len: int, seq: int) -> torch.Tensor:

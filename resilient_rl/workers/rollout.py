@@ -1,5 +1,9 @@
 """The rollout engine: batched sampling with a KV cache from an unsharded copy of the policy.
 
+``rollout.engine`` picks the generation routine once, when the model is built: the static engine
+(:func:`~resilient_rl.models.engine.generate_static`) for the models it covers, else the plain
+eager loop (:func:`~resilient_rl.models.generation.generate`).
+
 It receives the actor's weights after every update (``load_weights``) together with a version
 number; a generate request that names another version is refused, so stale weights can never
 produce a batch silently. Sampling draws from a generator seeded by (run seed, step, rank), which
@@ -9,10 +13,12 @@ makes a replayed step after recovery sample exactly the same tokens.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
 from resilient_rl.errors import WorkerError
+from resilient_rl.models.engine import generate_static, resolve_engine
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.models.generation import generate
 from resilient_rl.protocol import DataProto
@@ -31,9 +37,10 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
 class RolloutEngine:
     """Generates responses for left-padded prompts."""
 
-    def __init__(self, model_cfg, rollout_cfg, vocab_size: int, seed: int, plan: DevicePlan, eos_token_id: int,
-                 pad_token_id: int, empty: bool = False):
-        """``empty``: the weights are allocated, not initialised, and the version is
+    def __init__(self, model_cfg, rollout_cfg, vocab_size: int, seed: int, plan: DevicePlan,
+                 eos_token_id: int | Sequence[int] | None, pad_token_id: int, empty: bool = False):
+        """``eos_token_id``: one id or several (a response ends at the first of them).
+        ``empty``: the weights are allocated, not initialised, and the version is
         :data:`NO_WEIGHTS` until the actor's first sync (generation refuses to run before it)."""
         self.plan = plan
         self.cfg = rollout_cfg
@@ -44,6 +51,8 @@ class RolloutEngine:
         self.model.train(False)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        #: "static" or "plain": what ``rollout.engine`` resolved to for this model.
+        self.engine = resolve_engine(getattr(rollout_cfg, "engine", "auto"), self.model)
         self.version = NO_WEIGHTS if empty else 0
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
@@ -73,12 +82,18 @@ class RolloutEngine:
                               role="rollout", rank=rank, cause="stale_weights")
         gen = torch.Generator(device=self.plan.device)
         gen.manual_seed(sampling_seed(int(meta.get("seed", 0)), int(meta.get("step", 0)), rank))
-        out = generate(self.model, prompts.batch["input_ids"].to(self.plan.device),
-                       prompts.batch["attention_mask"].to(self.plan.device),
-                       max_new_tokens=int(meta.get("max_new_tokens", self.cfg.max_new_tokens)),
-                       temperature=float(meta.get("temperature", self.cfg.temperature)),
-                       top_p=float(meta.get("top_p", self.cfg.top_p)), eos_token_id=self.eos_token_id,
-                       pad_token_id=self.pad_token_id, generator=gen, use_cache=True)
+        args = dict(max_new_tokens=int(meta.get("max_new_tokens", self.cfg.max_new_tokens)),
+                    temperature=float(meta.get("temperature", self.cfg.temperature)),
+                    top_p=float(meta.get("top_p", self.cfg.top_p)), eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id, generator=gen)
+        ids = prompts.batch["input_ids"].to(self.plan.device)
+        mask = prompts.batch["attention_mask"].to(self.plan.device)
+        if self.engine == "static":
+            out = generate_static(self.model, ids, mask, check_every=self.cfg.finish_check_every,
+                                  compact_min_fraction=self.cfg.compact_min_fraction,
+                                  cuda_graphs=self.cfg.cuda_graphs, **args)
+        else:
+            out = generate(self.model, ids, mask, use_cache=True, **args)
         return DataProto.from_dict({
             "prompts": prompts.batch["input_ids"].cpu(),
             "responses": out.responses.cpu(),
