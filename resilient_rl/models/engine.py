@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from resilient_rl.controller import progress
+from resilient_rl.runtime import progress
 from resilient_rl.errors import ConfigError, ModelInputError
 from resilient_rl.models.generation import (
     TOKEN_BLOCK,
