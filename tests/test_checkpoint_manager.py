@@ -16,6 +16,7 @@ from resilient_rl.errors import (
 )
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, load_step, save_step
+from resilient_rl.checkpoint.inspect import list_checkpoints
 
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
@@ -39,7 +40,7 @@ def test_commit_writes_manifest_then_latest(kind, tmp_path, moto):
     loaded = load_step(manager, 5, rank=1)
     assert torch.equal(loaded["w"], torch.arange(6.0) * 5) and loaded["rng"]["seed"] == 5001
     assert torch.equal(loaded["rng"]["state"], torch.ones(64, dtype=torch.uint8))
-    [info] = manager.list_checkpoints()
+    [info] = list_checkpoints(manager)
     assert (info.step, info.committed, info.status) == (5, True, "ok")
     assert info.size_bytes == sum(f["size"] for f in manifest["files"]) + len(json.dumps(manifest, indent=1))
     assert 0 <= info.age_s < 600
@@ -67,7 +68,7 @@ def test_uncommitted_step_is_never_returned_and_is_cleaned_up(tmp_path):
     assert manager.verify(2) == "uncommitted"
     with pytest.raises(CheckpointNotFoundError, match="step 2 is not committed"):
         manager.load_manifest(2)
-    assert [(i.step, i.committed, i.status) for i in manager.list_checkpoints()] == [
+    assert [(i.step, i.committed, i.status) for i in list_checkpoints(manager)] == [
         (1, True, "ok"), (2, False, "uncommitted"), (3, False, "uncommitted")]
     assert manager.cleanup_uncommitted(exclude_step=3) == [2]
     assert not (tmp_path / "run" / "step_00000002").exists()

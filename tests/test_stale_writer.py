@@ -8,6 +8,7 @@ import pytest
 from resilient_rl.checkpoint import AsyncShardWriter, CheckpointManager, Storage, stage
 from resilient_rl.errors import CheckpointCorruptError, StaleWriteError
 from resilient_rl.testing.checkpoint_store import FAST, save_step, step_state
+from resilient_rl.checkpoint.verify import Verifier
 
 
 def _manager(tmp_path):
@@ -52,13 +53,13 @@ def test_a_checkpoint_is_deep_hashed_once(tmp_path, monkeypatch):
     writer = _manager(tmp_path)
     save_step(writer, 2)
     hashed = []
-    real = CheckpointManager._sha256
+    real = Verifier.sha256
 
     def counting(self, path, size):
         hashed.append(path)
         return real(self, path, size)
 
-    monkeypatch.setattr(CheckpointManager, "_sha256", counting)
+    monkeypatch.setattr(Verifier, "sha256", counting)
     reader = _manager(tmp_path)
     assert reader.verify(2) == "ok"
     first = len(hashed)

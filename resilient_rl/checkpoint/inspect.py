@@ -13,22 +13,55 @@ state (sizes only, or every file's sha256 with ``deep``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
-
 
 from resilient_rl.checkpoint.lease import Lease, read_lease
 from resilient_rl.checkpoint.manager import ABANDONED_DIR, CheckpointManager
 from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from resilient_rl.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ConfigError
 
-__all__ = ["DEFAULT_ROOT", "CheckpointLocation", "CheckpointRow", "RunReport", "describe_status", "inspect_run",
-           "locate", "require_committed", "verify_problem"]
+__all__ = ["DEFAULT_ROOT", "CheckpointInfo", "CheckpointLocation", "CheckpointRow", "RunReport", "describe_status",
+           "inspect_run", "list_checkpoints", "locate", "require_committed", "verify_problem"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "checkpoints"   # CheckpointConfig.root's default
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One step folder: committed or not, total size, age (committed only) and shallow status."""
+
+    step: int
+    committed: bool
+    size_bytes: int
+    age_s: float | None
+    status: str
+
+
+def list_checkpoints(manager: CheckpointManager) -> list[CheckpointInfo]:
+    """Every step folder of ``manager``'s run, oldest first, with a shallow (sizes only) status."""
+    now = time.time()
+    infos = []
+    for step, files in sorted(manager.step_folders().items()):
+        size = sum(files.values())
+        if MANIFEST_NAME not in files:
+            infos.append(CheckpointInfo(step, False, size, None, "uncommitted"))
+            continue
+        try:
+            manifest = manager.load_manifest(step)
+        except CheckpointCorruptError as exc:
+            infos.append(CheckpointInfo(step, True, size, None, f"corrupt: {MANIFEST_NAME}: {exc}"))
+            continue
+        except CheckpointFormatError as exc:  # listed, not loaded: a newer version wrote it
+            infos.append(CheckpointInfo(step, True, size, None, f"newer format: {exc}"))
+            continue
+        status = manager.verifier.check(manager.step_rel(step), manifest, files, deep=False)
+        infos.append(CheckpointInfo(step, True, size, max(0.0, now - manifest.created_at), status))
+    return infos
 
 
 # --------------------------------------------------------------------------------- locations
@@ -197,7 +230,7 @@ def inspect_run(loc: CheckpointLocation, deep: bool, storage_options: dict[str, 
                                       f"({manager.run_url} does not exist)")
     pointer = _pointer(manager)
     rows = []
-    for info in manager.list_checkpoints():
+    for info in list_checkpoints(manager):
         if loc.step is not None and info.step != loc.step:
             continue
         status = info.status

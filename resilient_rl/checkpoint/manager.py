@@ -29,35 +29,22 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from resilient_rl.checkpoint.hashing import Sha256Pipe
 from resilient_rl.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, parse_step_dirname,
     shard_basename, step_dirname,
 )
+from resilient_rl.checkpoint.verify import Verifier
 from resilient_rl.checkpoint.storage import TEMP_NAME_RE, RetryPolicy, Storage
 from resilient_rl.errors import (
-    CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointNotFoundError, ConfigError,
+    CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
 )
 
 log = logging.getLogger(__name__)
 
-_HASH_CHUNK = 16 * 1024 * 1024
 ABANDONED_DIR = "abandoned"
 SET_ASIDE_NAME = "SET_ASIDE.json"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One step folder: committed or not, total size, age (committed only) and shallow status."""
-
-    step: int
-    committed: bool
-    size_bytes: int
-    age_s: float | None
-    status: str
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -85,9 +72,7 @@ class CheckpointManager:
         #: The writer's :class:`~resilient_rl.checkpoint.lease.RunLease`, checked before every
         #: commit and deletion; None for readers and tools that do not write a live run.
         self.lease = None
-        # (step folder, sha256 of its manifest) of the checkpoints whose every file was hashed
-        # and matched: a recovery does not deep-hash the same checkpoint again.
-        self._verified: set[tuple[str, str]] = set()
+        self.verifier = Verifier(self.storage)  # deep verifications are remembered by manifest hash
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.run_url!r})"
@@ -97,16 +82,17 @@ class CheckpointManager:
     def run_url(self) -> str:
         return self.storage.url_for(self.run_name)
 
-    def _step_rel(self, step: int) -> str:
+    def step_rel(self, step: int) -> str:
+        """The folder of ``step``, relative to the storage root."""
         return Storage.join(self.run_name, step_dirname(step))
 
     def step_dir(self, step: int) -> str:
         """URL of the step folder (open it with this manager's storage options)."""
-        return self.storage.url_for(self._step_rel(step))
+        return self.storage.url_for(self.step_rel(step))
 
     def role_dir(self, step: int, role: str) -> str:
         """URL of a role's folder in a step: where its workers write their shards."""
-        return self.storage.url_for(Storage.join(self._step_rel(step), _check_name("role", role)))
+        return self.storage.url_for(Storage.join(self.step_rel(step), _check_name("role", role)))
 
     def _fence(self) -> None:
         """Raise LeaseLostError when another writer took the run over (no-op without a lease)."""
@@ -120,14 +106,14 @@ class CheckpointManager:
             data = json.dumps(state, indent=1, sort_keys=True).encode()
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"trainer state of step {step} is not JSON-serialisable: {exc}") from exc
-        return self.storage.write_bytes_atomic(Storage.join(self._step_rel(step), TRAINER_STATE_NAME), data)
+        return self.storage.write_bytes_atomic(Storage.join(self.step_rel(step), TRAINER_STATE_NAME), data)
 
     def begin_step(self, step: int) -> None:
         """Clear leftovers of an earlier attempt at ``step`` so its save starts from an empty
         folder. A committed ``step`` (from a timeline abandoned by a restore to an earlier step)
         is un-committed first, and ``latest`` moved off it."""
         self._fence()
-        rel = self._step_rel(step)
+        rel = self.step_rel(step)
         if self.is_committed(step):
             log.warning("re-saving step %d: un-committing its earlier checkpoint %s", step, self.step_dir(step))
             self.storage.rm(Storage.join(rel, MANIFEST_NAME))
@@ -150,7 +136,7 @@ class CheckpointManager:
         if set(files) != set(world_sizes):
             raise CheckpointError(f"commit of step {step}: roles with files {sorted(files)} differ "
                                   f"from roles with world sizes {sorted(world_sizes)}")
-        rel = self._step_rel(step)
+        rel = self.step_rel(step)
         present = self.storage.find(rel)
         records: list[FileRecord] = []
         for role, role_files in sorted(files.items()):
@@ -168,7 +154,7 @@ class CheckpointManager:
                         f"cannot commit step {step}: {self.step_dir(step)}/{full.path} is "
                         f"{'missing' if full.path not in present else f'{present[full.path]} bytes'}, "
                         f"the writer reported {rec.size} bytes")
-                if verify_content and self._sha256(Storage.join(rel, full.path), rec.size) != rec.sha256:
+                if verify_content and self.verifier.sha256(Storage.join(rel, full.path), rec.size) != rec.sha256:
                     raise CheckpointCorruptError(  # e.g. replaced by a writer of an abandoned save
                         f"cannot commit step {step}: {self.step_dir(step)}/{full.path} does not hold what its "
                         "writer reported (sha256 differs)")
@@ -191,12 +177,12 @@ class CheckpointManager:
         self.storage.write_bytes_atomic(Storage.join(self.run_name, LATEST_NAME), step_dirname(step).encode())
 
     def _delete_step(self, step: int) -> None:
-        rel = self._step_rel(step)
+        rel = self.step_rel(step)
         self.storage.rm(Storage.join(rel, MANIFEST_NAME))  # un-commit first
         self.storage.rm(rel, recursive=True)
 
     # ----------------------------------------------------------------- discovery
-    def _steps(self) -> dict[int, dict[str, int]]:
+    def step_folders(self) -> dict[int, dict[str, int]]:
         """{step: {path in the step folder: size}} for every step folder of the run."""
         out: dict[int, dict[str, int]] = defaultdict(dict)
         for path, size in self.storage.find(self.run_name).items():
@@ -211,10 +197,10 @@ class CheckpointManager:
         return dict(out)
 
     def committed_steps(self) -> list[int]:
-        return sorted(s for s, files in self._steps().items() if MANIFEST_NAME in files)
+        return sorted(s for s, files in self.step_folders().items() if MANIFEST_NAME in files)
 
     def is_committed(self, step: int) -> bool:
-        return self.storage.exists(Storage.join(self._step_rel(step), MANIFEST_NAME))
+        return self.storage.exists(Storage.join(self.step_rel(step), MANIFEST_NAME))
 
     def _pointer(self) -> int | None:
         data = self.storage.try_read_bytes(Storage.join(self.run_name, LATEST_NAME))
@@ -280,7 +266,7 @@ class CheckpointManager:
                 "fencing_token": self.lease.token if self.lease is not None else None}
         self.storage.write_bytes_atomic(Storage.join(dest, SET_ASIDE_NAME), json.dumps(note, indent=1).encode())
         for s in doomed:
-            src, dst = self._step_rel(s), Storage.join(dest, step_dirname(s))
+            src, dst = self.step_rel(s), Storage.join(dest, step_dirname(s))
             if self.storage.strategy == "local":
                 self.storage.rename_local(src, dst)
             else:
@@ -296,30 +282,9 @@ class CheckpointManager:
                     reason)
         return doomed
 
-    def list_checkpoints(self) -> list[CheckpointInfo]:
-        """Every step folder, oldest first, with a shallow (sizes only) status."""
-        now = time.time()
-        infos = []
-        for step, files in sorted(self._steps().items()):
-            size = sum(files.values())
-            if MANIFEST_NAME not in files:
-                infos.append(CheckpointInfo(step, False, size, None, "uncommitted"))
-                continue
-            try:
-                manifest = self.load_manifest(step)
-            except CheckpointCorruptError as exc:
-                infos.append(CheckpointInfo(step, True, size, None, f"corrupt: {MANIFEST_NAME}: {exc}"))
-                continue
-            except CheckpointFormatError as exc:  # listed, not loaded: a newer version wrote it
-                infos.append(CheckpointInfo(step, True, size, None, f"newer format: {exc}"))
-                continue
-            status = self._check(step, manifest, files, deep=False)
-            infos.append(CheckpointInfo(step, True, size, max(0.0, now - manifest.created_at), status))
-        return infos
-
     def load_manifest(self, step: int) -> Manifest:
         where = f"{self.step_dir(step)}/{MANIFEST_NAME}"
-        data = self.storage.try_read_bytes(Storage.join(self._step_rel(step), MANIFEST_NAME))
+        data = self.storage.try_read_bytes(Storage.join(self.step_rel(step), MANIFEST_NAME))
         if data is None:
             raise CheckpointNotFoundError(f"{where} does not exist: step {step} is not committed")
         manifest = Manifest.from_bytes(data, where)
@@ -338,7 +303,7 @@ class CheckpointManager:
         where = f"{self.step_dir(step)}/{TRAINER_STATE_NAME}"
         if rec is None:
             raise CheckpointNotFoundError(f"step {step} was committed without a {TRAINER_STATE_NAME}")
-        data = self.storage.try_read_bytes(Storage.join(self._step_rel(step), TRAINER_STATE_NAME))
+        data = self.storage.try_read_bytes(Storage.join(self.step_rel(step), TRAINER_STATE_NAME))
         if data is None:
             raise CheckpointCorruptError(f"{where}: file is missing")
         if len(data) != rec.size or hashlib.sha256(data).hexdigest() != rec.sha256:
@@ -352,38 +317,17 @@ class CheckpointManager:
         return state
 
     # ----------------------------------------------------------------- verification
-    def _sha256(self, path: str, size: int) -> str:
-        with Sha256Pipe() as digest:  # hashing a chunk overlaps reading the next
-            for start in range(0, size, _HASH_CHUNK):
-                digest.update(memoryview(self.storage.read_bytes(path, start, min(size, start + _HASH_CHUNK))))
-            return digest.hexdigest()
-
-    def _check(self, step: int, manifest: Manifest, present: Mapping[str, int], deep: bool) -> str:
-        for rec in manifest.files:
-            if rec.path not in present:
-                return f"corrupt: {rec.path}: missing"
-            if present[rec.path] != rec.size:
-                return f"corrupt: {rec.path}: size {present[rec.path]} != {rec.size} in the manifest"
-        key = (self.step_dir(step), hashlib.sha256(manifest.to_bytes()).hexdigest())
-        if deep and key not in self._verified:
-            rel = self._step_rel(step)
-            for rec in manifest.files:
-                if self._sha256(Storage.join(rel, rec.path), rec.size) != rec.sha256:
-                    return f"corrupt: {rec.path}: sha256 mismatch"
-            self._verified.add(key)
-        return "ok"
-
     def verify(self, step: int, deep: bool = True) -> str:
         """``"ok"``, ``"corrupt: <file>: <why>"`` or ``"uncommitted"``. Sizes are always
         checked; with ``deep`` every file is read and its sha256 compared."""
-        present = self.storage.find(self._step_rel(step))
+        present = self.storage.find(self.step_rel(step))
         if MANIFEST_NAME not in present:
             return "uncommitted"
         try:
             manifest = self.load_manifest(step)
         except CheckpointCorruptError as exc:
             return f"corrupt: {MANIFEST_NAME}: {exc}"
-        return self._check(step, manifest, present, deep)
+        return self.verifier.check(self.step_rel(step), manifest, present, deep)
 
     def find_latest_valid(self, deep: bool = True) -> int | None:
         """The newest committed step that verifies; each corrupt one on the way is reported
@@ -412,11 +356,11 @@ class CheckpointManager:
         def step_of(rel: str) -> int | None:
             return parse_step_dirname(rel.split("/", 1)[0]) if "/" in rel else None
 
-        doomed = [s for s, files in sorted(self._steps().items())
+        doomed = [s for s, files in sorted(self.step_folders().items())
                   if MANIFEST_NAME not in files and s not in excluded]
         for step in doomed:
             log.info("deleting uncommitted checkpoint folder %s", self.step_dir(step))
-            self.storage.rm(self._step_rel(step), recursive=True)
+            self.storage.rm(self.step_rel(step), recursive=True)
         gone = excluded | set(doomed)
         for rel in self.storage.find(self.run_name):
             match = TEMP_NAME_RE.search(rel)
