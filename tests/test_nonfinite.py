@@ -196,7 +196,7 @@ def test_a_state_with_nan_is_never_committed(tmp_path, async_save):
     coord.wait(roles)
     assert coord.manager.committed_steps() == [1, 4]  # keep_last=1, yet step 1 is the newest known good
     assert coord.manager.load_manifest(4).known_good is False
-    assert coord._source("known_good")[1] == 1
+    assert coord.restorer._source("known_good")[1] == 1
 
 
 # ---------------------------------------------------------------------------------- trainer

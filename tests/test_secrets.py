@@ -9,6 +9,7 @@ import pytest
 
 from resilient_rl.config.schema import load_config, redacted_config_dict
 from resilient_rl.config.secrets import REDACTED, is_secret_key, redact, redact_text, remember_secrets
+from resilient_rl.trainer.hooks import TrainerHook
 
 SPELLINGS = ["key", "secret", "token", "aws_secret_access_key", "secretAccessKey", "accessKey", "apiKey",
              "api_key", "X-Api-Key", "Authorization", "authorization", "passphrase", "password", "session_token",
@@ -81,7 +82,7 @@ def test_a_run_with_s3_credentials_and_every_tracker_writes_no_secret(tmp_path, 
         f"checkpoint.storage_options.client_kwargs.endpoint_url={moto.endpoint_url}",
         "checkpoint.storage_options.skip_instance_cache=true", *overrides])
 
-    class CarelessLog:  # a message quoting the options, as a library's error might
+    class CarelessLog(TrainerHook):  # a message quoting the options, as a library's error might
         def on_step_start(self, trainer, step):
             logging.getLogger("resilient_rl.test").warning("opened storage with %s",
                                                            trainer.cfg.checkpoint.storage_options)
@@ -106,7 +107,7 @@ def test_a_run_with_s3_credentials_and_every_tracker_writes_no_secret(tmp_path, 
 
 def test_status_never_passes_the_placeholder_as_a_credential(tmp_path, monkeypatch):
     """``status`` opens the storage with the user's own credentials, not with "<redacted>"."""
-    import resilient_rl.checkpoint.export as export
+    import resilient_rl.checkpoint.inspect as export
     from resilient_rl.run_status import gather_status
     from resilient_rl.run.folder import RunDir
 

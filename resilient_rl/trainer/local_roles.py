@@ -39,6 +39,7 @@ class LocalRoles:
 
     writes_checkpoints = False
     GROUP = "local"
+    GENERATION = 1  # no process group: nothing ever rejoins
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -92,7 +93,7 @@ class LocalRoles:
     def _info(self) -> WorkerInfo:
         """This process's health reply: its GPU and torch's memory there, on the controller's node."""
         report = device_report(compute_cuda_device())
-        return WorkerInfo(0, 1, self.generation, os.getpid(), _controller_node_id(),
+        return WorkerInfo(0, 1, self.GENERATION, os.getpid(), _controller_node_id(),
                           report.gpu_uuids, report.torch_allocated_bytes, report.torch_reserved_bytes)
 
     def poll_device_reports(self, poller) -> bool:

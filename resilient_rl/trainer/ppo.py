@@ -135,11 +135,11 @@ class PPOTrainer:
 
     def start_roles(self) -> WorkerPool:
         if self.roles is None:
+            if self.checkpoints_on:  # a node-local root cannot hold a multi-node run: before the lease
+                require_shared_root(self.cfg.checkpoint, cluster.alive_nodes())
             self.claim()  # before any worker starts: a second controller is refused at once
             if self.telemetry is not None:
                 self.telemetry.start()
-            if self.checkpoints_on:  # a node-local root cannot hold a multi-node run: before any worker
-                require_shared_root(self.cfg.checkpoint, cluster.alive_nodes())
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.rollback.roll_back_to(self.roles, checkpoint(self.cfg.checkpoint.resume))
