@@ -90,6 +90,9 @@ class Config(Section):
         grpo = self.algorithm.adv_estimator == "grpo"
         self._resolve_critic(grpo)
         self._resolve_world_sizes()
+        from resilient_rl.controller.node_layout import config_layouts
+
+        config_layouts(self)  # a role whose ranks do not divide over its nodes is refused here
         require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
                  "algorithm.adv_estimator='grpo' needs rollout.n >= 2 samples per prompt")
         sequences = self.data.batch_size * self.rollout.n

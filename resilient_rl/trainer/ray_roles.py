@@ -17,6 +17,7 @@ import uuid
 import ray
 
 from resilient_rl.controller.health import process_gone, replaced
+from resilient_rl.controller.node_layout import check_cluster_fits, config_layouts
 from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.spares import SparePool
@@ -55,6 +56,10 @@ class RayRoles:
         self.torch_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
         self.spares: dict[str, SparePool] = {}  # process group -> its warm spares (recovery.spares)
         self.groups: dict[str, RayWorkerGroup] = {}
+        # Each process group's ranks over nodes; a layout the cluster can never host is refused
+        # here, before any actor of the run starts.
+        self.layouts = config_layouts(cfg)
+        check_cluster_fits(list(self.layouts.values()), ray.nodes(), self.use_gpu, cfg.ray.cpus_per_worker)
         try:
             classes = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": RefWorker}
             if self.critic_enabled:
@@ -83,10 +88,16 @@ class RayRoles:
 
     def _group(self, role: str, world_size: int, cls: RayClassWithInitArgs) -> RayWorkerGroup:
         c = self.cfg
-        pool = RayResourcePool([world_size], use_gpu=self.use_gpu, cpus_per_bundle=c.ray.cpus_per_worker,
+        layout = self.layouts[role]
+        assert layout.world_size == world_size, (layout, world_size)
+        # One placement group per node, each on a node of its own (see RayResourcePool).
+        pool = RayResourcePool(list(layout.process_on_nodes), use_gpu=self.use_gpu,
+                               cpus_per_bundle=c.ray.cpus_per_worker,
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
                                placement_timeout_s=c.recovery.placement_timeout_s)
-        return RayWorkerGroup(pool, cls, max_restarts=c.recovery.max_restarts,
+        iface = c.trainer.network_interface
+        runtime_env = {"env_vars": {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}} if iface else None
+        return RayWorkerGroup(pool, cls, runtime_env=runtime_env, max_restarts=c.recovery.max_restarts,
                               max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s,
                               hang_timeout_s=c.recovery.hang_timeout_s, health_timeout_s=c.recovery.health_timeout_s)
 
