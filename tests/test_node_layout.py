@@ -74,3 +74,46 @@ def test_hybrid_sharding_mesh_has_one_row_per_node():
     assert mesh_shape("hybrid", 4, 4) == (4,)  # one node: nothing to replicate over
     with pytest.raises(ConfigError, match="trainer.sharding=hybrid"):
         mesh_shape("hybrid", 6, 4)
+
+
+class FakePlacement:
+    """Stands in for Ray's placement-group API: places each group on the first node that its
+    label selector allows (as Ray's scheduler must) and records what it was asked."""
+
+    def __init__(self, nodes):
+        self.nodes, self.created, self.removed = nodes, [], []
+
+    def placement_group(self, bundles, strategy, name, lifetime=None, bundle_label_selector=None):
+        banned = set()
+        for sel in bundle_label_selector or []:
+            value = sel["ray.io/node-id"]
+            assert value.startswith("!in(") and value.endswith(")")
+            banned |= set(value[4:-1].split(","))
+        node = next(n for n in self.nodes if n not in banned)
+        pg = type("PG", (), {"node": node, "n": len(bundles), "ready": lambda self: self})()
+        self.created.append((name, strategy, bundle_label_selector, node))
+        return pg
+
+    def table(self, pg):
+        return {"state": "CREATED", "bundles_to_node_id": {i: pg.node for i in range(pg.n)}}
+
+
+def test_pool_of_several_nodes_places_each_group_off_the_others_nodes(monkeypatch):
+    import resilient_rl.controller.resource_pool as rp
+
+    fake = FakePlacement(["n1", "n2", "n3"])
+    monkeypatch.setattr(rp, "placement_group", fake.placement_group)
+    monkeypatch.setattr(rp, "placement_group_table", fake.table)
+    monkeypatch.setattr(rp.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    monkeypatch.setattr(rp.ray, "cluster_resources", lambda: {"CPU": 24})
+    pool = rp.RayResourcePool([2, 2, 2], name_prefix="p", cpus_per_bundle=0.1)
+    pgs = pool.get_placement_groups()
+    assert [pg.node for pg in pgs] == ["n1", "n2", "n3"]
+    assert [c[2] for c in fake.created] == [None, [{"ray.io/node-id": "!in(n1)"}] * 2,
+                                            [{"ray.io/node-id": "!in(n1,n2)"}] * 2]
+    assert all(c[1] == "STRICT_PACK" for c in fake.created)
+    assert pool.nodes() == [["n1", "n1"], ["n2", "n2"], ["n3", "n3"]]
+    # verl's own use (several groups free to share a node) stays available.
+    fake.created.clear()
+    rp.RayResourcePool([1, 1], name_prefix="q", distinct_nodes=False).get_placement_groups()
+    assert [c[2] for c in fake.created] == [None, None]
