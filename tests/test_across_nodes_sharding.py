@@ -49,6 +49,12 @@ def _rank(rank: int, port: int, out) -> None:
         model(_data(rank)).square().mean().backward()
         opt.step()
         hsdp = {k: v.tolist() for k, v in fsdp.full_state_dict(model).items()}
+        # The colocated weight sync gathers HSDP shards within the node's row of the mesh.
+        from resilient_rl.workers.weight_sync import write_into
+
+        synced = {k: torch.empty(len(v), *torch.tensor(v).shape[1:]) for k, v in hsdp.items()}
+        write_into(model, synced)
+        assert all(torch.equal(synced[k], torch.tensor(v)) for k, v in hsdp.items())
         # Replicas across nodes: gradients averaged by all-reduce, no shared-memory reducer opened.
         replica = fsdp.wrap_model(_model(), fsdp.plan_device("cpu"), "ddp")
         replica(_data(rank)).square().mean().backward()
