@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.config.schema import load_config
-from resilient_rl.controller.node_layout import RoleLayout, check_cluster_fits, config_layouts, role_layout
+from resilient_rl.config.node_layout import RoleLayout, check_cluster_fits, config_layouts, role_layout
 from resilient_rl.errors import ConfigError, ResourceError
 from resilient_rl.workers.fsdp import mesh_shape
 

@@ -27,7 +27,7 @@ class TrainerConfig(Section):
     device: str = "auto"
     placement: str = "colocated"
     # Roles across nodes (verl's names): a role's ranks run world_size // nnodes on each of nnodes
-    # nodes, numbered node by node (resilient_rl.controller.node_layout). n_gpus_per_node (null:
+    # nodes, numbered node by node (resilient_rl.config.node_layout). n_gpus_per_node (null:
     # not checked) caps the ranks per node; role_nnodes overrides nnodes per role when split.
     nnodes: int = 1
     n_gpus_per_node: Optional[int] = None

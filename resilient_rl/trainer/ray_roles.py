@@ -17,7 +17,7 @@ import uuid
 import ray
 
 from resilient_rl.controller.health import process_gone, replaced
-from resilient_rl.controller.node_layout import check_cluster_fits, config_layouts
+from resilient_rl.config.node_layout import check_cluster_fits, config_layouts
 from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.spares import SparePool
