@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.config.schema import load_config
-from resilient_rl.config.node_layout import RoleLayout, check_cluster_fits, config_layouts, role_layout
+from resilient_rl.config.node_layout import (RoleLayout, check_cluster_fits, config_layouts, network_runtime_env,
+                                             role_layout)
 from resilient_rl.errors import ConfigError, ResourceError
 from resilient_rl.workers.fsdp import mesh_shape
 
@@ -45,6 +46,13 @@ def test_config_layouts_colocated_and_split():
                                  "critic.world_size=2", "trainer.role_nnodes={rollout: 1, ref: 1}"])
     assert {k: v.process_on_nodes for k, v in config_layouts(cfg).items()} == {
         "actor": (2, 2), "rollout": (1,), "ref": (1,), "critic": (1, 1)}
+
+
+def test_network_interface_reaches_gloo_and_nccl():
+    cfg = load_config(overrides=["trainer.network_interface=ib0"])
+    assert network_runtime_env(cfg.trainer.network_interface) == {
+        "env_vars": {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}}
+    assert network_runtime_env(load_config().trainer.network_interface) is None
 
 
 def test_config_keys_are_checked():

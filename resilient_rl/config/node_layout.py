@@ -112,3 +112,11 @@ def config_layouts(cfg) -> dict[str, RoleLayout]:
         out[role] = role_layout(role, getattr(cfg, role).world_size, t.role_nnodes.get(role, t.nnodes),
                                 t.n_gpus_per_node, nnodes_key=nnodes_key)
     return out
+
+
+def network_runtime_env(interface: str) -> dict | None:
+    """The Ray ``runtime_env`` that makes every worker's gloo and NCCL use ``interface``
+    (``trainer.network_interface``) between nodes; None where the libraries choose."""
+    if not interface:
+        return None
+    return {"env_vars": {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}}

@@ -17,7 +17,7 @@ import uuid
 import ray
 
 from resilient_rl.controller.health import process_gone, replaced
-from resilient_rl.config.node_layout import check_cluster_fits, config_layouts
+from resilient_rl.config.node_layout import check_cluster_fits, config_layouts, network_runtime_env
 from resilient_rl.controller.worker import WorkerInfo
 from resilient_rl.controller.resource_pool import RayResourcePool
 from resilient_rl.controller.spares import SparePool
@@ -95,9 +95,7 @@ class RayRoles:
                                cpus_per_bundle=c.ray.cpus_per_worker,
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
                                placement_timeout_s=c.recovery.placement_timeout_s)
-        iface = c.trainer.network_interface
-        runtime_env = {"env_vars": {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}} if iface else None
-        return RayWorkerGroup(pool, cls, runtime_env=runtime_env, max_restarts=c.recovery.max_restarts,
+        return RayWorkerGroup(pool, cls, runtime_env=network_runtime_env(c.trainer.network_interface), max_restarts=c.recovery.max_restarts,
                               max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s,
                               hang_timeout_s=c.recovery.hang_timeout_s, health_timeout_s=c.recovery.health_timeout_s)
 
