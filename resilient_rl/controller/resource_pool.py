@@ -1,9 +1,11 @@
 """``RayResourcePool``: placement groups that pin a worker group's ranks to nodes.
 
-One placement group per node (STRICT_PACK by default), one bundle per process. The placement groups
-of a pool of several nodes go to distinct nodes: each is created once the previous ones are
-placed, with a label selector that keeps it off their nodes (``ray.io/node-id``); the selector
-stays with the group, so when its node is lost Ray places it again off the other groups' nodes. A bundle holds one
+One placement group per node (STRICT_PACK by default), one bundle per process. With
+``distinct_nodes`` (what the trainer asks for a role across nodes) the placement groups of a pool
+of several nodes go to distinct nodes: each is created once the previous ones are placed, with a
+label selector that keeps it off their nodes (``ray.io/node-id``); the selector stays with the
+group, so when its node is lost Ray places it again off the other groups' nodes. Without it (the
+default, as in verl) Ray may put several of them on one node that has room for them. A bundle holds one
 GPU when ``use_gpu`` and a small, configurable CPU share, so a CPU-only pool fits on a 2-core
 machine whose local cluster was started with a generous logical ``num_cpus``. Requests that the
 cluster can never satisfy fail at once with a :class:`ResourceError` instead of a silent wait.
@@ -37,7 +39,7 @@ class RayResourcePool:
     def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = False, name_prefix: str | None = None,
                  max_colocate_count: int = 1, cpus_per_bundle: float = 0.1, strategy: str = "STRICT_PACK",
                  placement_timeout_s: float = 60.0, detached: bool = False, accelerator_type: str | None = None,
-                 distinct_nodes: bool = True):
+                 distinct_nodes: bool = False):
         process_on_nodes = list(process_on_nodes or [1])
         if not process_on_nodes or any((not isinstance(n, int)) or n < 1 for n in process_on_nodes):
             raise ResourceError(f"process_on_nodes must be a non-empty list of positive ints, got {process_on_nodes!r}")

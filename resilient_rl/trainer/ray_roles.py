@@ -94,7 +94,7 @@ class RayRoles:
         pool = RayResourcePool(list(layout.process_on_nodes), use_gpu=self.use_gpu,
                                cpus_per_bundle=c.ray.cpus_per_worker,
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
-                               placement_timeout_s=c.recovery.placement_timeout_s)
+                               placement_timeout_s=c.recovery.placement_timeout_s, distinct_nodes=True)
         return RayWorkerGroup(pool, cls, runtime_env=network_runtime_env(c.trainer.network_interface), max_restarts=c.recovery.max_restarts,
                               max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s,
                               hang_timeout_s=c.recovery.hang_timeout_s, health_timeout_s=c.recovery.health_timeout_s)
