@@ -3,7 +3,6 @@ config loader accept, on a cluster shape that matches its resources and checkpoi
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shlex
 import subprocess
@@ -14,20 +13,12 @@ import yaml
 
 from resilient_rl.checkpoint.shared_root import require_shared_root
 from resilient_rl.cli import build_parser
-from resilient_rl.config.runtime import TrainerConfig
 from resilient_rl.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYJOB = ROOT / "deploy" / "kuberay" / "rayjob.yaml"
 SBATCH = ROOT / "deploy" / "slurm" / "train.sbatch"
 README = ROOT / "README.md"
-
-# trainer.nnodes and trainer.n_gpus_per_node (verl's names) come with roles that span nodes, which
-# land separately; until the config loader knows them, the recipes are validated without those two
-# overrides (their values are still checked against the resources below). Drop this filter once
-# TrainerConfig has both fields.
-PENDING_KEYS = {"trainer.nnodes", "trainer.n_gpus_per_node"} - {
-    f"trainer.{f.name}" for f in dataclasses.fields(TrainerConfig)}
 
 
 def overrides_of(argv: list[str]) -> dict[str, str]:
@@ -40,8 +31,7 @@ def validated(argv: list[str]):
     assert argv[:2] == ["resilient-rl", "train"], argv[:2]
     args = build_parser().parse_args(argv[1:])
     assert args.func.__name__ == "cmd_train"
-    kept = [o for o in args.overrides if o.split("=", 1)[0] not in PENDING_KEYS]
-    return load_config(args.config, kept), overrides_of(args.overrides)
+    return load_config(args.config, args.overrides), overrides_of(args.overrides)
 
 
 def check_shape(cfg, overrides: dict[str, str], nodes: int, gpus_per_node: int) -> None:

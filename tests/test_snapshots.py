@@ -158,10 +158,27 @@ def keeper(every=1, max_task_retries=0, events=None, node_dir=""):
 def test_ring_holders_prefer_another_node_then_another_process():
     assert ring_holders([(1, "a")]) == [0]
     assert ring_holders([(1, "a"), (2, "a")]) == [1, 0]
-    assert ring_holders([(1, "a"), (2, "a"), (3, "b"), (4, "b")]) == [2, 2, 0, 0]
-    assert ring_holders([(1, "a"), (2, "b"), (3, "a"), (4, "b")]) == [1, 2, 3, 0]
+    # Ranks on two or more nodes: a ring by node, the j-th rank of a node held by the j-th of the next.
+    assert ring_holders([(1, "a"), (2, "a"), (3, "b"), (4, "b")]) == [2, 3, 0, 1]
+    assert ring_holders([(1, "a"), (2, "b"), (3, "a"), (4, "b")]) == [1, 0, 3, 2]
     # Colocated actor and critic ranks share a process: the peer is another process.
     assert ring_holders([(1, "a"), (2, "a"), (1, "a"), (2, "a")]) == [1, 2, 3, 0]
+
+
+def test_ring_by_node_survives_the_loss_of_any_node_and_spreads_the_copies():
+    # A role of 4 ranks per node on 3 nodes, then colocated actor + critic ranks (one process per
+    # pair) on 2 nodes of 2: every copy is on another node, and no rank holds more than one
+    # copy per role it hosts.
+    places = [(100 + r, "abc"[r // 4]) for r in range(12)]
+    holders = ring_holders(places)
+    assert all(places[h][1] != places[i][1] for i, h in enumerate(holders))
+    assert sorted(holders) == list(range(12))
+    colocated = [(10, "a"), (11, "a"), (12, "b"), (13, "b")] * 2
+    holders = ring_holders(colocated)
+    assert all(colocated[h][1] != colocated[i][1] for i, h in enumerate(holders))
+    assert holders[:4] == [2, 3, 0, 1] and sorted(holders) == list(range(8))
+    # Uneven nodes (a split role of 1 rank next to one of 2): still off node, wrapping around.
+    assert ring_holders([(1, "a"), (2, "a"), (3, "b")]) == [2, 2, 0]
 
 
 def test_peer_copy_held_by_another_role_on_another_node():
@@ -305,15 +322,16 @@ def test_colocated_roles_take_once_per_process_and_hold_once_per_peer():
     assert sorted((role, r, a[1]) for role, r, _, a in takes) == [("actor", 0, ["actor", "critic"]),
                                                                  ("actor", 1, ["actor", "critic"])]
     assert snap.takes["actor"][0] is snap.takes["critic"][0]  # one object per process
-    # Ring: actor0 -> actor1, actor1 -> critic0, critic0 -> critic1, critic1 -> actor0 (another process each).
-    assert snap.holders == {"actor": [("actor", 1), ("critic", 0)], "critic": [("critic", 1), ("actor", 0)]}
+    # Ring by node (each process on a node of its own here): the j-th rank of a node is held by the
+    # j-th of the next node, so each role's copies stay with the same role on the other process.
+    assert snap.holders == {"actor": [("actor", 1), ("actor", 0)], "critic": [("critic", 1), ("critic", 0)]}
     holds = sorted((role, r, a[1]) for role, r, m, a in calls if m == "hold_snapshot")
     # One call per holding process, to the first of its ranks the ring names: actor 1 holds process 0's
-    # copies, critic 0 process 1's.
-    assert holds == [("actor", 1, [[("actor", 0), ("critic", 0)]]), ("critic", 0, [[("actor", 1), ("critic", 1)]])]
+    # copies, actor 0 process 1's.
+    assert holds == [("actor", 0, [[("actor", 1), ("critic", 1)]]), ("actor", 1, [[("actor", 0), ("critic", 0)]])]
     assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10], "critic": [10, 10]}
     # Process 1 restarts and its object-store copy is lost: its ranks read the copies process 0 holds
-    # (actor 1's peer copy is asked of critic 0, which keeps it: held per process).
+    # (held per process: actor 0 keeps both).
     actor.restart(1)
     critic.restart(1)
     actor.store_lost = critic.store_lost = {1}

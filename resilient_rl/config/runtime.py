@@ -26,6 +26,18 @@ class TrainerConfig(Section):
     output_dir: str = "runs"
     device: str = "auto"
     placement: str = "colocated"
+    # Roles across nodes (verl's names): a role's ranks run world_size // nnodes on each of nnodes
+    # nodes, numbered node by node (resilient_rl.config.node_layout). n_gpus_per_node (null:
+    # not checked) caps the ranks per node; role_nnodes overrides nnodes per role when split.
+    nnodes: int = 1
+    n_gpus_per_node: Optional[int] = None
+    role_nnodes: Dict[str, int] = field(default_factory=dict)
+    # FSDP2 over a role's ranks: "full" shards over all of them; "hybrid" (HSDP) shards within a
+    # node and replicates across nodes (a (replicate, shard) device mesh).
+    sharding: str = "full"
+    # Network interface the process groups use between nodes (GLOO_SOCKET_IFNAME and
+    # NCCL_SOCKET_IFNAME of every worker); "" lets gloo and NCCL choose.
+    network_interface: str = ""
     log_every: int = 10
     progress_bar: bool = True
     # Experiment trackers (verl: trainer.logger): console, jsonl, tensorboard, wandb, mlflow.
@@ -51,6 +63,17 @@ class TrainerConfig(Section):
                  self.run_name, "must be letters, digits, '.', '_' or '-' (it names directories)")
         choice("device", self.device, ("auto", "cpu", "cuda"))
         choice("placement", self.placement, ("colocated", "split"))
+        require(self.nnodes >= 1, "nnodes", self.nnodes, "must be >= 1")
+        require(self.n_gpus_per_node is None or self.n_gpus_per_node >= 1, "n_gpus_per_node", self.n_gpus_per_node,
+                "must be >= 1 or null (not checked)")
+        for role, n in self.role_nnodes.items():
+            choice("role_nnodes", role, ("actor", "rollout", "ref", "critic"))
+            require(isinstance(n, int) and n >= 1, f"role_nnodes.{role}", n, "must be an int >= 1")
+        require(not self.role_nnodes or self.placement == "split", "role_nnodes", self.role_nnodes,
+                "applies to trainer.placement=split only (colocated roles share the actor's nodes)")
+        choice("sharding", self.sharding, ("full", "hybrid"))
+        require(re.fullmatch(r"[A-Za-z0-9_.:@-]*", self.network_interface) is not None, "network_interface",
+                self.network_interface, "must be an interface name (e.g. eth0, ib0) or empty")
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         for name in self.loggers:
             choice("loggers", name, ("console", "jsonl", "tensorboard", "wandb", "mlflow"))

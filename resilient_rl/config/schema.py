@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from resilient_rl.errors import ConfigError
+from resilient_rl.config.node_layout import config_layouts
 from resilient_rl.config.paths import resolve_path
 from resilient_rl.config.secrets import REDACTED, redact, remember_secrets
 from resilient_rl.config.runtime import (
@@ -91,6 +92,7 @@ class Config(Section):
         grpo = self.algorithm.adv_estimator == "grpo"
         self._resolve_critic(grpo)
         self._resolve_world_sizes()
+        config_layouts(self)  # a role whose ranks do not divide over its nodes is refused here
         require(not grpo or self.rollout.n >= 2, "rollout.n", self.rollout.n,
                  "algorithm.adv_estimator='grpo' needs rollout.n >= 2 samples per prompt")
         sequences = self.data.batch_size * self.rollout.n

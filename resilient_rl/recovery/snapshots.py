@@ -56,11 +56,27 @@ NO_COPY = object()
 
 def ring_holders(places: list[tuple[Any, Any]]) -> list[int]:
     """For each stateful rank (``places[i]``: its (pid, node)), the index of the rank that keeps
-    its peer copy: the next in ring order on another node, else the next in another process
+    its peer copy.
+
+    With ranks on two or more known nodes the ring goes by node: the j-th rank of a node hands its
+    copy to the j-th rank (modulo) of the next node, so every node's copies are on another node,
+    spread evenly over its ranks (a rank of a role across nodes keeps one peer copy, not all of
+    a node's), and losing one node loses no snapshot. A rank whose node is unknown, or all ranks
+    on one node: the next in ring order on another node, else the next in another process
     (colocated roles share one), else itself (its copies are then its own and the object store's)."""
     n = len(places)
+    by_node: dict[Any, list[int]] = {}
+    for i, (_, node) in enumerate(places):
+        if node is not None:
+            by_node.setdefault(node, []).append(i)
+    order = list(by_node)  # nodes in the order of their first rank
     holders = []
     for i, (pid, node) in enumerate(places):
+        if node is not None and len(order) > 1:
+            k = order.index(node)
+            mine, nxt = by_node[node], by_node[order[(k + 1) % len(order)]]
+            holders.append(nxt[mine.index(i) % len(nxt)])
+            continue
         others = [(i + k) % n for k in range(1, n)]
         off_node = [h for h in others if places[h][1] is None or places[h][1] != node]
         off_process = [h for h in others if places[h][0] != pid]

@@ -1,6 +1,11 @@
 """``RayResourcePool``: placement groups that pin a worker group's ranks to nodes.
 
-One placement group per node (STRICT_PACK by default), one bundle per process. A bundle holds one
+One placement group per node (STRICT_PACK by default), one bundle per process. With
+``distinct_nodes`` (what the trainer asks for a role across nodes) the placement groups of a pool
+of several nodes go to distinct nodes: each is created once the previous ones are placed, with a
+label selector that keeps it off their nodes (``ray.io/node-id``); the selector stays with the
+group, so when its node is lost Ray places it again off the other groups' nodes. Without it (the
+default, as in verl) Ray may put several of them on one node that has room for them. A bundle holds one
 GPU when ``use_gpu`` and a small, configurable CPU share, so a CPU-only pool fits on a 2-core
 machine whose local cluster was started with a generous logical ``num_cpus``. Requests that the
 cluster can never satisfy fail at once with a :class:`ResourceError` instead of a silent wait.
@@ -9,6 +14,7 @@ cluster can never satisfy fail at once with a :class:`ResourceError` instead of 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import ray
@@ -16,6 +22,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util import placement_group_table
 
 from resilient_rl.errors import ResourceError
+
+#: The label every Ray node carries with its id (placement group label selectors match on it).
+NODE_ID_LABEL = "ray.io/node-id"
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +38,8 @@ class RayResourcePool:
 
     def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = False, name_prefix: str | None = None,
                  max_colocate_count: int = 1, cpus_per_bundle: float = 0.1, strategy: str = "STRICT_PACK",
-                 placement_timeout_s: float = 60.0, detached: bool = False, accelerator_type: str | None = None):
+                 placement_timeout_s: float = 60.0, detached: bool = False, accelerator_type: str | None = None,
+                 distinct_nodes: bool = False):
         process_on_nodes = list(process_on_nodes or [1])
         if not process_on_nodes or any((not isinstance(n, int)) or n < 1 for n in process_on_nodes):
             raise ResourceError(f"process_on_nodes must be a non-empty list of positive ints, got {process_on_nodes!r}")
@@ -49,6 +59,7 @@ class RayResourcePool:
         self.placement_timeout_s = placement_timeout_s
         self.detached = detached
         self.accelerator_type = accelerator_type
+        self.distinct_nodes = distinct_nodes
         self.pgs: list[PlacementGroup] | None = None
 
     # verl's names
@@ -105,18 +116,50 @@ class RayResourcePool:
         strategy = strategy or self.strategy
         name = name or self.name_prefix
         lifetime = "detached" if self.detached else None
-        pgs = [placement_group([self.bundle() for _ in range(n)], strategy=strategy, name=f"{name}_pg{i}",
-                               lifetime=lifetime)
-               for i, n in enumerate(self._store)]
-        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)
-        if len(ready) != len(pgs):
-            for pg in pgs:
-                remove_placement_group(pg)
-            raise ResourceError(f"placement groups of pool {self.name_prefix!r} ({self._store} bundles of "
-                                f"{self.bundle()}) were not placed within {self.placement_timeout_s:g}s; "
-                                f"available: {ray.available_resources()}")
+        if self.distinct_nodes and len(self._store) > 1:
+            pgs = self._place_on_distinct_nodes(strategy, name, lifetime)
+        else:
+            pgs = [placement_group([self.bundle() for _ in range(n)], strategy=strategy, name=f"{name}_pg{i}",
+                                   lifetime=lifetime)
+                   for i, n in enumerate(self._store)]
+            self._wait_placed(pgs, pgs, time.monotonic() + self.placement_timeout_s)
         self.pgs = pgs
         return pgs
+
+    def _place_on_distinct_nodes(self, strategy: str, name: str, lifetime: str | None) -> list[PlacementGroup]:
+        """One placement group per entry of the store, each on a node none of the others holds."""
+        deadline = time.monotonic() + self.placement_timeout_s
+        pgs: list[PlacementGroup] = []
+        used: list[str] = []
+        for i, n in enumerate(self._store):
+            selector = [{NODE_ID_LABEL: f"!in({','.join(used)})"}] * n if used else None
+            pgs.append(placement_group([self.bundle() for _ in range(n)], strategy=strategy, name=f"{name}_pg{i}",
+                                       lifetime=lifetime, bundle_label_selector=selector))
+            self._wait_placed(pgs[-1:], pgs, deadline, f" on a node other than those of its first {i} group(s)")
+            used += sorted(set(placement_group_table(pgs[-1]).get("bundles_to_node_id", {}).values()))
+        return pgs
+
+    def _wait_placed(self, waiting: list[PlacementGroup], created: list[PlacementGroup], deadline: float,
+                     where: str = "") -> None:
+        """Wait until ``waiting`` are placed; past ``deadline`` remove every group in ``created``
+        and raise."""
+        timeout = max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait([pg.ready() for pg in waiting], num_returns=len(waiting), timeout=timeout)
+        if len(ready) == len(waiting):
+            return
+        for pg in created:
+            remove_placement_group(pg)
+        raise ResourceError(f"placement groups of pool {self.name_prefix!r} ({self._store} bundles of "
+                            f"{self.bundle()}) were not placed{where} within {self.placement_timeout_s:g}s; "
+                            f"available: {ray.available_resources()}")
+
+    def nodes(self) -> list[list[str | None]]:
+        """The node id of each bundle, placement group by placement group (None where unplaced)."""
+        out = []
+        for pg, n in zip(self.pgs or [], self._store):
+            placed = placement_group_table(pg).get("bundles_to_node_id", {})
+            out.append([placed.get(i) for i in range(n)])
+        return out
 
     def unplaced(self) -> bool:
         """Whether a bundle of the pool's placement groups waits to be placed again (Ray
@@ -153,4 +196,5 @@ def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResour
                            name_prefix=f"{rp1.name_prefix}_{rp2.name_prefix}",
                            max_colocate_count=rp1.max_colocate_count,
                            cpus_per_bundle=max(rp1.cpus_per_bundle, rp2.cpus_per_bundle), strategy=rp1.strategy,
-                           placement_timeout_s=max(rp1.placement_timeout_s, rp2.placement_timeout_s))
+                           placement_timeout_s=max(rp1.placement_timeout_s, rp2.placement_timeout_s),
+                           distinct_nodes=rp1.distinct_nodes and rp2.distinct_nodes)

@@ -21,6 +21,7 @@ from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+from resilient_rl.config.node_layout import check_cluster_fits, config_layouts, network_runtime_env
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
@@ -55,6 +56,10 @@ class RayRoles:
         self.torch_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
         self.spares: dict[str, SparePool] = {}  # process group -> its warm spares (recovery.spares)
         self.groups: dict[str, RayWorkerGroup] = {}
+        # Each process group's ranks over nodes; a layout the cluster can never host is refused
+        # here, before any actor of the run starts.
+        self.layouts = config_layouts(cfg)
+        check_cluster_fits(list(self.layouts.values()), ray.nodes(), self.use_gpu, cfg.ray.cpus_per_worker)
         try:
             classes = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": RefWorker}
             if self.critic_enabled:
@@ -83,10 +88,14 @@ class RayRoles:
 
     def _group(self, role: str, world_size: int, cls: RayClassWithInitArgs) -> RayWorkerGroup:
         c = self.cfg
-        pool = RayResourcePool([world_size], use_gpu=self.use_gpu, cpus_per_bundle=c.ray.cpus_per_worker,
+        layout = self.layouts[role]
+        assert layout.world_size == world_size, (layout, world_size)
+        # One placement group per node, each on a node of its own (see RayResourcePool).
+        pool = RayResourcePool(list(layout.process_on_nodes), use_gpu=self.use_gpu,
+                               cpus_per_bundle=c.ray.cpus_per_worker,
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
-                               placement_timeout_s=c.recovery.placement_timeout_s)
-        return RayWorkerGroup(pool, cls, max_restarts=c.recovery.max_restarts,
+                               placement_timeout_s=c.recovery.placement_timeout_s, distinct_nodes=True)
+        return RayWorkerGroup(pool, cls, runtime_env=network_runtime_env(c.trainer.network_interface), max_restarts=c.recovery.max_restarts,
                               max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s,
                               hang_timeout_s=c.recovery.hang_timeout_s, health_timeout_s=c.recovery.health_timeout_s)
 

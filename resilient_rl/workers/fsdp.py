@@ -8,6 +8,11 @@ reduce-scatter per mini-batch beat one per block (measured: about 2x less CPU pe
 tiny model on 2 ranks). On CUDA the parameters compute in bf16 with fp32 gradient reduction; on CPU
 everything stays fp32 (gloo has no bf16 reductions worth having, and fp32 keeps CPU runs
 bit-reproducible).
+
+A role whose ranks span nodes is sharded over all of them (``trainer.sharding=full``) or, with
+``hybrid`` (HSDP), within each node and replicated across nodes: a 2-D ``(replicate, shard)``
+device mesh whose rows are the nodes (ranks are numbered node by node, ``LOCAL_WORLD_SIZE`` per
+node), so parameters are gathered over the node's fast links and only gradients cross nodes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resilient_rl import env
 from resilient_rl.config.sections import STRATEGIES
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.factory import transformer_blocks
@@ -35,6 +41,8 @@ class DevicePlan:
     device: torch.device
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    #: ``trainer.sharding``: ``full`` (FSDP over every rank) or ``hybrid`` (HSDP, see the module docstring).
+    sharding: str = "full"
 
     @property
     def mixed_precision(self) -> bool:
@@ -54,17 +62,19 @@ def uses_cuda(device: str = "auto") -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.device_count() > 0)
 
 
-def plan_device(device: str = "auto") -> DevicePlan:
+def plan_device(device: str = "auto", sharding: str = "full") -> DevicePlan:
     """CUDA with bf16 mixed precision when there is a GPU (``auto`` or ``cuda``), else fp32 on CPU.
     On CUDA it initialises CUDA on the current device."""
     _check_device(device)
+    if sharding not in ("full", "hybrid"):
+        raise ConfigError(f"trainer.sharding must be full or hybrid, got {sharding!r}")
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
         dev = torch.device("cuda", torch.cuda.current_device())
         bf16 = torch.cuda.is_bf16_supported()
-        return DevicePlan(dev, torch.bfloat16 if bf16 else torch.float32, torch.float32)
-    return DevicePlan(torch.device("cpu"), torch.float32, torch.float32)
+        return DevicePlan(dev, torch.bfloat16 if bf16 else torch.float32, torch.float32, sharding)
+    return DevicePlan(torch.device("cpu"), torch.float32, torch.float32, sharding)
 
 
 def has_meta_parameters(model: nn.Module) -> bool:
@@ -110,10 +120,9 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
     empty = has_meta_parameters(model)
     if not empty:
         model = model.to(plan.device)
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(plan.device.type, (dist.get_world_size(),))
+    mesh = fsdp_mesh(plan)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     if plan.device.type == "cuda":
         # Per block, so that NCCL gathers the next block's parameters while this one computes.
@@ -121,6 +130,28 @@ def wrap_fsdp2(model: nn.Module, plan: DevicePlan, reshard_after_forward: bool =
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return materialize(model, plan.device) if empty else model
+
+
+def mesh_shape(sharding: str, world_size: int, local_world_size: int) -> tuple[int, ...]:
+    """The FSDP device mesh's shape: ``(world,)`` for full sharding, or for ``hybrid``
+    ``(nodes, ranks per node)``, one row per node (full sharding where the ranks are on one node)."""
+    if sharding == "full" or local_world_size >= world_size:
+        return (world_size,)
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ConfigError(f"trainer.sharding=hybrid needs the same number of ranks on every node; world size "
+                          f"{world_size} does not divide into nodes of {local_world_size}")
+    return (world_size // local_world_size, local_world_size)
+
+
+def fsdp_mesh(plan: DevicePlan):
+    """The device mesh FSDP2 shards over in the default group (see :func:`mesh_shape`); a 2-D mesh
+    makes ``fully_shard`` replicate over its first dimension and shard over its second (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    shape = mesh_shape(plan.sharding, world, int(env.get("LOCAL_WORLD_SIZE") or world))
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh(plan.device.type, shape, mesh_dim_names=names)
 
 
 def resolve_strategy(strategy: str, device: torch.device) -> str:
@@ -159,9 +190,10 @@ def all_reduce_gradients(model: nn.Module) -> None:
 
     A parameter without a gradient on this rank contributes zeros, so that every rank flattens the
     same list. Every rank then holds the same averaged bits (each element is reduced once and sent
-    to all), so the replicas stay identical. CPU ranks that share a host average through shared
-    memory (:mod:`resilient_rl.workers.shm_reduce`: one barrier instead of a ring of socket round
-    trips); others, and CUDA tensors, through the group's all-reduce.
+    to all), so the replicas stay identical. CPU ranks that are all on one node average through
+    shared memory (:mod:`resilient_rl.workers.shm_reduce`: one barrier instead of a ring of socket
+    round trips); a group whose ranks span nodes (``LOCAL_WORLD_SIZE < WORLD_SIZE``: on different
+    hosts no segment reaches every rank), and CUDA tensors, use one all-reduce of one flat buffer.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -174,7 +206,7 @@ def all_reduce_gradients(model: nn.Module) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    if grads[0].device.type == "cpu":
+    if grads[0].device.type == "cpu" and spans_one_node():
         reducer = _REDUCERS.get(sum(g.numel() for g in grads), grads[0].dtype)
         if reducer is not None:
             reducer.average_(grads)
@@ -183,6 +215,13 @@ def all_reduce_gradients(model: nn.Module) -> None:
     dist.all_reduce(flat)
     flat.div_(dist.get_world_size())
     torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+
+
+def spans_one_node() -> bool:
+    """Whether every rank of the default group runs on this rank's node (its ``LOCAL_WORLD_SIZE``,
+    set by the worker group from the resource pool, is the whole world)."""
+    world = dist.get_world_size()
+    return int(env.get("LOCAL_WORLD_SIZE") or world) >= world
 
 
 def reshard(model: nn.Module) -> nn.Module:

@@ -113,13 +113,15 @@ def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], world: int, element_
 
 
 def _local(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(local shard, sharded?) of a parameter; only FSDP2's ``Shard(0)`` sharding is supported."""
-    from torch.distributed.tensor import DTensor, Shard
+    """(local shard, sharded?) of a parameter; FSDP2's ``Shard(0)`` sharding is supported, and
+    HSDP's ``(Replicate(), Shard(0))``, whose shard is gathered within its node's row of the mesh."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(p, DTensor):
         return p.detach(), False
-    if tuple(p.placements) != (Shard(0),):
-        raise WorkerError(f"weight sync supports FSDP2 Shard(0) parameters, got {p.placements}", role="actor")
+    if tuple(p.placements) not in ((Shard(0),), (Replicate(), Shard(0))):
+        raise WorkerError(f"weight sync supports FSDP2 Shard(0) parameters (HSDP: Replicate(), Shard(0)), "
+                          f"got {p.placements}", role="actor")
     return p.to_local().detach(), True
 
 
@@ -132,7 +134,8 @@ def model_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int = DEFA
     for name, p in params:
         locals_[name], sharded = _local(p)
         if sharded and group is None:
-            group = p.device_mesh.get_group()
+            # The mesh's last dimension is the one sharded over (HSDP replicates over the first).
+            group = p.device_mesh.get_group(p.device_mesh.ndim - 1)
     world = dist.get_world_size(group) if group is not None else 1
     element_size = torch.empty((), dtype=dtype).element_size()
     return plan_buckets([(n, tuple(p.shape)) for n, p in params], world, element_size, bucket_bytes), locals_, group

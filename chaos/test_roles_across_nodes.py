@@ -1,0 +1,65 @@
+"""Roles across nodes: an actor whose ranks span two nodes loses one of them and recovers from the
+snapshot copies its ring peers keep on the other node, replaying nothing.
+
+A ``ray.cluster_utils`` cluster of a CPU-less head and three worker nodes (one spare) replaces the
+suite's cluster for this module (as in ``test_node_loss.py``); the fault-free run is made in the
+same cluster with the same config, since the suite's reference runs another layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from conftest import STEPS
+from resilient_rl.faults.harness import check_invariants, leftovers, run_training
+from resilient_rl.faults.nodes import RemoveNodeOf, local_nodes
+
+pytestmark = pytest.mark.slow  # two runs of 4 ranks on three raylets: minutes on 2 busy cores
+
+
+def overrides(tmp: str) -> list[str]:
+    return [
+        f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "trainer.placement=colocated",
+        "trainer.nnodes=2", "actor.world_size=4", "data.batch_size=16", "data.num_prompts=64",
+        "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=2", "critic.ppo_epochs=2",
+        "ray.cpus_per_worker=0.05", f"checkpoint.save_every={STEPS}", "recovery.snapshot_every=1",
+        "recovery.call_timeout_s=20", "recovery.health_timeout_s=15", "recovery.hang_timeout_s=120",
+        "recovery.collective_timeout_s=30", "recovery.restart_timeout_s=120", "recovery.placement_timeout_s=120",
+        f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt",
+    ]
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    if ray.is_initialized():
+        ray.shutdown()  # the suite's cluster; ``chaos_ray`` starts it again on next use
+    with local_nodes(3, health_check_ms=1000, namespace="rrl-chaos-across") as cluster:
+        yield cluster
+
+
+def test_actor_across_nodes_loses_a_node_and_replays_nothing(nodes, tmp_path):
+    reference = run_training(overrides(str(tmp_path)), "across-reference")
+    assert reference.error is None, reference.error
+    assert not reference.events_of("worker_restarted"), "the fault-free run restarted nothing"
+
+    hook = RemoveNodeOf(nodes, rank=2, step=4, delay_s=0.3, after_snapshot=True)
+    result = run_training(overrides(str(tmp_path)), "across-node-loss", hooks=(hook,))
+    assert hook.removed is not None, "the node was removed"
+    assert [r for _, r in hook.ranks] == [2, 3], "ranks 2-3 were on the removed node, 0-1 elsewhere"
+    check_invariants(result, reference)
+    recovered = result.events_of("recovered")[-1]
+    assert recovered["source"] == "snapshot" and recovered["steps_replayed"] == 0, recovered
+    assert not [e for e in result.events_of("checkpoint_restored")], "nothing was read from storage"
+    sources = result.events_of("snapshot_restored")[-1]["sources"]
+    # Ranks 2-3 (actor and critic each) could only find copies off their lost node.
+    assert sources.get("peer", 0) + sources.get("object_store", 0) >= 4, sources
+    # The lost node's placement group went to the spare node: not the lost one, and not the
+    # surviving ranks' node (its label selector keeps the role across two nodes). A survivor may
+    # be restarted too (on its own node): gloo can abort a rank whose peer went on to its next
+    # collective on the broken group.
+    survivors = {nid for key, nid in hook.nodes_before.items() if key not in hook.ranks}
+    assert len(survivors) == 1 and hook.removed not in survivors
+    moved = {e["node"] for e in result.events_of("worker_restarted") if (e["group"], e["rank"]) in hook.ranks}
+    assert len(moved) == 1 and not moved & ({hook.removed} | survivors), moved
+    assert not leftovers(result)

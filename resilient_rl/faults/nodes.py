@@ -1,0 +1,105 @@
+"""Losing a whole node: a multi-raylet cluster on one machine and a hook that removes a rank's node.
+
+``ray.cluster_utils.Cluster`` starts a head and worker raylets on this machine, each a node of its
+own to Ray (its own node id, resources and object store), so roles across nodes, their placement
+groups and a node loss run for real, with the processes of the removed node killed. What it cannot
+show is a network between them: every node shares this machine's loopback, ``/dev/shm`` and CPU.
+A rank's node memory is found by its node id (:mod:`resilient_rl.workers.node_memory`), so a
+process on another node does not read the lost node's copies even though the files are visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import ray
+
+
+@contextlib.contextmanager
+def local_nodes(workers: int = 3, cpus_per_node: int = 8, object_store_bytes: int = 128 * 2**20,
+                namespace: str = "rrl-nodes", health_check_ms: int | None = None):
+    """A connected cluster of a CPU-less head and ``workers`` worker nodes (logical CPUs: the
+    ranks' CPU shares are small); Ray is shut down and the cluster removed on exit. The driver
+    must not be connected to another cluster. ``health_check_ms``: the GCS's health-check period
+    and timeout for the raylets (None: Ray's defaults)."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        raise RuntimeError("local_nodes: this process is already connected to a Ray cluster")
+    # A node that stops answering is declared dead after about period x threshold (Ray's defaults:
+    # 3 s x 5): a lost node's placement groups are placed again only then.
+    system = {"health_check_period_ms": health_check_ms, "health_check_timeout_ms": health_check_ms,
+              "health_check_failure_threshold": 3} if health_check_ms else {}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "object_store_memory": object_store_bytes,
+                                                            "_system_config": system})
+    try:
+        for _ in range(workers):
+            cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_bytes)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=namespace, log_to_driver=False, configure_logging=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+class RemoveNodeOf:
+    """Trainer hook: once step ``step`` is under way, remove (ungracefully: its raylet and every
+    process on it die at once) the worker node that hosts rank ``rank`` of the first process group.
+
+    The node goes from a thread, while the step runs: ``delay_s`` after the step starts and, with
+    ``after_snapshot``, not before the snapshot of the previous step is complete (a fault that
+    strikes mid-step, as most do, rather than in the instant between a step and its snapshot).
+    ``removed`` is the node id, ``fired_at`` the wall-clock time of the removal, ``ranks`` the
+    (group, rank)s that ran on the node, ``nodes_before`` every rank's node then."""
+
+    def __init__(self, cluster, rank: int, step: int, delay_s: float = 0.0, after_snapshot: bool = False,
+                 timeout_s: float = 60.0):
+        self.cluster, self.rank, self.step = cluster, rank, step
+        self.delay_s, self.after_snapshot, self.timeout_s = delay_s, after_snapshot, timeout_s
+        self.removed: str | None = None
+        self.fired_at: float | None = None
+        self.ranks: list[tuple[str, int]] = []
+        self.nodes_before: dict[tuple[str, int], str] = {}  # (group, rank) -> its node before the removal
+        self._thread: threading.Thread | None = None
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if step != self.step or self._thread is not None:
+            return
+        roles = trainer.roles
+        group = roles.distinct_groups()[0]
+        known = roles.known_workers
+        _, node_id = known[(group.name_prefix, self.rank)]
+        node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+        self.ranks = sorted(key for key, (_, nid) in known.items() if nid == node_id)
+        self.nodes_before = {key: nid for key, (_, nid) in known.items()}
+        snaps = trainer.snapshots if self.after_snapshot else None
+        self._thread = threading.Thread(target=self._remove, args=(node, node_id, snaps, step - 1),
+                                        name="remove-node", daemon=True)
+        self._thread.start()
+
+    def _remove(self, node, node_id: str, snaps, previous: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        time.sleep(self.delay_s)
+        while snaps is not None and time.monotonic() < deadline:
+            if any(s.step == previous and _answered(s) for s in list(snaps.snapshots)):
+                break
+            time.sleep(0.02)
+        self.fired_at = time.time()
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.removed = node_id
+
+
+def _answered(snap) -> bool:
+    """Whether every take, publish and hold of ``snap`` has answered (read only: the keeper's own
+    bookkeeping stays with the controller's thread)."""
+    if snap.complete:
+        return True
+    refs = [r for rs in snap.done.values() for r in rs if r is not None] + list(snap.published) \
+        + [r for r, _ in snap.holds]
+    refs = list(dict.fromkeys(refs))  # colocated roles share their process's answer
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return len(ready) == len(refs)
