@@ -9,7 +9,7 @@ from resilient_rl.controller import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
+                                       clip_grad_norm, global_token_counts, is_fsdp, step_scheduler, update_is_finite,
                                        wrap_model)
 from resilient_rl.workers.policy import dp_world_size
 
@@ -34,12 +34,18 @@ class ValueEngine:
         self.model = wrap_model(build_value_model(model_cfg, vocab_size, seed, empty=empty), plan,
                                 critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
         self.model.train(False)
+        # A replica computing in bf16 runs under autocast; FSDP2 applies its own policy.
+        self._autocast = plan.mixed_precision and not is_fsdp(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
+    def _values(self, data: DataProto) -> torch.Tensor:
+        with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
+            return response_values(self.model, data, self.plan.device)
+
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> DataProto:
-        values = response_values(self.model, data, self.plan.device) * data.batch["response_mask"].to(self.plan.device)
+        values = self._values(data) * data.batch["response_mask"].to(self.plan.device)
         return DataProto.from_dict({"values": values.cpu()})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
@@ -59,7 +65,7 @@ class ValueEngine:
         for mb, mask, (tokens, _) in zip(mini_batches, masks, counts):
             progress.advance("mini-batch")
             b = mb.batch
-            vpreds = response_values(self.model, mb, self.plan.device)
+            vpreds = self._values(mb)
             scale = world * mask.sum() / tokens
             vf_loss, vf_clipfrac = value_loss(vpreds, b["values"].to(self.plan.device),
                                               b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
