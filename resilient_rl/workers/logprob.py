@@ -9,9 +9,9 @@ own forward with its output layer replaced, for that call, by a head that
   positions never reach the vocabulary projection;
 - projects them ``_CHUNK_ELEMENTS`` logits at a time and reduces each chunk at once to the
   chosen token's log-prob and the entropy (fp32), so at most one chunk of logits exists;
-- with gradients enabled, recomputes each chunk's logits in the backward pass
-  (``torch.utils.checkpoint``) instead of keeping them: the autograd graph holds the hidden
-  states, not the logits.
+- with gradients enabled and more than one chunk, recomputes each chunk's logits in the backward
+  pass (``torch.utils.checkpoint``) instead of keeping them: the autograd graph holds the hidden
+  states, not the logits (one extra projection of the response positions in the backward pass).
 
 The forward still goes through ``model(...)``, so FSDP2's hooks gather and free parameters as
 usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
@@ -67,7 +67,10 @@ def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
     h = hidden[:, -resp_len - 1:-1]
     flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     rows = max(1, chunk_elements // head.out_features)
-    recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.weight.requires_grad)
+    # One chunk holds all the logits: keeping them costs no more than the chunk budget, and
+    # recomputing them would add a projection to the backward pass for nothing.
+    recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.weight.requires_grad) \
+        and flat_h.shape[0] > rows
     parts = []
     for start in range(0, flat_h.shape[0], rows):
         args = (flat_h[start:start + rows], head.weight, head.bias, flat_labels[start:start + rows])
