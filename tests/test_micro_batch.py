@@ -151,3 +151,30 @@ def test_compile_traces_the_blocks_and_matches_eager(monkeypatch):
 def test_compile_with_inductor_runs_and_matches_eager():
     torch._dynamo.reset()
     _compile_matches_eager()
+
+
+def test_critic_token_micro_batches_and_checkpointing_give_the_row_batch_update():
+    from resilient_rl.workers.value import ValueEngine
+
+    batch = _batch()
+    batch.batch["values"] = 0.1 * batch.batch["advantages"]
+    batch.batch["returns"] = batch.batch["advantages"]
+
+    def run(**critic):
+        cfg = config_from_dict({"model": {"hidden_size": 32, "num_layers": 2,
+                                                                      "num_heads": 2, "intermediate_size": 64,
+                                                                      "max_seq_len": 16},
+                                "critic": {"mini_batch_size": 8, "ppo_epochs": 1, **critic}})
+        engine = ValueEngine(cfg.model, cfg.critic, VOCAB, 0, plan_device("cpu"))
+        values = engine.compute_values(batch).batch["values"]
+        metrics = engine.update(batch, step=0)
+        return engine, values, metrics, {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+    _, v0, m0, w0 = run()
+    engine, v1, m1, w1 = run(micro_batch_tokens=30, activation_checkpointing=True)
+    assert checkpointed_blocks(engine.model) == 2
+    assert torch.allclose(v1, v0, atol=1e-5)
+    for k in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
+    for n in w0:
+        assert torch.allclose(w1[n], w0[n], atol=1e-6), n

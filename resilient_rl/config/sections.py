@@ -254,8 +254,14 @@ class CriticConfig(Section):
     #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
+    #: As ``ActorConfig.micro_batch_tokens``, ``activation_checkpointing`` and ``compile``.
+    micro_batch_tokens: Optional[int] = None
+    activation_checkpointing: bool = False
+    compile: bool = False
 
     def validate(self) -> None:
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                 self.micro_batch_tokens, "must be >= 1 or null (one forward per mini-batch)")
         for name in ("ppo_epochs", "mini_batch_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _world_size_or_unset(self.world_size)
