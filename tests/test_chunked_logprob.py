@@ -8,7 +8,8 @@ import torch
 
 from resilient_rl.models.hf import load_hf_causal_lm, tiny_llama_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
-from resilient_rl.workers.logprob import full_response_logprobs, response_logprobs, supports_chunked_head
+from resilient_rl.workers.logprob import (full_response_logprobs, packed_inputs, response_logprobs,
+                                         supports_chunked_head)
 
 CPU = torch.device("cpu")
 B, P, R = 5, 7, 6
@@ -96,3 +97,28 @@ def test_models_that_transform_logits_take_the_full_path():
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(response_logprobs(model, batch, CPU),
                                                       full_response_logprobs(model, batch, CPU)))
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama", "qwen2"])
+def test_packed_rows_give_the_padded_rows_log_probs(name):
+    """All real tokens of the batch in one row, no mask: each sequence sees only itself."""
+    model = _models()[name]
+    batch = _batch(model.get_output_embeddings().out_features)
+    mask = batch["attention_mask"]
+    mask[2, P + 3:] = 0  # responses that ended early: padding after them
+    mask[3, P + 1:] = 0
+    valid = mask[:, P:].bool()
+    with torch.no_grad():
+        padded = response_logprobs(model, batch, CPU)
+        packed = response_logprobs(model, batch, CPU, pack=True)
+    for a, b in zip(padded, packed):
+        assert torch.allclose(a[valid], b[valid], atol=1e-5)
+        assert torch.equal(b[~valid], torch.zeros_like(b[~valid]))
+    # Without the packing, the same row of tokens attends across sequences: the values differ.
+    inputs, _ = packed_inputs(batch, CPU)
+    with torch.no_grad():
+        crossing = model(input_ids=inputs["input_ids"], attention_mask=torch.ones_like(inputs["input_ids"]),
+                         position_ids=inputs["position_ids"], use_cache=False).logits
+        # (Hugging Face models detect packed rows only without a cache, hence use_cache=False.)
+        separate = model(**inputs, use_cache=False).logits
+    assert (crossing - separate).abs().max() > 1e-5  # the tolerance the equality above uses

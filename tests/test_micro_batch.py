@@ -178,3 +178,22 @@ def test_critic_token_micro_batches_and_checkpointing_give_the_row_batch_update(
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
     for n in w0:
         assert torch.allclose(w1[n], w0[n], atol=1e-6), n
+
+
+def test_packed_micro_batches_count_real_tokens_and_give_the_row_batch_update():
+    mask = _batch().batch["attention_mask"]
+    real = mask.sum(dim=1)
+    ranges = micro_batch.micro_batches(mask, 24, packed=True)
+    assert all(int(real[s:e].sum()) <= 24 or e - s == 1 for s, e in ranges)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and ranges[-1][1] == 8
+    opts = dict(use_kl_loss=True, entropy_coeff=0.01)
+    batch = _batch()
+    resp = batch.batch["response_mask"]
+    _, lp_rows, m_rows, w_rows = _update(_cfg(**opts), batch)
+    for extra in ({"packing": True}, {"packing": True, "micro_batch_tokens": 30}):
+        _, lp, m, w = _update(_cfg(**opts, **extra), batch)
+        assert torch.allclose(lp * resp, lp_rows * resp, atol=1e-5), extra
+        for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+            assert m[k] == pytest.approx(m_rows[k], rel=1e-4, abs=1e-6), (k, extra)
+        for n in w_rows:
+            assert torch.allclose(w[n], w_rows[n], atol=1e-6), (n, extra)

@@ -220,6 +220,10 @@ class ActorConfig(Section):
     activation_checkpointing: bool = False
     #: ``torch.compile`` each transformer block (needs a C++ compiler on CPU; first steps compile).
     compile: bool = False
+    #: Run each (micro-)batch's real tokens end to end in one row, without padding (positions tell
+    #: the sequences apart); ``micro_batch_tokens`` then counts real tokens. Log-prob and update
+    #: passes; values are computed padded.
+    packing: bool = False
 
     def validate(self) -> None:
         require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",

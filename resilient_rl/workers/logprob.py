@@ -33,8 +33,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
+from resilient_rl.errors import ModelInputError
 
-__all__ = ["full_response_logprobs", "response_logprobs", "supports_chunked_head"]
+__all__ = ["full_response_logprobs", "packed_inputs", "response_logprobs", "supports_chunked_head"]
 
 #: Logits of one chunk: 2^26 fp32 values (256 MiB), e.g. 443 tokens of a 151 k vocabulary.
 _CHUNK_ELEMENTS = 1 << 26
@@ -60,11 +61,21 @@ def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
-                  chunk_elements: int) -> torch.Tensor:
+                  chunk_elements: int, sources: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, R, 2]`` log-probs and entropies of ``labels`` ``[B, R]`` from the last positions of
-    ``hidden`` ``[B, T, H]``."""
+    ``hidden`` ``[B, T, H]``; with ``sources`` (packed rows), from the flat token ``sources[b, r]``
+    of ``hidden``, or zeros where it is -1 (a response token after the end)."""
+    if sources is not None:
+        valid = sources >= 0
+        flat = hidden.reshape(-1, hidden.shape[-1])[sources[valid]]
+        stats = _chunked_head(flat[None, :, :], head, labels[valid][None, :], chunk_elements, None) \
+            if flat.shape[0] else flat.new_zeros((1, 0, 2), dtype=torch.float32)
+        out = stats.new_zeros((*labels.shape, 2))
+        out[valid] = stats[0]
+        return out
     resp_len = labels.shape[1]
-    h = hidden[:, -resp_len - 1:-1]
+    # A packed row's hidden states arrive already gathered: one position per label.
+    h = hidden[:, -resp_len - 1:-1] if hidden.shape[1] > resp_len else hidden
     flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     rows = max(1, chunk_elements // head.out_features)
     # One chunk holds all the logits: keeping them costs no more than the chunk budget, and
@@ -96,6 +107,21 @@ def _model_inputs(data, device: torch.device) -> dict[str, torch.Tensor]:
                 position_ids=b["position_ids"].to(device))
 
 
+def packed_inputs(data, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The batch's real tokens (attention mask 1) end to end in one row, without padding
+    (:mod:`resilient_rl.models.packing`), and ``sources`` ``[B, R]``: the packed index of the token
+    that predicts each response token, -1 where that response token is padding."""
+    b = data.batch if hasattr(data, "batch") else data
+    mask = b["attention_mask"].to(device).bool()
+    resp_len = b["responses"].shape[1]
+    index = mask.reshape(-1).cumsum(0).reshape(mask.shape) - 1  # packed index of each real token
+    predicted = mask[:, -resp_len:]
+    sources = torch.where(predicted & mask[:, -resp_len - 1:-1], index[:, -resp_len - 1:-1], -1)
+    inputs = dict(input_ids=b["input_ids"].to(device)[mask][None], attention_mask=None,
+                  position_ids=b["position_ids"].to(device)[mask][None])
+    return inputs, sources
+
+
 def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference path: full ``[B, T, V]`` logits, then log-probs and entropies ``[B, R]``."""
     b = data.batch if hasattr(data, "batch") else data
@@ -105,20 +131,27 @@ def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tupl
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
-def response_logprobs(model: nn.Module, data, device: torch.device,
-                      chunk_elements: int = _CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elements: int = _CHUNK_ELEMENTS,
+                      pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[B, R]`` (fp32) of ``data``'s response tokens (a DataProto or a
     dict with ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``), without
-    full-vocabulary logits when the model allows it (:func:`supports_chunked_head`)."""
+    full-vocabulary logits when the model allows it (:func:`supports_chunked_head`).
+
+    ``pack``: the rows' real tokens run as one packed row (:func:`packed_inputs`), so no padding
+    is computed; response tokens under the attention mask (after the end) then get 0."""
     if not supports_chunked_head(model):
+        if pack:
+            raise ModelInputError(f"{type(model).__name__} transforms its logits after the output layer: "
+                                  "packed sequences need the chunked head (set packing to false)")
         return full_response_logprobs(model, data, device)
     b = data.batch if hasattr(data, "batch") else data
     labels = b["responses"].to(device)
     head = model.get_output_embeddings()
+    inputs, sources = packed_inputs(data, device) if pack else (_model_inputs(data, device), None)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return _chunked_head(hidden, head, labels, chunk_elements)
+        return _chunked_head(hidden, head, labels, chunk_elements, sources)
 
     with _head_replaced(head, forward):
-        stats = model(**_model_inputs(data, device), use_cache=False).logits
+        stats = model(**inputs, use_cache=False).logits
     return stats[..., 0], stats[..., 1]

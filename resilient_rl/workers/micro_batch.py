@@ -28,20 +28,22 @@ def row_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
     return width - first
 
 
-def micro_batches(attention_mask: torch.Tensor, max_tokens: int | None) -> list[tuple[int, int]]:
+def micro_batches(attention_mask: torch.Tensor, max_tokens: int | None, packed: bool = False) -> list[tuple[int, int]]:
     """Contiguous ``(start, end)`` row ranges covering the batch, each costing at most
-    ``max_tokens`` (rows x longest row), except a single row longer than that. ``None``: one range."""
+    ``max_tokens``, except a single row longer than that; ``None``: one range. The cost is rows x
+    longest row (padded), or with ``packed`` the sum of the rows' real tokens (packed sequences)."""
     rows = attention_mask.shape[0]
     if max_tokens is None or rows == 0:
         return [(0, rows)]
-    lengths = row_lengths(attention_mask).tolist()
-    ranges, start, longest = [], 0, 0
+    lengths = (attention_mask != 0).sum(dim=1).tolist() if packed else row_lengths(attention_mask).tolist()
+    ranges, start, longest, total = [], 0, 0, 0
     for i, length in enumerate(lengths):
-        longest_with = max(longest, length)
-        if i > start and (i - start + 1) * longest_with > max_tokens:
+        longest_with, total_with = max(longest, length), total + length
+        cost = total_with if packed else (i - start + 1) * longest_with
+        if i > start and cost > max_tokens:
             ranges.append((start, i))
-            start, longest_with = i, length
-        longest = longest_with
+            start, longest_with, total_with = i, length, length
+        longest, total = longest_with, total_with
     ranges.append((start, rows))
     return ranges
 
@@ -57,9 +59,11 @@ def trim_left_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k: (v[:, drop:] if k in _SEQUENCE_KEYS else v) for k, v in batch.items()}
 
 
-def split(batch: dict[str, torch.Tensor], max_tokens: int | None) -> list[dict[str, torch.Tensor]]:
-    """``batch`` (tensors with rows first) as token-sized, trimmed micro-batches; ``None`` keeps it whole."""
+def split(batch: dict[str, torch.Tensor], max_tokens: int | None, packed: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``batch`` (tensors with rows first) as token-sized, trimmed micro-batches; ``None`` keeps it
+    whole. ``packed``: sized for packed sequences (their padding is never computed, so not trimmed)."""
     if max_tokens is None:
         return [dict(batch)]
-    return [trim_left_padding({k: v[s:e] for k, v in batch.items()})
-            for s, e in micro_batches(batch["attention_mask"], max_tokens)]
+    ranges = micro_batches(batch["attention_mask"], max_tokens, packed)
+    parts = [{k: v[s:e] for k, v in batch.items()} for s, e in ranges]
+    return parts if packed else [trim_left_padding(p) for p in parts]

@@ -59,12 +59,13 @@ class PolicyEngine:
         # A replica computing in bf16 runs under autocast; FSDP2 applies its own policy.
         self._autocast = plan.mixed_precision and not is_fsdp(self.model)
         self.micro_batch_tokens = getattr(actor_cfg, "micro_batch_tokens", None)
+        self.packing = bool(getattr(actor_cfg, "packing", False))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
 
     def _logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
-            return response_logprobs(self.model, batch, self.plan.device)
+            return response_logprobs(self.model, batch, self.plan.device, pack=self.packing)
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> DataProto:
@@ -76,7 +77,7 @@ class PolicyEngine:
             parts = [{k: v[i:i + micro_batch_size] for k, v in batch.items()}
                      for i in range(0, len(data), micro_batch_size)]
         else:
-            parts = micro_batch.split(batch, self.micro_batch_tokens)
+            parts = micro_batch.split(batch, self.micro_batch_tokens, self.packing)
         logps, ents = [], []
         for part in parts:
             progress.advance("micro-batch")
@@ -134,7 +135,7 @@ class PolicyEngine:
         dev = self.plan.device
         mb_tokens, mb_seqs = mask.sum().clamp(min=1.0), mask.bool().any(dim=-1).sum().clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
-        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens):
+        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing):
             m = part["response_mask"].to(dev).float()
             logp, ent = self._logprobs(part)
             # A local mean times world * (local units / global units) is this rank's share of the
