@@ -90,7 +90,9 @@ def setup(tmp_path, monkeypatch):
 def test_trains_end_to_end_from_a_saved_model_folder(tmp_path, setup, arch):
     overrides, module = setup
     saved, eos_ids = save_model_folder(tmp_path / arch, arch)
-    cfg = load_config(resolve_path("pkg://resilient_rl/configs/gsm8k_llama.yaml"), overrides(tmp_path / arch))
+    # Qwen2 trains on packed sequences, Llama on padded token-sized micro-batches.
+    packing = ["actor.packing=true"] if arch == "qwen2" else []
+    cfg = load_config(resolve_path("pkg://resilient_rl/configs/gsm8k_llama.yaml"), overrides(tmp_path / arch) + packing)
     assert cfg.model.hf_config is None and cfg.model.dtype == "auto"
     trainer = PPOTrainer(cfg, roles_factory=LocalRoles)
     # The tokenizer names one eos; the model's generation config adds the others, in its order.
