@@ -13,7 +13,6 @@ worth having, and fp32 keeps CPU runs bit-reproducible).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -42,13 +41,11 @@ class DevicePlan:
     def mixed_precision(self) -> bool:
         return self.param_dtype != self.reduce_dtype
 
-    def autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """The context a forward of ``model`` runs in: FSDP2 applies the mixed precision of a
-        sharded model itself (its policy casts the gathered parameters); a replica keeps fp32
-        weights and computes in ``param_dtype`` under autocast."""
-        if not self.mixed_precision or is_fsdp(model):
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.param_dtype)
+    def autocast_enabled(self, model: nn.Module) -> bool:
+        """Whether forwards of ``model`` run under autocast to ``param_dtype``: FSDP2 applies the
+        mixed precision of a sharded model itself (its policy casts the gathered parameters); a
+        replica keeps fp32 weights and computes in ``param_dtype`` under autocast."""
+        return self.mixed_precision and not is_fsdp(model)
 
 
 def _check_device(device: str) -> None:

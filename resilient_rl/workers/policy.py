@@ -20,7 +20,7 @@ from resilient_rl.workers import micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.logprob import response_logprobs
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, is_fsdp, step_scheduler, update_is_finite,
+                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
                                        wrap_model)
 
 
@@ -56,8 +56,7 @@ class PolicyEngine:
         strategy = actor_cfg.strategy if actor_cfg is not None else "auto"
         self.model = wrap_model(model, plan, strategy, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
-        # A replica computing in bf16 runs under autocast; FSDP2 applies its own policy.
-        self._autocast = plan.mixed_precision and not is_fsdp(self.model)
+        self._autocast = plan.autocast_enabled(self.model)
         self.micro_batch_tokens = getattr(actor_cfg, "micro_batch_tokens", None)
         self.packing = bool(getattr(actor_cfg, "packing", False))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None

@@ -11,7 +11,7 @@ from resilient_rl.protocol import DataProto
 from resilient_rl.workers import micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, is_fsdp, step_scheduler, update_is_finite,
+                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
                                        wrap_model)
 from resilient_rl.workers.policy import dp_world_size
 
@@ -39,8 +39,7 @@ class ValueEngine:
         self.model = wrap_model(model, plan, critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
         self.micro_batch_tokens = critic_cfg.micro_batch_tokens
         self.model.train(False)
-        # A replica computing in bf16 runs under autocast; FSDP2 applies its own policy.
-        self._autocast = plan.mixed_precision and not is_fsdp(self.model)
+        self._autocast = plan.autocast_enabled(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
