@@ -17,7 +17,10 @@ The forward still goes through ``model(...)``, so FSDP2's hooks gather and free 
 usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
 :func:`~resilient_rl.algos.losses.logprobs_from_logits` and
 :func:`~resilient_rl.algos.losses.entropy_from_logits` on the same logits, so on CPU the results
-equal the full-logits path's (tests/test_chunked_logprob.py checks this bit for bit).
+equal the full-logits path's (tests/test_chunked_logprob.py checks this bit for bit). Gradients
+are the same terms summed in another order (the full path's head gradient also sums the zero rows
+of the prompt positions), equal within float rounding (rtol 1e-5): weights after an update differ
+from the full path's in the last bits, and a run stays bit-reproducible with itself.
 Models that post-process logits after the head (Gemma's final soft-capping, Cohere's logit
 scale) take the full-logits path.
 """
