@@ -91,11 +91,16 @@ def _free_port() -> int:
 
 
 def _fsdp_rank(rank: int, port: int, out) -> None:
+    import resilient_rl.workers.logprob as logprob
+
     torch.set_num_threads(1)
+    # Several chunks, so that the backward pass recomputes chunk logits from the root's gathered
+    # parameters; checkpointed blocks recompute inside their FSDP units; packed rows.
+    logprob._CHUNK_ELEMENTS = VOCAB * 3
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        cfg = _cfg(strategy="fsdp")
+        cfg = _cfg(strategy="fsdp", activation_checkpointing=True, packing=True, micro_batch_tokens=12)
         engine = PolicyEngine(cfg.model, VOCAB, 0, plan_device("cpu", "bfloat16"), actor_cfg=cfg.actor)
         dtypes = _compute_dtypes(engine)
         metrics = engine.update(_batch(), step=0)
@@ -108,6 +113,7 @@ def _fsdp_rank(rank: int, port: int, out) -> None:
 
 
 def test_fsdp2_shards_keep_fp32_while_blocks_compute_in_bf16():
+    """Two gloo ranks, FSDP2 with bf16 compute, with the update-pass options on."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()

@@ -134,7 +134,7 @@ def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tupl
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
-def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elements: int = _CHUNK_ELEMENTS,
+def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elements: int | None = None,
                       pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[B, R]`` (fp32) of ``data``'s response tokens (a DataProto or a
     dict with ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``), without
@@ -150,6 +150,7 @@ def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elemen
     b = data.batch if hasattr(data, "batch") else data
     labels = b["responses"].to(device)
     head = model.get_output_embeddings()
+    chunk_elements = _CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
     inputs, sources = packed_inputs(data, device) if pack else (_model_inputs(data, device), None)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
