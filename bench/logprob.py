@@ -4,7 +4,8 @@
 For each variant it times the no-grad log-prob pass and a forward + backward of
 ``sum(log_prob) + sum(entropy)`` (the update's shape of work) and, on CUDA, reads the peak of
 allocated memory. Variants: ``full`` (``[B, T, V]`` logits, then log-softmax, as before),
-``chunked``, ``chunked+ckpt`` (activation checkpointing of every block) and, with ``--compile``,
+``chunked``, ``chunked+ckpt`` (activation checkpointing of every block), ``chunked+packed`` (the
+rows' real tokens in one row, no padding computed) and, with ``--compile``,
 ``chunked+compile`` (``torch.compile``'d blocks; its warm-up call compiles). Random weights,
 built from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
 
@@ -105,13 +106,17 @@ def main() -> None:
           f"{SHAPES[args.shape]['vocab_size']}), batch {args.batch} x (prompt {args.prompt} + response "
           f"{args.response}), {device}, compute {dtype}, fp32 master weights")
     results, values = {}, {}
-    variants = [("full", False, False, False), ("chunked", True, False, False), ("chunked+ckpt", True, True, False)]
+    variants = [("full", False, False, False), ("chunked", True, False, False), ("chunked+ckpt", True, True, False),
+                ("chunked+packed", "packed", False, False)]
     if args.compile:
         variants.append(("chunked+compile", True, False, True))
     for name, chunked, ckpt, compiled in variants:
         model = build(args.shape, device, ckpt, compiled)
         data = batch(model.config.vocab_size, args.batch, args.prompt, args.response, device)
-        fn = response_logprobs if chunked else full_response_logprobs
+        fn = full_response_logprobs if not chunked else response_logprobs
+        if chunked == "packed":
+            def fn(model, data, device):  # noqa: E731 - the rows' real tokens in one row
+                return response_logprobs(model, data, device, pack=True)
 
         def logprob():
             with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -134,6 +139,7 @@ def main() -> None:
     for name, (t_lp, m_lp, t_up, m_up) in results.items():
         print(f"{name:14s} {t_lp:11.4f} {m_lp:9.2f} {t_up:10.4f} {m_up:9.2f}   "
               f"{t_lp / base[0]:.2f}x {t_up / base[2]:.2f}x; {m_lp / base[1]:.2f}x {m_up / base[3]:.2f}x")
+    print(f"max |packed - full| log-prob: {(values['chunked+packed'] - values['full']).abs().max().item():.3g}")
     diff = (values["chunked"] - values["full"]).abs().max().item()
     print(f"max |chunked - full| log-prob: {diff:.3g} ({'bit-identical' if diff == 0 else 'compute dtype ' + str(dtype)})")
 

@@ -20,5 +20,5 @@ def test_logprob_bench_runs_on_cpu_and_reports_equal_log_probs():
                            "--response", "8", "--repeats", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert [line.split()[0] for line in lines[2:5]] == ["full", "chunked", "chunked+ckpt"]
+    assert [line.split()[0] for line in lines[2:6]] == ["full", "chunked", "chunked+ckpt", "chunked+packed"]
     assert lines[-1] == "max |chunked - full| log-prob: 0 (bit-identical)"
