@@ -75,7 +75,7 @@ def rebuild_s(build, empty: bool, state: dict, plan) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = load_config(None, [*DEFAULTS, *args.overrides])
-    plan = plan_device(cfg.trainer.device)
+    plan = plan_device(cfg.trainer.device, cfg.model.dtype)
     torch.set_num_threads(1)  # as in a CPU worker
     times: dict[tuple[str, bool], list[float]] = {}
     params = {}

@@ -41,7 +41,7 @@ def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     try:
         # HSDP: a (replicate, shard) mesh, one row per node; one SGD step on this rank's data.
-        model = fsdp.wrap_model(_model(), fsdp.plan_device("cpu", "hybrid"), "fsdp")
+        model = fsdp.wrap_model(_model(), fsdp.plan_device("cpu", sharding="hybrid"), "fsdp")
         weight = next(model.parameters())
         mesh = (tuple(weight.device_mesh.shape), weight.device_mesh.mesh_dim_names,
                 [type(p).__name__ for p in weight.placements])

@@ -28,6 +28,8 @@ STRATEGIES = ("auto", "fsdp", "ddp")
 BUILTIN_TASKS = ("reverse", "copy", "add")
 #: Rewards ``data.reward_fn`` may name without an import path (:data:`resilient_rl.data.rewards.REWARDS`).
 BUILTIN_REWARDS = ("exact_match", "partial_match", "gsm8k")
+#: Compute dtypes of ``model.dtype`` (``auto``: bf16 on CUDA, fp32 on CPU).
+MODEL_DTYPES = ("auto", "float32", "bfloat16")
 
 
 class ConfigFieldError(ConfigError):
@@ -143,9 +145,14 @@ class ModelConfig(Section):
     num_heads: int = 4
     intermediate_size: int = 256
     max_seq_len: int = 64
+    #: Compute dtype of the trained and scoring passes and of generation. Master weights, gradients
+    #: reduction and optimizer state stay fp32 (FSDP2's mixed-precision policy, or autocast for a
+    #: replica). ``auto``: bfloat16 on CUDA (when the GPU supports it), float32 on CPU (bit-reproducible).
+    dtype: str = "auto"
 
     def validate(self) -> None:
         choice("kind", self.kind, ("tiny", "hf"))
+        choice("dtype", self.dtype, MODEL_DTYPES)
         require(self.kind != "hf" or self.path is not None or self.hf_config is not None, "path", self.path,
                  "model.kind='hf' needs model.path (a local HF directory) or model.hf_config")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
@@ -206,8 +213,22 @@ class ActorConfig(Section):
     #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
+    #: Split each mini-batch into micro-batches of at most this many tokens (rows x their longest
+    #: unpadded length), accumulating gradients over them; null: one forward per mini-batch. Also
+    #: bounds the log-prob passes' batches. A row longer than the budget gets a micro-batch alone.
+    micro_batch_tokens: Optional[int] = None
+    #: Recompute each transformer block's activations in the backward pass instead of keeping them.
+    activation_checkpointing: bool = False
+    #: ``torch.compile`` each transformer block (needs a C++ compiler on CPU; first steps compile).
+    compile: bool = False
+    #: Run each (micro-)batch's real tokens end to end in one row, without padding (positions tell
+    #: the sequences apart); ``micro_batch_tokens`` then counts real tokens. Log-prob and update
+    #: passes; values are computed padded.
+    packing: bool = False
 
     def validate(self) -> None:
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                 self.micro_batch_tokens, "must be >= 1 or null (one forward per mini-batch)")
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
@@ -238,8 +259,14 @@ class CriticConfig(Section):
     #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
+    #: As ``ActorConfig.micro_batch_tokens``, ``activation_checkpointing`` and ``compile``.
+    micro_batch_tokens: Optional[int] = None
+    activation_checkpointing: bool = False
+    compile: bool = False
 
     def validate(self) -> None:
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                 self.micro_batch_tokens, "must be >= 1 or null (one forward per mini-batch)")
         for name in ("ppo_epochs", "mini_batch_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _world_size_or_unset(self.world_size)

@@ -30,6 +30,8 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     eos_token_id: int
+    #: Every id that ends a response (``eos_token_id`` first): generation stops on any of them.
+    eos_token_ids: list[int]
     pad_token_id: int
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -56,6 +58,7 @@ class CharTokenizer:
             raise TokenizerError(f"tokenizer alphabet repeats characters {dupes!r}")
         self.alphabet = alphabet
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
+        self.eos_token_ids = [self.eos_token_id]
         self._specials = (PAD, BOS, EOS)
         self._to_id = {c: i + len(self._specials) for i, c in enumerate(alphabet)}
 
@@ -130,6 +133,7 @@ class HFTokenizer:
             raise ConfigError(f"data.tokenizer={source!r} has no eos token: generation needs one to know where "
                               "a response ends (set eos_token in its tokenizer_config.json)")
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self.eos_token_ids = [self.eos_token_id]
         if tokenizer.pad_token_id is None:
             logger.info("data.tokenizer=%r has no pad token: padding with its eos token %r (id %d)",
                         source, tokenizer.eos_token, self.eos_token_id)
@@ -182,12 +186,25 @@ class HFTokenizer:
         kept = [i for i in (int(x) for x in ids) if 0 <= i < self.vocab_size]
         return self.hf.decode(kept, skip_special_tokens=skip_special)
 
+    def add_eos_token_ids(self, ids: Iterable[int]) -> None:
+        """Also end responses at ``ids`` (the model's generation config lists the ids a chat model
+        stops on; its tokenizer names only one). Ids outside the vocabulary are refused."""
+        for raw in ids:
+            i = int(raw)
+            if not 0 <= i < self.vocab_size:
+                raise ConfigError(f"eos token id {i} (from the model's generation_config.json/config.json) is "
+                                  f"outside data.tokenizer={self.source!r}'s vocabulary of {self.vocab_size} ids")
+            if i not in self.eos_token_ids:
+                self.eos_token_ids.append(i)
+
     def decode_response(self, ids: Iterable[int]) -> str:
-        """A generated response as text: everything before the first eos, specials dropped."""
+        """A generated response as text: everything before the first eos (any of
+        :attr:`eos_token_ids`), specials dropped."""
+        stops = set(self.eos_token_ids)
         out = []
         for raw in ids:
             i = int(raw)
-            if i == self.eos_token_id:
+            if i in stops:
                 break
             out.append(i)
         return self.decode(out)
@@ -202,7 +219,7 @@ class HFTokenizer:
                 "vocab_size": self.vocab_size}
 
     def __repr__(self) -> str:
-        return (f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size}, eos={self.eos_token_id}, "
+        return (f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size}, eos={self.eos_token_ids}, "
                 f"pad={self.pad_token_id}, chat_template={self.use_chat_template})")
 
 

@@ -2,7 +2,9 @@
 
 ``model_cfg`` is any object with the model config's attributes (``kind``, ``path``, ``hf_config``,
 ``hidden_size``, ``num_layers``, ``num_heads``, ``intermediate_size``, ``max_seq_len``, and optionally
-``tie_embeddings``, ``init_std``, ``dtype``); missing attributes take the tiny model's defaults.
+``tie_embeddings``, ``init_std``); missing attributes take the tiny model's defaults. Weights are
+built in float32 whatever ``model.dtype`` says: they are the master weights; the compute dtype is
+applied by the wrapping (:func:`resilient_rl.workers.fsdp.plan_device`).
 Models are built under a forked RNG seeded with ``seed``: the same seed gives the same weights on
 every rank and every restart, and building never moves the caller's global RNG.
 """
@@ -18,6 +20,7 @@ from torch import nn
 
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.hf import hf_layers, load_hf_causal_lm, load_hf_config
+from resilient_rl.models.hf_folder import check_max_seq_len
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.models.value import CausalLMWithValueHead
 
@@ -122,17 +125,6 @@ def _get(model_cfg: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _dtype(model_cfg: Any) -> torch.dtype:
-    value = _get(model_cfg, "dtype", torch.float32)
-    if isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"model.dtype must name a floating torch dtype (e.g. 'float32', 'bfloat16'), "
-                          f"got {value!r}")
-    return dtype
-
-
 def model_vocab_size(model_cfg: Any, vocab_size: int | None) -> int | None:
     """The vocabulary the model described by ``model_cfg`` will have, for a tokenizer of ``vocab_size`` ids.
 
@@ -166,7 +158,8 @@ def _build_hf(model_cfg: Any, vocab_size: int | None, empty: bool = False) -> nn
     resolved = model_vocab_size(model_cfg, vocab_size)
     if hf_config is not None and resolved is not None and path is None:
         hf_config = {**dict(hf_config), "vocab_size": resolved}
-    model = load_hf_causal_lm(path=path, hf_config=hf_config, dtype=_dtype(model_cfg), weights=not empty)
+    check_max_seq_len(model_cfg)
+    model = load_hf_causal_lm(path=path, hf_config=hf_config, dtype=torch.float32, weights=not empty)
     model_vocab = model.get_input_embeddings().num_embeddings
     if vocab_size is not None and model_vocab < vocab_size:
         raise ConfigError(f"model vocabulary ({model_vocab} embeddings, from "

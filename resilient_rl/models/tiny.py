@@ -19,6 +19,7 @@ from torch import nn
 
 from resilient_rl.errors import ConfigError, ModelInputError
 from resilient_rl.models.generation import compute_position_ids
+from resilient_rl.models.packing import packed_causal_mask
 
 __all__ = ["CausalLMOutput", "KVCache", "TinyCausalLM", "TinyLMConfig"]
 
@@ -188,6 +189,9 @@ class TinyCausalLM(nn.Module):
         if past_key_values is not None and len(past_key_values) != len(self.layers):
             raise ModelInputError(f"past_key_values has {len(past_key_values)} layers, "
                                   f"the model has {len(self.layers)}")
+        # Without an attention mask, explicit positions may pack several sequences per row, as
+        # Hugging Face models accept them.
+        packed = attention_mask is None and position_ids is not None and past_key_values is None
         if attention_mask is None:
             attention_mask = torch.ones((batch, total), dtype=torch.long, device=input_ids.device)
         elif attention_mask.shape != (batch, total):
@@ -204,7 +208,10 @@ class TinyCausalLM(nn.Module):
             raise ConfigError(f"position {max_pos} is past model.max_seq_len={self.config.max_seq_len}; "
                               "raise model.max_seq_len to cover prompt + response length")
 
-        mask = _attention_mask_4d(attention_mask, past_len, seq)
+        if packed:  # sequences laid end to end, told apart by their positions (models/packing.py)
+            mask = packed_causal_mask(position_ids)
+        else:
+            mask = _attention_mask_4d(attention_mask, past_len, seq)
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)
         presents = []
         for i, layer in enumerate(self.layers):

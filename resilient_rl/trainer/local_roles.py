@@ -48,11 +48,11 @@ class LocalRoles:
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         cfg, tokenizer = self.cfg, self.tokenizer
-        plan = plan_device(cfg.trainer.device)
+        plan = plan_device(cfg.trainer.device, cfg.model.dtype)
         vocab, seed, steps = tokenizer.vocab_size, cfg.trainer.seed, cfg.trainer.total_steps
         self.actor = PolicyEngine(cfg.model, vocab, seed, plan, actor_cfg=cfg.actor, total_steps=steps)
         self.ref = PolicyEngine(cfg.model, vocab, seed, plan, trainable=False)
-        self.rollout = RolloutEngine(cfg.model, cfg.rollout, vocab, seed, plan, tokenizer.eos_token_id,
+        self.rollout = RolloutEngine(cfg.model, cfg.rollout, vocab, seed, plan, list(tokenizer.eos_token_ids),
                                      tokenizer.pad_token_id)
         self.critic_enabled = cfg.critic.enabled
         self.critic = ValueEngine(cfg.model, cfg.critic, vocab, seed + 1, plan, total_steps=steps) \

@@ -21,6 +21,7 @@ from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
 from resilient_rl.checkpoint.shared_root import require_shared_root
+from resilient_rl.models.hf_folder import check_max_seq_len, model_eos_token_ids
 from resilient_rl.runtime import cluster
 from resilient_rl.runtime.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
@@ -64,6 +65,10 @@ class PPOTrainer:
         self.task = get_task(cfg.data)
         self.tokenizer = build_tokenizer(cfg.data, self.task)
         model_vocab_size(cfg.model, self.tokenizer.vocab_size)  # fail here, not in a worker, if too small
+        check_max_seq_len(cfg.model)
+        extra_eos = model_eos_token_ids(cfg.model)
+        if extra_eos and hasattr(self.tokenizer, "add_eos_token_ids"):
+            self.tokenizer.add_eos_token_ids(extra_eos)
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
         self.dataset.check_fits(cfg.model.max_seq_len, cfg.rollout.max_new_tokens)
         self.loader = StatefulPromptLoader.from_config(self.dataset, cfg.data)

@@ -52,7 +52,7 @@ class RayRoles:
         self.weight_channel = not self.colocated and (transfer == "channel" or (transfer == "auto" and self.use_gpu))
         self.generation = 0
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                    eos_token_id=list(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
         self.torch_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
         self.spares: dict[str, SparePool] = {}  # process group -> its warm spares (recovery.spares)
         self.groups: dict[str, RayWorkerGroup] = {}

@@ -5,9 +5,10 @@ recommend: each block's parameters are gathered (and prefetched by NCCL while th
 computes) just before it runs and freed after. On CPU the model is one FSDP unit: gloo overlaps
 nothing with compute and every collective costs a round of latency, so one all-gather and one
 reduce-scatter per mini-batch beat one per block (measured: about 2x less CPU per update for the
-tiny model on 2 ranks). On CUDA the parameters compute in bf16 with fp32 gradient reduction; on CPU
-everything stays fp32 (gloo has no bf16 reductions worth having, and fp32 keeps CPU runs
-bit-reproducible).
+tiny model on 2 ranks). ``model.dtype`` sets the compute dtype (:func:`plan_device`): by default
+bf16 on CUDA with fp32 master weights, optimizer state and gradient reduction (FSDP2's
+``MixedPrecisionPolicy``; autocast for a replica), and fp32 on CPU (gloo has no bf16 reductions
+worth having, and fp32 keeps CPU runs bit-reproducible).
 
 A role whose ranks span nodes is sharded over all of them (``trainer.sharding=full``) or, with
 ``hybrid`` (HSDP), within each node and replicated across nodes: a 2-D ``(replicate, shard)``
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient_rl import env
-from resilient_rl.config.sections import STRATEGIES
+from resilient_rl.config.sections import MODEL_DTYPES, STRATEGIES
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.factory import transformer_blocks
 from resilient_rl.workers.shm_reduce import ReducerCache
@@ -48,6 +49,12 @@ class DevicePlan:
     def mixed_precision(self) -> bool:
         return self.param_dtype != self.reduce_dtype
 
+    def autocast_enabled(self, model: nn.Module) -> bool:
+        """Whether forwards of ``model`` run under autocast to ``param_dtype``: FSDP2 applies the
+        mixed precision of a sharded model itself (its policy casts the gathered parameters); a
+        replica keeps fp32 weights and computes in ``param_dtype`` under autocast."""
+        return self.mixed_precision and not is_fsdp(model)
+
 
 def _check_device(device: str) -> None:
     if device not in ("auto", "cpu", "cuda"):
@@ -62,10 +69,16 @@ def uses_cuda(device: str = "auto") -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.device_count() > 0)
 
 
-def plan_device(device: str = "auto", sharding: str = "full") -> DevicePlan:
-    """CUDA with bf16 mixed precision when there is a GPU (``auto`` or ``cuda``), else fp32 on CPU.
+def plan_device(device: str = "auto", dtype: str = "auto", sharding: str = "full") -> DevicePlan:
+    """Where and in which precision a worker computes: CUDA when there is a GPU (``auto`` or
+    ``cuda``), else CPU; ``dtype`` (``model.dtype``) is the compute dtype: ``auto`` is bfloat16 on
+    CUDA when the GPU supports it and float32 otherwise (CPU runs stay bit-reproducible).
+    Gradients are reduced in float32 and the master weights stay float32 in every case.
+    ``sharding`` (``trainer.sharding``): ``full`` or ``hybrid`` (HSDP across nodes).
     On CUDA it initialises CUDA on the current device."""
     _check_device(device)
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
     if sharding not in ("full", "hybrid"):
         raise ConfigError(f"trainer.sharding must be full or hybrid, got {sharding!r}")
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
@@ -73,8 +86,13 @@ def plan_device(device: str = "auto", sharding: str = "full") -> DevicePlan:
             raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
         dev = torch.device("cuda", torch.cuda.current_device())
         bf16 = torch.cuda.is_bf16_supported()
-        return DevicePlan(dev, torch.bfloat16 if bf16 else torch.float32, torch.float32, sharding)
-    return DevicePlan(torch.device("cpu"), torch.float32, torch.float32, sharding)
+        if dtype == "bfloat16" and not bf16:
+            raise ConfigError(f"model.dtype=bfloat16 but {torch.cuda.get_device_name(dev)} has no bf16 support; "
+                              "use model.dtype=float32")
+        return DevicePlan(dev, torch.bfloat16 if dtype != "float32" and bf16 else torch.float32, torch.float32,
+                          sharding)
+    return DevicePlan(torch.device("cpu"), torch.bfloat16 if dtype == "bfloat16" else torch.float32, torch.float32,
+                      sharding)
 
 
 def has_meta_parameters(model: nn.Module) -> bool:

@@ -12,10 +12,13 @@ import torch
 import torch.distributed as dist
 
 from resilient_rl.algos.kl import kl_penalty
-from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss
+from resilient_rl.algos.losses import ppo_policy_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
+from resilient_rl.workers import micro_batch
+from resilient_rl.workers.block_options import apply_block_options
+from resilient_rl.workers.logprob import response_logprobs
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
                                        clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
                                        wrap_model)
@@ -25,17 +28,15 @@ def dp_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def response_logits(model, data: DataProto, device: torch.device) -> torch.Tensor:
-    """Logits predicting each response token: positions ``P-1 .. P+R-2`` of the full sequence."""
-    b = data.batch
-    resp_len = b["responses"].shape[1]
-    out = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
-                position_ids=b["position_ids"].to(device), use_cache=False)
-    return out.logits[:, -resp_len - 1:-1, :].float()
-
-
 class PolicyEngine:
-    """A causal LM that scores responses and, when trainable, takes PPO steps."""
+    """A causal LM that scores responses and, when trainable, takes PPO steps.
+
+    Log-probs are computed without full-vocabulary logits (:mod:`resilient_rl.workers.logprob`).
+    With ``actor.micro_batch_tokens`` a mini-batch is split into token-sized micro-batches whose
+    gradients accumulate before the one optimizer step (:mod:`resilient_rl.workers.micro_batch`);
+    each micro-batch's loss is scaled by its share of the global token (or sequence) count, so
+    the gradient equals the unsplit mini-batch's up to summation order.
+    """
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
@@ -48,24 +49,40 @@ class PolicyEngine:
         model = build_causal_lm(model_cfg, vocab_size, seed, empty=empty)
         if not trainable:
             model.requires_grad_(False)
+        elif actor_cfg is not None:
+            apply_block_options(model, actor_cfg.activation_checkpointing, actor_cfg.compile)
         # The ref (no actor config) follows ``auto``: a replica on CPU (its forward then runs no
         # FSDP hooks), FSDP2 shards on CUDA (less memory; once gathered, no collectives either).
         strategy = actor_cfg.strategy if actor_cfg is not None else "auto"
         self.model = wrap_model(model, plan, strategy, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
+        self._autocast = plan.autocast_enabled(self.model)
+        self.micro_batch_tokens = getattr(actor_cfg, "micro_batch_tokens", None)
+        self.packing = bool(getattr(actor_cfg, "packing", False))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
 
+    def _logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
+            return response_logprobs(self.model, batch, self.plan.device, pack=self.packing)
+
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> DataProto:
-        """Log-probs (and entropies) of the response tokens under the current weights."""
-        parts = [data] if not micro_batch_size else data.split(micro_batch_size)
+        """Log-probs (and entropies) of the response tokens under the current weights, in
+        micro-batches of ``micro_batch_size`` rows, else of ``actor.micro_batch_tokens`` tokens."""
+        keys = ["input_ids", "attention_mask", "position_ids", "responses"]
+        batch = {k: data.batch[k] for k in keys}
+        if micro_batch_size:
+            parts = [{k: v[i:i + micro_batch_size] for k, v in batch.items()}
+                     for i in range(0, len(data), micro_batch_size)]
+        else:
+            parts = micro_batch.split(batch, self.micro_batch_tokens, self.packing)
         logps, ents = [], []
         for part in parts:
             progress.advance("micro-batch")
-            logits = response_logits(self.model, part, self.plan.device)
-            logps.append(logprobs_from_logits(logits, part.batch["responses"].to(self.plan.device)).cpu())
-            ents.append(entropy_from_logits(logits).cpu())
+            logp, ent = self._logprobs(part)
+            logps.append(logp.cpu())
+            ents.append(ent.cpu())
         return DataProto.from_dict({"log_probs": torch.cat(logps), "entropys": torch.cat(ents)})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
@@ -89,28 +106,7 @@ class PolicyEngine:
         counts = global_token_counts(masks).clamp(min=1.0)
         for mb, mask, (tokens, seqs) in zip(mini_batches, masks, counts):
             progress.advance("mini-batch")
-            b = mb.batch
-            logits = response_logits(self.model, mb, self.plan.device)
-            logp = logprobs_from_logits(logits, b["responses"].to(self.plan.device))
-            # A local mean times world * (local units / global units) is this rank's share of the
-            # global mean (FSDP averages gradients over ranks): units are tokens for token means,
-            # sequences with a valid token for the policy loss's sequence means.
-            scale = world * mask.sum() / tokens
-            pg = ppo_policy_loss(b["old_log_probs"].to(self.plan.device), logp, b["advantages"].to(self.plan.device),
-                                 mask, clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
-            loss = pg["pg_loss"]
-            entropy = (entropy_from_logits(logits) * mask).sum() / mask.sum().clamp(min=1.0)
-            if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * entropy
-            if cfg.use_kl_loss:
-                kl = kl_penalty(logp, b["ref_log_prob"].to(self.plan.device), cfg.kl_loss_type)
-                kl_loss = (kl * mask).sum() / mask.sum().clamp(min=1.0)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-            if cfg.loss_agg_mode == "token-mean":
-                (loss * scale).backward()
-            else:
-                seq_scale = world * mask.bool().any(dim=-1).sum() / seqs
-                (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
+            terms = self._accumulate(mb, mask, tokens, seqs, world)
             all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
@@ -120,10 +116,7 @@ class PolicyEngine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             n_updates += 1
-            terms = [("actor/pg_loss", pg["pg_loss"]), ("actor/pg_clipfrac", pg["pg_clipfrac"]),
-                     ("actor/ppo_kl", pg["ppo_kl"]), ("actor/entropy", entropy), ("actor/grad_norm", grad_norm)]
-            if cfg.use_kl_loss:
-                terms.append(("actor/kl_loss", kl_loss))
+            terms.append(("actor/grad_norm", grad_norm))
             for k, v in terms:
                 sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
         step_scheduler(self.scheduler, n_updates)
@@ -132,3 +125,47 @@ class PolicyEngine:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/nonfinite_skipped"] = float(skipped)
         return metrics
+
+    def _accumulate(self, mb: DataProto, mask: torch.Tensor, tokens: torch.Tensor, seqs: torch.Tensor,
+                    world: int) -> list[tuple[str, torch.Tensor]]:
+        """Forward and backward of one mini-batch, micro-batch by micro-batch; returns the
+        mini-batch's loss terms (each micro-batch's weighted by its share of the mini-batch)."""
+        cfg = self.cfg
+        dev = self.plan.device
+        mb_tokens, mb_seqs = mask.sum().clamp(min=1.0), mask.bool().any(dim=-1).sum().clamp(min=1)
+        sums: dict[str, torch.Tensor] = {}
+        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing):
+            m = part["response_mask"].to(dev).float()
+            logp, ent = self._logprobs(part)
+            # A local mean times world * (local units / global units) is this rank's share of the
+            # global mean (FSDP averages gradients over ranks): units are tokens for token means,
+            # sequences with a valid token for the policy loss's sequence means.
+            scale = world * m.sum() / tokens
+            pg = ppo_policy_loss(part["old_log_probs"].to(dev), logp, part["advantages"].to(dev), m,
+                                 clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
+            loss = pg["pg_loss"]
+            entropy = (ent * m).sum() / m.sum().clamp(min=1.0)
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * entropy
+            kl_loss = None
+            if cfg.use_kl_loss:
+                kl = kl_penalty(logp, part["ref_log_prob"].to(dev), cfg.kl_loss_type)
+                kl_loss = (kl * m).sum() / m.sum().clamp(min=1.0)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+            seq_share = m.bool().any(dim=-1).sum() / mb_seqs
+            if cfg.loss_agg_mode == "token-mean":
+                (loss * scale).backward()
+            else:
+                seq_scale = world * m.bool().any(dim=-1).sum() / seqs
+                (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
+            # Metrics of the mini-batch: token-weighted means, the policy loss's sequence means
+            # weighted by sequences (equal to the unsplit mini-batch's values).
+            tok_share = m.sum() / mb_tokens
+            pg_share = tok_share if cfg.loss_agg_mode == "token-mean" else seq_share
+            terms = [("actor/pg_loss", pg["pg_loss"].detach(), pg_share), ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share),
+                     ("actor/ppo_kl", pg["ppo_kl"], tok_share), ("actor/entropy", entropy.detach(), tok_share)]
+            if kl_loss is not None:
+                terms.append(("actor/kl_loss", kl_loss.detach(), tok_share))
+            for k, v, share in terms:
+                sums[k] = sums.get(k, 0.0) + v * share
+        return list(sums.items())

@@ -103,7 +103,7 @@ class RoleWorker(Worker):
         made the rank's GPU current): the constructor never initialises CUDA, so a warm spare
         built like a rank can still take a dead rank's GPUs (:mod:`resilient_rl.runtime.devices`)."""
         if self._plan is None:
-            self._plan = plan_device(self.cfg.trainer.device, self.cfg.trainer.sharding)
+            self._plan = plan_device(self.cfg.trainer.device, self.cfg.model.dtype, self.cfg.trainer.sharding)
         return self._plan
 
     def release_engine(self) -> None:

@@ -8,15 +8,18 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
+from resilient_rl.workers import micro_batch
+from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
                                        clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
                                        wrap_model)
 from resilient_rl.workers.policy import dp_world_size
 
 
-def response_values(model, data: DataProto, device: torch.device) -> torch.Tensor:
-    """Value of the state before each response token (positions ``P-1 .. P+R-2``)."""
-    b = data.batch
+def response_values(model, data, device: torch.device) -> torch.Tensor:
+    """Value of the state before each response token (positions ``P-1 .. P+R-2``); ``data`` is a
+    DataProto or a dict of its tensors."""
+    b = data.batch if hasattr(data, "batch") else data
     resp_len = b["responses"].shape[1]
     values = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
                    position_ids=b["position_ids"].to(device))
@@ -31,16 +34,26 @@ class ValueEngine:
         """``empty``: as for :class:`~resilient_rl.workers.policy.PolicyEngine`."""
         self.plan = plan
         self.cfg = critic_cfg
-        self.model = wrap_model(build_value_model(model_cfg, vocab_size, seed, empty=empty), plan,
-                                critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
+        model = apply_block_options(build_value_model(model_cfg, vocab_size, seed, empty=empty),
+                                    critic_cfg.activation_checkpointing, critic_cfg.compile)
+        self.model = wrap_model(model, plan, critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
+        self.micro_batch_tokens = critic_cfg.micro_batch_tokens
         self.model.train(False)
+        self._autocast = plan.autocast_enabled(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
+    def _values(self, data) -> torch.Tensor:
+        with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
+            return response_values(self.model, data, self.plan.device)
+
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> DataProto:
-        values = response_values(self.model, data, self.plan.device) * data.batch["response_mask"].to(self.plan.device)
-        return DataProto.from_dict({"values": values.cpu()})
+        """Values of the states before each response token (0 under the mask), in micro-batches
+        of ``critic.micro_batch_tokens`` tokens."""
+        batch = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+        values = [self._values(part).cpu() for part in micro_batch.split(batch, self.micro_batch_tokens)]
+        return DataProto.from_dict({"values": torch.cat(values) * data.batch["response_mask"]})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
         """Value-loss epochs over mini-batches of ``data``; one scheduler step. A mini-batch with a
@@ -58,12 +71,7 @@ class ValueEngine:
         counts = global_token_counts(masks).clamp(min=1.0)
         for mb, mask, (tokens, _) in zip(mini_batches, masks, counts):
             progress.advance("mini-batch")
-            b = mb.batch
-            vpreds = response_values(self.model, mb, self.plan.device)
-            scale = world * mask.sum() / tokens
-            vf_loss, vf_clipfrac = value_loss(vpreds, b["values"].to(self.plan.device),
-                                              b["returns"].to(self.plan.device), mask, cfg.cliprange_value)
-            (vf_loss * scale).backward()
+            terms = self._accumulate(mb, mask, tokens, world)
             all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
@@ -73,9 +81,7 @@ class ValueEngine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             n += 1
-            for k, v in (("critic/vf_loss", vf_loss), ("critic/vf_clipfrac", vf_clipfrac),
-                         ("critic/grad_norm", grad_norm),
-                         ("critic/vpred_mean", (vpreds * mask).sum() / mask.sum().clamp(min=1.0))):
+            for k, v in terms + [("critic/grad_norm", grad_norm)]:
                 sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
         step_scheduler(self.scheduler, n)
         self.model.train(False)
@@ -83,3 +89,22 @@ class ValueEngine:
         metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["critic/nonfinite_skipped"] = float(skipped)
         return metrics
+
+    def _accumulate(self, mb: DataProto, mask: torch.Tensor, tokens: torch.Tensor,
+                    world: int) -> list[tuple[str, torch.Tensor]]:
+        """Forward and backward of one mini-batch, micro-batch by micro-batch (token-weighted
+        loss terms; see :class:`~resilient_rl.workers.policy.PolicyEngine`)."""
+        dev = self.plan.device
+        mb_tokens = mask.sum().clamp(min=1.0)
+        sums: dict[str, torch.Tensor] = {}
+        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens):
+            m = part["response_mask"].to(dev).float()
+            vpreds = self._values(part)
+            vf_loss, vf_clipfrac = value_loss(vpreds, part["values"].to(dev), part["returns"].to(dev), m,
+                                              self.cfg.cliprange_value)
+            (vf_loss * (world * m.sum() / tokens)).backward()
+            share = m.sum() / mb_tokens
+            for k, v in (("critic/vf_loss", vf_loss.detach()), ("critic/vf_clipfrac", vf_clipfrac),
+                         ("critic/vpred_mean", (vpreds.detach() * m).sum() / m.sum().clamp(min=1.0))):
+                sums[k] = sums.get(k, 0.0) + v * share
+        return list(sums.items())

@@ -1,0 +1,148 @@
+"""The log-prob and update passes of a Qwen2.5-shaped policy: chosen-token log-probs in chunks
+(resilient_rl/workers/logprob.py) against full-vocabulary logits, in the same run.
+
+For each variant it times the no-grad log-prob pass and a forward + backward of
+``sum(log_prob) + sum(entropy)`` (the update's shape of work) and, on CUDA, reads the peak of
+allocated memory. Variants: ``full`` (``[B, T, V]`` logits, then log-softmax, as before),
+``chunked``, ``chunked+ckpt`` (activation checkpointing of every block), ``chunked+packed`` (the
+rows' real tokens in one row, no padding computed) and, with ``--compile``,
+``chunked+compile`` (``torch.compile``'d blocks; its warm-up call compiles). Random weights,
+built from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
+
+    python bench/logprob.py                                # CPU, tiny shape
+    python bench/logprob.py --shape qwen2.5-1.5b --batch 8 --prompt 256 --response 512   # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+try:
+    import ray  # noqa: F401  (the library's root package imports Ray)
+except ImportError:
+    # A GPU image without Ray: load the library's modules without its Ray-facing root package.
+    package = types.ModuleType("resilient_rl")
+    package.__path__ = [str(ROOT / "resilient_rl")]
+    sys.modules["resilient_rl"] = package
+
+from resilient_rl.workers.block_options import apply_block_options  # noqa: E402
+from resilient_rl.workers.logprob import full_response_logprobs, response_logprobs  # noqa: E402
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936),
+}
+
+
+def build(shape: str, device: torch.device, checkpointing: bool, compile: bool = False) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", max_position_embeddings=4096, tie_word_embeddings=True,
+                                  rope_theta=1e6, **SHAPES[shape])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights
+    return apply_block_options(model, activation_checkpointing=checkpointing, compile=compile)
+
+
+def batch(vocab: int, rows: int, prompt: int, response: int, device: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (rows, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(rows):  # left padding of varied length, as a batch of prompts has
+        mask[r, :(r * 37) % (prompt // 2)] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                               responses=ids[:, prompt:]).items()}
+
+
+def measure(fn, device: torch.device, repeats: int) -> tuple[float, float]:
+    """(median seconds, peak allocated GiB on CUDA else nan) over ``repeats`` calls after one warm-up."""
+    fn()
+    times, peak = [], float("nan")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    return statistics.median(times), peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--response", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also a variant with torch.compile'd blocks")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # model.dtype=auto
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")) if device.type == "cpu" else torch.get_num_threads())
+    print(f"shape {args.shape} ({SHAPES[args.shape]['num_hidden_layers']} layers, vocab "
+          f"{SHAPES[args.shape]['vocab_size']}), batch {args.batch} x (prompt {args.prompt} + response "
+          f"{args.response}), {device}, compute {dtype}, fp32 master weights")
+    results, values = {}, {}
+    variants = [("full", False, False, False), ("chunked", True, False, False), ("chunked+ckpt", True, True, False),
+                ("chunked+packed", "packed", False, False)]
+    if args.compile:
+        variants.append(("chunked+compile", True, False, True))
+    for name, chunked, ckpt, compiled in variants:
+        model = build(args.shape, device, ckpt, compiled)
+        data = batch(model.config.vocab_size, args.batch, args.prompt, args.response, device)
+        fn = full_response_logprobs if not chunked else response_logprobs
+        if chunked == "packed":
+            def fn(model, data, device):  # noqa: E731 - the rows' real tokens in one row
+                return response_logprobs(model, data, device, pack=True)
+
+        def logprob():
+            with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                values[name] = fn(model, data, device)[0].float().cpu()
+
+        def update():
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                logp, ent = fn(model, data, device)
+            (logp.sum() + ent.sum()).backward()
+
+        model.train(True)
+        results[name] = measure(logprob, device, args.repeats) + measure(update, device, args.repeats)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = results["full"]
+    print(f"{'':14s} {'log-prob s':>11s} {'peak GiB':>9s} {'fwd+bwd s':>10s} {'peak GiB':>9s}   ratios to full "
+          "(time log-prob, fwd+bwd; peak log-prob, fwd+bwd)")
+    for name, (t_lp, m_lp, t_up, m_up) in results.items():
+        print(f"{name:14s} {t_lp:11.4f} {m_lp:9.2f} {t_up:10.4f} {m_up:9.2f}   "
+              f"{t_lp / base[0]:.2f}x {t_up / base[2]:.2f}x; {m_lp / base[1]:.2f}x {m_up / base[3]:.2f}x")
+    print(f"max |packed - full| log-prob: {(values['chunked+packed'] - values['full']).abs().max().item():.3g}")
+    diff = (values["chunked"] - values["full"]).abs().max().item()
+    print(f"max |chunked - full| log-prob: {diff:.3g} ({'bit-identical' if diff == 0 else 'compute dtype ' + str(dtype)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Log-probs and entropies of the chosen response tokens without full-vocabulary logits.
+
+A causal LM's forward ends with ``lm_head(hidden)``: ``[batch, len, vocab]`` logits, which for a
+151 k vocabulary and GSM8K-length responses is the largest tensor of the step (and its fp32 copy,
+its softmax and their gradients come on top). :func:`response_logprobs` instead runs the model's
+own forward with its output layer replaced, for that call, by a head that
+
+- keeps only the positions that predict response tokens (``P-1 .. P+R-2``), so the prompt's
+  positions never reach the vocabulary projection;
+- projects them ``_CHUNK_ELEMENTS`` logits at a time and reduces each chunk at once to the
+  chosen token's log-prob and the entropy (fp32), so at most one chunk of logits exists;
+- with gradients enabled and more than one chunk, recomputes each chunk's logits in the backward
+  pass (``torch.utils.checkpoint``) instead of keeping them: the autograd graph holds the hidden
+  states, not the logits (one extra projection of the response positions in the backward pass).
+
+The forward still goes through ``model(...)``, so FSDP2's hooks gather and free parameters as
+usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
+:func:`~resilient_rl.algos.losses.logprobs_from_logits` and
+:func:`~resilient_rl.algos.losses.entropy_from_logits` on the same logits, so on CPU the results
+equal the full-logits path's (tests/test_chunked_logprob.py checks this bit for bit). Gradients
+are the same terms summed in another order (the full path's head gradient also sums the zero rows
+of the prompt positions), equal within float rounding (rtol 1e-5): weights after an update differ
+from the full path's in the last bits, and a run stays bit-reproducible with itself.
+Models that post-process logits after the head (Gemma's final soft-capping, Cohere's logit
+scale) take the full-logits path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
+from resilient_rl.errors import ModelInputError
+
+__all__ = ["full_response_logprobs", "packed_inputs", "response_logprobs", "supports_chunked_head"]
+
+#: Logits of one chunk: 2^26 fp32 values (256 MiB), e.g. 443 tokens of a 151 k vocabulary.
+_CHUNK_ELEMENTS = 1 << 26
+
+# Config attributes of families whose forward transforms the head's output.
+_POST_HEAD = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+def supports_chunked_head(model: nn.Module) -> bool:
+    """Whether ``model``'s logits are its output layer's output, untransformed (see module docs)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return False
+    config = getattr(model, "config", None)
+    return not any(getattr(config, name, None) not in (None, 1, 1.0) for name in _POST_HEAD)
+
+
+def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 labels: torch.Tensor) -> torch.Tensor:
+    """``[n, 2]``: log-prob of ``labels`` and entropy, from ``hidden`` ``[n, H]``."""
+    logits = F.linear(hidden, weight, bias)
+    return torch.stack([logprobs_from_logits(logits, labels), entropy_from_logits(logits)], dim=-1)
+
+
+def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
+                  chunk_elements: int, sources: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, R, 2]`` log-probs and entropies of ``labels`` ``[B, R]`` from the last positions of
+    ``hidden`` ``[B, T, H]``; with ``sources`` (packed rows), from the flat token ``sources[b, r]``
+    of ``hidden``, or zeros where it is -1 (a response token after the end)."""
+    if sources is not None:
+        valid = sources >= 0
+        flat = hidden.reshape(-1, hidden.shape[-1])[sources[valid]]
+        stats = _chunked_head(flat[None, :, :], head, labels[valid][None, :], chunk_elements, None) \
+            if flat.shape[0] else flat.new_zeros((1, 0, 2), dtype=torch.float32)
+        out = stats.new_zeros((*labels.shape, 2))
+        out[valid] = stats[0]
+        return out
+    resp_len = labels.shape[1]
+    # A packed row's hidden states arrive already gathered: one position per label.
+    h = hidden[:, -resp_len - 1:-1] if hidden.shape[1] > resp_len else hidden
+    flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    rows = max(1, chunk_elements // head.out_features)
+    # One chunk holds all the logits: keeping them costs no more than the chunk budget, and
+    # recomputing them would add a projection to the backward pass for nothing.
+    recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.weight.requires_grad) \
+        and flat_h.shape[0] > rows
+    parts = []
+    for start in range(0, flat_h.shape[0], rows):
+        args = (flat_h[start:start + rows], head.weight, head.bias, flat_labels[start:start + rows])
+        parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
+    out = torch.cat(parts) if parts else flat_h.new_zeros((0, 2), dtype=torch.float32)
+    return out.reshape(*labels.shape, 2)
+
+
+@contextlib.contextmanager
+def _head_replaced(head: nn.Module, forward) -> Iterator[None]:
+    # An instance attribute shadows the class's forward for this call only; parameter names,
+    # hooks and FSDP2 state stay untouched.
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _model_inputs(data, device: torch.device) -> dict[str, torch.Tensor]:
+    b = data.batch if hasattr(data, "batch") else data
+    return dict(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
+                position_ids=b["position_ids"].to(device))
+
+
+def packed_inputs(data, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The batch's real tokens (attention mask 1) end to end in one row, without padding
+    (:mod:`resilient_rl.models.packing`), and ``sources`` ``[B, R]``: the packed index of the token
+    that predicts each response token, -1 where that response token is padding."""
+    b = data.batch if hasattr(data, "batch") else data
+    mask = b["attention_mask"].to(device).bool()
+    resp_len = b["responses"].shape[1]
+    index = mask.reshape(-1).cumsum(0).reshape(mask.shape) - 1  # packed index of each real token
+    predicted = mask[:, -resp_len:]
+    sources = torch.where(predicted & mask[:, -resp_len - 1:-1], index[:, -resp_len - 1:-1], -1)
+    inputs = dict(input_ids=b["input_ids"].to(device)[mask][None], attention_mask=None,
+                  position_ids=b["position_ids"].to(device)[mask][None])
+    return inputs, sources
+
+
+def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference path: full ``[B, T, V]`` logits, then log-probs and entropies ``[B, R]``."""
+    b = data.batch if hasattr(data, "batch") else data
+    labels = b["responses"].to(device)
+    out = model(**_model_inputs(data, device), use_cache=False)
+    logits = out.logits[:, -labels.shape[1] - 1:-1, :].float()
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+
+
+def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elements: int | None = None,
+                      pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``[B, R]`` (fp32) of ``data``'s response tokens (a DataProto or a
+    dict with ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``), without
+    full-vocabulary logits when the model allows it (:func:`supports_chunked_head`).
+
+    ``pack``: the rows' real tokens run as one packed row (:func:`packed_inputs`), so no padding
+    is computed; response tokens under the attention mask (after the end) then get 0."""
+    if not supports_chunked_head(model):
+        if pack:
+            raise ModelInputError(f"{type(model).__name__} transforms its logits after the output layer: "
+                                  "packed sequences need the chunked head (set packing to false)")
+        return full_response_logprobs(model, data, device)
+    b = data.batch if hasattr(data, "batch") else data
+    labels = b["responses"].to(device)
+    head = model.get_output_embeddings()
+    chunk_elements = _CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    inputs, sources = packed_inputs(data, device) if pack else (_model_inputs(data, device), None)
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return _chunked_head(hidden, head, labels, chunk_elements, sources)
+
+    with _head_replaced(head, forward):
+        stats = model(**inputs, use_cache=False).logits
+    return stats[..., 0], stats[..., 1]

@@ -1,0 +1,24 @@
+"""bench/logprob.py on CPU, at a toy size: it runs every variant and reports the chunked log-probs
+equal to the full-logits ones (nothing here reads its timings)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # a fresh interpreter importing transformers; tests/test_chunked_logprob.py covers the maths
+def test_logprob_bench_runs_on_cpu_and_reports_equal_log_probs():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "logprob.py"), "--batch", "2", "--prompt", "8",
+                           "--response", "8", "--repeats", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines[2:6]] == ["full", "chunked", "chunked+ckpt", "chunked+packed"]
+    assert lines[-1] == "max |chunked - full| log-prob: 0 (bit-identical)"

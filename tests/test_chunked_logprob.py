@@ -1,0 +1,124 @@
+"""Chosen-token log-probs without full-vocabulary logits (workers/logprob.py): the same values as
+the full-logits path, gradients within float tolerance, and no ``[B, R, V]`` tensor in the graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resilient_rl.models.hf import load_hf_causal_lm, tiny_llama_config
+from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
+from resilient_rl.workers.logprob import (full_response_logprobs, packed_inputs, response_logprobs,
+                                         supports_chunked_head)
+
+CPU = torch.device("cpu")
+B, P, R = 5, 7, 6
+
+
+def _qwen2(vocab: int) -> dict:
+    return {"model_type": "qwen2", "vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+            "max_position_embeddings": 64, "tie_word_embeddings": True}
+
+
+def _models():
+    torch.manual_seed(0)
+    return {"tiny": TinyCausalLM(TinyLMConfig(vocab_size=50, hidden_size=32, num_heads=2)),
+            "llama": load_hf_causal_lm(hf_config=tiny_llama_config(300, hidden_size=32, num_heads=2)),
+            "qwen2": load_hf_causal_lm(hf_config=_qwen2(200))}
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (B, P + R), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, P:]}
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama", "qwen2"])
+def test_chunked_equals_full_logits_bit_for_bit_and_gradients_within_tolerance(name):
+    model = _models()[name]
+    assert supports_chunked_head(model)
+    vocab = model.get_output_embeddings().out_features
+    batch = _batch(vocab)
+    with torch.no_grad():
+        full = full_response_logprobs(model, batch, CPU)
+        for chunk in (vocab * 4, vocab * 7, 1 << 26):  # several chunks (one uneven), one chunk
+            got = response_logprobs(model, batch, CPU, chunk_elements=chunk)
+            assert all(torch.equal(a, b) for a, b in zip(got, full)), chunk
+
+    def grads(fn, **kw):
+        model.zero_grad(set_to_none=True)
+        logp, ent = fn(model, batch, CPU, **kw)
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = grads(full_response_logprobs), grads(response_logprobs, chunk_elements=vocab * 4)
+    assert want.keys() == got.keys() and want
+    for n in want:  # the weight gradient is summed chunk by chunk: same terms, another order
+        assert torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-6), n
+
+
+def _largest_saved(fn, model, batch) -> int:
+    """The largest vocabulary-wide activation the autograd graph keeps for the backward pass
+    (recomputation inside the backward holds one chunk at a time and is not counted)."""
+    vocab = model.get_output_embeddings().out_features
+    params = {p.data_ptr() for p in model.parameters()}
+    sizes = [0]
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == vocab and t.data_ptr() not in params:
+            sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = fn(model, batch, CPU)
+    (logp.sum() + ent.sum()).backward()
+    return max(sizes)
+
+
+def test_graph_holds_no_full_vocabulary_logits():
+    model = _models()["llama"]
+    vocab = model.get_output_embeddings().out_features
+    batch = _batch(vocab)
+    logits_size = B * R * vocab
+    assert _largest_saved(full_response_logprobs, model, batch) >= logits_size  # the old path keeps them
+    assert _largest_saved(lambda m, b, d: response_logprobs(m, b, d, chunk_elements=vocab * 8), model, batch) == 0
+
+
+def test_models_that_transform_logits_take_the_full_path():
+    model = load_hf_causal_lm(hf_config={**tiny_llama_config(64), "model_type": "llama"})
+    model.config.final_logit_softcapping = 30.0
+    assert not supports_chunked_head(model)
+    batch = _batch(64)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(response_logprobs(model, batch, CPU),
+                                                      full_response_logprobs(model, batch, CPU)))
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama", "qwen2"])
+def test_packed_rows_give_the_padded_rows_log_probs(name):
+    """All real tokens of the batch in one row, no mask: each sequence sees only itself."""
+    model = _models()[name]
+    batch = _batch(model.get_output_embeddings().out_features)
+    mask = batch["attention_mask"]
+    mask[2, P + 3:] = 0  # responses that ended early: padding after them
+    mask[3, P + 1:] = 0
+    valid = mask[:, P:].bool()
+    with torch.no_grad():
+        padded = response_logprobs(model, batch, CPU)
+        packed = response_logprobs(model, batch, CPU, pack=True)
+    for a, b in zip(padded, packed):
+        assert torch.allclose(a[valid], b[valid], atol=1e-5)
+        assert torch.equal(b[~valid], torch.zeros_like(b[~valid]))
+    # Without the packing, the same row of tokens attends across sequences: the values differ.
+    inputs, _ = packed_inputs(batch, CPU)
+    with torch.no_grad():
+        crossing = model(input_ids=inputs["input_ids"], attention_mask=torch.ones_like(inputs["input_ids"]),
+                         position_ids=inputs["position_ids"], use_cache=False).logits
+        # (Hugging Face models detect packed rows only without a cache, hence use_cache=False.)
+        separate = model(**inputs, use_cache=False).logits
+    assert (crossing - separate).abs().max() > 1e-5  # the tolerance the equality above uses
