@@ -18,7 +18,10 @@ from test_snapshot_copy import Rank, assert_same, mlp
 
 
 def take(rank: Rank, step: int, run_dir: str, snap_id: str) -> dict:
-    return rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    """Take and seal (checksum, commit in node memory) as the controller asks a process."""
+    answer = rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    rank.seal_snapshot(step)
+    return answer
 
 
 def test_a_new_process_of_the_rank_loads_the_copy_its_predecessor_left(tmp_path):

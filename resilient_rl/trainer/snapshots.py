@@ -17,7 +17,13 @@ keeps one). Nothing is waited for: the calls queue behind the step on the worker
 the controller's own work. The controller keeps, per snapshot, the object references, which rank
 holds which copy and its own state (``trainer.state_dict()``) of that step.
 
-A snapshot is **complete** when every take, publish and hold of every rank has finished without
+Each process checksums its copies on its "snapshot" thread after the take (``seal_snapshot``,
+off the step's path; a copy in node memory is committed there only then), and every load checks
+the checksum before writing anything into the rank: a copy that fails it (torn, flipped) is
+reported (``snapshot_corrupt``, ``rrl_snapshot_corrupt_total``) and never restored; the rank
+tries its next copy, then an older snapshot, then storage.
+
+A snapshot is **complete** when every take, seal, publish and hold of every rank has finished without
 an error (checked without waiting, at use, from their small answers: no copy is fetched): the
 same all-ranks rule as a checkpoint commit. Only the newest complete snapshot and the ones in
 flight after it are kept.
@@ -98,6 +104,7 @@ class Snapshot:
     holders: dict[str, list]  # role -> the (role, rank) holding each rank's peer copy, None where none does
     node: dict[str, list]  # role -> each rank's NodeCopy, None where none
     process_of: dict  # (role, rank) -> key of its process
+    sealed: list = dataclasses.field(default_factory=list)  # ObjectRef of each process's seal_snapshot (checksums)
     failed: bool = False
     complete: bool = False
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
@@ -171,11 +178,13 @@ class SnapshotKeeper:
         takes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
         done: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
         nodes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
-        published = []
+        published, sealed = [], []
         for pkey, members in by_process.items():
             (role0, r0), here = members[0], [role for role, _ in members]
             where = {"dir": self.node_dir, "id": snap_id} if node[pkey] else None
             answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here, where)
+            # The checksum (and the commit in node memory) on the process's "snapshot" thread.
+            sealed.append(groups[role0].execute_rank_async(r0, "seal_snapshot", step, here, self.timeout_s))
             copies = None
             # The object store's copy: the way to a peer on another node, or the copy that
             # outlives the process where node memory does not.
@@ -194,7 +203,7 @@ class SnapshotKeeper:
             ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders, nodes,
-                        process_of)
+                        process_of, sealed)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
@@ -227,7 +236,7 @@ class SnapshotKeeper:
         if snap.complete or snap.failed:
             return snap.complete
         answers = list({id(r): r for rs in snap.done.values() for r in rs}.values())
-        refs = answers + snap.published + [r for r, _ in snap.holds]
+        refs = answers + snap.sealed + snap.published + [r for r, _ in snap.holds]
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if len(ready) < len(refs):
             return False
@@ -320,9 +329,14 @@ class SnapshotKeeper:
             refs = [by_role[role].execute_rank_async(r, "load_snapshot", snap.step, c, self.timeout_s)
                     for (role, r), c in asked]
             for ((role, r), _), ref in zip(asked, refs):
-                if self._answers(by_role[role], [ref])[0] is True:
+                answer = self._answers(by_role[role], [ref])[0]
+                if answer is True:
                     used[(role, r)] = name
                     todo.remove((role, r))
+                elif isinstance(answer, dict) and "corrupt" in answer:
+                    # Not restored (the rank checked before writing): its next copy is tried.
+                    self.emit("snapshot_corrupt", step=snap.step, role=role, rank=r, source=name,
+                              reason=str(answer["corrupt"]))
         if todo:
             role = todo[0][0]
             self.emit("snapshot_unusable", step=snap.step,

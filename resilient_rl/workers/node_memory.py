@@ -12,13 +12,20 @@ Layout, one directory per run and node (:func:`node_path`)::
     <root>/resilient-rl-<run>-<controller>/<node id>/
         .alive                          shared lock held by every process using the directory
         <role>-<rank>-<slot>.data       the packed tensors (preallocated with posix_fallocate)
-        <role>-<rank>-<slot>.meta       the snapshot without its data (pickled), written last
+        <role>-<rank>-<slot>.meta       the snapshot without its data, written last (JSON and the
+                                        tensor layout, :mod:`resilient_rl.workers.snapshot_meta`)
+
+Directories are created 0700 and files 0600: a snapshot is the model and optimizer state, for
+this user's processes only; and nothing read from them is unpickled.
 
 The ``.meta`` file is the commit marker: a take first removes the slot's ``.meta``, then copies
 into ``.data``, then writes the new ``.meta`` (to a temporary name, renamed over). A reader
 (:meth:`NodeFiles.find`) trusts only a slot whose ``.meta`` names the snapshot it was asked for
 (step and the controller's id of that snapshot), and checks again after reading
-(:meth:`NodeFiles.still`). The space is reserved up front (``posix_fallocate``): a tmpfs too
+(:meth:`NodeFiles.still`); the data's checksum in the ``.meta`` is checked before the copy is
+used. A slot's data file is never written again in place once mapped by a new ring: every
+mapping starts from a fresh file (the old one is unlinked first, so a reader that still maps it
+keeps reading its own bytes). The space is reserved up front (``posix_fallocate``): a tmpfs too
 small for the ring fails the reservation with an OSError, never a SIGBUS during the copy.
 
 Directories are removed by the controller at the end of a run (:func:`remove_run`, on every
@@ -34,12 +41,14 @@ import dataclasses
 import fcntl
 import logging
 import os
-import pickle
 import shutil
 import time
 from typing import Any
 
 import torch
+
+from resilient_rl.errors import CheckpointError
+from resilient_rl.workers import snapshot_meta
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +112,20 @@ def remove_predecessors(path: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
+def make_private_dirs(path: str) -> None:
+    """Create ``path`` and its parents up to the node-memory root, each 0700 (whatever the umask),
+    a directory that exists already made 0700 too where it is a run directory of ours."""
+    run = os.path.dirname(path)
+    for d in (run, path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+
+
 def _hold_alive(directory: str) -> None:
     if directory in _ALIVE:
         return
@@ -155,9 +178,9 @@ class NodeFiles:
         self.dir, self.role, self.rank = directory, role, int(rank)
 
     def open(self) -> None:
-        """Create the directory, mark it in use by this process, remove stale runs beside it."""
+        """Create the directory (0700), mark it in use by this process, remove stale runs beside it."""
         first = not os.path.isdir(self.dir)
-        os.makedirs(self.dir, exist_ok=True)
+        make_private_dirs(self.dir)
         _hold_alive(self.dir)
         if first:
             run = os.path.dirname(self.dir)
@@ -171,10 +194,14 @@ class NodeFiles:
         reserved (an OSError, e.g. ENOSPC, when the directory cannot hold it)."""
         self.open()
         path = self._path(slot, "data")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # A fresh file, never the old one's pages: whoever still maps the old one (a reader of the
+        # copy it held, a process of the rank before this one) keeps reading what it held.
         try:
-            if os.fstat(fd).st_size != nbytes:
-                os.ftruncate(fd, 0)
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
             if nbytes:
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError:
@@ -198,15 +225,20 @@ class NodeFiles:
         ``id``) once its data is complete."""
         path = self._path(slot, "meta")
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(snapshot_meta.encode(meta))
         os.replace(tmp, path)
 
     def _meta(self, slot: int) -> dict | None:
+        path = self._path(slot, "meta")
         try:
-            with open(self._path(slot, "meta"), "rb") as f:
-                return pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError):
+            with open(path, "rb") as f:
+                return snapshot_meta.decode(f.read(), path)
+        except OSError:
+            return None
+        except CheckpointError as exc:  # not this format (or damaged): not a copy to offer
+            logger.warning("%s", exc)
             return None
 
     def find(self, slots: int, step: int, snap_id: Any) -> tuple[int, dict, torch.Tensor] | None:
