@@ -88,7 +88,7 @@ class PPOTrainer:
                                  restore_source=lambda: self.restore_source)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
         self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key)
-                          if cfg.recovery.snapshot_every > 0 and self.checkpoints_on else None)
+                          if cfg.recovery.snapshot_every != 0 and self.checkpoints_on else None)
         self.restore_source: str | None = None  # where the last restore came from (the recovered event)
         # The controller's part of a checkpoint: one line per stateful part.
         self.state = ControllerState()
@@ -211,6 +211,8 @@ class PPOTrainer:
 
     def maybe_snapshot(self) -> None:
         """Start the in-memory snapshot of this step when due (not waited for)."""
+        if self.snapshots is not None:
+            self.snapshots.size(self.roles)  # recovery.snapshot_every=auto: once, after the first step
         if self.snapshots is not None and self.snapshots.due(self.step):
             self.snapshots.take(self.roles, self.step, self.state_dict())
             self.fire("on_snapshot_started", self.step)

@@ -1,6 +1,6 @@
 """Controller side of in-memory snapshots: take them after a step, restore the newest after a failure.
 
-Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
+Every ``recovery.snapshot_every`` steps (``auto``: sized after the first step, :meth:`SnapshotKeeper.size`), :meth:`SnapshotKeeper.take` asks every rank of every
 stateful role (actor, critic) to copy its state to host memory (``take_snapshot``, one call per
 process for the stateful roles it hosts). The ranks keep their copies in node memory
 (:mod:`resilient_rl.workers.node_memory`, under ``recovery.snapshot_node_dir`` in a directory of
@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import Any, Callable
@@ -50,6 +51,8 @@ from typing import Any, Callable
 import ray
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
+from resilient_rl.trainer.snapshot_sizing import decide
+from resilient_rl.workers.snapshot import KEEP
 from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
 
 logger = logging.getLogger(__name__)
@@ -124,7 +127,9 @@ class SnapshotKeeper:
     def __init__(self, cfg, emit: Callable[..., None] = lambda kind, **f: None,
                  wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter,
                  *, run_key: str):
-        self.every = cfg.snapshot_every
+        self.every = cfg.snapshot_every  # "auto" until sized (:meth:`size`)
+        self.use_node_memory = True  # False where auto sizing found node memory too small
+        self.sizing: Any = None  # the auto decision (snapshot_sizing.Decision), once made
         self.object_store_ok = cfg.max_task_retries == 0
         root = cfg.snapshot_node_dir
         # This run's node-memory directory (one part per node), unique to this controller; an
@@ -141,7 +146,29 @@ class SnapshotKeeper:
 
     # ------------------------------------------------------------------ take
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        return isinstance(self.every, int) and self.every > 0 and step % self.every == 0
+
+    def size(self, roles) -> None:
+        """Resolve ``snapshot_every=auto`` once, from the copies' bytes and what each node can hold
+        (:mod:`resilient_rl.trainer.snapshot_sizing`), and log the one line that says which and
+        why. Called after a step (the optimizer has its state); nothing when already resolved."""
+        if self.every != "auto":
+            return
+        groups = dict(roles.checkpoint_groups())
+        places = roles.role_processes()
+        ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
+        asked = []
+        for members in processes(ranks, places).values():
+            (role0, r0), here = members[0], [role for role, _ in members]
+            asked.append((groups[role0], groups[role0].execute_rank_async(
+                r0, "snapshot_sizing", here, self.node_dir and os.path.dirname(self.node_dir))))
+        reports = [g.get([ref], timeout_s=self.timeout_s)[0] for g, ref in asked]
+        self.sizing = decide(reports, KEEP, self.node_dir and os.path.dirname(self.node_dir) or "")
+        self.every, self.use_node_memory = self.sizing.every, self.sizing.node_memory
+        if self.every == 1:
+            logger.info(self.sizing.line)
+        else:
+            logger.warning(self.sizing.line)
 
     def take(self, roles, step: int, trainer_state: dict) -> Snapshot:
         """Start the snapshot of ``step`` on every stateful rank (nothing is waited for).
@@ -161,7 +188,8 @@ class SnapshotKeeper:
         process_of = {key: pkey for pkey, members in by_process.items() for key in members}
         self._taken += 1
         snap_id = f"{step}.{self._taken}"
-        node = {pkey: self.node_dir is not None and pkey not in self.no_node for pkey in by_process}
+        node = {pkey: self.node_dir is not None and self.use_node_memory and pkey not in self.no_node
+                for pkey in by_process}
         holders: dict[str, list] = {role: [] for role in groups}
         # holding process -> (its (role, rank) that is called, {owner process: owners kept})
         kept: dict[Any, tuple[tuple[str, int], dict[Any, list[tuple[str, int]]]]] = {}

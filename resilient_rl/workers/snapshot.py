@@ -48,8 +48,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from resilient_rl.controller.dispatch import Dispatch, register
-from resilient_rl.workers import snapshot_meta
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
+from resilient_rl.workers import node_capacity, snapshot_meta
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_id, node_path
 from resilient_rl.workers.snapshot_buffers import HostRing, Layout, as_tensor, copy_in, named_tensors
 
 logger = logging.getLogger(__name__)
@@ -395,6 +395,15 @@ class SnapshotMixin:
                 if snap is not None:
                     return snap
         return None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def snapshot_sizing(self, roles: list[str] | None = None, node_dir: str = "") -> dict:
+        """For ``recovery.snapshot_every=auto``: ``{"node": this node's id, "bytes": {role: bytes
+        of one snapshot copy}}`` for ``roles`` in this process at this rank, and ``"room"``: what
+        this node can hold (:func:`resilient_rl.workers.node_capacity.measure` of ``node_dir``)."""
+        workers = self._process_workers_of(roles, "snapshot_sizing")
+        return {"node": node_id(), "room": node_capacity.measure(node_dir),
+                "bytes": {role: int(Layout.of(w._snapshot_tensors()).total) for role, w in workers.items()}}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def has_snapshot(self, step: int) -> bool:
