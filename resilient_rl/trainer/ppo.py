@@ -27,6 +27,8 @@ from resilient_rl.trainer.resilience import Recovery
 from resilient_rl.trainer.run_dir import RunDir
 from resilient_rl.trainer.run_log import RunLog
 from resilient_rl.trainer.snapshots import SnapshotKeeper
+from resilient_rl.workers.node_sweep import sweep_every_node
+from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.data.tasks import get_task
 from resilient_rl.trainer.telemetry_hook import TelemetryHook
@@ -123,6 +125,10 @@ class PPOTrainer:
             if self.checkpoints_on:
                 self.ckpt.acquire_lease()  # before any worker starts: a second controller is refused at once
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
+            # Whatever the run, node memory left by owners that are gone (a killed controller's
+            # snapshots, a rank's reduction segment) is removed on every node.
+            sweep_every_node(self.cfg.recovery.snapshot_node_dir,
+                             self.snapshots.node_dir if self.snapshots is not None else None, SHM_DIR)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.restore(self.cfg.checkpoint.resume)
             if self.telemetry is not None:

@@ -54,6 +54,7 @@ from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
 from resilient_rl.trainer.snapshot_sizing import decide
 from resilient_rl.workers.snapshot import KEEP
 from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
+from resilient_rl.workers.node_sweep import owner_record
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class SnapshotKeeper:
         # earlier controller's of the same run is removed at the first snapshot.
         self.node_dir = run_path(root, run_key, uuid.uuid4().hex[:12]) if root else None
         self._predecessors_removed = root == ""
+        self.owner = owner_record()  # this controller: a start on any node removes its memory once it is gone
         self.no_node: set = set()  # processes whose node memory failed: their copies are published
         self._taken = 0
         self.timeout_s = min(cfg.call_timeout_s, 120.0)
@@ -209,7 +211,7 @@ class SnapshotKeeper:
         published, sealed = [], []
         for pkey, members in by_process.items():
             (role0, r0), here = members[0], [role for role, _ in members]
-            where = {"dir": self.node_dir, "id": snap_id} if node[pkey] else None
+            where = {"dir": self.node_dir, "id": snap_id, "owner": self.owner} if node[pkey] else None
             answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here, where)
             # The checksum (and the commit in node memory) on the process's "snapshot" thread.
             sealed.append(groups[role0].execute_rank_async(r0, "seal_snapshot", step, here, self.timeout_s))

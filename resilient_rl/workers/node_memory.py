@@ -30,9 +30,10 @@ small for the ring fails the reservation with an OSError, never a SIGBUS during 
 
 Directories are removed by the controller at the end of a run (:func:`remove_run`, on every
 node). One left behind by a controller that crashed is removed by the next controller of the same
-run when it starts snapshotting (:func:`remove_predecessors`), else by the next process that
-opens a directory on the same node (:func:`sweep_stale`) once no process holds its ``.alive``
-lock and it has not changed for :data:`STALE_S`.
+run when it starts snapshotting (:func:`remove_predecessors`), and by the start of any run on the
+same node once its owner (the controller named in its ``.owner``) is gone
+(:mod:`resilient_rl.workers.node_sweep`); one whose owner cannot be checked from the node, once
+no process holds its ``.alive`` lock and it has not changed for :data:`STALE_S` (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -174,17 +175,23 @@ def sweep_stale(root: str, keep: str, now: float | None = None) -> list[str]:
 class NodeFiles:
     """The ring files of one rank (``role``, ``rank``) in a node directory."""
 
-    def __init__(self, directory: str, role: str, rank: int) -> None:
+    def __init__(self, directory: str, role: str, rank: int, owner: dict | None = None) -> None:
         self.dir, self.role, self.rank = directory, role, int(rank)
+        self.owner = owner  # the controller's node_sweep.owner_record(), written as the run's .owner
 
     def open(self) -> None:
-        """Create the directory (0700), mark it in use by this process, remove stale runs beside it."""
+        """Create the directory (0700), mark it in use by this process, name the run's owner, and
+        remove the runs beside it whose owner is gone."""
+        from resilient_rl.workers import node_sweep
+
         first = not os.path.isdir(self.dir)
         make_private_dirs(self.dir)
         _hold_alive(self.dir)
+        run = os.path.dirname(self.dir)
+        if self.owner is not None:
+            node_sweep.write_owner(run, self.owner)
         if first:
-            run = os.path.dirname(self.dir)
-            sweep_stale(os.path.dirname(run), keep=run)
+            node_sweep.sweep_runs(os.path.dirname(run), keep=run)
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"{self.role}-{self.rank}-{slot}.{ext}")

@@ -139,7 +139,7 @@ class SnapshotMixin:
         if ring is None or have != want:
             if ring is not None:
                 ring.release()
-            ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want))
+            ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want, node.get("owner")))
             with _SLOTS:
                 self._own_snapshots = {s: v for s, v in (self._own_snapshots or {}).items() if v[0] is None}
                 self._publishing = frozenset()
