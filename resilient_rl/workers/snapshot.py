@@ -42,38 +42,20 @@ import threading
 import weakref
 from typing import Any
 
-import numpy as np
 import ray
 import torch
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from resilient_rl.controller.dispatch import Dispatch, register
 from resilient_rl.workers import node_capacity, snapshot_meta
 from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_id, node_path
-from resilient_rl.workers.snapshot_buffers import HostRing, Layout, as_tensor, copy_in, named_tensors
+from resilient_rl.workers.snapshot_buffers import HostRing, Layout, named_tensors
+from resilient_rl.workers.snapshot_state import FORMAT, optim_extras, restore_state
 
 logger = logging.getLogger(__name__)
 
 #: Snapshot steps a rank keeps of its own and of each neighbour it holds for (the newest complete
 #: one and the one in flight).
 KEEP = 2
-#: Version of the snapshot dict's layout.
-FORMAT = 2
-
-
-def _optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
-    """The optimizer's hyperparameters per group (without ``params``) and the non-tensor values
-    of its per-parameter state (by parameter index and key)."""
-    groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-    scalars: dict[str, Any] = {}
-    index = 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            for key, value in (optimizer.state.get(p) or {}).items():
-                if not torch.is_tensor(value):
-                    scalars[f"{index}/{key}"] = copy.deepcopy(value)
-            index += 1
-    return groups, scalars
 
 
 _PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
@@ -213,7 +195,7 @@ class SnapshotMixin:
             ring.files.invalidate(slot)
         data = ring.copy_out(layout, [t for _, t in tensors], slot)
         e = self.engine
-        groups, scalars = _optim_extras(e.optimizer)
+        groups, scalars = optim_extras(e.optimizer)
         snap = {"format": FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "bytes": int(layout.total), "layout": layout.to_list(), "data": data,
                 "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
@@ -497,27 +479,4 @@ class SnapshotMixin:
     def restore_snapshot_state(self, snap: dict) -> None:
         """Write ``snap`` into the engine in place: tensors, optimizer hyperparameters and
         non-tensor state, scheduler, RNG. Bit-identical to the state it was taken from."""
-        if snap.get("format") != FORMAT:
-            raise ValueError(f"snapshot format {snap.get('format')!r} is not {FORMAT}")
-        e = self.engine
-        layout = Layout.from_list(snap["layout"])
-        extra = snap["extra"]
-        has_optim_state = any(entry.name.startswith("optim/") for entry in layout.entries) or extra["optim_scalars"]
-        if has_optim_state and not e.optimizer.state:
-            # A rebuilt optimizer has no state to write into: create it the way a checkpoint load
-            # does (a zero-learning-rate step; every value is overwritten below).
-            get_optimizer_state_dict(e.model, e.optimizer)
-        elif not has_optim_state and e.optimizer.state:
-            e.optimizer.state.clear()
-        copy_in(layout, snap["data"], self._snapshot_tensors())
-        if len(extra["param_groups"]) != len(e.optimizer.param_groups):
-            raise ValueError(f"snapshot does not match the state at optim/param_groups: "
-                             f"{len(extra['param_groups'])} groups, the rank's {len(e.optimizer.param_groups)}")
-        for group, saved in zip(e.optimizer.param_groups, extra["param_groups"]):
-            group.update(copy.deepcopy(saved))
-        params = [p for g in e.optimizer.param_groups for p in g["params"]]
-        for key, value in extra["optim_scalars"].items():
-            index, name = key.split("/", 1)
-            e.optimizer.state[params[int(index)]][name] = copy.deepcopy(value)
-        e.scheduler.load_state_dict(copy.deepcopy(extra["scheduler"]))
-        torch.set_rng_state(as_tensor(np.asarray(extra["rng"])).clone())
+        restore_state(self.engine, snap, self._snapshot_tensors)
