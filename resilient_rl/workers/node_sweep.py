@@ -152,9 +152,10 @@ def sweep_node(root: str, keep: str | None, shm_dir: str) -> list[str]:
     return removed
 
 
-def sweep_every_node(root: str, keep: str | None, shm_dir: str, timeout_s: float = 30.0) -> None:
-    """Run :func:`sweep_node` on every live Ray node (here, outside Ray), as tasks needing no CPU,
-    waiting up to ``timeout_s``; a node that cannot be reached is skipped (logged)."""
+def sweep_every_node(root: str, keep: str | None, shm_dir: str, wait_s: float | None = None) -> None:
+    """Run :func:`sweep_node` on every live Ray node (here, outside Ray), as tasks needing no CPU.
+    Not waited for unless ``wait_s`` (a start is not delayed by a task's process starting); a node
+    that cannot be reached is skipped (logged)."""
     try:
         import ray
 
@@ -166,6 +167,7 @@ def sweep_every_node(root: str, keep: str | None, shm_dir: str, timeout_s: float
         task = ray.remote(num_cpus=0, max_retries=0)(sweep_node)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
                 .remote(root, keep, shm_dir) for n in ray.nodes() if n.get("Alive")]
-        ray.get(refs, timeout=timeout_s)
+        if wait_s is not None:
+            ray.get(refs, timeout=wait_s)
     except Exception as exc:  # a node that went away meanwhile: its memory went with it
         logger.warning("sweeping node memory under %s and %s: %s", root, shm_dir, exc)
