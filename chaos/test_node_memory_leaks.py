@@ -59,8 +59,9 @@ def test_killed_controller_then_a_different_run_leaves_no_bytes_behind(chaos_dir
                                                             f"recovery.snapshot_node_dir={root}"], "leak-next")
         RESULTS.append(result)
         assert result.error is None, result.error
-        assert os.listdir(root) == [], f"left behind: {os.listdir(root)}"
-        assert not os.path.exists(planted)
+        # The start's sweep is not waited for (it runs as a task on every node): give it time.
+        wait_until(lambda: os.listdir(root) == [] and not os.path.exists(planted), 60, interval_s=0.2,
+                   message=lambda: f"left behind: {os.listdir(root)}, {planted}: {os.path.exists(planted)}")
     finally:
         subprocess.run(["rm", "-rf", root])
         if planted and os.path.exists(planted):
