@@ -478,7 +478,7 @@ def test_unusable_node_memory_fails_that_snapshot_then_publishes():
     second = k.take(roles, 2, {"step": 2})
     # Rank 1's process now publishes (its take no longer names a node directory); rank 0 does not.
     takes = [(r, a[2]) for r, m, a in g.calls if m == "take_snapshot" and a[0] == 2]
-    assert takes == [(0, {"dir": k.node_dir, "id": "2.2"}), (1, None)]
+    assert takes == [(0, {"dir": k.node_dir, "id": "2.2", "owner": k.owner}), (1, None)]
     assert second.takes["actor"][0] is None and second.takes["actor"][1] is not None
     assert k.is_complete(second)
     g.restart(0)
