@@ -118,7 +118,8 @@ def build_config(args, root: str, extra=()):
         "data.num_prompts=64", f"trainer.total_steps={args.fault_step}", "checkpoint.save_every=2",
         "checkpoint.resume=auto", f"trainer.output_dir={root}/runs", f"checkpoint.root={root}/ckpt",
         "trainer.run_name=bench", "recovery.call_timeout_s=8", "recovery.collective_timeout_s=30",
-        *args.overrides, *extra])
+        # The baselines recover from storage (snapshots default to auto); the fast parts turn them on.
+        "recovery.snapshot_every=0", *args.overrides, *extra])
 
 
 # ---------------------------------------------------------------------------- instruments

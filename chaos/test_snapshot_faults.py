@@ -153,3 +153,56 @@ def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
         assert not result.events_of("checkpoint_restored"), "storage was read"
     else:
         assert rec["source"] in ("checkpoint", "start"), rec
+
+
+class _FlipNodeMemory:
+    """Hook: when step ``step`` starts (after the schedule's fault, once the snapshot of step
+    ``step - 1`` is complete), flip bytes of ``role`` rank ``rank``'s copy of that snapshot in
+    node memory, as a torn write or a bad page would."""
+
+    def __init__(self, step: int, role: str, rank: int):
+        self.step, self.role, self.rank, self.flipped = step, role, rank, None
+
+    def on_step_start(self, trainer, step):
+        if step != self.step or self.flipped:
+            return
+        from resilient_rl.workers.node_memory import NodeFiles, node_path
+
+        snap = next(s for s in trainer.snapshots.snapshots if s.step == step - 1)
+        copy = snap.node[self.role][self.rank]
+        files = NodeFiles(node_path(copy.run_dir), self.role, self.rank)
+        slot, meta, _ = files.find(2, snap.step, copy.snap_id)
+        path = files._path(slot, "data")
+        with open(path, "r+b") as f:
+            f.seek(int(meta["bytes"]) // 2)
+            byte = f.read(1)
+            f.seek(int(meta["bytes"]) // 2)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        self.flipped = path
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm")
+def test_bytes_flipped_in_node_memory_are_detected_and_never_restored(reference, chaos_dir):
+    """Actor rank 1's copy of step 3 in node memory is damaged, then the rank is killed: its new
+    process finds the checksum wrong, reports it and does not load it; with no other copy of
+    that rank (one node, node memory keeps it) the snapshot is unusable and the run restores the
+    next source: the older snapshot (step 2) or the checkpoint of step 2. Bit-identical all the same."""
+    from conftest import RESULTS, chaos_overrides, ensure_ray
+    from resilient_rl.faults.harness import run_training
+
+    ensure_ray()
+    hook = _FlipNodeMemory(step=4, role="actor", rank=1)
+    schedule = FaultSchedule().after_snapshot(4).kill("actor", 1)
+    result = run_training(chaos_overrides(chaos_dir) + ["recovery.snapshot_every=1", "recovery.spares=0"],
+                          "snap-flipped-node-memory", schedule, hooks=(hook,))
+    RESULTS.append(result)
+    assert hook.flipped is not None
+    check_invariants(result, reference)
+    corrupt = result.events_of("snapshot_corrupt")
+    assert [(e["step"], e["role"], e["rank"], e["source"]) for e in corrupt] == [(3, "actor", 1, "node")], corrupt
+    rec = _recovered(result)
+    # The next source: the older snapshot of step 2 where it is still kept (the newer one was not
+    # yet known complete when step 3's was started), else the checkpoint of step 2.
+    assert rec["restored_step"] == 2 and rec["source"] in ("snapshot", "checkpoint"), rec
+    assert [e["step"] for e in result.events_of("snapshot_restored")] == ([2] if rec["source"] == "snapshot" else [])
+    assert "rrl_snapshot_corrupt_total{" in result.metrics_text and 'source="node"' in result.metrics_text

@@ -42,6 +42,8 @@ SAMPLES: dict[str, dict] = {
     "checkpoint_restored": {"step": 2, "duration_s": 0.1, "source": "file:///ckpt/r/step_00000002"},
     "snapshot_restored": {"step": 5, "duration_s": 0.2, "sources": {"own": 1, "peer": 1}},
     "snapshot_unusable": {"step": 5, "reason": "every copy of actor rank(s) [1] is lost"},
+    "snapshot_corrupt": {"step": 5, "role": "actor", "rank": 1, "source": "node",
+                         "reason": "checksum xxh3_64:1 does not match the recorded xxh3_64:0"},
     "spare_adopted": {"group": "rrl_run_ab12_main", "rank": 1, "role": "actor"},
     "checkpoints_set_aside": {"steps": [4, 6], "continued_from": 2, "source": "file:///ckpt/r/step_00000002"},
     "nonfinite": {"step": 3, "quantity": "reward", "role": None, "action": "skipped", "count": 2.0},

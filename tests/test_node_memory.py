@@ -12,13 +12,17 @@ import pytest
 import torch
 
 from resilient_rl.workers import node_memory
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path, sweep_stale
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
+from resilient_rl.workers.node_sweep import STALE_S, sweep_stale
 
 from test_snapshot_copy import Rank, assert_same, mlp
 
 
 def take(rank: Rank, step: int, run_dir: str, snap_id: str) -> dict:
-    return rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    """Take and seal (checksum, commit in node memory) as the controller asks a process."""
+    answer = rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    rank.seal_snapshot(step)
+    return answer
 
 
 def test_a_new_process_of_the_rank_loads_the_copy_its_predecessor_left(tmp_path):
@@ -114,7 +118,7 @@ def test_stale_run_directories_are_swept_unless_in_use(tmp_path):
     (dead / "actor-0-0.data").write_bytes(b"x" * 64)
     (root / "resilient-rl-unmarked" / "n0").mkdir(parents=True)  # no process ever locked it
     (root / "unrelated").mkdir()
-    later = time.time() + 2 * node_memory.STALE_S
+    later = time.time() + 2 * STALE_S
     removed = sweep_stale(str(root), keep=str(root / "resilient-rl-mine"), now=later)
     assert sorted(removed) == [str(root / "resilient-rl-dead"), str(root / "resilient-rl-unmarked")]
     assert (root / "resilient-rl-live").exists() and (root / "unrelated").exists()

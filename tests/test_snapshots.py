@@ -42,11 +42,12 @@ class FakeGroup:
         self.dead_loaders: set[int] = set()  # ranks whose process dies when asked to load
         self.loaded: dict[int, tuple] = {}
         self.calls: list[tuple] = []
-        self.hold_pending = self.take_pending = self.publish_pending = False
+        self.hold_pending = self.take_pending = self.publish_pending = self.seal_pending = False
         self.take_error: set[int] = set()
         self.node: list[dict] = [dict() for _ in range(n)]  # rank -> snapshot id -> state in its node's memory
         self.node_error: set[int] = set()  # ranks whose node memory is unusable
         self.node_lost: set[int] = set()  # ranks now on another node than their node copies
+        self.corrupt: set[tuple[int, str]] = set()  # (rank, source) whose copy fails its checksum
         self.siblings: dict[str, "FakeGroup"] = {}  # role -> group sharing this group's processes
 
     def execute_rank_async(self, rank, method, *args):
@@ -65,6 +66,12 @@ class FakeGroup:
                     g.node[rank][where["id"]] = (where["dir"], f"{role}{rank}@{step}")
             return Ref({"step": step, "bytes": {role: 10 for role in take_roles}, "node_failed": failed},
                        ready=not self.take_pending)
+        if method == "seal_snapshot":
+            step, take_roles, _timeout_s = args
+            if rank in self.take_error:
+                return Ref(error=RuntimeError(f"seal_snapshot: the copy of step {step} is gone"))
+            return Ref({"step": step, "checksums": {role: "xxh3_64:0" for role in take_roles}},
+                       ready=not self.seal_pending)
         if method == "publish_snapshot":
             step, take_roles, _timeout_s = args
             if rank in self.take_error:
@@ -113,6 +120,8 @@ class FakeGroup:
                 kind = "peer"
             if state is None:
                 return Ref(False)
+            if (rank, kind) in self.corrupt:
+                return Ref({"corrupt": f"checksum xxh3_64:1 does not match the recorded xxh3_64:0 ({kind})"})
             self.loaded[rank] = (kind, state)
             return Ref(True)
         raise AssertionError(method)
@@ -256,6 +265,29 @@ def test_restarted_rank_reads_the_object_store_then_the_peer():
     assert g.loaded[1] == ("peer", "actor1@5")
 
 
+def test_a_corrupt_copy_is_reported_and_the_next_source_used_then_storage():
+    g = FakeGroup(2)
+    events = []
+    k = keeper(events=events)
+    roles = FakeRoles(g)
+    k.take(roles, 5, {"step": 5})
+    g.restart(1)
+    g.corrupt = {(1, "object_store")}
+    assert k.restore(roles, min_step=3).step == 5
+    assert g.loaded[1] == ("peer", "actor1@5")
+    corrupt = [f for kind, f in events if kind == "snapshot_corrupt"]
+    assert corrupt == [{"step": 5, "role": "actor", "rank": 1, "source": "object_store",
+                        "reason": "checksum xxh3_64:1 does not match the recorded xxh3_64:0 (object_store)"}]
+    # Every copy of rank 1 damaged: none is restored, the caller falls back to storage.
+    events.clear()
+    g.loaded.clear()
+    g.restart(1)
+    g.corrupt = {(1, "object_store"), (1, "peer")}
+    assert k.restore(roles, min_step=3) is None and k.partial
+    assert [f["source"] for kind, f in events if kind == "snapshot_corrupt"] == ["object_store", "peer"]
+    assert 1 not in g.loaded
+
+
 def test_object_store_skipped_when_tasks_are_retried():
     g = FakeGroup(2)
     k = keeper(max_task_retries=1)
@@ -340,16 +372,19 @@ def test_colocated_roles_take_once_per_process_and_hold_once_per_peer():
     assert critic.loaded == {0: ("own", "critic0@4"), 1: ("peer", "critic1@4")}
 
 
-def test_complete_only_once_every_take_and_publish_answered():
+def test_complete_only_once_every_take_seal_and_publish_answered():
     g = FakeGroup(2)
     k = keeper()
-    g.take_pending = g.publish_pending = True
+    g.take_pending = g.publish_pending = g.seal_pending = True
     snap = k.take(FakeRoles(g), 3, {"step": 3})
     assert not k.is_complete(snap)
     for r in snap.done["actor"]:
         r.ready = True
     assert not k.is_complete(snap), "the copies are not in the object store yet"
     for r in snap.published:
+        r.ready = True
+    assert not k.is_complete(snap), "the copies are not checksummed yet"
+    for r in snap.sealed:
         r.ready = True
     assert k.is_complete(snap) and snap.bytes == {"actor": [10, 10]}
 
@@ -461,7 +496,7 @@ def test_unusable_node_memory_fails_that_snapshot_then_publishes():
     second = k.take(roles, 2, {"step": 2})
     # Rank 1's process now publishes (its take no longer names a node directory); rank 0 does not.
     takes = [(r, a[2]) for r, m, a in g.calls if m == "take_snapshot" and a[0] == 2]
-    assert takes == [(0, {"dir": k.node_dir, "id": "2.2"}), (1, None)]
+    assert takes == [(0, {"dir": k.node_dir, "id": "2.2", "owner": k.owner}), (1, None)]
     assert second.takes["actor"][0] is None and second.takes["actor"][1] is not None
     assert k.is_complete(second)
     g.restart(0)

@@ -218,6 +218,7 @@ def test_checkpoint_series_and_age(trainer, clock):
     clock.now += 45
     metrics.record_checkpoint_load(duration_s=0.4)
     metrics.record_corrupt_checkpoint()
+    metrics.record_corrupt_snapshot("node")
     data = samples(server.url)
     assert value(data, "rrl_checkpoint_last_committed_step") == 20
     assert value(data, "rrl_checkpoint_last_committed_timestamp_seconds") == committed + 30
@@ -229,6 +230,7 @@ def test_checkpoint_series_and_age(trainer, clock):
     assert value(data, "rrl_checkpoint_load_duration_seconds_count") == 1
     assert value(data, "rrl_checkpoint_bytes_total") == 1_500_000
     assert value(data, "rrl_checkpoint_corrupt_total") == 1
+    assert value(data, "rrl_snapshot_corrupt_total", source="node") == 1
 
     # A resumed run reports the checkpoint it started from.
     metrics.set_last_committed(step=7, timestamp=clock.now - 600)

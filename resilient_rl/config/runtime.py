@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from resilient_rl.config.sections import choice, require, Section
 
@@ -133,7 +133,9 @@ class RecoveryConfig(Section):
     kept in its node's memory, by a ring peer on another node, else in the object store
     (:mod:`resilient_rl.recovery.snapshots`);
     a recovery restores the newest complete snapshot instead of the older storage checkpoint.
-    0 turns snapshots off. ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
+    0 turns snapshots off. ``auto`` (the default) snapshots every step where each node's tmpfs,
+    RAM and cgroup limit hold the copies with headroom, less often or not at all where they do not,
+    and logs one line saying which and why (:mod:`resilient_rl.recovery.snapshot_sizing`). ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
     each rank keeps its snapshots, so that they outlive its process on that node
     (:mod:`resilient_rl.workers.node_memory`); "" keeps them in the process and in Ray's object
     store instead (also where the directory cannot hold them).
@@ -154,13 +156,16 @@ class RecoveryConfig(Section):
     placement_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
     hang_timeout_s: float = 300.0
-    snapshot_every: int = 0
+    snapshot_every: Union[int, str] = "auto"
     snapshot_node_dir: str = "/dev/shm"
     spares: int = 0
 
     def validate(self) -> None:
-        for name in ("max_restarts", "max_task_retries", "max_failures", "snapshot_every", "spares"):
+        for name in ("max_restarts", "max_task_retries", "max_failures", "spares"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        require(self.snapshot_every == "auto" or (isinstance(self.snapshot_every, int) and self.snapshot_every >= 0),
+                "snapshot_every", self.snapshot_every,
+                "must be 'auto' (sized to what node memory holds) or a number of steps >= 0 (0 = off)")
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
                 require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")

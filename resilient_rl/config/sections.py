@@ -54,7 +54,7 @@ def type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:
         inner = [a for a in args if a is not type(None)]
-        return " or ".join(type_name(a) for a in inner) + " or null"
+        return " or ".join(type_name(a) for a in inner) + (" or null" if type(None) in args else "")
     if origin in (list, List):
         return f"list of {type_name(args[0])}" if args else "list"
     if origin in (dict, Dict):
@@ -70,7 +70,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if origin is typing.Union:
         if value is None:
             return type(None) in args, value
-        return _coerce(value, next(a for a in args if a is not type(None)))
+        for option in (a for a in args if a is not type(None)):  # the first that takes it
+            ok, coerced = _coerce(value, option)
+            if ok:
+                return True, coerced
+        return False, value
     if origin in (list, List):
         if not isinstance(value, (list, tuple)):
             return False, value

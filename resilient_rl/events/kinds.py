@@ -167,6 +167,19 @@ class SnapshotUnusable(Event):
     reason: str
 
 
+@_kind("snapshot_corrupt")
+class SnapshotCorrupt(Event):
+    """A rank's copy of the snapshot of ``step`` (``source``: own, node, object_store or peer)
+    failed its checksum when loaded: it was not restored, the rank tries its next copy (then an
+    older snapshot, then storage)."""
+
+    step: int
+    role: str
+    rank: int
+    source: str
+    reason: str
+
+
 @_kind("aborted")
 class Aborted(Event):
     """The failure budget is spent: the run stops, ``last_committed_step`` intact."""

@@ -1,6 +1,6 @@
 """Controller side of in-memory snapshots: take them after a step, restore the newest after a failure.
 
-Every ``recovery.snapshot_every`` steps, :meth:`SnapshotKeeper.take` asks every rank of every
+Every ``recovery.snapshot_every`` steps (``auto``: sized after the first step, :meth:`SnapshotKeeper.size`), :meth:`SnapshotKeeper.take` asks every rank of every
 stateful role (actor, critic) to copy its state to host memory (``take_snapshot``, one call per
 process for the stateful roles it hosts). The ranks keep their copies in node memory
 (:mod:`resilient_rl.workers.node_memory`, under ``recovery.snapshot_node_dir`` in a directory of
@@ -17,7 +17,13 @@ keeps one). Nothing is waited for: the calls queue behind the step on the worker
 the controller's own work. The controller keeps, per snapshot, the object references, which rank
 holds which copy and its own state (``trainer.state_dict()``) of that step.
 
-A snapshot is **complete** when every take, publish and hold of every rank has finished without
+Each process checksums its copies on its "snapshot" thread after the take (``seal_snapshot``,
+off the step's path; a copy in node memory is committed there only then), and every load checks
+the checksum before writing anything into the rank: a copy that fails it (torn, flipped) is
+reported (``snapshot_corrupt``, ``rrl_snapshot_corrupt_total``) and never restored; the rank
+tries its next copy, then an older snapshot, then storage.
+
+A snapshot is **complete** when every take, seal, publish and hold of every rank has finished without
 an error (checked without waiting, at use, from their small answers: no copy is fetched): the
 same all-ranks rule as a checkpoint commit. Only the newest complete snapshot and the ones in
 flight after it are kept.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import Any, Callable
@@ -44,7 +51,10 @@ from typing import Any, Callable
 import ray
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
+from resilient_rl.recovery.snapshot_sizing import decide
+from resilient_rl.workers.snapshot import KEEP
 from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
+from resilient_rl.workers.node_sweep import owner_record
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +124,7 @@ class Snapshot:
     holders: dict[str, list]  # role -> the (role, rank) holding each rank's peer copy, None where none does
     node: dict[str, list]  # role -> each rank's NodeCopy, None where none
     process_of: dict  # (role, rank) -> key of its process
+    sealed: list = dataclasses.field(default_factory=list)  # ObjectRef of each process's seal_snapshot (checksums)
     failed: bool = False
     complete: bool = False
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
@@ -133,13 +144,16 @@ class SnapshotKeeper:
     def __init__(self, cfg, emit: Callable[..., None] = lambda kind, **f: None,
                  wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter,
                  *, run_key: str):
-        self.every = cfg.snapshot_every
+        self.every = cfg.snapshot_every  # "auto" until sized (:meth:`size`)
+        self.use_node_memory = True  # False where auto sizing found node memory too small
+        self.sizing: Any = None  # the auto decision (snapshot_sizing.Decision), once made
         self.object_store_ok = cfg.max_task_retries == 0
         root = cfg.snapshot_node_dir
         # This run's node-memory directory (one part per node), unique to this controller; an
         # earlier controller's of the same run is removed at the first snapshot.
         self.node_dir = run_path(root, run_key, uuid.uuid4().hex[:12]) if root else None
         self._predecessors_removed = root == ""
+        self.owner = owner_record()  # this controller: a start on any node removes its memory once it is gone
         self.no_node: set = set()  # processes whose node memory failed: their copies are published
         self._taken = 0
         self.timeout_s = min(cfg.call_timeout_s, 120.0)
@@ -150,7 +164,29 @@ class SnapshotKeeper:
 
     # ------------------------------------------------------------------ take
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        return isinstance(self.every, int) and self.every > 0 and step % self.every == 0
+
+    def size(self, roles) -> None:
+        """Resolve ``snapshot_every=auto`` once, from the copies' bytes and what each node can hold
+        (:mod:`resilient_rl.recovery.snapshot_sizing`), and log the one line that says which and
+        why. Called after a step (the optimizer has its state); nothing when already resolved."""
+        if self.every != "auto":
+            return
+        groups = dict(roles.checkpoint_groups())
+        places = roles.role_processes()
+        ranks = [(role, r) for role, g in groups.items() for r in range(g.world_size)]
+        asked = []
+        for members in processes(ranks, places).values():
+            (role0, r0), here = members[0], [role for role, _ in members]
+            asked.append((groups[role0], groups[role0].execute_rank_async(
+                r0, "snapshot_sizing", here, self.node_dir and os.path.dirname(self.node_dir))))
+        reports = [g.get([ref], timeout_s=self.timeout_s)[0] for g, ref in asked]
+        self.sizing = decide(reports, KEEP, self.node_dir and os.path.dirname(self.node_dir) or "")
+        self.every, self.use_node_memory = self.sizing.every, self.sizing.node_memory
+        if self.every == 1:
+            logger.info(self.sizing.line)
+        else:
+            logger.warning(self.sizing.line)
 
     def take(self, roles, step: int, trainer_state: dict) -> Snapshot:
         """Start the snapshot of ``step`` on every stateful rank (nothing is waited for).
@@ -170,7 +206,8 @@ class SnapshotKeeper:
         process_of = {key: pkey for pkey, members in by_process.items() for key in members}
         self._taken += 1
         snap_id = f"{step}.{self._taken}"
-        node = {pkey: self.node_dir is not None and pkey not in self.no_node for pkey in by_process}
+        node = {pkey: self.node_dir is not None and self.use_node_memory and pkey not in self.no_node
+                for pkey in by_process}
         holders: dict[str, list] = {role: [] for role in groups}
         # holding process -> (its (role, rank) that is called, {owner process: owners kept})
         kept: dict[Any, tuple[tuple[str, int], dict[Any, list[tuple[str, int]]]]] = {}
@@ -187,11 +224,13 @@ class SnapshotKeeper:
         takes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
         done: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
         nodes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
-        published = []
+        published, sealed = [], []
         for pkey, members in by_process.items():
             (role0, r0), here = members[0], [role for role, _ in members]
-            where = {"dir": self.node_dir, "id": snap_id} if node[pkey] else None
+            where = {"dir": self.node_dir, "id": snap_id, "owner": self.owner} if node[pkey] else None
             answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here, where)
+            # The checksum (and the commit in node memory) on the process's "snapshot" thread.
+            sealed.append(groups[role0].execute_rank_async(r0, "seal_snapshot", step, here, self.timeout_s))
             copies = None
             # The object store's copy: the way to a peer on another node, or the copy that
             # outlives the process where node memory does not.
@@ -210,7 +249,7 @@ class SnapshotKeeper:
             ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders, nodes,
-                        process_of)
+                        process_of, sealed)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
@@ -243,7 +282,7 @@ class SnapshotKeeper:
         if snap.complete or snap.failed:
             return snap.complete
         answers = list({id(r): r for rs in snap.done.values() for r in rs}.values())
-        refs = answers + snap.published + [r for r, _ in snap.holds]
+        refs = answers + snap.sealed + snap.published + [r for r, _ in snap.holds]
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if len(ready) < len(refs):
             return False
@@ -336,9 +375,14 @@ class SnapshotKeeper:
             refs = [by_role[role].execute_rank_async(r, "load_snapshot", snap.step, c, self.timeout_s)
                     for (role, r), c in asked]
             for ((role, r), _), ref in zip(asked, refs):
-                if self._answers(by_role[role], [ref])[0] is True:
+                answer = self._answers(by_role[role], [ref])[0]
+                if answer is True:
                     used[(role, r)] = name
                     todo.remove((role, r))
+                elif isinstance(answer, dict) and "corrupt" in answer:
+                    # Not restored (the rank checked before writing): its next copy is tried.
+                    self.emit("snapshot_corrupt", step=snap.step, role=role, rank=r, source=name,
+                              reason=str(answer["corrupt"]))
         if todo:
             role = todo[0][0]
             self.emit("snapshot_unusable", step=snap.step,

@@ -114,7 +114,8 @@ class TelemetryHook:
         self._unknown_phases: set[str] = set()
         self._on_event = {"failure": self._event_failure, "worker_restarted": self._event_restart,
                           "recovered": self._event_recovered, "nonfinite": self._event_nonfinite,
-                          "nonfinite_rollback": self._event_nonfinite_rollback}
+                          "nonfinite_rollback": self._event_nonfinite_rollback,
+                          "snapshot_corrupt": lambda e: self.metrics.record_corrupt_snapshot(e["source"])}
         subscribe(self._event)
 
     @property

@@ -218,6 +218,9 @@ class TrainerMetrics:
                                         registry=r)
         self.checkpoint_corrupt = Counter("rrl_checkpoint_corrupt", "Committed checkpoints that "
                                           "failed verification when loaded.", registry=r)
+        self.snapshot_corrupt = Counter("rrl_snapshot_corrupt", "Copies of in-memory snapshots that failed "
+                                        "their checksum when loaded (never restored), by where the copy "
+                                        "was (own, node, object_store, peer).", ["source"], registry=r)
         self.checkpoint_skipped = Counter("rrl_checkpoint_skipped", "Checkpoint saves skipped while training "
                                           "went on, by reason (storage: an outage past the retries; slow: "
                                           "the previous save was still being written).", ["reason"], registry=r)
@@ -352,6 +355,10 @@ class TrainerMetrics:
     def record_corrupt_checkpoint(self) -> None:
         """Count a committed checkpoint that failed verification."""
         self.checkpoint_corrupt.inc()
+
+    def record_corrupt_snapshot(self, source: str) -> None:
+        """Count a snapshot copy from ``source`` that failed its checksum when loaded."""
+        self.snapshot_corrupt.labels(source=source).inc()
 
     def record_checkpoint_skipped(self, reason: str) -> None:
         """Count a checkpoint save that was skipped (``reason``: ``storage`` or ``slow``)."""

@@ -36,6 +36,8 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
+from resilient_rl.workers.node_sweep import sweep_every_node
+from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import PHASES, run_step
 from resilient_rl.data.tasks import get_task
 from resilient_rl.telemetry.hook import TelemetryHook
@@ -97,7 +99,7 @@ class PPOTrainer:
         self.run_dir.subscribe(self._on_event)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
         self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key)
-                          if cfg.recovery.snapshot_every > 0 and self.checkpoints_on else None)
+                          if cfg.recovery.snapshot_every != 0 and self.checkpoints_on else None)
         # The controller's part of a checkpoint: one line per stateful part.
         policy = FailurePolicy.from_config(cfg.recovery)
         self.state = ControllerState()
@@ -146,6 +148,10 @@ class PPOTrainer:
             if self.telemetry is not None:
                 self.telemetry.start()
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
+            # Whatever the run, node memory left by owners that are gone (a killed controller's
+            # snapshots, a rank's reduction segment) is removed on every node.
+            sweep_every_node(self.cfg.recovery.snapshot_node_dir,
+                             self.snapshots.node_dir if self.snapshots is not None else None, SHM_DIR)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self.rollback.roll_back_to(self.roles, checkpoint(self.cfg.checkpoint.resume))
             if self.step == 0:  # a fresh start: an earlier history in the folder is not this run's
@@ -182,6 +188,8 @@ class PPOTrainer:
 
     def maybe_snapshot(self) -> None:
         """Start the in-memory snapshot of this step when due (not waited for)."""
+        if self.snapshots is not None:
+            self.snapshots.size(self.roles)  # recovery.snapshot_every=auto: once, after the first step
         if self.snapshots is not None and self.snapshots.due(self.step):
             self.snapshots.take(self.roles, self.step, self.state_dict())
             for hook in self.hooks:

@@ -12,20 +12,29 @@ Layout, one directory per run and node (:func:`node_path`)::
     <root>/resilient-rl-<run>-<controller>/<node id>/
         .alive                          shared lock held by every process using the directory
         <role>-<rank>-<slot>.data       the packed tensors (preallocated with posix_fallocate)
-        <role>-<rank>-<slot>.meta       the snapshot without its data (pickled), written last
+        <role>-<rank>-<slot>.meta       the snapshot without its data, written last (JSON and the
+                                        tensor layout, :mod:`resilient_rl.workers.snapshot_meta`)
+
+Directories are created 0700 and files 0600: a snapshot is the model and optimizer state, for
+this user's processes only; and nothing read from them is unpickled.
 
 The ``.meta`` file is the commit marker: a take first removes the slot's ``.meta``, then copies
 into ``.data``, then writes the new ``.meta`` (to a temporary name, renamed over). A reader
 (:meth:`NodeFiles.find`) trusts only a slot whose ``.meta`` names the snapshot it was asked for
 (step and the controller's id of that snapshot), and checks again after reading
-(:meth:`NodeFiles.still`). The space is reserved up front (``posix_fallocate``): a tmpfs too
+(:meth:`NodeFiles.still`); the data's checksum in the ``.meta`` is checked before the copy is
+used. A slot's data file is never written again in place once mapped by a new ring: every
+mapping starts from a fresh file (the old one is unlinked first, so a reader that still maps it
+keeps reading its own bytes). The space is reserved up front (``posix_fallocate``): a tmpfs too
 small for the ring fails the reservation with an OSError, never a SIGBUS during the copy.
 
 Directories are removed by the controller at the end of a run (:func:`remove_run`, on every
 node). One left behind by a controller that crashed is removed by the next controller of the same
-run when it starts snapshotting (:func:`remove_predecessors`), else by the next process that
-opens a directory on the same node (:func:`sweep_stale`) once no process holds its ``.alive``
-lock and it has not changed for :data:`STALE_S`.
+run when it starts snapshotting (:func:`remove_predecessors`), and by the start of any run on the
+same node once its owner (the controller named in its ``.owner``) is gone
+(:mod:`resilient_rl.workers.node_sweep`); one whose owner cannot be checked from the node, once
+no process holds its ``.alive`` lock and it has not changed for
+:data:`~resilient_rl.workers.node_sweep.STALE_S` (:func:`~resilient_rl.workers.node_sweep.sweep_stale`).
 """
 
 from __future__ import annotations
@@ -34,19 +43,17 @@ import dataclasses
 import fcntl
 import logging
 import os
-import pickle
 import shutil
-import time
 from typing import Any
 
 import torch
 
+from resilient_rl.errors import CheckpointError
+from resilient_rl.workers import node_sweep, snapshot_meta
+from resilient_rl.workers.node_sweep import PREFIX
+
 logger = logging.getLogger(__name__)
 
-#: Prefix of a run's directory under the root.
-PREFIX = "resilient-rl-"
-#: Age (seconds since its last change) past which an unused run directory is removed.
-STALE_S = 600.0
 
 _ALIVE: dict[str, int] = {}  # directory -> fd of its .alive file, locked shared by this process
 
@@ -103,6 +110,20 @@ def remove_predecessors(path: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
+def make_private_dirs(path: str) -> None:
+    """Create ``path`` and its parents up to the node-memory root, each 0700 (whatever the umask),
+    a directory that exists already made 0700 too where it is a run directory of ours."""
+    run = os.path.dirname(path)
+    for d in (run, path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+
+
 def _hold_alive(directory: str) -> None:
     if directory in _ALIVE:
         return
@@ -111,57 +132,24 @@ def _hold_alive(directory: str) -> None:
     _ALIVE[directory] = fd
 
 
-def sweep_stale(root: str, keep: str, now: float | None = None) -> list[str]:
-    """Remove the run directories under ``root`` (other than ``keep``) that no live process uses
-    and that have not changed for :data:`STALE_S`; returns those removed."""
-    now = time.time() if now is None else now
-    removed = []
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        run = os.path.join(root, name)
-        if run == keep:
-            continue
-        try:
-            nodes = [os.path.join(run, n) for n in os.listdir(run)]
-            if max([os.stat(run).st_mtime] + [os.stat(n).st_mtime for n in nodes]) > now - STALE_S:
-                continue
-            fds = []
-            try:
-                for n in nodes:
-                    alive = os.path.join(n, ".alive")
-                    if os.path.exists(alive):
-                        fd = os.open(alive, os.O_RDWR)
-                        fds.append(fd)
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
-                shutil.rmtree(run, ignore_errors=True)
-                removed.append(run)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-        except OSError:
-            continue
-    if removed:
-        logger.info("removed snapshot memory left by runs that ended: %s", removed)
-    return removed
-
-
 class NodeFiles:
     """The ring files of one rank (``role``, ``rank``) in a node directory."""
 
-    def __init__(self, directory: str, role: str, rank: int) -> None:
+    def __init__(self, directory: str, role: str, rank: int, owner: dict | None = None) -> None:
         self.dir, self.role, self.rank = directory, role, int(rank)
+        self.owner = owner  # the controller's node_sweep.owner_record(), written as the run's .owner
 
     def open(self) -> None:
-        """Create the directory, mark it in use by this process, remove stale runs beside it."""
+        """Create the directory (0700), mark it in use by this process, name the run's owner, and
+        remove the runs beside it whose owner is gone."""
         first = not os.path.isdir(self.dir)
-        os.makedirs(self.dir, exist_ok=True)
+        make_private_dirs(self.dir)
         _hold_alive(self.dir)
+        run = os.path.dirname(self.dir)
+        if self.owner is not None:
+            node_sweep.write_owner(run, self.owner)
         if first:
-            run = os.path.dirname(self.dir)
-            sweep_stale(os.path.dirname(run), keep=run)
+            node_sweep.sweep_runs(os.path.dirname(run), keep=run)
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"{self.role}-{self.rank}-{slot}.{ext}")
@@ -171,10 +159,14 @@ class NodeFiles:
         reserved (an OSError, e.g. ENOSPC, when the directory cannot hold it)."""
         self.open()
         path = self._path(slot, "data")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # A fresh file, never the old one's pages: whoever still maps the old one (a reader of the
+        # copy it held, a process of the rank before this one) keeps reading what it held.
         try:
-            if os.fstat(fd).st_size != nbytes:
-                os.ftruncate(fd, 0)
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
             if nbytes:
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError:
@@ -198,15 +190,20 @@ class NodeFiles:
         ``id``) once its data is complete."""
         path = self._path(slot, "meta")
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(snapshot_meta.encode(meta))
         os.replace(tmp, path)
 
     def _meta(self, slot: int) -> dict | None:
+        path = self._path(slot, "meta")
         try:
-            with open(self._path(slot, "meta"), "rb") as f:
-                return pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError):
+            with open(path, "rb") as f:
+                return snapshot_meta.decode(f.read(), path)
+        except OSError:
+            return None
+        except CheckpointError as exc:  # not this format (or damaged): not a copy to offer
+            logger.warning("%s", exc)
             return None
 
     def find(self, slots: int, step: int, snap_id: Any) -> tuple[int, dict, torch.Tensor] | None:

@@ -120,7 +120,9 @@ def _create(nbytes: int, world: int) -> tuple[str | None, list[str]]:
     (None, []) where they cannot be made."""
     if not os.path.isdir(SHM_DIR) or not hasattr(os, "posix_fallocate"):
         return None, []
-    name = f"rrl-reduce-{uuid.uuid4().hex}"
+    # The creator's pid in the name: a segment left by a rank killed in set-up is removed by the
+    # next start on this node once that process is gone (resilient_rl.workers.node_sweep).
+    name = f"rrl-reduce-{os.getpid()}-{uuid.uuid4().hex}"
     prefix = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(prefix, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

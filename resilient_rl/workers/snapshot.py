@@ -13,6 +13,10 @@ needs the copies, or they are not in node memory), returns them from the process
 thread, so the controller's object reference keeps a copy in Ray's object store (owned by the
 controller: it outlives this process) while the next step runs. One call of each covers every
 stateful role the process hosts (colocated roles): a process puts one object per snapshot.
+:meth:`SnapshotMixin.seal_snapshot`, also on the "snapshot" thread (off the step's path),
+checksums the copies (:mod:`resilient_rl.workers.snapshot_meta`) and commits those in node memory;
+every load checks the checksum before writing anything into the rank, so a torn or damaged copy
+is refused (``{"corrupt": why}``) and the controller tries the next one.
 :meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
 copy, on another node), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a
 copy back into the rank's tensors in place.
@@ -38,37 +42,20 @@ import threading
 import weakref
 from typing import Any
 
-import numpy as np
 import ray
 import torch
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from resilient_rl.runtime.dispatch import Dispatch, register
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
-from resilient_rl.workers.snapshot_buffers import HostRing, Layout, as_tensor, copy_in, named_tensors
+from resilient_rl.workers import node_capacity, snapshot_meta
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_id, node_path
+from resilient_rl.workers.snapshot_buffers import HostRing, Layout, named_tensors
+from resilient_rl.workers.snapshot_state import FORMAT, optim_extras, restore_state
 
 logger = logging.getLogger(__name__)
 
 #: Snapshot steps a rank keeps of its own and of each neighbour it holds for (the newest complete
 #: one and the one in flight).
 KEEP = 2
-#: Version of the snapshot dict's layout.
-FORMAT = 2
-
-
-def _optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
-    """The optimizer's hyperparameters per group (without ``params``) and the non-tensor values
-    of its per-parameter state (by parameter index and key)."""
-    groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-    scalars: dict[str, Any] = {}
-    index = 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            for key, value in (optimizer.state.get(p) or {}).items():
-                if not torch.is_tensor(value):
-                    scalars[f"{index}/{key}"] = copy.deepcopy(value)
-            index += 1
-    return groups, scalars
 
 
 _PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
@@ -120,6 +107,7 @@ class SnapshotMixin:
     _snapshot_ring: HostRing | None = None
     _snapshot_layout: Layout | None = None
     _node_failed: tuple[str, str] | None = None  # (run directory, why) where node memory failed
+    _to_commit: dict | None = None  # step -> NodeFiles its seal commits the copy to
 
     def _ring_for(self, node: dict | None) -> HostRing:
         """The ring for a take: in node memory of the run directory ``node["dir"]`` when given
@@ -133,7 +121,7 @@ class SnapshotMixin:
         if ring is None or have != want:
             if ring is not None:
                 ring.release()
-            ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want))
+            ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want, node.get("owner")))
             with _SLOTS:
                 self._own_snapshots = {s: v for s, v in (self._own_snapshots or {}).items() if v[0] is None}
                 self._publishing = frozenset()
@@ -193,6 +181,8 @@ class SnapshotMixin:
         the slot's old snapshot is withdrawn first and the new one committed last."""
         if self._own_snapshots is None:
             self._own_snapshots = {}
+        if self._to_commit is None:
+            self._to_commit = {}
         ring = self._ring_for(node)
         tensors = self._snapshot_tensors()
         if self._snapshot_layout is None or not self._snapshot_layout.matches(tensors):
@@ -205,14 +195,15 @@ class SnapshotMixin:
             ring.files.invalidate(slot)
         data = ring.copy_out(layout, [t for _, t in tensors], slot)
         e = self.engine
-        groups, scalars = _optim_extras(e.optimizer)
+        groups, scalars = optim_extras(e.optimizer)
         snap = {"format": FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "bytes": int(layout.total), "layout": layout.to_list(), "data": data,
                 "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
                           "optim_scalars": scalars, "rng": torch.get_rng_state().numpy().copy()}}
         if ring.files is not None:
+            # Committed in node memory by the seal, once its checksum is known.
             snap["id"] = node["id"]
-            ring.files.commit(slot, {k: v for k, v in snap.items() if k != "data"})
+            self._to_commit[step] = ring.files
         return slot, snap
 
     def _process_workers_of(self, roles: list[str] | None, call: str) -> dict[str, "SnapshotMixin"]:
@@ -275,10 +266,64 @@ class SnapshotMixin:
                 if step not in (w._own_snapshots or {}):
                     why = w._take_failed[1] if w._take_failed and w._take_failed[0] == step else "superseded"
                     raise RuntimeError(f"publish_snapshot: the {role} copy of step {step} is gone ({why})")
+        for role, w in workers.items():
+            if "checksum" not in w._own_snapshots.get(step, (None, {}))[1]:
+                w._seal(step, timeout_s)
+        with _SLOTS:
+            for role, w in workers.items():
+                if step not in (w._own_snapshots or {}):
+                    raise RuntimeError(f"publish_snapshot: the {role} copy of step {step} is gone (superseded)")
                 slot, out[role] = w._own_snapshots[step]
                 if slot is not None:
                     w._publishing = w._publishing | {slot}
         return {"step": step}, {"step": step, "rank": self.rank, "roles": out}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group="snapshot")
+    def seal_snapshot(self, step: int, roles: list[str] | None = None, timeout_s: float = 60.0) -> dict:
+        """Checksum the copies :meth:`take_snapshot` made of ``step`` for ``roles`` and, where
+        they are in node memory, commit them there (their ``.meta``, with the checksum): only a
+        sealed copy is ever loaded. Runs on the "snapshot" thread, off the step's path; waits up
+        to ``timeout_s`` for the take and raises a RuntimeError when it failed. The slot is not
+        written again while it is read. Returns ``{"step", "checksums": {role: checksum}}``."""
+        _previous_publishes_stored()
+        step = int(step)
+        workers = self._process_workers_of(roles, "seal_snapshot")
+        return {"step": step, "checksums": {role: w._seal(step, timeout_s) for role, w in workers.items()}}
+
+    def _seal(self, step: int, timeout_s: float) -> str:
+        role = getattr(self, "role", "worker")
+        with _SLOTS:
+            taken = lambda: step in (self._own_snapshots or {}) or (self._take_failed or (None,))[0] == step  # noqa: E731
+            if not _SLOTS.wait_for(taken, timeout=timeout_s):
+                raise RuntimeError(f"seal_snapshot: no {role} copy of step {step} after {timeout_s:.0f}s")
+            if step not in (self._own_snapshots or {}):
+                why = self._take_failed[1] if self._take_failed and self._take_failed[0] == step else "superseded"
+                raise RuntimeError(f"seal_snapshot: the {role} copy of step {step} is gone ({why})")
+            slot, snap = self._own_snapshots[step]
+            reading = slot is not None and slot not in self._publishing
+            if reading:  # a take waits for it (see _free_slot)
+                self._publishing = self._publishing | {slot}
+        try:
+            digest = snap.get("checksum") or snapshot_meta.checksum(snap["data"], int(snap["bytes"]))
+        finally:
+            with _SLOTS:
+                still = self._own_snapshots.get(step, (None, None))[1] is snap and (
+                    slot is None or slot in self._publishing)
+                if reading:
+                    self._publishing = self._publishing - {slot}
+                _SLOTS.notify_all()
+        snap["checksum"] = digest
+        files = (self._to_commit or {}).pop(step, None)
+        for old in [s for s in (self._to_commit or {}) if s < step]:
+            del self._to_commit[old]
+        if not still:
+            # The slot was given to a newer take meanwhile (its reader was too slow): this copy is
+            # no longer in node memory, so nothing is committed there.
+            raise RuntimeError(f"seal_snapshot: the {role} copy of step {step} was superseded while sealed")
+        if files is not None and files is (self._snapshot_ring.files if self._snapshot_ring else None):
+            files.commit(slot, {k: v for k, v in snap.items() if k != "data"})
+        return digest
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group="snapshot")
@@ -334,6 +379,15 @@ class SnapshotMixin:
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def snapshot_sizing(self, roles: list[str] | None = None, node_dir: str = "") -> dict:
+        """For ``recovery.snapshot_every=auto``: ``{"node": this node's id, "bytes": {role: bytes
+        of one snapshot copy}}`` for ``roles`` in this process at this rank, and ``"room"``: what
+        this node can hold (:func:`resilient_rl.workers.node_capacity.measure` of ``node_dir``)."""
+        workers = self._process_workers_of(roles, "snapshot_sizing")
+        return {"node": node_id(), "room": node_capacity.measure(node_dir),
+                "bytes": {role: int(Layout.of(w._snapshot_tensors()).total) for role, w in workers.items()}}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def has_snapshot(self, step: int) -> bool:
         """Whether this process still has its own copy of ``step``."""
         return int(step) in (self._own_snapshots or {})
@@ -350,7 +404,7 @@ class SnapshotMixin:
         return {"own_bytes": own, "held_bytes": held}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_snapshot(self, step: int, source: Any = None, timeout_s: float = 60.0) -> bool:
+    def load_snapshot(self, step: int, source: Any = None, timeout_s: float = 60.0) -> bool | dict:
         """Fill model, optimizer, schedule and RNG from a snapshot of ``step``; False when the
         copy is not available here (the controller then tries the next source).
 
@@ -359,7 +413,9 @@ class SnapshotMixin:
         ObjectRef wrapped in a list, so that Ray hands it over unresolved) for a copy in the
         object store, read here within ``timeout_s``; a snapshot dict for one handed over by
         value. A copy that does not match the rank's state raises a ValueError naming the first
-        path that differs."""
+        path that differs. A copy whose data does not match its checksum (or has none: it was
+        never sealed, :meth:`seal_snapshot`) is not written into the rank: the answer is then
+        ``{"corrupt": why}`` and the controller tries the next source."""
         step = int(step)
         slot = None
         if isinstance(source, NodeCopy):
@@ -377,6 +433,9 @@ class SnapshotMixin:
             snap = snap["roles"].get(getattr(self, "role", None))
         if snap is None or snap.get("step") != step:
             return False
+        why = snapshot_meta.verify(snap)
+        if why is not None:
+            return self._corrupt(step, "own" if source is None else "copy", why)
         self.reset_checkpoint_writer()
         self.restore_snapshot_state(snap)
         if self._own_snapshots is None:
@@ -394,6 +453,9 @@ class SnapshotMixin:
             return False
         slot, meta, buf = found
         snap = dict(meta, data=buf.numpy())
+        why = snapshot_meta.verify(snap)
+        if why is not None:
+            return self._corrupt(step, "node", why)
         self.reset_checkpoint_writer()
         self.restore_snapshot_state(snap)
         if not files.still(slot, source.snap_id):  # written over while read: no process should be
@@ -408,30 +470,13 @@ class SnapshotMixin:
         self.prepare_checkpoint_staging()
         return True
 
+    def _corrupt(self, step: int, where: str, why: str) -> dict:
+        """The answer of a load that found its copy damaged (nothing was written into the rank)."""
+        logger.warning("%s rank %d: %s copy of snapshot step %d is damaged, not restored: %s",
+                       getattr(self, "role", "worker"), self.rank, where, step, why)
+        return {"corrupt": why}
+
     def restore_snapshot_state(self, snap: dict) -> None:
         """Write ``snap`` into the engine in place: tensors, optimizer hyperparameters and
         non-tensor state, scheduler, RNG. Bit-identical to the state it was taken from."""
-        if snap.get("format") != FORMAT:
-            raise ValueError(f"snapshot format {snap.get('format')!r} is not {FORMAT}")
-        e = self.engine
-        layout = Layout.from_list(snap["layout"])
-        extra = snap["extra"]
-        has_optim_state = any(entry.name.startswith("optim/") for entry in layout.entries) or extra["optim_scalars"]
-        if has_optim_state and not e.optimizer.state:
-            # A rebuilt optimizer has no state to write into: create it the way a checkpoint load
-            # does (a zero-learning-rate step; every value is overwritten below).
-            get_optimizer_state_dict(e.model, e.optimizer)
-        elif not has_optim_state and e.optimizer.state:
-            e.optimizer.state.clear()
-        copy_in(layout, snap["data"], self._snapshot_tensors())
-        if len(extra["param_groups"]) != len(e.optimizer.param_groups):
-            raise ValueError(f"snapshot does not match the state at optim/param_groups: "
-                             f"{len(extra['param_groups'])} groups, the rank's {len(e.optimizer.param_groups)}")
-        for group, saved in zip(e.optimizer.param_groups, extra["param_groups"]):
-            group.update(copy.deepcopy(saved))
-        params = [p for g in e.optimizer.param_groups for p in g["params"]]
-        for key, value in extra["optim_scalars"].items():
-            index, name = key.split("/", 1)
-            e.optimizer.state[params[int(index)]][name] = copy.deepcopy(value)
-        e.scheduler.load_state_dict(copy.deepcopy(extra["scheduler"]))
-        torch.set_rng_state(as_tensor(np.asarray(extra["rng"])).clone())
+        restore_state(self.engine, snap, self._snapshot_tensors)

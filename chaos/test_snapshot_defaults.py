@@ -1,0 +1,88 @@
+"""Zero-replay recovery with the defaults (recovery.snapshot_every=auto), and auto sizing against a
+Docker-sized /dev/shm.
+
+No recovery key is set here: the sizing after the first step finds that node memory holds the
+snapshot rings and snapshots every step, so a SIGKILL of an actor rank or of the rollout loses only
+the failed step, though storage checkpoints are rare (``checkpoint.save_every=20``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import uuid
+
+import pytest
+
+from conftest import RESULTS, chaos_overrides, ensure_ray
+from resilient_rl.faults.harness import check_invariants, run_training
+from resilient_rl.faults.injectors import FaultSchedule
+
+LONG = ("trainer.total_steps=30", "checkpoint.save_every=20")
+
+
+def _run(chaos_dir, name, schedule=None, *extra, hooks=()):
+    ensure_ray()
+    overrides = [o for o in chaos_overrides(chaos_dir) if not o.startswith("trainer.total_steps=")]
+    result = run_training(overrides + list(extra), name, schedule, hooks=hooks)
+    if schedule is not None:
+        RESULTS.append(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference_30(chaos_dir):
+    result = _run(chaos_dir, "reference-30", None, *LONG)
+    assert result.error is None, result.error
+    assert [r["step"] for r in result.history] == list(range(1, 31))
+    return result
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm")
+def test_defaults_sigkill_of_an_actor_rank_and_the_rollout_replay_nothing(reference_30, chaos_dir, caplog):
+    schedule = FaultSchedule().after_snapshot(23).kill("actor", 1).after_snapshot(27).kill("rollout", 0)
+    with caplog.at_level(logging.INFO, logger="resilient_rl.recovery.snapshots"):
+        result = _run(chaos_dir, "defaults-zero-replay", schedule, *LONG)
+    check_invariants(result, reference_30, expect_recoveries=2)
+    recovered = [(e["failed_step"], e["restored_step"], e["steps_replayed"], e["source"])
+                 for e in result.events_of("recovered")]
+    assert recovered == [(23, 22, 0, "snapshot"), (27, 26, 0, "snapshot")], recovered
+    assert not result.events_of("checkpoint_restored"), "storage was read"
+    lines = [r.getMessage() for r in caplog.records if "snapshot_every=auto" in r.getMessage()]
+    assert len(lines) == 1 and "every step, in node memory" in lines[0], lines
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A 64 MiB tmpfs (Docker's default /dev/shm) with 60 MiB already used (Ray's object store,
+    other processes): what is left cannot hold the rings."""
+    mount = tmp_path / f"shm-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        with open(mount / "used-by-others", "wb") as f:
+            f.write(b"\0" * (60 * 2**20))
+        yield str(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_64mb_shm_snapshots_less_often_through_the_object_store(reference, chaos_dir, small_shm, caplog):
+    """The sizing reads the small tmpfs, says so in one line (with how to enlarge it) and keeps
+    the copies in the processes and the object store every 5 steps: a kill at step 6 restores
+    step 5 from there, replays nothing, and nothing of the run is left in the tmpfs."""
+    schedule = FaultSchedule().after_snapshot(6).kill("actor", 1)
+    with caplog.at_level(logging.INFO, logger="resilient_rl.recovery.snapshots"):
+        result = _run(chaos_dir, "small-shm", schedule, "trainer.total_steps=6",
+                      f"recovery.snapshot_node_dir={small_shm}")
+    check_invariants(result, reference)
+    lines = [r.getMessage() for r in caplog.records if "snapshot_every=auto" in r.getMessage()]
+    assert len(lines) == 1 and "every 5 steps, in process memory and the object store" in lines[0], lines
+    assert "--shm-size" in lines[0] and small_shm in lines[0]
+    rec = result.events_of("recovered")[0]
+    assert (rec["restored_step"], rec["steps_replayed"], rec["source"]) == (5, 0, "snapshot"), rec
+    assert result.events_of("snapshot_restored")[0]["sources"].get("object_store") == 1
+    assert sorted(os.listdir(small_shm)) == ["used-by-others"]

@@ -1,0 +1,66 @@
+"""A snapshot's non-tensor state and its restore into a rank's engine.
+
+The tensors of a snapshot are packed by :mod:`resilient_rl.workers.snapshot_buffers`; what rides
+along as plain values (optimizer hyperparameters per group, non-tensor optimizer state, scheduler,
+RNG) is gathered by :func:`optim_extras` at the take and written back, with the tensors, by
+:func:`restore_state`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from resilient_rl.workers.snapshot_buffers import Layout, as_tensor, copy_in
+
+#: Version of the snapshot dict's layout.
+FORMAT = 2
+
+
+def optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
+    """The optimizer's hyperparameters per group (without ``params``) and the non-tensor values
+    of its per-parameter state (by parameter index and key)."""
+    groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+    scalars: dict[str, Any] = {}
+    index = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            for key, value in (optimizer.state.get(p) or {}).items():
+                if not torch.is_tensor(value):
+                    scalars[f"{index}/{key}"] = copy.deepcopy(value)
+            index += 1
+    return groups, scalars
+
+
+def restore_state(engine, snap: dict, tensors: Callable[[], list]) -> None:
+    """Write ``snap`` into ``engine`` (``model``, ``optimizer``, ``scheduler``) in place: tensors
+    (``tensors()``: the rank's named tensors), optimizer hyperparameters and non-tensor state,
+    scheduler, RNG. Bit-identical to the state it was taken from."""
+    if snap.get("format") != FORMAT:
+        raise ValueError(f"snapshot format {snap.get('format')!r} is not {FORMAT}")
+    e = engine
+    layout = Layout.from_list(snap["layout"])
+    extra = snap["extra"]
+    has_optim_state = any(entry.name.startswith("optim/") for entry in layout.entries) or extra["optim_scalars"]
+    if has_optim_state and not e.optimizer.state:
+        # A rebuilt optimizer has no state to write into: create it the way a checkpoint load
+        # does (a zero-learning-rate step; every value is overwritten below).
+        get_optimizer_state_dict(e.model, e.optimizer)
+    elif not has_optim_state and e.optimizer.state:
+        e.optimizer.state.clear()
+    copy_in(layout, snap["data"], tensors())
+    if len(extra["param_groups"]) != len(e.optimizer.param_groups):
+        raise ValueError(f"snapshot does not match the state at optim/param_groups: "
+                         f"{len(extra['param_groups'])} groups, the rank's {len(e.optimizer.param_groups)}")
+    for group, saved in zip(e.optimizer.param_groups, extra["param_groups"]):
+        group.update(copy.deepcopy(saved))
+    params = [p for g in e.optimizer.param_groups for p in g["params"]]
+    for key, value in extra["optim_scalars"].items():
+        index, name = key.split("/", 1)
+        e.optimizer.state[params[int(index)]][name] = copy.deepcopy(value)
+    e.scheduler.load_state_dict(copy.deepcopy(extra["scheduler"]))
+    torch.set_rng_state(as_tensor(np.asarray(extra["rng"])).clone())

@@ -1,0 +1,188 @@
+"""Verified, private snapshots (workers/snapshot.py, workers/snapshot_meta.py, workers/node_memory.py):
+every copy is checksummed on the "snapshot" thread and checked before it is written into a rank;
+node memory is private (0700/0600) and its metadata JSON (nothing is unpickled); a slot a reader
+still maps is never written again in place."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import stat
+
+import numpy as np
+import torch
+
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
+
+from test_snapshot_copy import Rank, assert_same, mlp
+
+
+def take(rank: Rank, step: int, run_dir: str, snap_id: str) -> dict:
+    answer = rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    rank.seal_snapshot(step)
+    return answer
+
+
+def flip(path: str, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_flipped_bytes_in_node_memory_are_detected_and_never_restored(tmp_path):
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    take(rank, 1, run_dir, "1.1")
+    flip(os.path.join(node_path(run_dir), "actor-0-0.data"))
+    fresh = Rank(mlp)
+    fresh.train(5)  # some state of its own, which a refused copy must leave as it is
+    before = fresh.fingerprint()
+    answer = fresh.load_snapshot(1, NodeCopy(run_dir, "1.1"))
+    assert isinstance(answer, dict) and "does not match" in answer["corrupt"], answer
+    assert_same(fresh.fingerprint(), before)
+    assert not fresh.has_snapshot(1)
+
+
+def test_a_damaged_own_or_handed_over_copy_is_refused():
+    rank = Rank(mlp)
+    rank.train(0)
+    copy = rank.snapshot(1)["roles"]["actor"]  # taken, sealed and published
+    assert copy["checksum"].startswith("xxh3_64:")
+    other = Rank(mlp)
+    other.train(3)
+    before = other.fingerprint()
+    bad = dict(copy, data=copy["data"].copy())
+    bad["data"][7] ^= 1
+    assert "corrupt" in other.load_snapshot(1, bad)
+    assert_same(other.fingerprint(), before)
+    assert other.load_snapshot(1, copy) is True
+    # The rank's own copy, damaged in its ring: refused too.
+    rank.train(1)
+    rank._own_snapshots[1][1]["data"][3] ^= 1
+    assert "corrupt" in rank.load_snapshot(1)
+
+
+def test_an_unsealed_copy_is_never_loaded(tmp_path):
+    """A take whose seal never ran (the process died first) is not committed in node memory, and
+    a copy without a checksum is refused."""
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    rank.take_snapshot(1, None, {"dir": run_dir, "id": "1.1"})
+    assert not [f for f in os.listdir(node_path(run_dir)) if f.endswith(".meta")]
+    assert Rank(mlp).load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert "no xxh3_64 checksum" in rank.load_snapshot(1)["corrupt"]
+
+
+def test_node_memory_is_private_and_its_metadata_is_json(tmp_path):
+    old = os.umask(0o022)
+    try:
+        run_dir = str(tmp_path / "resilient-rl-run1")
+        rank = Rank(mlp)
+        rank.train(0)
+        take(rank, 1, run_dir, "1.1")
+    finally:
+        os.umask(old)
+    node = node_path(run_dir)
+    for d in (run_dir, node):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    for name in os.listdir(node):
+        assert stat.S_IMODE(os.stat(os.path.join(node, name)).st_mode) == 0o600, name
+    with open(os.path.join(node, "actor-0-0.meta"), "rb") as f:
+        meta = json.loads(f.read())  # JSON, not a pickle
+    assert "values" in meta and "containers" in meta
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch BOOM",))
+
+
+def test_a_pickled_meta_is_never_unpickled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    take(rank, 1, run_dir, "1.1")
+    meta_path = os.path.join(node_path(run_dir), "actor-0-0.meta")
+    with open(meta_path, "wb") as f:
+        pickle.dump({"step": 1, "id": "1.1", "bytes": 1, "x": _Boom()}, f)
+    assert NodeFiles(node_path(run_dir), "actor", 0).find(2, 1, "1.1") is None
+    assert Rank(mlp).load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert not os.path.exists(tmp_path / "BOOM")
+
+
+def test_a_slot_still_mapped_by_a_reader_is_not_written_in_place(tmp_path):
+    """A process reading a copy from node memory keeps its bytes when the ring maps that slot
+    again (a new process of the rank, a slot given a new buffer): the file is replaced, not
+    rewritten."""
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    take(rank, 1, run_dir, "1.1")
+    files = NodeFiles(node_path(run_dir), "actor", 0)
+    slot, meta, reader = files.find(2, 1, "1.1")
+    kept = reader.clone()
+    rank._snapshot_ring.forget(slot)  # its next use maps the slot afresh
+    rank._own_snapshots.clear()
+    rank.train(1)
+    take(rank, 2, run_dir, "2.2")
+    rank.train(2)
+    take(rank, 3, run_dir, "3.3")  # both slots written again
+    assert torch.equal(reader, kept)
+    assert np.array_equal(reader.numpy(), kept.numpy())
+
+
+def test_a_take_waits_for_the_seal_reading_its_slot(monkeypatch):
+    """The seal reads a slot on the "snapshot" thread; a take needing that slot waits for it."""
+    import threading
+
+    from resilient_rl.workers import snapshot as snapshot_mod, snapshot_meta
+
+    rank = Rank(mlp)
+    rank.train(0)
+    rank.take_snapshot(1)
+    rank.seal_snapshot(1)
+    rank.train(1)
+    rank.take_snapshot(2)
+    rank.seal_snapshot(2)
+    rank.train(2)
+    started, release = threading.Event(), threading.Event()
+    real = snapshot_meta.checksum
+
+    def slow(data, nbytes=None):
+        started.set()
+        release.wait(10)
+        return real(data, nbytes)
+
+    monkeypatch.setattr(snapshot_meta, "checksum", slow)
+    monkeypatch.setattr(snapshot_mod, "SLOT_WAIT_S", 30.0)
+    rank.take_snapshot(3)  # into step 1's slot
+    before = rank._own_snapshots[3][1]["data"].copy()
+    errors = []
+
+    def seal():
+        try:
+            rank.seal_snapshot(3)
+        except RuntimeError as exc:  # superseded by step 5 once read: not committed anywhere
+            errors.append(exc)
+
+    sealer = threading.Thread(target=seal)
+    sealer.start()
+    assert started.wait(10)
+    rank.train(3)
+    rank.take_snapshot(4)  # into step 2's slot: no wait
+    rank.train(4)
+    taker = threading.Thread(target=rank.take_snapshot, args=(5,))
+    taker.start()  # needs step 3's slot, which the seal is reading
+    taker.join(0.5)
+    assert taker.is_alive(), "the take wrote the slot the seal is reading"
+    assert np.array_equal(before, rank._snapshot_ring.buffers[0].numpy()), "step 3's slot changed while read"
+    release.set()
+    sealer.join(10)
+    taker.join(10)
+    assert not taker.is_alive() and rank.has_snapshot(5)
