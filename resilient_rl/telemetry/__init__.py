@@ -5,7 +5,8 @@ from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_
 from resilient_rl.telemetry.file_sd import FileSDWriter
 from resilient_rl.runtime.devices import DeviceReport, device_report
 from resilient_rl.telemetry.gpu_owners import ProcessDevices, TorchMemoryMetrics, gpu_assignments
-from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASE_LABELS, PHASES, DeviceMetrics, TrainerMetrics
+from resilient_rl.telemetry.device_metrics import DeviceMetrics
+from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASE_LABELS, PHASES, TrainerMetrics
 from resilient_rl.telemetry.node_exporter import NodeExporter
 
 __all__ = [

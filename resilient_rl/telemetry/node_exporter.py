@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from resilient_rl.telemetry.device import GpuSampler, ProcessSampler
 from resilient_rl.telemetry.exporter import MetricsServer
-from resilient_rl.telemetry.metrics import DeviceMetrics
+from resilient_rl.telemetry.device_metrics import DeviceMetrics
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 
