@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from resilient_rl.errors import WorkerDiedError
-from resilient_rl.recovery.snapshots import SnapshotKeeper, ring_holders
+from resilient_rl.recovery.snapshot_ring import ring_holders
+from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.workers.node_memory import NodeCopy
 
 
