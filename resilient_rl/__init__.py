@@ -30,12 +30,29 @@ from resilient_rl.controller.worker_group import (
     create_colocated_worker_cls,
 )
 from resilient_rl.errors import RRLError
-from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from resilient_rl.protocol import (
+    DataProto,
+    DataProtoConfig,
+    DataProtoFuture,
+    DataProtoItem,
+    deserialize_single_tensor,
+    deserialize_tensordict,
+    fold_batch_dim,
+    pad_dataproto_to_divisor,
+    serialize_single_tensor,
+    serialize_tensordict,
+    unfold_batch_dim,
+    union_numpy_dict,
+    union_tensor_dict,
+    unpad_dataproto,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataProto", "pad_dataproto_to_divisor", "unpad_dataproto",
+    "DataProto", "DataProtoConfig", "DataProtoFuture", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto",
+    "fold_batch_dim", "unfold_batch_dim", "union_tensor_dict", "union_numpy_dict", "serialize_single_tensor",
+    "deserialize_single_tensor", "serialize_tensordict", "deserialize_tensordict",
     "Worker", "register", "Dispatch", "Execute",
     "RayResourcePool", "merge_resource_pool", "RayClassWithInitArgs", "RayWorkerGroup", "create_colocated_worker_cls",
     "collect_all_to_all", "collect_dp_compute", "collect_dp_compute_data_proto", "collect_rank_zero",

@@ -1,0 +1,66 @@
+"""``DataProtoFuture``: the result of a non-blocking group call, not fetched to the controller.
+
+A registered method declared with ``blocking=False`` returns one of these instead of waiting: it
+holds the ranks' ObjectRefs and how to merge them (``collect_fn``). Passed as an argument to
+another group's method, each destination rank fetches and merges the parts itself and keeps its
+own chunk (``dispatch_fn``), so the data goes from worker to worker without passing through the
+controller. ``get()`` fetches and merges on the caller instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+from resilient_rl.errors import DataProtoError
+
+
+def _concat_parts(parts: list) -> Any:
+    from resilient_rl.protocol import DataProto
+
+    if parts and all(isinstance(p, DataProto) for p in parts):
+        return DataProto.concat(parts)
+    from resilient_rl.protocol_utils import tensordict_class
+
+    if parts and all(isinstance(p, tensordict_class()) for p in parts):
+        import torch
+
+        return torch.cat(parts, dim=0)
+    raise DataProtoError("a DataProtoFuture's parts must all be DataProtos or all TensorDicts, got "
+                         f"{sorted({type(p).__name__ for p in parts})}")
+
+
+def _chunk_part(data, i: int, chunks: int):
+    return data.chunk(chunks=chunks)[i]
+
+
+@dataclass
+class DataProtoFuture:
+    """ObjectRefs of a call's per-rank results, with how to merge them and which part to keep."""
+
+    collect_fn: Callable
+    futures: list
+    dispatch_fn: Callable | None = None
+
+    @staticmethod
+    def concat(data: list) -> DataProtoFuture:
+        """A future of the concatenation of ``data`` (ObjectRefs of DataProtos)."""
+        return DataProtoFuture(collect_fn=_concat_parts, futures=list(data))
+
+    def chunk(self, chunks: int) -> list[DataProtoFuture]:
+        """``chunks`` futures, the i-th of which resolves to chunk i of the merged result."""
+        return [DataProtoFuture(collect_fn=self.collect_fn, futures=self.futures,
+                                dispatch_fn=partial(_chunk_part, i=i, chunks=chunks)) for i in range(chunks)]
+
+    def get(self, timeout: float | None = None):
+        """Fetch every part, merge them and keep this future's chunk."""
+        import ray
+
+        output = self.collect_fn(ray.get(self.futures, timeout=timeout))
+        return self.dispatch_fn(output) if self.dispatch_fn is not None else output
+
+
+def materialize(value):
+    """``value``, or what it resolves to when it is a DataProtoFuture (run on the worker side)."""
+    return value.get() if isinstance(value, DataProtoFuture) else value
