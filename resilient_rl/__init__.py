@@ -21,9 +21,14 @@ from resilient_rl.controller.dispatch import (
     dispatch_rank_zero,
     get_predefined_dispatch_fn,
     register,
+    register_dispatch_mode,
+    update_dispatch_mode,
 )
-from resilient_rl.controller.resource_pool import RayResourcePool, merge_resource_pool
+from resilient_rl.controller.dispatch_nd import make_nd_compute_dataproto_dispatch_fn
+from resilient_rl.controller.resource_pool import (RayResourcePool, SubRayResourcePool, merge_resource_pool,
+                                                   split_resource_pool)
 from resilient_rl.controller.worker import Worker
+from resilient_rl.controller.worker_class import create_colocated_worker_cls_fused, create_colocated_worker_raw_cls
 from resilient_rl.controller.worker_group import (
     RayClassWithInitArgs,
     RayWorkerGroup,
@@ -58,5 +63,7 @@ __all__ = [
     "collect_all_to_all", "collect_dp_compute", "collect_dp_compute_data_proto", "collect_rank_zero",
     "dispatch_all_to_all", "dispatch_dp_compute", "dispatch_dp_compute_data_proto",
     "dispatch_dp_compute_data_proto_with_func", "dispatch_one_to_all", "dispatch_rank_zero",
-    "get_predefined_dispatch_fn", "RRLError", "__version__",
+    "get_predefined_dispatch_fn", "register_dispatch_mode", "update_dispatch_mode",
+    "make_nd_compute_dataproto_dispatch_fn", "SubRayResourcePool", "split_resource_pool",
+    "create_colocated_worker_cls_fused", "create_colocated_worker_raw_cls", "RRLError", "__version__",
 ]

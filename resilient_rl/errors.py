@@ -23,8 +23,10 @@ class DataProtoError(RRLError, ValueError, AssertionError):
     Also an ``AssertionError``: verl asserts where this is raised, and ported code catches that."""
 
 
-class DispatchError(RRLError, ValueError):
-    """Arguments of a worker-group call cannot be dispatched (wrong length, unknown method)."""
+class DispatchError(RRLError, ValueError, AssertionError):
+    """Arguments of a worker-group call cannot be dispatched (wrong length, unknown method).
+
+    Also an ``AssertionError``, where verl asserts."""
 
 
 class ResourceError(RRLError):

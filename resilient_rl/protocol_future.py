@@ -24,11 +24,23 @@ def _concat_parts(parts: list) -> Any:
     from resilient_rl.protocol_utils import tensordict_class
 
     if parts and all(isinstance(p, tensordict_class()) for p in parts):
-        import torch
-
-        return torch.cat(parts, dim=0)
+        return concat_tensordicts(parts)
     raise DataProtoError("a DataProtoFuture's parts must all be DataProtos or all TensorDicts, got "
                          f"{sorted({type(p).__name__ for p in parts})}")
+
+
+def concat_tensordicts(parts: list):
+    """TensorDicts joined along the batch dim; jagged (nested) tensors are joined row by row."""
+    import torch
+
+    out = {}
+    for key in parts[0].keys():
+        vals = [p[key] for p in parts]
+        if getattr(vals[0], "is_nested", False):
+            out[key] = torch.nested.as_nested_tensor([t for v in vals for t in v.unbind(0)], layout=vals[0].layout)
+        else:
+            out[key] = torch.cat(vals, dim=0)
+    return type(parts[0])(out, batch_size=[sum(p.batch_size[0] for p in parts)])
 
 
 def _chunk_part(data, i: int, chunks: int):

@@ -83,7 +83,8 @@ class RayRoles:
 
     def _group(self, role: str, world_size: int, cls: RayClassWithInitArgs) -> RayWorkerGroup:
         c = self.cfg
-        pool = RayResourcePool([world_size], use_gpu=self.use_gpu, cpus_per_bundle=c.ray.cpus_per_worker,
+        pool = RayResourcePool([world_size], use_gpu=self.use_gpu, max_colocate_count=1,
+                               cpus_per_bundle=c.ray.cpus_per_worker,
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
                                placement_timeout_s=c.recovery.placement_timeout_s)
         return RayWorkerGroup(pool, cls, max_restarts=c.recovery.max_restarts,
