@@ -72,7 +72,20 @@ class DataProtoFuture:
         output = self.collect_fn(ray.get(self.futures, timeout=timeout))
         return self.dispatch_fn(output) if self.dispatch_fn is not None else output
 
+    async def get_async(self):
+        """:meth:`get` for an ``async def`` method: awaits the parts, so the actor's event loop
+        keeps running the calls that produce them (an async actor may start a later call first)."""
+        import asyncio
+
+        output = self.collect_fn(list(await asyncio.gather(*self.futures)))
+        return self.dispatch_fn(output) if self.dispatch_fn is not None else output
+
 
 def materialize(value):
     """``value``, or what it resolves to when it is a DataProtoFuture (run on the worker side)."""
     return value.get() if isinstance(value, DataProtoFuture) else value
+
+
+async def materialize_async(value):
+    """:func:`materialize` without blocking the event loop (``async def`` methods)."""
+    return await value.get_async() if isinstance(value, DataProtoFuture) else value

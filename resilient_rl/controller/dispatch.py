@@ -17,7 +17,7 @@ from typing import Any, Callable
 from resilient_rl.controller import progress
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor
-from resilient_rl.protocol_future import DataProtoFuture, materialize
+from resilient_rl.protocol_future import DataProtoFuture, materialize, materialize_async
 
 #: Attribute under which ``@register`` stores a method's dispatch settings.
 MAGIC_ATTR = "__rrl_register__"
@@ -270,7 +270,10 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
 
         @functools.wraps(func)
         async def async_inner(*args, **kwargs):
-            args, kwargs = prepare(args, kwargs)
+            kwargs.pop(PAD_SIZE_KEY, None)
+            if materialize_futures:
+                args = tuple([await materialize_async(a) for a in args])
+                kwargs = {k: await materialize_async(v) for k, v in kwargs.items()}
             progress.begin(name)
             try:
                 return await func(*args, **kwargs)
