@@ -82,7 +82,7 @@ class BareActor:
 
 def _start_ours(cpus_per_bundle: float) -> tuple[float, RayWorkerGroup]:
     t0 = time.perf_counter()
-    pool = RayResourcePool([WORLD], cpus_per_bundle=cpus_per_bundle)
+    pool = RayResourcePool([WORLD], use_gpu=False, max_colocate_count=1, cpus_per_bundle=cpus_per_bundle)
     # The constructor returns once every rank has answered a ping.
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(cls=BenchWorker))
     return time.perf_counter() - t0, wg
@@ -190,7 +190,7 @@ def bench_round_trip(iters: int, warmup: int, rows: int, cols: int,
     data = DataProto.from_dict({"x": x})
     chunks = list(x.chunk(WORLD))
     expected = x * 2
-    pool = RayResourcePool([WORLD], cpus_per_bundle=cpus_per_bundle)
+    pool = RayResourcePool([WORLD], use_gpu=False, max_colocate_count=1, cpus_per_bundle=cpus_per_bundle)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(cls=BenchWorker))
     actors = [BareActor.remote() for _ in range(WORLD)]
     ray.get([a.ping.remote() for a in actors])

@@ -42,12 +42,16 @@ class ConfigError(RRLError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
-class DataProtoError(RRLError, ValueError):
-    """A DataProto operation got inconsistent batches (length, keys, split sizes)."""
+class DataProtoError(RRLError, ValueError, AssertionError):
+    """A DataProto operation got inconsistent batches (length, keys, split sizes).
+
+    Also an ``AssertionError``: verl asserts where this is raised, and ported code catches that."""
 
 
-class DispatchError(RRLError, ValueError):
-    """Arguments of a worker-group call cannot be dispatched (wrong length, unknown method)."""
+class DispatchError(RRLError, ValueError, AssertionError):
+    """Arguments of a worker-group call cannot be dispatched (wrong length, unknown method).
+
+    Also an ``AssertionError``, where verl asserts."""
 
 
 class ResourceError(RRLError):

@@ -17,7 +17,7 @@ Ray (pickle protocol 5) moves them out-of-band instead of copying them into the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,20 +26,23 @@ import torch
 
 from resilient_rl.errors import DataProtoError
 # The helpers live in protocol_utils; the public ones are re-exported here, where verl has them.
-from resilient_rl.protocol_utils import (as_object_array, batch_from_wire, batch_to_wire, positive_int,
-                                         tensordict_class, union_dict, union_numpy_dict, union_tensor_dict,
-                                         values_equal)
+from resilient_rl.protocol_utils import (as_object_array, batch_from_wire, batch_to_wire, positive_int, tensordict_class, union_dict, union_numpy_dict,
+                                         union_tensor_dict, values_equal)
+from resilient_rl.protocol_io import (deserialize_single_tensor, deserialize_tensordict,  # noqa: F401
+                                      serialize_single_tensor, serialize_tensordict)
+from resilient_rl.protocol_verl import (DataProtoConfig, DataProtoVerlMixin, fold_batch_dim,  # noqa: F401
+                                        merge_meta_info, unfold_batch_dim)
+from resilient_rl.protocol_future import DataProtoFuture  # noqa: F401
 
 if TYPE_CHECKING:  # imported on first use at run time, see tensordict_class
     from tensordict import TensorDict
 
-__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto", "union_tensor_dict",
-           "union_numpy_dict", "values_equal"]
+__all__ = ["DataProto", "DataProtoItem", "DataProtoConfig", "DataProtoFuture", "pad_dataproto_to_divisor",
+           "unpad_dataproto", "union_tensor_dict", "union_numpy_dict", "values_equal", "fold_batch_dim",
+           "unfold_batch_dim", "serialize_single_tensor", "deserialize_single_tensor", "serialize_tensordict",
+           "deserialize_tensordict"]
 
 _STATE_VERSION = 1
-# dataloader_kwargs accepted by make_iterator for verl compatibility; only "shuffle" changes
-# anything, the others do not affect which rows end up in which mini-batch.
-_ITERATOR_KWARGS = frozenset({"shuffle", "drop_last", "num_workers", "pin_memory"})
 
 Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -54,7 +57,7 @@ class DataProtoItem:
 
 
 @dataclass(eq=False)
-class DataProto:
+class DataProto(DataProtoVerlMixin):
     """A batch of tensors, non-tensor arrays and meta info sharing one leading dimension."""
 
     batch: TensorDict | None = None
@@ -97,25 +100,34 @@ class DataProto:
 
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict[str, Any] | None = None,
-                  meta_info: dict[str, Any] | None = None) -> DataProto:
-        """Build from a dict of tensors (same dim 0) and a dict of numpy arrays or lists."""
+                  meta_info: dict[str, Any] | None = None, num_batch_dims: int = 1,
+                  auto_padding: bool = False) -> DataProto:
+        """Build from a dict of tensors (same leading ``num_batch_dims`` dims) and a dict of numpy
+        arrays or lists. ``auto_padding`` lets ``chunk`` split this proto unevenly (verl)."""
+        num_batch_dims = positive_int("num_batch_dims", num_batch_dims)
+        if non_tensors and num_batch_dims != 1:
+            raise DataProtoError("num_batch_dims must be 1 when non_tensors are given")
         tensors = dict(tensors or {})
-        length: int | None = None
+        size: tuple | None = None
         first_key = None
         for key, tensor in tensors.items():
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-                raise DataProtoError(f"tensor {key!r} must be a torch.Tensor with a batch dimension")
-            if length is None:
-                length, first_key = tensor.shape[0], key
-            elif tensor.shape[0] != length:
-                raise DataProtoError(f"tensor {key!r} has length {tensor.shape[0]} but {first_key!r} has {length}")
-        batch = tensordict_class()(tensors, batch_size=[length]) if tensors else None
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() < num_batch_dims:
+                raise DataProtoError(f"tensor {key!r} must be a torch.Tensor with {num_batch_dims} batch dimension(s)")
+            if size is None:
+                size, first_key = tuple(tensor.shape[:num_batch_dims]), key
+            elif tuple(tensor.shape[:num_batch_dims]) != size:
+                got, want = (tensor.shape[0], size[0]) if num_batch_dims == 1 else (tensor.shape[:num_batch_dims], size)
+                raise DataProtoError(f"tensor {key!r} has length {got} but {first_key!r} has {want}")
+        batch = tensordict_class()(tensors, batch_size=list(size)) if tensors else None
         non_tensor_batch = {k: as_object_array(k, v) for k, v in (non_tensors or {}).items()}
-        return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(meta_info or {}))
+        meta = dict(meta_info or {})
+        if auto_padding:
+            meta[DataProtoConfig.auto_padding_key] = True
+        return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta)
 
     @classmethod
     def from_single_dict(cls, data: dict[str, torch.Tensor | np.ndarray],
-                         meta_info: dict[str, Any] | None = None) -> DataProto:
+                         meta_info: dict[str, Any] | None = None, auto_padding: bool = False) -> DataProto:
         """Build from one dict, sending tensors to ``batch`` and numpy arrays to ``non_tensor_batch``."""
         tensors, non_tensors = {}, {}
         for key, val in data.items():
@@ -126,7 +138,7 @@ class DataProto:
             else:
                 raise DataProtoError(f"value of {key!r} must be a torch.Tensor or a numpy array, "
                                      f"got {type(val).__name__}")
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
 
     def _new(self, batch: TensorDict | None, non_tensor_batch: dict[str, np.ndarray],
              meta_info: dict[str, Any] | None = None) -> DataProto:
@@ -272,11 +284,15 @@ class DataProto:
 
     # ----------------------------------------------------------------- splitting and joining
     def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into ``chunks`` equal parts; uneven lengths are an error (pad first if needed)."""
+        """Split into ``chunks`` equal parts; uneven lengths are an error (pad first if needed)
+        unless auto-padding is enabled, where parts have ``torch.chunk``'s sizes, as in verl."""
         chunks = positive_int("chunks", chunks)
         if len(self) % chunks:
-            raise DataProtoError(f"cannot split a DataProto of length {len(self)} into {chunks} equal chunks; "
-                                 "pad it with pad_dataproto_to_divisor first")
+            if not self.is_padding_enabled():
+                raise DataProtoError(f"cannot split a DataProto of length {len(self)} into {chunks} equal chunks; "
+                                     "pad it with pad_dataproto_to_divisor first")
+            size = -(-len(self) // chunks)
+            return [self.slice(i, i + size) for i in range(0, len(self), size)]
         size = len(self) // chunks
         return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
 
@@ -287,7 +303,9 @@ class DataProto:
 
     @staticmethod
     def concat(data: Sequence[DataProto]) -> DataProto:
-        """Concatenate along dim 0; all parts must have the same keys, meta_info comes from the first."""
+        """Concatenate along dim 0; all parts must have the same keys. meta_info is merged as verl
+        does (see :func:`~resilient_rl.protocol_verl.merge_meta_info`): per-worker ``metrics``
+        become one dict of lists, other keys must agree."""
         if not data:
             raise DataProtoError("cannot concat an empty list of DataProtos")
         first = data[0]
@@ -310,7 +328,8 @@ class DataProto:
             batch = tensordict_class()(tensors, batch_size=[sum(len(d) for d in data)], device=first.batch.device)
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data], axis=0)
                       for k in first.non_tensor_batch}
-        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(first.meta_info))
+        return type(first)(batch=batch, non_tensor_batch=non_tensor,
+                           meta_info=merge_meta_info([d.meta_info for d in data]))
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Repeat every row: ``interleave`` gives a,a,b,b; otherwise the whole batch is tiled a,b,a,b."""
@@ -334,40 +353,6 @@ class DataProto:
                                  f"got {idx.numel()} indices starting {idx.flatten()[:8].tolist()}")
         reordered = self.select_idxs(idx)
         self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
-
-    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
-                      dataloader_kwargs: dict[str, Any] | None = None) -> Iterator[DataProto]:
-        """Yield mini-batches of ``mini_batch_size`` rows for ``epochs`` passes.
-
-        With a ``seed`` every epoch is a fresh permutation drawn from one ``torch.Generator`` seeded
-        with it, so the same seed gives the same order. Without a seed rows come in order, unless
-        ``dataloader_kwargs={"shuffle": True}`` asks for shuffling from torch's global generator.
-        ``{"shuffle": False}`` turns shuffling off even with a seed.
-        """
-        mini_batch_size = positive_int("mini_batch_size", mini_batch_size)
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise DataProtoError(f"epochs must be a non-negative integer, got {epochs!r}")
-        if len(self) % mini_batch_size:
-            raise DataProtoError(f"DataProto length {len(self)} is not divisible by mini_batch_size "
-                                 f"{mini_batch_size}")
-        kwargs = dict(dataloader_kwargs or {})
-        unknown = sorted(set(kwargs) - _ITERATOR_KWARGS)
-        if unknown:
-            raise DataProtoError(f"unsupported dataloader_kwargs {unknown}; supported: {sorted(_ITERATOR_KWARGS)}")
-        shuffle = bool(kwargs.get("shuffle", seed is not None))
-        generator = None
-        if seed is not None:
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-        n = len(self)
-
-        def batches() -> Iterator[DataProto]:
-            for _ in range(epochs):
-                order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
-                for start in range(0, n, mini_batch_size):
-                    yield self.select_idxs(order[start:start + mini_batch_size])
-
-        return batches()
 
     # ----------------------------------------------------------------------- device, repr, pickle
     def to(self, device: str | torch.device) -> DataProto:

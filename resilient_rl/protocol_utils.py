@@ -50,11 +50,27 @@ def tensordict_class() -> type[TensorDict]:
     return TensorDict
 
 
-def values_equal(a: Any, b: Any) -> bool:
+def values_equal(a: Any, b: Any, _seen: set | None = None) -> bool:
     """Strict equality for tensors, numpy arrays (incl. object and NaN) and nested containers.
 
     Dtypes and shapes must match too: ``torch.equal`` alone treats float32 and float64 as equal.
+    Containers that hold themselves compare equal where their structure is the same: a pair
+    already being compared further up counts as equal instead of recursing forever.
     """
+    if isinstance(a, (np.ndarray, dict, list, tuple)):
+        _seen = set() if _seen is None else _seen
+        pair = (id(a), id(b))
+        if pair in _seen:
+            return True
+        _seen.add(pair)
+        try:
+            return _container_equal(a, b, _seen)
+        finally:
+            _seen.discard(pair)
+    return _container_equal(a, b, _seen)
+
+
+def _container_equal(a: Any, b: Any, seen: set | None) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -69,13 +85,13 @@ def values_equal(a: Any, b: Any) -> bool:
             return False
         if a.dtype != object:
             return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-        return all(values_equal(x, y) for x, y in zip(a.flat, b.flat))
+        return all(values_equal(x, y, seen) for x, y in zip(a.flat, b.flat))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k], seen) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(values_equal, a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y, seen) for x, y in zip(a, b))
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - objects whose == is not a truth value are not equal
@@ -103,7 +119,8 @@ def union_dict(d1: dict[str, Any], d2: dict[str, Any], kind: str) -> dict[str, A
     """
     for key, val in d2.items():
         if key in d1 and not values_equal(d1[key], val):
-            raise DataProtoError(f"cannot union: {kind} key {key!r} is present in both with different values")
+            raise DataProtoError(f"cannot union: {kind} key {key!r} is present in both with different values "
+                                 f"(`{key}` in tensor_dict1 and tensor_dict2 are not the same object.)")
     d1.update(d2)
     return d1
 

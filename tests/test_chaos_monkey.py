@@ -24,7 +24,7 @@ class Idle(Worker):
 
 
 def test_monkey_finds_and_hits_the_runs_workers(ray_cluster):
-    pool = RayResourcePool([2], name_prefix="rrl_monkeyrun_ab12_actor", cpus_per_bundle=0.05)
+    pool = RayResourcePool([2], use_gpu=False, name_prefix="rrl_monkeyrun_ab12_actor", cpus_per_bundle=0.05)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(Idle), max_restarts=2)
     try:
         before = {i.pid for i in wg.ping()}
@@ -66,7 +66,8 @@ def test_worker_names_parse_from_the_right():
 
 
 def test_monkey_hits_only_the_named_run_not_one_sharing_its_prefix(ray_cluster):
-    groups = [RayWorkerGroup(RayResourcePool([1], name_prefix=f"rrl_{run}_ab12cd_actor", cpus_per_bundle=0.05),
+    groups = [RayWorkerGroup(RayResourcePool([1], use_gpu=False, name_prefix=f"rrl_{run}_ab12cd_actor",
+                                             cpus_per_bundle=0.05),
                              RayClassWithInitArgs(Idle)) for run in ("ppo", "ppo_v2")]
     try:
         (ppo,), (v2,) = ([i.pid for i in g.ping()] for g in groups)

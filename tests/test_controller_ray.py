@@ -144,8 +144,8 @@ def test_bad_input_fails_fast(ray_cluster):
         wg.shutdown()
     # Refused by the feasibility check before any placement group is asked for (a wait for
     # placement would end in "were not placed within", after placement_timeout_s).
-    gpu, fat = RayResourcePool([2], use_gpu=True, name_prefix="gpu"), RayResourcePool([4], cpus_per_bundle=10,
-                                                                                     name_prefix="fat")
+    gpu = RayResourcePool([2], use_gpu=True, name_prefix="gpu")
+    fat = RayResourcePool([4], use_gpu=False, cpus_per_bundle=10, name_prefix="fat")
     with pytest.raises(ResourceError, match="asks for 2 GPU"):
         gpu.get_placement_groups()
     with pytest.raises(ResourceError, match="asks for 40 CPU"):
@@ -156,7 +156,7 @@ def test_bad_input_fails_fast(ray_cluster):
 
 
 def test_colocated_roles_share_one_process_per_bundle(ray_cluster):
-    pool = RayResourcePool([2], name_prefix="coloc", cpus_per_bundle=0.1)
+    pool = RayResourcePool([2], use_gpu=False, name_prefix="coloc", cpus_per_bundle=0.1)
     cls = create_colocated_worker_cls({"actor": RayClassWithInitArgs(EchoWorker, scale=3.0),
                                        "critic": RayClassWithInitArgs(CriticLike)})
     wg = RayWorkerGroup(pool, cls)
@@ -179,7 +179,8 @@ def test_colocated_roles_share_one_process_per_bundle(ray_cluster):
 
 
 def test_merged_pools_and_all_reduce_after_rendezvous(ray_cluster):
-    pool = merge_resource_pool(RayResourcePool([1], name_prefix="m1"), RayResourcePool([2], name_prefix="m2"))
+    pool = merge_resource_pool(RayResourcePool([1], use_gpu=False, name_prefix="m1"),
+                               RayResourcePool([2], use_gpu=False, name_prefix="m2"))
     assert pool.store == [1, 2] and pool.world_size == 3
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker))
     try:
@@ -191,10 +192,10 @@ def test_merged_pools_and_all_reduce_after_rendezvous(ray_cluster):
     finally:
         wg.shutdown()
     with pytest.raises(ResourceError, match="already exist"):
-        p = RayResourcePool([1], name_prefix="m3")
+        p = RayResourcePool([1], use_gpu=False, name_prefix="m3")
         p.get_placement_groups()
         try:
-            merge_resource_pool(p, RayResourcePool([1], name_prefix="m4"))
+            merge_resource_pool(p, RayResourcePool([1], use_gpu=False, name_prefix="m4"))
         finally:
             p.release()
 

@@ -80,7 +80,7 @@ def gpu_cluster():
 
 
 def _gpu_group(prefix: str) -> RayWorkerGroup:
-    pool = RayResourcePool([2], use_gpu=True, name_prefix=prefix, cpus_per_bundle=0.1)
+    pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, name_prefix=prefix, cpus_per_bundle=0.1)
     return RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=1.0), max_restarts=2, call_timeout_s=60)
 
 

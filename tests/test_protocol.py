@@ -267,13 +267,17 @@ def test_split():
         make(2).split(-1)
 
 
-def test_concat_roundtrips_chunks_and_takes_first_meta():
+def test_concat_roundtrips_chunks_and_merges_meta_as_verl():
     data = make(6)
     parts = data.chunk(3)
-    parts[1].meta_info["other"] = True
+    parts[1].meta_info["other"] = True  # a key of one part only is kept (verl merges meta_info)
     joined = DataProto.concat(parts)
-    assert joined.equals(data)
+    assert joined.equals(data, check_meta_info=False)
+    assert joined.meta_info == {**data.meta_info, "other": True}
     assert joined.meta_info is not data.meta_info
+    parts[2].meta_info["other"] = False
+    with pytest.raises(AssertionError, match="Conflicting values for meta_info key 'other'"):
+        DataProto.concat(parts)
 
 
 def test_concat_errors():

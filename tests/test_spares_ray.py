@@ -134,8 +134,8 @@ def test_release_kills_the_spares_outside_bundles_and_refill_starts_new_ones(ray
 def test_a_pool_knows_when_a_bundle_waits_to_be_placed(ray_cluster):
     from ray.util.placement_group import placement_group
 
-    placed = RayResourcePool([1], name_prefix="placed", cpus_per_bundle=0.1)
-    waiting = RayResourcePool([1], name_prefix="waiting", cpus_per_bundle=0.1)
+    placed = RayResourcePool([1], use_gpu=False, name_prefix="placed", cpus_per_bundle=0.1)
+    waiting = RayResourcePool([1], use_gpu=False, name_prefix="waiting", cpus_per_bundle=0.1)
     try:
         placed.get_placement_groups()
         assert not placed.unplaced()

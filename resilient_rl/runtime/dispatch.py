@@ -10,12 +10,14 @@ verl worker ports by changing imports.
 from __future__ import annotations
 
 import functools
+import inspect
 from enum import Enum
 from typing import Any, Callable
 
 from resilient_rl.runtime import progress
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor
+from resilient_rl.protocol_future import DataProtoFuture, materialize, materialize_async
 
 #: Attribute under which ``@register`` stores a method's dispatch settings.
 MAGIC_ATTR = "__rrl_register__"
@@ -102,15 +104,21 @@ def _split_protos(worker_group, args, kwargs):
     """Chunk every DataProto argument into ``world_size`` parts, padding uneven batches if allowed."""
     n = worker_group.world_size
     lengths = {len(v) for v in list(args) + list(kwargs.values()) if isinstance(v, DataProto)}
+    # A DataProtoFuture (another group's non-blocking result) is split by the ranks that fetch
+    # it: its length is not known here, so it is never padded.
     if len(lengths) > 1:
         raise DispatchError(f"DataProto arguments of one call must have the same length; got {sorted(lengths)}")
     pad_size = 0
 
     def split(name, value):
         nonlocal pad_size
+        if isinstance(value, DataProtoFuture):
+            return value.chunk(n)
         if not isinstance(value, DataProto):
             raise DispatchError(f"DP_COMPUTE_PROTO argument {name!r} must be a DataProto, got {type(value).__name__}")
         if len(value) % n:
+            # Unlike verl (which pads only where DataProtoConfig.auto_padding is on), an uneven
+            # batch is padded unless meta_info["auto_padding"] is False.
             if not value.meta_info.get(AUTO_PADDING_KEY, True):
                 raise DispatchError(f"DataProto argument {name!r} of length {len(value)} cannot be split into "
                                     f"{n} equal chunks and meta_info[{AUTO_PADDING_KEY!r}] is False")
@@ -141,9 +149,18 @@ def dispatch_dp_compute_data_proto_with_func(worker_group, *args, **kwargs):
     return ([func] * worker_group.world_size,) + new_args, new_kwargs
 
 
+def _refs(output) -> bool:
+    import ray
+
+    return bool(output) and all(isinstance(o, ray.ObjectRef) for o in output)
+
+
 def collect_dp_compute_data_proto(worker_group, output):
-    """Concatenate the per-rank DataProto outputs in rank order."""
+    """Concatenate the per-rank DataProto outputs in rank order (ObjectRefs of a non-blocking
+    call become one :class:`DataProtoFuture`)."""
     output = collect_dp_compute(worker_group, output)
+    if _refs(output):
+        return DataProtoFuture.concat(output)
     for i, o in enumerate(output):
         if not isinstance(o, DataProto):
             raise DispatchError(f"rank {i} returned a {type(o).__name__}; DP_COMPUTE_PROTO methods must return a DataProto")
@@ -163,14 +180,52 @@ _PREDEFINED: dict[Dispatch, dict[str, Callable]] = {
 }
 
 
-def get_predefined_dispatch_fn(dispatch_mode: Dispatch) -> dict[str, Callable]:
-    """The ``{"dispatch_fn", "collect_fn"}`` pair of a built-in dispatch mode."""
+class RegisteredDispatch:
+    """A dispatch mode added by :func:`register_dispatch_mode`, reachable as ``Dispatch.<name>``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = self.value = name
+
+    def __repr__(self) -> str:
+        return f"<Dispatch.{self.name}: registered>"
+
+    def __reduce__(self):  # the same object in every process that registered it
+        return (_registered, (self.name,))
+
+
+def _registered(name: str) -> RegisteredDispatch:
+    mode = getattr(Dispatch, name, None)
+    return mode if isinstance(mode, RegisteredDispatch) else RegisteredDispatch(name)
+
+
+def get_predefined_dispatch_fn(dispatch_mode) -> dict[str, Callable]:
+    """The ``{"dispatch_fn", "collect_fn"}`` pair of a built-in (or registered) dispatch mode."""
     return _PREDEFINED[dispatch_mode]
+
+
+def register_dispatch_mode(dispatch_mode_name: str, dispatch_fn: Callable, collect_fn: Callable):
+    """Add a dispatch mode named ``dispatch_mode_name`` (then ``Dispatch.<name>``), as in verl."""
+    if not callable(dispatch_fn) or not callable(collect_fn):
+        raise DispatchError(f"dispatch mode {dispatch_mode_name!r} needs callable dispatch_fn and collect_fn")
+    if hasattr(Dispatch, dispatch_mode_name):
+        raise DispatchError(f"dispatch_mode_name {dispatch_mode_name} already exists")
+    mode = RegisteredDispatch(dispatch_mode_name)
+    setattr(Dispatch, dispatch_mode_name, mode)
+    _PREDEFINED[mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+    return mode
+
+
+def update_dispatch_mode(dispatch_mode, dispatch_fn: Callable, collect_fn: Callable) -> None:
+    """Replace the functions of an existing dispatch mode (built-in or registered), as in verl.
+    Methods registered with it use the new functions from the next worker group built."""
+    if dispatch_mode not in _PREDEFINED:
+        raise DispatchError(f"dispatch_mode {dispatch_mode} not found")
+    _PREDEFINED[dispatch_mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
 
 
 def resolve_dispatch(dispatch_mode) -> dict[str, Callable]:
     """Turn a ``Dispatch`` member or a custom ``{"dispatch_fn", "collect_fn"}`` dict into the pair of functions."""
-    if isinstance(dispatch_mode, Dispatch):
+    if isinstance(dispatch_mode, (Dispatch, RegisteredDispatch)):
         return _PREDEFINED[dispatch_mode]
     if isinstance(dispatch_mode, dict):
         missing = {"dispatch_fn", "collect_fn"} - set(dispatch_mode)
@@ -186,17 +241,26 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
              materialize_futures: bool = True):
     """Mark a worker method as callable on a worker group with the given dispatch and execute modes.
 
-    ``materialize_futures`` is accepted for verl compatibility; DataProto futures are always
-    resolved by Ray before the worker sees them.
+    ``async def`` methods stay coroutines (Ray runs the actor's event loop). With
+    ``materialize_futures`` (the default), :class:`DataProtoFuture` arguments are fetched in the
+    worker before the method runs. ``blocking=False`` makes the group method return without
+    waiting: a DataProtoFuture for DataProto-collecting modes, else the ObjectRefs.
     """
     resolve_dispatch(dispatch_mode)  # fail at import time, not at the first call
     if not isinstance(execute_mode, Execute):
         raise DispatchError(f"execute_mode must be an Execute member, got {execute_mode!r}")
 
     def decorator(func):
+        def prepare(args, kwargs):
+            kwargs.pop(PAD_SIZE_KEY, None)
+            if materialize_futures:
+                args = tuple(materialize(a) for a in args)
+                kwargs = {k: materialize(v) for k, v in kwargs.items()}
+            return args, kwargs
+
         @functools.wraps(func)
         def inner(*args, **kwargs):
-            kwargs.pop(PAD_SIZE_KEY, None)
+            args, kwargs = prepare(args, kwargs)
             # Runs in the worker process: its health replies say which call it is in (liveness).
             progress.begin(name)
             try:
@@ -204,7 +268,21 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
             finally:
                 progress.end()
 
+        @functools.wraps(func)
+        async def async_inner(*args, **kwargs):
+            kwargs.pop(PAD_SIZE_KEY, None)
+            if materialize_futures:
+                args = tuple([await materialize_async(a) for a in args])
+                kwargs = {k: await materialize_async(v) for k, v in kwargs.items()}
+            progress.begin(name)
+            try:
+                return await func(*args, **kwargs)
+            finally:
+                progress.end()
+
         name = func.__name__
+        if inspect.iscoroutinefunction(func):
+            inner = async_inner  # noqa: F811 -- a coroutine method stays one
 
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,
                                     "blocking": blocking})

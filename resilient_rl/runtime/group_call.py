@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from resilient_rl.protocol import DataProto, unpad_dataproto
+from resilient_rl.protocol_future import DataProtoFuture
 
 
 class GroupCall:
@@ -22,10 +23,23 @@ class GroupCall:
 
     def result(self) -> Any:
         """Wait for every rank (watching their liveness, as a blocking call does) and collect."""
-        values = self.group.get(self.refs)
+        values = self.group.wait_refs(self.refs)
         if self._rank_zero:
             return self._collect(self.group, values[0])
         output = self._collect(self.group, values)
         if self._pad_size and isinstance(output, DataProto):
             output = unpad_dataproto(output, self._pad_size)
+        return output
+
+    def future(self) -> Any:
+        """What a non-blocking call returns, as in verl: the collect function applied to the
+        ObjectRefs (a :class:`DataProtoFuture` for DataProto modes, the list of refs for the
+        others), rank zero's ref alone for rank-zero execution. Padding added by the dispatch is
+        dropped when the future is resolved."""
+        if self._rank_zero:
+            return self.refs[0]
+        output = self._collect(self.group, list(self.refs))
+        if self._pad_size and isinstance(output, DataProtoFuture):
+            pad, inner = self._pad_size, output.dispatch_fn
+            output.dispatch_fn = (lambda d: unpad_dataproto(inner(d) if inner else d, pad))
         return output

@@ -32,12 +32,14 @@ logger = logging.getLogger(__name__)
 class RayResourcePool:
     """Resources for ``sum(process_on_nodes)`` worker processes, ``process_on_nodes[i]`` of them on node i.
 
-    ``max_colocate_count`` is how many worker processes may share one bundle (colocated groups
-    spawned on the same pool); each process asks for ``1/max_colocate_count`` of the bundle.
+    ``max_colocate_count`` is how many worker processes may share one bundle (several groups
+    started on the same pool); each process asks for ``1/max_colocate_count`` of the bundle.
+    ``use_gpu`` and ``max_colocate_count`` default to verl's values (True, 10): a CPU-only pool
+    says ``use_gpu=False``.
     """
 
-    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = False, name_prefix: str | None = None,
-                 max_colocate_count: int = 1, cpus_per_bundle: float = 0.1, strategy: str = "STRICT_PACK",
+    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = True, name_prefix: str | None = None,
+                 max_colocate_count: int = 10, cpus_per_bundle: float = 0.1, strategy: str = "STRICT_PACK",
                  placement_timeout_s: float = 60.0, detached: bool = False, accelerator_type: str | None = None,
                  distinct_nodes: bool = False):
         process_on_nodes = list(process_on_nodes or [1])
@@ -61,6 +63,18 @@ class RayResourcePool:
         self.accelerator_type = accelerator_type
         self.distinct_nodes = distinct_nodes
         self.pgs: list[PlacementGroup] | None = None
+        self._groups_started = 0
+
+    def next_group_prefix(self) -> str:
+        """The actor-name prefix of the next worker group started on this pool without one: the
+        pool's own for the first, then numbered, so two groups' actors never share a name."""
+        n, self._groups_started = self._groups_started, self._groups_started + 1
+        return self.name_prefix if n == 0 else f"{self.name_prefix}_g{n}"
+
+    def bundle_slots(self) -> list[tuple[PlacementGroup, int, int, int]]:
+        """``(placement group, bundle index, local rank, local world size)`` of every rank, in rank order."""
+        pgs = self.get_placement_groups()
+        return [(pg, i, i, n) for pg, n in zip(pgs, self._store) for i in range(n)]
 
     # verl's names
     @property
@@ -108,8 +122,13 @@ class RayResourcePool:
                 raise ResourceError(f"resource pool {self.name_prefix!r} packs {max(self._store)} GPU processes on one "
                                     f"node but the largest node has {max(per_node):g} GPU(s)")
 
-    def get_placement_groups(self, strategy: str | None = None, name: str | None = None) -> list[PlacementGroup]:
-        """Create (once) and return the pool's placement groups, ready, within ``placement_timeout_s``."""
+    def get_placement_groups(self, strategy: str | None = None, name: str | None = None,
+                             device_name: str | None = None) -> list[PlacementGroup]:
+        """Create (once) and return the pool's placement groups, ready, within ``placement_timeout_s``.
+
+        ``device_name`` (verl) is only checked: bundles hold a GPU exactly when ``use_gpu``."""
+        if device_name not in (None, "cuda", "cpu", "npu"):
+            raise ResourceError(f"unknown device_name {device_name!r}; use 'cuda' or 'cpu'")
         if self.pgs is not None:
             return self.pgs
         self._check_feasible()
@@ -198,3 +217,58 @@ def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResour
                            cpus_per_bundle=max(rp1.cpus_per_bundle, rp2.cpus_per_bundle), strategy=rp1.strategy,
                            placement_timeout_s=max(rp1.placement_timeout_s, rp2.placement_timeout_s),
                            distinct_nodes=rp1.distinct_nodes and rp2.distinct_nodes)
+
+
+class SubRayResourcePool(RayResourcePool):
+    """A contiguous run of another pool's bundles (``split_resource_pool``): its ranks use the
+    bundles ``start_bundle_index .. start_bundle_index + subgroup_world_size - 1`` of the parent,
+    counted across its nodes in rank order."""
+
+    def __init__(self, parent: RayResourcePool, start_bundle_index: int, subgroup_world_size: int,
+                 name_prefix: str) -> None:
+        slots = parent.bundle_slots()[start_bundle_index:start_bundle_index + subgroup_world_size]
+        per_pg: dict = {}
+        for pg, *_ in slots:
+            per_pg[pg.id] = per_pg.get(pg.id, 0) + 1
+        super().__init__(list(per_pg.values()), use_gpu=parent.use_gpu, name_prefix=name_prefix,
+                         max_colocate_count=parent.max_colocate_count, cpus_per_bundle=parent.cpus_per_bundle,
+                         strategy=parent.strategy, placement_timeout_s=parent.placement_timeout_s,
+                         detached=parent.detached, accelerator_type=parent.accelerator_type)
+        self.parent, self.start_bundle_index, self.subgroup_world_size = parent, start_bundle_index, subgroup_world_size
+        self._slots = slots
+        self.pgs = list(dict.fromkeys(pg for pg, *_ in slots))
+
+    def bundle_slots(self) -> list[tuple[PlacementGroup, int, int, int]]:
+        # Local ranks count within this sub-pool's share of each node.
+        out, seen = [], {}
+        for pg, index, *_ in self._slots:
+            local = seen.get(pg.id, 0)
+            seen[pg.id] = local + 1
+            out.append((pg, index, local, None))
+        return [(pg, i, lr, seen[pg.id]) for pg, i, lr, _ in out]
+
+    def release(self) -> None:
+        """The parent's placement groups outlive a sub-pool: release the parent to free them."""
+        self.pgs = list(dict.fromkeys(pg for pg, *_ in self._slots))
+
+
+def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[int]) -> list[SubRayResourcePool]:
+    """Split a pool's bundles into consecutive sub-pools of ``split_size`` bundles each (an int:
+    equal parts; a list: those sizes, summing to the pool's world size). A sub-pool can be split
+    again. The parent's placement groups are created here if they are not yet."""
+    if isinstance(split_size, int) and not isinstance(split_size, bool):
+        if split_size < 1 or resource_pool.world_size % split_size:
+            raise ResourceError(f"split_size {split_size} must be a positive divisor of the pool's world size "
+                                f"{resource_pool.world_size}")
+        sizes = [split_size] * (resource_pool.world_size // split_size)
+    else:
+        sizes = list(split_size)
+        if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != resource_pool.world_size:
+            raise ResourceError(f"split_size {split_size!r} must be positive ints summing to the pool's world "
+                                f"size {resource_pool.world_size}")
+    resource_pool.get_placement_groups()
+    parent = resource_pool.parent if isinstance(resource_pool, SubRayResourcePool) else resource_pool
+    base = resource_pool.start_bundle_index if isinstance(resource_pool, SubRayResourcePool) else 0
+    starts = [base + sum(sizes[:i]) for i in range(len(sizes))]
+    return [SubRayResourcePool(parent, start, size, f"{resource_pool.name_prefix}_split_{i}")
+            for i, (start, size) in enumerate(zip(starts, sizes))]

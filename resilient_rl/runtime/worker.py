@@ -32,6 +32,7 @@ from resilient_rl import env
 from resilient_rl.runtime import progress, rendezvous
 from resilient_rl.runtime.devices import visible_devices
 from resilient_rl.runtime.dispatch import Dispatch, Execute, register
+from resilient_rl.runtime.worker_mesh import MeshInfoMixin
 from resilient_rl.errors import CollectiveError
 from resilient_rl.runtime.devices import device_report
 
@@ -139,53 +140,82 @@ def compute_cuda_device() -> int | None:
     return index
 
 
-class Worker:
-    """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`."""
+#: The env:// contract a worker finds before its ``__init__`` runs (verl's ``Worker.env_keys``).
+ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class Worker(MeshInfoMixin):
+    """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`.
+
+    A subclass need not call ``super().__init__()``: the group sets the rank's identity up before
+    the subclass's ``__init__`` runs (:meth:`_init_identity`)."""
 
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
         """``cuda_visible_devices`` is accepted for verl compatibility and not used: Ray assigns a
         worker its devices."""
+        self._init_identity()
+
+    def _init_identity(self) -> None:
+        """Read this rank's identity from the environment the group exported."""
         self._rank = int(env.get("RANK", "0"))
         self._world_size = int(env.get("WORLD_SIZE", "1"))
         self._local_rank = int(env.get("LOCAL_RANK", "0"))
         self._node_id = _node_id()
         self._node_ip = _node_ip()
 
+    @classmethod
+    def env_keys(cls) -> list[str]:
+        """The environment variables the group sets for every rank (verl)."""
+        return list(ENV_KEYS)
+
+    def _identity(self, name: str):
+        # A worker built outside a group and without Worker.__init__ still has an identity.
+        if "_rank" not in self.__dict__:
+            self._init_identity()
+        return self.__dict__[name]
+
     # ------------------------------------------------------------------ identity
     @property
     def rank(self) -> int:
-        return self._rank
+        return self._identity("_rank")
 
     @property
     def world_size(self) -> int:
-        return self._world_size
+        return self._identity("_world_size")
 
     @property
     def local_rank(self) -> int:
-        return self._local_rank
+        return self._identity("_local_rank")
 
     @property
     def node_id(self) -> str:
-        return self._node_id
+        return self._identity("_node_id")
 
     @property
     def node_ip(self) -> str:
-        return self._node_ip
+        return self._identity("_node_ip")
 
     @property
     def generation(self) -> int | None:
         """Generation of the process group this process has joined (None before the first rendezvous)."""
         return _PG_STATE["generation"]
 
+    def get_fused_worker_by_name(self, worker_name: str):
+        """The colocated role ``worker_name`` of this process (verl's fused workers), or None."""
+        return (self.__dict__.get("fused_worker_dict") or {}).get(worker_name)
+
     def get_node_ip(self) -> str:
-        return self._node_ip
+        return self.node_ip
 
     def get_free_port(self) -> int:
         return find_free_port()
 
     def get_master_addr_port(self) -> tuple[str, int]:
-        """Address and a free port of this node, for rank 0 to host a rendezvous."""
-        return self._node_ip, find_free_port()
+        """Address and a free port of this node, for rank 0 to host a rendezvous. (verl returns
+        the ``MASTER_ADDR``/``MASTER_PORT`` the rank started with; those are in the environment.)"""
+        return self.node_ip, find_free_port()
+
+    get_available_master_addr_port = get_master_addr_port
 
     # ------------------------------------------------------------------ health
     def warmed_up(self) -> WorkerInfo:
@@ -203,7 +233,7 @@ class Worker:
         (see :mod:`resilient_rl.telemetry.gpu_owners`); it never initialises CUDA."""
         report = device_report(compute_cuda_device())
         done = progress.snapshot()
-        return WorkerInfo(self._rank, self._world_size, _PG_STATE["generation"], os.getpid(), self._node_id,
+        return WorkerInfo(self.rank, self.world_size, _PG_STATE["generation"], os.getpid(), self.node_id,
                           report.gpu_uuids, report.torch_allocated_bytes,
                           report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
                           advances=done.advances, devices=visible_devices())
@@ -228,27 +258,33 @@ class Worker:
             if _PG_STATE["generation"] == generation and dist.is_initialized():
                 return generation
             if dist.is_initialized():
+                if _PG_STATE["generation"] is None:  # the worker's own, through env://
+                    logger.warning("rank %d: replacing the process group the worker created itself with the "
+                                   "controller's generation %d", self.rank, generation)
                 destroy_process_group()
             backend = backend or default_backend()
             if backend == "nccl" and torch.cuda.is_available():
-                _PG_STATE["cuda_device"] = cuda_device_index(self._local_rank)
+                _PG_STATE["cuda_device"] = cuda_device_index(self.local_rank)
                 torch.cuda.set_device(_PG_STATE["cuda_device"])
                 # CPU-side collectives (checkpoint metadata, object gathers) ride on gloo next to nccl.
                 backend = "cpu:gloo,cuda:nccl"
             # Every rank is in the store before torch builds the group: a rendezvous whose peer
             # died is called off there, instead of blocking in torch until the timeout.
-            store = rendezvous.join_store(generation, master_addr, master_port, self._rank, self._world_size,
+            store = rendezvous.join_store(generation, master_addr, master_port, self.rank, self.world_size,
                                           timeout_s)
             dist.init_process_group(
                 backend=backend,
                 store=store,
-                rank=self._rank,
-                world_size=self._world_size,
+                rank=self.rank,
+                world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
             _PG_STATE["generation"] = generation
-            logger.info("rank %d joined generation %d (%s, world size %d)", self._rank, generation, backend,
-                        self._world_size)
+            # The env:// contract follows the group: code that reads MASTER_ADDR/PORT later (a
+            # library starting its own group) finds this generation's master.
+            export_identity({"MASTER_ADDR": str(master_addr), "MASTER_PORT": str(master_port)})
+            logger.info("rank %d joined generation %d (%s, world size %d)", self.rank, generation, backend,
+                        self.world_size)
             return generation
 
     def call_off_rendezvous(self, generation: int) -> None:
@@ -260,11 +296,11 @@ class Worker:
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.ALL)
     def all_reduce_check(self, value: float) -> float:
         """Sum ``value * (rank + 1)`` over the group: a cheap end-to-end check of the process group."""
-        t = torch.tensor([value * (self._rank + 1)], dtype=torch.float64)
+        t = torch.tensor([value * (self.rank + 1)], dtype=torch.float64)
         try:
             dist.all_reduce(t)
         except Exception as exc:  # classify at the boundary: a peer died or timed out
-            raise CollectiveError(f"all_reduce failed on rank {self._rank}: {exc}", rank=self._rank,
+            raise CollectiveError(f"all_reduce failed on rank {self.rank}: {exc}", rank=self.rank,
                                   cause="collective") from exc
         return float(t.item())
 

@@ -10,15 +10,17 @@ roles in one process, each role's methods named ``{role}_{method}``.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
 import ray
 
 from resilient_rl.runtime.devices import take_devices
-from resilient_rl.runtime.dispatch import registered_methods
+from resilient_rl.runtime.dispatch import MAGIC_ATTR, registered_methods
 from resilient_rl.runtime.health import HEALTH_GROUPS
-from resilient_rl.runtime.worker import Worker, export_identity
+from resilient_rl.runtime import master_env
+from resilient_rl.runtime.worker import Worker, _node_ip, export_identity
 from resilient_rl.errors import DispatchError
 
 
@@ -49,8 +51,17 @@ def _ranked_remote_class(ray_cls):
         class Ranked(user_cls):  # type: ignore[valid-type, misc]
             def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
                 self._rrl_init_args = (args, kwargs)
-                export_identity(identity)
+                self._rrl_become(identity)
                 super().__init__(*args, **kwargs)
+
+            def _rrl_become(self, identity: dict[str, str]) -> None:
+                # The env:// contract (MASTER_ADDR/PORT among it) is in place before the
+                # worker's __init__, which need not call Worker.__init__ itself.
+                export_identity(master_env.resolve(identity, _node_ip()))
+                Worker._init_identity(self)
+                # A spare's constructor ran once under a spare's identity: what it registered
+                # per mesh is registered again by the constructor run for the rank.
+                self.__dict__.pop("_rrl_mesh", None)
 
             def adopt_identity(self, identity: dict[str, str], devices: str | None = None,
                                node_id: str | None = None):
@@ -62,7 +73,7 @@ def _ranked_remote_class(ray_cls):
                 rank before (it is a fresh process), so nothing of an earlier rank is left."""
                 take_devices(devices, node_id, self.node_id)
                 args, kwargs = self._rrl_init_args
-                export_identity(identity)
+                self._rrl_become(identity)
                 user_cls.__init__(self, *args, **kwargs)
                 return self.ping()
 
@@ -100,13 +111,63 @@ class RayClassWithInitArgs:
         return ranked.options(**{**options, **self._options}).remote(identity, *self.args, **self.kwargs)
 
 
-def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
-    """A worker class hosting every role of ``class_dict`` in one process; methods are named ``{role}_{method}``."""
+def _forwarder(role: str, name: str, settings: dict, role_cls: type):
+    """The colocated class's ``{role}_{name}``: calls ``name`` on the process's ``role`` worker."""
+    target = getattr(role_cls, name)
+    if inspect.iscoroutinefunction(target):
+        async def method(self, *args, **kwargs):
+            return await getattr(self.worker_dict[role], name)(*args, **kwargs)
+    else:
+        def method(self, *args, **kwargs):
+            return getattr(self.worker_dict[role], name)(*args, **kwargs)
+    setattr(method, MAGIC_ATTR, settings)
+    method.__name__ = f"{role}_{name}"
+    # The role method's Ray options (a thread of its own, several return values) are the forwarder's.
+    for option in ("__ray_concurrency_group__", "__ray_num_returns__"):
+        value = getattr(target, option, None)
+        if value is not None:
+            setattr(method, option, value)
+    return method
+
+
+def _colocated_base(class_dict: dict[str, RayClassWithInitArgs]) -> type:
+    """A Worker class building every role of ``class_dict`` in its constructor, with forwarders."""
     role_classes = {role: _actor_class(c.cls) for role, c in class_dict.items()}
     init_args = {role: (c.args, c.kwargs) for role, c in class_dict.items()}
 
-    class WorkerDict(Worker):
+    class Colocated(Worker):
         _rrl_role_classes = role_classes
+        raw_cls_dict = role_classes  # verl's name
+        is_fused_worker = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.worker_dict = {role: cls(*init_args[role][0], **init_args[role][1])
+                                for role, cls in role_classes.items()}
+            # verl's fused-worker view: each role by name, and every role knows the others.
+            self.fused_worker_dict = self.worker_dict
+            for role, worker in self.worker_dict.items():
+                setattr(self, role, worker)
+                worker.fused_worker_dict = self.worker_dict
+
+        def _fuw_execute(self, method_name: str, *args, **kwargs):
+            """Call ``{role}_fwmn_{method}`` (verl's fused-worker call convention)."""
+            role, _, name = method_name.partition("_fwmn_")
+            if role not in self.worker_dict:
+                raise DispatchError(f"calling {role}'s {name}, but {role} is not a colocated role")
+            return getattr(self.worker_dict[role], name)(*args, **kwargs)
+
+    for role, cls in role_classes.items():
+        for name, settings in registered_methods(cls).items():
+            setattr(Colocated, f"{role}_{name}", _forwarder(role, name, settings, cls))
+    return Colocated
+
+
+def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
+    """A worker class hosting every role of ``class_dict`` in one process; methods are named ``{role}_{method}``."""
+    base = _colocated_base(class_dict)
+
+    class WorkerDict(base):
         _rrl_health_group = True
 
         @ray.method(concurrency_group="health")
@@ -117,26 +178,23 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
         def call_off_rendezvous(self, generation: int) -> None:
             Worker.call_off_rendezvous(self, generation)
 
-        def __init__(self):
-            super().__init__()
-            self.worker_dict = {role: cls(*init_args[role][0], **init_args[role][1])
-                                for role, cls in role_classes.items()}
-
-    def forwarder(role: str, name: str, settings: dict):
-        def method(self, *args, **kwargs):
-            return getattr(self.worker_dict[role], name)(*args, **kwargs)
-        from resilient_rl.runtime.dispatch import MAGIC_ATTR
-        setattr(method, MAGIC_ATTR, settings)
-        method.__name__ = f"{role}_{name}"
-        # The role method's Ray options (a thread of its own, several return values) are the forwarder's.
-        for option in ("__ray_concurrency_group__", "__ray_num_returns__"):
-            value = getattr(getattr(role_classes[role], name), option, None)
-            if value is not None:
-                setattr(method, option, value)
-        return method
-
-    for role, cls in role_classes.items():
-        for name, settings in registered_methods(cls).items():
-            setattr(WorkerDict, f"{role}_{name}", forwarder(role, name, settings))
-    WorkerDict.__name__ = "WorkerDict_" + "_".join(role_classes)
+    WorkerDict.__name__ = "WorkerDict_" + "_".join(class_dict)
+    WorkerDict.__qualname__ = WorkerDict.__name__
     return RayClassWithInitArgs(ray.remote(concurrency_groups=HEALTH_GROUPS)(WorkerDict))
+
+
+def create_colocated_worker_raw_cls(class_dict: dict[str, RayClassWithInitArgs]) -> type:
+    """verl's fused-worker base class: a plain (not yet ``@ray.remote``) Worker class hosting every
+    role of ``class_dict``, each reachable as ``self.<role>``. A subclass adds its own registered
+    methods (calling across roles) and is decorated with ``@ray.remote``; its group's
+    :meth:`~resilient_rl.RayWorkerGroup.fuse` then gives one group per role (``wg.<role>.method``)."""
+    cls = _colocated_base(class_dict)
+    cls.__name__ = cls.__qualname__ = "FusedWorker_" + "_".join(class_dict)
+    return cls
+
+
+def create_colocated_worker_cls_fused(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
+    """verl's fused colocated class, ready to start: ``spawn`` or ``fuse`` its group for the roles."""
+    cls_with_init = create_colocated_worker_cls(class_dict)
+    cls_with_init.fused_worker_used = True
+    return cls_with_init

@@ -16,16 +16,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from resilient_rl.runtime.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
                                            kill_process)
+from resilient_rl.runtime import master_env
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.runtime.group_call import GroupCall
+from resilient_rl.runtime.worker_group_spares import SparesMixin
+from resilient_rl.runtime.worker_group_verl import VerlGroupMixin, check_verl_options
 from resilient_rl.runtime.liveness import LivenessWatch
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
@@ -39,14 +43,29 @@ _PER_RANK_MODES = (Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE
                    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, Dispatch.DP_COMPUTE_METRIC)
 
 
-class RayWorkerGroup(HealthMixin):
-    """One Ray actor per bundle of ``resource_pool``, driven as one object by the controller."""
+#: Group helpers a worker's registered method of the same name replaces on that group (the group's
+#: own code calls the other name: ``wait_refs``).
+_USER_MAY_SHADOW = frozenset({"get"})
 
-    def __init__(self, resource_pool: RayResourcePool | None, ray_cls_with_init: RayClassWithInitArgs | None,
-                 name_prefix: str | None = None, *, max_restarts: int = 0, max_task_retries: int = 0,
-                 runtime_env: dict | None = None, call_timeout_s: float | None = 3600.0,
-                 actor_options: dict | None = None, detached: bool = False, hang_timeout_s: float | None = 300.0,
-                 health_timeout_s: float = 2.0, **_ignored) -> None:
+
+class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
+    """One Ray actor per bundle of ``resource_pool``, driven as one object by the controller.
+
+    verl's keyword arguments are accepted: ``worker_env`` (extra environment variables of every
+    rank; the rank's own identity keys may not be overridden), ``worker_names``/``worker_handles``
+    (see :meth:`from_detached`), and ``bin_pack``, ``device_name``, ``ray_wait_register_center_timeout``,
+    ``profile_steps``, ``worker_nsight_options`` where their value changes nothing here (see
+    :func:`~resilient_rl.runtime.worker_group_verl.check_verl_options`); any other is a TypeError.
+    """
+
+    def __init__(self, resource_pool: RayResourcePool | None = None,
+                 ray_cls_with_init: RayClassWithInitArgs | None = None, name_prefix: str | None = None, *,
+                 max_restarts: int = 0, max_task_retries: int = 0, runtime_env: dict | None = None,
+                 call_timeout_s: float | None = 3600.0, actor_options: dict | None = None, detached: bool = False,
+                 hang_timeout_s: float | None = 300.0, health_timeout_s: float = 2.0,
+                 worker_env: dict[str, str] | None = None, worker_names: list[str] | None = None,
+                 worker_handles: list | None = None, **verl_options) -> None:
+        check_verl_options(verl_options)
         self._workers: list = []
         self._worker_names: list[str] = []
         self._identities: list[dict[str, str]] = []  # each rank's RANK, WORLD_SIZE, ... (see Ranked)
@@ -62,22 +81,30 @@ class RayWorkerGroup(HealthMixin):
         self.hang_timeout_s = hang_timeout_s
         self.health_timeout_s = health_timeout_s
         self._watch: LivenessWatch | None = None
-        self.name_prefix = name_prefix or (resource_pool.name_prefix if resource_pool else "rrl")
+        self.name_prefix = name_prefix or (resource_pool.next_group_prefix() if resource_pool else "rrl")
         self.max_restarts = max_restarts
         self.max_task_retries = max_task_retries
         self._remote_prefix = ""
+        self._dispatch_info: dict[str, list] = {}  # verl's nd dispatch: rank -> dp rank, per mesh
+        self._collect_info: dict[str, list] = {}
+        self.wg_dict: dict[str, RayWorkerGroup] | None = None
+        self._master_key = f"{self.name_prefix}:{uuid.uuid4().hex[:12]}"
+        if worker_names is not None or worker_handles is not None:
+            self._attach(worker_names, worker_handles)  # from_detached
+            if ray_cls_with_init is not None:
+                self._bind_worker_methods(_actor_class(ray_cls_with_init.cls))
+            return
         if resource_pool is None or ray_cls_with_init is None:
             return  # an empty shell filled by spawn()
-        self._start(resource_pool, ray_cls_with_init, runtime_env or {}, actor_options or {}, detached)
+        self._start(resource_pool, ray_cls_with_init, runtime_env or {}, actor_options or {}, detached,
+                    self._checked_worker_env(worker_env))
         self._bind_worker_methods(_actor_class(ray_cls_with_init.cls))
 
     # ------------------------------------------------------------------ construction
     def _start(self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, runtime_env: dict,
-               actor_options: dict, detached: bool) -> None:
-        pgs = pool.get_placement_groups()
-        world_size = pool.world_size
-        local_world_sizes = pool.local_world_size_list()
-        local_ranks = pool.local_rank_list()
+               actor_options: dict, detached: bool, worker_env: dict[str, str]) -> None:
+        slots = pool.bundle_slots()
+        world_size = len(slots)
         # What every process of the group asks of Ray, wherever it is placed (spares too).
         self._base_options = {"num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
                               "max_restarts": self.max_restarts, "max_task_retries": self.max_task_retries,
@@ -88,28 +115,30 @@ class RayWorkerGroup(HealthMixin):
             self._base_options["num_gpus"] = 1 / pool.max_colocate_count
         if detached:
             self._base_options["lifetime"] = "detached"
-        rank = 0
-        for pg, n in zip(pgs, pool.store):
-            for bundle_idx in range(n):
-                identity = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks[rank]),
-                            "LOCAL_WORLD_SIZE": str(local_world_sizes[rank]), "RRL_WORKER_GROUP": self.name_prefix}
-                name = f"{self.name_prefix}_{rank}"
-                options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle_idx), "name": name, **self._base_options}
-                self._identities.append(identity)
-                self._workers.append(cls_with_init(options, identity))
-                self._worker_names.append(name)
-                rank += 1
+        for rank, (pg, bundle_idx, local_rank, local_world_size) in enumerate(slots):
+            # verl's env:// contract; rank 0 publishes MASTER_ADDR/PORT for the others (master_env).
+            identity = {**worker_env, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+                        "RAY_LOCAL_RANK": str(local_rank), "RAY_LOCAL_WORLD_SIZE": str(local_world_size),
+                        "RRL_WORKER_GROUP": self.name_prefix, master_env.KEY: self._master_key}
+            if rank == 0:
+                identity[master_env.PUBLISH] = "1"
+            name = f"{self.name_prefix}_{rank}"
+            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_idx), "name": name, **self._base_options}
+            self._identities.append(identity)
+            self._workers.append(cls_with_init(options, identity))
+            self._worker_names.append(name)
         self._bundle_workers = list(self._workers)
         self._placements = [(None, None)] * len(self._workers)
         # Constructors run in parallel; wait for all of them (a failing constructor names its rank).
-        self._note_placements(self.get([w.ping.remote() for w in self._workers],
+        self._note_placements(self.wait_refs([w.ping.remote() for w in self._workers],
                                        timeout_s=max(self.call_timeout_s or 0, 300.0), liveness=False))
 
     def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
         self._remote_prefix = remote_prefix
         for name, settings in registered_methods(user_cls).items():
-            if hasattr(RayWorkerGroup, name):
+            if hasattr(RayWorkerGroup, name) and name not in _USER_MAY_SHADOW:
                 raise DispatchError(f"registered method {user_cls.__name__}.{name} clashes with a RayWorkerGroup "
                                     "attribute; rename it")
             setattr(self, name, self._make_group_method(remote_prefix + name, settings))
@@ -119,8 +148,8 @@ class RayWorkerGroup(HealthMixin):
 
         def group_method(*args, **kwargs):
             call = self._submit(remote_name, settings, *args, **kwargs)
-            if not blocking:  # like verl: the ObjectRefs (rank zero's alone for rank-zero execution)
-                return call.refs[0] if settings["execute_mode"] is Execute.RANK_ZERO else call.refs
+            if not blocking:  # like verl: the collect function of the ObjectRefs (a DataProtoFuture
+                return call.future()  # for DataProto modes), rank zero's ref for rank-zero execution
             return call.result()
 
         group_method.__name__ = remote_name
@@ -185,7 +214,7 @@ class RayWorkerGroup(HealthMixin):
         return self._call(rank, self._remote_prefix + method_name, *args, **kwargs)
 
     def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
-        return self.get(self.execute_all_async(method_name, *args, **kwargs))
+        return self.wait_refs(self.execute_all_async(method_name, *args, **kwargs))
 
     execute_all = execute_all_async
 
@@ -193,11 +222,11 @@ class RayWorkerGroup(HealthMixin):
         return self._call(0, method_name, *args, **kwargs)
 
     def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
-        return self.get([self.execute_rank_zero_async(method_name, *args, **kwargs)])[0]
+        return self.wait_refs([self.execute_rank_zero_async(method_name, *args, **kwargs)])[0]
 
     execute_rank_zero = execute_rank_zero_async
 
-    def get(self, refs: list, timeout_s: float | None = None, liveness: bool = True) -> list:
+    def wait_refs(self, refs: list, timeout_s: float | None = None, liveness: bool = True) -> list:
         """Results of ``refs`` (one per rank, in rank order), failing fast on the first error.
 
         While results are pending, the ranks still running are watched for liveness (when the
@@ -239,6 +268,9 @@ class RayWorkerGroup(HealthMixin):
                                          cause="timeout")
         return results
 
+    #: The name callers used before ``wait_refs``; a worker's registered ``get`` replaces it on its group.
+    get = wait_refs
+
     def _liveness_watch(self, n_refs: int) -> LivenessWatch | None:
         """The group's health poller, or None where liveness cannot be watched (no hang timeout, no
         health concurrency group: a health call would queue behind the call it should watch)."""
@@ -256,7 +288,7 @@ class RayWorkerGroup(HealthMixin):
 
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
-        return self._note_placements(self.get([w.ping.remote() for w in self._workers], timeout_s=timeout_s,
+        return self._note_placements(self.wait_refs([w.ping.remote() for w in self._workers], timeout_s=timeout_s,
                                               liveness=False))
 
     def _note_placements(self, infos: list) -> list:
@@ -276,11 +308,11 @@ class RayWorkerGroup(HealthMixin):
 
         ``timeout_s`` bounds the rendezvous; ``collective_timeout_s`` (default: the same) bounds
         every collective of the new group."""
-        addr, port = self.get([self._workers[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
+        addr, port = self.wait_refs([self._workers[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
         pg_timeout = collective_timeout_s or timeout_s
         refs = [w.rendezvous.remote(generation, addr, port, backend, pg_timeout) for w in self._workers]
         try:
-            self.get(refs, timeout_s=timeout_s + 5.0)
+            self.wait_refs(refs, timeout_s=timeout_s + 5.0)
         except BaseException:
             self.call_off_rendezvous(generation)
             raise
@@ -297,88 +329,6 @@ class RayWorkerGroup(HealthMixin):
                 w.call_off_rendezvous.remote(generation)
             except Exception:  # noqa: BLE001 -- a dead handle: nothing waits there
                 pass
-
-    # ------------------------------------------------------------------ warm spares
-    def start_spare(self, name: str):
-        """Start one more process of this group's class outside its placement groups, with the
-        restart budget of a rank: a warm spare (:mod:`resilient_rl.runtime.spares`). Its
-        handle, not waited for.
-
-        A CPU group's spare asks for a rank's resources, spread over the cluster's nodes. A GPU
-        group's spare asks for no GPU and waits on a node of the group's ranks (each new spare on
-        the next such node): it takes a dead rank's GPUs when it takes the rank
-        (:mod:`resilient_rl.runtime.devices`), so it starts even where every GPU runs a rank."""
-        options = {**self._base_options, "name": name, "scheduling_strategy": "SPREAD"}
-        nodes = list(dict.fromkeys(node for node, _ in self._placements if node is not None))
-        if options.get("num_gpus") and nodes:
-            options["num_gpus"] = 0
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                nodes[next(self._spare_nodes) % len(nodes)], soft=False)
-        return self.ray_cls_with_init(options, dict(self._identities[0]))
-
-    def serves_a_rank(self, handle) -> bool:
-        """Whether process ``handle`` serves one of the group's ranks now."""
-        return any(handle is w for w in self._workers)
-
-    def is_bundle_process(self, handle) -> bool:
-        """Whether ``handle`` is a process started in one of the group's placement-group bundles."""
-        return any(handle is w for w in self._bundle_workers)
-
-    def adopt(self, rank: int, spare, timeout_s: float):
-        """Make ``spare`` (a started process of this group's class) rank ``rank``: it takes the
-        rank's GPUs and identity, and the group (every colocated role group sharing its
-        processes too) calls it from now on. Returns the process it replaced and the spare's
-        ping reply. Raises WorkerError when the spare fails to take over (it died, or it cannot
-        compute on the rank's GPUs): the group is then unchanged."""
-        info = self.get([self._take_rank(spare, rank)], timeout_s=timeout_s, liveness=False)[0]
-        old = self._workers[rank]
-        self._workers[rank] = spare  # in place: colocated role groups share this list
-        self._placements[rank] = (info.node_id, info.devices)
-        self.forget_liveness()
-        logger.warning("%s rank %d is now served by a warm spare (pid %d)", self.name_prefix, rank, info.pid)
-        return old, info
-
-    def _take_rank(self, handle, rank: int):
-        """Have process ``handle`` take rank ``rank``'s GPUs and identity; its ObjectRef (the ping reply)."""
-        node, devices = self.placement(rank)
-        return handle.adopt_identity.remote(self._identities[rank], devices, node)
-
-    def rehome(self, ranks: list[int]) -> list[int]:
-        """Serve each of ``ranks`` (whose process Ray has given up on) by the process started in
-        the rank's own bundle again, where a warm spare served it and that process serves no other
-        rank (Ray restarts it with the bundle, also on another node after a node loss). Returns
-        the ranks left without a process."""
-        left = []
-        for rank in ranks:
-            home = self._bundle_workers[rank] if rank < len(self._bundle_workers) else None
-            if home is None or self.serves_a_rank(home):  # it serves this rank or another
-                left.append(rank)
-                continue
-            self._workers[rank] = home
-            self._placements[rank] = (None, None)  # known again once it answers
-            self.forget_liveness()
-            logger.warning("%s rank %d: the warm spare serving it is gone for good; the process of the "
-                           "rank's own bundle serves it again", self.name_prefix, rank)
-        return left
-
-    def reidentify(self, infos: list) -> list:
-        """Give each rank whose process answers under another identity (``infos``: their ping
-        replies) its own again, and return the replies. A spare that took a rank's place and
-        then died is restarted by Ray with the constructor arguments it was started with: a
-        spare's, not the rank's."""
-        wrong = [rank for rank, info in enumerate(infos) if self._identities
-                 and (info.rank != rank or info.world_size != self.world_size)]
-        if not wrong:
-            return infos
-        # A spare that served a rank takes the rank's GPUs again (on the rank's node: the process
-        # of a GPU group's spare is restarted where it was).
-        answers = self.get([self._take_rank(self._workers[r], r) for r in wrong],
-                           timeout_s=self.health_timeout_s + 60.0, liveness=False)
-        infos = list(infos)
-        for rank, info in zip(wrong, answers):
-            logger.warning("%s rank %d came back under another identity; it has its own again", self.name_prefix, rank)
-            infos[rank] = info
-        return self._note_placements(infos)
 
     # ------------------------------------------------------------------ colocated roles
     def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
@@ -405,5 +355,6 @@ class RayWorkerGroup(HealthMixin):
             except Exception as exc:  # already dead
                 logger.debug("ray.kill failed: %s", exc)
         self._workers = []
+        master_env.forget(self._master_key)
         if release_pool and self.resource_pool is not None:
             self.resource_pool.release()

@@ -91,7 +91,7 @@ class RayRoles:
         layout = self.layouts[role]
         assert layout.world_size == world_size, (layout, world_size)
         # One placement group per node, each on a node of its own (see RayResourcePool).
-        pool = RayResourcePool(list(layout.process_on_nodes), use_gpu=self.use_gpu,
+        pool = RayResourcePool(list(layout.process_on_nodes), use_gpu=self.use_gpu, max_colocate_count=1,
                                cpus_per_bundle=c.ray.cpus_per_worker,
                                name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
                                placement_timeout_s=c.recovery.placement_timeout_s, distinct_nodes=True)
