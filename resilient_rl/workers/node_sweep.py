@@ -102,18 +102,20 @@ def read_owner(run_dir: str) -> dict | None:
         return None
 
 
+def _other_runs(root: str, keep: str | None) -> list[str]:
+    """The run directories under ``root`` other than ``keep`` (none when ``root`` cannot be listed)."""
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in names if os.path.join(root, n) != keep]
+
+
 def sweep_runs(root: str, keep: str | None = None) -> list[str]:
     """Remove the run directories under ``root`` (other than ``keep``) whose owner on this host is
     gone; the others are left to the age rule (:func:`sweep_stale`)."""
     removed = []
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        run = os.path.join(root, name)
-        if run == keep:
-            continue
+    for run in _other_runs(root, keep):
         record = read_owner(run)
         if record is not None and owner_alive(record) is False:
             shutil.rmtree(run, ignore_errors=True)
@@ -126,14 +128,7 @@ def sweep_stale(root: str, keep: str, now: float | None = None) -> list[str]:
     and that have not changed for :data:`STALE_S`; returns those removed."""
     now = time.time() if now is None else now
     removed = []
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        run = os.path.join(root, name)
-        if run == keep:
-            continue
+    for run in _other_runs(root, keep):
         try:
             nodes = [os.path.join(run, n) for n in os.listdir(run)]
             if max([os.stat(run).st_mtime] + [os.stat(n).st_mtime for n in nodes]) > now - STALE_S:
