@@ -221,11 +221,11 @@ def test_a_root_left_gathered_by_a_forward_without_backward_is_copied_as_its_sha
 
 
 def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
-    from resilient_rl.workers import snapshot as snapshot_mod
+    from resilient_rl.workers import snapshot_slots
 
     actor, critic = Rank(mlp), Rank(mlp)
     critic.role = "critic"
-    saved = dict(snapshot_mod._PROCESS_ROLES)
+    saved = dict(snapshot_slots.PROCESS_ROLES)
     try:
         actor.register_snapshot_role()
         critic.register_snapshot_role()
@@ -240,7 +240,7 @@ def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
         # Another process (rank 1 here) holds the bundle.
         peer = Rank(mlp)
         peer.rank = 1
-        snapshot_mod._PROCESS_ROLES.clear()
+        snapshot_slots.PROCESS_ROLES.clear()
         peer.register_snapshot_role()
         answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
         assert answer == {"step": 1, "kept": 2}
@@ -255,8 +255,8 @@ def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
         assert all(torch.equal(a, b) for a, b in zip(layout.views(torch.from_numpy(again["data"])),
                                                      layout.views(torch.from_numpy(held["data"].copy()))))
     finally:
-        snapshot_mod._PROCESS_ROLES.clear()
-        snapshot_mod._PROCESS_ROLES.update(saved)
+        snapshot_slots.PROCESS_ROLES.clear()
+        snapshot_slots.PROCESS_ROLES.update(saved)
 
 
 def test_a_publish_waits_for_its_take_and_fails_with_it():

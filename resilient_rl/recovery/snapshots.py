@@ -53,7 +53,7 @@ import ray
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
 from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
 from resilient_rl.recovery.snapshot_sizing import decide
-from resilient_rl.workers.snapshot import KEEP
+from resilient_rl.workers.snapshot_slots import KEEP
 from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
 from resilient_rl.workers.node_sweep import owner_record
 

@@ -19,7 +19,8 @@ every load checks the checksum before writing anything into the rank, so a torn 
 is refused (``{"corrupt": why}``) and the controller tries the next one.
 :meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
 copy, on another node), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a
-copy back into the rank's tensors in place.
+copy back into the rank's tensors in place; both are the restore side
+(:mod:`resilient_rl.workers.snapshot_restore`).
 
 A snapshot (a dict) is self-describing: ``layout`` names each packed tensor with its dtype,
 shape and offset in ``data`` (a flat uint8 NumPy array, which Ray moves out of band, without
@@ -38,57 +39,30 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import weakref
-from typing import Any
 
 import ray
 import torch
 
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers import node_capacity, snapshot_meta
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_id, node_path
+from resilient_rl.workers.node_memory import NodeFiles, node_id, node_path
 from resilient_rl.workers.snapshot_buffers import HostRing, Layout, named_tensors
-from resilient_rl.workers.snapshot_state import FORMAT, optim_extras, restore_state
+from resilient_rl.workers.snapshot_restore import SnapshotRestoreMixin
+from resilient_rl.workers.snapshot_slots import (
+    HELD_LOCK, KEEP, PROCESS_ROLES, SLOTS, previous_publishes_stored, process_role,
+)
+from resilient_rl.workers.snapshot_state import FORMAT, optim_extras
 
 logger = logging.getLogger(__name__)
 
-#: Snapshot steps a rank keeps of its own and of each neighbour it holds for (the newest complete
-#: one and the one in flight).
-KEEP = 2
-
-
-_PROCESS_ROLES: dict[str, weakref.ref] = {}  # role -> the SnapshotMixin hosting it in this process
-_HELD_LOCK = threading.Lock()  # the neighbours' copies: kept on the "snapshot" thread, read on the call thread
-#: Guards the own copies and the ring slots a publish may still be reading, across the call
-#: thread (takes) and the "snapshot" thread (publishes); notified when either changes.
-_SLOTS = threading.Condition()
 #: Seconds a take waits for a ring slot that a publish may still be reading, before it gives that
 #: slot a new buffer (the publish keeps reading the old one). In a steady run no take waits: the
 #: slot's publish was stored while the step ran.
 SLOT_WAIT_S = 2.0
 
 
-def process_role(role: str) -> "SnapshotMixin | None":
-    """The worker of ``role`` in this process (colocated roles share one), or None."""
-    ref = _PROCESS_ROLES.get(role)
-    return ref() if ref is not None else None
-
-
-def process_workers() -> list["SnapshotMixin"]:
-    return [w for w in (r() for r in list(_PROCESS_ROLES.values())) if w is not None]
-
-
-def _previous_publishes_stored() -> None:
-    """Called as a call starts on the "snapshot" thread. The thread runs one call at a time and Ray
-    stores a call's return before it starts the next, so no ring slot is read by a publish any more."""
-    with _SLOTS:
-        for worker in process_workers():
-            worker._publishing = frozenset()
-        _SLOTS.notify_all()
-
-
-class SnapshotMixin:
+class SnapshotMixin(SnapshotRestoreMixin):
     """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin
     (``self.engine``: ``model``, ``optimizer``, ``scheduler``). Each instance registers itself
     as its role's worker of this process (:func:`process_role`)."""
@@ -98,12 +72,11 @@ class SnapshotMixin:
         self.register_snapshot_role()
 
     def register_snapshot_role(self) -> None:
-        _PROCESS_ROLES[getattr(self, "role", "worker")] = weakref.ref(self)
+        PROCESS_ROLES[getattr(self, "role", "worker")] = weakref.ref(self)
 
     _own_snapshots: dict | None = None  # step -> (ring slot or None, this rank's copy)
     _take_failed: tuple[int, str] | None = None  # (step, why) of the last take that raised
     _publishing: frozenset = frozenset()  # ring slots whose copy a publish handed to Ray to store
-    _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
     _snapshot_ring: HostRing | None = None
     _snapshot_layout: Layout | None = None
     _node_failed: tuple[str, str] | None = None  # (run directory, why) where node memory failed
@@ -122,7 +95,7 @@ class SnapshotMixin:
             if ring is not None:
                 ring.release()
             ring = self._snapshot_ring = HostRing(KEEP, None if want is None else NodeFiles(*want, node.get("owner")))
-            with _SLOTS:
+            with SLOTS:
                 self._own_snapshots = {s: v for s, v in (self._own_snapshots or {}).items() if v[0] is None}
                 self._publishing = frozenset()
         return ring
@@ -135,13 +108,13 @@ class SnapshotMixin:
         """A ring slot no kept copy lives in and no publish reads, after dropping own copies beyond
         the newest KEEP - 1. Waits (up to :data:`SLOT_WAIT_S`) for a publish still being stored;
         past that, the slot gets a new buffer and the publish keeps the old one."""
-        with _SLOTS:
+        with SLOTS:
             own = self._own_snapshots
             for old in sorted(own)[:-(KEEP - 1) or None]:
                 del own[old]
             kept = {slot for slot, _ in own.values()}
             free = lambda: [s for s in range(KEEP) if s not in kept and s not in self._publishing]  # noqa: E731
-            if _SLOTS.wait_for(free, timeout=SLOT_WAIT_S):
+            if SLOTS.wait_for(free, timeout=SLOT_WAIT_S):
                 return free()[0]
             slot = next(s for s in range(KEEP) if s not in kept)
             self._snapshot_ring.forget(slot)
@@ -164,17 +137,17 @@ class SnapshotMixin:
                                node["dir"], self.role, self.rank, exc)
                 slot, snap = self._copy(step, node)
         except BaseException as exc:
-            with _SLOTS:
+            with SLOTS:
                 self._take_failed = (step, f"{type(exc).__name__}: {exc}")
-                _SLOTS.notify_all()
+                SLOTS.notify_all()
             raise
         self._keep_own(step, slot, snap)
         return snap
 
     def _keep_own(self, step: int, slot: int | None, snap: dict) -> None:
-        with _SLOTS:
+        with SLOTS:
             self._own_snapshots[step] = (slot, snap)
-            _SLOTS.notify_all()
+            SLOTS.notify_all()
 
     def _copy(self, step: int, node: dict | None) -> tuple[int, dict]:
         """Pack this rank's state into a free ring slot: (the slot, the snapshot). In node memory
@@ -188,7 +161,7 @@ class SnapshotMixin:
         if self._snapshot_layout is None or not self._snapshot_layout.matches(tensors):
             self._snapshot_layout = Layout.of(tensors)
         layout = self._snapshot_layout
-        with _SLOTS:
+        with SLOTS:
             self._own_snapshots.pop(step, None)
         slot = self._free_slot()
         if ring.files is not None:
@@ -254,14 +227,14 @@ class SnapshotMixin:
 
         Returns two values (two ObjectRefs through Ray): ``{"step"}``, which tells that the copies
         are stored without fetching them, and ``{"step", "rank", "roles": {role: snapshot}}``."""
-        _previous_publishes_stored()
+        previous_publishes_stored()
         step = int(step)
         workers = self._process_workers_of(roles, "publish_snapshot")
         out = {}
-        with _SLOTS:
+        with SLOTS:
             for role, w in workers.items():
                 taken = lambda: step in (w._own_snapshots or {}) or (w._take_failed or (None,))[0] == step  # noqa: E731
-                if not _SLOTS.wait_for(taken, timeout=timeout_s):
+                if not SLOTS.wait_for(taken, timeout=timeout_s):
                     raise RuntimeError(f"publish_snapshot: no {role} copy of step {step} after {timeout_s:.0f}s")
                 if step not in (w._own_snapshots or {}):
                     why = w._take_failed[1] if w._take_failed and w._take_failed[0] == step else "superseded"
@@ -269,7 +242,7 @@ class SnapshotMixin:
         for role, w in workers.items():
             if "checksum" not in w._own_snapshots.get(step, (None, {}))[1]:
                 w._seal(step, timeout_s)
-        with _SLOTS:
+        with SLOTS:
             for role, w in workers.items():
                 if step not in (w._own_snapshots or {}):
                     raise RuntimeError(f"publish_snapshot: the {role} copy of step {step} is gone (superseded)")
@@ -286,16 +259,16 @@ class SnapshotMixin:
         sealed copy is ever loaded. Runs on the "snapshot" thread, off the step's path; waits up
         to ``timeout_s`` for the take and raises a RuntimeError when it failed. The slot is not
         written again while it is read. Returns ``{"step", "checksums": {role: checksum}}``."""
-        _previous_publishes_stored()
+        previous_publishes_stored()
         step = int(step)
         workers = self._process_workers_of(roles, "seal_snapshot")
         return {"step": step, "checksums": {role: w._seal(step, timeout_s) for role, w in workers.items()}}
 
     def _seal(self, step: int, timeout_s: float) -> str:
         role = getattr(self, "role", "worker")
-        with _SLOTS:
+        with SLOTS:
             taken = lambda: step in (self._own_snapshots or {}) or (self._take_failed or (None,))[0] == step  # noqa: E731
-            if not _SLOTS.wait_for(taken, timeout=timeout_s):
+            if not SLOTS.wait_for(taken, timeout=timeout_s):
                 raise RuntimeError(f"seal_snapshot: no {role} copy of step {step} after {timeout_s:.0f}s")
             if step not in (self._own_snapshots or {}):
                 why = self._take_failed[1] if self._take_failed and self._take_failed[0] == step else "superseded"
@@ -307,12 +280,12 @@ class SnapshotMixin:
         try:
             digest = snap.get("checksum") or snapshot_meta.checksum(snap["data"], int(snap["bytes"]))
         finally:
-            with _SLOTS:
+            with SLOTS:
                 still = self._own_snapshots.get(step, (None, None))[1] is snap and (
                     slot is None or slot in self._publishing)
                 if reading:
                     self._publishing = self._publishing - {slot}
-                _SLOTS.notify_all()
+                SLOTS.notify_all()
         snap["checksum"] = digest
         files = (self._to_commit or {}).pop(step, None)
         for old in [s for s in (self._to_commit or {}) if s < step]:
@@ -324,59 +297,6 @@ class SnapshotMixin:
         if files is not None and files is (self._snapshot_ring.files if self._snapshot_ring else None):
             files.commit(slot, {k: v for k, v in snap.items() if k != "data"})
         return digest
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    @ray.method(concurrency_group="snapshot")
-    def hold_snapshot(self, step: int, owners: list[list], taken: list, timeout_s: float = 60.0) -> dict:
-        """Keep copies of ``step`` taken by other processes (this process is their ring peer):
-        ``taken[i]`` is the copies one ``publish_snapshot`` returned (or their ObjectRef, fetched here within
-        ``timeout_s``), ``owners[i]`` the ``(role, rank)`` of its copies to keep. Returns
-        ``{"step", "kept": copies kept}``.
-
-        It runs on a thread of its own ("snapshot" concurrency group) and the copies arrive as
-        references, not as arguments Ray resolves before sending the call: an owner that stops
-        before its copy is done then blocks only this call, never the health calls and step
-        calls sent to this process after it (Ray sends an actor's calls in order, each once its
-        arguments are ready).
-
-        A copy is kept as Ray handed it over (a read-only view of this node's object store,
-        which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
-        keeps nothing more: its copy is in its own memory and in the object store."""
-        _previous_publishes_stored()
-        step = int(step)
-        if len(owners) != len(taken):
-            raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
-        taken = [ray.get(t, timeout=timeout_s) if isinstance(t, ray.ObjectRef) else t for t in taken]
-        with _HELD_LOCK:
-            return self._hold(step, owners, taken)
-
-    def _hold(self, step: int, owners: list[list], taken: list) -> dict:
-        kept = 0
-        for keys, bundle in zip(owners, taken):
-            for role, rank in keys:
-                snap = bundle["roles"][role]
-                local_worker = process_role(role)
-                if local_worker is not None and local_worker.rank == int(rank):
-                    continue
-                if self._held_snapshots is None:
-                    self._held_snapshots = {}
-                held = self._held_snapshots.setdefault((role, int(rank)), {})
-                held[step] = snap
-                kept += 1
-                for old in sorted(held)[:-KEEP]:
-                    del held[old]
-        return {"step": step, "kept": kept}
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
-        """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
-        by any of its roles), or None (it was restarted since)."""
-        with _HELD_LOCK:
-            for worker in process_workers():
-                snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
-                if snap is not None:
-                    return snap
-        return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def snapshot_sizing(self, roles: list[str] | None = None, node_dir: str = "") -> dict:
@@ -399,84 +319,6 @@ class SnapshotMixin:
         ring = self._snapshot_ring
         own = sum(b.numel() for b in ring.buffers if b is not None) if ring is not None else 0
         own += sum(int(s["bytes"]) for slot, s in (self._own_snapshots or {}).values() if slot is None)
-        with _HELD_LOCK:
+        with HELD_LOCK:
             held = sum(int(s["bytes"]) for h in (self._held_snapshots or {}).values() for s in h.values())
         return {"own_bytes": own, "held_bytes": held}
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_snapshot(self, step: int, source: Any = None, timeout_s: float = 60.0) -> bool | dict:
-        """Fill model, optimizer, schedule and RNG from a snapshot of ``step``; False when the
-        copy is not available here (the controller then tries the next source).
-
-        ``source``: None for this process's own copy; a :class:`NodeCopy` for the copy this rank
-        left in node memory (read where this process runs: False on another node); ``[ref]`` (an
-        ObjectRef wrapped in a list, so that Ray hands it over unresolved) for a copy in the
-        object store, read here within ``timeout_s``; a snapshot dict for one handed over by
-        value. A copy that does not match the rank's state raises a ValueError naming the first
-        path that differs. A copy whose data does not match its checksum (or has none: it was
-        never sealed, :meth:`seal_snapshot`) is not written into the rank: the answer is then
-        ``{"corrupt": why}`` and the controller tries the next source."""
-        step = int(step)
-        slot = None
-        if isinstance(source, NodeCopy):
-            return self._load_node_copy(step, source)
-        if source is None:
-            slot, snap = (self._own_snapshots or {}).get(step, (None, None))
-        elif isinstance(source, list):
-            try:
-                snap = ray.get(source[0], timeout=timeout_s)
-            except Exception:  # lost with its node, or its task failed: not available
-                return False
-        else:
-            snap = source
-        if snap is not None and "roles" in snap:  # what publish_snapshot returned: this role's copy
-            snap = snap["roles"].get(getattr(self, "role", None))
-        if snap is None or snap.get("step") != step:
-            return False
-        why = snapshot_meta.verify(snap)
-        if why is not None:
-            return self._corrupt(step, "own" if source is None else "copy", why)
-        self.reset_checkpoint_writer()
-        self.restore_snapshot_state(snap)
-        if self._own_snapshots is None:
-            self._own_snapshots = {}
-        self._keep_own(step, slot, snap)
-        self.prepare_checkpoint_staging()
-        return True
-
-    def _load_node_copy(self, step: int, source: NodeCopy) -> bool:
-        """Load the copy of ``step`` this rank left in this node's memory and keep it as its own
-        (the slot becomes its ring's: the next take writes the other one)."""
-        files = NodeFiles(node_path(source.run_dir), self.role, self.rank)
-        found = files.find(KEEP, step, source.snap_id)
-        if found is None:
-            return False
-        slot, meta, buf = found
-        snap = dict(meta, data=buf.numpy())
-        why = snapshot_meta.verify(snap)
-        if why is not None:
-            return self._corrupt(step, "node", why)
-        self.reset_checkpoint_writer()
-        self.restore_snapshot_state(snap)
-        if not files.still(slot, source.snap_id):  # written over while read: no process should be
-            logger.warning("%s rank %d: node copy of step %d changed while read", self.role, self.rank, step)
-            return False
-        self._node_failed = None
-        ring = self._ring_for({"dir": source.run_dir})
-        with _SLOTS:
-            self._own_snapshots = {}
-        ring.adopt(slot, buf)
-        self._keep_own(step, slot, snap)
-        self.prepare_checkpoint_staging()
-        return True
-
-    def _corrupt(self, step: int, where: str, why: str) -> dict:
-        """The answer of a load that found its copy damaged (nothing was written into the rank)."""
-        logger.warning("%s rank %d: %s copy of snapshot step %d is damaged, not restored: %s",
-                       getattr(self, "role", "worker"), self.rank, where, step, why)
-        return {"corrupt": why}
-
-    def restore_snapshot_state(self, snap: dict) -> None:
-        """Write ``snap`` into the engine in place: tensors, optimizer hyperparameters and
-        non-tensor state, scheduler, RNG. Bit-identical to the state it was taken from."""
-        restore_state(self.engine, snap, self._snapshot_tensors)

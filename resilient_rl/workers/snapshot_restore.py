@@ -1,0 +1,160 @@
+"""The restore side of a worker's snapshots: the copies a process holds for its ring peers (a
+copy on another node), and loading a copy (own, node memory, object store or a peer's) back into
+the rank's tensors in place, after its checksum is verified. The take side is
+:mod:`resilient_rl.workers.snapshot`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from resilient_rl.runtime.dispatch import Dispatch, register
+from resilient_rl.workers import snapshot_meta
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
+from resilient_rl.workers.snapshot_slots import (
+    HELD_LOCK, KEEP, SLOTS, previous_publishes_stored, process_role, process_workers,
+)
+from resilient_rl.workers.snapshot_state import restore_state
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotRestoreMixin:
+    """Hold and load of in-memory snapshots; mixed into :class:`~resilient_rl.workers.snapshot.SnapshotMixin`,
+    whose state (own copies, ring, node memory) it reads and replaces."""
+
+    _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group="snapshot")
+    def hold_snapshot(self, step: int, owners: list[list], taken: list, timeout_s: float = 60.0) -> dict:
+        """Keep copies of ``step`` taken by other processes (this process is their ring peer):
+        ``taken[i]`` is the copies one ``publish_snapshot`` returned (or their ObjectRef, fetched here within
+        ``timeout_s``), ``owners[i]`` the ``(role, rank)`` of its copies to keep. Returns
+        ``{"step", "kept": copies kept}``.
+
+        It runs on a thread of its own ("snapshot" concurrency group) and the copies arrive as
+        references, not as arguments Ray resolves before sending the call: an owner that stops
+        before its copy is done then blocks only this call, never the health calls and step
+        calls sent to this process after it (Ray sends an actor's calls in order, each once its
+        arguments are ready).
+
+        A copy is kept as Ray handed it over (a read-only view of this node's object store,
+        which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
+        keeps nothing more: its copy is in its own memory and in the object store."""
+        previous_publishes_stored()
+        step = int(step)
+        if len(owners) != len(taken):
+            raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
+        taken = [ray.get(t, timeout=timeout_s) if isinstance(t, ray.ObjectRef) else t for t in taken]
+        with HELD_LOCK:
+            return self._hold(step, owners, taken)
+
+    def _hold(self, step: int, owners: list[list], taken: list) -> dict:
+        kept = 0
+        for keys, bundle in zip(owners, taken):
+            for role, rank in keys:
+                snap = bundle["roles"][role]
+                local_worker = process_role(role)
+                if local_worker is not None and local_worker.rank == int(rank):
+                    continue
+                if self._held_snapshots is None:
+                    self._held_snapshots = {}
+                held = self._held_snapshots.setdefault((role, int(rank)), {})
+                held[step] = snap
+                kept += 1
+                for old in sorted(held)[:-KEEP]:
+                    del held[old]
+        return {"step": step, "kept": kept}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
+        """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
+        by any of its roles), or None (it was restarted since)."""
+        with HELD_LOCK:
+            for worker in process_workers():
+                snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+                if snap is not None:
+                    return snap
+        return None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_snapshot(self, step: int, source: Any = None, timeout_s: float = 60.0) -> bool | dict:
+        """Fill model, optimizer, schedule and RNG from a snapshot of ``step``; False when the
+        copy is not available here (the controller then tries the next source).
+
+        ``source``: None for this process's own copy; a :class:`NodeCopy` for the copy this rank
+        left in node memory (read where this process runs: False on another node); ``[ref]`` (an
+        ObjectRef wrapped in a list, so that Ray hands it over unresolved) for a copy in the
+        object store, read here within ``timeout_s``; a snapshot dict for one handed over by
+        value. A copy that does not match the rank's state raises a ValueError naming the first
+        path that differs. A copy whose data does not match its checksum (or has none: it was
+        never sealed, :meth:`seal_snapshot`) is not written into the rank: the answer is then
+        ``{"corrupt": why}`` and the controller tries the next source."""
+        step = int(step)
+        slot = None
+        if isinstance(source, NodeCopy):
+            return self._load_node_copy(step, source)
+        if source is None:
+            slot, snap = (self._own_snapshots or {}).get(step, (None, None))
+        elif isinstance(source, list):
+            try:
+                snap = ray.get(source[0], timeout=timeout_s)
+            except Exception:  # lost with its node, or its task failed: not available
+                return False
+        else:
+            snap = source
+        if snap is not None and "roles" in snap:  # what publish_snapshot returned: this role's copy
+            snap = snap["roles"].get(getattr(self, "role", None))
+        if snap is None or snap.get("step") != step:
+            return False
+        why = snapshot_meta.verify(snap)
+        if why is not None:
+            return self._corrupt(step, "own" if source is None else "copy", why)
+        self.reset_checkpoint_writer()
+        self.restore_snapshot_state(snap)
+        if self._own_snapshots is None:
+            self._own_snapshots = {}
+        self._keep_own(step, slot, snap)
+        self.prepare_checkpoint_staging()
+        return True
+
+    def _load_node_copy(self, step: int, source: NodeCopy) -> bool:
+        """Load the copy of ``step`` this rank left in this node's memory and keep it as its own
+        (the slot becomes its ring's: the next take writes the other one)."""
+        files = NodeFiles(node_path(source.run_dir), self.role, self.rank)
+        found = files.find(KEEP, step, source.snap_id)
+        if found is None:
+            return False
+        slot, meta, buf = found
+        snap = dict(meta, data=buf.numpy())
+        why = snapshot_meta.verify(snap)
+        if why is not None:
+            return self._corrupt(step, "node", why)
+        self.reset_checkpoint_writer()
+        self.restore_snapshot_state(snap)
+        if not files.still(slot, source.snap_id):  # written over while read: no process should be
+            logger.warning("%s rank %d: node copy of step %d changed while read", self.role, self.rank, step)
+            return False
+        self._node_failed = None
+        ring = self._ring_for({"dir": source.run_dir})
+        with SLOTS:
+            self._own_snapshots = {}
+        ring.adopt(slot, buf)
+        self._keep_own(step, slot, snap)
+        self.prepare_checkpoint_staging()
+        return True
+
+    def _corrupt(self, step: int, where: str, why: str) -> dict:
+        """The answer of a load that found its copy damaged (nothing was written into the rank)."""
+        logger.warning("%s rank %d: %s copy of snapshot step %d is damaged, not restored: %s",
+                       getattr(self, "role", "worker"), self.rank, where, step, why)
+        return {"corrupt": why}
+
+    def restore_snapshot_state(self, snap: dict) -> None:
+        """Write ``snap`` into the engine in place: tensors, optimizer hyperparameters and
+        non-tensor state, scheduler, RNG. Bit-identical to the state it was taken from."""
+        restore_state(self.engine, snap, self._snapshot_tensors)
