@@ -16,8 +16,11 @@ own forward with its output layer replaced, for that call, by a head that
 The forward still goes through ``model(...)``, so FSDP2's hooks gather and free parameters as
 usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
 :func:`~resilient_rl.algos.losses.logprobs_from_logits` and
-:func:`~resilient_rl.algos.losses.entropy_from_logits` on the same logits, so on CPU the results
-equal the full-logits path's (tests/test_chunked_logprob.py checks this bit for bit). Gradients
+:func:`~resilient_rl.algos.losses.entropy_from_logits` on the same logits; the head's matrix
+product runs on a chunk's rows instead of all of them, and the BLAS library may block a product
+of another shape differently, so the results equal the full-logits path's within float rounding
+(often bit for bit; tests/test_chunked_logprob.py checks 1e-6), and a run with the same chunk
+size is bit-reproducible with itself. Gradients
 are the same terms summed in another order (the full path's head gradient also sums the zero rows
 of the prompt positions), equal within float rounding (rtol 1e-5): weights after an update differ
 from the full path's in the last bits, and a run stays bit-reproducible with itself.
