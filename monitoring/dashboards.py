@@ -337,8 +337,13 @@ def reliability() -> dict:
                  description="Seconds since the last commit: the work a crash would lose now."),
         ts_panel("Steps since last checkpoint", [(
             f"{sel('rrl_step')} - {sel('rrl_checkpoint_last_committed_step')}", "{{instance}}")]),
-        ts_panel("Corrupt checkpoints", [(increments("rrl_checkpoint_corrupt_total", "$__interval"),
-                                          "corrupt")]),
+        ts_panel("Corrupt checkpoints and snapshots",
+                 [(increments("rrl_checkpoint_corrupt_total", "$__interval"), "checkpoint"),
+                  (increments("rrl_snapshot_corrupt_total", "$__interval", by="source"),
+                   "snapshot copy ({{source}})")],
+                 description="Copies that failed verification and were not restored: a checkpoint "
+                             "(the previous one was used) or an in-memory snapshot copy (the next "
+                             "source was tried: peer copy, older snapshot, checkpoint)."),
         ts_panel("Skipped checkpoints", [(increments("rrl_checkpoint_skipped_total", "$__interval",
                                                      by="reason"), "{{reason}}")], stacked=True,
                  description="Saves skipped while training went on: storage (an outage past the "

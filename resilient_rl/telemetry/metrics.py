@@ -28,6 +28,8 @@ from resilient_rl.errors import TelemetryError
 
 #: Why a checkpoint save was skipped (``rrl_checkpoint_skipped_total{reason}``).
 SKIP_REASONS = ("storage", "slow")
+#: Where a snapshot copy is loaded from, in the order recovery tries them (recovery/snapshots.py).
+SNAPSHOT_SOURCES = ("own", "node", "object_store", "peer")
 
 #: The phases of one training step, in the order a step runs them (trainer/step.py times them and
 #: imports this tuple; defined here, next to the metric that labels them, so there is one list).
@@ -225,6 +227,8 @@ class TrainerMetrics:
                                           "the previous save was still being written).", ["reason"], registry=r)
         for reason in SKIP_REASONS:  # exported at 0 from the start, so an increase() alert sees the first
             self.checkpoint_skipped.labels(reason=reason)
+        for source in SNAPSHOT_SOURCES:
+            self.snapshot_corrupt.labels(source=source)
         self._commits = _CheckpointCommitCollector(clock)
         r.register(self._commits)
 
