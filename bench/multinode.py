@@ -42,6 +42,7 @@ from pathlib import Path
 from resilient_rl.env import fail_fast_on_dead_actors
 from resilient_rl.faults.harness import RunResult, run_training
 from resilient_rl.faults.nodes import RemoveNodeOf, local_nodes
+from resilient_rl.trainer.hooks import TrainerHook
 
 PHASES = ("detect", "restart", "rejoin", "restore", "complete")
 
@@ -78,7 +79,9 @@ def overrides(args, root: str, nnodes: int) -> list[str]:
         # Generous: the nodes share 2 busy cores, where a live rank may not answer for seconds.
         "recovery.health_timeout_s=15", "recovery.hang_timeout_s=120",
         "recovery.collective_timeout_s=30", "recovery.restart_timeout_s=120", "recovery.placement_timeout_s=120",
-        f"trainer.output_dir={root}/runs", f"checkpoint.root={root}/ckpt", *args.overrides,
+        f"trainer.output_dir={root}/runs", f"checkpoint.root={root}/ckpt",
+        "checkpoint.shared_filesystem=true",  # the simulated nodes share this machine's disk
+        *args.overrides,
     ]
 
 
@@ -96,7 +99,7 @@ def step_times(result: RunResult, warmup: int) -> str:
     return " ".join(f"{r['timing/step_s']:.2f}" for r in result.history if r["step"] > warmup)
 
 
-class StepStarts:
+class StepStarts(TrainerHook):
     """Trainer hook: the wall-clock time each step starts (the last time, after a replay)."""
 
     def __init__(self):

@@ -25,6 +25,7 @@ from resilient_rl.config.schema import load_config
 from resilient_rl.errors import CheckpointFormatError
 from resilient_rl.faults.harness import check_invariants, run_training
 from resilient_rl.faults.storage import FaultPlan, faulty_url
+from resilient_rl.trainer.hooks import TrainerHook
 from resilient_rl.trainer.ppo import PPOTrainer
 
 
@@ -36,7 +37,7 @@ def _storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
                    for k, v in options["plan"].items()]
 
 
-class _FlapLease:
+class _FlapLease(TrainerHook):
     """From the start of ``step``, the lease's reads fail until ``failures`` have been injected."""
 
     def __init__(self, step: int, failures: int):

@@ -56,9 +56,11 @@ def multi_node(reference):
 
 def test_worker_node_lost(reference, chaos_dir, multi_node):
     hook = RemoveNode(multi_node, step=4)
-    result = run_training(chaos_overrides(chaos_dir) + ["recovery.restart_timeout_s=120"], "node-loss",
+    # The simulated nodes share this machine's disk: the local checkpoint root is shared.
+    result = run_training(chaos_overrides(chaos_dir) + ["recovery.restart_timeout_s=120",
+                                                        "checkpoint.shared_filesystem=true"], "node-loss",
                           hooks=(hook,))
-    assert hook.removed is not None, "the node was removed"
+    assert hook.removed is not None, f"the node was not removed (run error: {result.error!r})"
     check_invariants(result, reference)
     restarted_nodes = {e["node"] for e in result.events_of("worker_restarted")}
     assert hook.removed not in restarted_nodes, "restarted workers run on a surviving node"

@@ -27,6 +27,7 @@ def overrides(tmp: str) -> list[str]:
         "recovery.call_timeout_s=20", "recovery.health_timeout_s=15", "recovery.hang_timeout_s=120",
         "recovery.collective_timeout_s=30", "recovery.restart_timeout_s=120", "recovery.placement_timeout_s=120",
         f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt",
+        "checkpoint.shared_filesystem=true",  # the simulated nodes share this machine's disk
     ]
 
 

@@ -26,6 +26,7 @@ def _recovered(result) -> dict:
     return recovered[0]
 
 
+@pytest.mark.slow  # with the default config: chaos/test_snapshot_defaults.py
 def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run, tmp_path):
     """The killed rank's new process (or spare) reads the copy it left in node memory; the run's
     node memory is gone once it ends."""
@@ -46,6 +47,7 @@ def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run, t
     assert not result.events_of("checkpoint_restored"), "storage was read"
 
 
+@pytest.mark.slow  # a tmpfs too small for the rings: chaos/test_snapshot_defaults.py
 def test_node_memory_unusable_falls_back_to_the_object_store(reference, chaos_run):
     """A node-memory directory that cannot be created: the first snapshot does not count (the
     event names the directory), later ones keep their copies in the object store, and a killed
@@ -137,7 +139,9 @@ def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
                  configure_logging=False)
         hook = _RemoveActorNode(cluster, step=4, replacement_cpus=3 + room)
         result = run_training(chaos_overrides(chaos_dir) + list(SNAPSHOTS) + [
-            "ray.cpus_per_worker=1", "recovery.restart_timeout_s=120"], "snap-node-loss", hooks=(hook,))
+            "ray.cpus_per_worker=1", "recovery.restart_timeout_s=120",
+            "checkpoint.shared_filesystem=true",  # the simulated nodes share this machine's disk
+        ], "snap-node-loss", hooks=(hook,))
         assert hook.removed is not None
         check_invariants(result, reference)  # while the cluster is up: it looks for leftover actors
     finally:
@@ -155,7 +159,7 @@ def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
         assert rec["source"] in ("checkpoint", "start"), rec
 
 
-class _FlipNodeMemory:
+class _FlipNodeMemory(TrainerHook):
     """Hook: when step ``step`` starts (after the schedule's fault, once the snapshot of step
     ``step - 1`` is complete), flip bytes of ``role`` rank ``rank``'s copy of that snapshot in
     node memory, as a torn write or a bad page would."""

@@ -114,7 +114,7 @@ def test_pool_of_several_nodes_places_each_group_off_the_others_nodes(monkeypatc
     monkeypatch.setattr(rp, "placement_group_table", fake.table)
     monkeypatch.setattr(rp.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
     monkeypatch.setattr(rp.ray, "cluster_resources", lambda: {"CPU": 24})
-    pool = rp.RayResourcePool([2, 2, 2], name_prefix="p", cpus_per_bundle=0.1, distinct_nodes=True)
+    pool = rp.RayResourcePool([2, 2, 2], name_prefix="p", use_gpu=False, cpus_per_bundle=0.1, distinct_nodes=True)
     pgs = pool.get_placement_groups()
     assert [pg.node for pg in pgs] == ["n1", "n2", "n3"]
     assert [c[2] for c in fake.created] == [None, [{"ray.io/node-id": "!in(n1)"}] * 2,
@@ -123,5 +123,5 @@ def test_pool_of_several_nodes_places_each_group_off_the_others_nodes(monkeypatc
     assert pool.nodes() == [["n1", "n1"], ["n2", "n2"], ["n3", "n3"]]
     # verl's default (several groups free to share a node, e.g. merged pools) is unchanged.
     fake.created.clear()
-    rp.RayResourcePool([1, 1], name_prefix="q").get_placement_groups()
+    rp.RayResourcePool([1, 1], name_prefix="q", use_gpu=False).get_placement_groups()
     assert [c[2] for c in fake.created] == [None, None]

@@ -16,6 +16,8 @@ import time
 
 import ray
 
+from resilient_rl.trainer.hooks import TrainerHook
+
 
 @contextlib.contextmanager
 def local_nodes(workers: int = 3, cpus_per_node: int = 8, object_store_bytes: int = 128 * 2**20,
@@ -46,7 +48,7 @@ def local_nodes(workers: int = 3, cpus_per_node: int = 8, object_store_bytes: in
         cluster.shutdown()
 
 
-class RemoveNodeOf:
+class RemoveNodeOf(TrainerHook):
     """Trainer hook: once step ``step`` is under way, remove (ungracefully: its raylet and every
     process on it die at once) the worker node that hosts rank ``rank`` of the first process group.
 
