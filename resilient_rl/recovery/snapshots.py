@@ -53,9 +53,10 @@ import ray
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
 from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
 from resilient_rl.recovery.snapshot_sizing import decide
-from resilient_rl.workers.snapshot_slots import KEEP
+from resilient_rl.runtime.cluster import on_every_node
 from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
 from resilient_rl.workers.node_sweep import owner_record
+from resilient_rl.workers.snapshot_slots import KEEP
 
 logger = logging.getLogger(__name__)
 
@@ -378,19 +379,10 @@ class SnapshotKeeper:
             self._on_every_node(remove_run, wait=True)
 
     def _on_every_node(self, fn: Callable[[str], Any], wait: bool) -> None:
-        """Run ``fn(self.node_dir)`` on every live node (here, outside Ray), as a task needing
-        no CPU; ``wait``: until done (at most 30 s)."""
+        """Run ``fn(self.node_dir)`` on every live node (:func:`~resilient_rl.runtime.cluster.on_every_node`);
+        ``wait``: until done (at most 30 s)."""
         try:
-            if not ray.is_initialized():
-                fn(self.node_dir)
-                return
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            task = ray.remote(num_cpus=0, max_retries=0)(fn)
-            refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                    .remote(self.node_dir) for n in ray.nodes() if n.get("Alive")]
-            if wait:
-                ray.get(refs, timeout=30)
+            on_every_node(fn, self.node_dir, wait_s=30.0 if wait else None)
         except Exception as exc:  # a node that went away meanwhile: its memory went with it
             logger.warning("cleaning snapshot node memory %s: %s", self.node_dir, exc)
 

@@ -70,3 +70,26 @@ def disconnect(owned: bool) -> None:
     if ray.is_initialized():
         ray.shutdown()
     release_worker_output()
+
+
+def on_every_node(fn, *args, wait_s: float | None = None) -> None:
+    """Run ``fn(*args)`` once on every live Ray node, for work on a node's own files (its
+    ``/dev/shm``): on this process's node here, in this process (no worker process to start, which
+    costs seconds of CPU on a small machine), and on each other node as a task needing no CPU,
+    pinned to it. Outside Ray (or through Ray Client, where this process is on no node) every node
+    gets the task, or, with Ray not initialised, the call runs here only. ``wait_s``: wait that
+    long for the tasks (None: not waited for). Raises what ``fn`` raises here, and Ray's errors."""
+    if not ray.is_initialized():
+        fn(*args)
+        return
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = None if ray.util.client.ray.is_connected() else ray.get_runtime_context().get_node_id()
+    others = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != here]
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
+            for node in others]
+    if here is not None:
+        fn(*args)
+    if refs and wait_s is not None:
+        ray.get(refs, timeout=wait_s)

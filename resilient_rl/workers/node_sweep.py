@@ -33,6 +33,8 @@ from typing import Any
 
 import psutil
 
+from resilient_rl.runtime.cluster import on_every_node
+
 logger = logging.getLogger(__name__)
 
 OWNER_FILE = ".owner"
@@ -190,21 +192,11 @@ def sweep_node(root: str, keep: str | None, shm_dir: str) -> list[str]:
 
 
 def sweep_every_node(root: str, keep: str | None, shm_dir: str, wait_s: float | None = None) -> None:
-    """Run :func:`sweep_node` on every live Ray node (here, outside Ray), as tasks needing no CPU.
-    Not waited for unless ``wait_s`` (a start is not delayed by a task's process starting); a node
-    that cannot be reached is skipped (logged)."""
+    """Run :func:`sweep_node` on every live Ray node (:func:`~resilient_rl.runtime.cluster.on_every_node`:
+    here for this node, as tasks needing no CPU elsewhere). The tasks are not waited for unless
+    ``wait_s`` (a start is not delayed by a task's process starting); a node that cannot be
+    reached is skipped (logged)."""
     try:
-        import ray
-
-        if not ray.is_initialized():
-            sweep_node(root, keep, shm_dir)
-            return
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        task = ray.remote(num_cpus=0, max_retries=0)(sweep_node)
-        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                .remote(root, keep, shm_dir) for n in ray.nodes() if n.get("Alive")]
-        if wait_s is not None:
-            ray.get(refs, timeout=wait_s)
+        on_every_node(sweep_node, root, keep, shm_dir, wait_s=wait_s)
     except Exception as exc:  # a node that went away meanwhile: its memory went with it
         logger.warning("sweeping node memory under %s and %s: %s", root, shm_dir, exc)
