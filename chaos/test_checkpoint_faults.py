@@ -28,7 +28,7 @@ def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run,
     assert result.events_of("recovered")[0]["restored_step"] == 2, "the torn step-4 save was never loaded"
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+@pytest.mark.parametrize("damage", ["corrupt", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, chaos_run, damage):
     schedule = FaultSchedule().at_step(6)
     schedule.corrupt_latest_checkpoint(truncate=damage == "truncate").kill("critic", 0, delay_s=0.05)
@@ -48,6 +48,7 @@ def test_transient_storage_errors_are_retried(reference, chaos_run, chaos_dir, c
     assert len(retried) >= 5, "the controller's 3 write and 2 read faults were injected and retried"
 
 
+@pytest.mark.slow  # a failing write is stopped on in tests/test_checkpoint_io_faults.py
 def test_full_disk_stops_cleanly_and_resume_finishes(reference, chaos_run, chaos_dir):
     """ENOSPC on the second save: the run stops naming the problem; the first checkpoint stays latest."""
     shard = max(reference.extra.get("shard_sizes", {"x": 0}).values(), default=0) or 400_000

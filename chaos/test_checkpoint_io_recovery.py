@@ -3,6 +3,8 @@ a storage outage over a few saves, an outage longer than ``checkpoint.max_skippe
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import STORAGE_ONLY
 from resilient_rl.cli import EXIT_RUNTIME, exit_code
 from resilient_rl.errors import CheckpointsSkippedError
@@ -19,6 +21,7 @@ def _storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
                    for k, v in options["plan"].items()]
 
 
+@pytest.mark.slow  # a kill during a write: chaos/test_checkpoint_faults.py
 def test_worker_killed_with_the_last_save_pending_recovers(reference, chaos_run, chaos_dir):
     """Slow storage keeps the final step's shards in flight while actor rank 1 dies: the wait for
     the last save is inside the recovery, so the run rolls back to step 4 and replays to the end."""
@@ -45,6 +48,7 @@ def test_storage_outage_skips_checkpoints_while_training_goes_on(reference, chao
         assert metric_totals(result.metrics_text).get("rrl_checkpoint_skipped_total") == 2
 
 
+@pytest.mark.slow
 def test_outage_longer_than_max_skipped_stops_with_the_last_commit_intact(chaos_run, chaos_dir):
     plan = FaultPlan(outage_paths="step_00000004/,step_00000006/actor")
     result = chaos_run(None, *_storage_overrides(chaos_dir, "long-outage", plan), "checkpoint.max_skipped=1")

@@ -8,7 +8,10 @@ from conftest import FSDP, check_restore_point
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 
-ROLES = [("actor", 0), ("actor", 1), ("critic", 0), ("ref", 0), ("rollout", 0)]
+# The default set kills one rank of a trained role, the frozen ref and the rollout; the rest of
+# the roles and ranks run with the slow cases (the recovery path is the same code for each).
+ROLES = [pytest.param("actor", 0, marks=pytest.mark.slow), ("actor", 1),
+         pytest.param("critic", 0, marks=pytest.mark.slow), ("ref", 0), ("rollout", 0)]
 
 
 @pytest.mark.parametrize("role,rank", ROLES)
@@ -32,7 +35,8 @@ def test_sigkill_of_an_fsdp_rank(fsdp_reference, chaos_run):
     check_restore_point(result.events_of("recovered")[0], 2)
 
 
-@pytest.mark.parametrize("role,rank", [("actor", 1), ("critic", 0), ("ref", 0), ("rollout", 0)])
+@pytest.mark.parametrize("role,rank", [("actor", 1), *(pytest.param(role, rank, marks=pytest.mark.slow)
+                                                     for role, rank in [("critic", 0), ("ref", 0), ("rollout", 0)])])
 def test_sigstop(reference, chaos_run, role, rank):
     """A stopped rank: its health call goes unanswered, it is named hung, killed and restarted."""
     schedule = FaultSchedule().at_step(3).hang(role, rank, delay_s=0.1)
@@ -44,6 +48,7 @@ def test_sigstop(reference, chaos_run, role, rank):
     assert result.events_of("failure")[0]["cause"] == "hang"
 
 
+@pytest.mark.slow  # the same recovery as a SIGKILL, through ray.kill
 def test_ray_kill_actor(reference, chaos_run):
     schedule = FaultSchedule().at_step(5).ray_kill("actor", 0)
     result = chaos_run(schedule)

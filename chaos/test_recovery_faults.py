@@ -21,6 +21,7 @@ def test_second_kill_during_recovery(reference, chaos_run, state, role, rank):
     assert len(result.events_of("failure_during_recovery")) >= 1
 
 
+@pytest.mark.slow  # its faults each run alone in the default set
 def test_mixed_schedule(reference, chaos_run):
     # A delayed hang can land in the step after its own, and two faults in one step make one
     # recovery: the Ray kill comes three steps after the hang.

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import chaos_overrides
 from resilient_rl.checkpoint import Storage
 from resilient_rl.checkpoint.lease import read_lease
@@ -71,6 +73,7 @@ def test_second_controller_on_a_live_run_is_refused(reference, chaos_ray, chaos_
     assert read_lease(Storage(f"{chaos_dir}/ckpt"), name).released
 
 
+@pytest.mark.slow  # takeover and self-fencing are unit-tested in tests/test_lease*.py
 def test_hung_controller_is_taken_over_and_stops_when_it_wakes(reference, chaos_dir, chaos_ray):
     name = "hung-controller"
     overrides = chaos_overrides(chaos_dir) + [f"trainer.run_name={name}", "checkpoint.lease_ttl_s=6",
@@ -118,6 +121,7 @@ def test_hung_controller_is_taken_over_and_stops_when_it_wakes(reference, chaos_
     check_invariants(after, reference, expect_recoveries=0)
 
 
+@pytest.mark.slow
 def test_resume_from_an_earlier_step_survives_a_failure_before_its_first_commit(reference, chaos_run, chaos_dir):
     name = "resume-earlier"
     first = chaos_run(None, "trainer.total_steps=4", name=name)  # commits steps 2 and 4

@@ -50,7 +50,7 @@ def test_same_seed_same_history_bit_for_bit(ray_cluster, tmp_path):
     assert deterministic_view(c) != deterministic_view(a)  # the seed matters: the test can fail
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_split_placement_runs_end_to_end(ray_cluster, tmp_path, strategy):
     """Split placement: weights through the object store, or broadcast by actor rank 0 over a weight
     channel of their own (gloo here; NCCL on GPU): the same run either way. ``fsdp``: every actor
