@@ -15,6 +15,7 @@ import pytest
 
 from resilient_rl.env import fail_fast_on_dead_actors
 from resilient_rl.faults.harness import run_training
+from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.faults.storage import register as register_faulty_storage
 
 # The suite's clusters handle dead actors as the trainer's own do (see resilient_rl.env).
@@ -65,6 +66,16 @@ def chaos_overrides(tmp: str) -> list[str]:
 
 
 RESULTS: list = []
+
+
+def storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
+    """Overrides that put the run's checkpoints on ``faulty://`` storage failing by ``plan``
+    (a folder of its own under ``chaos_dir``, named ``name``)."""
+    url, options = faulty_url(f"{chaos_dir}/ckpt-{name}", plan, name=name)
+    flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",
+            f"checkpoint.storage_options.name={options['name']}"]
+    return flat + [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}"
+                   for k, v in options["plan"].items()]
 
 
 def ensure_ray():

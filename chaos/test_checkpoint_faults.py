@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORAGE_ONLY
+from conftest import STORAGE_ONLY, storage_overrides
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
-from resilient_rl.faults.storage import FaultPlan, faulty_url
-
-
-def _storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> tuple[list[str], dict]:
-    url, options = faulty_url(f"{chaos_dir}/ckpt-{name}", plan, name=name)
-    flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",
-            f"checkpoint.storage_options.name={options['name']}"]
-    flat += [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}" for k, v in options["plan"].items()]
-    return flat, options
+from resilient_rl.faults.storage import FaultPlan
 
 
 def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run, chaos_dir):
     """Slow storage keeps step 4's shards in flight; actor rank 1 dies while writing them."""
-    extra, _ = _storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3))
+    extra = storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3))
     schedule = FaultSchedule().at_checkpoint(4).kill("actor", 1, delay_s=0.1)
     result = chaos_run(schedule, *extra, *STORAGE_ONLY)
     check_invariants(result, reference)
@@ -40,7 +32,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, cha
 
 
 def test_transient_storage_errors_are_retried(reference, chaos_run, chaos_dir, caplog):
-    extra, _ = _storage_overrides(chaos_dir, "flaky", FaultPlan(transient_writes=3, transient_reads=2))
+    extra = storage_overrides(chaos_dir, "flaky", FaultPlan(transient_writes=3, transient_reads=2))
     with caplog.at_level("WARNING", logger="resilient_rl.checkpoint.retry"):
         result = chaos_run(None, *extra)
     check_invariants(result, reference, expect_recoveries=0)
@@ -52,7 +44,7 @@ def test_transient_storage_errors_are_retried(reference, chaos_run, chaos_dir, c
 def test_full_disk_stops_cleanly_and_resume_finishes(reference, chaos_run, chaos_dir):
     """ENOSPC on the second save: the run stops naming the problem; the first checkpoint stays latest."""
     shard = max(reference.extra.get("shard_sizes", {"x": 0}).values(), default=0) or 400_000
-    extra, _ = _storage_overrides(chaos_dir, "full", FaultPlan(enospc_after_bytes=int(shard * 1.5)))
+    extra = storage_overrides(chaos_dir, "full", FaultPlan(enospc_after_bytes=int(shard * 1.5)))
     result = chaos_run(None, *extra, name="full-disk")
     assert result.error is not None and "No space left" in str(result.error), result.error
     assert result.committed and result.latest == result.committed[-1] == 2

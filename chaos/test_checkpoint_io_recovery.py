@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORAGE_ONLY
+from conftest import STORAGE_ONLY, storage_overrides
 from resilient_rl.cli import EXIT_RUNTIME, exit_code
 from resilient_rl.errors import CheckpointsSkippedError
 from resilient_rl.faults.harness import check_invariants, metric_totals
 from resilient_rl.faults.injectors import FaultSchedule
-from resilient_rl.faults.storage import FaultPlan, faulty_url
-
-
-def _storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
-    url, options = faulty_url(f"{chaos_dir}/ckpt-{name}", plan, name=name)
-    flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",
-            f"checkpoint.storage_options.name={options['name']}"]
-    return flat + [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}"
-                   for k, v in options["plan"].items()]
+from resilient_rl.faults.storage import FaultPlan
 
 
 @pytest.mark.slow  # a kill during a write: chaos/test_checkpoint_faults.py
 def test_worker_killed_with_the_last_save_pending_recovers(reference, chaos_run, chaos_dir):
     """Slow storage keeps the final step's shards in flight while actor rank 1 dies: the wait for
     the last save is inside the recovery, so the run rolls back to step 4 and replays to the end."""
-    extra = _storage_overrides(chaos_dir, "lastsave", FaultPlan(slow_s=0.3))
+    extra = storage_overrides(chaos_dir, "lastsave", FaultPlan(slow_s=0.3))
     schedule = FaultSchedule().at_checkpoint(6).kill("actor", 1, delay_s=0.1)
     result = chaos_run(schedule, *extra, *STORAGE_ONLY)
     check_invariants(result, reference)
@@ -38,7 +30,7 @@ def test_storage_outage_skips_checkpoints_while_training_goes_on(reference, chao
     """Step 2's actor shards (written by the workers) and all of step 4 (the controller's trainer
     state first) meet an outage longer than the retries; step 6 is saved."""
     plan = FaultPlan(outage_paths="step_00000002/actor,step_00000004/")
-    result = chaos_run(None, *_storage_overrides(chaos_dir, "outage", plan))
+    result = chaos_run(None, *storage_overrides(chaos_dir, "outage", plan))
     check_invariants(result, reference, expect_recoveries=0)
     assert [(e["step"], e["reason"]) for e in result.events_of("checkpoint_skipped")] == [(2, "storage"),
                                                                                           (4, "storage")]
@@ -51,7 +43,7 @@ def test_storage_outage_skips_checkpoints_while_training_goes_on(reference, chao
 @pytest.mark.slow
 def test_outage_longer_than_max_skipped_stops_with_the_last_commit_intact(chaos_run, chaos_dir):
     plan = FaultPlan(outage_paths="step_00000004/,step_00000006/actor")
-    result = chaos_run(None, *_storage_overrides(chaos_dir, "long-outage", plan), "checkpoint.max_skipped=1")
+    result = chaos_run(None, *storage_overrides(chaos_dir, "long-outage", plan), "checkpoint.max_skipped=1")
     assert isinstance(result.error, CheckpointsSkippedError), repr(result.error)
     assert "checkpoint.max_skipped=1" in str(result.error) and "last committed checkpoint is step 2" in str(result.error)
     assert exit_code(result.error) == EXIT_RUNTIME

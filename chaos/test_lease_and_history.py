@@ -19,22 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chaos_overrides
+from conftest import chaos_overrides, storage_overrides
 from resilient_rl.checkpoint import Storage
 from resilient_rl.config.schema import load_config
 from resilient_rl.errors import CheckpointFormatError
 from resilient_rl.faults.harness import check_invariants, run_training
-from resilient_rl.faults.storage import FaultPlan, faulty_url
+from resilient_rl.faults.storage import FaultPlan
 from resilient_rl.trainer.hooks import TrainerHook
 from resilient_rl.trainer.ppo import PPOTrainer
-
-
-def _storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
-    url, options = faulty_url(f"{chaos_dir}/ckpt-{name}", plan, name=name)
-    flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",
-            f"checkpoint.storage_options.name={options['name']}"]
-    return flat + [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}"
-                   for k, v in options["plan"].items()]
 
 
 class _FlapLease(TrainerHook):
@@ -65,7 +57,7 @@ class _FlapLease(TrainerHook):
 def test_lease_storage_flapping_mid_run_is_survived(reference, chaos_ray, chaos_dir):
     name = "flapping"  # no "/lease" in any other path of the run
     flap = _FlapLease(step=3, failures=12)
-    extra = _storage_overrides(chaos_dir, name, FaultPlan())
+    extra = storage_overrides(chaos_dir, name, FaultPlan())
     result = run_training(chaos_overrides(chaos_dir) + extra, name, hooks=(flap,))
     check_invariants(result, reference, expect_recoveries=0)
     assert flap.injected >= 12, "the lease's storage never failed"

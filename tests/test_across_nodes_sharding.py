@@ -5,20 +5,14 @@ group's all-reduce, never a shared-memory segment (which another host could not 
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from resilient_rl.runtime.master_env import free_port
 
 WORLD, LOCAL = 4, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -68,7 +62,7 @@ def _rank(rank: int, port: int, out) -> None:
 def test_hybrid_sharding_and_replicas_across_two_nodes():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
     for p in procs:
         p.start()

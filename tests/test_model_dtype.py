@@ -3,7 +3,6 @@ state (FSDP2's mixed-precision policy for a sharded model, autocast for a replic
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
+from resilient_rl.runtime.master_env import free_port
 
 VOCAB = 16
 
@@ -84,12 +84,6 @@ def test_bf16_replica_computes_in_bf16_with_fp32_master_weights_and_optimizer_st
                          for s in state)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_rank(rank: int, port: int, out) -> None:
     import resilient_rl.workers.logprob as logprob
 
@@ -116,7 +110,7 @@ def test_fsdp2_shards_keep_fp32_while_blocks_compute_in_bf16():
     """Two gloo ranks, FSDP2 with bf16 compute, with the update-pass options on."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_fsdp_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()

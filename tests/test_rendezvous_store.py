@@ -4,7 +4,6 @@ generation ends the wait of every rank still there, and a generation whose peer 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -12,12 +11,7 @@ import pytest
 
 from resilient_rl.runtime import rendezvous
 from resilient_rl.errors import CollectiveError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from resilient_rl.runtime.master_env import free_port
 
 
 def _join_all(generation: int, world: int, port: int, host_delay_s: float, timeout_s: float = 20.0):
@@ -39,7 +33,7 @@ def _join_all(generation: int, world: int, port: int, host_delay_s: float, timeo
 
 
 def test_ranks_that_arrive_before_rank_0_hosts_the_store_join_it():
-    threads, results = _join_all(generation=101, world=3, port=_free_port(), host_delay_s=0.3)
+    threads, results = _join_all(generation=101, world=3, port=free_port("127.0.0.1"), host_delay_s=0.3)
     for t in threads:
         t.join(30)
     stores = [results[r] for r in range(3)]
@@ -51,7 +45,7 @@ def test_ranks_that_arrive_before_rank_0_hosts_the_store_join_it():
 def test_a_called_off_generation_ends_the_wait_for_a_peer_that_never_comes(monkeypatch):
     monkeypatch.setitem(rendezvous._CALLED_OFF, "generation", -1)  # put back after the test
     # Rank 2 never comes: ranks 0 and 1 wait in the store until the generation is called off.
-    port = _free_port()
+    port = free_port("127.0.0.1")
     results: dict[int, object] = {}
 
     def join(rank: int) -> None:
@@ -73,4 +67,4 @@ def test_a_called_off_generation_ends_the_wait_for_a_peer_that_never_comes(monke
 
 def test_a_rank_whose_store_never_appears_times_out_with_the_address():
     with pytest.raises(CollectiveError, match=r"timed out .* rank 0's store at 127\.0\.0\.1"):
-        rendezvous.join_store(103, "127.0.0.1", _free_port(), 1, 2, timeout_s=0.5)
+        rendezvous.join_store(103, "127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=0.5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -11,12 +10,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from resilient_rl.workers.fsdp import all_reduce_gradients, plan_device, wrap_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from resilient_rl.runtime.master_env import free_port
 
 
 def _model() -> nn.Module:
@@ -44,7 +38,7 @@ def _rank(rank: int, port: int, out) -> None:
 def test_replicas_average_their_gradients_and_a_missing_one_counts_as_zero():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -24,10 +24,11 @@ PUBLISH = "RRL_MASTER_PUBLISH"
 _NAMESPACE = "rrl_master"
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port free on ``host`` of this node right now ("": every interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def resolve(identity: dict[str, str], node_ip: str, timeout_s: float = 300.0) -> dict[str, str]:
@@ -38,7 +39,7 @@ def resolve(identity: dict[str, str], node_ip: str, timeout_s: float = 300.0) ->
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
     if identity.get(PUBLISH) == "1":
-        value = f"{node_ip}:{_free_port()}"
+        value = f"{node_ip}:{free_port()}"
         _internal_kv_put(key, value, overwrite=True, namespace=_NAMESPACE)
     else:
         deadline = time.monotonic() + timeout_s

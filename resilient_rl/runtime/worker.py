@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from resilient_rl import env
 from resilient_rl.runtime import progress, rendezvous
 from resilient_rl.runtime.devices import visible_devices
+from resilient_rl.runtime.master_env import free_port
 from resilient_rl.runtime.dispatch import Dispatch, Execute, register
 from resilient_rl.runtime.worker_mesh import MeshInfoMixin
 from resilient_rl.errors import CollectiveError
@@ -109,13 +109,6 @@ def export_identity(identity: dict[str, str]) -> None:
     the worker (through :mod:`resilient_rl.env`) and any library it starts see them as usual.
     """
     os.environ.update(identity)
-
-
-def find_free_port(host: str = "") -> int:
-    """A TCP port that is free on this node right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def default_backend() -> str:
@@ -208,12 +201,12 @@ class Worker(MeshInfoMixin):
         return self.node_ip
 
     def get_free_port(self) -> int:
-        return find_free_port()
+        return free_port()
 
     def get_master_addr_port(self) -> tuple[str, int]:
         """Address and a free port of this node, for rank 0 to host a rendezvous. (verl returns
         the ``MASTER_ADDR``/``MASTER_PORT`` the rank started with; those are in the environment.)"""
-        return self.node_ip, find_free_port()
+        return self.node_ip, free_port()
 
     get_available_master_addr_port = get_master_addr_port
 

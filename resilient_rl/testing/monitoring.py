@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from pathlib import Path
 
 import yaml
@@ -22,6 +21,7 @@ from resilient_rl.telemetry import (DeviceMetrics, DeviceReport, GpuSampler, Pro
                                     TorchMemoryMetrics, TrainerMetrics)
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
 from resilient_rl.telemetry.recovery_metrics import RECOVERY_PHASES, RecoveryMetrics
+from resilient_rl.runtime.master_env import free_port  # noqa: F401  (the tests take it from here)
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 DASHBOARDS = sorted((MONITORING / "grafana" / "dashboards").glob("*.json"))
@@ -118,10 +118,3 @@ def exported_names() -> set[str]:
     """Names of every sample :func:`populated_registry` exports."""
     trainer, _ = populated_registry()
     return {s.name for family in trainer.registry.collect() for s in family.samples}
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

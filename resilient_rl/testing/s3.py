@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+from resilient_rl.runtime.master_env import free_port
 
 
 class MotoUnavailable(RuntimeError):
     """The moto S3 server could not be started here."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
