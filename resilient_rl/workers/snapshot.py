@@ -233,12 +233,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
         out = {}
         with SLOTS:
             for role, w in workers.items():
-                taken = lambda: step in (w._own_snapshots or {}) or (w._take_failed or (None,))[0] == step  # noqa: E731
-                if not SLOTS.wait_for(taken, timeout=timeout_s):
-                    raise RuntimeError(f"publish_snapshot: no {role} copy of step {step} after {timeout_s:.0f}s")
-                if step not in (w._own_snapshots or {}):
-                    why = w._take_failed[1] if w._take_failed and w._take_failed[0] == step else "superseded"
-                    raise RuntimeError(f"publish_snapshot: the {role} copy of step {step} is gone ({why})")
+                w._wait_taken(step, timeout_s, "publish_snapshot")
         for role, w in workers.items():
             if "checksum" not in w._own_snapshots.get(step, (None, {}))[1]:
                 w._seal(step, timeout_s)
@@ -264,15 +259,21 @@ class SnapshotMixin(SnapshotRestoreMixin):
         workers = self._process_workers_of(roles, "seal_snapshot")
         return {"step": step, "checksums": {role: w._seal(step, timeout_s) for role, w in workers.items()}}
 
+    def _wait_taken(self, step: int, timeout_s: float, call: str) -> None:
+        """With SLOTS held: wait up to ``timeout_s`` for the take of ``step`` (sent before ``call``,
+        running on the call thread); a RuntimeError when it failed or its copy is gone."""
+        role = getattr(self, "role", "worker")
+        taken = lambda: step in (self._own_snapshots or {}) or (self._take_failed or (None,))[0] == step  # noqa: E731
+        if not SLOTS.wait_for(taken, timeout=timeout_s):
+            raise RuntimeError(f"{call}: no {role} copy of step {step} after {timeout_s:.0f}s")
+        if step not in (self._own_snapshots or {}):
+            why = self._take_failed[1] if self._take_failed and self._take_failed[0] == step else "superseded"
+            raise RuntimeError(f"{call}: the {role} copy of step {step} is gone ({why})")
+
     def _seal(self, step: int, timeout_s: float) -> str:
         role = getattr(self, "role", "worker")
         with SLOTS:
-            taken = lambda: step in (self._own_snapshots or {}) or (self._take_failed or (None,))[0] == step  # noqa: E731
-            if not SLOTS.wait_for(taken, timeout=timeout_s):
-                raise RuntimeError(f"seal_snapshot: no {role} copy of step {step} after {timeout_s:.0f}s")
-            if step not in (self._own_snapshots or {}):
-                why = self._take_failed[1] if self._take_failed and self._take_failed[0] == step else "superseded"
-                raise RuntimeError(f"seal_snapshot: the {role} copy of step {step} is gone ({why})")
+            self._wait_taken(step, timeout_s, "seal_snapshot")
             slot, snap = self._own_snapshots[step]
             reading = slot is not None and slot not in self._publishing
             if reading:  # a take waits for it (see _free_slot)
