@@ -28,10 +28,14 @@ attention mask; attention-score FLOPs and padding are left out, so this is a low
     update_critic  6·N·T · critic.ppo_epochs
 
 ``--workload gsm8k-1.5b`` / ``gsm8k-0.5b`` (bench/gpu_workloads.py) replaces the config with a GRPO
-run on Qwen2.5-1.5B / 0.5B shapes (random weights) over 64 GSM8K-like prompts of 256 tokens x 8
-samples, up to 512 new tokens, and adds: update and log-prob MFU by torchtitan's formula, verl's
-``perf/throughput``, and the same batch through the rollout engine and HF ``generate`` (dynamic and
-static cache) as ratios, with the engine's share of the decode roofline (bench/gpu_generation.py).
+run on Qwen2.5-1.5B / 0.5B shapes (random weights, a BPE tokenizer trained on the workload's text)
+over 64 GSM8K-like prompts of 128 to 256 tokens x 8 samples, up to 512 new tokens (rows end at
+different lengths), and adds: MFU per phase and per step by the project's and verl's counts, verl's
+``perf/throughput``, one SIGKILL of the actor worker after the measured steps (the recovery's time
+and the steps it replayed), and the same batch through the rollout engine and HF ``generate``
+(dynamic and static cache) as ratios, with the engine's share of the decode roofline
+(bench/gpu_generation.py). ``--tiny`` runs the same workload at small dimensions, end to end, on
+the CPU when there is no GPU (the decode step compiled as on a GPU, CUDA graphs aside).
 
 On a machine without a CUDA device it prints one line saying so and exits 0.
 
@@ -41,6 +45,7 @@ On a machine without a CUDA device it prints one line saying so and exits 0.
     python bench/gpu.py --config resilient_rl/configs/ppo_copy.yaml actor.world_size=2
     python bench/gpu.py --peak-tflops 756 checkpoint.save_every=3    # H100 PCIe; checkpoint stalls
     python bench/gpu.py --workload gsm8k-1.5b --warmup 1 --steps 3
+    python bench/gpu.py --workload gsm8k-0.5b --tiny                # any machine: the same path, small
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ import torch
 import yaml
 from torch import nn
 
-from gpu_workloads import WORKLOADS, torchtitan_params, workload_config, workload_lines, write_prompts
+from gpu_workloads import WORKLOADS, prepare_data, workload_config, workload_lines
 
 NO_GPU = ("bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure "
           "(bench/train.py runs on CPU)")
@@ -233,98 +238,141 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a real-shaped GRPO workload instead of --config (bench/gpu_workloads.py)")
     p.add_argument("--skip-generation", action="store_true",
                    help="with --workload: skip the engine vs HF generate comparison")
+    p.add_argument("--generation-paths", default="engine,hf_dynamic,hf_static",
+                   help="with --workload: the generation paths compared (default: all three)")
+    p.add_argument("--tiny", action="store_true",
+                   help="with --workload: the same workload at small dimensions (on the CPU without a GPU)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.batch_size=64")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.copy_repeats < 1 or args.sample_interval <= 0:
         p.error("--steps and --copy-repeats must be >= 1, --warmup >= 0, --sample-interval > 0")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    if args.tiny and not args.workload:
+        p.error("--tiny needs --workload")
     return args
 
 
-def build_config(args: argparse.Namespace, output_dir: str):
+def build_config(args: argparse.Namespace, output_dir: str, device: str):
     from resilient_rl.config.schema import load_config
 
-    defaults = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false",
-                f"trainer.total_steps={args.warmup + args.steps}", "trainer.device=cuda", "actor.world_size=1",
-                f"checkpoint.root={output_dir}/checkpoints", "checkpoint.save_every=0"]
+    total = args.warmup + args.steps + (2 if args.workload else 0)  # a workload adds a recovery
+    defaults = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false", f"trainer.total_steps={total}",
+                f"trainer.device={device}", "actor.world_size=1", f"checkpoint.root={output_dir}/checkpoints",
+                f"checkpoint.save_every={args.warmup + args.steps if args.workload else 0}"]
+    if device == "cpu":
+        defaults.append("rollout.compile=true")  # the decode step compiled as on a GPU
     return load_config(args.config, defaults + list(args.overrides))
 
 
-def count_params(cfg, vocab_size: int) -> tuple[int, int]:
-    """Matmul parameters of the actor and torchtitan's FLOP parameter count (see
-    bench/gpu_workloads.py), built on the meta device (no memory, no weights read)."""
+def count_params(cfg, vocab_size: int) -> int:
+    """Matmul parameters of the actor, built on the meta device (no memory, no weights read)."""
     from resilient_rl.models.factory import build_causal_lm, model_vocab_size
 
     with torch.device("meta"):
         model = build_causal_lm(cfg.model, model_vocab_size(cfg.model, vocab_size), cfg.trainer.seed)
-    return matmul_params(model), torchtitan_params(model)
+    return matmul_params(model)
 
 
-def prepare_workload(name: str, tmp: str) -> str:
-    """Write workload ``name``'s prompt file and config into ``tmp``; returns the config's path."""
-    w = WORKLOADS[name]
-    prompts = write_prompts(Path(tmp) / f"{name}.jsonl", 4 * w.prompts, w.prompt_len)
-    path = Path(tmp) / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(workload_config(w, prompts)))
+def prepare_workload(name: str, tmp: str, tiny: bool = False) -> str:
+    """Write workload ``name``'s tokenizer, prompt file and config into ``tmp``; returns the config's path."""
+    w = WORKLOADS[name].tiny() if tiny else WORKLOADS[name]
+    tokenizer, prompts = prepare_data(w, Path(tmp), 4 * w.prompts)
+    path = Path(tmp) / f"{w.name}.yaml"
+    path.write_text(yaml.safe_dump(workload_config(w, tokenizer, prompts)))
     return str(path)
 
 
-def run(args: argparse.Namespace, tmp: str) -> dict:
-    """Warm up, then measure; returns what :func:`format_report` needs besides the copy time."""
-    from resilient_rl.telemetry.device import GpuSampler
+class _Measure:
+    """Trainer hooks of the bench: GPU sampling over the measured steps, the checkpoint stalls,
+    and (with a workload) one SIGKILL of the actor worker once the measured steps are done."""
+
+    def __init__(self, args: argparse.Namespace, sampler):
+        from resilient_rl.faults.injectors import FaultSchedule
+        from resilient_rl.trainer.hooks import TrainerHook
+
+        first, last = args.warmup + 1, args.warmup + args.steps
+        self.sampling = Sampling(sampler, args.sample_interval) if sampler is not None else None
+        self.stalls: list[tuple[int, float]] = []
+        measure = self
+
+        class Sample(TrainerHook):
+            def on_step_start(self, trainer, step):
+                if measure.sampling is not None and step == first:
+                    measure.sampling.__enter__()
+                if measure.sampling is not None and step == last + 1:
+                    measure.sampling.__exit__()
+
+        self.hooks = [Sample()]
+        if args.workload:
+            # After the snapshot of the step before it is sealed: the recovery's own cost.
+            self.hooks.append(FaultSchedule().after_snapshot(last + 2).kill("actor", 0))
+        self.first, self.last = first, last
+
+
+def run(args: argparse.Namespace, tmp: str, device: str) -> dict:
+    """Train ``--warmup`` + ``--steps`` (+ a recovery) steps through the trainer's own loop;
+    returns what :func:`format_report` needs besides the copy time."""
     from resilient_rl.runtime.cluster import connect, disconnect
+    from resilient_rl.telemetry.device import GpuSampler
     from resilient_rl.trainer.ppo import PPOTrainer
 
-    cfg = build_config(args, tmp)
+    cfg = build_config(args, tmp, device)
+    measure = _Measure(args, GpuSampler() if device == "cuda" else None)
     owned = connect(cfg.ray)
     trainer = None
-    stalls: list[tuple[int, float]] = []
     try:
-        trainer = PPOTrainer(cfg)
-        trainer.run_dir.subscribe(lambda ev: stalls.append((ev.step, ev.stall_s))
+        trainer = PPOTrainer(cfg, hooks=measure.hooks)
+        trainer.run_dir.subscribe(lambda ev: measure.stalls.append((ev.step, ev.stall_s))
                                   if ev.kind == "checkpoint_started" else None)
-        trainer.start_roles()
-
-        def step() -> dict:
-            row = trainer.train_step()
-            trainer.maybe_checkpoint()  # a no-op unless checkpoint.save_every is set
-            return row
-
-        for _ in range(args.warmup):
-            step()
-        sampler = GpuSampler()
-        with Sampling(sampler, args.sample_interval) as sampling:
-            rows = [step() for _ in range(args.steps)]
-        sampler.close()
-        trainer.ckpt.wait(trainer.roles)
+        trainer.fit()
         vocab = trainer.tokenizer.vocab_size
     finally:
+        if measure.sampling is not None and measure.sampling._thread.is_alive():
+            measure.sampling.__exit__()
         if trainer is not None:
             trainer.shutdown()
         disconnect(owned)
-    n_params, titan_params = count_params(cfg, vocab)
-    return {"cfg": cfg, "rows": rows, "readings": sampling.readings, "stalls": stalls,
-            "n_params": n_params, "titan_params": titan_params}
+    history = trainer.run_dir.read_metrics()
+    rows = [r for r in history if measure.first <= r["step"] <= measure.last]
+    return {"cfg": cfg, "rows": rows, "readings": measure.sampling.readings if measure.sampling else [],
+            "stalls": measure.stalls, "n_params": count_params(cfg, vocab),
+            "recovered": [e for e in trainer.run_dir.read_events() if e.get("event") == "recovered"],
+            "steps": [r["step"] for r in history]}
+
+
+def recovery_lines(recovered: list[dict], steps: list[int]) -> list[str]:
+    """The recovery after the bench's SIGKILL: its time, phases and the steps it replayed."""
+    if not recovered:
+        return ["recovery: none recorded (the SIGKILL did not fail a step?)"]
+    lines = []
+    for e in recovered:
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in (e.get("phases") or {}).items())
+        lines.append(f"recovery after a SIGKILL of the actor worker: {e['duration_s']:.2f} s to the failed step's "
+                     f"retry, {e['steps_replayed']} steps replayed" + (f" ({phases})" if phases else ""))
+    lines.append(f"steps in the history: {steps[0]}..{steps[-1]}, each once: {len(steps) == len(set(steps))}")
+    return lines
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
         print(NO_GPU)
         return 0
+    device = "cuda" if cuda else "cpu"
     from train import plain_copy_s  # bench/train.py: this script's folder is first on sys.path
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
         if args.workload:
-            args.config = prepare_workload(args.workload, tmp)
-        r = run(args, tmp)
+            args.config = prepare_workload(args.workload, tmp, args.tiny)
+        r = run(args, tmp, device)
     cfg, rows = r["cfg"], r["rows"]
     nbytes = next((row["perf/weight_sync_bytes"] for row in rows if "perf/weight_sync_bytes" in row), None)
     # Timed after the workers are gone, so the copy has the device to itself: the floor.
-    copy_s = plain_copy_s(int(nbytes), "cuda", args.copy_repeats) if nbytes else None
-    name = torch.cuda.get_device_name(0)
+    copy_s = plain_copy_s(int(nbytes), device, args.copy_repeats) if nbytes else None
+    name = torch.cuda.get_device_name(0) if cuda else "CPU"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
     m = cfg.model
     print(f"\nconfig {args.config}: {cfg.trainer.placement}, model {m.kind} hidden={m.hidden_size} "
@@ -336,16 +384,23 @@ def main(argv=None) -> int:
                           device_name=name, peak=peak, n_gpus=gpus_used(cfg),
                           util=utilization_summary(r["readings"]), copy_s=copy_s, stalls=r["stalls"])
     print("\n".join(lines))
+    decode = [(row.get("perf/decode_compiles", 0.0), row.get("perf/decode_graph_breaks", 0.0),
+               row.get("perf/decode_compactions", 0.0), row.get("perf/decode_eager", 0.0)) for row in rows]
+    if decode:
+        print(f"decode step in the measured steps: {sum(d[0] for d in decode):.0f} compiles, "
+              f"{sum(d[1] for d in decode):.0f} graph breaks, {sum(d[2] for d in decode) / len(decode):.1f} "
+              f"compactions per rollout, eager fallback: {'yes' if any(d[3] for d in decode) else 'no'}")
     if args.workload:
         from train import summarize
 
-        w = WORKLOADS[args.workload]
-        print("\n".join(workload_lines(w, summarize(rows), rows, r["titan_params"], peak, gpus_used(cfg),
-                                       cfg.actor.ppo_epochs)))
-        if not args.skip_generation:
+        w = WORKLOADS[args.workload].tiny() if args.tiny else WORKLOADS[args.workload]
+        print("\n".join(workload_lines(w, summarize(rows), rows, peak, gpus_used(cfg), cfg.actor.ppo_epochs)))
+        print("\n".join(recovery_lines(r["recovered"], r["steps"])))
+        if not args.skip_generation and cuda:
             from gpu_generation import compare_generation, generation_lines
 
-            print("\n".join(generation_lines(w, compare_generation(w), name)))
+            paths = tuple(args.generation_paths.split(","))
+            print("\n".join(generation_lines(w, compare_generation(w, paths=paths), name)))
     return 0
 
 

@@ -26,7 +26,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def compare_generation(w: Workload, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+#: The generation paths compared, in order (the engine first: the others are ratios against it).
+PATHS = ("engine", "hf_dynamic", "hf_static")
+
+
+def compare_generation(w: Workload, dtype: torch.dtype = torch.bfloat16,
+                       paths: tuple[str, ...] = PATHS) -> dict[str, float]:
     """Seconds per path for workload ``w``'s batch (see the module docstring)."""
     import transformers
 
@@ -54,7 +59,8 @@ def compare_generation(w: Workload, dtype: torch.dtype = torch.bfloat16) -> dict
                                num_return_sequences=w.n, **extra)
         return run
 
-    seconds = {"engine": _timed(engine), "hf_dynamic": _timed(hf(None)), "hf_static": _timed(hf("static"))}
+    runs = {"engine": engine, "hf_dynamic": hf(None), "hf_static": hf("static")}
+    seconds = {name: _timed(runs[name]) for name in paths}
     seconds["param_bytes"] = float(sum(p.numel() * p.element_size() for p in model.parameters()))
     return seconds
 
@@ -65,7 +71,7 @@ def generation_lines(w: Workload, seconds: dict[str, float], device_name: str, d
     tokens = rows * w.max_new_tokens
     lines = [f"generation, {w.prompts} prompts x n={w.n} = {rows} rows, prompt {w.prompt_len}, "
              f"{w.max_new_tokens} new tokens each ({tokens} output tokens):"]
-    for name in ("engine", "hf_dynamic", "hf_static"):
+    for name in (p for p in PATHS if p in seconds):
         ratio = "" if name == "engine" else f"   engine is {seconds[name] / seconds['engine']:.2f}x faster"
         lines.append(f"  {name:<11}{seconds[name]:8.2f} s  {tokens / seconds[name]:9.0f} output tokens/s{ratio}")
     specs = device_specs(device_name)

@@ -1,13 +1,19 @@
 """Real-shaped workloads for bench/gpu.py (``--workload gsm8k-1.5b | gsm8k-0.5b``) and their figures.
 
-Everything here is pure (no GPU, no timing) so it is tested on CPU: the workload's config and
-prompt file, FLOP counts, the decode roofline, peak FLOP/s and memory bandwidth by device name,
-and verl's ``perf/throughput``.
+Everything here is pure (no GPU, no timing) so it is tested on CPU: the workload's data, tokenizer
+and config, FLOP counts, the decode roofline, peak FLOP/s and memory bandwidth by device name, and
+verl's ``perf/throughput``. ``--tiny`` runs the same workload at small dimensions.
 
-- **Model FLOPs** follow torchtitan (``get_num_flop_per_token``): per token, ``6·N + 12·L·H·D·T``
-  for a training step (forward + backward) and a third of it, ``2·N + 4·L·H·D·T``, for a forward
-  pass; ``N`` counts parameters without the input embedding, ``L`` layers, ``H`` heads, ``D`` head
-  dim and ``T`` the sequence length (here the step's padded prompt + response columns).
+- **Model FLOPs**, two counts, both printed with their formula. Per token of a sequence of ``s``
+  tokens, a training pass (forward + backward) costs ``6·N + 12·L·H·D·s`` and a forward pass a
+  third of it (``L`` layers, ``H`` heads, ``D`` head dim; attention over the real lengths). They
+  differ in ``N``: the project's counts every weight that takes part in a matrix product (the
+  layers' linear maps and the LM head once, tied or not; an embedding lookup is no product),
+  ``N = L·(attn + mlp) + V·h``; verl's flops counter counts the embedding and the head both,
+  ``N = L·(attn + mlp) + 2·V·h`` (``V`` vocabulary, ``h`` hidden size).
+- **Whole step**: generation costs a forward pass over each prompt once (the ``n`` samples of a
+  prompt share its prefill) and over every response token; log-probs (and the reference's) a
+  forward pass and the update a training pass per epoch over every row's prompt + response.
 - **Decode roofline**: a decode step must read every weight once and each row's KV cache so far;
   the bound is the bytes of all steps over the device's memory bandwidth (compute is ignored: at
   these batch sizes decode is bandwidth-bound).
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +37,15 @@ DEVICES = (("H100 PCIe", 756e12, 2.0e12), ("H100 NVL", 835e12, 3.9e12), ("H200",
 
 @dataclass(frozen=True)
 class Workload:
-    """A model shape (a Hugging Face config, random weights) and a GSM8K-like batch."""
+    """A model shape (a Hugging Face config, random weights) and a GSM8K-like batch.
+
+    ``tokenizer_vocab``: the byte-level BPE trained for the workload (the model's vocabulary is
+    larger, as Qwen's is: ids the tokenizer never produces decode to nothing).
+    ``mean_response``: the mean response length, as a fraction of ``max_new_tokens``. A random-weight
+    model samples near-uniformly over its vocabulary, so a stop set of ``vocab / (mean_response x
+    max_new_tokens)`` ids ends a response after a geometric number of tokens with that mean: rows
+    finish at different lengths, as a trained model's do, and compaction runs.
+    """
 
     name: str
     hf_config: dict = field(hash=False)
@@ -38,6 +53,8 @@ class Workload:
     n: int = 8
     prompt_len: int = 256
     max_new_tokens: int = 512
+    tokenizer_vocab: int = 4096
+    mean_response: float = 0.5
 
     @property
     def layers(self) -> int:
@@ -51,52 +68,107 @@ class Workload:
     def head_dim(self) -> int:
         return self.hf_config["hidden_size"] // self.heads
 
+    @property
+    def vocab(self) -> int:
+        return self.hf_config["vocab_size"]
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV-cache bytes one token takes over all layers (keys and values, grouped-query heads)."""
         return 2 * self.layers * self.hf_config["num_key_value_heads"] * self.head_dim * dtype_bytes
 
+    def stop_ids(self) -> int:
+        """How many ids end a response (see the class docstring)."""
+        return max(1, round(self.vocab / (self.mean_response * self.max_new_tokens)))
 
-def _qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
-    return {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": hidden, "num_hidden_layers": layers,
+    def tiny(self) -> "Workload":
+        """The same workload at small dimensions (CPU, tests): the same code path end to end."""
+        config = _qwen2(64, 2, 4, 2, 128, vocab=2048)
+        return Workload(f"{self.name}-tiny", config, prompts=4, n=4, prompt_len=40, max_new_tokens=24,
+                        tokenizer_vocab=1024, mean_response=self.mean_response)
+
+
+def _qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 151936) -> dict:
+    return {"model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
             "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": True}
 
 
-#: Shapes of Qwen2.5-1.5B and Qwen2.5-0.5B (their config.json), 64 prompts x 8 samples, 256 + 512.
+#: Shapes of Qwen2.5-1.5B and Qwen2.5-0.5B (their config.json), 64 prompts x 8 samples, up to 256 + 512.
 WORKLOADS = {
     "gsm8k-1.5b": Workload("gsm8k-1.5b", _qwen2(1536, 28, 12, 2, 8960)),
     "gsm8k-0.5b": Workload("gsm8k-0.5b", _qwen2(896, 24, 14, 2, 4864)),
 }
 
+_WORDS = ("apples", "pens", "trains", "hours", "coins", "miles", "boxes", "cups", "days", "books", "marbles",
+          "stickers", "cookies", "pencils", "tickets", "shells", "stamps", "bottles", "flowers", "chairs", "letters",
+          "buttons", "candles", "plates", "shirts", "melons", "bricks", "ribbons", "puzzles", "baskets", "lemons",
+          "carrots", "rockets", "wheels", "lamps", "blocks", "crayons", "muffins", "peaches", "wagons")
+_NAMES = ("Tom", "Mia", "Sam", "Ana", "Lee", "Kim", "Noah", "Emma", "Liam", "Olivia", "Ethan", "Zoe", "Omar",
+          "Priya", "Diego", "Hana", "Ivan", "Lucia", "Mateo", "Yuki")
 
-def write_prompts(path: Path, count: int, prompt_len: int, seed: int = 0) -> Path:
-    """A JSONL file of ``count`` GSM8K-like word problems of exactly ``prompt_len`` characters
-    (tokens, with the character tokenizer) and integer answers."""
+
+def _sentence(rng: random.Random) -> str:
+    return rng.choice((f"Then {rng.randint(2, 9)} {rng.choice(_WORDS)} go.",
+                       f"{rng.choice(_NAMES)} gives away {rng.randint(2, 300)} {rng.choice(_WORDS)}.",
+                       f"Each of the {rng.choice(_WORDS)} costs {rng.randint(2, 999)} cents, and "
+                       f"{rng.randint(2, 99)} are sold on day {rng.randint(1, 30)}."))
+
+
+def prepare_data(w: Workload, folder: Path, count: int, seed: int = 0) -> tuple[Path, Path]:
+    """The workload's tokenizer (a byte-level BPE of ``w.tokenizer_vocab`` ids with a ChatML
+    template, trained on the workload's text) and a JSONL file of ``count`` GSM8K-like problems
+    with ``#### n`` answers, whose prompts (chat template applied) are between half and all of
+    ``w.prompt_len`` tokens long. Returns (tokenizer folder, prompt file)."""
+    from transformers import AutoTokenizer
+
+    from resilient_rl.data.make_tokenizer import train_tokenizer
+
     rng = random.Random(seed)
-    words = ("apples", "pens", "trains", "hours", "coins", "miles", "boxes", "cups", "days", "books")
+    corpus = [" ".join(_sentence(rng) for _ in range(8)) for _ in range(2000)]
+    tok_dir = train_tokenizer(corpus, folder / "tokenizer", vocab_size=w.tokenizer_vocab,
+                              model_max_length=w.hf_config["max_position_embeddings"])
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+
+    def length(text: str) -> int:  # tokens of the prompt as the trainer encodes it (chat template)
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+        return len(tok.encode(rendered, add_special_tokens=False))
+
+    path = folder / "prompts.jsonl"
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(count):
             a, b = rng.randint(2, 99), rng.randint(2, 99)
-            text = f"Tom has {a} {rng.choice(words)} and buys {b} more. "
-            while len(text) < prompt_len:
-                text += f"Then {rng.randint(2, 9)} {rng.choice(words)} go. "
-            text = text[:prompt_len - 9] + " Answer: "
-            f.write(json.dumps({"prompt": text, "answer": str(a + b)}) + "\n")
-    return path
+            target = rng.randint(w.prompt_len // 2, w.prompt_len)
+            text = f"{rng.choice(_NAMES)} has {a} {rng.choice(_WORDS)} and buys {b} more."
+            question = " How many are there now?"
+            while True:
+                longer = f"{text} {_sentence(rng)}"
+                if length(longer + question) > target:
+                    break
+                text = longer
+            f.write(json.dumps({"prompt": text + question, "answer": f"{a}+{b}={a + b}\n#### {a + b}"}) + "\n")
+    return tok_dir, path
 
 
-def workload_config(w: Workload, prompt_file: Path) -> dict:
-    """The config (a YAML-able dict) of a GRPO run of workload ``w`` on one GPU."""
+def workload_config(w: Workload, tokenizer: Path, prompt_file: Path) -> dict:
+    """The config (a YAML-able dict) of a GRPO run of workload ``w`` on one device."""
+    from transformers import AutoTokenizer
+
+    ids = len(AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True))
+    if ids - 8 < w.stop_ids():
+        raise ValueError(f"workload {w.name}: its tokenizer has {ids} ids, too few for {w.stop_ids()} stop ids")
+    stops = random.Random(1).sample(range(8, ids), w.stop_ids())
     return {
-        "model": {"kind": "hf", "hf_config": dict(w.hf_config),
+        "model": {"kind": "hf", "hf_config": {**w.hf_config, "eos_token_id": stops},
                   "max_seq_len": w.prompt_len + w.max_new_tokens + 8},
-        "data": {"task": "jsonl", "path": str(prompt_file), "reward_fn": "gsm8k", "batch_size": w.prompts},
+        "data": {"task": "jsonl", "path": str(prompt_file), "reward_fn": "gsm8k", "batch_size": w.prompts,
+                 "tokenizer": str(tokenizer)},
         "rollout": {"n": w.n, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
         "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
         "actor": {"ppo_epochs": 1, "mini_batch_size": w.prompts * w.n // 4, "use_kl_loss": True,
                   "world_size": 1, "optim": {"lr": 1.0e-6}},
-        "trainer": {"run_name": w.name},  # bench/gpu.py adds trainer.device=cuda
+        "trainer": {"run_name": w.name},  # bench/gpu.py adds trainer.device
     }
 
 
@@ -108,16 +180,32 @@ def device_specs(device_name: str) -> tuple[float, float] | None:
     return None
 
 
-def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int, seq_len: int,
-                    training: bool) -> float:
-    """torchtitan's model FLOPs per token (see the module docstring)."""
-    train = 6.0 * non_embedding_params + 12.0 * layers * heads * head_dim * seq_len
+def dense_params(hf_config: dict) -> int:
+    """Weights of the layers' linear maps (attention q, k, v, o and the gated MLP's three), biases
+    left out."""
+    h, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    head_dim = hf_config.get("head_dim") or h // heads
+    attention = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
+    return layers * (attention + 3 * h * hf_config["intermediate_size"])
+
+
+def flop_params(hf_config: dict, convention: str) -> int:
+    """``N`` of the FLOP count: ``project`` or ``verl`` (see the module docstring)."""
+    head = hf_config["vocab_size"] * hf_config["hidden_size"]
+    return dense_params(hf_config) + {"project": 1, "verl": 2}[convention] * head
+
+
+def pass_flops(n_params: int, layers: int, heads: int, head_dim: int, rows: float, seq: float,
+               training: bool) -> float:
+    """FLOPs of one pass over ``rows`` sequences of ``seq`` tokens (see the module docstring)."""
+    train = rows * (6.0 * n_params * seq + 12.0 * layers * heads * head_dim * seq * seq)
     return train if training else train / 3.0
 
 
-def mfu(tokens: float, seconds: float, per_token_flops: float, peak: float, gpus: int = 1) -> float:
+def mfu(flops: float, seconds: float, peak: float, gpus: int = 1) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over ``gpus`` x ``peak``."""
-    return tokens * per_token_flops / seconds / (peak * gpus)
+    return flops / seconds / (peak * gpus)
 
 
 def decode_roofline_tokens_per_s(param_bytes: float, kv_bytes_per_token: float, batch: int, prompt_len: int,
@@ -133,36 +221,56 @@ def verl_throughput(tokens: float, step_seconds: float, gpus: int) -> float:
     return tokens / step_seconds / gpus
 
 
-def torchtitan_params(model) -> int:
-    """Parameters as torchtitan counts them for FLOPs: every distinct parameter except embedding
-    tables (a tied LM head is then not counted, as in torchtitan)."""
-    from torch import nn
-
-    embedding = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in embedding)
+def step_shape(w: Workload, summary: dict, rows: list[dict]) -> dict:
+    """Rows, mean prompt and response tokens per row of the measured steps."""
+    batch = w.prompts * w.n
+    response = statistics.fmean(r["response_length/mean"] for r in rows)
+    return {"rows": batch, "response": response, "prompt": summary["tokens_per_step"] / batch - response}
 
 
-def workload_lines(w: Workload, summary: dict, rows: list[dict], params: int, peak: float | None,
-                   gpus: int, ppo_epochs: int) -> list[str]:
+def phase_flops(w: Workload, shape: dict, convention: str, ppo_epochs: int) -> dict[str, float]:
+    """Model FLOPs of each phase of one step (see the module docstring)."""
+    n = flop_params(w.hf_config, convention)
+    dims = (w.layers, w.heads, w.head_dim)
+    rows, prompt, response = shape["rows"], shape["prompt"], shape["response"]
+    seq = prompt + response
+    forward = pass_flops(n, *dims, rows, seq, training=False)
+    # Each prompt's prefill once, then every response token attends over its prompt and the
+    # response so far: (prompt + response) tokens of forward for the prompts, response x n for the rest.
+    prefill = pass_flops(n, *dims, w.prompts, prompt, training=False)
+    decode = rows * response * (2.0 * n + 4.0 * w.layers * w.heads * w.head_dim * (prompt + response / 2))
+    return {"gen": prefill + decode, "old_log_prob": forward, "ref": forward,
+            "update_actor": ppo_epochs * pass_flops(n, *dims, rows, seq, training=True)}
+
+
+def workload_lines(w: Workload, summary: dict, rows: list[dict], peak: float | None, gpus: int,
+                   ppo_epochs: int) -> list[str]:
     """The workload's figures from bench/train.py's ``summarize`` of the measured steps' rows:
-    update and log-prob MFU (torchtitan), generation tokens/s inside the step, verl throughput."""
-    seq = w.prompt_len + w.max_new_tokens
-    tokens = summary["tokens_per_step"]
+    MFU per phase and for the whole step (the project's count and verl's), generation tokens/s
+    inside the step, verl throughput."""
+    shape = step_shape(w, summary, rows)
     phase = summary["phase_s"]
-    train_tok = flops_per_token(params, w.layers, w.heads, w.head_dim, seq, training=True)
-    fwd_tok = flops_per_token(params, w.layers, w.heads, w.head_dim, seq, training=False)
-    lines = [f"workload {w.name}: torchtitan FLOPs/token {train_tok / 1e9:.2f} G (train), "
-             f"{fwd_tok / 1e9:.2f} G (forward); N = {params / 1e6:.0f} M non-embedding params, T = {seq}"]
-    for name, key, per_token, passes in (("update", "update_actor", train_tok, ppo_epochs),
-                                         ("log-prob", "old_log_prob", fwd_tok, 1), ("ref log-prob", "ref", fwd_tok, 1)):
+    lines = [f"workload {w.name}: {shape['rows']} rows of {shape['prompt']:.0f} prompt + {shape['response']:.0f} "
+             f"response tokens (means); N = {flop_params(w.hf_config, 'project') / 1e6:.0f} M (project: layers + "
+             f"LM head) / {flop_params(w.hf_config, 'verl') / 1e6:.0f} M (verl: layers + embedding + LM head)",
+             "  FLOPs per pass: 6·N·s + 12·L·H·D·s² per sequence (training), a third of it forward; generation "
+             "prefills each prompt once"]
+    per_phase = {c: phase_flops(w, shape, c, ppo_epochs) for c in ("project", "verl")}
+    for name, key in (("update", "update_actor"), ("log-prob", "old_log_prob"), ("ref log-prob", "ref"),
+                      ("generation", "gen")):
         secs = phase.get(key, 0.0)
         if secs <= 0:
             continue
-        value = f"{100 * mfu(tokens * passes, secs, per_token, peak, gpus):.1f}%" if peak else "n/a (peak unknown)"
-        lines.append(f"  {name} MFU: {value} ({1e3 * secs:.0f} ms per step)")
-    responses = [r["response_length/mean"] * w.prompts * w.n for r in rows if "response_length/mean" in r]
-    if responses and phase.get("gen", 0) > 0:
-        lines.append(f"  generation in the step: {sum(responses) / len(responses) / phase['gen']:.0f} output tokens/s")
+        value = " / ".join(f"{100 * mfu(per_phase[c][key], secs, peak, gpus):.1f}%" for c in per_phase) \
+            if peak else "n/a (peak unknown)"
+        lines.append(f"  {name} MFU (project / verl): {value} ({1e3 * secs:.0f} ms per step)")
+    if peak:
+        ran = [k for k in per_phase["project"] if phase.get(k, 0.0) > 0]
+        whole = " / ".join(f"{100 * mfu(sum(per_phase[c][k] for k in ran), summary['step_s'], peak, gpus):.1f}%"
+                           for c in per_phase)
+        lines.append(f"  whole-step MFU (project / verl): {whole} over {1e3 * summary['step_s']:.0f} ms steps")
+    if phase.get("gen", 0) > 0:
+        lines.append(f"  generation in the step: {shape['rows'] * shape['response'] / phase['gen']:.0f} output tokens/s")
     lines.append(f"  throughput (verl perf/throughput): "
-                 f"{verl_throughput(tokens, summary['step_s'], gpus):.0f} tokens/s/GPU")
+                 f"{verl_throughput(summary['tokens_per_step'], summary['step_s'], gpus):.0f} tokens/s/GPU")
     return lines

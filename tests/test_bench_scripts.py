@@ -234,15 +234,27 @@ def test_workload_device_specs_by_cuda_name(workloads):
     assert wl.device_specs("Tesla T4") is None
 
 
-def test_workload_flops_follow_torchtitan(workloads):
+def test_workload_flops_count_the_head_once_and_verl_counts_the_embedding_too(workloads):
     wl, _ = workloads
-    assert wl.flops_per_token(1000, 2, 4, 8, 16, training=True) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
-    assert wl.flops_per_token(1000, 2, 4, 8, 16, training=False) == (6 * 1000 + 12 * 2 * 4 * 8 * 16) / 3
-    assert wl.mfu(tokens=100, seconds=2.0, per_token_flops=1e9, peak=1e11) == pytest.approx(0.5)
-    tied = TinyCausalLM(TinyLMConfig(vocab_size=10, hidden_size=8, num_heads=2, intermediate_size=16,
-                                     max_seq_len=4, tie_embeddings=True))
-    embeddings = 10 * 8 + 4 * 8
-    assert wl.torchtitan_params(tied) == sum(p.numel() for p in tied.parameters()) - embeddings
+    w = wl.WORKLOADS["gsm8k-1.5b"]
+    head = 151936 * 1536
+    # Qwen2.5-1.5B: 1.54 B parameters with the tied embedding counted once (biases aside).
+    assert wl.flop_params(w.hf_config, "project") == pytest.approx(1.5436e9, rel=1e-3)
+    assert wl.flop_params(w.hf_config, "verl") - wl.flop_params(w.hf_config, "project") == head
+    assert wl.pass_flops(1000, 2, 4, 8, rows=3, seq=16, training=True) == 3 * (6 * 1000 * 16 + 12 * 2 * 4 * 8 * 256)
+    assert wl.pass_flops(1000, 2, 4, 8, rows=3, seq=16, training=False) == \
+        wl.pass_flops(1000, 2, 4, 8, rows=3, seq=16, training=True) / 3
+    assert wl.mfu(flops=200.0, seconds=2.0, peak=1e2) == pytest.approx(1.0)
+
+
+def test_generation_flops_prefill_each_prompt_once(workloads):
+    wl, _ = workloads
+    w = wl.WORKLOADS["gsm8k-0.5b"]
+    shape = {"rows": w.prompts * w.n, "prompt": 200.0, "response": 0.0}
+    flops = wl.phase_flops(w, shape, "project", ppo_epochs=1)
+    # With no response the generation is the prompts' prefill alone: n times less than a forward
+    # over every row.
+    assert flops["gen"] == pytest.approx(flops["old_log_prob"] / w.n)
 
 
 def test_decode_roofline_matches_the_published_anchors(workloads):
@@ -263,37 +275,74 @@ def test_decode_roofline_matches_the_published_anchors(workloads):
     assert wl.verl_throughput(tokens=6000, step_seconds=2.0, gpus=2) == 1500
 
 
-def test_workload_config_loads_and_has_the_workload_shape(workloads, tmp_path, bench):
+def test_workload_config_loads_and_its_data_fits_its_tokenizer_and_reward(workloads, tmp_path, bench):
+    """The workload starts: its answers carry the gsm8k '#### n' line, every prompt encodes with its
+    own tokenizer (chat template applied) within prompt_len tokens and lengths vary, and its stop
+    ids are ids of that tokenizer."""
     wl, _ = workloads
     gpu, _ = bench
     from resilient_rl.config.schema import load_config
+    from resilient_rl.data.rewards import gsm8k_reference
     from resilient_rl.data.tasks import read_jsonl
+    from resilient_rl.data.tokenizer import build_tokenizer
+    from resilient_rl.models.hf_folder import model_eos_token_ids
 
     path = gpu.prepare_workload("gsm8k-0.5b", str(tmp_path))
     cfg = load_config(path, [f"trainer.output_dir={tmp_path}"])
+    w = wl.WORKLOADS["gsm8k-0.5b"]
     assert cfg.model.kind == "hf" and cfg.model.hf_config["hidden_size"] == 896
     assert (cfg.data.batch_size, cfg.rollout.n, cfg.rollout.max_new_tokens) == (64, 8, 512)
+    tokenizer = build_tokenizer(cfg.data)
     samples = read_jsonl(cfg.data.path)
-    assert len(samples) == 256 and {len(s.prompt) for s in samples} == {256}
+    lengths = [len(tokenizer.encode_prompt(s.prompt)) for s in samples]
+    assert len(samples) == 256 and max(lengths) <= w.prompt_len and min(lengths) < 0.75 * w.prompt_len
+    assert all(gsm8k_reference(s.answer) > 0 for s in samples)
+    stops = model_eos_token_ids(cfg.model)
+    assert len(stops) == w.stop_ids() and max(stops) < tokenizer.vocab_size <= cfg.model.hf_config["vocab_size"]
     args = gpu.parse_args(["--workload", "gsm8k-1.5b", "--skip-generation"])
     assert args.workload == "gsm8k-1.5b" and args.skip_generation
     with pytest.raises(SystemExit):
         gpu.parse_args(["--workload", "gsm8k-70b"])
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--tiny"])
+
+
+def test_gpu_workload_runs_end_to_end_tiny_on_cpu():
+    """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
+    dimensions: rollout through the compiled decode step with compaction, rewards, update, weight
+    sync, a checkpoint and a recovery from a SIGKILL, with nothing replayed."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--workload", "gsm8k-0.5b", "--tiny",
+                           "--warmup", "1", "--steps", "2"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    decode = next(line for line in out.splitlines() if line.startswith("decode step in the measured steps"))
+    assert "0 graph breaks" in decode and "eager fallback: no" in decode and " 0.0 compactions" not in decode
+    assert "first checkpoint save" in out
+    recovery = next(line for line in out.splitlines() if line.startswith("recovery after a SIGKILL"))
+    assert "0 steps replayed" in recovery, recovery
+    assert "each once: True" in out and "whole-step MFU" not in out  # no peak is known for a CPU
 
 
 def test_workload_and_generation_report_lines(workloads):
     wl, gen = workloads
     w = wl.WORKLOADS["gsm8k-0.5b"]
-    summary = {"tokens_per_step": 1000.0, "step_s": 4.0,
+    rows_per_step = w.prompts * w.n
+    summary = {"tokens_per_step": rows_per_step * 300.0, "step_s": 4.0,
                "phase_s": {"gen": 2.0, "update_actor": 1.0, "old_log_prob": 0.5, "ref": 0.0}}
-    rows = [{"response_length/mean": 10.0}, {"response_length/mean": 30.0}]
-    per_token = wl.flops_per_token(1_000_000, w.layers, w.heads, w.head_dim, 768, training=True)
-    lines = wl.workload_lines(w, summary, rows, 1_000_000, peak=1e12, gpus=1, ppo_epochs=2)
+    rows = [{"response_length/mean": 90.0}, {"response_length/mean": 110.0}]
+    lines = wl.workload_lines(w, summary, rows, peak=1e15, gpus=1, ppo_epochs=2)
     text = "\n".join(lines)
-    assert f"update MFU: {100 * 2000 * per_token / 1.0 / 1e12:.1f}%" in text
-    assert f"log-prob MFU: {100 * 1000 * per_token / 3 / 0.5 / 1e12:.1f}%" in text
+    shape = {"rows": rows_per_step, "prompt": 200.0, "response": 100.0}
+    project, verl = (wl.phase_flops(w, shape, c, 2) for c in ("project", "verl"))
+    assert f"update MFU (project / verl): {100 * project['update_actor'] / 1e15:.1f}% / " \
+           f"{100 * verl['update_actor'] / 1e15:.1f}%" in text
+    assert f"log-prob MFU (project / verl): {100 * project['old_log_prob'] / 0.5 / 1e15:.1f}%" in text
     assert "ref log-prob" not in text  # no ref phase ran
-    assert f"{20 * 64 * 8 / 2.0:.0f} output tokens/s" in text and "250 tokens/s/GPU" in text
+    whole = (project["gen"] + project["update_actor"] + project["old_log_prob"]) / 4.0 / 1e15
+    assert f"whole-step MFU (project / verl): {100 * whole:.1f}%" in text
+    assert f"{rows_per_step * 100 / 2.0:.0f} output tokens/s" in text
+    assert f"{rows_per_step * 300 / 4.0:.0f} tokens/s/GPU" in text
     seconds = {"engine": 2.0, "hf_dynamic": 8.0, "hf_static": 5.0, "param_bytes": 1e9}
     glines = gen.generation_lines(w, seconds, "NVIDIA H200")
     assert "4.00x faster" in glines[2] and "2.50x faster" in glines[3]

@@ -9,9 +9,10 @@ import torch
 
 from resilient_rl.config.sections import ConfigFieldError, RolloutConfig
 from resilient_rl.errors import ConfigError
+from resilient_rl.models.decode_step import DecodeStep, row_buckets
 from resilient_rl.models.engine import (
-    _TinyBackend,
     compaction_rows,
+    engine_cache,
     generate_static,
     resolve_engine,
     shared_prompt_groups,
@@ -104,17 +105,20 @@ def test_shared_prefill_groups_adjacent_identical_prompts():
     assert shared_prompt_groups(ids[order], mask[order])[1].tolist() == [0, 1, 2, 4, 6]
 
 
-def test_shared_prefill_cache_equals_repeated_prefill(tiny):
-    ids, mask = prompts(n=4)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    shared, repeated = _TinyBackend(tiny), _TinyBackend(tiny)
-    group, first = shared_prompt_groups(ids, mask)
-    logits_shared = shared.prefill(ids[first], pos[first], mask[first], total_len=16)
-    shared.select(group)
-    logits_repeated = repeated.prefill(ids, pos, mask, total_len=16)
-    torch.testing.assert_close(logits_shared[group], logits_repeated, rtol=0, atol=1e-6)
-    for a, b in zip(shared.cache.keys + shared.cache.values, repeated.cache.keys + repeated.cache.values):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+def test_cache_is_kept_across_generations(tiny):
+    """The buffers a rollout decodes into are the next rollout's too (a CUDA graph captured on them
+    stays valid); a larger batch grows them once."""
+    ids, mask = prompts(n=2)
+    generate_static(tiny, ids, mask, max_new_tokens=4, temperature=0.0)
+    first = engine_cache(tiny, engine_cache.__globals__["_tiny_shape"](tiny), 6, 128)
+    addresses = [k.data_ptr() for k in first.keys]
+    generate_static(tiny, ids[:4], mask[:4], max_new_tokens=4, temperature=0.0)
+    again = engine_cache(tiny, first.shape, 4, 128)
+    assert again is first and [k.data_ptr() for k in again.keys] == addresses
+    ids8, mask8 = prompts(n=4)
+    out = generate_static(tiny, ids8, mask8, max_new_tokens=4, temperature=0.0)
+    assert engine_cache(tiny, first.shape, 12, 128).capacity == (12, 128)
+    assert_same_output(out, generate(tiny, ids8, mask8, max_new_tokens=4, temperature=0.0))
 
 
 class BatchSpy:
@@ -178,12 +182,21 @@ def test_seeded_generation_is_reproducible(model):
 def test_compaction_rows_keeps_unfinished_rows_in_order():
     finished = torch.tensor([True, False, True, True, False, True, True, True])
     assert compaction_rows(finished, 2, min_fraction=0.25).tolist() == [1, 4]
-    # Bucketed: the batch shrinks to a multiple, padded with (the first) finished rows.
-    assert compaction_rows(finished, 2, min_fraction=0.25, multiple=4).tolist() == [0, 1, 2, 4]
+    # Bucketed: the batch shrinks to the smallest bucket that holds the unfinished rows, padded
+    # with (the first) finished rows.
+    assert compaction_rows(finished, 2, min_fraction=0.25, buckets=[8, 4]).tolist() == [0, 1, 2, 4]
     # Not worth it: fewer than min_fraction of the rows would leave.
     assert compaction_rows(finished, 7, min_fraction=0.25) is None
     assert compaction_rows(finished, 2, min_fraction=0.9) is None
-    assert compaction_rows(finished, 6, min_fraction=0.0, multiple=8) is None
+    assert compaction_rows(finished, 6, min_fraction=0.0, buckets=[8]) is None
+
+
+def test_row_buckets_are_few_and_fixed():
+    assert row_buckets(512, 8) == [512, 256, 128, 64]
+    assert row_buckets(48, 8) == [48, 24, 16, 8]
+    assert row_buckets(12, 8) == [12, 8]
+    assert row_buckets(6, 1) == [6, 3, 2, 1]
+    assert row_buckets(1, 1) == [1]
 
 
 def test_compaction_drops_finished_rows_from_the_decode_batch(model):
@@ -230,31 +243,38 @@ def test_engine_choice(tiny, llama):
         RolloutConfig(finish_check_every=0)
 
 
-def test_graphed_falls_back_to_the_eager_step_when_compiling_fails(monkeypatch, caplog):
-    """The CUDA-graph wrapper's logic, on CPU: a compiler failure leaves a working eager step."""
-    import resilient_rl.models.engine as engine
+def test_a_failing_compiled_step_falls_back_to_eager_and_says_so(monkeypatch, caplog, tiny):
+    """A compiler failure leaves a working eager step, reported in the generation's stats (the
+    trainer turns it into a decode_eager event and the perf/decode_eager metric)."""
+    import resilient_rl.models.decode_step as decode_step
 
     def broken_compile(fn, **kwargs):
-        assert kwargs == {"mode": "reduce-overhead", "dynamic": False}
-
         def fail(*args):
             raise RuntimeError("cannot capture")
         return fail
 
-    monkeypatch.setattr(engine.torch, "compile", broken_compile)
-    calls = []
-    step = engine.graphed(lambda x: calls.append(x) or x + 1)
-    assert step(1) == 2 and step(2) == 3 and calls == [1, 2]
-    assert "decoding eagerly" in caplog.text
+    monkeypatch.setattr(decode_step.torch, "compile", broken_compile)
+    monkeypatch.setattr(DecodeStep, "_compiled", {})
+    monkeypatch.setattr(DecodeStep, "failure", None)
+    ids, mask = prompts()
+    out = generate_static(tiny, ids, mask, max_new_tokens=5, temperature=0.0, compile=True)
+    assert out.engine_stats["eager_fallback"] == "RuntimeError: cannot capture"
+    assert "decodes eagerly" in caplog.text
+    assert_same_output(out, generate(tiny, ids, mask, max_new_tokens=5, temperature=0.0))
+    # Later generations of the process stay eager and keep reporting why.
+    again = generate_static(tiny, ids, mask, max_new_tokens=5, temperature=0.0, compile=True)
+    assert not again.engine_stats["compiled"] and again.engine_stats["eager_fallback"]
 
 
 def test_decode_step_is_compiled_once_per_process(monkeypatch):
-    import resilient_rl.models.engine as engine
+    import resilient_rl.models.decode_step as decode_step
 
     compiled = []
-    monkeypatch.setattr(engine.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
-    monkeypatch.setattr(engine, "_GRAPHED", {})
-    first = engine.graphed_once(engine._TinyBackend.decode)
-    assert engine.graphed_once(engine._TinyBackend.decode) is first
-    engine.graphed_once(engine._HFBackend.decode)
-    assert compiled == [engine._TinyBackend.decode, engine._HFBackend.decode]
+    monkeypatch.setattr(decode_step.torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    monkeypatch.setattr(DecodeStep, "_compiled", {})
+    monkeypatch.setattr(DecodeStep, "failure", None)
+    first = DecodeStep(compile=True, cuda_graphs=True)._function()
+    assert DecodeStep(compile=True, cuda_graphs=True)._function() is first
+    DecodeStep(compile=True, cuda_graphs=False)._function()
+    assert [kw["mode"] for kw in compiled] == ["reduce-overhead", None]
+    assert all(kw["dynamic"] is False for kw in compiled)

@@ -48,6 +48,7 @@ SAMPLES: dict[str, dict] = {
     "checkpoints_set_aside": {"steps": [4, 6], "continued_from": 2, "source": "file:///ckpt/r/step_00000002"},
     "nonfinite": {"step": 3, "quantity": "reward", "role": None, "action": "skipped", "count": 2.0},
     "nonfinite_rollback": {"failed_step": 3, "restored_step": 2, "quantity": "loss"},
+    "decode_eager": {"step": 3, "reason": "RuntimeError: cannot capture"},
     "bench_step_start": {"step": 5},
 }
 

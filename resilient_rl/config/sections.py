@@ -290,9 +290,10 @@ class RolloutConfig(Section):
 
     ``engine``: ``static`` is the rollout engine of :mod:`resilient_rl.models.engine` (preallocated
     KV cache, one prefill per prompt, finish checks every ``finish_check_every`` tokens, finished
-    rows dropped once ``compact_min_fraction`` of the batch has finished, the decode step in a CUDA
-    graph on GPU when ``cuda_graphs``); ``plain`` is the eager loop; ``auto`` is ``static`` for the
-    models it covers (the tiny model, Hugging Face models with static-cache support), else ``plain``.
+    rows dropped once ``compact_min_fraction`` of the batch has finished, the decode step compiled
+    when ``compile`` (null: on GPU) and captured in a CUDA graph on GPU when ``cuda_graphs``);
+    ``plain`` is the eager loop; ``auto`` is ``static`` for the models it covers (the tiny model,
+    Hugging Face models with static-shape support), else ``plain``.
     """
 
     temperature: float = 1.0
@@ -305,6 +306,7 @@ class RolloutConfig(Section):
     finish_check_every: int = 8
     compact_min_fraction: float = 0.25
     cuda_graphs: bool = True
+    compile: Optional[bool] = None
 
     def validate(self) -> None:
         choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))

@@ -296,6 +296,16 @@ class NonFiniteRollback(Event):
     quantity: str
 
 
+# ---------------------------------------------------------------------------- rollout engine (models/decode_step.py)
+@_kind("decode_eager")
+class DecodeEager(Event):
+    """The compiled decode step failed at ``step`` and the rollout process now decodes eagerly
+    (correct, slower); ``reason`` is the compiler's error."""
+
+    step: int
+    reason: str
+
+
 # ---------------------------------------------------------------------------- benchmarks (bench/)
 @_kind("bench_step_start")
 class BenchStepStart(Event):

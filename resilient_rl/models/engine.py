@@ -1,22 +1,26 @@
-"""The rollout engine's fast path: static KV cache, shared prefill, decode without host syncs.
+"""The rollout engine's fast path: a kept KV cache, shared prefill, decode without host syncs.
 
 :func:`generate_static` has the contract of :func:`~resilient_rl.models.generation.generate`
 (left-padded prompts in, a :class:`GenerationOutput` with exactly ``max_new_tokens`` response
 columns out) and differs in how it gets there:
 
-- **Preallocated cache.** Keys and values live in buffers of ``prompt_len + max_new_tokens``
-  columns, allocated once and written in place (:mod:`resilient_rl.models.kv_cache`); nothing
-  grows by concatenation, so every decode step has the same shapes.
+- **Kept cache.** Keys and values live in buffers allocated once per model and kept across
+  rollouts (:mod:`resilient_rl.models.kv_cache`), written in place; nothing grows by
+  concatenation, so every decode step of a batch size has the same shapes and addresses.
+- **Attention that reads each K/V once.** Decode attends with grouped-query heads in the kernel and
+  only over the cache blocks written so far (:mod:`resilient_rl.models.cache_attention`), for the
+  tiny model and Hugging Face models alike.
 - **One prefill per prompt.** Adjacent identical rows (a prompt repeated for its ``rollout.n``
   samples) are prefilled once; the cache rows and the first logits are then repeated.
-- **No host synchronisation inside decode.** Sampling stays on the device
+- **No host synchronisation inside decode.** Sampling stays on the device, inside the decode step
   (:mod:`resilient_rl.models.sampling`); whether every row has finished is read back only once
   every ``check_every`` tokens.
-- **Finished rows leave the batch.** At a check, when at least ``compact_min_fraction`` of the rows
-  in the batch have finished, they are dropped from the batch and the cache (on CUDA the batch is
-  kept at a multiple of :data:`CUDA_ROW_BUCKET`, so captured graphs are reused).
-- **CUDA graphs.** On a CUDA device with ``cuda_graphs``, the decode step is compiled with
-  ``torch.compile(mode="reduce-overhead")``, which captures it in a CUDA graph per batch size.
+- **Finished rows leave the batch, in buckets.** At a check, the batch shrinks to the smallest of a
+  few fixed sizes (:func:`~resilient_rl.models.decode_step.row_buckets`) that holds the unfinished
+  rows, when that drops at least ``compact_min_fraction`` of it: one compiled graph per bucket.
+- **Compiled step.** With ``compile`` (default: on a CUDA device) the decode step runs through
+  ``torch.compile``; on CUDA with ``cuda_graphs`` it is captured in a CUDA graph per bucket
+  (:mod:`resilient_rl.models.decode_step`, which also counts compiles and graph breaks).
 
 Random stream: a seeded generator reproduces the same tokens bit for bit (what a replayed step
 after recovery relies on), but it is a different stream from the plain path's: a draw inverts
@@ -27,15 +31,17 @@ and rows that finished are not sampled once they left the batch. Greedy decoding
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Callable, Sequence
+import weakref
+from contextlib import nullcontext
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from resilient_rl.runtime import progress
 from resilient_rl.errors import ConfigError, ModelInputError
+from resilient_rl.models.cache_attention import BLOCK, EngineStep, engine_attention
+from resilient_rl.models.decode_step import DecodeStep, row_buckets
 from resilient_rl.models.generation import (
     TOKEN_BLOCK,
     GenerationOutput,
@@ -43,18 +49,19 @@ from resilient_rl.models.generation import (
     _eos_tensor,
     compute_position_ids,
 )
-from resilient_rl.models.kv_cache import StaticKVCache, select_cache_rows
-from resilient_rl.models.sampling import sample_tokens
+from resilient_rl.models.kv_cache import CacheShape, EngineCache
+from resilient_rl.models.sampling import draw_uniform, sample_tokens
 from resilient_rl.models.tiny import TinyCausalLM
+from resilient_rl.runtime import progress
 
-__all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "generate_static", "graphed", "resolve_engine",
+__all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "engine_cache", "generate_static", "resolve_engine",
            "shared_prompt_groups", "static_unsupported_reason"]
 
 log = logging.getLogger(__name__)
 
 #: Values of ``rollout.engine``.
 ENGINES = ("auto", "static", "plain")
-#: On CUDA a compacted batch keeps a multiple of this many rows: one captured graph per bucket.
+#: On CUDA no bucket is smaller than this many rows (and buckets are multiples of it).
 CUDA_ROW_BUCKET = 8
 
 
@@ -64,7 +71,12 @@ def static_unsupported_reason(model: nn.Module) -> str | None:
         return None if model.lm_head is not None else "the tiny model has no lm_head"
     if hasattr(model, "config") and hasattr(model, "get_output_embeddings"):
         if not getattr(model, "_can_compile_fullgraph", False):
-            return f"{type(model).__name__} does not support transformers' StaticCache"
+            return f"{type(model).__name__} does not support transformers' static shapes"
+        config = model.config
+        if getattr(config, "use_sliding_window", False) or getattr(config, "attn_logit_softcapping", None):
+            return f"{type(model).__name__} uses sliding-window or soft-capped attention"
+        if model.get_output_embeddings() is None:
+            return f"{type(model).__name__} has no output embeddings"
         return None
     return f"{type(model).__name__} is neither the built-in tiny model nor a Hugging Face causal LM"
 
@@ -93,126 +105,77 @@ def shared_prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
 
 
 def compaction_rows(finished: torch.Tensor, unfinished: int, min_fraction: float,
-                    multiple: int = 1) -> torch.Tensor | None:
+                    buckets: Sequence[int] | None = None) -> torch.Tensor | None:
     """Rows to keep (ascending, every unfinished row first in line) or None when compaction does not
-    pay: the batch shrinks to ``unfinished`` rounded up to ``multiple`` (padded with finished rows,
-    which keep decoding harmlessly), and only if that drops at least ``min_fraction`` of it."""
+    pay: the batch shrinks to the smallest of ``buckets`` that holds ``unfinished`` rows (any size
+    when None), padded with finished rows, which keep decoding harmlessly, and only if that drops
+    at least ``min_fraction`` of it."""
     current = finished.shape[0]
-    size = min(current, -(-unfinished // multiple) * multiple)
+    size = min([b for b in (buckets or [unfinished]) if b >= unfinished] + [current])
     if current - size < max(1, min_fraction * current):
         return None
     order = torch.argsort(finished.to(torch.int8), stable=True)
     return order[:size].sort().values
 
 
-class _TinyBackend:
-    """The built-in tiny model over a :class:`StaticKVCache`."""
-
-    def __init__(self, model: TinyCausalLM):
-        self.model = model
-        self.cache: StaticKVCache | None = None
-
-    def check_positions(self, last_position: int) -> None:
-        limit = self.model.config.max_seq_len
-        if last_position >= limit:
-            raise ConfigError(f"position {last_position} is past model.max_seq_len={limit}; "
-                              "raise model.max_seq_len to cover prompt + response length")
-
-    def prefill(self, input_ids, position_ids, prompt_mask, total_len: int) -> torch.Tensor:
-        cfg, batch, prompt_len = self.model.config, *input_ids.shape
-        weight = self.model.embed_tokens.weight
-        self.cache = StaticKVCache.allocate(cfg.num_layers, batch, cfg.num_heads, total_len,
-                                            cfg.hidden_size // cfg.num_heads, weight.dtype, weight.device)
-        idx = torch.arange(total_len, device=input_ids.device)
-        query = idx[:prompt_len]
-        allowed = (idx[None, :] <= query[:, None]) & (idx[None, :] < prompt_len)
-        mask = allowed[None] & torch.nn.functional.pad(prompt_mask.bool(), (0, total_len - prompt_len))[:, None, :]
-        mask = mask | (idx[None, :] == query[:, None])[None]
-        return self.model.forward_static(input_ids, position_ids, self.cache, mask[:, None], query)
-
-    def decode_inputs(self) -> tuple:
-        return (self.model, self.cache)
-
-    @staticmethod
-    def decode(model, cache, tokens, position_ids, column, key_valid) -> torch.Tensor:
-        """One decode step; a plain function of its inputs (the model and the cache among them), so
-        one compiled version serves every call and its captured graphs are reused."""
-        return model.forward_static(tokens[:, None], position_ids, cache, key_valid[:, None, None, :], column)
-
-    def select(self, index: torch.Tensor) -> None:
-        self.cache.select_rows(index)
+def _tiny_shape(model: TinyCausalLM) -> CacheShape:
+    cfg, weight = model.config, model.embed_tokens.weight
+    return CacheShape(cfg.num_layers, cfg.num_heads, cfg.hidden_size // cfg.num_heads, weight.dtype, weight.device)
 
 
-class _HFBackend:
-    """A Hugging Face causal LM over transformers' ``StaticCache``."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.cache = None
-        # transformers renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away).
-        params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    def check_positions(self, last_position: int) -> None:
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and last_position >= limit:
-            raise ConfigError(f"position {last_position} is past the model's max_position_embeddings={limit}; "
-                              "shorten data.max_prompt_length or rollout.max_new_tokens")
-
-    def prefill(self, input_ids, position_ids, prompt_mask, total_len: int) -> torch.Tensor:
-        from transformers import StaticCache
-
-        self.cache = StaticCache(config=self.model.config, max_cache_len=total_len)
-        out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self.cache_arg: self.cache},
-                         cache_position=torch.arange(input_ids.shape[1], device=input_ids.device))
-        return out.logits[:, -1]
-
-    def decode_inputs(self) -> tuple:
-        return (self.model, {self.cache_arg: self.cache})
-
-    @staticmethod
-    def decode(model, cache_kwargs, tokens, position_ids, column, key_valid) -> torch.Tensor:
-        """One decode step (see :meth:`_TinyBackend.decode`)."""
-        out = model(input_ids=tokens[:, None], attention_mask=key_valid.long(), position_ids=position_ids,
-                    use_cache=True, cache_position=column, **cache_kwargs)
-        return out.logits[:, -1]
-
-    def select(self, index: torch.Tensor) -> None:
-        select_cache_rows(self.cache, index)
+def _tiny_forward(model: TinyCausalLM, input_ids, position_ids, step: EngineStep) -> torch.Tensor:
+    return model.forward_static(input_ids, position_ids, step)
 
 
-_GRAPHED: dict[Callable, Callable] = {}
+def _tiny_limit(model: TinyCausalLM) -> tuple[int, str]:
+    return model.config.max_seq_len, ("model.max_seq_len={limit}; raise model.max_seq_len to cover prompt + "
+                                      "response length")
 
 
-def graphed_once(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """:func:`graphed` ``fn``, made once per process: compiled code and captured graphs outlive a
-    single generation call."""
-    if fn not in _GRAPHED:
-        _GRAPHED[fn] = graphed(fn)
-    return _GRAPHED[fn]
+def _hf_shape(model: nn.Module) -> CacheShape:
+    config, weight = model.config, model.get_output_embeddings().weight
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return CacheShape(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                      weight.dtype, weight.device)
 
 
-def graphed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` compiled with ``torch.compile(mode="reduce-overhead")`` (captured in a CUDA graph per
-    input shape), falling back to ``fn`` itself, with a warning, if compiling fails: a model the
-    compiler cannot handle still generates. A failed call may be repeated eagerly because a decode
-    step only overwrites one cache column and returns logits."""
-    compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False)
-    chosen = [compiled]
+def _hf_forward(model: nn.Module, input_ids, position_ids, step: EngineStep) -> torch.Tensor:
+    """A Hugging Face model's forward with its attention through the engine's cache
+    (:mod:`resilient_rl.models.cache_attention`); the model's own cache is not used."""
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                rrl_engine_step=step)
+    return out.logits[:, -1]
 
-    def call(*args):
-        try:
-            return chosen[0](*args)
-        except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
-            if chosen[0] is fn:
-                raise
-            log.warning("rollout engine: compiling the decode step failed (%s: %s); decoding eagerly",
-                        type(exc).__name__, exc)
-            chosen[0] = fn
-            return fn(*args)
 
-    return call
+def _hf_limit(model: nn.Module) -> tuple[int | None, str]:
+    return getattr(model.config, "max_position_embeddings", None), (
+        "the model's max_position_embeddings={limit}; shorten data.max_prompt_length or rollout.max_new_tokens")
+
+
+_CACHES: "weakref.WeakKeyDictionary[nn.Module, EngineCache]" = weakref.WeakKeyDictionary()
+
+
+def engine_cache(model: nn.Module, shape: CacheShape, rows: int, columns: int) -> EngineCache:
+    """The model's cache, kept from one generation to the next (grown when this one needs more)."""
+    cache = _CACHES.get(model)
+    if cache is None or not cache.fits(shape, rows, columns):
+        old = cache.capacity if cache is not None and cache.shape == shape else (0, 0)
+        _CACHES.pop(model, None)
+        del cache  # the old buffers go before the new ones are allocated
+        cache = EngineCache(shape, max(rows, old[0]), max(columns, old[1]))
+        _CACHES[model] = cache
+    return cache
+
+
+def _prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, P, P]`` bool: causal, pad keys hidden; every query also sees itself, so a padding
+    query never has a fully masked row (which would make SDPA return NaN)."""
+    prompt_len = prompt_mask.shape[1]
+    idx = torch.arange(prompt_len, device=prompt_mask.device)
+    causal = idx[None, :] <= idx[:, None]
+    allowed = causal[None] & prompt_mask.bool()[:, None, :]
+    return (allowed | (idx[None, :] == idx[:, None])[None])[:, None]
 
 
 @torch.no_grad()
@@ -229,11 +192,13 @@ def generate_static(
     check_every: int = 8,
     compact_min_fraction: float = 0.25,
     cuda_graphs: bool = True,
+    compile: bool | None = None,
 ) -> GenerationOutput:
     """Generate ``max_new_tokens`` tokens per left-padded prompt (see the module docstring).
 
     ``eos_token_id`` may be one id, several ids (list or tensor) or None; a row ends at the first
     of them. ``check_every``: tokens between the finish checks (the only host synchronisations).
+    ``compile``: run the decode step through ``torch.compile`` (None: on a CUDA device only).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ModelInputError(f"generate: input_ids {tuple(input_ids.shape)} and attention_mask "
@@ -248,7 +213,9 @@ def generate_static(
     reason = static_unsupported_reason(model)
     if reason is not None:
         raise ConfigError(f"rollout.engine='static' cannot run this model: {reason}")
-    backend = _TinyBackend(model) if isinstance(model, TinyCausalLM) else _HFBackend(model)
+    tiny = isinstance(model, TinyCausalLM)
+    forward, shape_of, limit_of = (_tiny_forward, _tiny_shape, _tiny_limit) if tiny else \
+        (_hf_forward, _hf_shape, _hf_limit)
 
     batch, prompt_len = input_ids.shape
     device = input_ids.device
@@ -256,35 +223,66 @@ def generate_static(
     prompt_mask = attention_mask.long()
     prompt_pos = compute_position_ids(prompt_mask)
     response_pos = prompt_pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)
-    backend.check_positions(int(response_pos.max()))
+    limit, hint = limit_of(model)
+    last = int(response_pos.max())
+    if limit is not None and last >= limit:
+        raise ConfigError(f"position {last} is past " + hint.format(limit=limit))
     if isinstance(eos_token_id, torch.Tensor):
         eos_token_id = eos_token_id.flatten().tolist()
     eos_ids = _eos_tensor(eos_token_id, device)
 
-    group, first = shared_prompt_groups(input_ids, prompt_mask)
-    logits = backend.prefill(input_ids[first], prompt_pos[first], prompt_mask[first], total_len)
-    if first.shape[0] != batch:
-        backend.select(group)
-        logits = logits.index_select(0, group)
-
-    decode = type(backend).decode
     on_cuda = device.type == "cuda"
-    if on_cuda and cuda_graphs:
-        decode = graphed_once(decode)
-    bucket = CUDA_ROW_BUCKET if on_cuda else 1
+    step_fn = DecodeStep(compile=on_cuda if compile is None else compile, cuda_graphs=on_cuda and cuda_graphs)
+    # Buckets depend on the device only: compiled or not, a seeded generation samples the same rows.
+    buckets = row_buckets(batch, CUDA_ROW_BUCKET if on_cuda and batch >= CUDA_ROW_BUCKET else 1)
+    cache = engine_cache(model, shape_of(model), batch, -(-total_len // BLOCK) * BLOCK)
 
+    group, first = shared_prompt_groups(input_ids, prompt_mask)
+    cache.rows = int(first.shape[0])
+    keys, values = cache.views()
+    prefill = EngineStep(keys, values, torch.arange(prompt_len, device=device),
+                         prefill_mask=_prefill_mask(prompt_mask[first]))
+    with nullcontext() if tiny else engine_attention(model):
+        logits = forward(model, input_ids[first], prompt_pos[first], prefill)
+        cache.take_rows(group)
+        if first.shape[0] != batch:
+            logits = logits.index_select(0, group)
+        out = _decode_loop(step_fn, forward, model, cache, logits, input_ids, prompt_mask, response_pos, eos_ids,
+                           max_new_tokens, temperature, top_p, pad_token_id, generator, check_every,
+                           compact_min_fraction, buckets)
+    responses, response_mask = out
+    responses, response_mask = responses.t(), response_mask.t()
+    mask_dtype = attention_mask.dtype
+    return GenerationOutput(
+        sequences=torch.cat([input_ids, responses], dim=1),
+        responses=responses.contiguous(),
+        response_mask=response_mask.to(mask_dtype),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1).to(mask_dtype),
+        position_ids=torch.cat([prompt_pos, response_pos], dim=1),
+        engine_stats=step_fn.finish(),
+    )
+
+
+def _decode_loop(step_fn, forward, model, cache: EngineCache, logits, input_ids, prompt_mask, response_pos, eos_ids,
+                 max_new_tokens, temperature, top_p, pad_token_id, generator, check_every, compact_min_fraction,
+                 buckets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record, check and compact, decode and pick: ``[max_new_tokens, B]`` responses and their mask."""
+    batch, prompt_len = input_ids.shape
+    device = input_ids.device
+    columns = cache.capacity[1]
     responses = torch.full((max_new_tokens, batch), pad_token_id, dtype=input_ids.dtype, device=device)
     response_mask = torch.zeros((max_new_tokens, batch), dtype=torch.long, device=device)
-    key_valid = torch.zeros((batch, total_len), dtype=torch.bool, device=device)
+    key_valid = torch.zeros((batch, columns), dtype=torch.bool, device=device)
     key_valid[:, :prompt_len] = prompt_mask.bool()
     rows = torch.arange(batch, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     position = response_pos[:, :1].clone()
     column = torch.full((1,), prompt_len, dtype=torch.long, device=device)
+    keys, values = cache.views()
+    sampled = sample_tokens(logits, temperature, top_p, generator).to(input_ids.dtype)
     for step in range(max_new_tokens):
         if step % TOKEN_BLOCK == 0:
             progress.advance("tokens")
-        sampled = sample_tokens(logits, temperature, top_p, generator).to(input_ids.dtype)
         responses[step].index_copy_(0, rows, torch.where(finished, torch.full_like(sampled, pad_token_id), sampled))
         response_mask[step].index_copy_(0, rows, (~finished).long())
         if step + 1 == max_new_tokens:
@@ -295,24 +293,19 @@ def generate_static(
                 unfinished = int((~finished).sum())  # the loop's only host synchronisation
                 if unfinished == 0:
                     break
-                keep = compaction_rows(finished, unfinished, compact_min_fraction, bucket)
+                keep = compaction_rows(finished, unfinished, compact_min_fraction, buckets)
                 if keep is not None:
-                    backend.select(keep)
+                    cache.take_rows(keep)
+                    keys, values = cache.views()
+                    step_fn.stats.compactions += 1
                     rows, finished, key_valid = rows[keep], finished[keep], key_valid[keep]
                     position, sampled = position[keep], sampled[keep]
         # Finished rows are fed their sampled token, not the pad id: their logits are ignored,
         # and a pad id need not be a valid embedding index.
         key_valid.index_fill_(1, column, True)
-        logits = decode(*backend.decode_inputs(), sampled, position, column, key_valid)
+        draw = draw_uniform(rows.shape[0], temperature, generator, device)
+        sampled = step_fn(forward, model, keys, values, sampled, position, column, key_valid, draw, temperature,
+                          top_p).to(input_ids.dtype)
         position = position + 1
         column = column + 1
-
-    responses, response_mask = responses.t(), response_mask.t()
-    mask_dtype = attention_mask.dtype
-    return GenerationOutput(
-        sequences=torch.cat([input_ids, responses], dim=1),
-        responses=responses.contiguous(),
-        response_mask=response_mask.to(mask_dtype),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1).to(mask_dtype),
-        position_ids=torch.cat([prompt_pos, response_pos], dim=1),
-    )
+    return responses, response_mask

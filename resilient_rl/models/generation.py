@@ -39,6 +39,8 @@ class GenerationOutput:
         attention_mask: ``[B, P+R]`` the prompt mask followed by ``response_mask``.
         position_ids: ``[B, P+R]`` the prompt positions, then positions continuing from the last
             prompt token (also under the padding after eos, which the mask hides).
+        engine_stats: the static engine's counters for this generation (see
+            :class:`resilient_rl.models.decode_step.DecodeStats`); None from the plain loop.
     """
 
     sequences: torch.Tensor
@@ -46,6 +48,7 @@ class GenerationOutput:
     response_mask: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
+    engine_stats: dict | None = None
 
 
 def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""Preallocated key/value caches for the rollout engine.
+"""The rollout engine's KV cache: per-layer key and value buffers allocated once and kept.
 
-:class:`StaticKVCache` is the built-in tiny model's cache: one ``[batch, heads, max_len, head_dim]``
-key and value buffer per layer, allocated once, written in place column by column, so a decode
-step always sees the same shapes (a CUDA graph can replay it). Hugging Face models use
-transformers' own ``StaticCache``; :func:`select_cache_rows` works on both, since the engine only
-ever changes a cache in one way: keeping, repeating or dropping batch rows (repeating a shared
-prompt's prefill for its samples, dropping finished rows).
+Buffers are ``[capacity rows, kv_heads, columns, head_dim]``, with ``columns`` a multiple of the
+decode attention's block. A generation uses the first rows of them (views at the buffers' own
+addresses) and changes them in one way only: keeping, repeating or dropping batch rows, done in
+place (:meth:`EngineCache.take_rows`). So the addresses never change, within a generation or from
+one rollout to the next, and a decode step captured in a CUDA graph reads and writes the buffers
+directly: a fresh cache each rollout would force the graphs to be recorded again.
+
+Buffers only grow (more rows, more columns): a longer batch reallocates once, and every later one
+of that size or smaller reuses them.
 """
 
 from __future__ import annotations
@@ -14,58 +17,56 @@ from dataclasses import dataclass
 
 import torch
 
-from resilient_rl.errors import ModelInputError
-
-__all__ = ["StaticKVCache", "select_cache_rows"]
+__all__ = ["CacheShape", "EngineCache"]
 
 
-@dataclass
-class StaticKVCache:
-    """Per-layer key and value buffers ``[batch, heads, max_len, head_dim]``."""
+@dataclass(frozen=True)
+class CacheShape:
+    """What a model's cache holds per row and column."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
-    @classmethod
-    def allocate(cls, num_layers: int, batch: int, heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "StaticKVCache":
-        """Zeroed buffers (zeros, not garbage: a masked key must not hold a NaN that SDPA could
-        multiply by a zero weight)."""
-        shape = (batch, heads, max_len, head_dim)
-        return cls([_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)],
-                   [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)])
+    def bytes_per_row(self, columns: int) -> int:
+        """Bytes of keys and values one row of ``columns`` columns takes over all layers."""
+        return 2 * self.layers * self.kv_heads * columns * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class EngineCache:
+    """Key and value buffers of one model, reused by every generation (see the module docstring)."""
+
+    def __init__(self, shape: CacheShape, rows: int, columns: int):
+        self.shape = shape
+        size = (rows, shape.kv_heads, columns, shape.head_dim)
+        # Zeros, not garbage: a masked column's weight is 0, and 0 x NaN would still be NaN.
+        self.keys = [_static(torch.zeros(size, dtype=shape.dtype, device=shape.device)) for _ in range(shape.layers)]
+        self.values = [_static(torch.zeros(size, dtype=shape.dtype, device=shape.device))
+                       for _ in range(shape.layers)]
+        self.rows = 0  # rows in use by the current generation
 
     @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
+    def capacity(self) -> tuple[int, int]:
+        """(rows, columns) the buffers hold."""
+        return self.keys[0].shape[0], self.keys[0].shape[2]
 
-    @property
-    def max_len(self) -> int:
-        return self.keys[0].shape[2]
+    def fits(self, shape: CacheShape, rows: int, columns: int) -> bool:
+        cap_rows, cap_columns = self.capacity
+        return self.shape == shape and rows <= cap_rows and columns <= cap_columns
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (or repeat) the batch rows ``index`` ``[B']`` of every buffer."""
-        self.keys = [_static(k.index_select(0, index)) for k in self.keys]
-        self.values = [_static(v.index_select(0, index)) for v in self.values]
+    def views(self, rows: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The first ``rows`` (default: those in use) rows of every layer, at the buffers' addresses."""
+        rows = self.rows if rows is None else rows
+        return ([_static(k[:rows]) for k in self.keys], [_static(v[:rows]) for v in self.values])
 
-
-def select_cache_rows(cache, index: torch.Tensor) -> None:
-    """Keep (or repeat) the batch rows ``index`` of a :class:`StaticKVCache` or of a transformers
-    ``StaticCache`` (whose layers hold ``keys``/``values`` once initialised by a first forward)."""
-    if isinstance(cache, StaticKVCache):
-        cache.select_rows(index)
-        return
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ModelInputError(f"cannot select rows of a {type(cache).__name__}: expected a StaticKVCache or "
-                              "a transformers StaticCache")
-    for layer in layers:
-        if not getattr(layer, "is_initialized", False):
-            raise ModelInputError("cannot select rows of a transformers cache layer before its first forward")
-        layer.keys = _static(layer.keys.index_select(0, index))
-        layer.values = _static(layer.values.index_select(0, index))
-        if hasattr(layer, "batch_size"):
-            layer.batch_size = int(index.shape[0])
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Make the rows in use ``index`` ``[R]`` of the current ones (keep, repeat or drop), in place."""
+        rows = int(index.shape[0])
+        for buf in self.keys + self.values:
+            buf[:rows].copy_(buf[:self.rows].index_select(0, index))
+        self.rows = rows
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from resilient_rl.errors import ConfigError, ModelInputError
+from resilient_rl.models.cache_attention import cache_attention
 from resilient_rl.models.generation import compute_position_ids
 from resilient_rl.models.packing import packed_causal_mask
 
@@ -85,17 +86,13 @@ class TinyAttention(nn.Module):
         present = (k.contiguous(), v.contiguous()) if use_cache else None
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hidden)), present
 
-    def forward_static(self, x: torch.Tensor, mask: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                       cache_position: torch.Tensor) -> torch.Tensor:
-        """Attention over a preallocated cache: the new keys/values are written in place at the
-        columns ``cache_position`` of ``cache_k``/``cache_v`` ``[B, heads, L, head_dim]`` and the
-        queries attend over all ``L`` columns under ``mask`` ``[B, 1, T, L]`` (shapes never change,
-        which is what lets a decode step be captured in a CUDA graph)."""
+    def forward_static(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
+        """Attention through the rollout engine's cache (``step``, an
+        :class:`~resilient_rl.models.cache_attention.EngineStep`): the new keys/values are written
+        in place into layer ``layer``'s buffers and the queries attend through them."""
         batch, seq, hidden = x.shape
         q, k, v = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        cache_k.index_copy_(2, cache_position, k.to(cache_k.dtype))
-        cache_v.index_copy_(2, cache_position, v.to(cache_v.dtype))
-        out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
+        out = cache_attention(q, k, v, layer, step)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -127,10 +124,9 @@ class TinyBlock(nn.Module):
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), present
 
-    def forward_static(self, x: torch.Tensor, mask: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                       cache_position: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` over a preallocated cache (see :meth:`TinyAttention.forward_static`)."""
-        x = x + self.attn.forward_static(self.attn_norm(x), mask, cache_k, cache_v, cache_position)
+    def forward_static(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
+        """:meth:`forward` through the rollout engine's cache (see :meth:`TinyAttention.forward_static`)."""
+        x = x + self.attn.forward_static(self.attn_norm(x), layer, step)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -242,19 +238,18 @@ class TinyCausalLM(nn.Module):
                               hidden_states=(hidden,) if output_hidden_states else None)
 
 
-    def forward_static(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, mask: torch.Tensor,
-                       cache_position: torch.Tensor) -> torch.Tensor:
-        """Logits of the last input position ``[B, V]`` through a
-        :class:`~resilient_rl.models.kv_cache.StaticKVCache` (the rollout engine's path).
+    def forward_static(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
+        """Logits of the last input position ``[B, V]`` through the rollout engine's cache (``step``,
+        an :class:`~resilient_rl.models.cache_attention.EngineStep`).
 
         No argument checks and no host synchronisation: the engine validates lengths once before
-        generating, and this runs once per generated token. ``mask`` is boolean ``[B, 1, T, L]``.
+        generating, and this runs once per generated token.
         """
         if self.lm_head is None:
             raise ModelInputError("this TinyCausalLM has no lm_head (it backs a value model)")
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_static(x, mask, cache.keys[i], cache.values[i], cache_position)
+            x = layer.forward_static(x, i, step)
         return self.lm_head(self.norm(x[:, -1]))
 
 

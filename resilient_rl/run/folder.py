@@ -189,5 +189,6 @@ class RunDir:
 
 
 def deterministic_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """History without wall-clock fields (``timing/*``, ``perf/*``): what must match bit for bit."""
+    """History without wall-clock and per-process fields (``timing/*``, ``perf/*``: times, and
+    counts such as compiles that a restarted process pays again): what must match bit for bit."""
     return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]

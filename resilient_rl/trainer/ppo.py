@@ -38,7 +38,7 @@ from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
 from resilient_rl.workers.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
-from resilient_rl.trainer.step import PHASES, run_step
+from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
 from resilient_rl.data.tasks import get_task
 from resilient_rl.telemetry.hook import TelemetryHook
 from resilient_rl.data.tokenizer import build_tokenizer
@@ -64,6 +64,7 @@ class PPOTrainer:
 
     def __init__(self, cfg, roles_factory: Callable | None = None, hooks: list | None = None):
         self.cfg = cfg
+        self._decode_eager_reported = False
         self.task = get_task(cfg.data)
         self.tokenizer = build_tokenizer(cfg.data, self.task)
         model_vocab_size(cfg.model, self.tokenizer.vocab_size)  # fail here, not in a worker, if too small
@@ -221,6 +222,7 @@ class PPOTrainer:
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
                                    version=self.step)
         duration = time.perf_counter() - t0
+        eager_reason = metrics.pop(DECODE_EAGER_REASON, None)
         self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
         self.claim_.raise_if_lost()
         self.step = step
@@ -229,6 +231,9 @@ class PPOTrainer:
                "perf/tokens_per_s": metrics["tokens"] / duration if duration > 0 else 0.0}
         self.run_dir.append_metrics(row)
         self.history.append(row)
+        if eager_reason is not None and not self._decode_eager_reported:
+            self._decode_eager_reported = True
+            self.run_dir.event("decode_eager", step=step, reason=str(eager_reason))
         if self.telemetry is not None:
             self.telemetry.observe_step(row)
         if self.trackers is not None:

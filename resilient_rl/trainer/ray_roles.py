@@ -50,6 +50,9 @@ class RayRoles:
         self.backend = "nccl" if self.use_gpu else "gloo"
         transfer = cfg.rollout.weight_transfer
         self.weight_channel = not self.colocated and (transfer == "channel" or (transfer == "auto" and self.use_gpu))
+        #: The layout the actor sends its weights in (with HSDP its shard group, not its world),
+        #: asked of it at the first sync over each weight channel.
+        self.weights_layout: int | None = None
         self.generation = 0
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
                     eos_token_id=list(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
@@ -259,6 +262,7 @@ class RayRoles:
                 for g in (actor, rollout):
                     g.call_off_rendezvous(self.generation)
                 raise
+            self.weights_layout = None  # asked again of the actor at the next sync
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         roles = [role for role in ("actor", "ref", "rollout", "critic") if role in self.groups
@@ -319,8 +323,10 @@ class RayRoles:
             calls = (actor.submit("export_weights", version, True), rollout.submit("update_weights", None, version))
             stats, versions = (c.result() for c in calls)
         elif self.weight_channel:
+            if self.weights_layout is None:
+                self.weights_layout = actor.get(actor.execute_all_async("weights_layout"))[0]
             refs = (actor.execute_all_async("send_weights", version),
-                    rollout.execute_all_async("receive_weights", version, actor.world_size))
+                    rollout.execute_all_async("receive_weights", version, self.weights_layout))
             stats, versions = actor.get(refs[0]), rollout.get(refs[1])
         else:
             states = actor.export_weights(version, False)

@@ -67,6 +67,20 @@ def token_level_scores(scores: np.ndarray, response_mask: torch.Tensor) -> torch
     return out * response_mask
 
 
+#: The key of run_step's metrics that carries why the rollout decodes eagerly (not a metric).
+DECODE_EAGER_REASON = "decode_eager_reason"
+
+
+def _per_rank(metrics: dict | list | None) -> list[dict]:
+    """Per-rank metric dicts from a merged ``meta_info["metrics"]`` (a dict of lists, or one dict)."""
+    if not metrics:
+        return []
+    if isinstance(metrics, list):
+        return metrics
+    lists = {k: v if isinstance(v, list) else [v] for k, v in metrics.items()}
+    return [dict(zip(lists, values)) for values in zip(*lists.values())]
+
+
 def _mean_metrics(per_rank: list[dict]) -> dict[str, float]:
     keys = per_rank[0].keys() if per_rank else []
     return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
@@ -84,6 +98,9 @@ def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl
 
     with timer("gen"):
         data = roles.generate(prompts)
+    engine_metrics: dict = _mean_metrics(_per_rank(data.meta_info.pop("metrics", None)))
+    if "decode_eager_reason" in data.meta_info:  # popped by the trainer into a decode_eager event
+        engine_metrics[DECODE_EAGER_REASON] = data.meta_info.pop("decode_eager_reason")
     data.non_tensor_batch.update(prompts.non_tensor_batch)
     data.meta_info.update(meta)
     mask = data.batch["response_mask"]
@@ -128,6 +145,7 @@ def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl
         metrics.update(roles.sync_weights(version + 1))
 
     tokens = int(data.batch["attention_mask"].sum())
+    metrics.update(engine_metrics)
     metrics.update({
         "reward/mean": float(scores.mean()),
         "reward/exact_ratio": float((scores >= 1.0).mean()),

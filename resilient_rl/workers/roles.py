@@ -188,6 +188,12 @@ class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
         return weight_channel.join(generation, addr, port, 0, size, backend, timeout_s)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_layout(self) -> int:
+        """The ranks the weights are sharded over as :func:`send_weights` lays them out
+        (:func:`~resilient_rl.workers.weight_sync.layout_world`)."""
+        return weight_sync.layout_world(self.engine.model)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_weights(self, version: int):
         """Every actor rank gathers; rank 0 broadcasts over the weight channel. Returns (bytes, seconds)."""
         t0 = time.perf_counter()
@@ -302,11 +308,12 @@ class RolloutWorker(RoleWorker):
         return weight_channel.join(generation, addr, port, self.rank + 1, size, backend, timeout_s)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def receive_weights(self, version: int, actor_world_size: int) -> int:
-        """Receive the weights actor rank 0 broadcasts over the weight channel; returns the new version."""
+    def receive_weights(self, version: int, layout_world: int) -> int:
+        """Receive the weights actor rank 0 broadcasts over the weight channel, laid out for
+        ``layout_world`` shards (the actor's ``weights_layout``); returns the new version."""
         # A replicated (ddp) actor sends its full weights: they arrive as from one rank.
         replicated = resolve_strategy(self.cfg.actor.strategy, self.plan.device) == "ddp"
-        weight_channel.receive(self.engine.model, 1 if replicated else actor_world_size)
+        weight_channel.receive(self.engine.model, 1 if replicated else layout_world)
         self.engine.version = int(version)
         return self.engine.version
 

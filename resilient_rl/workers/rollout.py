@@ -91,9 +91,19 @@ class RolloutEngine:
         if self.engine == "static":
             out = generate_static(self.model, ids, mask, check_every=self.cfg.finish_check_every,
                                   compact_min_fraction=self.cfg.compact_min_fraction,
-                                  cuda_graphs=self.cfg.cuda_graphs, **args)
+                                  cuda_graphs=self.cfg.cuda_graphs, compile=getattr(self.cfg, "compile", None),
+                                  **args)
         else:
             out = generate(self.model, ids, mask, use_cache=True, **args)
+        meta = {}
+        if out.engine_stats is not None:
+            stats = out.engine_stats
+            meta["metrics"] = {"perf/decode_compiles": float(stats["compiles"]),
+                               "perf/decode_graph_breaks": float(stats["graph_breaks"]),
+                               "perf/decode_compactions": float(stats["compactions"]),
+                               "perf/decode_eager": float(stats["eager_fallback"] is not None)}
+            if stats["eager_fallback"] is not None:
+                meta["decode_eager_reason"] = stats["eager_fallback"]
         return DataProto.from_dict({
             "prompts": prompts.batch["input_ids"].cpu(),
             "responses": out.responses.cpu(),
@@ -101,4 +111,4 @@ class RolloutEngine:
             "attention_mask": out.attention_mask.cpu(),
             "position_ids": out.position_ids.cpu(),
             "response_mask": out.response_mask.cpu(),
-        })
+        }, meta_info=meta)

@@ -112,6 +112,23 @@ def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], world: int, element_
     return [Bucket(tuple(n for n, _ in g), tuple(s for _, s in g), world) for g in groups if g]
 
 
+def _shard_group(p) -> object:
+    # The mesh's last dimension is the one sharded over (HSDP replicates over the first).
+    return p.device_mesh.get_group(p.device_mesh.ndim - 1)
+
+
+def layout_world(model: nn.Module) -> int:
+    """The ranks ``model``'s weights are sharded over, as the buckets are laid out for them: the
+    shard group's size (with HSDP, the ranks of one node's row of the mesh, not the world), 1
+    when unsharded. A receiver must lay out its buckets for the same number."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and _local(p)[1]:
+            return dist.get_world_size(_shard_group(p))
+    return 1
+
+
 def _local(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(local shard, sharded?) of a parameter; FSDP2's ``Shard(0)`` sharding is supported, and
     HSDP's ``(Replicate(), Shard(0))``, whose shard is gathered within its node's row of the mesh."""
@@ -134,8 +151,7 @@ def model_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int = DEFA
     for name, p in params:
         locals_[name], sharded = _local(p)
         if sharded and group is None:
-            # The mesh's last dimension is the one sharded over (HSDP replicates over the first).
-            group = p.device_mesh.get_group(p.device_mesh.ndim - 1)
+            group = _shard_group(p)
     world = dist.get_world_size(group) if group is not None else 1
     element_size = torch.empty((), dtype=dtype).element_size()
     return plan_buckets([(n, tuple(p.shape)) for n, p in params], world, element_size, bucket_bytes), locals_, group

@@ -1,0 +1,136 @@
+"""The rollout engine's decode step, compiled once per process, and what it costs.
+
+:func:`decode` is one step of the engine: a plain function of its inputs (the model and the cache
+buffers among them), so one compiled version serves every call. :class:`DecodeStep` compiles it
+(``torch.compile``, ``dynamic=False``; on a GPU with ``mode="reduce-overhead"``, which captures a
+CUDA graph per input shape) and keeps the compiled function for the life of the process, so
+compiled code and captured graphs outlive one rollout. Batch sizes come from a small fixed set of
+buckets (:func:`row_buckets`): one compile per bucket, each paid once per process.
+
+What compiling costs is counted, not assumed: :class:`DecodeStats` reads the compiler's own
+counters (graphs compiled, graph breaks) around a generation. A compiled step that raises is an
+event, not a silent slowdown: the process then decodes eagerly (the same results, the same
+kernels as uncompiled) and every later generation reports ``eager_fallback`` with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from resilient_rl.models.cache_attention import EngineStep
+from resilient_rl.models.sampling import pick_tokens
+
+__all__ = ["DecodeStats", "DecodeStep", "decode", "row_buckets"]
+
+log = logging.getLogger(__name__)
+
+#: Batch sizes a generation decodes at, at most (one compiled graph each).
+BUCKET_LEVELS = 4
+
+
+def row_buckets(batch: int, floor: int = 1, levels: int = BUCKET_LEVELS) -> list[int]:
+    """Batch sizes the engine decodes at, largest first: ``batch``, then halvings rounded up to a
+    multiple of ``floor`` (at most ``levels`` sizes in all, none below ``floor``)."""
+    sizes = [batch]
+    while len(sizes) < levels:
+        half = -(-sizes[-1] // 2)  # half, rounded up
+        half = -(-half // floor) * floor  # to a multiple of floor
+        if half < floor or half >= sizes[-1]:
+            break
+        sizes.append(half)
+    return sizes
+
+
+def decode(forward: Callable, model, keys, values, tokens, position, column, key_valid, draw, temperature: float,
+           top_p: float) -> torch.Tensor:
+    """One decode step: feed ``tokens`` ``[B]`` at ``position`` ``[B, 1]`` into cache column
+    ``column`` ``[1]`` and pick the next tokens ``[B]`` from the logits with the uniform numbers
+    ``draw`` ``[B, 1]`` (None: greedy)."""
+    step = EngineStep(keys, values, column, key_valid=key_valid)
+    return pick_tokens(forward(model, tokens[:, None], position, step), temperature, top_p, draw)
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one generation: decode steps run, batch sizes used, compactions, and the
+    compiler's work during it (graphs compiled, graph breaks), plus the eager fallback if any."""
+
+    compiled: bool = False
+    steps: int = 0
+    compactions: int = 0
+    buckets: list[int] = field(default_factory=list)
+    compiles: int = 0
+    graph_breaks: int = 0
+    eager_fallback: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _compiler_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+class DecodeStep:
+    """The decode step as this process runs it: compiled (see the module docstring) or eager."""
+
+    _compiled: dict[str, Callable] = {}
+    #: The compiler back end (a test may wrap inductor to read the graphs it is given).
+    backend: str | Callable = "inductor"
+    #: Why compiling failed in this process (None: it did not); once set, decoding stays eager.
+    failure: str | None = None
+
+    def __init__(self, compile: bool, cuda_graphs: bool):
+        self.compile = compile and DecodeStep.failure is None
+        self.mode = "reduce-overhead" if cuda_graphs else None
+        self.stats = DecodeStats(compiled=self.compile, eager_fallback=DecodeStep.failure)
+        self._start = _compiler_counts()
+
+    def _function(self) -> Callable:
+        key = str(self.mode)
+        if key not in DecodeStep._compiled:
+            _allow_recompiles(BUCKET_LEVELS * 4)
+            mode = {"mode": self.mode} if DecodeStep.backend == "inductor" else {}
+            DecodeStep._compiled[key] = torch.compile(decode, backend=DecodeStep.backend, dynamic=False, **mode)
+        return DecodeStep._compiled[key]
+
+    def __call__(self, *args) -> torch.Tensor:
+        self.stats.steps += 1
+        batch = int(args[4].shape[0])
+        if not self.stats.buckets or self.stats.buckets[-1] != batch:
+            self.stats.buckets.append(batch)
+        if not self.compile:
+            return decode(*args)
+        try:
+            return self._function()(*args)
+        except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
+            # A failed call may be repeated eagerly: a decode step only overwrites one cache
+            # column and returns logits.
+            DecodeStep.failure = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("rollout engine: the compiled decode step failed (%s); this process decodes eagerly "
+                        "from now on", DecodeStep.failure)
+            self.compile = False
+            self.stats.eager_fallback = DecodeStep.failure
+            return decode(*args)
+
+    def finish(self) -> dict:
+        """The generation's :class:`DecodeStats` as a dict (the compiler's counts since the start)."""
+        graphs, breaks = _compiler_counts()
+        self.stats.compiles, self.stats.graph_breaks = graphs - self._start[0], breaks - self._start[1]
+        return self.stats.as_dict()
+
+
+def _allow_recompiles(count: int) -> None:
+    """Let the compiler keep ``count`` versions of the step (one per bucket and cache length)
+    before it gives up and runs it eagerly (its default is 8)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), count))
+            return
