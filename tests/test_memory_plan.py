@@ -6,8 +6,14 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
+from resilient_rl.config.schema import config_from_dict, load_config
+from resilient_rl.errors import ConfigError
 from resilient_rl.workers import memory_plan as mp
+from resilient_rl.workers.fsdp import plan_device
+from resilient_rl.workers.policy import PolicyEngine
+from resilient_rl.workers.value import ValueEngine
 
 GB = 10**9
 BF16_AUTOCAST = mp.Precision.of(2, fsdp=False)   # one GPU: fp32 weights, bf16 autocast
@@ -96,6 +102,79 @@ def test_a_row_that_cannot_fit_is_said_so():
 def test_summary_is_one_line_for_the_roles_that_asked():
     assert mp.summary([None, None]) is None
     assert mp.summary(["actor a", None, "critic c"]) == "memory plan: actor a; critic c"
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_config_accepts_auto_an_int_or_null_and_names_the_key_of_junk():
+    cfg = config_from_dict({})
+    assert cfg.actor.micro_batch_tokens == "auto" and cfg.critic.micro_batch_tokens == "auto"
+    assert load_config(None, ["actor.micro_batch_tokens=4096"]).actor.micro_batch_tokens == 4096
+    assert load_config(None, ["critic.micro_batch_tokens=null"]).critic.micro_batch_tokens is None
+    for bad in ("junk", "0", "-3", "1.5", "true"):
+        key = "critic.micro_batch_tokens" if bad == "0" else "actor.micro_batch_tokens"
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [f"{key}={bad}"])
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+VOCAB = 20
+
+
+def _cfg(**actor):
+    return config_from_dict({"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+                                       "max_seq_len": 16},
+                             "actor": {"mini_batch_size": 8, **actor}, "critic": {"mini_batch_size": 8}})
+
+
+def test_auto_on_cpu_keeps_one_forward_per_mini_batch():
+    cfg = _cfg()
+    actor = PolicyEngine(cfg.model, VOCAB, 1, plan_device("cpu"), actor_cfg=cfg.actor)
+    assert actor.micro_batch_tokens is None and actor.memory_plan.tokens is None
+    assert actor.memory_plan.line.startswith("actor micro_batch_tokens=auto -> null (one forward per mini-batch) (")
+    assert "host memory" in actor.memory_plan.line
+    critic = ValueEngine(cfg.model, cfg.critic, VOCAB, 2, plan_device("cpu"))
+    assert critic.micro_batch_tokens is None and critic.memory_plan.role == "critic"
+    ref = PolicyEngine(cfg.model, VOCAB, 1, plan_device("cpu"), trainable=False)
+    assert ref.micro_batch_tokens is None and ref.memory_plan is None
+
+
+@pytest.mark.parametrize("value", [24, None])
+def test_a_value_set_by_hand_wins(value):
+    cfg = _cfg(micro_batch_tokens=value)
+    engine = PolicyEngine(cfg.model, VOCAB, 1, plan_device("cpu"), actor_cfg=cfg.actor)
+    assert engine.micro_batch_tokens == value and engine.memory_plan is None
+
+
+def test_auto_splits_where_the_device_is_small(monkeypatch):
+    cfg = _cfg()
+    big = PolicyEngine(cfg.model, VOCAB, 1, plan_device("cpu"), actor_cfg=cfg.actor).memory_plan
+    # A device with room for the fixed part and about 40 tokens of activations.
+    monkeypatch.setattr(mp, "HEADROOM", 0.0)
+    monkeypatch.setattr(mp, "RESERVED_BYTES", 0)
+    monkeypatch.setattr(mp, "device_memory", lambda device: (big.fixed_bytes + 40 * big.token_bytes, "small"))
+    engine = PolicyEngine(cfg.model, VOCAB, 1, plan_device("cpu"), actor_cfg=cfg.actor)
+    assert engine.micro_batch_tokens == 32  # whole rows of max_seq_len=16
+    assert engine.memory_plan.peak_bytes <= engine.memory_plan.budget_bytes
+
+
+def test_the_plan_is_printed_once_at_start(tmp_path, caplog):
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    cfg = load_config(None, ["trainer.total_steps=1", "data.batch_size=4", "actor.mini_batch_size=4",
+                             "critic.mini_batch_size=4", f"trainer.output_dir={tmp_path}",
+                             f"checkpoint.root={tmp_path}/ckpt", "trainer.progress_bar=false"])
+    trainer = PPOTrainer(cfg)
+    with caplog.at_level(logging.INFO, logger="resilient_rl.trainer.local_roles"):
+        roles = LocalRoles(cfg, trainer.tokenizer)
+        roles.init_models()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: ")]
+    assert len(lines) == 1
+    assert lines[0].startswith("memory plan: actor micro_batch_tokens=auto -> null (one forward per mini-batch) (")
+    assert "; critic micro_batch_tokens=auto -> " in lines[0] and "\n" not in lines[0]
 
 
 def test_a_plan_that_cannot_fit_is_announced_as_a_warning(caplog):

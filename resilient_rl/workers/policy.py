@@ -16,7 +16,7 @@ from resilient_rl.algos.losses import ppo_policy_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers import micro_batch
+from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.logprob import response_logprobs
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
@@ -26,6 +26,14 @@ from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_o
 
 def dp_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def planned_seq_len(model_cfg, model) -> int:
+    """The longest sequence (prompt + response) a micro-batch row may have: ``model.max_seq_len``,
+    else the model's own position limit."""
+    length = getattr(model_cfg, "max_seq_len", None) or getattr(model.config, "max_position_embeddings", None) \
+        or getattr(model.config, "max_seq_len", None)
+    return int(length or 1)
 
 
 class PolicyEngine:
@@ -40,9 +48,11 @@ class PolicyEngine:
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
-                 empty: bool = False):
+                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0):
         """``empty``: the weights are allocated, not initialised, for a restore to fill (the
-        caller must load the whole state before using the engine)."""
+        caller must load the whole state before using the engine). ``colocated`` (the other roles
+        sharing this process's device) and ``kv_rows`` (their rollout's cache rows) size
+        ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
@@ -57,7 +67,11 @@ class PolicyEngine:
         self.model = wrap_model(model, plan, strategy, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
         self._autocast = plan.autocast_enabled(self.model)
-        self.micro_batch_tokens = getattr(actor_cfg, "micro_batch_tokens", None)
+        # A scoring-only engine (the ref) keeps one forward per batch, as before ``auto`` existed.
+        self.micro_batch_tokens, self.memory_plan = memory_plan.resolve(
+            getattr(actor_cfg, "micro_batch_tokens", None) if trainable else None, role="actor", model=self.model,
+            device_plan=plan, role_cfg=actor_cfg, seq_len=planned_seq_len(model_cfg, self.model),
+            colocated=colocated, kv_rows=kv_rows)
         self.packing = bool(getattr(actor_cfg, "packing", False))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None

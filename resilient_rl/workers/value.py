@@ -8,12 +8,12 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers import micro_batch
+from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
                                        clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
                                        wrap_model)
-from resilient_rl.workers.policy import dp_world_size
+from resilient_rl.workers.policy import dp_world_size, planned_seq_len
 
 
 def response_values(model, data, device: torch.device) -> torch.Tensor:
@@ -30,14 +30,17 @@ class ValueEngine:
     """A value model (backbone + scalar head) trained with the clipped value loss."""
 
     def __init__(self, model_cfg, critic_cfg, vocab_size: int, seed: int, plan: DevicePlan, total_steps: int = 1,
-                 empty: bool = False):
-        """``empty``: as for :class:`~resilient_rl.workers.policy.PolicyEngine`."""
+                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0):
+        """``empty``, ``colocated`` and ``kv_rows``: as for
+        :class:`~resilient_rl.workers.policy.PolicyEngine` (``critic.micro_batch_tokens=auto``)."""
         self.plan = plan
         self.cfg = critic_cfg
         model = apply_block_options(build_value_model(model_cfg, vocab_size, seed, empty=empty),
                                     critic_cfg.activation_checkpointing, critic_cfg.compile)
         self.model = wrap_model(model, plan, critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
-        self.micro_batch_tokens = critic_cfg.micro_batch_tokens
+        self.micro_batch_tokens, self.memory_plan = memory_plan.resolve(
+            critic_cfg.micro_batch_tokens, role="critic", model=self.model, device_plan=plan, role_cfg=critic_cfg,
+            seq_len=planned_seq_len(model_cfg, self.model), colocated=colocated, kv_rows=kv_rows)
         self.model.train(False)
         self._autocast = plan.autocast_enabled(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
