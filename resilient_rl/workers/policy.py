@@ -19,9 +19,9 @@ from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.logprob import response_logprobs
-from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
-                                       wrap_model)
+from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gradients, build_optimizer,
+                                       build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
+                                       update_is_finite, wrap_model)
 
 
 def dp_world_size() -> int:
@@ -90,7 +90,8 @@ class PolicyEngine:
             parts = [{k: v[i:i + micro_batch_size] for k, v in batch.items()}
                      for i in range(0, len(data), micro_batch_size)]
         else:
-            parts = micro_batch.split(batch, self.micro_batch_tokens, self.packing)
+            parts = micro_batch.split(batch, self.micro_batch_tokens, self.packing,
+                                      self._agreed_counts([batch])[0])
         logps, ents = [], []
         for part in parts:
             progress.advance("micro-batch")
@@ -118,9 +119,10 @@ class PolicyEngine:
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
         counts = global_token_counts(masks).clamp(min=1.0)
-        for mb, mask, (tokens, seqs) in zip(mini_batches, masks, counts):
+        parts = self._agreed_counts([mb.batch for mb in mini_batches])
+        for mb, mask, (tokens, seqs), n_parts in zip(mini_batches, masks, counts, parts):
             progress.advance("mini-batch")
-            terms = self._accumulate(mb, mask, tokens, seqs, world)
+            terms = self._accumulate(mb, mask, tokens, seqs, world, n_parts)
             all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
@@ -140,15 +142,23 @@ class PolicyEngine:
         metrics["actor/nonfinite_skipped"] = float(skipped)
         return metrics
 
+    def _agreed_counts(self, batches) -> list[int]:
+        """Micro-batches per batch, as many on every rank of an FSDP2 group (see
+        :func:`~resilient_rl.workers.fsdp.agreed_counts`); no collective when batches are whole."""
+        if self.micro_batch_tokens is None:
+            return [1] * len(batches)
+        return agreed_counts([micro_batch.count(b["attention_mask"], self.micro_batch_tokens, self.packing)
+                              for b in batches], self.model, self.plan.device)
+
     def _accumulate(self, mb: DataProto, mask: torch.Tensor, tokens: torch.Tensor, seqs: torch.Tensor,
-                    world: int) -> list[tuple[str, torch.Tensor]]:
-        """Forward and backward of one mini-batch, micro-batch by micro-batch; returns the
+                    world: int, n_parts: int = 1) -> list[tuple[str, torch.Tensor]]:
+        """Forward and backward of one mini-batch, in at least ``n_parts`` micro-batches; returns the
         mini-batch's loss terms (each micro-batch's weighted by its share of the mini-batch)."""
         cfg = self.cfg
         dev = self.plan.device
         mb_tokens, mb_seqs = mask.sum().clamp(min=1.0), mask.bool().any(dim=-1).sum().clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
-        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing):
+        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing, n_parts):
             m = part["response_mask"].to(dev).float()
             logp, ent = self._logprobs(part)
             # A local mean times world * (local units / global units) is this rank's share of the
