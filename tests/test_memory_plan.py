@@ -185,3 +185,16 @@ def test_a_plan_that_cannot_fit_is_announced_as_a_warning(caplog):
         assert mp.announce(log, [tight.line, None]).startswith("memory plan: actor micro_batch_tokens=auto -> 8192")
         mp.announce(log, [None])  # nobody asked for auto: nothing is said
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_the_module_prints_the_workloads_plans(capsys):
+    mp.main(["--device-gb", "80", "--rows", "128", "--seq-len", "768"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["Qwen2.5-0.5B", "Qwen2.5-1.5B"]
+    assert out[1].startswith("Qwen2.5-1.5B: 117808 bytes/token/layer; memory plan: actor micro_batch_tokens=auto -> ")
+
+
+def test_the_logit_chunk_is_the_log_prob_heads():
+    from resilient_rl.workers import logprob
+
+    assert mp.CHUNK_ELEMENTS == logprob._CHUNK_ELEMENTS

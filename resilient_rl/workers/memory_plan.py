@@ -155,14 +155,16 @@ class MemoryPlan:
     layer_token_bytes: int
     token_bytes: int
     fixed_bytes: int
+    step_peak_bytes: int
     mini_batch_tokens: int
     peak_bytes: int
     fits: bool
     checkpointing: bool
 
     def peak_at(self, tokens: int) -> int:
-        """Predicted peak of an update pass over micro-batches of ``tokens`` tokens."""
-        return self.fixed_bytes + tokens * self.token_bytes
+        """Predicted peak of an update over micro-batches of ``tokens`` tokens (the pass, or the
+        optimizer step after it)."""
+        return max(self.fixed_bytes + tokens * self.token_bytes, self.step_peak_bytes)
 
     @property
     def line(self) -> str:
@@ -227,9 +229,10 @@ def plan(shape: ModelShape, *, role: str, device_bytes: int, device: str, prec: 
             logits = min(CHUNK_ELEMENTS, mb_tokens * shape.vocab) * (c + 4 * LOGIT_FP32_COPIES)
         else:
             token_bytes += shape.vocab * (c + 4 * LOGIT_FP32_COPIES)
-    # The optimizer step runs after the backward (activations gone): its fp32 temporaries
-    # (about two shards' worth in the foreach AdamW) count only if they outgrow the pass.
-    fixed = states + other_bytes + max(weights + logits, 8 * p // max(1, shard_ranks))
+    fixed = states + other_bytes + weights + logits
+    # The optimizer step runs after the backward (activations and gathered weights gone): its
+    # fp32 temporaries (about two shards' worth in the foreach AdamW) are a peak of their own.
+    step_peak = states + other_bytes + 8 * p // max(1, shard_ranks)
     room = budget(device_bytes)
     if fixed + mb_tokens * token_bytes <= room:
         tokens = None
@@ -241,11 +244,12 @@ def plan(shape: ModelShape, *, role: str, device_bytes: int, device: str, prec: 
         tokens = most // ROUND_TO * ROUND_TO if most >= ROUND_TO else most // seq_len * seq_len
         tokens = max(tokens, seq_len)
         peak = fixed + tokens * token_bytes
+    peak = max(peak, step_peak)
     return MemoryPlan(role=role, tokens=tokens, device_bytes=device_bytes, device=device, budget_bytes=room,
                       state_bytes=states, weight_bytes=weights, other_bytes=other_bytes, logit_bytes=logits,
                       layer_token_bytes=full_layer, token_bytes=token_bytes,
-                      fixed_bytes=fixed, mini_batch_tokens=mb_tokens, peak_bytes=peak, fits=peak <= room,
-                      checkpointing=checkpointing)
+                      fixed_bytes=fixed, step_peak_bytes=step_peak, mini_batch_tokens=mb_tokens, peak_bytes=peak,
+                      fits=peak <= room, checkpointing=checkpointing)
 
 
 def colocated_bytes(shape: ModelShape, prec: Precision, shard_ranks: int, roles: tuple[str, ...],
@@ -321,3 +325,26 @@ def resolve(value: Any, *, role: str, model: Any, device_plan: Any, role_cfg: An
                   chunked_logits=role == "critic" or supports_chunked_head(model),
                   other_bytes=colocated_bytes(shape, prec, shard, colocated, kv_rows, seq_len))
     return chosen.tokens, chosen
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the plans of the gsm8k workloads' shapes (``python -m resilient_rl.workers.memory_plan``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device-gb", type=float, default=80.0, help="device memory, GB (1e9 bytes)")
+    parser.add_argument("--rows", type=int, default=128, help="mini-batch rows over all ranks")
+    parser.add_argument("--seq-len", type=int, default=768, help="longest prompt + response, tokens")
+    parser.add_argument("--ranks", type=int, default=1, help="FSDP2 ranks (1: one GPU, autocast)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    args = parser.parse_args(argv)
+    prec = Precision.of(2, fsdp=args.ranks > 1)
+    for name, shape in (("Qwen2.5-0.5B", QWEN25_05B), ("Qwen2.5-1.5B", QWEN25_15B)):
+        chosen = plan(shape, role="actor", device_bytes=int(args.device_gb * 1e9),
+                      device=f"{args.device_gb:g} GB device", prec=prec, shard_ranks=args.ranks, mini_batch_rows=max(1, args.rows // args.ranks),
+                      seq_len=args.seq_len, checkpointing=args.checkpointing)
+        print(f"{name}: {layer_bytes_per_token(shape, prec)} bytes/token/layer; memory plan: {chosen.line}")
+
+
+if __name__ == "__main__":
+    main()
