@@ -1,12 +1,20 @@
 """NVML access shared by the worker side (which GPU a process computes on) and the device
-sampler: loading ``pynvml`` when present, and mapping ``CUDA_VISIBLE_DEVICES`` to NVML devices.
-A bottom-layer module: it imports nothing of the project."""
+sampler: loading ``pynvml`` when present, and mapping CUDA's devices to NVML devices.
+A bottom-layer module: it imports nothing of the project.
+
+NVML numbers devices in PCI bus order; CUDA numbers them fastest first unless
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and an integer in ``CUDA_VISIBLE_DEVICES`` indexes CUDA's order.
+The two agree only on a machine of identical GPUs (CUDA breaks ties by PCI bus), so devices are
+matched by UUID wherever CUDA can tell them (:func:`cuda_device_uuids`), and by the variable's
+entries read in NVML's order only before CUDA is initialised in the process.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -30,14 +38,51 @@ def as_str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def resolve_visible_devices(entries: list[str] | None, uuids: list[str]) -> list[int]:
-    """Map ``CUDA_VISIBLE_DEVICES`` entries to NVML indices, in CUDA order.
+def nvml_uuid(value: Any) -> str:
+    """A UUID as NVML spells it: torch prints a CUDA UUID without NVML's ``GPU-`` prefix."""
+    text = as_str(value).strip()
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
-    ``uuids`` lists the UUID of each NVML device by NVML index. ``entries`` None means every
-    device is visible. Like the CUDA runtime, enumeration stops at the first entry that names no
-    device (an out-of-range index, an unknown or ambiguous UUID prefix, ``-1``), and a device
-    named twice is counted once.
+
+def cuda_device_uuids() -> list[str] | None:
+    """UUIDs of this process's CUDA devices in CUDA order (entry ``i`` is ``cuda:i``), as NVML
+    spells them.
+
+    None where CUDA is not initialised in this process: reading device properties would
+    initialise it and fix ``CUDA_VISIBLE_DEVICES`` for good, which a warm spare that may still
+    take another rank's devices must not do. None too where torch reports no UUID (older
+    builds). torch is not imported here: a process that never imported it has no CUDA context.
     """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return [nvml_uuid(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    except (AttributeError, RuntimeError, AssertionError) as exc:
+        logger.debug("CUDA cannot tell its devices' UUIDs (%s); matching by CUDA_VISIBLE_DEVICES", exc)
+        return None
+
+
+def resolve_visible_devices(entries: list[str] | None, uuids: list[str],
+                            cuda_uuids: list[str] | None = None) -> list[int]:
+    """Map this process's CUDA devices to NVML indices, in CUDA order.
+
+    ``uuids`` lists the UUID of each NVML device by NVML index. ``cuda_uuids``, when known (see
+    :func:`cuda_device_uuids`), lists the UUID of each CUDA device: the answer is then exact
+    whatever CUDA's device order. Otherwise ``entries`` (``CUDA_VISIBLE_DEVICES``; None means
+    every device is visible) is read with integers as NVML indices, which is CUDA's order only
+    on a machine of identical GPUs or with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. Like the CUDA
+    runtime, enumeration stops at the first entry that names no device (an out-of-range index,
+    an unknown or ambiguous UUID prefix, ``-1``), and a device named twice is counted once.
+    """
+    if cuda_uuids is not None:
+        by_uuid = [uuids.index(uuid) if uuid in uuids else None for uuid in cuda_uuids]
+        if None not in by_uuid:
+            return [int(i) for i in by_uuid if i is not None]
+        logger.debug("CUDA devices %s are not all known to NVML; matching by CUDA_VISIBLE_DEVICES",
+                     cuda_uuids)
     if entries is None:
         return list(range(len(uuids)))
     visible: list[int] = []

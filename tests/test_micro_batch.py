@@ -63,7 +63,7 @@ def test_ranges_respect_the_token_budget_and_trimming_drops_shared_left_padding(
 
 
 def test_config_rejects_a_non_positive_budget():
-    assert _cfg().actor.micro_batch_tokens is None
+    assert _cfg().actor.micro_batch_tokens == "auto"
     with pytest.raises(ConfigError, match="actor.micro_batch_tokens"):
         _cfg(micro_batch_tokens=0)
     with pytest.raises(ConfigError, match="actor.activation_checkpointing"):

@@ -270,6 +270,28 @@ def test_value_model_left_padding_invariance():
     torch.testing.assert_close(padded[1, 2:], alone[0], rtol=0, atol=1e-5)
 
 
+def test_hf_value_model_asks_only_for_the_last_hidden_state():
+    """Every layer's hidden state (output_hidden_states) would stay alive until the values are
+    computed; the base model's own output is the final one, and the values are the same."""
+    pytest.importorskip("transformers")
+    model = build_value_model(hf_cfg(), VOCAB, seed=2).eval()
+    ids, mask = left_padded_prompts()
+    position_ids = compute_position_ids(mask)
+    asked: list[dict] = []
+    handle = model.backbone.register_forward_pre_hook(lambda m, a, kw: asked.append(dict(kw)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            values = model(ids, attention_mask=mask, position_ids=position_ids)
+    finally:
+        handle.remove()
+    assert len(asked) == 1 and not asked[0].get("output_hidden_states")
+    with torch.no_grad():
+        every = model.backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                               output_hidden_states=True).hidden_states
+        expected = torch.nn.functional.linear(every[-1], model.value_head.weight[0], model.value_head.bias[0])
+    assert torch.equal(values, expected.float())
+
+
 # --------------------------------------------------------------------------------------------- factory
 
 

@@ -174,3 +174,48 @@ def test_a_replaced_ring_unregisters_its_page_locked_buffers(tmp_path, monkeypat
     assert len(cudart.registered) == 1
     ring.release()
     assert cudart.registered == []
+
+
+def test_the_process_memory_ring_page_locks_exactly_the_layouts_size(monkeypatch):
+    """torch's pinned allocator rounds up to a power of two (a 19 GiB state locks 32 GiB per
+    slot): the ring registers pageable memory of the layout's own size instead."""
+    import gc
+
+    from resilient_rl.workers.snapshot_buffers import HostRing
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    nbytes = 3 * 4096 + 64  # far from a power of two
+    ring = HostRing(2)
+    buf = ring.buffer(0, nbytes, pin=True)
+    assert buf.numel() == nbytes and buf.device.type == "cpu"
+    assert cudart.registered == [(buf.data_ptr(), nbytes, 0)]
+    assert ring.buffer(0, nbytes, pin=True) is buf  # reused, not registered again
+    assert len(cudart.registered) == 1
+
+    # A reader's view outlives the ring's hold: the memory is unlocked once the ring lets go.
+    reader = ring.buffer(1, nbytes, pin=True).numpy()
+    ring.forget(1)
+    assert [r[1] for r in cudart.registered] == [nbytes]
+    reader[:] = 7  # still valid memory
+    del reader
+    gc.collect()
+
+    # Dropped without forget: unlocked when the last tensor over it is gone, once.
+    calls = []
+    monkeypatch.setattr(cudart, "cudaHostUnregister", lambda ptr: calls.append(ptr) or 0)
+    ptr = buf.data_ptr()
+    del ring, buf
+    gc.collect()
+    assert calls == [ptr]
+
+
+def test_a_refused_page_lock_keeps_the_pageable_buffer(monkeypatch):
+    from resilient_rl.workers.snapshot_buffers import HostRing
+
+    cudart = FakeCudart(code=712)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    ring = HostRing(1)
+    buf = ring.buffer(0, 1000, pin=True)
+    assert buf.numel() == 1000
+    assert ring.buffer(0, 1000, pin=True) is buf  # not reallocated at every snapshot

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -116,14 +118,19 @@ def test_two_ranks_match_a_single_process_step(ray_cluster, tmp_path, loss_agg_m
     assert moved > 1e-3  # the step really changed the weights
 
 
-def test_colocated_ppo_puts_every_role_in_actor_world_size_processes(ray_cluster, tmp_path):
+def test_colocated_ppo_puts_every_role_in_actor_world_size_processes(ray_cluster, tmp_path, caplog):
     """Colocated PPO: actor, critic, ref and rollout share ``actor.world_size`` processes, and the run
-    equals the split placement with the same world sizes (every role in its own processes)."""
+    equals the split placement with the same world sizes (every role in its own processes). The
+    start prints the roles' memory plan in one line."""
     cfg = small_cfg(tmp_path, "coloc")
     assert cfg.critic.enabled and cfg.critic.world_size == cfg.actor.world_size == 2
     trainer = PPOTrainer(cfg)
     try:
-        roles = trainer.start_roles()
+        with caplog.at_level(logging.INFO, logger="resilient_rl.trainer.ray_roles"):
+            roles = trainer.start_roles()
+        plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: ")]
+        assert len(plans) == 1 and "actor micro_batch_tokens=auto -> null" in plans[0], plans
+        assert "; critic micro_batch_tokens=auto -> null" in plans[0]
         pids = roles.worker_pids()
         assert {role for role, _ in pids} == {"actor", "critic", "ref", "rollout"}
         assert len(set(pids.values())) == cfg.actor.world_size

@@ -17,7 +17,7 @@ import re
 import threading
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from resilient_rl.errors import ConfigError
 
@@ -132,6 +132,12 @@ class Section:
         """Check ranges and allowed values; raise ConfigFieldError naming the field."""
 
 
+def _micro_batch_tokens(value: Optional[Union[int, str]]) -> None:
+    require(value is None or value == "auto" or (isinstance(value, int) and value >= 1), "micro_batch_tokens",
+            value, "must be 'auto' (sized from the device's memory), a number of tokens >= 1, or null "
+                   "(one forward per mini-batch)")
+
+
 def _world_size_or_unset(value: Optional[int]) -> None:
     """A role's ``world_size``: unset (None, resolved by the root config) or >= 1."""
     require(value is None or value >= 1, "world_size", value, "must be >= 1 or null (unset)")
@@ -220,7 +226,10 @@ class ActorConfig(Section):
     #: Split each mini-batch into micro-batches of at most this many tokens (rows x their longest
     #: unpadded length), accumulating gradients over them; null: one forward per mini-batch. Also
     #: bounds the log-prob passes' batches. A row longer than the budget gets a micro-batch alone.
-    micro_batch_tokens: Optional[int] = None
+    #: ``auto``: sized when the model is built from the device's memory, the model's shape, the
+    #: precision, activation checkpointing and the FSDP shard (:mod:`resilient_rl.workers.memory_plan`;
+    #: null when the whole mini-batch fits), and printed at start.
+    micro_batch_tokens: Optional[Union[int, str]] = "auto"
     #: Recompute each transformer block's activations in the backward pass instead of keeping them.
     activation_checkpointing: bool = False
     #: ``torch.compile`` each transformer block (needs a C++ compiler on CPU; first steps compile).
@@ -231,8 +240,7 @@ class ActorConfig(Section):
     packing: bool = False
 
     def validate(self) -> None:
-        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
-                 self.micro_batch_tokens, "must be >= 1 or null (one forward per mini-batch)")
+        _micro_batch_tokens(self.micro_batch_tokens)
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
@@ -264,13 +272,12 @@ class CriticConfig(Section):
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
     #: As ``ActorConfig.micro_batch_tokens``, ``activation_checkpointing`` and ``compile``.
-    micro_batch_tokens: Optional[int] = None
+    micro_batch_tokens: Optional[Union[int, str]] = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
 
     def validate(self) -> None:
-        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
-                 self.micro_batch_tokens, "must be >= 1 or null (one forward per mini-batch)")
+        _micro_batch_tokens(self.micro_batch_tokens)
         for name in ("ppo_epochs", "mini_batch_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _world_size_or_unset(self.world_size)

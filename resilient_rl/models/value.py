@@ -73,9 +73,12 @@ class CausalLMWithValueHead(nn.Module):
         if isinstance(self.backbone, TinyCausalLM):
             hidden, _ = self.backbone.forward_hidden(input_ids, attention_mask, position_ids)
             return hidden
+        # The base model's own output is the final hidden state: asking for every layer's
+        # (output_hidden_states) would keep num_layers + 1 extra [B, T, H] tensors alive until
+        # the values are computed, for nothing.
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False, output_hidden_states=True)
-        return out.hidden_states[-1]
+                            use_cache=False, return_dict=True)
+        return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

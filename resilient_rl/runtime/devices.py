@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilient_rl import env
+from resilient_rl import nvml as _nvml_lookup
 from resilient_rl.nvml import as_str as _as_str, load_pynvml as _load_pynvml, resolve_visible_devices
 
 logger = logging.getLogger(__name__)
@@ -92,12 +93,15 @@ _VISIBLE_CACHE: dict[tuple[Any, ...], tuple[str, ...]] = {}
 def visible_gpu_uuids(nvml: Any | None = None) -> tuple[str, ...]:
     """UUIDs of this process's CUDA devices in CUDA order (entry ``i`` is ``cuda:i``).
 
-    Read once per NVML module and ``CUDA_VISIBLE_DEVICES`` value (neither changes under a
-    running process), without initialising CUDA. Empty without NVML, a driver or a GPU.
+    Read once per NVML module, ``CUDA_VISIBLE_DEVICES`` value and CUDA's own device UUIDs
+    (none change under a running process, except that CUDA tells its UUIDs only once it is
+    initialised), without initialising CUDA. Empty without NVML, a driver or a GPU.
     ``nvml``: a ``pynvml``-like module (a test double); None imports ``pynvml``.
     """
     entries = env.cuda_visible_devices()
-    key = (id(nvml), None if entries is None else tuple(entries))
+    cuda_uuids = _nvml_lookup.cuda_device_uuids()
+    key = (id(nvml), None if entries is None else tuple(entries),
+           None if cuda_uuids is None else tuple(cuda_uuids))
     with _VISIBLE_LOCK:
         if key in _VISIBLE_CACHE:
             return _VISIBLE_CACHE[key]
@@ -112,7 +116,7 @@ def visible_gpu_uuids(nvml: Any | None = None) -> tuple[str, ...]:
                 try:
                     every = [_as_str(module.nvmlDeviceGetUUID(module.nvmlDeviceGetHandleByIndex(i)))
                              for i in range(module.nvmlDeviceGetCount())]
-                    uuids = tuple(every[i] for i in resolve_visible_devices(entries, every))
+                    uuids = tuple(every[i] for i in resolve_visible_devices(entries, every, cuda_uuids))
                 except module.NVMLError as exc:
                     logger.warning("NVML cannot list the GPUs (%s): this process reports no GPU", exc)
                 finally:

@@ -116,6 +116,18 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def uses_nccl(backend: str) -> bool:
+    """Whether a process group's backend string has NCCL in it.
+
+    ``get_backend()`` returns the string the group was created with, so a GPU group made as
+    ``"cpu:gloo,cuda:nccl"`` never equals ``"nccl"``: each ``device:backend`` part is read.
+    """
+    for part in str(backend).lower().split(","):
+        if part.strip().rpartition(":")[2].strip() == "nccl":
+            return True
+    return False
+
+
 def cuda_device_index(local_rank: int) -> int:
     """The CUDA device a rank computes on: one per local rank among the visible devices."""
     return local_rank % torch.cuda.device_count()
@@ -301,7 +313,7 @@ class Worker(MeshInfoMixin):
 def destroy_process_group() -> None:
     """Tear down this process's group; a broken group must not prevent joining a new one."""
     try:
-        if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        if uses_nccl(dist.get_backend()) and hasattr(dist.distributed_c10d, "_abort_process_group"):
             # destroy on a wedged NCCL communicator can block; abort does not.
             dist.distributed_c10d._abort_process_group()
         else:

@@ -1,9 +1,11 @@
 """Device samplers: per-GPU readings through NVML and per-process CPU and memory through psutil.
 
 :class:`GpuSampler` reads each visible GPU with NVML (package ``nvidia-ml-py``, module ``pynvml``).
-NVML enumerates every device of the machine whatever ``CUDA_VISIBLE_DEVICES`` says, so devices
-are matched to CUDA indices by UUID: entry ``i`` of ``CUDA_VISIBLE_DEVICES`` (an NVML index, a
-full UUID or a unique ``GPU-`` UUID prefix) is CUDA device ``i``. Without NVML (no driver, no
+NVML enumerates every device of the machine whatever ``CUDA_VISIBLE_DEVICES`` says, and in PCI
+order where CUDA's may differ, so devices are matched to CUDA indices by UUID: CUDA's own UUID of
+each device once CUDA is initialised in the process, and before that entry ``i`` of
+``CUDA_VISIBLE_DEVICES`` (an index, a full UUID or a unique ``GPU-`` UUID prefix) as device ``i``
+(see :mod:`resilient_rl.nvml`). Without NVML (no driver, no
 library, no GPU) the sampler is disabled and :meth:`GpuSampler.sample` returns an empty list, so
 no GPU series is ever exported as zero. A reading a device does not support is ``None``.
 
@@ -22,6 +24,7 @@ from typing import Any, Callable, Mapping
 import psutil
 
 from resilient_rl import env
+from resilient_rl import nvml as _nvml_lookup
 from resilient_rl.nvml import as_str as _as_str, driver_present as _driver_present
 from resilient_rl.nvml import load_pynvml as _load_pynvml, resolve_visible_devices
 
@@ -80,6 +83,9 @@ class GpuSampler:
         self._cached: tuple[float, list[GpuSample]] | None = None
         self._lock = threading.Lock()
         self._handles: list[tuple[int, str, Any]] = []  # (cuda index, uuid, handle)
+        # Whether the CUDA indices came from CUDA's own UUIDs (exact) or from the variable's
+        # entries (a guess on mixed GPUs): a guess is redone once CUDA is initialised.
+        self._matched_by_uuid = all_devices
         self._warned: set[tuple[str, str]] = set()
         self.available = False
         if self._nvml is None:
@@ -105,10 +111,21 @@ class GpuSampler:
         uuids = [_as_str(nvml.nvmlDeviceGetUUID(h)) for h in handles]
         # With all_devices the CUDA index is the NVML index, as it is when the variable is unset.
         entries = None if self._all_devices else env.cuda_visible_devices()
+        cuda_uuids = None if self._all_devices else _nvml_lookup.cuda_device_uuids()
+        self._matched_by_uuid = self._all_devices or cuda_uuids is not None
         self._handles = [
             (cuda_index, uuids[nvml_index], handles[nvml_index])
-            for cuda_index, nvml_index in enumerate(resolve_visible_devices(entries, uuids))
+            for cuda_index, nvml_index in enumerate(resolve_visible_devices(entries, uuids, cuda_uuids))
         ]
+
+    def _rediscover(self) -> None:
+        # CUDA was initialised after this sampler started: its UUIDs now give the exact mapping.
+        try:
+            self._discover()
+        except self._nvml.NVMLError as exc:
+            logger.warning("NVML device discovery failed (%s); keeping the earlier device mapping", exc)
+            self._matched_by_uuid = True  # do not retry on every sample
+        self._cached = None
 
     @property
     def devices(self) -> list[tuple[int, str]]:
@@ -124,6 +141,8 @@ class GpuSampler:
         samples = []
         with self._lock:
             now = self._clock()
+            if not self._matched_by_uuid and _nvml_lookup.cuda_device_uuids() is not None:
+                self._rediscover()
             if self._cached is not None and now - self._cached[0] < self._max_age_s:
                 return list(self._cached[1])
             for index, uuid, handle in self._handles:

@@ -6,6 +6,7 @@ reference a distributed step is tested against.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -14,11 +15,14 @@ from resilient_rl.workers.determinism import apply_deterministic
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime.pool import step_role
 from resilient_rl.runtime.devices import device_report
+from resilient_rl.workers import memory_plan
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
 from resilient_rl.workers.weight_sync import write_into
+
+logger = logging.getLogger(__name__)
 
 
 def _controller_node_id() -> str | None:
@@ -50,13 +54,21 @@ class LocalRoles:
         cfg, tokenizer = self.cfg, self.tokenizer
         plan = plan_device(cfg.trainer.device, cfg.model.dtype)
         vocab, seed, steps = tokenizer.vocab_size, cfg.trainer.seed, cfg.trainer.total_steps
-        self.actor = PolicyEngine(cfg.model, vocab, seed, plan, actor_cfg=cfg.actor, total_steps=steps)
+        self.critic_enabled = cfg.critic.enabled
+        # Every role shares this process's device: each trained one plans around the others.
+        kv_rows = cfg.data.batch_size * cfg.rollout.n
+        shared = ("ref", "rollout")
+        self.actor = PolicyEngine(cfg.model, vocab, seed, plan, actor_cfg=cfg.actor, total_steps=steps,
+                                  colocated=shared + (("critic",) if self.critic_enabled else ()), kv_rows=kv_rows)
         self.ref = PolicyEngine(cfg.model, vocab, seed, plan, trainable=False)
         self.rollout = RolloutEngine(cfg.model, cfg.rollout, vocab, seed, plan, list(tokenizer.eos_token_ids),
                                      tokenizer.pad_token_id)
-        self.critic_enabled = cfg.critic.enabled
-        self.critic = ValueEngine(cfg.model, cfg.critic, vocab, seed + 1, plan, total_steps=steps) \
-            if self.critic_enabled else None
+        self.critic = ValueEngine(cfg.model, cfg.critic, vocab, seed + 1, plan, total_steps=steps,
+                                  colocated=shared + ("actor",), kv_rows=kv_rows) if self.critic_enabled else None
+        if not getattr(self, "_plan_printed", False):  # once, at start
+            self._plan_printed = True
+            memory_plan.announce(logger, [e.memory_plan and e.memory_plan.line
+                                          for e in (self.actor, self.critic) if e is not None])
 
     def generate(self, prompts: DataProto) -> DataProto:
         return self.rollout.generate_sequences(prompts, rank=0)

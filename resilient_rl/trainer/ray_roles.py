@@ -26,6 +26,7 @@ from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
 from resilient_rl.runtime.pool import STATEFUL_ROLES, primary_role, step_role
+from resilient_rl.workers import memory_plan
 from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class RayRoles:
             self.refresh_workers()
             self.rendezvous()
             self.init_models()
+            self._print_memory_plan()
             self.sync_weights(0)  # the rollout, built empty, gets the actor's initial weights
             # Started last: they warm up while the first step runs.
             self.spares = {g.name_prefix: SparePool(g, cfg.recovery.spares, cfg.recovery.rendezvous_timeout_s)
@@ -88,6 +90,12 @@ class RayRoles:
         except BaseException:
             self.shutdown()
             raise
+
+    def _print_memory_plan(self) -> None:
+        """Say once, at start, how ``micro_batch_tokens=auto`` was resolved (rank 0 of each
+        trained role; every rank plans the same device)."""
+        memory_plan.announce(logger, [self.groups[role].memory_plan_line()[0]
+                                      for role in ("actor", "critic") if role in self.groups])
 
     def _group(self, role: str, world_size: int, cls: RayClassWithInitArgs) -> RayWorkerGroup:
         c = self.cfg

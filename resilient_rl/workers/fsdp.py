@@ -347,3 +347,16 @@ def global_token_counts(masks: list[torch.Tensor]) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
     return counts
+
+
+def agreed_counts(counts: list[int], model: nn.Module, device: torch.device) -> list[int]:
+    """The number of micro-batches every rank runs for each mini-batch: the largest over the
+    group, in one all-reduce, where ``model`` is sharded by FSDP2 (each forward and backward is a
+    collective there: see :func:`resilient_rl.workers.micro_batch.cut_to`); ``counts`` unchanged
+    for a replica (it reduces once per mini-batch, whatever each rank ran before)."""
+    if not counts or not is_fsdp(model) or not (dist.is_available() and dist.is_initialized()) \
+            or dist.get_world_size() == 1:
+        return list(counts)
+    agreed = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return [int(n) for n in agreed.tolist()]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["micro_batches", "row_lengths", "split", "trim_left_padding"]
+__all__ = ["count", "cut_to", "micro_batches", "row_lengths", "split", "trim_left_padding"]
 
 # Keys laid out over the whole sequence (prompt + response); the others are per response token
 # or per row and are never trimmed.
@@ -48,6 +48,27 @@ def micro_batches(attention_mask: torch.Tensor, max_tokens: int | None, packed: 
     return ranges
 
 
+def count(attention_mask: torch.Tensor, max_tokens: int | None, packed: bool = False) -> int:
+    """How many micro-batches :func:`split` makes of a batch with ``attention_mask``."""
+    return len(micro_batches(attention_mask, max_tokens, packed))
+
+
+def cut_to(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """``ranges`` with the one of most rows cut in halves until there are ``n`` (as many as the
+    rows allow). Ranks of an FSDP2 group must run as many micro-batches as each other: every
+    forward and backward is a collective, so a rank with fewer would leave its peers waiting in
+    one, or pair two different collectives. Smaller micro-batches stay within the budget."""
+    ranges = list(ranges)
+    while len(ranges) < n:
+        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
+        start, end = ranges[i]
+        if end - start < 2:
+            break
+        mid = start + (end - start) // 2
+        ranges[i:i + 1] = [(start, mid), (mid, end)]
+    return ranges
+
+
 def trim_left_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``batch`` without the leading columns that are padding in every row (see module docs)."""
     mask = batch["attention_mask"]
@@ -59,11 +80,13 @@ def trim_left_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k: (v[:, drop:] if k in _SEQUENCE_KEYS else v) for k, v in batch.items()}
 
 
-def split(batch: dict[str, torch.Tensor], max_tokens: int | None, packed: bool = False) -> list[dict[str, torch.Tensor]]:
+def split(batch: dict[str, torch.Tensor], max_tokens: int | None, packed: bool = False,
+          at_least: int = 1) -> list[dict[str, torch.Tensor]]:
     """``batch`` (tensors with rows first) as token-sized, trimmed micro-batches; ``None`` keeps it
-    whole. ``packed``: sized for packed sequences (their padding is never computed, so not trimmed)."""
+    whole. ``packed``: sized for packed sequences (their padding is never computed, so not trimmed).
+    ``at_least``: cut further to that many micro-batches (:func:`cut_to`)."""
     if max_tokens is None:
         return [dict(batch)]
-    ranges = micro_batches(batch["attention_mask"], max_tokens, packed)
+    ranges = cut_to(micro_batches(batch["attention_mask"], max_tokens, packed), at_least)
     parts = [{k: v[s:e] for k, v in batch.items()} for s, e in ranges]
     return parts if packed else [trim_left_padding(p) for p in parts]

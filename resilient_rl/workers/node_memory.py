@@ -239,7 +239,7 @@ def pin(t: torch.Tensor, cudart: Any = None) -> bool:
     cudart = cudart if cudart is not None else torch.cuda.cudart()
     err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     if int(getattr(err, "value", err)) != 0:
-        logger.warning("cudaHostRegister of %d bytes of snapshot node memory failed (%s): copies "
+        logger.warning("cudaHostRegister of %d bytes of snapshot host memory failed (%s): copies "
                        "from the GPU into it are not asynchronous", t.numel(), err)
         return False
     return True

@@ -16,16 +16,24 @@ from resilient_rl.algos.losses import ppo_policy_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers import micro_batch
+from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.logprob import response_logprobs
-from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
-                                       wrap_model)
+from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gradients, build_optimizer,
+                                       build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
+                                       update_is_finite, wrap_model)
 
 
 def dp_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def planned_seq_len(model_cfg, model) -> int:
+    """The longest sequence (prompt + response) a micro-batch row may have: ``model.max_seq_len``,
+    else the model's own position limit."""
+    length = getattr(model_cfg, "max_seq_len", None) or getattr(model.config, "max_position_embeddings", None) \
+        or getattr(model.config, "max_seq_len", None)
+    return int(length or 1)
 
 
 class PolicyEngine:
@@ -40,9 +48,11 @@ class PolicyEngine:
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
-                 empty: bool = False):
+                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0):
         """``empty``: the weights are allocated, not initialised, for a restore to fill (the
-        caller must load the whole state before using the engine)."""
+        caller must load the whole state before using the engine). ``colocated`` (the other roles
+        sharing this process's device) and ``kv_rows`` (their rollout's cache rows) size
+        ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
@@ -57,7 +67,11 @@ class PolicyEngine:
         self.model = wrap_model(model, plan, strategy, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
         self._autocast = plan.autocast_enabled(self.model)
-        self.micro_batch_tokens = getattr(actor_cfg, "micro_batch_tokens", None)
+        # A scoring-only engine (the ref) keeps one forward per batch, as before ``auto`` existed.
+        self.micro_batch_tokens, self.memory_plan = memory_plan.resolve(
+            getattr(actor_cfg, "micro_batch_tokens", None) if trainable else None, role="actor", model=self.model,
+            device_plan=plan, role_cfg=actor_cfg, seq_len=planned_seq_len(model_cfg, self.model),
+            colocated=colocated, kv_rows=kv_rows)
         self.packing = bool(getattr(actor_cfg, "packing", False))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
@@ -76,7 +90,8 @@ class PolicyEngine:
             parts = [{k: v[i:i + micro_batch_size] for k, v in batch.items()}
                      for i in range(0, len(data), micro_batch_size)]
         else:
-            parts = micro_batch.split(batch, self.micro_batch_tokens, self.packing)
+            parts = micro_batch.split(batch, self.micro_batch_tokens, self.packing,
+                                      self._agreed_counts([batch])[0])
         logps, ents = [], []
         for part in parts:
             progress.advance("micro-batch")
@@ -104,9 +119,10 @@ class PolicyEngine:
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
         counts = global_token_counts(masks).clamp(min=1.0)
-        for mb, mask, (tokens, seqs) in zip(mini_batches, masks, counts):
+        parts = self._agreed_counts([mb.batch for mb in mini_batches])
+        for mb, mask, (tokens, seqs), n_parts in zip(mini_batches, masks, counts, parts):
             progress.advance("mini-batch")
-            terms = self._accumulate(mb, mask, tokens, seqs, world)
+            terms = self._accumulate(mb, mask, tokens, seqs, world, n_parts)
             all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
@@ -126,15 +142,23 @@ class PolicyEngine:
         metrics["actor/nonfinite_skipped"] = float(skipped)
         return metrics
 
+    def _agreed_counts(self, batches) -> list[int]:
+        """Micro-batches per batch, as many on every rank of an FSDP2 group (see
+        :func:`~resilient_rl.workers.fsdp.agreed_counts`); no collective when batches are whole."""
+        if self.micro_batch_tokens is None:
+            return [1] * len(batches)
+        return agreed_counts([micro_batch.count(b["attention_mask"], self.micro_batch_tokens, self.packing)
+                              for b in batches], self.model, self.plan.device)
+
     def _accumulate(self, mb: DataProto, mask: torch.Tensor, tokens: torch.Tensor, seqs: torch.Tensor,
-                    world: int) -> list[tuple[str, torch.Tensor]]:
-        """Forward and backward of one mini-batch, micro-batch by micro-batch; returns the
+                    world: int, n_parts: int = 1) -> list[tuple[str, torch.Tensor]]:
+        """Forward and backward of one mini-batch, in at least ``n_parts`` micro-batches; returns the
         mini-batch's loss terms (each micro-batch's weighted by its share of the mini-batch)."""
         cfg = self.cfg
         dev = self.plan.device
         mb_tokens, mb_seqs = mask.sum().clamp(min=1.0), mask.bool().any(dim=-1).sum().clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
-        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing):
+        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing, n_parts):
             m = part["response_mask"].to(dev).float()
             logp, ent = self._logprobs(part)
             # A local mean times world * (local units / global units) is this rank's share of the

@@ -106,6 +106,23 @@ class RoleWorker(Worker):
             self._plan = plan_device(self.cfg.trainer.device, self.cfg.model.dtype, self.cfg.trainer.sharding)
         return self._plan
 
+    def colocated_roles(self) -> tuple[tuple[str, ...], int]:
+        """The other roles sharing this process's device through an update pass, and the rows of
+        their rollout's KV cache (for ``micro_batch_tokens=auto``); none in the split placement."""
+        c = self.cfg
+        if c.trainer.placement != "colocated":
+            return (), 0
+        trained = {"actor": "critic", "critic": "actor"}
+        others = ("ref", "rollout") + ((trained[self.role],) if c.critic.enabled else ())
+        rows = c.data.batch_size * c.rollout.n // max(1, c.rollout.world_size or c.actor.world_size)
+        return others, rows
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def memory_plan_line(self) -> str | None:
+        """The engine's ``micro_batch_tokens=auto`` decision in one line; None when set by hand."""
+        plan = getattr(getattr(self, "engine", None), "memory_plan", None)
+        return None if plan is None else plan.line
+
     def release_engine(self) -> None:
         """Drop the engine of an earlier generation before building the next one.
 
@@ -150,9 +167,11 @@ class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
         c = self.cfg
         self.release_engine()
         self.reset_checkpoint_writer()
+        colocated, kv_rows = self.colocated_roles()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True,
-                                   reshard_after_forward=c.actor.reshard_after_forward, empty=empty)
+                                   reshard_after_forward=c.actor.reshard_after_forward, empty=empty,
+                                   colocated=colocated, kv_rows=kv_rows)
         self.prepare_checkpoint_staging()  # the first save then stalls no longer than later ones
         return True
 
@@ -232,8 +251,10 @@ class CriticWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
         self.release_engine()
         self.reset_checkpoint_writer()
         # A different seed from the actor's: the critic's backbone is its own model.
+        colocated, kv_rows = self.colocated_roles()
         self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
-                                  total_steps=c.trainer.total_steps, empty=empty)
+                                  total_steps=c.trainer.total_steps, empty=empty, colocated=colocated,
+                                  kv_rows=kv_rows)
         self.prepare_checkpoint_staging()
         return True
 

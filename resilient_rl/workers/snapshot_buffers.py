@@ -6,7 +6,8 @@ across steps) and every tensor of the optimizer's per-parameter state (AdamW: ``
 ``exp_avg``, ``exp_avg_sq``), in a fixed order (:func:`named_tensors`). Their byte layout
 (:class:`Layout`: name, dtype, shape and offset of each) is computed once and reused while the
 tensors keep their names, shapes and dtypes; each snapshot copies them into a preallocated host
-buffer (:class:`HostRing`, pinned on CUDA), chunk by chunk, reporting progress after each chunk
+buffer (:class:`HostRing`, page-locked on CUDA at its exact size: :func:`pinned_host_buffer`),
+chunk by chunk, reporting progress after each chunk
 (:mod:`resilient_rl.runtime.progress`), so a rank copying a large state still advances. On
 CUDA the copies run on a side stream (after the current stream's queued work) into pinned memory
 with ``non_blocking=True``; :func:`copy_out` waits for each chunk's event (the GIL is released
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -178,6 +180,28 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) 
         torch._foreach_copy_(ds, ss, non_blocking=non_blocking)
 
 
+def pinned_host_buffer(nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A flat uint8 host buffer of exactly ``nbytes``, page-locked for asynchronous copies from
+    the GPU, and the call that unlocks it (None when CUDA refused: the copies then go to pageable
+    memory, correct but not overlapped).
+
+    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
+    rounds a block up to a power of two: a 19 GiB state would lock 32 GiB per ring slot. Here the
+    memory is allocated pageable at its size and registered with CUDA (``cudaHostRegister``). The
+    unlock runs at most once: when the ring lets the buffer go, or else when the last tensor or
+    array over it is gone (before the memory is freed: a freed range must not stay registered).
+    """
+    array = np.empty(nbytes, dtype=np.uint8)
+    buf = torch.from_numpy(array)  # the tensor (and every view of it) keeps ``array`` alive
+    if not node_memory.pin(buf):
+        return buf, None
+    return buf, weakref.finalize(array, _unregister, torch.cuda.cudart(), buf.data_ptr())
+
+
+def _unregister(cudart: Any, ptr: int) -> None:
+    cudart.cudaHostUnregister(ptr)
+
+
 class HostRing:
     """``slots`` flat host buffers of one layout's size, reused in turn (pinned where CUDA is).
 
@@ -189,19 +213,26 @@ class HostRing:
         self.files = files
         self.buffers: list[torch.Tensor | None] = [None] * slots
         self._pinned = [False] * slots
+        # CUDA refused to page-lock the slot's buffer: keep it pageable rather than allocating
+        # a new one (of the whole state's size) at every snapshot only to be refused again.
+        self._pin_refused = [False] * slots
+        self._unlock: list[Callable[[], None] | None] = [None] * slots  # process-memory buffers
         self._views: list[tuple[Layout | None, list]] = [(None, [])] * slots
         self._stream = None
 
     def buffer(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
         buf = self.buffers[slot]
-        if buf is None or buf.numel() != nbytes or (pin and not self._pinned[slot]):
+        if buf is None or buf.numel() != nbytes or (pin and not self._pinned[slot] and not self._pin_refused[slot]):
             self.forget(slot)  # free the old one first
-            if self.files is None:
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                self._pinned[slot] = pin
+            if self.files is None and pin:
+                buf, self._unlock[slot] = pinned_host_buffer(nbytes)
+                self._pinned[slot] = self._unlock[slot] is not None
+            elif self.files is None:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
             else:
                 buf = self.files.map(slot, nbytes)
                 self._pinned[slot] = pin and node_memory.pin(buf)
+            self._pin_refused[slot] = pin and not self._pinned[slot]
             self.buffers[slot] = buf
         return buf
 
@@ -220,8 +251,12 @@ class HostRing:
         """Give ``slot`` a new buffer at its next use (whoever still reads the old one keeps it)."""
         if self._pinned[slot] and self.files is not None:
             node_memory.unpin(self.buffers[slot])
+        unlock, self._unlock[slot] = self._unlock[slot], None
+        if unlock is not None:
+            unlock()
         self.buffers[slot] = None
         self._pinned[slot] = False
+        self._pin_refused[slot] = False
         self._views[slot] = (None, [])
 
     def views(self, slot: int, layout: Layout) -> list[torch.Tensor]:

@@ -8,12 +8,12 @@ from resilient_rl.algos.losses import value_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
-from resilient_rl.workers import micro_batch
+from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
-from resilient_rl.workers.fsdp import (DevicePlan, all_reduce_gradients, build_optimizer, build_scheduler,
-                                       clip_grad_norm, global_token_counts, step_scheduler, update_is_finite,
-                                       wrap_model)
-from resilient_rl.workers.policy import dp_world_size
+from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gradients, build_optimizer,
+                                       build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
+                                       update_is_finite, wrap_model)
+from resilient_rl.workers.policy import dp_world_size, planned_seq_len
 
 
 def response_values(model, data, device: torch.device) -> torch.Tensor:
@@ -30,14 +30,17 @@ class ValueEngine:
     """A value model (backbone + scalar head) trained with the clipped value loss."""
 
     def __init__(self, model_cfg, critic_cfg, vocab_size: int, seed: int, plan: DevicePlan, total_steps: int = 1,
-                 empty: bool = False):
-        """``empty``: as for :class:`~resilient_rl.workers.policy.PolicyEngine`."""
+                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0):
+        """``empty``, ``colocated`` and ``kv_rows``: as for
+        :class:`~resilient_rl.workers.policy.PolicyEngine` (``critic.micro_batch_tokens=auto``)."""
         self.plan = plan
         self.cfg = critic_cfg
         model = apply_block_options(build_value_model(model_cfg, vocab_size, seed, empty=empty),
                                     critic_cfg.activation_checkpointing, critic_cfg.compile)
         self.model = wrap_model(model, plan, critic_cfg.strategy, reshard_after_forward=critic_cfg.reshard_after_forward)
-        self.micro_batch_tokens = critic_cfg.micro_batch_tokens
+        self.micro_batch_tokens, self.memory_plan = memory_plan.resolve(
+            critic_cfg.micro_batch_tokens, role="critic", model=self.model, device_plan=plan, role_cfg=critic_cfg,
+            seq_len=planned_seq_len(model_cfg, self.model), colocated=colocated, kv_rows=kv_rows)
         self.model.train(False)
         self._autocast = plan.autocast_enabled(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
@@ -52,7 +55,8 @@ class ValueEngine:
         """Values of the states before each response token (0 under the mask), in micro-batches
         of ``critic.micro_batch_tokens`` tokens."""
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
-        values = [self._values(part).cpu() for part in micro_batch.split(batch, self.micro_batch_tokens)]
+        parts = micro_batch.split(batch, self.micro_batch_tokens, at_least=self._agreed_counts([batch])[0])
+        values = [self._values(part).cpu() for part in parts]
         return DataProto.from_dict({"values": torch.cat(values) * data.batch["response_mask"]})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
@@ -69,9 +73,10 @@ class ValueEngine:
         mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
         masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
         counts = global_token_counts(masks).clamp(min=1.0)
-        for mb, mask, (tokens, _) in zip(mini_batches, masks, counts):
+        parts = self._agreed_counts([mb.batch for mb in mini_batches])
+        for mb, mask, (tokens, _), n_parts in zip(mini_batches, masks, counts, parts):
             progress.advance("mini-batch")
-            terms = self._accumulate(mb, mask, tokens, world)
+            terms = self._accumulate(mb, mask, tokens, world, n_parts)
             all_reduce_gradients(self.model)
             grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if not update_is_finite(grad_norm):
@@ -90,14 +95,21 @@ class ValueEngine:
         metrics["critic/nonfinite_skipped"] = float(skipped)
         return metrics
 
+    def _agreed_counts(self, batches) -> list[int]:
+        """As :meth:`~resilient_rl.workers.policy.PolicyEngine._agreed_counts` (values run padded)."""
+        if self.micro_batch_tokens is None:
+            return [1] * len(batches)
+        return agreed_counts([micro_batch.count(b["attention_mask"], self.micro_batch_tokens) for b in batches],
+                             self.model, self.plan.device)
+
     def _accumulate(self, mb: DataProto, mask: torch.Tensor, tokens: torch.Tensor,
-                    world: int) -> list[tuple[str, torch.Tensor]]:
+                    world: int, n_parts: int = 1) -> list[tuple[str, torch.Tensor]]:
         """Forward and backward of one mini-batch, micro-batch by micro-batch (token-weighted
         loss terms; see :class:`~resilient_rl.workers.policy.PolicyEngine`)."""
         dev = self.plan.device
         mb_tokens = mask.sum().clamp(min=1.0)
         sums: dict[str, torch.Tensor] = {}
-        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens):
+        for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, at_least=n_parts):
             m = part["response_mask"].to(dev).float()
             vpreds = self._values(part)
             vf_loss, vf_clipfrac = value_loss(vpreds, part["values"].to(dev), part["returns"].to(dev), m,

@@ -1,0 +1,43 @@
+"""Reading the process group's backend string: the NCCL abort branch of a group's teardown."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_rl.runtime import worker
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("nccl", True),
+    ("cpu:gloo,cuda:nccl", True),  # how rendezvous creates every GPU group
+    ("cuda:nccl,cpu:gloo", True),
+    ("CPU:GLOO, CUDA:NCCL", True),
+    ("gloo", False),
+    ("cpu:gloo", False),
+    ("cpu:gloo,cuda:gloo", False),
+    ("", False),
+])
+def test_uses_nccl_reads_each_device_part(backend, expected):
+    assert worker.uses_nccl(backend) is expected
+
+
+def test_teardown_aborts_a_mixed_gloo_nccl_group(monkeypatch):
+    """A GPU group is "cpu:gloo,cuda:nccl": its teardown must take the abort path, since
+    destroying a communicator with a dead peer can block."""
+    calls: list[str] = []
+    monkeypatch.setattr(worker.dist, "get_backend", lambda *a, **k: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(worker.dist.distributed_c10d, "_abort_process_group",
+                        lambda *a, **k: calls.append("abort"), raising=False)
+    monkeypatch.setattr(worker.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    worker.destroy_process_group()
+    assert calls == ["abort"]
+
+
+def test_teardown_destroys_a_gloo_group(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(worker.dist, "get_backend", lambda *a, **k: "gloo")
+    monkeypatch.setattr(worker.dist.distributed_c10d, "_abort_process_group",
+                        lambda *a, **k: calls.append("abort"), raising=False)
+    monkeypatch.setattr(worker.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    worker.destroy_process_group()
+    assert calls == ["destroy"]
