@@ -338,7 +338,7 @@ def run(args: argparse.Namespace, tmp: str, device: str) -> dict:
     return {"cfg": cfg, "rows": rows, "readings": measure.sampling.readings if measure.sampling else [],
             "stalls": measure.stalls, "n_params": count_params(cfg, vocab),
             "recovered": [e for e in trainer.run_dir.read_events() if e.get("event") == "recovered"],
-            "steps": [r["step"] for r in history]}
+            "steps": [r["step"] for r in history], "warm": [r for r in history if r["step"] < measure.first]}
 
 
 def recovery_lines(recovered: list[dict], steps: list[int]) -> list[str]:
@@ -364,6 +364,7 @@ def main(argv=None) -> int:
     from train import plain_copy_s  # bench/train.py: this script's folder is first on sys.path
 
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("resilient_rl.trainer.ray_roles").setLevel(logging.INFO)  # the memory plan's line
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
         if args.workload:
             args.config = prepare_workload(args.workload, tmp, args.tiny)
@@ -384,6 +385,9 @@ def main(argv=None) -> int:
                           device_name=name, peak=peak, n_gpus=gpus_used(cfg),
                           util=utilization_summary(r["readings"]), copy_s=copy_s, stalls=r["stalls"])
     print("\n".join(lines))
+    for row in r["warm"]:
+        print(f"warm-up step {row['step']}: {row['timing/step_s']:.1f} s (generation {row.get('timing/gen_s', 0):.1f} s, "
+              f"{row.get('perf/decode_compiles', 0):.0f} decode-step compiles)")
     decode = [(row.get("perf/decode_compiles", 0.0), row.get("perf/decode_graph_breaks", 0.0),
                row.get("perf/decode_compactions", 0.0), row.get("perf/decode_eager", 0.0)) for row in rows]
     if decode:

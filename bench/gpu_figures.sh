@@ -5,10 +5,10 @@
 #
 # With --wheelhouse, first installs the project from DIR with no package index
 # (`./install.sh --wheelhouse DIR`). Logs and a summary go to OUT (default: ./gpu-figures).
-#   1. gsm8k-1.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
-#      tokens/s/GPU, decode compiles and graph breaks, and one actor SIGKILL's recovery time;
-#   2. gsm8k-0.5b: the same, and the rollout engine against HF generate with the engine's share of
-#      the decode roofline.
+#   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
+#      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
+#      rollout engine against HF generate with the engine's share of the decode roofline;
+#   2. gsm8k-1.5b: the same but the generation comparison.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -28,11 +28,11 @@ run() {  # name, timeout, arguments of bench/gpu.py
     echo "== $name: python bench/gpu.py $*" | tee -a "$out/summary.txt"
     timeout "$limit" "$PY" bench/gpu.py "$@" > "$out/$name.log" 2>&1
     local rc=$?
-    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|memory plan)" \
+    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up)|memory plan:" \
         "$out/$name.log" | tee -a "$out/summary.txt"
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
 }
+run gsm8k-0.5b 230 --workload gsm8k-0.5b --warmup 1 --steps 2 --generation-paths engine,hf_dynamic
 run gsm8k-1.5b 300 --workload gsm8k-1.5b --warmup 1 --steps 2 --skip-generation
-run gsm8k-0.5b 270 --workload gsm8k-0.5b --warmup 1 --steps 2 --generation-paths engine,hf_dynamic
 exit $status

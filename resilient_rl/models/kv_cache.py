@@ -71,7 +71,9 @@ class EngineCache:
 
 def _static(t: torch.Tensor) -> torch.Tensor:
     """Tag a buffer that is mutated in place as having a fixed address, so that a compiled decode
-    step captured in a CUDA graph reads and writes it directly instead of copying it each replay."""
-    if t.is_cuda:
-        torch._dynamo.mark_static_address(t)
+    step captured in a CUDA graph reads and writes it directly instead of copying it each replay.
+    Unguarded: a new view of the same buffer (after a compaction, in the next rollout) reuses the
+    compiled step; a guarded tag would recompile for every new tensor object. Tagged on every
+    device, so the CPU runs the path a GPU runs (the tag only matters to CUDA graphs)."""
+    torch._dynamo.mark_static_address(t, guard=False)
     return t
