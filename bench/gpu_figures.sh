@@ -33,6 +33,6 @@ run() {  # name, timeout, arguments of bench/gpu.py
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
 }
-run gsm8k-0.5b 230 --workload gsm8k-0.5b --warmup 1 --steps 2 --generation-paths engine,hf_dynamic
-run gsm8k-1.5b 300 --workload gsm8k-1.5b --warmup 1 --steps 2 --skip-generation
+run gsm8k-0.5b 200 --workload gsm8k-0.5b --warmup 1 --steps 2 --generation-paths engine,hf_dynamic
+run gsm8k-1.5b 200 --workload gsm8k-1.5b --warmup 1 --steps 2 --skip-generation
 exit $status

@@ -108,6 +108,12 @@ class DecodeStep:
         if not self.compile:
             return decode(*args)
         try:
+            if self.mode == "reduce-overhead":
+                # Each call is a new step of the CUDA graphs: the tokens it returns live in the
+                # graph's memory, overwritten by the next replay, so they are copied out (B ids)
+                # before they are fed back in.
+                torch.compiler.cudagraph_mark_step_begin()
+                return self._function()(*args).clone()
             return self._function()(*args)
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
             # A failed call may be repeated eagerly: a decode step only overwrites one cache
