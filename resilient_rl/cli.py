@@ -70,9 +70,13 @@ def _setup_logging(quiet: bool) -> None:
 
 def _fit(cfg) -> int:
     """Run the trainer on ``cfg`` to ``trainer.total_steps``; shared by train and resume."""
-    from resilient_rl.runtime.cluster import connect, disconnect
-    from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
+    from resilient_rl.runtime.cluster import check_reachable, cluster_address, connect, disconnect
 
+    address, source = cluster_address(cfg.ray)
+    if address:  # a wrong address fails here, in seconds, before a run folder or a worker exists
+        check_reachable(address, source, cfg.ray.connect_timeout_s)
+
+    from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
     from resilient_rl.run.log import RunLog
 
     trainer = PPOTrainer(cfg)
@@ -264,9 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_chaos(args: argparse.Namespace) -> int:
     import ray
 
+    from resilient_rl.config.runtime import RayConfig
     from resilient_rl.faults.monkey import ChaosMonkey
+    from resilient_rl.runtime.cluster import join
 
-    ray.init(address=args.address, log_to_driver=False)
+    join(args.address, "--address", RayConfig().connect_timeout_s, log_to_driver=False)
     try:
         monkey = ChaosMonkey(args.run, interval_s=args.every * 60, max_faults=args.faults,
                              kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), seed=args.seed,
