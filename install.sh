@@ -3,6 +3,8 @@
 #
 #   ./install.sh          the trainer
 #   ./install.sh dev      the trainer plus test dependencies
+#   ./install.sh cluster  the trainer plus Ray's dashboard and job server (`ray job submit`);
+#                         any extra of pyproject.toml, or several: ./install.sh hf,cluster
 #
 # torch is installed first so that the project's loose `torch` requirement is already met:
 # a machine without an NVIDIA GPU gets the CPU build (small, quick), a GPU machine the
@@ -24,8 +26,8 @@ else
     python -m pip install --timeout 20 --retries 1 --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" \
         || python -m pip install "torch==${TORCH_VERSION}"
 fi
-if [ "${extra}" = "dev" ]; then
-    python -m pip install -e ".[dev]"
+if [ -n "${extra}" ]; then
+    python -m pip install -e ".[${extra}]"
 else
     python -m pip install -e .
 fi
