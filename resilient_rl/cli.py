@@ -104,10 +104,16 @@ def _fit(cfg) -> int:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")
         return 0
     # From the run folder: the whole history (also the steps before a resume), not the in-memory window.
-    first, last = reward_summary(trainer.run_dir.read_column("reward/mean"))
-    ratio = last / first if first > 0 else float("inf")
-    print(f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} (x{ratio:.1f})")
+    print(reward_line(*reward_summary(trainer.run_dir.read_column("reward/mean"))))
     return 0
+
+
+def reward_line(first: float, last: float) -> str:
+    """The end-of-run line: mean reward of the first and last 10% of steps, and the change as a
+    factor where one means something (a positive start), else as a difference (a start at 0
+    printed ``xinf``, a negative one a factor of the wrong sign)."""
+    change = f"x{last / first:.1f}" if first > 0 else f"{last - first:+.4f}"
+    return f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} ({change})"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
