@@ -3,6 +3,8 @@
 #
 #   ./install.sh                          the trainer
 #   ./install.sh dev                      the trainer plus test dependencies
+#   ./install.sh cluster                  the trainer plus Ray's dashboard and job server (`ray job submit`);
+#                                         any extra of pyproject.toml, or several: ./install.sh hf,cluster
 #   ./install.sh --wheelhouse DIR [dev]   the same from a folder of wheels, with no package index
 #                                         (an air-gapped cluster; fill DIR with scripts/fill_wheelhouse.sh)
 #
@@ -22,7 +24,7 @@ TORCH_VERSION="${RRL_TORCH_VERSION:-2.13.0}"
 TORCH_CPU_INDEX="${RRL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PY="$(command -v python || command -v python3)"
 target="."
-[ "${extra}" = "dev" ] && target=".[dev]"
+[ -n "${extra}" ] && target=".[${extra}]"
 
 if [ -n "$wheelhouse" ]; then
     # Nothing is fetched: every requirement comes from the wheelhouse or is installed already.

@@ -70,9 +70,13 @@ def _setup_logging(quiet: bool) -> None:
 
 def _fit(cfg) -> int:
     """Run the trainer on ``cfg`` to ``trainer.total_steps``; shared by train and resume."""
-    from resilient_rl.runtime.cluster import connect, disconnect
-    from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
+    from resilient_rl.runtime.cluster import check_reachable, cluster_address, connect, disconnect
 
+    address, source = cluster_address(cfg.ray)
+    if address:  # a wrong address fails here, in seconds, before a run folder or a worker exists
+        check_reachable(address, source, cfg.ray.connect_timeout_s)
+
+    from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
     from resilient_rl.run.log import RunLog
 
     trainer = PPOTrainer(cfg)
@@ -100,10 +104,16 @@ def _fit(cfg) -> int:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")
         return 0
     # From the run folder: the whole history (also the steps before a resume), not the in-memory window.
-    first, last = reward_summary(trainer.run_dir.read_column("reward/mean"))
-    ratio = last / first if first > 0 else float("inf")
-    print(f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} (x{ratio:.1f})")
+    print(reward_line(*reward_summary(trainer.run_dir.read_column("reward/mean"))))
     return 0
+
+
+def reward_line(first: float, last: float) -> str:
+    """The end-of-run line: mean reward of the first and last 10% of steps, and the change as a
+    factor where one means something (a positive start), else as a difference (a start at 0
+    printed ``xinf``, a negative one a factor of the wrong sign)."""
+    change = f"x{last / first:.1f}" if first > 0 else f"{last - first:+.4f}"
+    return f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} ({change})"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -264,9 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_chaos(args: argparse.Namespace) -> int:
     import ray
 
+    from resilient_rl.config.runtime import RayConfig
     from resilient_rl.faults.monkey import ChaosMonkey
+    from resilient_rl.runtime.cluster import join
 
-    ray.init(address=args.address, log_to_driver=False)
+    join(args.address, "--address", RayConfig().connect_timeout_s, log_to_driver=False)
     try:
         monkey = ChaosMonkey(args.run, interval_s=args.every * 60, max_faults=args.faults,
                              kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), seed=args.seed,

@@ -5,7 +5,10 @@ Nothing else in the package reads ``os.environ`` for configuration; other module
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+from collections.abc import Iterator
 
 
 def get(name: str, default: str | None = None) -> str | None:
@@ -51,6 +54,32 @@ def fail_fast_on_dead_actors() -> None:
     here, 6 ms with this. Read when this process connects to Ray (set it before ``ray.init``);
     the processes of a local cluster it starts inherit it."""
     os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
+
+
+def ray_uses_tls() -> bool:
+    """``RAY_USE_TLS``: Ray's gRPC connections are encrypted (Ray reads it too)."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
+
+
+#: Ray's count of GCS connection attempts (about a second apart) when a driver joins a cluster.
+RAY_GCS_WAIT = "RAY_gcs_server_port_wait_time_s"
+
+
+@contextlib.contextmanager
+def ray_gcs_wait(timeout_s: float) -> Iterator[None]:
+    """Within the block, a driver joining a cluster gives up on a GCS that does not answer after
+    about ``timeout_s`` seconds, not Ray's 20 attempts (a port held by something that is not Ray:
+    the dashboard's 8265, a proxy), unless the user set ``RAY_gcs_server_port_wait_time_s``.
+    Ray reads it when the driver connects; it is removed afterwards, so a local cluster started
+    later in this process waits for its GCS as long as Ray's default."""
+    if RAY_GCS_WAIT in os.environ:
+        yield
+        return
+    os.environ[RAY_GCS_WAIT] = str(max(1, math.ceil(timeout_s)))
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_GCS_WAIT, None)
 
 
 #: Opt-in for the chaos suite's fault-injecting ``faulty://`` filesystem (never on in production).

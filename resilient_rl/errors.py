@@ -58,6 +58,10 @@ class ResourceError(RRLError):
     """Cluster resources cannot satisfy a request (e.g. GPUs asked on a CPU-only cluster)."""
 
 
+class ClusterError(RRLError):
+    """The Ray cluster named by ``ray.address`` (or ``RAY_ADDRESS``) cannot be reached or joined."""
+
+
 class WorkerError(RRLError):
     """A worker failed: died, hung past its deadline or raised. Names role, rank and its
     :class:`Cause` (each subclass has its own default; a name is checked here).

@@ -23,6 +23,7 @@ from matplotlib.patches import Patch
 
 from resilient_rl.errors import ConfigError, RunFolderError
 from resilient_rl.run.info import RunFiles, checkpoint_steps, failure_episodes, goodput, open_run
+from resilient_rl.telemetry.training_time import read_ledger
 
 #: (row key, label) of the KL series, drawn when present: the policy's drift within a step, and
 #: the divergence from the reference policy (in the reward, or as a loss term).
@@ -56,7 +57,13 @@ def _title(run: RunFiles, episodes, rows) -> str:
         lost = sum(float(f.recovery_s or 0.0) for f in recovered)
         parts.append(f"{len(episodes)} failure{'s' if len(episodes) != 1 else ''}, {len(recovered)} recovered "
                      f"({lost:.1f} s recovering, {sum(f.steps_replayed for f in recovered)} step(s) replayed)")
-    else:
+    # A crashed controller and its successor leave no failure event, only the time the run's
+    # ledger lost to cause "controller" (what status shows on its ettr line).
+    ledger = read_ledger(run.path)
+    controller_lost = ledger["lost_s"].get("controller", 0.0) if ledger is not None else 0.0
+    if controller_lost > 0:
+        parts.append(f"{controller_lost:.1f} s lost to a controller restart")
+    if not episodes and controller_lost <= 0:
         parts.append("no failures")
     gp = goodput(run)
     if gp is not None:

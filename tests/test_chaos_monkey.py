@@ -35,7 +35,8 @@ def test_monkey_finds_and_hits_the_runs_workers(ray_cluster):
         lines = []
         dry = ChaosMonkey("monkeyrun", interval_s=0, max_faults=3, seed=1, dry_run=True, echo=lines.append)
         dry.run()
-        assert len(dry.done) == 3 and all("would send" in line for line in lines[1:])
+        assert "actor rank 0" in lines[1] and "actor rank 1" in lines[1]
+        assert len(dry.done) == 3 and all("would send" in line for line in lines[2:])
         assert all(process_state(p) not in (None, "zombie", "stopped") for p in before), "a dry run touches nothing"
 
         monkey = ChaosMonkey("monkeyrun", interval_s=0, max_faults=1, kinds=("sigstop",), seed=3, echo=lines.append)

@@ -36,3 +36,12 @@ def test_digest_ignores_credentials_but_not_other_options():
     b = load_config(None, [*SECRETS, "checkpoint.storage_options.secret=rotated"])
     c = load_config(None, [*SECRETS, "checkpoint.storage_options.client_kwargs.endpoint_url=http://other"])
     assert config_digest(a) == config_digest(b) != config_digest(c)
+
+
+def test_a_malformed_override_is_explained_in_full_not_redacted(capsys):
+    from resilient_rl.cli import EXIT_ERROR, main
+
+    assert main(["train", "trainer.total_steps"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "override 'trainer.total_steps' must have the form section.field=value, e.g. trainer.total_steps=50" in err
+    assert REDACTED not in err

@@ -154,3 +154,18 @@ def test_the_readme_ray_job_submit_command_validates():
     require_shared_root(cfg.checkpoint, nodes=int(overrides["trainer.nnodes"]) + 1)
     # ray job submit sets RAY_ADDRESS for the entrypoint: the trainer joins that cluster
     assert cfg.ray.address is None
+
+
+def test_the_readme_ray_job_submit_names_the_extra_that_brings_rays_job_server():
+    """``ray job submit`` and the head's job server need ``ray[default]`` (aiohttp_cors, the
+    dashboard); plain ``ray`` fails with ``No module named 'aiohttp_cors'``."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("ray[default]") for req in extras["cluster"])
+    assert any(req.startswith("ray[default]") for req in extras["dev"])
+    text = README.read_text()
+    section = text[text.index("## Deploying on a cluster"):text.index("ray job submit --address")]
+    assert "./install.sh cluster" in section and ".[cluster]" in section
+    install = (ROOT / "install.sh").read_text()
+    assert 'pip install -e ".[${extra}]"' in install and "./install.sh cluster" in install

@@ -47,3 +47,11 @@ def test_main_maps_errors_to_codes(monkeypatch, capsys, raised, code, says):
 def test_bad_config_is_exit_2_before_anything_starts(capsys):
     assert cli.main(["-q", "train", "actor.mini_batch_size=7"]) == 2
     assert "actor.mini_batch_size=7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first,last,tail", [(0.1, 0.25, "(x2.5)"), (0.0, 0.25, "(+0.2500)"),
+                                             (-0.5, -0.1, "(+0.4000)"), (0.0, 0.0, "(+0.0000)")])
+def test_the_end_of_run_reward_line_never_prints_an_infinite_factor(first, last, tail):
+    line = cli.reward_line(first, last)
+    assert line.startswith(f"mean reward: first 10% of steps {first:.4f}, last 10% {last:.4f} ")
+    assert line.endswith(tail) and "inf" not in line

@@ -14,7 +14,7 @@ import resilient_rl
 PACKAGE = Path(resilient_rl.__file__).parent
 #: Bottom to top: a module may import its own layer and those below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "env", "process_state", "jsonl", "nvml"),
+    ("errors", "env", "process_state", "jsonl", "nvml", "lazy"),
     ("config",),
     ("protocol", "protocol_utils", "protocol_verl", "protocol_io", "protocol_future", "events"),
     ("data", "algos"),
@@ -40,7 +40,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Modules ``path`` imports anywhere in it: ``from pkg import mod`` names ``pkg.mod``, ``from mod import x`` ``mod``."""
+    """Modules ``path`` imports anywhere in it: ``from pkg import mod`` names ``pkg.mod``, ``from mod import x`` ``mod``,
+    and the submodules of a lazy export table."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("resilient_rl"):
@@ -49,6 +50,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
                 found.add(sub if sub in modules else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("resilient_rl"))
+        elif isinstance(node, ast.Dict):  # a package's lazy exports (resilient_rl.lazy): module name -> names
+            found.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)
+                         and k.value.startswith("resilient_rl."))
     return {m for m in found if m in modules}
 
 

@@ -96,3 +96,18 @@ def test_long_run_draws_lines_and_marks_replayed_steps(tmp_path):
     assert not [c for c in step_time.containers if c.patches[0].get_gid() is None]  # no per-step bars
     total, replayed = [line for line in step_time.get_lines() if line.get_gid() is None]
     assert len(total.get_xdata()) == 200 and list(replayed.get_xdata()) == list(range(101, 122))
+
+
+def test_a_controller_restart_is_in_the_title_as_status_shows_it(tmp_path):
+    """A crashed controller leaves no failure event, only the ledger's time lost to ``controller``."""
+    from resilient_rl.run_status import gather_status
+    from resilient_rl.telemetry.training_time import write_ledger
+
+    run = FakeRun(tmp_path)
+    run.train(6)
+    assert "no failures" in build_figure(open_run(str(run.path))).get_suptitle()
+    write_ledger(run.path, {"wall_s": 20.0, "updated_at": 0.0, "lost_s": {"controller": 7.5},
+                            "useful": [[6, 3.0]]})
+    title = build_figure(open_run(str(run.path))).get_suptitle()
+    assert "7.5 s lost to a controller restart" in title and "no failures" not in title
+    assert "lost: controller 7.5 s" in gather_status(str(run.path)).format_text()

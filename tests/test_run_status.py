@@ -259,3 +259,20 @@ def test_status_reports_the_runs_ettr_from_its_ledger(tmp_path, capsys):
     assert s["ettr"] == pytest.approx(0.75) and s["lost_s"] == {"died": 12.5, "controller": 30.0}
     code, out, _ = _cli(capsys, "status", str(run.path))
     assert "ettr:        75.0% over the run's life (lost: controller 30.0 s, died 12.5 s)" in out
+
+
+def test_the_readmes_status_sample_is_for_the_run_its_command_names():
+    """The sample output under the README's ``status`` command shows that command's run, and
+    only lines the reader prints."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Status and plots of a run"):readme.index("## Chaos")]
+    blocks = section.split("```")
+    command = next(line for line in blocks[1].splitlines() if line.startswith("resilient-rl status"))
+    sample = blocks[3].strip("\n").splitlines()
+    run = command.split()[2]
+    assert sample[0].split()[1] == run, (command, sample[0])
+    labels = [line.split(":", 1)[0] for line in sample if line and not line.startswith(" ")]
+    assert labels[:3] == ["run", "state", "step"]
+    assert set(labels) <= {"run", "state", "step", "checkpoint", "lease", "failures", "goodput", "ettr", "metrics"}

@@ -1,21 +1,23 @@
-"""Sharded checkpoints over fsspec: storage, commit protocol, async save, retention."""
+"""Sharded checkpoints over fsspec: storage, commit protocol, async save, retention.
 
-from resilient_rl.checkpoint.async_writer import AsyncShardWriter
-from resilient_rl.checkpoint.manager import CheckpointManager
-from resilient_rl.checkpoint.manifest import (
-    FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest,
-    parse_step_dirname, step_dirname,
-)
-from resilient_rl.checkpoint.sharded import (
-    StagedShard, StagedTensor, gather_full_state, load_shard_into, stage, write_shard,
-)
-from resilient_rl.checkpoint.state_tree import flatten_state, unflatten_state
-from resilient_rl.checkpoint.storage import RetryPolicy, Storage, is_transient
+The exports load on first use (:mod:`resilient_rl.lazy`): ``checkpoints list`` and ``status``
+read manifests through :mod:`~resilient_rl.checkpoint.manager` and must not pay for torch, which
+the shard writer and reader import.
+"""
 
-__all__ = [
-    "AsyncShardWriter", "CheckpointManager", "FORMAT_VERSION", "FileRecord",
-    "LATEST_NAME", "MANIFEST_NAME", "Manifest", "RetryPolicy", "StagedShard", "StagedTensor",
-    "Storage", "TRAINER_STATE_NAME", "flatten_state", "gather_full_state", "is_transient",
-    "load_shard_into", "parse_step_dirname", "stage", "step_dirname", "unflatten_state",
-    "write_shard",
-]
+from resilient_rl.lazy import lazy_exports
+
+_EXPORTS = {
+    "resilient_rl.checkpoint.async_writer": ("AsyncShardWriter",),
+    "resilient_rl.checkpoint.manager": ("CheckpointManager",),
+    "resilient_rl.checkpoint.manifest": (
+        "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "TRAINER_STATE_NAME", "FileRecord", "Manifest",
+        "parse_step_dirname", "step_dirname"),
+    "resilient_rl.checkpoint.sharded": (
+        "StagedShard", "StagedTensor", "gather_full_state", "load_shard_into", "stage", "write_shard"),
+    "resilient_rl.checkpoint.state_tree": ("flatten_state", "unflatten_state"),
+    "resilient_rl.checkpoint.storage": ("RetryPolicy", "Storage", "is_transient"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,10 @@ class RetryPolicy:
                              f"initial_s={self.initial_s}, max_s={self.max_s}")
 
 
+@functools.cache
 def _optional_transient_types() -> tuple[type[BaseException], ...]:
+    """The object-store clients' connection errors; looked up at the first error, not at import
+    (aiohttp alone is a tenth of a second of every ``resilient-rl`` command's start)."""
     types: list[type[BaseException]] = []
     with contextlib.suppress(ImportError):
         import botocore.exceptions as bce
@@ -56,9 +60,6 @@ def _optional_transient_types() -> tuple[type[BaseException], ...]:
         import aiohttp
         types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
     return tuple(types)
-
-
-_EXTRA_TRANSIENT = _optional_transient_types()
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -72,7 +73,8 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    return bool(_EXTRA_TRANSIENT) and isinstance(exc, _EXTRA_TRANSIENT)
+    extra = _optional_transient_types()
+    return bool(extra) and isinstance(exc, extra)
 
 
 def is_outage(exc: BaseException) -> bool:

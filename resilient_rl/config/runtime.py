@@ -209,6 +209,9 @@ class RayConfig(Section):
     cpus_per_worker: float = 0.1
     namespace: str = "resilient-rl"
     object_store_memory: Optional[int] = None
+    #: Joining a cluster at ``address``: how long its GCS port may take to accept a connection, and
+    #: about how long Ray then tries to reach the GCS through it.
+    connect_timeout_s: float = 3.0
 
     def validate(self) -> None:
         require(self.address is None or self.address == "auto"
@@ -220,3 +223,4 @@ class RayConfig(Section):
         require(bool(self.namespace), "namespace", self.namespace, "must be non-empty")
         require(self.object_store_memory is None or self.object_store_memory > 0, "object_store_memory",
                  self.object_store_memory, "must be > 0 bytes or null")
+        require(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "must be > 0 seconds")

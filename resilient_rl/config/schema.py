@@ -262,7 +262,9 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         layers.append(layer)
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
-            raise ConfigError(f"override {item!r} must have the form dotted.key=value")
+            # Not "dotted.key=value": printed through the secret redactor, a key named "key" reads as a credential.
+            raise ConfigError(f"override {item!r} must have the form section.field=value, "
+                              "e.g. trainer.total_steps=50")
     if overrides:
         try:
             layers.append(OmegaConf.from_dotlist(list(overrides)))

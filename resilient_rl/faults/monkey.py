@@ -95,23 +95,39 @@ class ChaosMonkey:
         self.dry_run, self.sleep, self.echo = dry_run, sleep, echo
         self.done: list[tuple[str, Target]] = []
 
-    def step(self) -> tuple[str, Target]:
+    def targets(self) -> list[Target]:
+        """The run's live workers now; FaultError when it has none (a wrong run name, a run not started)."""
         targets = find_run_workers(self.run_name)
         if not targets:
             raise FaultError(f"no live workers of run {self.run_name!r} in this cluster (actors named "
                              f"rrl_{self.run_name}_...)")
+        return targets
+
+    def step(self, at_s: float | None = None) -> tuple[str, Target]:
+        """Hit one random worker (a dry run only says which); ``at_s``: when, for the message."""
+        targets = self.targets()
         target, kind = self.rng.choice(targets), self.rng.choice(self.kinds)
         verb = "would send" if self.dry_run else "sending"
-        self.echo(f"chaos: {verb} {kind} to {target.name} (group {target.group}, rank {target.rank}, pid {target.pid})")
+        when = f"at +{at_s:g}s: " if at_s is not None else ""
+        self.echo(f"chaos: {when}{verb} {kind} to {target.name} (group {target.group}, rank {target.rank}, "
+                  f"pid {target.pid})")
         if not self.dry_run:
             send_signal(target, kind)
         self.done.append((kind, target))
         return kind, target
 
     def run(self) -> list[tuple[str, Target]]:
+        """The plan and the run's workers at once, then ``max_faults`` faults ``interval_s`` apart.
+
+        A dry run touches nothing, so it does not wait either: it prints every fault it would send
+        with its time, drawn from the same seed (and the workers alive now) as a real session."""
         self.echo(f"chaos: run {self.run_name!r}, {self.max_faults} fault(s) every {self.interval_s:g}s, "
                   f"seed {self.seed}{' (dry run)' if self.dry_run else ''}")
-        for _ in range(self.max_faults):
-            self.sleep(self.interval_s)
-            self.step()
+        targets = self.targets()
+        self.echo(f"chaos: {len(targets)} live worker(s): "
+                  + ", ".join(f"{t.group} rank {t.rank} (pid {t.pid})" for t in targets))
+        for index in range(1, self.max_faults + 1):
+            if not self.dry_run:
+                self.sleep(self.interval_s)
+            self.step(at_s=index * self.interval_s)
         return self.done

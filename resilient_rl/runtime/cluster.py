@@ -8,13 +8,117 @@ A worker's exception still reaches the controller with its traceback and is repo
 from __future__ import annotations
 
 import logging
+import re
+import socket
 
 import ray
 
 from resilient_rl import env
+from resilient_rl.errors import ClusterError
 from resilient_rl.runtime.worker_output import capture_worker_output, release_worker_output
 
 logger = logging.getLogger(__name__)
+
+#: ``host:port``, ``ray://host:port`` or ``[v6 host]:port`` (what ``ray.address`` allows, and ``RAY_ADDRESS``).
+_HOST_PORT = re.compile(r"(?:[a-z]+://)?(?P<host>\[[^\]]+\]|[^\s:/\[\]]+):(?P<port>\d+)/?")
+
+
+def cluster_address(ray_cfg) -> tuple[str | None, str]:
+    """The cluster to join and what named it: ``ray.address``, else the ``RAY_ADDRESS`` environment
+    variable (set by ``ray job submit`` for its entrypoint); (None, "") to start a local cluster."""
+    if ray_cfg.address:
+        return ray_cfg.address, "ray.address"
+    address = env.ray_address()
+    return (address, "RAY_ADDRESS") if address else (None, "")
+
+
+def check_reachable(address: str, source: str, timeout_s: float) -> None:
+    """Raise :class:`ClusterError` naming ``source`` unless a gRPC server (what Ray's GCS is)
+    answers at ``address`` within ``timeout_s``.
+
+    ``ray.init`` retries a dead address for minutes before it fails with an error that names
+    neither the key nor the address; one connection attempt answers in milliseconds (refused) or
+    ``timeout_s`` (an unreachable host, a server that says nothing). The address probed is the one Ray connects to
+    (:func:`_bootstrap_address`: ``auto`` resolved, ``127.0.0.1`` replaced by this node's IP).
+    Forms that are not host:port are left to Ray.
+    """
+    target = _bootstrap_address(address)
+    match = _HOST_PORT.fullmatch(target)
+    if match is None:
+        return
+    host, port = match["host"].strip("[]"), int(match["port"])
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            # Ray's GCS and client server speak gRPC: HTTP/2, whose server greets a client's
+            # preface with a SETTINGS frame. Something else on the port (a dashboard's HTTP/1, a
+            # server that drops the connection) would hold ray.init for about 40 s per attempt.
+            # Under TLS the server waits for a TLS hello instead: the TCP connection is all we check.
+            answer = None if env.ray_uses_tls() else _http2_greeting(conn, timeout_s)
+    except OSError as exc:  # also a server that accepts the connection and says nothing (TimeoutError)
+        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ClusterError(f"{source}={address}: no Ray cluster answers at {host}:{port} ({why} after at most "
+                           f"{timeout_s:g}s); start one there (`ray start --head --port={port}`), fix {source}, "
+                           f"or leave it unset to start a local cluster") from exc
+    if answer is not None and answer[3:4] != _SETTINGS:
+        seen = f"it answered {answer[:16]!r}" if answer else "it closed the connection"
+        raise ClusterError(f"{source}={address}: {host}:{port} is not a Ray cluster's GCS port ({seen} to a gRPC "
+                           f"greeting); `ray start --head` prints the address to join (port 6379 by default)")
+
+
+#: HTTP/2's client connection preface, then an empty SETTINGS frame (RFC 9113, 3.4 and 6.5).
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+#: The frame type byte of SETTINGS, the first frame an HTTP/2 server sends.
+_SETTINGS = b"\x04"
+
+
+def _http2_greeting(conn: socket.socket, timeout_s: float) -> bytes:
+    """The first bytes (a frame header: 9) the server at ``conn`` sends after HTTP/2's client
+    preface; fewer, or b"", when it closes the connection. TimeoutError when it says nothing
+    within ``timeout_s``."""
+    conn.settimeout(timeout_s)
+    try:
+        conn.sendall(_PREFACE)
+        answer = b""
+        while len(answer) < 9:
+            chunk = conn.recv(9 - len(answer))
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+    except (ConnectionResetError, BrokenPipeError):  # dropped while greeting: nothing Ray can talk to either
+        return b""
+
+
+def _bootstrap_address(address: str) -> str:
+    """The host:port ``ray.init(address=...)`` connects to: Ray resolves ``auto`` (``RAY_ADDRESS``,
+    the newest local cluster) and replaces a loopback host by this node's IP, so a server that
+    listens on loopback only is not what Ray reaches. A Ray Client address (``ray://``) is used as
+    given. Falls back to ``address`` where Ray's resolver is missing or refuses it (Ray then
+    reports the error itself)."""
+    if address.startswith("ray://"):
+        return address
+    try:  # private to Ray, but it is the very function ray.init calls
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(address) or address
+    except Exception:  # noqa: BLE001 -- any failure here is Ray's to report, from ray.init
+        return address
+
+
+def join(address: str, source: str, timeout_s: float, **init_kwargs) -> None:
+    """``ray.init`` to the cluster at ``address``: probed first (:func:`check_reachable`), Ray's
+    own wait for its GCS bounded by ``timeout_s`` too (:func:`~resilient_rl.env.ray_gcs_wait`), and
+    Ray's connection errors re-raised as a :class:`ClusterError` naming ``source``."""
+    check_reachable(address, source, timeout_s)
+    try:
+        with env.ray_gcs_wait(timeout_s):
+            ray.init(address=address, **init_kwargs)
+    except (ConnectionError, TimeoutError, RuntimeError) as exc:
+        if ray.is_initialized():  # half-connected: leave no driver state behind for the caller's retry
+            ray.shutdown()
+        raise ClusterError(f"{source}={address}: cannot join a Ray cluster there within {timeout_s:g}s ({exc}); "
+                           f"is it Ray's GCS port (`ray start --head` prints it, 6379 by default)? Raise "
+                           f"ray.connect_timeout_s for a head that is still starting") from exc
 
 
 def connect(ray_cfg) -> bool:
@@ -27,9 +131,9 @@ def connect(ray_cfg) -> bool:
     if ray.is_initialized():
         return False
     env.fail_fast_on_dead_actors()
-    address = ray_cfg.address or env.ray_address()
+    address, source = cluster_address(ray_cfg)
     if address:
-        ray.init(address=address, namespace=ray_cfg.namespace, log_to_driver=True)
+        join(address, source, ray_cfg.connect_timeout_s, namespace=ray_cfg.namespace, log_to_driver=True)
         capture_worker_output()
         return True
     ray.init(**local_cluster_options(ray_cfg))

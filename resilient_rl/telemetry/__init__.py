@@ -1,33 +1,22 @@
-"""Telemetry: metric definitions, Prometheus exporter, device sampler."""
+"""Telemetry: metric definitions, Prometheus exporter, device sampler.
 
-from resilient_rl.telemetry.device import GpuSample, GpuSampler, ProcessSample, ProcessSampler
-from resilient_rl.telemetry.exporter import MetricsServer, sample_value, sample_values, scrape
-from resilient_rl.telemetry.file_sd import FileSDWriter
-from resilient_rl.runtime.devices import DeviceReport, device_report
-from resilient_rl.telemetry.gpu_owners import ProcessDevices, TorchMemoryMetrics, gpu_assignments
-from resilient_rl.telemetry.device_metrics import DeviceMetrics
-from resilient_rl.telemetry.metrics import LOSS_KINDS, PHASE_LABELS, PHASES, TrainerMetrics
-from resilient_rl.telemetry.node_exporter import NodeExporter
+The exports load on first use (:mod:`resilient_rl.lazy`): ``status`` reads the training-time
+ledger (:mod:`~resilient_rl.telemetry.training_time`) and must not import the device samplers
+and torch with it.
+"""
 
-__all__ = [
-    "DeviceMetrics",
-    "DeviceReport",
-    "FileSDWriter",
-    "GpuSample",
-    "GpuSampler",
-    "LOSS_KINDS",
-    "MetricsServer",
-    "NodeExporter",
-    "PHASES",
-    "PHASE_LABELS",
-    "ProcessDevices",
-    "ProcessSample",
-    "ProcessSampler",
-    "TorchMemoryMetrics",
-    "TrainerMetrics",
-    "device_report",
-    "gpu_assignments",
-    "sample_value",
-    "sample_values",
-    "scrape",
-]
+from resilient_rl.lazy import lazy_exports
+
+_EXPORTS = {
+    "resilient_rl.telemetry.device": ("GpuSample", "GpuSampler", "ProcessSample", "ProcessSampler"),
+    "resilient_rl.telemetry.exporter": ("MetricsServer", "sample_value", "sample_values", "scrape"),
+    "resilient_rl.telemetry.file_sd": ("FileSDWriter",),
+    "resilient_rl.runtime.devices": ("DeviceReport", "device_report"),
+    "resilient_rl.telemetry.gpu_owners": ("ProcessDevices", "TorchMemoryMetrics", "gpu_assignments"),
+    "resilient_rl.telemetry.device_metrics": ("DeviceMetrics",),
+    "resilient_rl.telemetry.metrics": ("LOSS_KINDS", "PHASE_LABELS", "PHASES", "TrainerMetrics"),
+    "resilient_rl.telemetry.node_exporter": ("NodeExporter",),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
