@@ -36,6 +36,7 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
+from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
 from resilient_rl.workers.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import PHASES, run_step
@@ -80,6 +81,7 @@ class PPOTrainer:
         check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.digest = config_digest(cfg)
+        self._checkpoint_config = checkpoint_config(cfg)
         self.hooks = check_hooks(list(hooks or []))
         if roles_factory is None:
             from resilient_rl.trainer.ray_roles import RayRoles
@@ -123,12 +125,17 @@ class PPOTrainer:
                 hook.on_checkpoint_started(self, event.step)
 
     def claim(self) -> None:
-        """Take the run's leases (run folder and checkpoint folder; LeaseHeldError when another
-        controller holds one), then write the config: the first thing a controller writes, and
-        before it opens its log or starts Ray (idempotent)."""
+        """Check the config against the checkpoint a resume loads (ConfigError naming the keys
+        that may not change), take the run's leases (run folder and checkpoint folder;
+        LeaseHeldError when another controller holds one), then write the config: the first thing
+        a controller writes, and before it opens its log or starts Ray (idempotent)."""
         if self._claimed:
             return
         if self.checkpoints_on:
+            # A config that does not fit the checkpoint to resume is refused before anything is written.
+            accepted = check_resume(self.cfg, self.ckpt.manager, self.run_dir.path, self.digest)
+            if accepted is not None:
+                self.rollback.accepted_digests.add(accepted)
             self.claim_.acquire()
         self.run_dir.save_config(self.cfg)
         self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
@@ -181,7 +188,9 @@ class PPOTrainer:
         if not self.checkpoints_on:
             return
         if self.ckpt.due(self.step):
-            self.ckpt.save(self.roles, self.step, self.state_dict(), self.digest,
+            # The config goes with the checkpoint: a resume compares its own with it, key by key.
+            state = {**self.state_dict(), CONFIG_KEY: self._checkpoint_config}
+            self.ckpt.save(self.roles, self.step, state, self.digest,
                            known_good=self.nonfinite.take_known_good())
         else:
             self.ckpt.poll(self.roles)
