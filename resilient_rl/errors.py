@@ -203,3 +203,9 @@ class NonFiniteError(RRLError):
     """Training met NaN or Inf values (loss, gradient norm, reward, KL, saved state) and the
     ``trainer.nonfinite`` policy or its ``trainer.max_nonfinite`` budget ends the run; names the
     step and the quantities."""
+
+
+class UserCodeError(RRLError):
+    """Code the user supplied (``data.reward_fn``) raised. The message names the setting and the
+    function and carries the function's own traceback; the project's frames are left out, and
+    the exit code is the run-time one (4), not "internal error"."""
