@@ -1,5 +1,5 @@
 """The user's mistakes are named as the user's: a folder that cannot be written, a setting past its
-limit, a reward function that raises. Each ends with the README's
+limit, a reward function that raises, a prompt the tokenizer cannot spell. Each ends with the README's
 exit code for bad input (2) or a run-time failure (4), never 70 ("internal error, please report it").
 
 Runs use the in-process roles (:class:`~resilient_rl.trainer.local_roles.LocalRoles`) and never
@@ -122,3 +122,17 @@ def test_a_reward_module_that_fails_to_import_is_bad_input(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "importing module 'broken_rewards' raised ZeroDivisionError" in err and "line 2, in <module>" in err
 
+
+def test_a_prompt_the_tokenizer_cannot_spell_is_bad_input_naming_file_and_row(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "12=", "answer": "12"}) + "\n"
+                    + json.dumps({"prompt": "1Z=", "answer": "1"}) + "\n")
+    run = tmp_path / "runs" / "alphabet"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = tree_state(run)
+    assert _train(tmp_path, "trainer.run_name=alphabet", "data.task=jsonl", f"data.path={data}",
+                  "data.reward_fn=exact_match") == 2
+    err = capsys.readouterr().err
+    assert f"{data}:2" in err and "'Z'" in err and "internal error" not in err
+    assert tree_state(run) == before
