@@ -136,3 +136,13 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_bad_input_naming_file_and_row(tm
     err = capsys.readouterr().err
     assert f"{data}:2" in err and "'Z'" in err and "internal error" not in err
     assert tree_state(run) == before
+
+
+def test_a_file_sd_path_that_cannot_be_written_is_named(tmp_path):
+    from resilient_rl.errors import TelemetryError
+    from resilient_rl.telemetry import FileSDWriter
+
+    (tmp_path / "a-file").write_text("")
+    writer = FileSDWriter(tmp_path / "a-file" / "targets.json")
+    with pytest.raises(TelemetryError, match=r"cannot write file_sd targets .*a-file/targets.json"):
+        writer.add("127.0.0.1:9400", {"job": "resilient-rl"})
