@@ -81,8 +81,9 @@ def test_an_unchanged_or_fresh_run_is_not_checked(tmp_path, caplog):
 def test_which_keys_may_change():
     assert may_change_on_resume("trainer.total_steps") and may_change_on_resume("checkpoint.keep_last")
     assert may_change_on_resume("ray.num_cpus") and may_change_on_resume("checkpoint.storage_options.key")
-    for key in ("model.hidden_size", "actor.world_size", "actor.optim.betas", "data.seed", "trainer.seed",
-                "algorithm.adv_estimator", "rollout.n", "trainer.totals"):
+    assert may_change_on_resume("actor.world_size") and may_change_on_resume("critic.strategy")
+    for key in ("model.hidden_size", "actor.mini_batch_size", "actor.optim.betas", "data.seed", "trainer.seed",
+                "algorithm.adv_estimator", "rollout.n", "rollout.temperature", "trainer.totals"):
         assert not may_change_on_resume(key), key
     # Every entry names a real key or section of the config.
     flat = config_to_dict(load_config())

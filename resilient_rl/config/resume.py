@@ -19,11 +19,23 @@ from resilient_rl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+#: How a role's state is laid out and computed, not what it is: a checkpoint loads into another
+#: world size, strategy or node layout (it is resharded at load), and the memory knobs (micro-batches,
+#: recomputation, compilation, packing) change no tensor that is saved.
+_LAYOUT = tuple(f"{role}.world_size" for role in ("actor", "critic", "ref", "rollout")) + tuple(
+    f"{role}.{key}" for role in ("actor", "critic") for key in (
+        "strategy", "reshard_after_forward", "micro_batch_tokens", "activation_checkpointing", "compile")) + (
+    "actor.packing", "ref.reshard_after_forward", "rollout.weight_transfer", "rollout.engine",
+    "rollout.finish_check_every", "rollout.compact_min_fraction", "rollout.cuda_graphs",
+    "trainer.device", "trainer.placement", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.role_nnodes",
+    "trainer.sharding", "trainer.deterministic")
+
 #: Dotted keys (a section name covers every key under it) that may differ between a checkpoint's
 #: config and the config that resumes it. None of them changes the shape of the saved state or the
 #: data order; the learning rates take effect from the first resumed step (the saved LR schedule
-#: is re-based on them, see ``workers/checkpointing.py``). Listed in README.md ("Resuming").
-RESUME_MAY_CHANGE: tuple[str, ...] = (
+#: is re-based on them, see ``workers/checkpointing.py``). Listed in README.md ("Changing the
+#: config on resume").
+RESUME_MAY_CHANGE: tuple[str, ...] = _LAYOUT + (
     "trainer.total_steps",
     "trainer.run_name",  # path:<step folder> of another run continues under a new name
     "trainer.output_dir",
