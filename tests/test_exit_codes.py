@@ -12,7 +12,7 @@ from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, Checkp
 
 def test_exit_codes_are_distinct():
     codes = [cli.EXIT_OK, cli.EXIT_CORRUPT, cli.EXIT_ERROR, cli.EXIT_RECOVERY, cli.EXIT_RUNTIME, cli.EXIT_INTERNAL,
-             cli.EXIT_INTERRUPTED]
+             cli.EXIT_INTERRUPTED, cli.EXIT_PREEMPTED]
     assert len(set(codes)) == len(codes) and codes[:3] == [0, 1, 2]
 
 

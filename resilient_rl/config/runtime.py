@@ -57,8 +57,13 @@ class TrainerConfig(Section):
     # a replayed or re-run step gives the same bits on a GPU too, at some cost in speed.
     # CPU runs are bit-identical either way. See workers/determinism.py.
     deterministic: bool = False
+    # SIGTERM or SIGUSR1 (a preemption): the run stops after the step in progress and has this
+    # long to commit its last completed step before it exits (143). Size it from a save's duration
+    # (the checkpoint_committed events' duration_s) plus one step; see trainer/preemption.py.
+    preempt_grace_s: float = 120.0
 
     def validate(self) -> None:
+        require(self.preempt_grace_s > 0, "preempt_grace_s", self.preempt_grace_s, "must be > 0 seconds")
         require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
         choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
         require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")

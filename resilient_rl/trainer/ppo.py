@@ -36,6 +36,7 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
+from resilient_rl.trainer.preemption import Preemption, stop_for_preemption
 from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
 from resilient_rl.workers.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
@@ -96,6 +97,8 @@ class PPOTrainer:
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
         self.claim_ = RunClaim(cfg, self.run_dir.path, self.ckpt)
         self._claimed = False
+        # Set by SIGTERM/SIGUSR1 once the CLI installs its handlers: the loop stops at its next safe point.
+        self.preemption = Preemption()
         self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
         self.run_dir.subscribe(self._on_event)
@@ -188,12 +191,15 @@ class PPOTrainer:
         if not self.checkpoints_on:
             return
         if self.ckpt.due(self.step):
-            # The config goes with the checkpoint: a resume compares its own with it, key by key.
-            state = {**self.state_dict(), CONFIG_KEY: self._checkpoint_config}
-            self.ckpt.save(self.roles, self.step, state, self.digest,
-                           known_good=self.nonfinite.take_known_good())
+            self.save_checkpoint()
         else:
             self.ckpt.poll(self.roles)
+
+    def save_checkpoint(self) -> None:
+        """Start the save of the current step (async: the step waits only for staging)."""
+        # The config goes with the checkpoint: a resume compares its own with it, key by key.
+        state = {**self.state_dict(), CONFIG_KEY: self._checkpoint_config}
+        self.ckpt.save(self.roles, self.step, state, self.digest, known_good=self.nonfinite.take_known_good())
 
     def maybe_snapshot(self) -> None:
         """Start the in-memory snapshot of this step when due (not waited for)."""
@@ -273,6 +279,8 @@ class PPOTrainer:
                    dynamic_ncols=True)
         try:
             while self.step < total:
+                if self.preemption.requested:  # the safe point: between steps, none half done
+                    stop_for_preemption(self, self.cfg.trainer.preempt_grace_s)
                 try:
                     row = self.train_step()
                     verdict = self.nonfinite.after_step(row, self.ckpt.last_committed)
