@@ -137,6 +137,44 @@ def test_the_sbatch_trainer_command_matches_the_allocation_and_validates(nodes):
     assert cfg.checkpoint.root.startswith(SLURM_ENV["SHARED"]) and cfg.checkpoint.shared_filesystem
 
 
+def test_the_sbatch_script_passes_slurms_signals_to_the_trainer_and_requeues_a_preempted_job(tmp_path):
+    """Slurm signals the batch shell (--signal=B:USR1@..., then SIGTERM); the script must pass
+    both on to the trainer, keep waiting for it, exit with its 143 and requeue the job."""
+    import os
+    import signal
+    import sys
+    import time
+
+    directives = sbatch_directives()
+    assert directives["signal"].startswith("B:USR1@") and "requeue" in re.findall(r"^#SBATCH --([\w-]+)$",
+                                                                                   SBATCH.read_text(), flags=re.M)
+    assert re.search(r'if \[ "\$status" -eq 143 \]; then[^\n]*\n\s*scontrol requeue "\$SLURM_JOB_ID"',
+                     SBATCH.read_text())
+    block = re.search(r"^# >>> run the trainer.*?\n(.*?)^# <<< run the trainer", SBATCH.read_text(), flags=re.M | re.S)
+    assert block, "the block that runs the trainer is marked in the script"
+    seen = tmp_path / "signals"
+    stand_in = (f"import signal, sys, time, pathlib\np = pathlib.Path({str(seen)!r})\n"
+                "def note(s, _f):\n    p.write_text(p.read_text() + signal.Signals(s).name + '\\n')\n"
+                "    if s == signal.SIGTERM: sys.exit(143)\n"
+                "signal.signal(signal.SIGUSR1, note)\nsignal.signal(signal.SIGTERM, note)\n"
+                "p.write_text('')\nwhile True: time.sleep(0.05)\n")
+    script = f"TRAIN=({shlex.quote(sys.executable)} -c {shlex.quote(stand_in)})\n{block.group(1)}exit \"$status\"\n"
+    shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script])
+    try:
+        for sig, expect in ((signal.SIGUSR1, "SIGUSR1\n"), (signal.SIGTERM, "SIGUSR1\nSIGTERM\n")):
+            deadline = time.monotonic() + 30
+            while not seen.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(shell.pid, sig)
+            while seen.read_text() != expect and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert seen.read_text() == expect
+        assert shell.wait(timeout=30) == 143
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+
+
 # -- ray job submit (README) ---------------------------------------------------------------
 
 def test_the_readme_ray_job_submit_command_validates():
