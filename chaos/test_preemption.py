@@ -61,6 +61,7 @@ def unpreempted(tmp_path_factory):
 
 @pytest.mark.parametrize("signals, after_rows", [
     (("SIGTERM",), 1),              # lands in step 2, whose save is due: stops with that save committed
+    (("SIGTERM",), 2),              # lands as step 2's save is being written: waits for it, commits it
     (("SIGUSR1", "SIGTERM"), 2),    # Slurm: the early warning, then the time limit's SIGTERM
 ])
 def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_path, signals, after_rows):
