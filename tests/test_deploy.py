@@ -97,6 +97,47 @@ def test_the_rayjob_sizes_dev_shm_for_snapshots_and_exposes_metrics():
         assert monitor["selector"]["matchLabels"].items() <= meta["labels"].items(), where
 
 
+def test_the_rayjob_head_passes_an_eviction_to_the_trainer_and_waits_for_it(tmp_path):
+    """The head's preStop hook signals the controller that controller.json names and waits for it
+    to exit, within a grace period longer than the trainer's own."""
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    job = kuberay_documents()["RayJob"]
+    cfg, _ = validated(shlex.split(job["spec"]["entrypoint"]))
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head["terminationGracePeriodSeconds"] > cfg.trainer.preempt_grace_s
+    shell, flag, hook = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    record = f"{cfg.trainer.output_dir}/{cfg.trainer.run_name}/controller.json"
+    assert f"record={record}\n" in hook
+    # The hook, run against a stand-in controller that takes 0.5 s to stop on SIGTERM.
+    controller = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                   "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(143)))\n"
+                                   "print('ready', flush=True)\nwhile True: time.sleep(0.05)\n"],
+                                  stdout=subprocess.PIPE, text=True)
+    try:
+        assert controller.stdout.readline() == "ready\n"
+        import threading
+
+        reaper = threading.Thread(target=controller.wait, daemon=True)  # its parent reaps it, as in the pod
+        reaper.start()
+        (tmp_path / "controller.json").write_text(json.dumps({"pid": controller.pid, "state": "running"}))
+        done = subprocess.run([shell, flag, hook.replace(record, str(tmp_path / "controller.json"))], timeout=30)
+        reaper.join(timeout=5)
+        assert done.returncode == 0 and controller.returncode == 143  # it waited until the controller exited
+    finally:
+        if controller.poll() is None:
+            os.kill(controller.pid, signal.SIGKILL)
+            controller.wait()
+    (tmp_path / "controller.json").write_text(json.dumps({"pid": os.getpid(), "state": "finished"}))
+    t0 = time.monotonic()
+    subprocess.run([shell, flag, hook.replace(record, str(tmp_path / "controller.json"))], timeout=30, check=True)
+    assert time.monotonic() - t0 < 25  # an ended run: nothing to signal, nothing to wait for
+
+
 # -- Slurm ---------------------------------------------------------------------------------
 
 SLURM_ENV = {"SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "8", "HEAD_IP": "10.1.0.7", "RAY_PORT": "6379",
