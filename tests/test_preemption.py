@@ -40,6 +40,8 @@ def test_a_signal_is_noted_not_acted_on_and_the_handlers_are_given_back():
 class _Checkpoints:
     """The coordinator's part that stopping uses: a save in flight commits when waited for."""
 
+    save_every = 2
+
     def __init__(self, last_committed, pending=None, commits=True):
         self.last_committed, self.pending, self.commits = last_committed, pending, commits
         self.saved, self.abandoned = [], []
@@ -85,6 +87,14 @@ def test_a_save_past_the_grace_period_is_abandoned_and_the_last_commit_named():
     with pytest.raises(Preempted, match="after step 3: the last committed checkpoint is step 2"):
         stop_for_preemption(trainer, grace_s=0.01)
     assert trainer.ckpt.abandoned == [(3, "preempted")]
+
+
+def test_checkpoints_turned_off_stay_off():
+    ckpt = _Checkpoints(None)
+    ckpt.save_every = 0
+    with pytest.raises(Preempted, match="after step 3: no checkpoint is committed"):
+        stop_for_preemption(_Trainer(3, ckpt), grace_s=30)
+    assert ckpt.saved == []
 
 
 def test_the_controller_record_says_preempted(tmp_path):

@@ -100,7 +100,7 @@ def stop_for_preemption(trainer, grace_s: float) -> None:
         try:
             if ckpt.pending is not None:  # a save in flight: commit it first
                 ckpt.wait(roles, timeout_s=max(0.0, deadline - time.monotonic()))
-            if ckpt.pending is None and ckpt.last_committed != step:
+            if ckpt.pending is None and ckpt.last_committed != step and ckpt.save_every > 0:  # 0: the user's "none"
                 trainer.save_checkpoint()
                 ckpt.wait(roles, timeout_s=max(0.0, deadline - time.monotonic()))
             if ckpt.pending is not None:
