@@ -3,7 +3,8 @@
 The controller writes the record when ``fit`` starts (pid, hostname, process start time, state
 ``running``), notes the step it starts from once the roles are up (a resumed run starts past 0),
 and marks it ``finished``, ``failed`` (with the reason), ``interrupted`` (Ctrl-C) or
-``preempted`` (SIGTERM/SIGUSR1, after its last step was made durable) when ``fit`` returns or raises. A record still saying ``running`` whose process is gone means the controller died
+``preempted`` (SIGTERM/SIGUSR1, after its last step was made durable) when ``fit`` returns or
+raises. A record still saying ``running`` whose process is gone means the controller died
 without a clean exit; ``resilient-rl status`` tells the two apart with :func:`controller_alive`.
 
 Every write replaces the file atomically, so a reader never sees half a record.
