@@ -25,7 +25,7 @@ import sys
 
 from resilient_rl import env
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointTimeoutError, ConfigError,
-                                 RecoveryError, RRLError, RunFolderError, StorageError)
+                                 Preempted, RecoveryError, RRLError, RunFolderError, StorageError)
 
 # Exit codes (documented in README.md, "Exit codes"): one meaning each, stable for scripts.
 EXIT_OK = 0
@@ -43,10 +43,15 @@ EXIT_RUNTIME = 4
 EXIT_INTERNAL = 70
 #: Interrupted (Ctrl-C), 128 + SIGINT.
 EXIT_INTERRUPTED = 130
+#: Preempted (SIGTERM, or Slurm's early SIGUSR1), 128 + SIGTERM: the run stopped at a safe point
+#: with its last completed step committed where it could; the same command continues it.
+EXIT_PREEMPTED = 143
 
 
 def exit_code(exc: BaseException) -> int:
     """The exit code for an error that ended a command (see the constants above)."""
+    if isinstance(exc, Preempted):
+        return EXIT_PREEMPTED
     if isinstance(exc, CheckpointCorruptError):
         return EXIT_CORRUPT
     if isinstance(exc, RecoveryError):
@@ -88,17 +93,23 @@ def _fit(cfg) -> int:
         raise
     with RunLog(log_path):  # Ray's start-up notices and the workers' output land here, off the console
         owned = connect(cfg.ray)
+        trainer.preemption.install()  # after ray.init, whose SIGTERM handler would exit at once
         try:
             history = trainer.fit()
         except KeyboardInterrupt:
             print(f"\ninterrupted at step {trainer.step}; stopping workers", file=sys.stderr)
             return EXIT_INTERRUPTED
+        except Preempted as exc:
+            print(f"resilient-rl: {exc}", file=sys.stderr)
+            return EXIT_PREEMPTED
         except RRLError:
             print(f"resilient-rl: the full log, with the workers' output, is in {log_path}", file=sys.stderr)
             raise
         finally:
-            trainer.shutdown()
+            trainer.shutdown()  # releases the leases, preempted or not
+            trainer.preemption.restore()
             disconnect(owned)
+            trainer.preemption.ignore_after_shutdown()
     print(f"run folder: {trainer.run_dir.path}")
     if not history:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")

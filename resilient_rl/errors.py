@@ -207,3 +207,20 @@ class NonFiniteError(RRLError):
     """Training met NaN or Inf values (loss, gradient norm, reward, KL, saved state) and the
     ``trainer.nonfinite`` policy or its ``trainer.max_nonfinite`` budget ends the run; names the
     step and the quantities."""
+
+
+class UserCodeError(RRLError):
+    """Code the user supplied (``data.reward_fn``) raised. The message names the setting and the
+    function and carries the function's own traceback; the project's frames are left out, and
+    the exit code is the run-time one (4), not "internal error"."""
+
+
+class Preempted(RRLError):
+    """The run was asked to stop (SIGTERM, Slurm's early SIGUSR1) and stopped at a safe point after
+    making its last completed step durable where it could; names the signal, the step and the last
+    committed checkpoint. Not a failure: the CLI exits 143 and ``controller.json`` says
+    ``preempted``; the same command continues the run."""
+
+    def __init__(self, message: str, *, signal_name: str, step: int, committed: int | None):
+        super().__init__(message)
+        self.signal_name, self.step, self.committed = signal_name, step, committed

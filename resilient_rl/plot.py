@@ -181,6 +181,9 @@ def write_plot(target: str, out: str | None = None, output_dir: str | None = Non
     if path.suffix.lower() != ".png":
         raise ConfigError(f"--out {path}: the plot is a PNG, give a file name ending in .png")
     fig = build_figure(run)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:  # a path the user gave: name it, with the reason (exit 2, not "internal error")
+        raise ConfigError(f"--out {path}: cannot write the plot: {exc}") from exc
     return path

@@ -10,7 +10,7 @@ human view; :meth:`RunStatus.to_json` the one for scripts.
 States: ``running`` (the recorded controller process is alive), ``running?`` (it runs on
 another host, so it cannot be checked from here), ``stopped`` (the record says running but the
 process is gone: the controller died without a clean exit), ``finished``, ``failed``,
-``interrupted``, and ``unknown`` (no controller record: a run from before records existed).
+``interrupted``, ``preempted`` (stopped by SIGTERM/SIGUSR1; the same command continues it), and ``unknown`` (no controller record: a run from before records existed).
 """
 
 from __future__ import annotations
@@ -217,6 +217,8 @@ def _state(run: RunFiles) -> tuple[str, str | None, ControllerInfo | None]:
         return "failed", rec.reason, info
     if rec.state == "interrupted":
         return "interrupted", f"at step {rec.end_step}", info
+    if rec.state == "preempted":
+        return "preempted", rec.reason, info
     return "finished", None, info
 
 

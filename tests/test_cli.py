@@ -243,6 +243,14 @@ def test_export_tiny_reloads_with_identical_weights(tiny_run, tmp_path, capsys):
     assert meta["rrl_step"] == "2" and meta["rrl_role"] == "actor" and meta["rrl_source"] == str(step_url)
 
 
+def test_export_to_a_folder_that_cannot_be_created_is_bad_input(tiny_run, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "export"
+    code, _, err = _cli(capsys, "export", str(tiny_run["run_url"] / step_dirname(2)), "--out", str(out),
+                        "--output-dir", str(tiny_run["output_dir"]))
+    assert code == 2 and f"--out {str(out)!r}: cannot create the folder" in err and "internal error" not in err
+
+
 def test_export_by_run_name_and_step_with_explicit_config(tiny_run, tmp_path, capsys):
     out = tmp_path / "export"
     code, _, err = _cli(capsys, "export", RUN, "--root", str(tiny_run["root"]), "--step", "1", "--out", str(out),

@@ -1,7 +1,9 @@
 """What `resilient-rl train` shows on the console, and what goes to ``runs/<run>/train.log`` instead.
 
-The console keeps the progress bar and a summary every ``trainer.log_every`` steps; the per-step
-metrics, Ray's start-up notices and everything the workers print go to the run's ``train.log``.
+The console keeps the progress bar, a summary every ``trainer.log_every`` steps, warnings and the
+end; the per-step metrics, the routine lines of every checkpoint and lease (taken, released,
+committed, deleted by retention), Ray's start-up notices and everything the workers print go to
+the run's ``train.log``.
 """
 
 from __future__ import annotations
@@ -66,10 +68,12 @@ def test_worker_output_goes_to_train_log_not_the_console(tmp_path, capfd, monkey
 
 
 def test_train_console_has_a_summary_every_log_every_steps_and_train_log_has_every_step(tmp_path):
+    """Checkpoints every step, one kept: each step commits one and deletes one, all off the console."""
     run = tmp_path / "runs" / "console"
     proc = subprocess.run([sys.executable, "-m", "resilient_rl.cli", "train", "trainer.total_steps=4",
                            "trainer.log_every=2", "data.batch_size=16", "actor.mini_batch_size=8",
-                           "critic.mini_batch_size=8", "data.num_prompts=64", "checkpoint.save_every=0",
+                           "critic.mini_batch_size=8", "data.num_prompts=64", "checkpoint.save_every=1",
+                           "checkpoint.keep_last=1", "recovery.snapshot_every=0",
                            "trainer.run_name=console", f"trainer.output_dir={tmp_path / 'runs'}",
                            f"checkpoint.root={tmp_path / 'ckpt'}"],
                           capture_output=True, text=True, timeout=600)
@@ -85,3 +89,7 @@ def test_train_console_has_a_summary_every_log_every_steps_and_train_log_has_eve
     assert [s.split("step ")[1].split(" ")[0] for s in steps] == ["1", "2", "3", "4"]
     assert all("actor/pg_clipfrac=" in s and "timing/update_actor_s=" in s for s in steps)
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+    routine = ("lease of run", "checkpoint committed", "retention: deleting")
+    assert not [line for line in console.splitlines() if any(r in line for r in routine)], console[-3000:]
+    for line in routine:
+        assert line in log, line

@@ -194,7 +194,7 @@ def test_jsonl_missing_or_empty_file(tmp_path):
 def test_untokenisable_prompt_names_its_line(tmp_path):
     path = tmp_path / "caps.jsonl"
     path.write_text('{"prompt": "ok>", "answer": "1"}\n{"prompt": "Caps>", "answer": "1"}\n')
-    with pytest.raises(TokenizerError, match=rf"{path}:2.*'C'"):
+    with pytest.raises(ConfigError, match=rf"{path}:2.*'C'"):
         PromptDataset(read_jsonl(str(path)), CharTokenizer())
 
 

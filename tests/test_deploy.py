@@ -97,6 +97,47 @@ def test_the_rayjob_sizes_dev_shm_for_snapshots_and_exposes_metrics():
         assert monitor["selector"]["matchLabels"].items() <= meta["labels"].items(), where
 
 
+def test_the_rayjob_head_passes_an_eviction_to_the_trainer_and_waits_for_it(tmp_path):
+    """The head's preStop hook signals the controller that controller.json names and waits for it
+    to exit, within a grace period longer than the trainer's own."""
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    job = kuberay_documents()["RayJob"]
+    cfg, _ = validated(shlex.split(job["spec"]["entrypoint"]))
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head["terminationGracePeriodSeconds"] > cfg.trainer.preempt_grace_s
+    shell, flag, hook = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    record = f"{cfg.trainer.output_dir}/{cfg.trainer.run_name}/controller.json"
+    assert f"record={record}\n" in hook
+    # The hook, run against a stand-in controller that takes 0.5 s to stop on SIGTERM.
+    controller = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                   "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(143)))\n"
+                                   "print('ready', flush=True)\nwhile True: time.sleep(0.05)\n"],
+                                  stdout=subprocess.PIPE, text=True)
+    try:
+        assert controller.stdout.readline() == "ready\n"
+        import threading
+
+        reaper = threading.Thread(target=controller.wait, daemon=True)  # its parent reaps it, as in the pod
+        reaper.start()
+        (tmp_path / "controller.json").write_text(json.dumps({"pid": controller.pid, "state": "running"}))
+        done = subprocess.run([shell, flag, hook.replace(record, str(tmp_path / "controller.json"))], timeout=30)
+        reaper.join(timeout=5)
+        assert done.returncode == 0 and controller.returncode == 143  # it waited until the controller exited
+    finally:
+        if controller.poll() is None:
+            os.kill(controller.pid, signal.SIGKILL)
+            controller.wait()
+    (tmp_path / "controller.json").write_text(json.dumps({"pid": os.getpid(), "state": "finished"}))
+    t0 = time.monotonic()
+    subprocess.run([shell, flag, hook.replace(record, str(tmp_path / "controller.json"))], timeout=30, check=True)
+    assert time.monotonic() - t0 < 25  # an ended run: nothing to signal, nothing to wait for
+
+
 # -- Slurm ---------------------------------------------------------------------------------
 
 SLURM_ENV = {"SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "8", "HEAD_IP": "10.1.0.7", "RAY_PORT": "6379",
@@ -135,6 +176,44 @@ def test_the_sbatch_trainer_command_matches_the_allocation_and_validates(nodes):
     assert cfg.ray.address == "10.1.0.7:6379"
     require_shared_root(cfg.checkpoint, nodes=n)  # a shared file system, declared as such
     assert cfg.checkpoint.root.startswith(SLURM_ENV["SHARED"]) and cfg.checkpoint.shared_filesystem
+
+
+def test_the_sbatch_script_passes_slurms_signals_to_the_trainer_and_requeues_a_preempted_job(tmp_path):
+    """Slurm signals the batch shell (--signal=B:USR1@..., then SIGTERM); the script must pass
+    both on to the trainer, keep waiting for it, exit with its 143 and requeue the job."""
+    import os
+    import signal
+    import sys
+    import time
+
+    directives = sbatch_directives()
+    assert directives["signal"].startswith("B:USR1@") and "requeue" in re.findall(r"^#SBATCH --([\w-]+)$",
+                                                                                   SBATCH.read_text(), flags=re.M)
+    assert re.search(r'if \[ "\$status" -eq 143 \]; then[^\n]*\n\s*scontrol requeue "\$SLURM_JOB_ID"',
+                     SBATCH.read_text())
+    block = re.search(r"^# >>> run the trainer.*?\n(.*?)^# <<< run the trainer", SBATCH.read_text(), flags=re.M | re.S)
+    assert block, "the block that runs the trainer is marked in the script"
+    seen = tmp_path / "signals"
+    stand_in = (f"import signal, sys, time, pathlib\np = pathlib.Path({str(seen)!r})\n"
+                "def note(s, _f):\n    p.write_text(p.read_text() + signal.Signals(s).name + '\\n')\n"
+                "    if s == signal.SIGTERM: sys.exit(143)\n"
+                "signal.signal(signal.SIGUSR1, note)\nsignal.signal(signal.SIGTERM, note)\n"
+                "p.write_text('')\nwhile True: time.sleep(0.05)\n")
+    script = f"TRAIN=({shlex.quote(sys.executable)} -c {shlex.quote(stand_in)})\n{block.group(1)}exit \"$status\"\n"
+    shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script])
+    try:
+        for sig, expect in ((signal.SIGUSR1, "SIGUSR1\n"), (signal.SIGTERM, "SIGUSR1\nSIGTERM\n")):
+            deadline = time.monotonic() + 30
+            while not seen.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(shell.pid, sig)
+            while seen.read_text() != expect and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert seen.read_text() == expect
+        assert shell.wait(timeout=30) == 143
+    finally:
+        if shell.poll() is None:
+            shell.kill()
 
 
 # -- ray job submit (README) ---------------------------------------------------------------

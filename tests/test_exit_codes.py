@@ -6,12 +6,13 @@ import pytest
 
 from resilient_rl import cli
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
-                                 CheckpointTimeoutError, ConfigError, RecoveryError, StorageError, WorkerDiedError)
+                                 CheckpointTimeoutError, ConfigError, RecoveryError, StorageError, UserCodeError,
+                                 WorkerDiedError)
 
 
 def test_exit_codes_are_distinct():
     codes = [cli.EXIT_OK, cli.EXIT_CORRUPT, cli.EXIT_ERROR, cli.EXIT_RECOVERY, cli.EXIT_RUNTIME, cli.EXIT_INTERNAL,
-             cli.EXIT_INTERRUPTED]
+             cli.EXIT_INTERRUPTED, cli.EXIT_PREEMPTED]
     assert len(set(codes)) == len(codes) and codes[:3] == [0, 1, 2]
 
 
@@ -21,6 +22,7 @@ def test_exit_codes_are_distinct():
     (StorageError("x"), cli.EXIT_RUNTIME), (WorkerDiedError("x"), cli.EXIT_RUNTIME),
     (CheckpointError("weights do not fit"), cli.EXIT_ERROR), (CheckpointTimeoutError("x"), cli.EXIT_RUNTIME),
     (KeyboardInterrupt(), cli.EXIT_INTERRUPTED), (TypeError("x"), cli.EXIT_INTERNAL),
+    (UserCodeError("data.reward_fn raised"), cli.EXIT_RUNTIME),
 ])
 def test_exit_code_of_each_error(exc, code):
     assert cli.exit_code(exc) == code

@@ -14,7 +14,7 @@ import resilient_rl
 PACKAGE = Path(resilient_rl.__file__).parent
 #: Bottom to top: a module may import its own layer and those below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "env", "process_state", "jsonl", "nvml", "lazy"),
+    ("errors", "env", "process_state", "jsonl", "nvml", "lazy", "log_route"),
     ("config",),
     ("protocol", "protocol_utils", "protocol_verl", "protocol_io", "protocol_future", "events"),
     ("data", "algos"),

@@ -85,6 +85,10 @@ def test_nothing_to_plot_and_bad_arguments_are_errors(tmp_path, capsys):
     assert main(["-q", "plot", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
     assert "no steps to plot yet" in err and "x.jpg" in err and str(tmp_path / "absent") in err
+    (tmp_path / "a-file").write_text("")
+    assert main(["-q", "plot", str(run.path), "--out", str(tmp_path / "a-file" / "x.png")]) == 2  # not a folder
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'a-file' / 'x.png'}: cannot write the plot" in err and "internal error" not in err
 
 
 def test_long_run_draws_lines_and_marks_replayed_steps(tmp_path):

@@ -139,6 +139,14 @@ def test_failed_and_interrupted_fits_record_how_they_ended(tmp_path):
             raise KeyboardInterrupt
     s = gather_status(str(run.path))
     assert s.state == "interrupted" and s.detail == "at step 2"
+    from resilient_rl.errors import Preempted
+
+    with pytest.raises(Preempted):
+        with controller_session(run.path, lambda: run.step):
+            raise Preempted("preempted by SIGTERM after step 2: step 2 is committed", signal_name="SIGTERM",
+                            step=2, committed=2)
+    s = gather_status(str(run.path))
+    assert s.state == "preempted" and "SIGTERM after step 2" in s.detail and "preempted" in s.format_text()
 
 
 def test_run_without_a_controller_record_and_a_torn_last_line(tmp_path):

@@ -199,6 +199,10 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
         config_files = {CONFIG_NAME: _tiny_config_json(model_cfg, tensors, where)}
     elif model_cfg is not None:
         config_files = _hf_config_files(model_cfg, tensors, where)
+    try:  # the user's folder: one that cannot be created is bad input (exit 2), named with the reason
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_dir!r}: cannot create the folder: {exc}") from exc
     # Written through Storage: atomic files (tmp + fsync + rename), streamed from the tensors.
     dest = Storage(out_dir)
     ordered = dict(sorted(tensors.items()))

@@ -49,6 +49,7 @@ from dataclasses import replace
 
 from resilient_rl.checkpoint.lease_claim import Lease, _fmt_time, _process_identity, claim_name
 from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.log_route import FILE_ONLY
 from resilient_rl.errors import (ConfigError, LeaseError, LeaseExpiredError, LeaseFormatError, LeaseHeldError,
                                  LeaseLostError, StorageError)
 
@@ -214,7 +215,7 @@ class RunLease:
             self._collect(token)
             if current is not None and not current.released:
                 log.warning("lease of run %s: took over from %s", self.run_url, current.describe(now))
-            log.info("lease of run %s acquired: %s", self.run_url, back.describe(now))
+            log.info("lease of run %s acquired: %s", self.run_url, back.describe(now), extra=FILE_ONLY)
             return back
         with _OPEN_LOCK:
             _OPEN.discard(self.uid)
@@ -354,7 +355,7 @@ class RunLease:
                     now = self.clock()
                     done = replace(self.lease, renewed_at=now, expires_at=now, released=True)
                     self.storage.write_bytes_atomic(self._rel(done.token), done.to_bytes())
-                    log.info("lease of run %s released (token %d)", self.run_url, done.token)
+                    log.info("lease of run %s released (token %d)", self.run_url, done.token, extra=FILE_ONLY)
         except Exception as exc:
             log.warning("lease of run %s: release failed (%s); it expires at %s", self.run_url, exc,
                         _fmt_time(self.lease.expires_at) if self.lease else "-")

@@ -37,6 +37,7 @@ from resilient_rl.checkpoint.manifest import (
 )
 from resilient_rl.checkpoint.verify import Verifier
 from resilient_rl.checkpoint.storage import TEMP_NAME_RE, RetryPolicy, Storage
+from resilient_rl.log_route import FILE_ONLY
 from resilient_rl.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError,
 )
@@ -399,6 +400,6 @@ class CheckpointManager:
             keep |= {s for s in committed if s % self.keep_every == 0}
         doomed = [s for s in committed if s not in keep and s < latest]
         for step in doomed:
-            log.info("retention: deleting checkpoint %s", self.step_dir(step))
+            log.info("retention: deleting checkpoint %s", self.step_dir(step), extra=FILE_ONLY)
             self._delete_step(step)
         return doomed

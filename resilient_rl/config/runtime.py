@@ -16,6 +16,11 @@ from typing import Any, Dict, List, Optional, Union
 from resilient_rl.config.sections import choice, require, Section
 
 
+#: Longest ``trainer.run_name``: it names folders (255 bytes at most on common file systems) with
+#: room for the prefixes and suffixes added to it (Ray actor and placement-group names, leases).
+MAX_RUN_NAME = 128
+
+
 @dataclass
 class TrainerConfig(Section):
     """The fit loop: length, seeds, where results go, device and placement of the roles."""
@@ -52,13 +57,22 @@ class TrainerConfig(Section):
     # a replayed or re-run step gives the same bits on a GPU too, at some cost in speed.
     # CPU runs are bit-identical either way. See workers/determinism.py.
     deterministic: bool = False
+    # SIGTERM or SIGUSR1 (a preemption): the run stops after the step in progress and has this
+    # long to commit its last completed step before it exits (143). Size it from a save's duration
+    # (the checkpoint_committed events' duration_s) plus one step; see trainer/preemption.py.
+    preempt_grace_s: float = 120.0
 
     def validate(self) -> None:
+        require(self.preempt_grace_s > 0, "preempt_grace_s", self.preempt_grace_s, "must be > 0 seconds")
         require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
         choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
         require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")
         require(self.seed >= 0, "seed", self.seed, "must be >= 0")
-        # The run name becomes a directory in checkpoint URLs and a metrics label.
+        # The run name becomes a directory in checkpoint URLs and a metrics label, and part of Ray
+        # actor names and lease files: a file name has at most 255 bytes, so keep well below it.
+        require(len(self.run_name) <= MAX_RUN_NAME, "run_name", self.run_name if len(self.run_name) <= 80
+                else f"{self.run_name[:40]}...({len(self.run_name)} characters)",
+                f"must be at most {MAX_RUN_NAME} characters (it names directories and Ray actors)")
         require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name) is not None, "run_name",
                  self.run_name, "must be letters, digits, '.', '_' or '-' (it names directories)")
         choice("device", self.device, ("auto", "cpu", "cuda"))

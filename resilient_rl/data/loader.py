@@ -34,8 +34,8 @@ class PromptDataset:
         for i, sample in enumerate(samples):
             try:
                 encoded.append(tokenizer.encode_prompt(sample.prompt))
-            except TokenizerError as e:
-                raise TokenizerError(f"prompt {sample.source or f'#{i}'}: {e}") from None
+            except TokenizerError as e:  # data the tokenizer cannot spell is bad input (exit 2), not a run-time error
+                raise ConfigError(f"prompt {sample.source or f'#{i}'}: {e}") from None
         self.prompt_len = max(len(ids) for ids in encoded)
         self.input_ids = torch.full((len(encoded), self.prompt_len), tokenizer.pad_token_id, dtype=torch.int64)
         self.attention_mask = torch.zeros((len(encoded), self.prompt_len), dtype=torch.int64)

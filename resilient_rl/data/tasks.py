@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import json
+import traceback
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence
 
 import fsspec
 import numpy as np
 
-from resilient_rl.errors import ConfigError, DataProtoError
+from resilient_rl.errors import ConfigError, DataProtoError, UserCodeError
 from resilient_rl.config.schema import DataConfig
 from resilient_rl.config.paths import resolve_path
 from resilient_rl.data.rewards import RewardFn, exact_match, get_reward, partial_match
@@ -116,6 +117,13 @@ class AddTask(_DigitTask):
         return Sample(prompt=f"{a}+{b}=", answer=str(a + b))
 
 
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback from the frame that called into the user's code on (our own frames
+    above it say nothing about the user's bug)."""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+
+
 def load_reward_fn(import_path: str) -> RewardFn:
     """A registered reward by name, or ``package.module:function`` imported; errors name the value."""
     if ":" not in import_path:
@@ -127,6 +135,9 @@ def load_reward_fn(import_path: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"data.reward_fn={import_path!r}: cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # the user's module fails as it is imported (a syntax error, a failing statement)
+        raise ConfigError(f"data.reward_fn={import_path!r}: importing module {module_name!r} raised "
+                          f"{type(e).__name__}: {e}\n{user_traceback(e)}") from e
     obj: object = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -193,14 +204,23 @@ class JsonlTask:
                     check(sample.answer)
                 except ConfigError as e:
                     raise ConfigError(f"{sample.source}: {e}") from None
+                except Exception as e:
+                    raise UserCodeError(f"{sample.source}: data.reward_fn={reward_fn!r}: its check_reference raised "
+                                        f"{type(e).__name__}: {e}\n{user_traceback(e)}") from e
 
     def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
         """Every sample of the file, in file order: a file task has a fixed set, so ``n`` is ignored."""
         return list(self._samples)
 
     def reward(self, response: str, answer: str) -> float:
-        """The user function's score, checked to be a real number."""
-        value = self._reward_fn(response, answer)
+        """The user function's score, checked to be a real number. An exception it raises is the
+        user's (UserCodeError with its traceback and the response it was scoring), not the trainer's."""
+        try:
+            value = self._reward_fn(response, answer)
+        except Exception as e:
+            raise UserCodeError(f"data.reward_fn={self.reward_fn_path!r} raised {type(e).__name__}: {e} while "
+                                f"scoring response {response[:200]!r} against answer {answer[:200]!r}\n"
+                                f"{user_traceback(e)}") from e
         try:
             return float(value)
         except (TypeError, ValueError):

@@ -112,10 +112,10 @@ def collect_run(cfg) -> RunResult:
         manifest = manager.load_manifest(last)
         final_files = {r.path: r.sha256 for r in manifest.files if r.path != "trainer_state.json"}
         sizes = {r.path: r.size for r in manifest.files if r.path.endswith(".safetensors")}
-        # What training computed; the config digest and the failure budget (which counts the very
-        # faults injected) legitimately differ from the fault-free run.
+        # What training computed; the config (and its digest) and the failure budget (which counts
+        # the very faults injected) legitimately differ from the fault-free run.
         final_state = {k: v for k, v in manager.load_trainer_state(last).items()
-                       if k not in ("config_digest", "failure_budget")}
+                       if k not in ("config", "config_digest", "failure_budget")}
     return RunResult(
         name=cfg.trainer.run_name, history=run_dir.read_metrics(), events=run_dir.read_events(),
         final_files=final_files, final_trainer_state=final_state, committed=committed,

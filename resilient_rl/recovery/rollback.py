@@ -74,6 +74,9 @@ class RollBack:
         self.run_dir = run_dir
         self.history = history
         self.digest = digest
+        # Digests of checkpoints whose config was checked key by key before the run started (and
+        # warned about there, naming the keys): loading them is not warned about again.
+        self.accepted_digests: set[str] = set()
         self.source: str | None = None  # where the last roll-back went (the recovered event)
 
     def roll_back_to(self, roles, *points: Point, keep_data_position: bool = False) -> int | None:
@@ -132,6 +135,6 @@ class RollBack:
                 raise
             raise CheckpointCorruptError(f"trainer_state.json of step {state.get('step')}: malformed "
                                          f"controller state ({exc!r})") from exc
-        if state.get("config_digest") not in (None, self.digest):
+        if state.get("config_digest") not in (None, self.digest, *self.accepted_digests):
             logger.warning("resuming a checkpoint written with a different config (digest %s, now %s)",
                            state.get("config_digest"), self.digest)

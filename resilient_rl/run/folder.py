@@ -16,6 +16,7 @@ such row (found by one forward scan), never by rewriting the file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 from resilient_rl.config.schema import save_config
 from resilient_rl.config.secrets import redact
+from resilient_rl.errors import ConfigError, StorageError
 from resilient_rl.events import AnyEvent, EventBus, event_to_json, make_event, read_events
 from resilient_rl.jsonl import iter_lines, parse_line, read_jsonl, warn_torn
 
@@ -81,12 +83,27 @@ def _cut_torn_tail(path: Path) -> None:
         f.truncate(keep)
 
 
+#: OS errors that a setting can fix (a folder the user may not write, a name too long): exit 2, not 4.
+_SETTING_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EEXIST)
+
+
+def output_dir_error(output_dir: str, what: str, exc: OSError) -> Exception:
+    """``exc`` (met while ``what``, under ``trainer.output_dir``) as the project's error naming the
+    setting, the path and the reason: a ConfigError when a setting fixes it, else a StorageError."""
+    message = f"trainer.output_dir={output_dir!r}: {what}: {exc}"
+    return ConfigError(message) if exc.errno in _SETTING_ERRNOS else StorageError(message)
+
+
 class RunDir:
     """``{output_dir}/{run_name}/`` with ``config.yaml``, ``metrics.jsonl`` and ``events.jsonl``."""
 
     def __init__(self, output_dir: str, run_name: str):
+        self.output_dir = output_dir
         self.path = Path(output_dir) / run_name
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_dir_error(output_dir, f"cannot create the run folder {self.path}", exc) from exc
         self.metrics_path = self.path / "metrics.jsonl"
         self.events_path = self.path / "events.jsonl"
         self.bus = EventBus()  # every event written, as a typed event, to its subscribers (trackers)
@@ -99,7 +116,10 @@ class RunDir:
 
     def save_config(self, cfg) -> None:
         """Write the resolved config (credentials in storage options redacted)."""
-        save_config(cfg, str(self.path / "config.yaml"))
+        try:
+            save_config(cfg, str(self.path / "config.yaml"))
+        except OSError as exc:
+            raise output_dir_error(self.output_dir, f"cannot write {self.path / 'config.yaml'}", exc) from exc
 
     def _append(self, path: Path, obj: dict[str, Any]) -> None:
         if path not in self._repaired:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from resilient_rl.config.secrets import RedactingFilter
+from resilient_rl.log_route import ConsoleFilter
 from resilient_rl.runtime import worker_output
 
 #: One line per step with every metric; written to ``train.log`` only.
@@ -44,8 +45,10 @@ class TqdmConsoleHandler(logging.Handler):
 
 
 def setup_console(level: int) -> None:
-    """Log to stderr at ``level`` through tqdm; the root logger lets INFO through for ``train.log``."""
+    """Log to stderr at ``level`` through tqdm; the root logger lets INFO through for ``train.log``.
+    Routine lines marked :data:`~resilient_rl.log_route.FILE_ONLY` reach ``train.log`` only."""
     handler = TqdmConsoleHandler()
+    handler.addFilter(ConsoleFilter())
     handler.addFilter(RedactingFilter())
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))

@@ -2,8 +2,9 @@
 
 The controller writes the record when ``fit`` starts (pid, hostname, process start time, state
 ``running``), notes the step it starts from once the roles are up (a resumed run starts past 0),
-and marks it ``finished``, ``failed`` (with the reason) or ``interrupted`` when ``fit`` returns
-or raises. A record still saying ``running`` whose process is gone means the controller died
+and marks it ``finished``, ``failed`` (with the reason), ``interrupted`` (Ctrl-C) or
+``preempted`` (SIGTERM/SIGUSR1, after its last step was made durable) when ``fit`` returns or
+raises. A record still saying ``running`` whose process is gone means the controller died
 without a clean exit; ``resilient-rl status`` tells the two apart with :func:`controller_alive`.
 
 Every write replaces the file atomically, so a reader never sees half a record.
@@ -22,9 +23,11 @@ from typing import Callable, Iterator
 
 import psutil
 
+from resilient_rl.errors import Preempted
+
 CONTROLLER_NAME = "controller.json"
 #: States a record can be in; only ``running`` can change.
-STATES = ("running", "finished", "failed", "interrupted")
+STATES = ("running", "finished", "failed", "interrupted", "preempted")
 # A pid whose process started later than the record's own start time (plus clock slack) was reused.
 _CREATE_TIME_SLACK_S = 2.0
 
@@ -96,6 +99,9 @@ def controller_session(run_path: str | os.PathLike[str], step: Callable[[], int]
         yield record
     except KeyboardInterrupt:
         record.end(run_path, "interrupted", step())
+        raise
+    except Preempted as exc:
+        record.end(run_path, "preempted", step(), str(exc))
         raise
     except BaseException as exc:
         record.end(run_path, "failed", step(), f"{type(exc).__name__}: {exc}")

@@ -107,10 +107,12 @@ class FileSDWriter:
         return [{"targets": targets, "labels": dict(labels)} for labels, targets in groups.items()]
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         data = json.dumps(self._groups(), indent=2, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
-                                   suffix=".tmp")
+        try:  # the folder is the user's (telemetry.file_sd_path): one it cannot create is named too
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise TelemetryError(f"cannot write file_sd targets {self.path}: {exc}") from exc
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)

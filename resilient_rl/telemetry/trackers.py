@@ -2,9 +2,9 @@
 
 ``trainer.loggers`` (verl's ``trainer.logger``) lists the backends:
 
-- ``console``: a short summary line every ``trainer.log_every`` steps and a line per checkpoint or
-  worker restart, written through the progress bar. The full per-step line goes to ``train.log``
-  whatever the list holds.
+- ``console``: a short summary line every ``trainer.log_every`` steps and a line per checkpoint
+  restored or worker restarted, written through the progress bar. The full per-step line and a
+  line per checkpoint committed go to ``train.log`` only, whatever the list holds.
 - ``jsonl``: the run folder's ``metrics.jsonl`` and ``events.jsonl``. Always written, listed or not,
   because resume and recovery read them back.
 - ``tensorboard``, ``wandb``, ``mlflow``: optional extras (``pip install 'resilient-rl[wandb]'``),
@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 
 from resilient_rl.errors import ConfigError
 from resilient_rl.events import AnyEvent
+from resilient_rl.log_route import FILE_ONLY
 from resilient_rl.run.log import STEP_LOG
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ SUMMARY_KEYS = (("reward/mean", "reward"), ("actor/pg_loss", "pg_loss"), ("criti
 #: Events the console reports (failures and recoveries are already logged as warnings where they happen).
 CONSOLE_EVENTS = ("checkpoint_committed", "checkpoint_restored", "checkpoint_corrupt", "worker_restarted",
                   "kill_unresponsive", "kill_hung")
+#: Of those, the ones every checkpoint makes: logged to train.log only (a long run would fill the
+#: console with them; they are in events.jsonl too).
+FILE_ONLY_EVENTS = ("checkpoint_committed",)
 #: Events of every checkpoint: the full event log (wandb table, MLflow artifact) is rewritten for them
 #: only with the next other event or at close, so a long run does not write one copy per checkpoint.
 ROUTINE_EVENTS = ("checkpoint_started", "checkpoint_committed")
@@ -88,7 +92,8 @@ class ConsoleTracker:
         if kind in CONSOLE_EVENTS:
             level = logging.WARNING if kind == "checkpoint_corrupt" else logging.INFO
             logger.log(level, "%s %s", kind.replace("_", " "),
-                       " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()))
+                       " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()),
+                       extra=FILE_ONLY if kind in FILE_ONLY_EVENTS else None)
 
     def close(self) -> None:
         pass

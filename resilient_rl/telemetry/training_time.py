@@ -13,7 +13,7 @@ run folder (``ettr.json``, replaced atomically about once a second and at every 
 useful time back to the checkpoint it resumes from (the steps after it are trained again).
 When the previous controller crashed or failed (``controller.json`` still says ``running``, or
 ``failed``), the time from its last ledger write to this controller's start is lost to cause
-``controller``; after a clean stop (finished, interrupted) the pause is not part of the run.
+``controller``; after a clean stop (finished, interrupted, preempted) the pause is not part of the run.
 
 Lost seconds of a failure (cause as classified, e.g. ``died``, ``hang``) are the failed step's
 work up to the failure, the recovery itself and the steps the restore rolled back. A step in

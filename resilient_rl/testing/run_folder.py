@@ -16,6 +16,7 @@ from pathlib import Path
 from resilient_rl.checkpoint import CheckpointManager
 from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.run.folder import RunDir
+from resilient_rl.trainer.resume_check import CONFIG_KEY, checkpoint_config
 
 #: The worker-group name prefix of the colocated group, as ``RayRoles`` names it.
 GROUP = "rrl_{run}_a1b2c3_main"
@@ -25,11 +26,12 @@ class FakeRun:
     """A run named ``name`` under ``base/runs`` with checkpoints under ``base/ckpt``."""
 
     def __init__(self, base: Path, name: str = "demo", total_steps: int = 12, save_every: int = 3,
-                 step_s: float = 0.5):
+                 step_s: float = 0.5, record_config: bool = True):
         self.cfg = config_from_dict({"trainer": {"run_name": name, "output_dir": str(base / "runs"),
                                                  "total_steps": total_steps},
                                      "checkpoint": {"root": str(base / "ckpt"), "save_every": save_every}})
         self.name, self.total_steps, self.save_every, self.step_s = name, total_steps, save_every, step_s
+        self.record_config = record_config  # False: checkpoints as older versions wrote them (no config)
         self.run_dir = RunDir(self.cfg.trainer.output_dir, name)
         self.run_dir.save_config(self.cfg)
         self.manager = CheckpointManager(self.cfg.checkpoint.root, name, keep_last=100)
@@ -57,7 +59,8 @@ class FakeRun:
 
     def checkpoint(self, step: int) -> None:
         self.manager.begin_step(step)
-        self.manager.write_trainer_state(step, {"step": step})
+        extra = {CONFIG_KEY: checkpoint_config(self.cfg)} if self.record_config else {}
+        self.manager.write_trainer_state(step, {"step": step, **extra})
         self.run_dir.event("checkpoint_started", step=step, stall_s=0.01)
         self.manager.commit(step, {}, {}, config_digest(self.cfg))
         self.run_dir.event("checkpoint_committed", step=step, duration_s=0.2, stall_s=0.01, bytes=1234)
@@ -92,6 +95,13 @@ class FakeRun:
                            message=f"{group} rank {rank} died")
         self.run_dir.event("aborted", reason=f"{group} rank {rank} exceeded max_restarts=0", role=group,
                            rank=rank, last_committed_step=self.manager.latest_step())
+
+
+def tree_state(path: Path) -> dict[str, tuple[bytes, int] | None]:
+    """Every file (content and modification time) and folder under ``path``: equal before and
+    after a command that must not have written anything there."""
+    return {str(p.relative_to(path)): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(Path(path).rglob("*"))}
 
 
 def play_two_failures(run: FakeRun) -> FakeRun:

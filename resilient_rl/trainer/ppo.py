@@ -36,6 +36,8 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
+from resilient_rl.trainer.preemption import Preemption, stop_for_preemption
+from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
 from resilient_rl.workers.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
@@ -81,6 +83,7 @@ class PPOTrainer:
         check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.digest = config_digest(cfg)
+        self._checkpoint_config = checkpoint_config(cfg)
         self.hooks = check_hooks(list(hooks or []))
         if roles_factory is None:
             from resilient_rl.trainer.ray_roles import RayRoles
@@ -95,6 +98,8 @@ class PPOTrainer:
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
         self.claim_ = RunClaim(cfg, self.run_dir.path, self.ckpt)
         self._claimed = False
+        # Set by SIGTERM/SIGUSR1 once the CLI installs its handlers: the loop stops at its next safe point.
+        self.preemption = Preemption()
         self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
         self.run_dir.subscribe(self._on_event)
@@ -124,12 +129,17 @@ class PPOTrainer:
                 hook.on_checkpoint_started(self, event.step)
 
     def claim(self) -> None:
-        """Take the run's leases (run folder and checkpoint folder; LeaseHeldError when another
-        controller holds one), then write the config: the first thing a controller writes, and
-        before it opens its log or starts Ray (idempotent)."""
+        """Check the config against the checkpoint a resume loads (ConfigError naming the keys
+        that may not change), take the run's leases (run folder and checkpoint folder;
+        LeaseHeldError when another controller holds one), then write the config: the first thing
+        a controller writes, and before it opens its log or starts Ray (idempotent)."""
         if self._claimed:
             return
         if self.checkpoints_on:
+            # A config that does not fit the checkpoint to resume is refused before anything is written.
+            accepted = check_resume(self.cfg, self.ckpt.manager, self.run_dir.path, self.digest)
+            if accepted is not None:
+                self.rollback.accepted_digests.add(accepted)
             self.claim_.acquire()
         self.run_dir.save_config(self.cfg)
         self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
@@ -182,10 +192,15 @@ class PPOTrainer:
         if not self.checkpoints_on:
             return
         if self.ckpt.due(self.step):
-            self.ckpt.save(self.roles, self.step, self.state_dict(), self.digest,
-                           known_good=self.nonfinite.take_known_good())
+            self.save_checkpoint()
         else:
             self.ckpt.poll(self.roles)
+
+    def save_checkpoint(self) -> None:
+        """Start the save of the current step (async: the step waits only for staging)."""
+        # The config goes with the checkpoint: a resume compares its own with it, key by key.
+        state = {**self.state_dict(), CONFIG_KEY: self._checkpoint_config}
+        self.ckpt.save(self.roles, self.step, state, self.digest, known_good=self.nonfinite.take_known_good())
 
     def maybe_snapshot(self) -> None:
         """Start the in-memory snapshot of this step when due (not waited for)."""
@@ -269,6 +284,8 @@ class PPOTrainer:
                    dynamic_ncols=True)
         try:
             while self.step < total:
+                if self.preemption.requested:  # the safe point: between steps, none half done
+                    stop_for_preemption(self, self.cfg.trainer.preempt_grace_s)
                 try:
                     row = self.train_step()
                     verdict = self.nonfinite.after_step(row, self.ckpt.last_committed)

@@ -66,6 +66,24 @@ def storage_failure(exc: StorageError) -> dict:
     return {"storage_error": str(exc)[:1000], "outage": is_outage(exc)}
 
 
+def load_schedule(scheduler, state: dict) -> None:
+    """Load a saved LR schedule, keeping this run's base learning rates.
+
+    A LambdaLR's state holds the base rates it was built with, and loading it would silently put
+    back the saved run's: a resume that changes ``actor.optim.lr`` (allowed, see
+    ``config/resume.py``) would train on at the old rate. The schedule's position is the saved one;
+    the rates are this config's, applied at once (with an unchanged config this is the very value
+    the saved step computed, so a resumed run stays bit-identical)."""
+    base_lrs = list(scheduler.base_lrs)  # this run's optim.lr (a schedule's step never changes them)
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = base_lrs
+    lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, base_lrs)]
+    for group, base, lr in zip(scheduler.optimizer.param_groups, base_lrs, lrs):
+        group["initial_lr"] = base
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
 class CheckpointMixin:
     """Adds save/poll/load of ``self.engine`` (model, optimizer, scheduler) to a role worker."""
 
@@ -183,7 +201,7 @@ class CheckpointMixin:
         e = self.engine
         set_model_state_dict(e.model, loaded["model"])
         set_optimizer_state_dict(e.model, e.optimizer, loaded["optim"])
-        e.scheduler.load_state_dict(loaded["scheduler"])
+        load_schedule(e.scheduler, loaded["scheduler"])
         if saved_world_size == self.world_size and "rng" in loaded:
             torch.set_rng_state(loaded["rng"]["torch"])
         self.prepare_checkpoint_staging()

@@ -1,0 +1,107 @@
+"""A preempted run (SIGTERM, or Slurm's early SIGUSR1 then SIGTERM) loses and repeats nothing.
+
+``resilient-rl train`` runs as its own process, as under a scheduler; the signal is sent once a
+step's metrics row is on disk, so it lands while the next step runs (and, every second step,
+while its checkpoint is being written). The process must exit 143 with ``controller.json``
+saying ``preempted``, its last completed step committed; the same command then finishes the run
+with a metric history and final checkpoint bit-identical to a run never preempted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resilient_rl.config.schema import load_config
+from resilient_rl.faults.harness import collect_run
+from resilient_rl.run.folder import deterministic_view
+
+pytestmark = pytest.mark.ray
+
+STEPS = 5
+ARGS = [f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "data.batch_size=16", "data.num_prompts=64",
+        "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=1", "critic.ppo_epochs=1",
+        "checkpoint.save_every=2", "telemetry.enabled=false", "ray.cpus_per_worker=0.05",
+        "recovery.snapshot_every=0"]
+
+
+def _args(tmp_path, name: str) -> list[str]:
+    return [*ARGS, f"trainer.run_name={name}", f"trainer.output_dir={tmp_path / 'runs'}",
+            f"checkpoint.root={tmp_path / 'ckpt'}"]
+
+
+def _train(tmp_path, name: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "resilient_rl.cli", "-q", "train", *_args(tmp_path, name)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _rows(tmp_path, name: str) -> int:
+    path = tmp_path / "runs" / name / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _result(tmp_path, name: str):
+    return collect_run(load_config(None, _args(tmp_path, name)))
+
+
+@pytest.fixture(scope="module")
+def unpreempted(tmp_path_factory):
+    base = tmp_path_factory.mktemp("reference")
+    proc = _train(base, "ref")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return _result(base, "ref")
+
+
+@pytest.mark.parametrize("signals, after_rows", [
+    (("SIGTERM",), 1),              # lands in step 2, whose save is due: stops with that save committed
+    (("SIGTERM",), 2),              # lands as step 2's save is being written: waits for it, commits it
+    (("SIGUSR1", "SIGTERM"), 2),    # Slurm: the early warning, then the time limit's SIGTERM
+])
+def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_path, signals, after_rows):
+    name = "preempted"
+    proc = _train(tmp_path, name)
+    try:
+        deadline = time.monotonic() + 600
+        while _rows(tmp_path, name) < after_rows and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be preempted"
+        log = tmp_path / "runs" / name / "train.log"
+        for sig in signals:  # the second one lands as soon as the first is acted on (it is in the log)
+            os.kill(proc.pid, getattr(signal, sig))
+            while f"{sig} received" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    record = json.loads((tmp_path / "runs" / name / "controller.json").read_text())
+    assert record["state"] == "preempted", record
+    stopped_at = record["end_step"]
+    assert after_rows <= stopped_at < STEPS and f"preempted by {signals[0]} after step {stopped_at}" in err
+    assert f"step {stopped_at} is committed" in err and "Traceback" not in err
+    if len(signals) > 1:
+        assert f"{signals[1]} received while already stopping for {signals[0]}: ignored" in err
+    stopped = _result(tmp_path, name)
+    assert stopped.latest == stopped_at and stopped.verify[stopped_at] == "ok"  # the last completed step is durable
+    assert [r["step"] for r in stopped.history] == list(range(1, stopped_at + 1))
+    claims = sorted((tmp_path / "ckpt" / name / "lease").glob("token_*.json"))
+    assert claims and json.loads(claims[-1].read_text())["released"], "the run's lease was left held"
+
+    resumed = _train(tmp_path, name)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    result = _result(tmp_path, name)
+    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # none lost, none repeated
+    assert [e["step"] for e in result.events_of("checkpoint_restored")] == [stopped_at]
+    assert deterministic_view(result.history) == deterministic_view(unpreempted.history)
+    assert result.final_files == unpreempted.final_files
+    assert result.final_trainer_state == unpreempted.final_trainer_state

@@ -1,0 +1,103 @@
+"""Which config keys a resume may change, and comparing a new config with a checkpoint's.
+
+A checkpoint holds state whose shape and meaning follow from the config it was written with: the
+model's tensors, the optimiser's moments, the data order, the role world sizes, the algorithm. A
+resume with a different value for one of those keys would fail deep inside a worker (a shape
+mismatch reported as a corrupt checkpoint) or, worse, continue a different experiment under the
+same run name. So a resume is compared key by key with the saved config before anything is
+written, and only the keys of :data:`RESUME_MAY_CHANGE` may differ: how long the run goes on, the
+learning rate, where results and logs go, how checkpoints are kept, how failures are handled,
+telemetry and the Ray cluster. Every other difference is a ConfigError naming the keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from resilient_rl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: How a role's state is laid out and computed, not what it is: a checkpoint loads into another
+#: world size, strategy or node layout (it is resharded at load), and the memory knobs (micro-batches,
+#: recomputation, compilation, packing) change no tensor that is saved.
+_LAYOUT = tuple(f"{role}.world_size" for role in ("actor", "critic", "ref", "rollout")) + tuple(
+    f"{role}.{key}" for role in ("actor", "critic") for key in (
+        "strategy", "reshard_after_forward", "micro_batch_tokens", "activation_checkpointing", "compile")) + (
+    "actor.packing", "ref.reshard_after_forward", "rollout.weight_transfer", "rollout.engine",
+    "rollout.finish_check_every", "rollout.compact_min_fraction", "rollout.cuda_graphs",
+    "trainer.device", "trainer.placement", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.role_nnodes",
+    "trainer.sharding", "trainer.deterministic")
+
+#: Dotted keys (a section name covers every key under it) that may differ between a checkpoint's
+#: config and the config that resumes it. None of them changes the shape of the saved state or the
+#: data order; the learning rates take effect from the first resumed step (the saved LR schedule
+#: is re-based on them, see ``workers/checkpointing.py``). Listed in README.md ("Changing the
+#: config on resume").
+RESUME_MAY_CHANGE: tuple[str, ...] = _LAYOUT + (
+    "trainer.total_steps",
+    "trainer.run_name",  # path:<step folder> of another run continues under a new name
+    "trainer.output_dir",
+    "trainer.log_every",
+    "trainer.progress_bar",
+    "trainer.loggers",
+    "trainer.project_name",
+    "trainer.network_interface",
+    "trainer.nonfinite",
+    "trainer.max_nonfinite",
+    "actor.optim.lr",
+    "critic.optim.lr",
+    "checkpoint",  # root, save interval, retention, resume, storage options, leases, timeouts
+    "recovery",  # failure budget, timeouts, snapshots, spares
+    "telemetry",
+    "ray",
+)
+
+
+def may_change_on_resume(key: str) -> bool:
+    """Whether dotted ``key`` is one of (or under one of) :data:`RESUME_MAY_CHANGE`."""
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in RESUME_MAY_CHANGE)
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists are values (compared whole)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two configs as plain data (see
+    ``config.schema.redacted_config_dict``). ``checkpoint.takeover`` is one start's choice and
+    never counts; a key the saved config lacks (written by an older version) is compared with
+    the new config's default."""
+    from resilient_rl.config.schema import Config, config_to_dict
+
+    old = flatten(config_to_dict(Config()))
+    old.update(flatten(saved))
+    now = flatten(new)
+    keys = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k))
+    return [k for k in keys if k != "checkpoint.takeover"]
+
+
+def check_resume_config(saved: Mapping[str, Any], new: Mapping[str, Any], where: str) -> list[str]:
+    """Compare the config a checkpoint was written with (``saved``, found at ``where``) with the
+    config resuming it. Raises ConfigError naming every key that may not change on resume; returns
+    the keys that changed (all of them allowed), after logging a warning that names them."""
+    changed = changed_keys(saved, new)
+    refused = [k for k in changed if not may_change_on_resume(k)]
+    if refused:
+        old, now = flatten(saved), flatten(new)
+        detail = "; ".join(f"{k}: {old.get(k, '(default)')!r} -> {now.get(k)!r}" for k in refused)
+        raise ConfigError(
+            f"cannot resume {where} with a changed {detail}: the checkpoint's state was built for the saved "
+            "value. Resume with the saved value, or start over with checkpoint.resume=off (or another "
+            f"trainer.run_name). Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}")
+    if changed:
+        logger.warning("resuming %s with a changed %s (allowed on resume)", where, ", ".join(changed))
+    return changed

@@ -1,0 +1,120 @@
+"""Preemption as an event: SIGTERM or SIGUSR1 stops the run at a safe point, its last step durable.
+
+A scheduler that takes the machine back (a Slurm time limit or preemption, a Kubernetes pod
+eviction, a spot reclaim) sends SIGTERM and, a grace period later, SIGKILL; Slurm can send an
+early SIGUSR1 (``--signal=B:USR1@<seconds>``). Ray's ``ray.init`` installs a SIGTERM handler
+that exits at once, so the run would be recorded as failed with its last steps lost.
+
+:class:`Preemption` replaces those handlers (after Ray's start) with one that only notes the
+signal; the fit loop checks it before each step, the safe point, and :func:`stop_for_preemption`
+then makes the last completed step durable within ``trainer.preempt_grace_s``: a save in flight
+is waited for and committed, and a step not yet saved is saved. The run then ends with
+:class:`~resilient_rl.errors.Preempted`: ``controller.json`` says ``preempted``, the leases are
+released as at any end, and the CLI exits 143. Running the same command again resumes from that
+step: nothing completed is lost, nothing is repeated.
+
+A signal arriving while the run is already stopping is noted in the log and changes nothing, up
+to the process's exit: the durable save goes on until its grace period ends (the scheduler's
+SIGKILL bounds it anyway), and the shutdown after it is not cut short.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from resilient_rl.errors import Preempted, RRLError
+
+logger = logging.getLogger(__name__)
+
+#: The signals that mean "the machine is being taken back" (SIGUSR1: Slurm's early warning).
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
+class Preemption:
+    """Notes a preemption signal for the fit loop to act on at its next safe point."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.received_at: float | None = None  # monotonic
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def request(self, signal_name: str) -> None:
+        """Ask the run to stop at its next safe point (what the signal handler does)."""
+        if self.signal_name is not None:
+            logger.warning("%s received while already stopping for %s: ignored (the run is making its last step "
+                           "durable or shutting down)", signal_name, self.signal_name)
+            return
+        self.signal_name, self.received_at = signal_name, time.monotonic()
+        logger.warning("%s received: stopping after the step in progress and committing it (within "
+                       "trainer.preempt_grace_s)", signal_name)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def install(self) -> bool:
+        """Handle :data:`SIGNALS` from now on (call it after ``ray.init``, whose own SIGTERM handler
+        exits at once); False where signals cannot be handled (not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced; when the run stopped for a preemption,
+        ignore the signals instead until the process exits: a scheduler's SIGTERM after Slurm's
+        SIGUSR1 then finds the run shutting down, and must not turn a clean stop into a death by
+        signal. (Python puts the default action back for its own handlers as the interpreter
+        exits, not for an ignored signal.)"""
+        for sig, previous in self._previous.items():
+            if self.requested:
+                signal.signal(sig, signal.SIG_IGN)
+            else:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def ignore_after_shutdown(self) -> None:
+        """``ray.shutdown`` puts the default SIGTERM action back below Python (``signal.getsignal``
+        does not see it; a SIGTERM during its second or so of work still kills the process, by
+        then with everything durable and recorded): ignore the signals again when stopping for a
+        preemption, so the exit code stays 143."""
+        if self.requested and threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_for_preemption(trainer, grace_s: float) -> None:
+    """Make ``trainer``'s last completed step durable (bounded by ``grace_s`` from the signal) and
+    raise Preempted naming the signal, the step and the last committed checkpoint."""
+    preemption = trainer.preemption
+    deadline = (preemption.received_at or time.monotonic()) + grace_s
+    ckpt, roles, step = trainer.ckpt, trainer.roles, trainer.step
+    if trainer.checkpoints_on and roles is not None and step > 0:
+        try:
+            if ckpt.pending is not None:  # a save in flight: commit it first
+                ckpt.wait(roles, timeout_s=max(0.0, deadline - time.monotonic()))
+            if ckpt.pending is None and ckpt.last_committed != step and ckpt.save_every > 0:  # 0: the user's "none"
+                trainer.save_checkpoint()
+                ckpt.wait(roles, timeout_s=max(0.0, deadline - time.monotonic()))
+            if ckpt.pending is not None:
+                logger.error("the checkpoint of step %d was not committed within trainer.preempt_grace_s=%gs",
+                             ckpt.pending["step"], grace_s)
+                ckpt.abandon(reason="preempted")
+        except RRLError as exc:  # the run stops either way; what is committed is what counts
+            logger.error("committing step %d before stopping failed: %s", step, exc)
+    committed = ckpt.last_committed if trainer.checkpoints_on else None
+    if committed == step:
+        where = f"step {step} is committed; the same command continues from it"
+    elif committed is not None:
+        where = f"the last committed checkpoint is step {committed}; the same command continues from it"
+    else:
+        where = "no checkpoint is committed (checkpoint.save_every=0 or none yet)"
+    raise Preempted(f"preempted by {preemption.signal_name} after step {step}: {where}",
+                    signal_name=preemption.signal_name or "?", step=step, committed=committed)

@@ -1,0 +1,91 @@
+"""Before a controller writes anything: does its config fit the checkpoint it is about to resume?
+
+The checkpoint a resume loads (``checkpoint.resume=auto``: the run's newest committed step;
+``path:<step folder>``: that step) records the digest of the config it was written with in its
+manifest, and, since this version, the config itself in ``trainer_state.json``. An older
+checkpoint has only the digest: the run folder's ``config.yaml`` (written by the start that saved
+it, or by a later start that was itself checked) stands in for it. The keys that differ are then
+checked by :func:`resilient_rl.config.resume.check_resume_config`.
+
+Everything here only reads. A checkpoint that cannot be read is left to the restore, which
+reports it (and falls back to an older one) exactly as without this check.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from resilient_rl.checkpoint import CheckpointManager
+from resilient_rl.config.resume import check_resume_config
+from resilient_rl.config.schema import redacted_config_dict
+from resilient_rl.errors import ConfigError, RRLError
+
+logger = logging.getLogger(__name__)
+
+#: The key of ``trainer_state.json`` that holds the config the checkpoint was written with.
+CONFIG_KEY = "config"
+
+
+def checkpoint_config(cfg) -> dict[str, Any]:
+    """What a checkpoint records of ``cfg`` (credentials redacted, as in ``config.yaml``)."""
+    return redacted_config_dict(cfg)
+
+
+def _resumed_step(cfg, manager: CheckpointManager) -> tuple[CheckpointManager, int] | None:
+    """(manager, step) of the checkpoint ``checkpoint.resume`` names, or None (none, or ``off``)."""
+    resume = cfg.checkpoint.resume
+    if resume == "off":
+        return None
+    if resume.startswith("path:"):
+        from resilient_rl.checkpoint.restore import _split_step_url
+
+        root, run, step = _split_step_url(resume[5:])
+        other = CheckpointManager(root, run, storage_options=manager.storage_options)
+        return (other, step) if other.is_committed(step) else None
+    step = manager.latest_step()
+    return None if step is None else (manager, step)
+
+
+def _run_folder_config(run_path: Path) -> dict[str, Any] | None:
+    path = run_path / "config.yaml"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -> str | None:
+    """Refuse (ConfigError naming the keys) a resume whose config differs from the resumed
+    checkpoint's in a key that may not change; warn naming the keys that changed otherwise.
+    Returns the checkpoint's config digest when it differs from ``digest`` and was accepted (a
+    restore of it is then not warned about again), else None."""
+    try:
+        found = _resumed_step(cfg, manager)
+        if found is None:
+            return None
+        source, step = found
+        saved_digest = source.load_manifest(step).config_digest
+        if not saved_digest or saved_digest == digest:
+            return None
+        saved = source.load_trainer_state(step).get(CONFIG_KEY)
+    except ConfigError:
+        raise
+    except (RRLError, OSError) as exc:  # unreadable: the restore reports it (and tries an older step)
+        logger.debug("config check before resuming skipped: %s", exc)
+        return None
+    where = f"checkpoint {source.step_dir(step)}"
+    if not isinstance(saved, dict) and source.run_url == manager.run_url:
+        saved = _run_folder_config(run_path)  # an older checkpoint: the run's saved config stands in
+        where += f" (its config: {run_path / 'config.yaml'})"
+    if not isinstance(saved, dict):
+        logger.warning("resuming %s, written with a different config (digest %s, now %s); it records no config, "
+                       "so the keys that changed cannot be named", where, saved_digest, digest)
+        return saved_digest
+    check_resume_config(saved, checkpoint_config(cfg), where)
+    return saved_digest
+

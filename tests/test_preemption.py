@@ -1,0 +1,105 @@
+"""Preemption is an event: the signal is noted, the loop stops at a safe point with its last step
+committed, ``controller.json`` says ``preempted`` and the CLI exits 143. The whole path under a
+real SIGTERM is in ``chaos/test_preemption.py``; these are its parts, without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from resilient_rl import cli
+from resilient_rl.errors import Preempted
+from resilient_rl.run.record import controller_session
+from resilient_rl.trainer.preemption import Preemption, stop_for_preemption
+
+
+def test_a_signal_is_noted_not_acted_on_and_the_handlers_are_given_back():
+    before = signal.getsignal(signal.SIGUSR1)
+    preemption = Preemption()
+    assert preemption.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested and preemption.signal_name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # the later SIGTERM changes nothing: the save goes on
+        assert preemption.signal_name == "SIGUSR1"
+    finally:
+        preemption.restore()
+    # Stopping for a preemption: a later signal must not kill the process as it shuts down.
+    assert signal.getsignal(signal.SIGUSR1) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, before)
+    again = Preemption()
+    again.install()
+    again.restore()  # no signal: the handlers that were there come back
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+class _Checkpoints:
+    """The coordinator's part that stopping uses: a save in flight commits when waited for."""
+
+    save_every = 2
+
+    def __init__(self, last_committed, pending=None, commits=True):
+        self.last_committed, self.pending, self.commits = last_committed, pending, commits
+        self.saved, self.abandoned = [], []
+
+    def wait(self, roles, timeout_s=None):
+        if self.pending is not None and self.commits:
+            self.last_committed, self.pending = self.pending["step"], None
+        return self.pending is None
+
+    def abandon(self, reason):
+        self.abandoned.append((self.pending["step"], reason))
+        self.pending = None
+
+
+class _Trainer:
+    checkpoints_on = True
+
+    def __init__(self, step, ckpt):
+        self.step, self.ckpt, self.roles = step, ckpt, object()
+        self.preemption = Preemption()
+        self.preemption.request("SIGTERM")
+
+    def save_checkpoint(self):
+        self.ckpt.saved.append(self.step)
+        self.ckpt.pending = {"step": self.step}
+
+
+@pytest.mark.parametrize("committed, pending, saved", [
+    (2, None, [3]),            # step 3 not saved yet: saved now
+    (2, {"step": 3}, []),      # the save of step 3 in flight: committed, not saved again
+    (3, None, []),             # already durable
+])
+def test_stopping_makes_the_last_completed_step_durable(committed, pending, saved):
+    trainer = _Trainer(3, _Checkpoints(committed, pending))
+    with pytest.raises(Preempted, match="preempted by SIGTERM after step 3: step 3 is committed") as info:
+        stop_for_preemption(trainer, grace_s=30)
+    assert trainer.ckpt.saved == saved and info.value.committed == 3
+    assert cli.exit_code(info.value) == cli.EXIT_PREEMPTED == 143
+
+
+def test_a_save_past_the_grace_period_is_abandoned_and_the_last_commit_named():
+    trainer = _Trainer(3, _Checkpoints(2, commits=False))
+    with pytest.raises(Preempted, match="after step 3: the last committed checkpoint is step 2"):
+        stop_for_preemption(trainer, grace_s=0.01)
+    assert trainer.ckpt.abandoned == [(3, "preempted")]
+
+
+def test_checkpoints_turned_off_stay_off():
+    ckpt = _Checkpoints(None)
+    ckpt.save_every = 0
+    with pytest.raises(Preempted, match="after step 3: no checkpoint is committed"):
+        stop_for_preemption(_Trainer(3, ckpt), grace_s=30)
+    assert ckpt.saved == []
+
+
+def test_the_controller_record_says_preempted(tmp_path):
+    with pytest.raises(Preempted):
+        with controller_session(tmp_path, lambda: 7):
+            raise Preempted("preempted by SIGTERM after step 7", signal_name="SIGTERM", step=7, committed=7)
+    record = json.loads((tmp_path / "controller.json").read_text())
+    assert record["state"] == "preempted" and record["end_step"] == 7 and "SIGTERM" in record["reason"]
