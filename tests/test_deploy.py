@@ -71,6 +71,40 @@ def test_the_rayjob_runs_the_trainer_on_gpu_workers_with_a_valid_command_line():
     assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]
 
 
+def test_the_rayjob_image_installs_what_its_own_config_needs():
+    """The image recipe installs the extras the RayJob's config uses: s3fs for an s3:// checkpoint
+    root (``fsspec`` alone cannot open it), Ray's job server for the submitter, and Ray of the
+    version pyproject.toml asks for."""
+    import re
+    import tomllib
+
+    dockerfile = (RAYJOB.parent / "Dockerfile").read_text()
+    cfg, _ = validated(shlex.split(kuberay_documents()["RayJob"]["spec"]["entrypoint"]))
+    (install,) = re.findall(r"^RUN \./install\.sh (\S+)$", dockerfile, re.M)
+    extras = set(install.split(","))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extras <= set(project["optional-dependencies"])
+    needed = {"s3": "s3fs", "gs": "gcsfs"}
+    scheme = cfg.checkpoint.root.split("://", 1)[0]
+    if scheme in needed:
+        assert any(needed[scheme] in dep for extra in extras for dep in project["optional-dependencies"][extra]), \
+            (scheme, extras)
+    assert "cluster" in extras
+    (image,) = re.findall(r"^FROM rayproject/ray:(\S+)", dockerfile, re.M)
+    from packaging.version import Version
+
+    ray_floor = next(d for d in project["dependencies"] if d.startswith("ray"))
+    assert Version(image.split("-")[0]) >= Version(ray_floor.split(">=")[1]), (image, ray_floor)
+    for job_image in {c["image"] for c in _containers(kuberay_documents()["RayJob"])}:
+        assert job_image == "ghcr.io/example/resilient-rl:latest"
+
+
+def _containers(job: dict) -> list[dict]:
+    cluster = job["spec"]["rayClusterSpec"]
+    groups = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
 def test_the_rayjob_sizes_dev_shm_for_snapshots_and_exposes_metrics():
     docs = kuberay_documents()
     job = docs["RayJob"]
@@ -247,4 +281,5 @@ def test_the_readme_ray_job_submit_names_the_extra_that_brings_rays_job_server()
     section = text[text.index("## Deploying on a cluster"):text.index("ray job submit --address")]
     assert "./install.sh cluster" in section and ".[cluster]" in section
     install = (ROOT / "install.sh").read_text()
-    assert 'pip install -e ".[${extra}]"' in install and "./install.sh cluster" in install
+    assert 'target=".[${extra}]"' in install and 'pip install -e "$target"' in install
+    assert "./install.sh cluster" in install
