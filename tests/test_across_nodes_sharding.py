@@ -8,9 +8,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
-from resilient_rl.runtime.master_env import free_port
+from resilient_rl.testing.ranks import run_ranks
 
 WORLD, LOCAL = 4, 2
 
@@ -60,19 +59,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_hybrid_sharding_and_replicas_across_two_nodes():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        got = {r[0]: r[1:] for r in (out.get(timeout=180) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, WORLD, timeout_s=180)
     # The reference: one model, the mean of the four ranks' losses (data parallelism's gradient).
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)

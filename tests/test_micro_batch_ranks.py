@@ -7,9 +7,8 @@ import datetime
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from resilient_rl.runtime.master_env import free_port
+from resilient_rl.testing.ranks import run_ranks
 from resilient_rl.workers import micro_batch
 
 VOCAB = 16
@@ -79,19 +78,7 @@ def _rank(rank: int, port: int, out) -> None:
 def test_ranks_that_split_differently_run_as_many_micro_batches():
     """Actor and critic: log-prob, value and update passes finish on both ranks and equal the
     unsplit passes within float rounding."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = {r[0]: r[1:] for r in (out.get(timeout=180) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_rank, 2, timeout_s=180)
     assert {rank: n for rank, (n, _) in results.items()} == {0: 4, 1: 2}, results
     for rank, (_, got) in results.items():
         assert isinstance(got, dict), got

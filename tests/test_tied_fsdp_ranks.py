@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from resilient_rl.runtime.master_env import free_port
+from resilient_rl.testing.ranks import run_ranks
 
 VOCAB = 64
 QWEN2_TIED = SimpleNamespace(kind="hf", path=None, hf_config={
@@ -58,19 +57,7 @@ def test_tied_embeddings_are_tied_again_on_every_rank_after_to_empty():
     pytest.importorskip("transformers")
     from resilient_rl.models.factory import build_causal_lm
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {r[0]: r[1:] for r in (out.get(timeout=240) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, 2, timeout_s=240)
     ref = build_causal_lm(QWEN2_TIED, VOCAB, seed=3)
     assert ref.lm_head.weight is ref.get_input_embeddings().weight
     logits = ref(_ids()).logits
