@@ -1,6 +1,6 @@
 """Preemption is an event: the signal is noted, the loop stops at a safe point with its last step
 committed, ``controller.json`` says ``preempted`` and the CLI exits 143. The whole path under a
-real SIGTERM is in ``chaos/test_preemption.py``; these are its parts, without Ray."""
+real SIGTERM is in ``chaos/test_preemption_signals.py``; these are its parts, without Ray."""
 
 from __future__ import annotations
 
