@@ -122,3 +122,11 @@ def test_the_checks_see_a_lazy_upward_import_and_a_cycle(tmp_path):
     modules["resilient_rl.trainer.ppo"].write_text("")
     assert upward_imports(modules) == ["resilient_rl.run.a -> resilient_rl.trainer.ppo"]
     assert import_cycles(modules) == [["resilient_rl.run.a", "resilient_rl.run.b"]]
+
+
+def test_no_two_test_modules_share_a_basename():
+    """``pytest tests chaos`` imports test modules by basename (no packages): two files of one name in
+    tests/ and chaos/ stop the whole collection."""
+    root = Path(__file__).resolve().parents[1]
+    names = [p.name for d in ("tests", "chaos") for p in (root / d).glob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
