@@ -348,3 +348,14 @@ def test_workload_and_generation_report_lines(workloads):
     assert "4.00x faster" in glines[2] and "2.50x faster" in glines[3]
     assert "decode roofline at 4.80 TB/s" in glines[4] and "% of it" in glines[4]
     assert "n/a" in gen.generation_lines(w, seconds, "Tesla T4")[4]
+
+
+def test_decode_compile_bench_reports_compiles_per_batch_size():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "decode_compile.py"), "--layers", "1", "--rows", "16",
+                           "--new-tokens", "16", "--backend", "aot_eager"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = proc.stdout.strip().splitlines()[-2:]
+    assert "0 graph breaks" in first and "compiles" in first
+    assert "(0 compiles)" in second and "per batch size" in second
