@@ -222,6 +222,8 @@ TABLE: tuple[VerlKey, ...] = (
             off=(False,)),
     VerlKey("reward_model", None, "rewards are functions (custom_reward_function.path, data.reward_fn)",
             subtree=True),
+    VerlKey("custom_reward_function.reward_kwargs", None, "the function gets verl's four arguments only",
+            subtree=True, off=({},)),
     # the algorithm (verl's algorithm.* keys are this project's keys too)
     VerlKey("algorithm.kl_penalty", "algorithm.kl_penalty", "kl is k1", _kl),
     # the trainer

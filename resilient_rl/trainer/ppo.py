@@ -82,14 +82,14 @@ class PPOTrainer:
     def __init__(self, cfg, roles_factory: Callable | None = None, hooks: list | None = None):
         self.cfg = cfg
         self._decode_eager_reported = False
-        self.task = get_task(cfg.data)
+        self.task = get_task(cfg.data, cfg.custom_reward_function)
         self.tokenizer = build_tokenizer(cfg.data, self.task)
         model_vocab_size(cfg.model, self.tokenizer.vocab_size)  # fail here, not in a worker, if too small
         check_max_seq_len(cfg.model)
         extra_eos = model_eos_token_ids(cfg.model)
         if extra_eos and hasattr(self.tokenizer, "add_eos_token_ids"):
             self.tokenizer.add_eos_token_ids(extra_eos)
-        self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
+        self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer, self.task)
         self.dataset.check_fits(cfg.model.max_seq_len, cfg.rollout.max_new_tokens)
         self.loader = StatefulPromptLoader.from_config(self.dataset, cfg.data)
         resolve_total_epochs(cfg, len(self.dataset))  # before the config is digested or sent to workers
