@@ -137,6 +137,16 @@ def test_prompt_counted_mini_batches_follow_the_last_layer_that_set_them(tmp_pat
                               "data.batch_size=8", "actor.mini_batch_size=8"]).critic.mini_batch_size == 8
 
 
+def test_the_models_context_is_verls_prompt_plus_response_length_unless_given(tmp_path):
+    lengths = ["data.max_prompt_length=96", "data.max_response_length=8"]
+    assert load_config(None, lengths).model.max_seq_len == 104
+    assert load_config(None, lengths + ["model.max_seq_len=300"]).model.max_seq_len == 300
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  max_seq_len: 200\n")
+    assert load_config(str(path), lengths).model.max_seq_len == 200
+    assert load_config(None, []).model.max_seq_len == 64
+
+
 def test_total_epochs_sets_total_steps_from_the_number_of_prompts():
     small = ["data.batch_size=4", "actor.mini_batch_size=4", "algorithm.adv_estimator=grpo", "rollout.n=2"]
     cfg = load_config(None, ["trainer.total_epochs=3"] + small)

@@ -67,8 +67,8 @@ def verl_run(tmp_path):
             "trainer.nnodes=1", "trainer.device=cpu", "+trainer.val_before_train=False",
             f"custom_reward_function.path={tmp_path / 'gsm8k_reward.py'}", "custom_reward_function.name=compute_score",
             "reward_model.enable=False",
-            # Not verl's: the context of the tiny built-in model, and this test's output folders.
-            "model.max_seq_len=128", f"trainer.output_dir={tmp_path / 'runs'}", "trainer.progress_bar=false",
+            # Not verl's: this test's output folder, no progress bar or exporter.
+            f"trainer.output_dir={tmp_path / 'runs'}", "trainer.progress_bar=false",
             "telemetry.enabled=false"]
     return line, log, tmp_path
 
@@ -104,6 +104,7 @@ def test_verls_gsm8k_data_reward_and_command_line_train_end_to_end(verl_run):
     line, log, tmp_path = verl_run
     cfg = load_config(None, line)
     assert (cfg.checkpoint.save_every, cfg.checkpoint.root) == (1, str(tmp_path / "ckpt"))
+    assert cfg.model.max_seq_len == 96 + 8  # verl's context: max_prompt_length + max_response_length
     _check_run(_train(cfg, LocalRoles), log)
     assert (tmp_path / "runs" / "gsm8k-grpo" / "metrics.jsonl").is_file()
 

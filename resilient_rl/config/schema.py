@@ -238,7 +238,8 @@ def _locate(node: DictConfig, owner: type, prefix: str = "") -> Optional[str]:
 def _from_verl(layers: Sequence[tuple[DictConfig, str]]) -> tuple[list[DictConfig], dict[str, str]]:
     """The layers with verl's keys turned into this project's (:mod:`resilient_rl.config.verl_keys`),
     and which of our keys were given under a verl name (errors name both). A layer's implied keys
-    (``model.kind=hf`` for verl's model path) go just below it: any layer's own value wins."""
+    (``model.kind=hf`` for verl's model path) go just below it: any layer's own value wins. The
+    values verl derives from others (sequences from prompts, the context) go on top."""
     translated = [verl_keys.translate(OmegaConf.to_container(layer, resolve=False), where)
                   for layer, where in layers]
     out: list[DictConfig] = []
@@ -246,14 +247,16 @@ def _from_verl(layers: Sequence[tuple[DictConfig, str]]) -> tuple[list[DictConfi
         if t.implied:
             out.append(OmegaConf.create(t.implied))
         out.append(OmegaConf.create(t.explicit))
-    if any(t.per_prompt for t in translated):
-        try:
-            merged = OmegaConf.to_container(OmegaConf.merge(*out), resolve=False)
-        except OmegaConfBaseException:
-            merged = {}  # _build reports what is wrong with the layers
-        scaled = verl_keys.per_prompt_layer(translated, merged if isinstance(merged, dict) else {})
-        if scaled:
-            out.append(OmegaConf.create(scaled))
+    try:
+        merged = OmegaConf.to_container(OmegaConf.merge(*out), resolve=False) if out else {}
+    except OmegaConfBaseException:
+        merged = {}  # _build reports what is wrong with the layers
+    merged = merged if isinstance(merged, dict) else {}
+    # Values verl derives from others: mini-batches counted in prompts, the context from the lengths.
+    for derived in (verl_keys.per_prompt_layer(translated, merged, RolloutConfig.n),
+                    verl_keys.context_layer(translated, merged, RolloutConfig.max_new_tokens)):
+        if derived:
+            out.append(OmegaConf.create(derived))
     given_as = {k: v for t in translated for k, v in t.given_as.items()}
     return out, given_as
 

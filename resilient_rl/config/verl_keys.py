@@ -20,7 +20,7 @@ from typing import Any, Optional
 from resilient_rl.config.verl_table import DROP, TABLE, VerlKey
 from resilient_rl.errors import ConfigError
 
-__all__ = ["DROP", "TABLE", "VerlKey", "lookup", "markdown_table", "per_prompt_layer", "translate"]
+__all__ = ["DROP", "TABLE", "VerlKey", "context_layer", "lookup", "markdown_table", "per_prompt_layer", "translate"]
 
 _BY_KEY = {entry.verl: entry for entry in TABLE}
 _SUBTREES = tuple(entry for entry in TABLE if entry.subtree)
@@ -150,10 +150,10 @@ def translate(layer: dict, where: str) -> Translated:
     return out
 
 
-def per_prompt_layer(translated: list[Translated], merged: dict) -> dict:
+def per_prompt_layer(translated: list[Translated], merged: dict, default_n: int) -> dict:
     """The values of verl's prompt-counted keys in sequences (times ``rollout.n`` of the merged
-    config), for each such key whose last setting came through verl's key."""
-    n = _get(merged, "rollout.n", 1)
+    config, ``default_n`` when unset), for each such key whose last setting came through verl's key."""
+    n = _get(merged, "rollout.n", default_n)
     out: dict = {}
     for key in {k for t in translated for k in t.per_prompt}:
         last = next((t for t in reversed(translated) if _get(t.explicit, key, DROP) is not DROP), None)
@@ -161,6 +161,19 @@ def per_prompt_layer(translated: list[Translated], merged: dict) -> dict:
         if last is not None and key in last.per_prompt and isinstance(value, int) and isinstance(n, int):
             _put(out, key, value * n)
     return out
+
+
+def context_layer(translated: list[Translated], merged: dict, default_response: int) -> dict:
+    """verl's context is ``data.max_prompt_length + data.max_response_length``: when a layer gives
+    ``data.max_prompt_length`` and none gives ``model.max_seq_len``, the model's context is that
+    sum (with ``rollout.max_new_tokens`` of the merged config, ``default_response`` when unset)."""
+    given = [t for t in translated if _get(t.explicit, "data.max_prompt_length", DROP) is not DROP]
+    if not given or any(_get(t.explicit, "model.max_seq_len", DROP) is not DROP for t in translated):
+        return {}
+    prompt, response = _get(merged, "data.max_prompt_length"), _get(merged, "rollout.max_new_tokens", default_response)
+    if not isinstance(prompt, int) or not isinstance(response, int) or isinstance(prompt, bool):
+        return {}  # the schema names what is wrong with them
+    return {"model": {"max_seq_len": prompt + response}}
 
 
 def markdown_table() -> str:
