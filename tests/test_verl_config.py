@@ -172,3 +172,11 @@ def test_every_table_entry_is_a_real_key_and_the_readme_shows_the_table():
     found = re.search(r"<!-- verl-keys:begin[^\n]*-->\n(.*?)\n<!-- verl-keys:end -->", readme, re.S)
     assert found is not None, "README.md lacks the verl key table"
     assert found.group(1) == markdown_table(), "README.md's verl key table is stale: paste markdown_table()"
+
+
+def test_the_cli_refuses_a_verl_key_without_a_counterpart_with_exit_2(capsys):
+    from resilient_rl import cli
+
+    assert cli.main(["-q", "train", "actor_rollout_ref.rollout.name=vllm", "data.train_batch_size=8"]) == 2
+    err = capsys.readouterr().err
+    assert "'actor_rollout_ref.rollout.name'" in err and "no counterpart" in err
