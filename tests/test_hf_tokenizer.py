@@ -17,7 +17,7 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.models.factory import build_causal_lm, model_vocab_size
 from resilient_rl.models.hf import tiny_llama_config
 from resilient_rl.config.schema import config_from_dict, load_config
-from resilient_rl.config.sections import DataConfig, ModelConfig
+from resilient_rl.config.schema import DataConfig, ModelConfig
 from resilient_rl.data.loader import PromptDataset
 from resilient_rl.config.paths import resolve_path
 from resilient_rl.data.tasks import Sample, compute_rewards, get_task

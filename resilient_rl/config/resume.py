@@ -37,6 +37,7 @@ _LAYOUT = tuple(f"{role}.world_size" for role in ("actor", "critic", "ref", "rol
 #: config on resume").
 RESUME_MAY_CHANGE: tuple[str, ...] = _LAYOUT + (
     "trainer.total_steps",
+    "trainer.total_epochs",  # sets trainer.total_steps
     "trainer.run_name",  # path:<step folder> of another run continues under a new name
     "trainer.output_dir",
     "trainer.log_every",

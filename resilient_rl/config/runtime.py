@@ -26,6 +26,11 @@ class TrainerConfig(Section):
     """The fit loop: length, seeds, where results go, device and placement of the roles."""
 
     total_steps: int = 250
+    #: verl's ``trainer.total_epochs``: when set, the run is this many passes over the prompts,
+    #: ``total_epochs * (prompts // data.batch_size)`` steps (an epoch's last incomplete batch is
+    #: dropped, as verl's loader drops it), and ``total_steps`` is set to that when the trainer
+    #: has read the data. Null: ``total_steps`` says how long the run is.
+    total_epochs: Optional[int] = None
     seed: int = 1
     run_name: str = "ppo-copy"
     output_dir: str = "runs"
@@ -65,6 +70,8 @@ class TrainerConfig(Section):
     def validate(self) -> None:
         require(self.preempt_grace_s > 0, "preempt_grace_s", self.preempt_grace_s, "must be > 0 seconds")
         require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
+        require(self.total_epochs is None or self.total_epochs >= 1, "total_epochs", self.total_epochs,
+                "must be >= 1 or null (trainer.total_steps sets the length)")
         choice("nonfinite", self.nonfinite, ("skip", "rollback", "raise"))
         require(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "must be >= 0")
         require(self.seed >= 0, "seed", self.seed, "must be >= 0")

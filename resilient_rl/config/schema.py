@@ -29,6 +29,7 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.config.node_layout import config_layouts
 from resilient_rl.config.paths import resolve_path
 from resilient_rl.config.secrets import REDACTED, redact, remember_secrets
+from resilient_rl.config import verl_keys
 from resilient_rl.config.runtime import (
     CheckpointConfig,
     RayConfig,
@@ -36,6 +37,7 @@ from resilient_rl.config.runtime import (
     TelemetryConfig,
     TrainerConfig,
 )
+from resilient_rl.config.data_sections import CustomRewardConfig, DataConfig
 from resilient_rl.config.sections import (
     BUILTIN_TASKS,
     KL_ESTIMATORS,
@@ -44,7 +46,7 @@ from resilient_rl.config.sections import (
     AlgorithmConfig,
     ConfigFieldError,
     CriticConfig,
-    DataConfig,
+    FILE_TASKS,
     KLControlConfig,
     ModelConfig,
     OptimConfig,
@@ -59,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BUILTIN_TASKS", "KL_ESTIMATORS", "LOSS_AGG_MODES", "ActorConfig", "AlgorithmConfig", "CheckpointConfig",
-    "Config", "ConfigFieldError", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
+    "Config", "ConfigFieldError", "CriticConfig", "CustomRewardConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
     "RayConfig", "RecoveryConfig", "RefConfig", "RolloutConfig", "TelemetryConfig", "TrainerConfig",
     "REDACTED", "config_digest", "config_from_dict", "config_to_dict", "load_config", "redact_secrets",
     "redacted_config_dict", "save_config",
@@ -82,6 +84,8 @@ class Config(Section):
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    #: verl's name for a reward function in a file (see resilient_rl.config.data_sections).
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
 
     _root = True
 
@@ -89,6 +93,7 @@ class Config(Section):
         if self.checkpoint.storage_options:
             self.checkpoint.storage_options = _drop_redacted(self.checkpoint.storage_options,
                                                              "checkpoint.storage_options")
+        self.data.task = self.data.resolved_task  # the saved config names the task a null meant
         grpo = self.algorithm.adv_estimator == "grpo"
         self._resolve_critic(grpo)
         self._resolve_world_sizes()
@@ -108,6 +113,7 @@ class Config(Section):
                      section.mini_batch_size, f"must be divisible by {role}.world_size={section.world_size}")
             require(sequences % section.mini_batch_size == 0, f"{role}.mini_batch_size", section.mini_batch_size,
                      f"must divide data.batch_size * rollout.n = {sequences}")
+        self._check_reward()
         if self.data.task in BUILTIN_TASKS:
             # The longest answer (a sum carries one extra digit) must fit in the response.
             longest = self.data.max_digits + (1 if self.data.task == "add" else 0)
@@ -120,6 +126,21 @@ class Config(Section):
             # not initialise CUDA in it (see resilient_rl.runtime.devices).
             require(torch.cuda.device_count() > 0, "trainer.device", self.trainer.device,
                      "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
+
+    def _check_reward(self) -> None:
+        """A file of prompts is scored by exactly one of data.reward_fn and
+        custom_reward_function.path (two would leave it unclear which one the run used)."""
+        custom = self.custom_reward_function.path
+        if self.data.task in FILE_TASKS:
+            require(self.data.reward_fn is not None or custom is not None, "data.reward_fn", self.data.reward_fn,
+                    f"data.task={self.data.task!r} needs a reward: data.reward_fn ('package.module:function' or "
+                    "a built-in name) or custom_reward_function.path (a file holding verl's compute_score)")
+            require(self.data.reward_fn is None or custom is None, "custom_reward_function.path", custom,
+                    f"data.reward_fn={self.data.reward_fn!r} is set too; give one reward, not both")
+        else:
+            require(custom is None, "custom_reward_function.path", custom,
+                    f"scores prompts read from a file (data.path); data.task={self.data.task!r} is a built-in task "
+                    "with its own reward")
 
     def _resolve_critic(self, grpo: bool) -> None:
         """``critic.enabled`` unset: on for GAE, off for GRPO (whose baseline is the group mean).
@@ -181,7 +202,9 @@ def _translate(e: OmegaConfBaseException) -> ConfigError:
         section, _, leaf = full_key.rpartition(".")
         tp = _schema_at(section)
         allowed = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
-        close = difflib.get_close_matches(leaf, allowed, n=1)
+        # verl's spellings of this section's keys are accepted too (config/verl_keys.py)
+        aliases = [e.verl.rpartition(".")[2] for e in verl_keys.TABLE if e.verl.rpartition(".")[0] == section]
+        close = difflib.get_close_matches(leaf, allowed + aliases, n=1)
         hint = f" (did you mean '{section + '.' if section else ''}{close[0]}'?)" if close else ""
         where = f"section '{section}'" if section else "the top level"
         return ConfigError(f"unknown config key '{full_key}'{hint}. Allowed keys in {where}: {', '.join(allowed)}")
@@ -210,6 +233,47 @@ def _locate(node: DictConfig, owner: type, prefix: str = "") -> Optional[str]:
             except ConfigFieldError:
                 return path
     return None
+
+
+def _from_verl(layers: Sequence[tuple[DictConfig, str]]) -> tuple[list[DictConfig], dict[str, str]]:
+    """The layers with verl's keys turned into this project's (:mod:`resilient_rl.config.verl_keys`),
+    and which of our keys were given under a verl name (errors name both). A layer's implied keys
+    (``model.kind=hf`` for verl's model path) go just below it: any layer's own value wins. The
+    values verl derives from others (sequences from prompts, the context) go on top."""
+    translated = [verl_keys.translate(OmegaConf.to_container(layer, resolve=False), where)
+                  for layer, where in layers]
+    out: list[DictConfig] = []
+    for t in translated:
+        if t.implied:
+            out.append(OmegaConf.create(t.implied))
+        out.append(OmegaConf.create(t.explicit))
+    try:
+        merged = OmegaConf.to_container(OmegaConf.merge(*out), resolve=False) if out else {}
+    except OmegaConfBaseException:
+        merged = {}  # _build reports what is wrong with the layers
+    merged = merged if isinstance(merged, dict) else {}
+    # Values verl derives from others: mini-batches counted in prompts, the context from the lengths.
+    for derived in (verl_keys.per_prompt_layer(translated, merged, RolloutConfig.n),
+                    verl_keys.context_layer(translated, merged, RolloutConfig.max_new_tokens)):
+        if derived:
+            out.append(OmegaConf.create(derived))
+    given_as = {k: v for t in translated for k, v in t.given_as.items()}
+    return out, given_as
+
+
+def _build_verl(layers: Sequence[tuple[DictConfig, str]]) -> Config:
+    """:func:`_build` of layers that may use verl's keys; an error about a key given under its
+    verl name says so."""
+    translated, given_as = _from_verl(layers)
+    try:
+        return _build(translated)
+    except ConfigError as e:
+        # The key an error is about is followed by its value or a quote ("lr=-1.0", "'data.path'").
+        named = [f"'{ours}' was given as verl's '{verl}'" for ours, verl in given_as.items()
+                 if re.search(re.escape(ours) + r"[='\]]", str(e))]
+        if not named:
+            raise
+        raise ConfigError(f"{e} ({'; '.join(named)})") from None
 
 
 def _build(layers: Sequence[DictConfig]) -> Config:
@@ -244,8 +308,9 @@ def _huge_ints(node: Any, prefix: str = "") -> list[str]:
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at ``path`` (any fsspec URL, or ``pkg://<package>/<path>`` for a
-    config shipped inside a package), then ``key=value`` overrides."""
-    layers: list[DictConfig] = []
+    config shipped inside a package), then ``key=value`` overrides. Both may use verl's keys
+    (:mod:`resilient_rl.config.verl_keys`)."""
+    layers: list[tuple[DictConfig, str]] = []
     if path is not None:
         path = resolve_path(path, "--config")
         try:
@@ -259,7 +324,10 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got a {type(layer).__name__}")
-        layers.append(layer)
+        layers.append((layer, f"config file {path}"))
+    # Hydra's "+key=value" (add a key) is how verl's command lines set keys its YAML lacks; every
+    # key is known here, so adding and setting are the same.
+    overrides = [item.lstrip("+") if item.startswith("+") else item for item in overrides]
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             # Not "dotted.key=value": printed through the secret redactor, a key named "key" reads as a credential.
@@ -267,15 +335,16 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
                               "e.g. trainer.total_steps=50")
     if overrides:
         try:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append((OmegaConf.from_dotlist(list(overrides)), "the overrides"))
         except OmegaConfBaseException as e:
             raise _translate(e) from None
-    return _build(layers)
+    return _build_verl(layers)
 
 
 def config_from_dict(data: Dict[str, Any]) -> Config:
-    """Build and validate a Config from a plain (possibly partial) mapping, e.g. a saved run config."""
-    return _build([OmegaConf.create(data)])
+    """Build and validate a Config from a plain (possibly partial) mapping, e.g. a saved run config
+    (verl's keys are accepted, as in :func:`load_config`)."""
+    return _build_verl([(OmegaConf.create(data), "the config")])
 
 
 def config_to_dict(cfg: Config) -> Dict[str, Any]:

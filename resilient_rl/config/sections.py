@@ -1,4 +1,4 @@
-"""The per-component config sections (model, optimiser, roles, algorithm, data): one validated
+"""The per-component config sections (model, optimiser, roles, algorithm): one validated
 dataclass each, and the validation machinery every section shares.
 
 Every section type-checks its fields and validates ranges and allowed values in ``__post_init__``.
@@ -6,14 +6,14 @@ A section does not know where it sits in the tree, so its errors name the field 
 section (``OptimConfig.lr``); :func:`resilient_rl.config.schema.load_config` turns that into the
 full dotted key (``actor.optim.lr``). The root :class:`~resilient_rl.config.schema.Config` lives
 in ``config.py`` with the cross-section rules and the YAML loading; the run-time sections (trainer,
-checkpoint, recovery, telemetry, Ray) in :mod:`resilient_rl.config.runtime`.
+checkpoint, recovery, telemetry, Ray) in :mod:`resilient_rl.config.runtime`; the data and reward
+sections in :mod:`resilient_rl.config.data_sections`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import threading
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +26,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 #: Data-parallel strategies of the trained roles (see ActorConfig.strategy).
 STRATEGIES = ("auto", "fsdp", "ddp")
 BUILTIN_TASKS = ("reverse", "copy", "add")
+#: Tasks that read their prompts from a file (``data.path``).
+FILE_TASKS = ("jsonl", "parquet")
 #: Rewards ``data.reward_fn`` may name without an import path (:data:`resilient_rl.data.rewards.REWARDS`).
 BUILTIN_REWARDS = ("exact_match", "partial_match", "gsm8k")
 #: Compute dtypes of ``model.dtype`` (``auto``: bf16 on CUDA, fp32 on CPU).
@@ -376,44 +378,3 @@ class AlgorithmConfig(Section):
         require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
         choice("kl_penalty", self.kl_penalty, KL_ESTIMATORS)
-
-
-@dataclass
-class DataConfig(Section):
-    """Prompts: a built-in task or a JSONL file, and how they are batched."""
-
-    task: str = "copy"
-    path: Optional[str] = None
-    reward_fn: Optional[str] = None
-    num_prompts: int = 1024
-    min_digits: int = 2
-    max_digits: int = 3
-    batch_size: int = 64
-    shuffle: bool = True
-    seed: int = 0
-    partial_credit: bool = True
-    tokenizer: Optional[str] = None
-    chat_template: Optional[bool] = None
-
-    def validate(self) -> None:
-        choice("task", self.task, BUILTIN_TASKS + ("jsonl",))
-        if self.task == "jsonl":
-            require(self.path is not None, "path", self.path, "data.task='jsonl' needs data.path (a JSONL file)")
-            require(self.reward_fn is not None, "reward_fn", self.reward_fn,
-                     "data.task='jsonl' needs data.reward_fn ('package.module:function')")
-        if self.reward_fn is not None:
-            require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in BUILTIN_REWARDS,
-                     "reward_fn", self.reward_fn, "must be an import path 'package.module:function' or one of "
-                     + ", ".join(repr(r) for r in BUILTIN_REWARDS))
-        require(self.tokenizer is None or self.tokenizer.strip() != "", "tokenizer", self.tokenizer,
-                 "must be a local tokenizer folder (or 'pkg://package/dir'), or null for the character tokenizer")
-        require(not self.chat_template or self.tokenizer is not None, "chat_template", self.chat_template,
-                 "needs data.tokenizer (the character tokenizer has no chat template)")
-        require(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
-        require(self.min_digits >= 1, "min_digits", self.min_digits, "must be >= 1")
-        require(self.max_digits >= self.min_digits, "max_digits", self.max_digits,
-                 f"must be >= min_digits={self.min_digits}")
-        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
-        require(self.task == "jsonl" or self.batch_size <= self.num_prompts, "batch_size", self.batch_size,
-                 f"must be <= num_prompts={self.num_prompts}")
-        require(self.seed >= 0, "seed", self.seed, "must be >= 0")

@@ -17,6 +17,15 @@ from resilient_rl.data.tasks import Sample, Task, get_task
 from resilient_rl.data.tokenizer import Tokenizer
 
 
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array of ``values``: ``np.array`` would make a 2-D array of equally long lists
+    (chat messages, list-valued ground truths)."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
 class PromptDataset:
     """Tokenised prompts, left-padded to the longest prompt of the whole dataset.
 
@@ -24,10 +33,13 @@ class PromptDataset:
     which keeps generation and checkpoints independent of which prompts a batch happens to hold.
     Each prompt is encoded by ``tokenizer.encode_prompt`` (bos first; a Hugging Face tokenizer's
     chat template when it applies). Attributes: ``input_ids`` and ``attention_mask`` (int64 [N, P]),
-    ``prompts`` and ``answers`` (numpy object arrays [N]), ``prompt_len`` (P) and ``task``.
+    ``prompts`` and ``answers`` (numpy object arrays [N]), ``data_sources`` and ``extra_infos``
+    (object arrays [N] for verl's data, else None), ``prompt_len`` (P) and ``task``. A prompt longer
+    than ``max_prompt_length`` tokens is a ConfigError naming it.
     """
 
-    def __init__(self, samples: Sequence[Sample], tokenizer: Tokenizer, task: Optional[Task] = None):
+    def __init__(self, samples: Sequence[Sample], tokenizer: Tokenizer, task: Optional[Task] = None,
+                 max_prompt_length: Optional[int] = None):
         if not samples:
             raise ConfigError("a prompt dataset needs at least one sample")
         encoded = []
@@ -36,25 +48,34 @@ class PromptDataset:
                 encoded.append(tokenizer.encode_prompt(sample.prompt))
             except TokenizerError as e:  # data the tokenizer cannot spell is bad input (exit 2), not a run-time error
                 raise ConfigError(f"prompt {sample.source or f'#{i}'}: {e}") from None
+            if max_prompt_length is not None and len(encoded[-1]) > max_prompt_length:
+                raise ConfigError(f"prompt {sample.source or f'#{i}'} is {len(encoded[-1])} tokens, longer than "
+                                  f"data.max_prompt_length={max_prompt_length}")
         self.prompt_len = max(len(ids) for ids in encoded)
         self.input_ids = torch.full((len(encoded), self.prompt_len), tokenizer.pad_token_id, dtype=torch.int64)
         self.attention_mask = torch.zeros((len(encoded), self.prompt_len), dtype=torch.int64)
         for row, ids in enumerate(encoded):
             self.input_ids[row, self.prompt_len - len(ids):] = torch.tensor(ids, dtype=torch.int64)
             self.attention_mask[row, self.prompt_len - len(ids):] = 1
-        self.prompts = np.array([s.prompt for s in samples], dtype=object)
-        self.answers = np.array([s.answer for s in samples], dtype=object)
+        self.prompts = _objects([s.prompt for s in samples])
+        self.answers = _objects([s.answer for s in samples])
+        # verl's data: given to the reward with each response; None for tasks whose samples have none.
+        carried = any(s.data_source is not None or s.extra_info is not None for s in samples)
+        self.data_sources = _objects([s.data_source for s in samples]) if carried else None
+        self.extra_infos = _objects([s.extra_info for s in samples]) if carried else None
         self.tokenizer, self.task = tokenizer, task
 
     @classmethod
-    def from_task(cls, task: Task, tokenizer: Tokenizer, num_prompts: int, seed: int) -> "PromptDataset":
+    def from_task(cls, task: Task, tokenizer: Tokenizer, num_prompts: int, seed: int,
+                  max_prompt_length: Optional[int] = None) -> "PromptDataset":
         """``num_prompts`` samples of ``task``, generated from ``numpy.random.default_rng(seed)``."""
-        return cls(task.make_prompts(num_prompts, np.random.default_rng(seed)), tokenizer, task)
+        return cls(task.make_prompts(num_prompts, np.random.default_rng(seed)), tokenizer, task, max_prompt_length)
 
     @classmethod
-    def from_config(cls, data_cfg: DataConfig, tokenizer: Tokenizer) -> "PromptDataset":
-        """The dataset described by the ``data`` config section."""
-        return cls.from_task(get_task(data_cfg), tokenizer, data_cfg.num_prompts, data_cfg.seed)
+    def from_config(cls, data_cfg: DataConfig, tokenizer: Tokenizer, task: Optional[Task] = None) -> "PromptDataset":
+        """The dataset described by the ``data`` config section (of ``task``, when it is built already)."""
+        return cls.from_task(task if task is not None else get_task(data_cfg), tokenizer, data_cfg.num_prompts,
+                             data_cfg.seed, data_cfg.max_prompt_length)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -63,13 +84,16 @@ class PromptDataset:
         """The rows ``indices`` as a batch dict (see :meth:`StatefulPromptLoader.next_batch`)."""
         index = np.asarray(indices, dtype=np.int64)
         rows = torch.from_numpy(index)
-        return {
+        batch = {
             "input_ids": self.input_ids[rows],
             "attention_mask": self.attention_mask[rows],
             "prompt_index": index,
             "answers": self.answers[index],
             "prompts": self.prompts[index],
         }
+        if self.data_sources is not None and self.extra_infos is not None:
+            batch["data_sources"], batch["extra_infos"] = self.data_sources[index], self.extra_infos[index]
+        return batch
 
     def check_fits(self, max_seq_len: int, max_new_tokens: int) -> None:
         """Raise ConfigError if a prompt plus a full response would exceed the model's context."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import traceback
 from typing import Callable, Optional
 
 from resilient_rl.errors import ConfigError
@@ -20,6 +21,13 @@ RewardFn = Callable[[str, str], float]
 # The comma form is tried first so "1,234" is one number, while "3, 4" stays two.
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 GSM8K_MARK = "####"
+
+
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback from the frame that called into the user's code on (our own frames
+    above it say nothing about the user's bug)."""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
 
 
 def exact_match(response: str, answer: str) -> float:

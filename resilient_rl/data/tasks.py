@@ -2,9 +2,12 @@
 
 Built in: ``reverse`` ("123>" -> "321"), ``copy`` ("123=" -> "123") and ``add`` ("12+7=" -> "19"),
 generated from a seeded numpy Generator. ``jsonl`` reads ``{"prompt": ..., "answer": ...}`` lines
-(or GSM8K's ``{"question": ..., "answer": ...}``) from a file and scores responses with a registered
-reward (:mod:`resilient_rl.data.rewards`: ``exact_match``, ``partial_match``, ``gsm8k``) or a user
-function given by import path ``module:function``.
+(or GSM8K's ``{"question": ..., "answer": ...}``) from a file, ``parquet`` verl's RL data
+(:mod:`resilient_rl.data.parquet`: chat prompts, ground truths, data sources). A file's responses
+are scored with a registered reward (:mod:`resilient_rl.data.rewards`: ``exact_match``,
+``partial_match``, ``gsm8k``), a user function ``(response, answer)`` given by import path
+``module:function``, or verl's ``compute_score(data_source, solution_str, ground_truth,
+extra_info)`` from a file (:mod:`resilient_rl.data.verl_reward`).
 """
 
 from __future__ import annotations
@@ -12,30 +15,38 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import json
-import traceback
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence, Union
 
 import fsspec
 import numpy as np
 
 from resilient_rl.errors import ConfigError, DataProtoError, UserCodeError
-from resilient_rl.config.schema import DataConfig
+from resilient_rl.config.data_sections import DataConfig, default_task
 from resilient_rl.config.paths import resolve_path
-from resilient_rl.data.rewards import RewardFn, exact_match, get_reward, partial_match
+from resilient_rl.data.parquet import read_parquet_rows
+from resilient_rl.data.rewards import RewardFn, exact_match, get_reward, partial_match, user_traceback
+from resilient_rl.data.verl_reward import VerlScore
 from resilient_rl.data.tokenizer import Tokenizer
 
-__all__ = ["AddTask", "CopyTask", "JsonlTask", "ReverseTask", "RewardFn", "Sample", "Task", "compute_rewards",
-           "exact_match", "example_prompts_path", "get_task", "load_reward_fn", "partial_match", "read_jsonl"]
+__all__ = ["AddTask", "CopyTask", "FileTask", "JsonlTask", "ParquetTask", "ReverseTask", "RewardFn", "Sample", "Task",
+           "compute_rewards", "exact_match", "example_prompts_path", "get_task", "load_reward_fn", "partial_match",
+           "read_jsonl", "read_parquet"]
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt and its reference answer; ``source`` says where it came from (file:line)."""
+    """One prompt and its reference answer; ``source`` says where it came from (file:line).
 
-    prompt: str
-    answer: str
+    From verl's data: ``prompt`` may be a list of chat messages (``{"role", "content"}``, rendered
+    by the tokenizer's chat template), ``answer`` is the row's ground truth as it is, and
+    ``data_source`` and ``extra_info`` go to the reward function with each response."""
+
+    prompt: Union[str, list]
+    answer: Any
     source: Optional[str] = None
+    data_source: Optional[str] = None
+    extra_info: Optional[dict] = None
 
 
 class Task(Protocol):
@@ -48,7 +59,8 @@ class Task(Protocol):
         ...
 
     def reward(self, response: str, answer: str) -> float:
-        """Score of ``response`` (decoded, up to eos) against ``answer``."""
+        """Score of ``response`` (decoded, up to eos) against ``answer``. A task whose samples carry
+        a data source and extra info (verl's data) also takes ``data_source=`` and ``extra_info=``."""
         ...
 
 
@@ -117,13 +129,6 @@ class AddTask(_DigitTask):
         return Sample(prompt=f"{a}+{b}=", answer=str(a + b))
 
 
-def user_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback from the frame that called into the user's code on (our own frames
-    above it say nothing about the user's bug)."""
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
-
-
 def load_reward_fn(import_path: str) -> RewardFn:
     """A registered reward by name, or ``package.module:function`` imported; errors name the value."""
     if ":" not in import_path:
@@ -188,15 +193,31 @@ def read_jsonl(path: str) -> list[Sample]:
     return samples
 
 
-class JsonlTask:
-    """Prompts read from a JSONL file, scored by a reward function loaded by import path."""
+def read_parquet(path: str) -> list[Sample]:
+    """Samples of verl's parquet file (:func:`resilient_rl.data.parquet.read_parquet_rows`)."""
+    return [Sample(**row) for row in read_parquet_rows(path)]
 
-    name = "jsonl"
 
-    def __init__(self, path: str, reward_fn: str):
+class FileTask:
+    """Prompts read from a file, scored by ``reward_fn`` (a registered name or an import path, called
+    ``(response, answer)``) or by verl's ``compute_score`` from a file (``compute_score``: the
+    ``custom_reward_function`` section, or a ``(path, name)`` pair). Exactly one is given."""
+
+    name = "file"
+
+    def __init__(self, path: str, reward_fn: Optional[str] = None, compute_score: Any = None):
         self.path, self.reward_fn_path = path, reward_fn
-        self._reward_fn = load_reward_fn(reward_fn)
-        self._samples = read_jsonl(path)
+        if (reward_fn is None) == (compute_score is None):
+            raise ConfigError(f"data.path={path!r} needs one reward: data.reward_fn or custom_reward_function.path")
+        self._verl: Optional[VerlScore] = None
+        if compute_score is not None:
+            score_path, score_name = (compute_score if isinstance(compute_score, tuple)
+                                      else (compute_score.path, compute_score.name))
+            self._verl = VerlScore(score_path, score_name)
+            self._reward_fn = None
+        else:
+            self._reward_fn = load_reward_fn(reward_fn)
+        self._samples = self.read(path)
         check = getattr(self._reward_fn, "check_reference", None)
         if check is not None:
             for sample in self._samples:
@@ -208,18 +229,26 @@ class JsonlTask:
                     raise UserCodeError(f"{sample.source}: data.reward_fn={reward_fn!r}: its check_reference raised "
                                         f"{type(e).__name__}: {e}\n{user_traceback(e)}") from e
 
+    @staticmethod
+    def read(path: str) -> list[Sample]:
+        """The file's samples (each subclass reads its format)."""
+        raise NotImplementedError
+
     def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
         """Every sample of the file, in file order: a file task has a fixed set, so ``n`` is ignored."""
         return list(self._samples)
 
-    def reward(self, response: str, answer: str) -> float:
+    def reward(self, response: str, answer: Any, data_source: Optional[str] = None,
+               extra_info: Optional[dict] = None) -> float:
         """The user function's score, checked to be a real number. An exception it raises is the
         user's (UserCodeError with its traceback and the response it was scoring), not the trainer's."""
+        if self._verl is not None:
+            return self._verl(response, answer, data_source, extra_info)
         try:
             value = self._reward_fn(response, answer)
         except Exception as e:
             raise UserCodeError(f"data.reward_fn={self.reward_fn_path!r} raised {type(e).__name__}: {e} while "
-                                f"scoring response {response[:200]!r} against answer {answer[:200]!r}\n"
+                                f"scoring response {response[:200]!r} against answer {str(answer)[:200]!r}\n"
                                 f"{user_traceback(e)}") from e
         try:
             return float(value)
@@ -227,22 +256,50 @@ class JsonlTask:
             raise ConfigError(f"data.reward_fn={self.reward_fn_path!r} returned {value!r}, not a number") from None
 
 
-def get_task(data_cfg: DataConfig) -> Task:
-    """The task named by ``data_cfg.task``, configured from the data section."""
+class JsonlTask(FileTask):
+    """Prompts read from a JSONL file (:func:`read_jsonl`)."""
+
+    name = "jsonl"
+    read = staticmethod(read_jsonl)
+
+
+class ParquetTask(FileTask):
+    """verl's RL data: prompts read from a parquet file (:func:`read_parquet`)."""
+
+    name = "parquet"
+    read = staticmethod(read_parquet)
+
+
+def get_task(data_cfg: DataConfig, custom_reward: Any = None) -> Task:
+    """The task named by ``data_cfg.task`` (null: the one ``data.path`` means), configured from the
+    data section; ``custom_reward`` is the root config's ``custom_reward_function`` section."""
     builtin = {"reverse": ReverseTask, "copy": CopyTask, "add": AddTask}
-    if data_cfg.task in builtin:
-        return builtin[data_cfg.task](data_cfg.min_digits, data_cfg.max_digits, data_cfg.partial_credit)
-    if data_cfg.task == "jsonl":
-        if data_cfg.path is None or data_cfg.reward_fn is None:
-            raise ConfigError("data.task='jsonl' needs data.path and data.reward_fn")
-        return JsonlTask(data_cfg.path, data_cfg.reward_fn)
-    raise ConfigError(f"data.task={data_cfg.task!r}: allowed values are {', '.join(builtin)}, 'jsonl'")
+    files = {"jsonl": JsonlTask, "parquet": ParquetTask}
+    task = data_cfg.task if data_cfg.task is not None else default_task(data_cfg.path)
+    if task in builtin:
+        return builtin[task](data_cfg.min_digits, data_cfg.max_digits, data_cfg.partial_credit)
+    if task in files:
+        score = custom_reward if custom_reward is not None and getattr(custom_reward, "path", None) else None
+        if data_cfg.path is None or (data_cfg.reward_fn is None and score is None):
+            raise ConfigError(f"data.task={task!r} needs data.path and a reward: data.reward_fn or "
+                              "custom_reward_function.path")
+        return files[task](data_cfg.path, data_cfg.reward_fn if score is None else None, score)
+    raise ConfigError(f"data.task={task!r}: allowed values are {', '.join(builtin)}, {', '.join(files)}")
 
 
 def compute_rewards(task: Task, tokenizer: Tokenizer, responses: Iterable[Sequence[int]],
-                    answers: Sequence[str]) -> np.ndarray:
-    """Score a batch of generated responses (token ids, cut at eos) against their answers: float32 [B]."""
+                    answers: Sequence[Any], data_sources: Optional[Sequence[Any]] = None,
+                    extra_infos: Optional[Sequence[Any]] = None) -> np.ndarray:
+    """Score a batch of generated responses (token ids, cut at eos) against their answers: float32 [B].
+    ``data_sources`` and ``extra_infos`` (verl's data: one per response) go to the reward with each."""
     texts = [tokenizer.decode_response(row) for row in responses]
     if len(texts) != len(answers):
         raise DataProtoError(f"compute_rewards got {len(texts)} responses but {len(answers)} answers")
-    return np.asarray([task.reward(t, a) for t, a in zip(texts, answers)], dtype=np.float32)
+    if data_sources is None:
+        return np.asarray([task.reward(t, a) for t, a in zip(texts, answers)], dtype=np.float32)
+    infos = extra_infos if extra_infos is not None else [None] * len(texts)
+    if not len(data_sources) == len(infos) == len(texts):
+        raise DataProtoError(f"compute_rewards got {len(texts)} responses but {len(data_sources)} data sources "
+                             f"and {len(infos)} extra infos")
+    return np.asarray([task.reward(t, a, data_source=d, extra_info=e)
+                       for t, a, d, e in zip(texts, answers, data_sources, infos)], dtype=np.float32)

@@ -34,8 +34,9 @@ class Tokenizer(Protocol):
     eos_token_ids: list[int]
     pad_token_id: int
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Ids of a prompt as the model should see it (bos, chat template, ...)."""
+    def encode_prompt(self, text: "str | list[dict]") -> list[int]:
+        """Ids of a prompt as the model should see it (bos, chat template, ...); a prompt may be a
+        list of chat messages (verl's data), which needs a chat template."""
         ...
 
     def decode_response(self, ids: Iterable[int]) -> str:
@@ -80,8 +81,11 @@ class CharTokenizer:
             ids.append(self.eos_token_id)
         return ids
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt's ids: bos, then its characters."""
+    def encode_prompt(self, text: "str | list[dict]") -> list[int]:
+        """A prompt's ids: bos, then its characters. Chat messages need a chat template: refused."""
+        if not isinstance(text, str):
+            raise TokenizerError("the prompt is a list of chat messages, which needs a Hugging Face tokenizer with "
+                                 "a chat template (set data.tokenizer, e.g. to the model's folder)")
         return self.encode(text, add_bos=True)
 
     def decode(self, ids: Iterable[int], skip_special: bool = True, stop_at_eos: bool = False) -> str:
@@ -168,18 +172,30 @@ class HFTokenizer:
         """Ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (bos)."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def format_prompt(self, text: str) -> str:
-        """The prompt as text: wrapped as a user turn plus the assistant's opening if a chat template applies."""
+    def format_prompt(self, text: "str | list[dict]") -> str:
+        """The prompt as text: a string wrapped as a user turn, or a list of chat messages
+        (``{"role", "content"}``, verl's prompts) as they are, each plus the assistant's opening,
+        through the chat template. Without one a string is returned as it is and messages are
+        refused (TokenizerError): joining them some other way would not be the model's format."""
+        messages = text if isinstance(text, list) else None
         if not self.use_chat_template:
-            return text
-        return self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False)
+            if messages is not None:
+                raise TokenizerError(f"the prompt is a list of chat messages, but data.tokenizer={self.source!r} "
+                                     "has no chat template" + (" applied (data.chat_template=false)"
+                                                               if getattr(self.hf, "chat_template", None) else ""))
+            return text  # type: ignore[return-value]
+        try:
+            return self.hf.apply_chat_template(messages or [{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template's own checks (roles out of order, ...) raise jinja errors
+            raise TokenizerError(f"data.tokenizer={self.source!r}: its chat template refused the prompt: "
+                                 f"{type(e).__name__}: {e}") from e
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: "str | list[dict]") -> list[int]:
         """A prompt's ids: through the chat template (which writes its own special tokens), else with bos."""
         if self.use_chat_template:
             return self.encode(self.format_prompt(text), add_special_tokens=False)
-        return self.encode(text, add_special_tokens=True)
+        return self.encode(self.format_prompt(text), add_special_tokens=True)  # a string as it is; messages refused
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of ``ids``; ids outside the vocabulary (a model may have spare rows) are dropped."""

@@ -53,6 +53,21 @@ logger = logging.getLogger(__name__)
 HISTORY_WINDOW = 1000
 
 
+def resolve_total_epochs(cfg, num_prompts: int) -> None:
+    """verl's ``trainer.total_epochs``: set ``trainer.total_steps`` to that many epochs of
+    ``num_prompts // data.batch_size`` steps (the loader drops an epoch's last incomplete batch,
+    as verl's does); the number of prompts is known only once the data is read."""
+    epochs = cfg.trainer.total_epochs
+    if epochs is None:
+        return
+    per_epoch = num_prompts // cfg.data.batch_size
+    steps = epochs * per_epoch
+    if steps != cfg.trainer.total_steps:
+        logger.info("trainer.total_epochs=%d: trainer.total_steps=%d (%d prompts // data.batch_size=%d = %d per epoch)",
+                    epochs, steps, num_prompts, cfg.data.batch_size, per_epoch)
+    cfg.trainer.total_steps = steps
+
+
 def reward_summary(rows: Sequence[dict] | Sequence[float]) -> tuple[float, float]:
     """Mean reward of the first and of the last 10% of steps (at least one step each); ``rows``
     are metric rows or their ``reward/mean`` values (``RunDir.read_column("reward/mean")``)."""
@@ -67,16 +82,17 @@ class PPOTrainer:
     def __init__(self, cfg, roles_factory: Callable | None = None, hooks: list | None = None):
         self.cfg = cfg
         self._decode_eager_reported = False
-        self.task = get_task(cfg.data)
+        self.task = get_task(cfg.data, cfg.custom_reward_function)
         self.tokenizer = build_tokenizer(cfg.data, self.task)
         model_vocab_size(cfg.model, self.tokenizer.vocab_size)  # fail here, not in a worker, if too small
         check_max_seq_len(cfg.model)
         extra_eos = model_eos_token_ids(cfg.model)
         if extra_eos and hasattr(self.tokenizer, "add_eos_token_ids"):
             self.tokenizer.add_eos_token_ids(extra_eos)
-        self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
+        self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer, self.task)
         self.dataset.check_fits(cfg.model.max_seq_len, cfg.rollout.max_new_tokens)
         self.loader = StatefulPromptLoader.from_config(self.dataset, cfg.data)
+        resolve_total_epochs(cfg, len(self.dataset))  # before the config is digested or sent to workers
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
         self.step = 0

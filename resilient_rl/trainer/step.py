@@ -52,10 +52,12 @@ class PhaseTimer:
 
 def make_prompts(batch: dict, n: int, meta: dict) -> DataProto:
     """A DataProto of prompts from a loader batch, each prompt repeated ``n`` times (adjacent)."""
-    prompts = DataProto.from_dict(
-        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
-        {"prompt_index": np.asarray(batch["prompt_index"]), "answers": np.asarray(batch["answers"], dtype=object)},
-        dict(meta))
+    non_tensor = {"prompt_index": np.asarray(batch["prompt_index"]),
+                  "answers": np.asarray(batch["answers"], dtype=object)}
+    if "data_sources" in batch:  # verl's data: the reward gets each sample's data source and extra info
+        non_tensor.update(data_source=batch["data_sources"], extra_info=batch["extra_infos"])
+    prompts = DataProto.from_dict({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+                                  non_tensor, dict(meta))
     return prompts.repeat(n, interleave=True) if n > 1 else prompts
 
 
@@ -104,8 +106,9 @@ def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl
     data.non_tensor_batch.update(prompts.non_tensor_batch)
     data.meta_info.update(meta)
     mask = data.batch["response_mask"]
+    extras = data.non_tensor_batch
     scores = compute_rewards(task, tokenizer, data.batch["responses"] * mask + tokenizer.pad_token_id * (1 - mask),
-                             list(data.non_tensor_batch["answers"]))
+                             list(extras["answers"]), extras.get("data_source"), extras.get("extra_info"))
     # A NaN/Inf score would poison the advantages of its whole group (GRPO) or batch (whitening):
     # it scores as a failed response instead, and the trainer's non-finite guard reports the count.
     bad_scores = ~np.isfinite(scores)

@@ -1,0 +1,100 @@
+"""The data and reward config sections: where prompts come from and how responses are scored.
+
+``data.task`` picks the prompts: a built-in task generated from a seed, or a file of prompts
+(``jsonl``, or ``parquet`` in verl's layout). Left unset it follows ``data.path``: a ``.parquet``
+file is read as verl's data, any other file as JSONL, and no file means the built-in ``copy``
+task. A file's responses are scored by ``data.reward_fn`` (``(response, answer)``) or by a
+verl-style ``compute_score(data_source, solution_str, ground_truth, extra_info)`` named by the
+``custom_reward_function`` section (verl's own keys); the root config checks that exactly one
+is given (:meth:`resilient_rl.config.schema.Config.validate`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from resilient_rl.config.sections import BUILTIN_REWARDS, BUILTIN_TASKS, FILE_TASKS, choice, require, Section
+
+#: The ending that makes an unset ``data.task`` read ``data.path`` as verl's parquet data.
+PARQUET_SUFFIX = ".parquet"
+
+
+def default_task(path: Optional[str]) -> str:
+    """The task an unset ``data.task`` means for ``data.path``."""
+    if path is None:
+        return "copy"
+    return "parquet" if path.lower().endswith(PARQUET_SUFFIX) else "jsonl"
+
+
+@dataclass
+class DataConfig(Section):
+    """Prompts: a built-in task or a file (JSONL, verl's parquet), and how they are batched."""
+
+    #: null: from ``path`` (see :func:`default_task`); the root config resolves it, so a saved
+    #: config names the task (not here: a section built as a default must keep null).
+    task: Optional[str] = None
+    path: Optional[str] = None
+    reward_fn: Optional[str] = None
+    num_prompts: int = 1024
+    min_digits: int = 2
+    max_digits: int = 3
+    batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 0
+    partial_credit: bool = True
+    tokenizer: Optional[str] = None
+    chat_template: Optional[bool] = None
+    #: verl's ``data.max_prompt_length``: a prompt longer than this many tokens (chat template
+    #: included) is an error at start, naming it (verl's ``truncation: error``); null: no limit.
+    max_prompt_length: Optional[int] = None
+
+    @property
+    def resolved_task(self) -> str:
+        """``task``, or what null means for ``path``."""
+        return self.task if self.task is not None else default_task(self.path)
+
+    def validate(self) -> None:
+        task = self.resolved_task
+        if self.task is not None:
+            choice("task", self.task, BUILTIN_TASKS + FILE_TASKS)
+        if task in FILE_TASKS:
+            require(self.path is not None, "path", self.path,
+                    f"data.task={task!r} needs data.path (a {task} file)")
+        if task == "jsonl":
+            require(self.path is None or not self.path.lower().endswith(PARQUET_SUFFIX), "path", self.path,
+                    "is a parquet file but data.task='jsonl'; use data.task=parquet (or leave data.task unset)")
+        if self.reward_fn is not None:
+            require(re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn) is not None or self.reward_fn in BUILTIN_REWARDS,
+                    "reward_fn", self.reward_fn, "must be an import path 'package.module:function' or one of "
+                    + ", ".join(repr(r) for r in BUILTIN_REWARDS))
+        require(self.tokenizer is None or self.tokenizer.strip() != "", "tokenizer", self.tokenizer,
+                "must be a local tokenizer folder (or 'pkg://package/dir'), or null for the character tokenizer")
+        require(not self.chat_template or self.tokenizer is not None, "chat_template", self.chat_template,
+                "needs data.tokenizer (the character tokenizer has no chat template)")
+        require(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
+        require(self.min_digits >= 1, "min_digits", self.min_digits, "must be >= 1")
+        require(self.max_digits >= self.min_digits, "max_digits", self.max_digits,
+                f"must be >= min_digits={self.min_digits}")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        require(task in FILE_TASKS or self.batch_size <= self.num_prompts, "batch_size", self.batch_size,
+                f"must be <= num_prompts={self.num_prompts}")
+        require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        require(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length",
+                self.max_prompt_length, "must be >= 1 or null (no limit)")
+
+
+@dataclass
+class CustomRewardConfig(Section):
+    """verl's ``custom_reward_function``: ``name`` in the Python file ``path`` scores a file task's
+    responses as ``name(data_source, solution_str, ground_truth, extra_info)``, returning a number
+    or a mapping with a ``score``. ``path`` null: not used (``data.reward_fn`` scores instead)."""
+
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+    def validate(self) -> None:
+        require(self.path is None or self.path.strip() != "", "path", self.path,
+                "must be a Python file, or null (not used)")
+        require(self.name.isidentifier(), "name", self.name, "must be the name of a function in the file")
