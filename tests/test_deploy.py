@@ -182,13 +182,13 @@ def sbatch_directives() -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", SBATCH.read_text(), flags=re.M))
 
 
-def slurm_train_argv(env: dict[str, str]) -> list[str]:
-    """The script's trainer command, expanded by bash itself in ``env``."""
+def slurm_train_argv(env: dict[str, str], args: tuple[str, ...] = ()) -> list[str]:
+    """The script's trainer command, expanded by bash itself in ``env``, for ``sbatch train.sbatch *args``."""
     text = SBATCH.read_text()
     block = re.search(r"^# >>> trainer command.*?\n(.*?)^# <<< trainer command", text, flags=re.M | re.S)
     assert block, "the trainer command block is marked in the script"
     script = block.group(1) + '\nprintf "%s\\0" "${TRAIN[@]}"\n'
-    out = subprocess.run(["bash", "-euc", script], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(["bash", "-euc", script, "train.sbatch", *args], env=env, capture_output=True, text=True, check=True)
     return out.stdout.split("\0")[:-1]
 
 
@@ -197,6 +197,19 @@ def test_the_sbatch_script_is_valid_bash_and_starts_a_head_and_a_worker_per_node
     text = SBATCH.read_text()
     assert re.search(r"ray start --head\b", text) and re.search(r'ray start --address="\$HEAD_IP:\$RAY_PORT"', text)
     assert 'for node in "${NODES[@]:1}"' in text  # every node but the head's gets a worker
+    # `ray stop` would stop every Ray process on the node, other jobs' too: the script ends its own steps
+    assert not re.search(r"^[^#]*\bray stop\b", text, flags=re.M)
+
+
+def test_the_sbatch_scripts_arguments_override_its_trainer_command():
+    """``sbatch train.sbatch key=value ...``: the arguments come last, so they win (a CPU-only
+    allocation, as chaos/test_slurm_preemption.py submits, sets no GPUs per node)."""
+    env = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_GPUS_PER_NODE"}
+    argv = slurm_train_argv({**env, "SLURM_JOB_NUM_NODES": "1"},
+                            ("trainer.n_gpus_per_node=null", "actor.world_size=2", "trainer.total_steps=7"))
+    assert argv[-3:] == ["trainer.n_gpus_per_node=null", "actor.world_size=2", "trainer.total_steps=7"]
+    cfg, _ = validated(argv)
+    assert cfg.trainer.n_gpus_per_node is None and cfg.actor.world_size == 2 and cfg.trainer.total_steps == 7
 
 
 @pytest.mark.parametrize("nodes", [None, 4])
