@@ -58,3 +58,19 @@ def single_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_secret_registry():
+    """Each test starts with no secret values noted: the redactor is process-wide, so a secret an
+    earlier test's config carried (a fake key, a user name) would be redacted from this test's
+    messages wherever its text appears."""
+    from resilient_rl.config import secrets
+
+    with secrets._seen_lock:
+        saved = set(secrets._seen)
+        secrets._seen.clear()
+    yield
+    with secrets._seen_lock:
+        secrets._seen.clear()
+        secrets._seen.update(saved)
