@@ -4,12 +4,11 @@ group's all-reduce, never a shared-memory segment (which another host could not 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from resilient_rl.testing.ranks import run_ranks
+from resilient_rl.testing.ranks import join_gloo, run_ranks
 
 WORLD, LOCAL = 4, 2
 
@@ -24,14 +23,9 @@ def _data(rank: int) -> torch.Tensor:
 
 
 def _rank(rank: int, port: int, out) -> None:
-    # What the worker group sets for a rank of a pool of [2, 2] (resilient_rl.runtime.worker_group).
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % LOCAL),
-                      LOCAL_WORLD_SIZE=str(LOCAL))
-    torch.set_num_threads(1)
     from resilient_rl.workers import fsdp
 
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    join_gloo(rank, port, WORLD, LOCAL)  # a rank of a pool of [2, 2]: two nodes of two
     try:
         # HSDP: a (replicate, shard) mesh, one row per node; one SGD step on this rank's data.
         model = fsdp.wrap_model(_model(), fsdp.plan_device("cpu", sharding="hybrid"), "fsdp")

@@ -6,7 +6,6 @@ the actor's weights bit for bit."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from resilient_rl.runtime.master_env import free_port
+from resilient_rl.testing.ranks import join_gloo
 
 WORLD, LOCAL = 4, 2
 
@@ -25,13 +25,9 @@ def _model() -> nn.Module:
 
 
 def _actor(rank: int, port: int, channel_port: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % LOCAL),
-                      LOCAL_WORLD_SIZE=str(LOCAL))
-    torch.set_num_threads(1)
     from resilient_rl.workers import fsdp, weight_channel, weight_sync
 
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    join_gloo(rank, port, WORLD, LOCAL)  # a rank of a pool of [2, 2]: two nodes of two
     try:
         model = fsdp.wrap_model(_model(), fsdp.plan_device("cpu", sharding="hybrid"), "fsdp")
         opt = torch.optim.SGD(model.parameters(), lr=0.5)

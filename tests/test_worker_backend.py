@@ -21,23 +21,14 @@ def test_uses_nccl_reads_each_device_part(backend, expected):
     assert worker.uses_nccl(backend) is expected
 
 
-def test_teardown_aborts_a_mixed_gloo_nccl_group(monkeypatch):
+@pytest.mark.parametrize("backend,expected", [("cpu:gloo,cuda:nccl", ["abort"]), ("gloo", ["destroy"])])
+def test_teardown_aborts_nccl_groups_and_destroys_gloo_ones(monkeypatch, backend, expected):
     """A GPU group is "cpu:gloo,cuda:nccl": its teardown must take the abort path, since
-    destroying a communicator with a dead peer can block."""
+    destroying a communicator with a dead peer can block; a gloo group is destroyed."""
     calls: list[str] = []
-    monkeypatch.setattr(worker.dist, "get_backend", lambda *a, **k: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(worker.dist, "get_backend", lambda *a, **k: backend)
     monkeypatch.setattr(worker.dist.distributed_c10d, "_abort_process_group",
                         lambda *a, **k: calls.append("abort"), raising=False)
     monkeypatch.setattr(worker.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
     worker.destroy_process_group()
-    assert calls == ["abort"]
-
-
-def test_teardown_destroys_a_gloo_group(monkeypatch):
-    calls: list[str] = []
-    monkeypatch.setattr(worker.dist, "get_backend", lambda *a, **k: "gloo")
-    monkeypatch.setattr(worker.dist.distributed_c10d, "_abort_process_group",
-                        lambda *a, **k: calls.append("abort"), raising=False)
-    monkeypatch.setattr(worker.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
-    worker.destroy_process_group()
-    assert calls == ["destroy"]
+    assert calls == expected

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["run_ranks"]
+__all__ = ["join_gloo", "run_ranks"]
 
 
 def run_ranks(target: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 180.0) -> dict[int, Any]:
@@ -31,3 +31,20 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple = (), timeout
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def join_gloo(rank: int, port: int, world: int, local_world: int | None = None) -> None:
+    """In a spawned rank: the environment the worker group sets for a rank of ``world`` ranks,
+    ``local_world`` to a node (``resilient_rl.runtime.worker_group``), one CPU thread, and the
+    default gloo group over a TCP store on ``port`` (hosted by rank 0)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    local = local_world or world
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local),
+                      LOCAL_WORLD_SIZE=str(local))
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
