@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU figure of the project in one command, on one GPU (about 8 minutes on an H100):
+# Every GPU figure of the project in one command, on one GPU (not yet timed to the end on an H100:
+# the first rollouts compile the decode step; see the README's Benchmarks section):
 #
-#   bash bench/gpu_figures.sh [--wheelhouse DIR] [OUT]
+#   bash bench/gpu_figures.sh [--wheelhouse DIR] [OUT [WORKLOAD ...]]
 #
 # With --wheelhouse, first installs the project from DIR with no package index
 # (`./install.sh --wheelhouse DIR`). Logs and a summary go to OUT (default: ./gpu-figures).
+# WORKLOAD: gsm8k-0.5b and/or gsm8k-1.5b (default: both, in that order), e.g. one per call where a
+# call's time is limited. The first rollout of each compiles the decode step for each of its batch
+# sizes (bench/decode_compile.py measures that cost), so each workload has 300 s.
 #   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
 #      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
 #      rollout engine against HF generate with the engine's share of the decode roofline;
@@ -16,6 +20,9 @@ if [ "${1:-}" = "--wheelhouse" ]; then
     shift 2
 fi
 out="${1:-${OUT:-gpu-figures}}"
+[ $# -gt 0 ] && shift
+workloads=("$@")
+[ ${#workloads[@]} -gt 0 ] || workloads=(gsm8k-0.5b gsm8k-1.5b)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY="$(command -v python || command -v python3)"
@@ -33,6 +40,11 @@ run() {  # name, timeout, arguments of bench/gpu.py
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
 }
-run gsm8k-0.5b 200 --workload gsm8k-0.5b --warmup 1 --steps 2 --generation-paths engine,hf_dynamic
-run gsm8k-1.5b 200 --workload gsm8k-1.5b --warmup 1 --steps 2 --skip-generation
+for w in "${workloads[@]}"; do
+    case "$w" in
+        gsm8k-0.5b) run "$w" 300 --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
+        gsm8k-1.5b) run "$w" 300 --workload "$w" --warmup 1 --steps 2 --skip-generation ;;
+        *) echo "gpu_figures.sh: unknown workload $w (gsm8k-0.5b, gsm8k-1.5b)" >&2; status=2 ;;
+    esac
+done
 exit $status
