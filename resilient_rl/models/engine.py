@@ -31,10 +31,9 @@ and rows that finished are not sampled once they left the batch. Greedy decoding
 
 from __future__ import annotations
 
-import logging
 import weakref
-from contextlib import nullcontext
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -57,7 +56,6 @@ from resilient_rl.runtime import progress
 __all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "engine_cache", "generate_static", "resolve_engine",
            "shared_prompt_groups", "static_unsupported_reason"]
 
-log = logging.getLogger(__name__)
 
 #: Values of ``rollout.engine``.
 ENGINES = ("auto", "static", "plain")
