@@ -242,8 +242,8 @@ def generate_static(
                          prefill_mask=_prefill_mask(prompt_mask[first]))
     with nullcontext() if tiny else engine_attention(model):
         logits = forward(model, input_ids[first], prompt_pos[first], prefill)
-        cache.take_rows(group)
-        if first.shape[0] != batch:
+        if first.shape[0] != batch:  # the samples of a prompt take copies of its prefilled rows
+            cache.take_rows(group)
             logits = logits.index_select(0, group)
         out = _decode_loop(step_fn, forward, model, cache, logits, input_ids, prompt_mask, response_pos, eos_ids,
                            max_new_tokens, temperature, top_p, pad_token_id, generator, check_every,
