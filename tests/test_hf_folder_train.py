@@ -155,3 +155,35 @@ def test_eos_ids_come_from_generation_config_then_config_json(tmp_path):
     assert tok.eos_token_ids == [tok.eos_token_id, 0]
     with pytest.raises(ConfigError, match=r"eos token id 999 .* outside data.tokenizer="):
         tok.add_eos_token_ids([999])
+
+
+@pytest.mark.ray
+def test_the_export_of_a_run_from_a_model_folder_loads_as_model_and_tokenizer(tmp_path, setup, ray_cluster):
+    """Model in, model out: a run trained from a saved Hugging Face folder exports a folder that
+    ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` load as they are, with the run's
+    tokenizer and the trained weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from resilient_rl.checkpoint.export import export_checkpoint
+
+    overrides, _ = setup
+    saved, _ = save_model_folder(tmp_path / "qwen2", "qwen2")
+    run_overrides = [o for o in overrides(tmp_path / "qwen2") if not o.startswith("checkpoint.save_every")]
+    cfg = load_config(resolve_path("pkg://resilient_rl/configs/gsm8k_llama.yaml"),
+                      run_overrides + ["checkpoint.save_every=2", "trainer.run_name=model-out"])
+    trainer = PPOTrainer(cfg)  # the worker groups on Ray: in-process roles save no checkpoints
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    out = tmp_path / "export"
+    result = export_checkpoint("model-out", str(out), root=f"{tmp_path}/ckpt", output_dir=f"{tmp_path}/runs")
+    assert "tokenizer.json" in result.files and "tokenizer_config.json" in result.files
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    source = AutoTokenizer.from_pretrained(tmp_path / "qwen2", local_files_only=True)
+    assert tokenizer("It is 7")["input_ids"] == source("It is 7")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert type(model).__name__ == type(saved).__name__
+    exported = model.state_dict()
+    assert exported.keys() == saved.state_dict().keys()
+    assert any(not torch.equal(exported[n], t) for n, t in saved.state_dict().items())  # the trained weights

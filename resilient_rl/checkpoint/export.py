@@ -4,7 +4,8 @@ The checkpoint is named as for ``checkpoints list`` (:func:`resilient_rl.checkpo
 :func:`export_checkpoint` verifies a
 committed step and writes its model as one ``model.safetensors`` keyed by the model's own
 state-dict names, plus a ``config.json``: the Hugging Face config for ``model.kind=hf`` (so
-``AutoModelForCausalLM.from_pretrained(out)`` loads it) or the :class:`TinyLMConfig` fields for
+``AutoModelForCausalLM.from_pretrained(out)`` loads it, with the run's tokenizer files beside it for
+``AutoTokenizer``) or the :class:`TinyLMConfig` fields for
 the built-in tiny model. The model's shape comes from the run's saved ``config.yaml``; the export
 is checked against a model built on the meta device from it, so a mismatch fails here and not
 silently at load time.
@@ -56,8 +57,8 @@ class ExportResult:
     num_tensors: int
 
 
-def _run_model_config(run: str, config_path: str | None, output_dir: str) -> tuple[Any, str | None, str]:
-    """(model section, config digest or None, path) of the run's saved ``config.yaml``."""
+def _run_model_config(run: str, config_path: str | None, output_dir: str) -> tuple[Any, str | None, str, Any]:
+    """(model section, config digest or None, path, ``data.tokenizer``) of the run's saved ``config.yaml``."""
     from resilient_rl.config.schema import config_digest, config_from_dict
 
     path = config_path or f"{output_dir.rstrip('/')}/{run}/config.yaml"
@@ -72,14 +73,36 @@ def _run_model_config(run: str, config_path: str | None, output_dir: str) -> tup
         raise ConfigError(f"cannot read the run config {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"run config {path} must hold a mapping of sections")
+    tokenizer = (raw.get("data") or {}).get("tokenizer")
     try:
         cfg = config_from_dict(raw)
-        return cfg.model, config_digest(cfg), path
+        return cfg.model, config_digest(cfg), path, tokenizer
     except ConfigError:
         # Sections other than the model may not validate here (e.g. trainer.device=cuda on a
         # CPU machine); only the model's shape matters for an export.
         model = raw.get("model") or {}
-        return config_from_dict({"model": model}).model, None, path
+        return config_from_dict({"model": model}).model, None, path, tokenizer
+
+
+#: The files of a Hugging Face tokenizer folder, copied beside the exported weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+def _tokenizer_files(tokenizer: Any, where: str) -> dict[str, bytes]:
+    """The run's tokenizer folder (``data.tokenizer``) as files, so that the export loads with
+    ``from_pretrained`` (or vLLM) as it is; nothing for the character tokenizer, which has no
+    Hugging Face form."""
+    if not tokenizer:
+        log.info("%s uses the character tokenizer: the export has no tokenizer files", where)
+        return {}
+    from resilient_rl.config.paths import resolve_path
+
+    folder = Path(resolve_path(str(tokenizer), "data.tokenizer"))
+    if not folder.is_dir():
+        raise ConfigError(f"data.tokenizer={tokenizer!r} of {where}: {folder} is not a folder here; export on a "
+                          "machine that has the run's tokenizer folder")
+    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
 
 
 def _check_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
@@ -164,8 +187,8 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
 
     ``target``/``root``/``step`` are resolved by :func:`locate`; a run without a step exports
     its newest committed one. For the actor a ``config.json`` is written from the run's
-    ``config.yaml`` (``config_path``, else ``{output_dir}/{run}/config.yaml``); other roles get
-    the weights only. Raises CheckpointCorruptError naming the damaged file."""
+    ``config.yaml`` (``config_path``, else ``{output_dir}/{run}/config.yaml``) and the run's
+    Hugging Face tokenizer is copied beside it; other roles get the weights only. Raises CheckpointCorruptError naming the damaged file."""
     if "://" in out_dir or (Path(out_dir).exists() and not Path(out_dir).is_dir()):
         raise ConfigError(f"--out {out_dir!r} must be a local folder (from_pretrained reads local files)")
     loc = locate(target, root, step)
@@ -183,9 +206,9 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
     manifest = manager.load_manifest(step)
     if role not in manifest.world_sizes:
         raise CheckpointError(f"{source} has no {role!r} state (roles: {', '.join(sorted(manifest.world_sizes))})")
-    model_cfg, where = None, ""
+    model_cfg, where, tokenizer = None, "", None
     if role == "actor":
-        model_cfg, digest, where = _run_model_config(loc.run, config_path, output_dir)
+        model_cfg, digest, where, tokenizer = _run_model_config(loc.run, config_path, output_dir)
         if digest is not None and manifest.config_digest and digest != manifest.config_digest:
             log.warning("config %s (digest %s) differs from the one step %d was saved with (digest %s); "
                         "its model section is checked against the saved weights", where, digest, step,
@@ -199,6 +222,8 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
         config_files = {CONFIG_NAME: _tiny_config_json(model_cfg, tensors, where)}
     elif model_cfg is not None:
         config_files = _hf_config_files(model_cfg, tensors, where)
+    if model_cfg is not None:
+        config_files.update(_tokenizer_files(tokenizer, where))
     try:  # the user's folder: one that cannot be created is bad input (exit 2), named with the reason
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
