@@ -21,6 +21,7 @@ SAMPLES: dict[str, dict] = {
     "worker_restarted": {"group": "rrl_r_ab12_main", "rank": 1, "pid": 4343, "node": "n0", "role": "actor",
                          "cause": "died"},
     "kill_unresponsive": {"group": "rrl_r_ab12_main", "rank": 0, "pid": 4242, "node": "n0"},
+    "leave_collectives": {"ranks": [["rrl_r_ab12_main", 0], ["rrl_r_ab12_main", 1]]},
     "kill_hung": {"group": "rrl_r_ab12_main", "rank": 0, "pid": 4242, "node": None,
                   "reason": "inside 'update_actor' without progress for 31.0s"},
     "failure": {"step": 4, "role": "actor", "rank": 1, "cause": "died", "message": "actor died",

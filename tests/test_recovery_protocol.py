@@ -123,13 +123,27 @@ def test_a_survivor_stuck_in_a_call_without_progress_is_killed_while_draining():
     assert sorted(e["rank"] for e in h.of("worker_restarted")) == [0, 1]
 
 
-def test_a_survivor_still_advancing_is_waited_for_not_killed():
+def test_a_survivor_of_the_broken_group_is_told_to_leave_its_collectives_not_killed():
     h = Harness(hang_timeout_s=30.0, restart_timeout_s=5.0)
     h.pool.crash("main", 1)
     h.pool.busy("main", 0, "update_actor", progress_age_s=1.0)
     h.handle(died())
-    assert h.of("kill_hung") == [] and h.clock.now - 1000.0 >= 5.0  # waited out the drain deadline
+    assert h.of("kill_hung") == []
+    assert h.of("leave_collectives") == [{"ranks": [["main", 0]]}]
+    assert ("leave_collectives", (("main", 0),)) in h.pool.calls
+    assert h.clock.now - 1000.0 < 1.0  # its call ended: no wait for the drain deadline
     assert [e["rank"] for e in h.of("worker_restarted")] == [1]
+
+
+def test_a_survivor_of_another_group_still_advancing_is_waited_for_not_told_to_leave():
+    pool = FakePool(groups={"actor": ("actor",), "rollout": ("rollout",)})
+    h = Harness(pool, hang_timeout_s=30.0, restart_timeout_s=5.0)
+    pool.crash("actor", 1)
+    pool.busy("rollout", 0, "generate_sequences", progress_age_s=1.0)
+    h.handle(died(group="actor"))
+    assert h.of("kill_hung") == [] and h.of("leave_collectives") == []
+    assert h.clock.now - 1000.0 >= 5.0  # waited out the drain deadline
+    assert [(e["group"], e["rank"]) for e in h.of("worker_restarted")] == [("actor", 1)]
 
 
 @pytest.mark.parametrize("operation, state", [("wait_alive", "recovering"), ("rendezvous", "rejoining"),

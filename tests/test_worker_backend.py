@@ -27,6 +27,7 @@ def test_teardown_aborts_nccl_groups_and_destroys_gloo_ones(monkeypatch, backend
     destroying a communicator with a dead peer can block; a gloo group is destroyed."""
     calls: list[str] = []
     monkeypatch.setattr(worker.dist, "get_backend", lambda *a, **k: backend)
+    monkeypatch.setattr(worker.dist, "is_initialized", lambda: True)  # teardown runs on a live group
     monkeypatch.setattr(worker.dist.distributed_c10d, "_abort_process_group",
                         lambda *a, **k: calls.append("abort"), raising=False)
     monkeypatch.setattr(worker.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))

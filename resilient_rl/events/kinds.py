@@ -103,6 +103,14 @@ class KillHung(_WorkerEvent):
     reason: str
 
 
+@_kind("leave_collectives")
+class LeaveCollectives(Event):
+    """Survivors ``ranks`` (``[group, rank]`` pairs) were inside a call on a process group that
+    lost a rank, and were told to leave its collectives (:mod:`resilient_rl.runtime.leave_collective`)."""
+
+    ranks: list
+
+
 # ---------------------------------------------------------------------------- recovery (trainer/resilience.py)
 @_kind("failure")
 class FailureEvent(Event):

@@ -3,8 +3,10 @@
 Every rank is probed through its health concurrency group; the :class:`FailurePolicy` decides
 *before* anything is killed or waited for, knowing which ranks would need a restart. Then a rank
 that does not answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as not
-advancing (it still answers the probe); survivors still inside a call are waited for (a
-collective error ends it at once when a peer died) and killed if they stop advancing; each dead
+advancing (it still answers the probe); survivors of the failed ranks' process groups still
+inside a call are told to leave their collectives (the call then ends at once with a collective
+error, see :mod:`resilient_rl.runtime.leave_collective`), waited for, and killed if they stop
+advancing; each dead
 rank is handed to a ready warm spare of its group where there is one (``recovery.spares``), and
 the state waits until Ray has restarted every other dead actor (``max_restarts``) and all answer.
 Survivors keep their processes. Each restart spends the restarted actor's budget.
@@ -55,7 +57,7 @@ class Recovering:
             self._kill(pool, hung, known, "kill_hung", killed, reason=a.failure.message[:300])
         # Spares first: the drain then probes them (idle, answering) rather than dead processes.
         adopted = self._adopt_spares(pool, set(dead) | killed)
-        self._drain(pool, known, killed)
+        self._drain(pool, known, killed, broken={k[0] for k in to_restart} | {k[0] for k in killed})
         self._adopt_spares(pool, killed - adopted)  # survivors the drain found stalled
         restarted = self._wait_restarted(pool, known, a.failure.cause)
         a.restarted += restarted
@@ -108,15 +110,19 @@ class Recovering:
             self.ctx.emit("spare_adopted", group=group, rank=rank, role=primary_role(pool.roles_of(group)))
         return adopted
 
-    def _drain(self, pool: RecoveryPool, known: dict, killed: set) -> None:
+    def _drain(self, pool: RecoveryPool, known: dict, killed: set, broken: set[str]) -> None:
         """Wait until no survivor is inside a call, so the rendezvous does not queue behind one.
 
-        A survivor whose peer died normally leaves its call at once with a collective error; one
-        that stays inside a call without advancing for ``hang_timeout_s`` is killed too."""
+        A survivor of a ``broken`` process group (one of its ranks died or was killed) is told to
+        leave its collectives: no peer will join them, and a rank that only waits on live peers
+        would otherwise wait out the group's timeout. One that stays inside a call without
+        advancing for ``hang_timeout_s`` is killed."""
         cfg, clock = self.ctx.cfg, self.ctx.clock
         deadline = clock() + cfg.restart_timeout_s
+        told: set[ProcessKey] = set()
         while clock() < deadline:
             busy = 0
+            leave: list[ProcessKey] = []
             for group in pool.process_groups():
                 for rank, info in pool.probe(group, timeout_s=cfg.health_timeout_s, during_call=True).items():
                     key = (group, rank)
@@ -130,9 +136,15 @@ class Recovering:
                                        reason=f"inside {info.call!r} without progress for {info.progress_age_s:.1f}s")
                         else:
                             busy += 1
+                            if group in broken and key not in told:
+                                leave.append(key)
+            if leave:
+                told.update(leave)
+                self.ctx.emit("leave_collectives", ranks=[list(k) for k in sorted(leave)])
+                pool.leave_collectives(sorted(leave), reason="a rank of the group died")
             if not busy:
                 return
-            self.ctx.sleep(0.2)
+            self.ctx.sleep(0.05 if leave else 0.2)
 
     def _wait_restarted(self, pool: RecoveryPool, known: dict, cause: Cause) -> list[ProcessKey]:
         """Wait until every rank answers; the ranks that came back in a new process."""

@@ -14,7 +14,7 @@ import inspect
 from enum import Enum
 from typing import Any, Callable
 
-from resilient_rl.runtime import progress
+from resilient_rl.runtime import leave_collective, progress
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor
 from resilient_rl.protocol_future import DataProtoFuture, materialize, materialize_async
@@ -265,6 +265,9 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
             progress.begin(name)
             try:
                 return func(*args, **kwargs)
+            except BaseException as exc:
+                _leave_if_collective(exc, name)
+                raise
             finally:
                 progress.end()
 
@@ -277,6 +280,9 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
             progress.begin(name)
             try:
                 return await func(*args, **kwargs)
+            except BaseException as exc:
+                _leave_if_collective(exc, name)
+                raise
             finally:
                 progress.end()
 
@@ -289,6 +295,13 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
         return inner
 
     return decorator
+
+
+def _leave_if_collective(exc: BaseException, call: str) -> None:
+    """A call that ends with a collective error leaves its group's collectives, so that peers
+    still waiting on this rank raise at once too (:mod:`resilient_rl.runtime.leave_collective`)."""
+    if leave_collective.looks_collective(exc):
+        leave_collective.leave_collectives(f"{call} raised {type(exc).__name__}")
 
 
 def registered_methods(cls) -> dict[str, dict[str, Any]]:

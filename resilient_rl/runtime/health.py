@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError
 from ray.exceptions import RayTaskError
 
 from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
+from resilient_rl.runtime.leave_collective import looks_collective
 from resilient_rl.process_state import process_alive
 
 logger = logging.getLogger(__name__)
@@ -92,17 +93,6 @@ def process_gone(pid: int, node_id: str | None) -> bool:
     return not process_alive(pid)
 
 
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
-                      "socket timeout", "timed out waiting for")
-
-
-def _looks_collective(exc: BaseException) -> bool:
-    """A torch.distributed failure (a peer died or hung) rather than a bug in the method."""
-    name = type(exc).__name__
-    text = str(exc).lower()
-    # DistStoreError: a rendezvous waited in vain for a peer (it died while the group was forming).
-    return (any(n in name for n in ("DistBackendError", "DistNetworkError", "DistStoreError"))
-            or any(m in text for m in _COLLECTIVE_MARKERS))
 
 
 def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
@@ -112,7 +102,7 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
         return WorkerDiedError(f"{where} died: {exc}", role=group, rank=rank, cause="died")
     if isinstance(exc, RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        if isinstance(cause, CollectiveError) or _looks_collective(cause):
+        if isinstance(cause, CollectiveError) or looks_collective(cause):
             return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
         return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
@@ -177,6 +167,15 @@ class HealthMixin:
         for ref in pending:
             out[index[ref]] = None
         return dict(sorted(out.items()))
+
+    def leave_collectives(self, ranks: list[int], reason: str) -> None:
+        """Tell ``ranks`` to leave their collectives (their health thread hears it while a call
+        is blocked; see :mod:`resilient_rl.runtime.leave_collective`). Not waited for."""
+        for rank in ranks:
+            try:
+                self._workers[rank].leave_collectives.remote(reason)
+            except Exception:  # noqa: BLE001 -- a dead handle: it is in no collective
+                pass
 
     def kill_rank(self, rank: int, pid: int, node_id: str) -> None:
         """SIGKILL rank ``rank``'s process (a hung or stopped one); Ray then restarts the actor."""

@@ -128,6 +128,9 @@ class RecoveryPool(StepRoles, Protocol):
     def adopt_spares(self, keys: list[ProcessKey]) -> list[ProcessKey]:
         """Hand each dead process of ``keys`` to a ready warm spare (``recovery.spares``) instead
         of waiting for its restart; the keys handed over (none without spares)."""
+    def leave_collectives(self, keys: list[ProcessKey], reason: str) -> None:
+        """Tell each process of ``keys`` (inside a call) to leave its process groups'
+        collectives, so that the call ends now with a collective error; not waited for."""
     def wait_alive(self, group: str, timeout_s: float) -> list[Any]:
         """Wait until every rank of ``group`` answers (restarted where it died); their replies."""
     def locate(self, name: str | None) -> tuple[str | None, str | None]:

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from resilient_rl import env
-from resilient_rl.runtime import progress, rendezvous
+from resilient_rl.runtime import leave_collective, progress, rendezvous
+from resilient_rl.runtime.leave_collective import uses_nccl  # noqa: F401 -- part of this module's surface
 from resilient_rl.runtime.devices import visible_devices
 from resilient_rl.runtime.master_env import free_port
 from resilient_rl.runtime.dispatch import Dispatch, Execute, register
@@ -114,18 +115,6 @@ def export_identity(identity: dict[str, str]) -> None:
 def default_backend() -> str:
     """nccl on CUDA machines, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def uses_nccl(backend: str) -> bool:
-    """Whether a process group's backend string has NCCL in it.
-
-    ``get_backend()`` returns the string the group was created with, so a GPU group made as
-    ``"cpu:gloo,cuda:nccl"`` never equals ``"nccl"``: each ``device:backend`` part is read.
-    """
-    for part in str(backend).lower().split(","):
-        if part.strip().rpartition(":")[2].strip() == "nccl":
-            return True
-    return False
 
 
 def cuda_device_index(local_rank: int) -> int:
@@ -277,13 +266,14 @@ class Worker(MeshInfoMixin):
             # died is called off there, instead of blocking in torch until the timeout.
             store = rendezvous.join_store(generation, master_addr, master_port, self.rank, self.world_size,
                                           timeout_s)
-            dist.init_process_group(
-                backend=backend,
-                store=store,
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
+            with leave_collective.recording():  # so that a broken collective can be left at once
+                dist.init_process_group(
+                    backend=backend,
+                    store=store,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
             _PG_STATE["generation"] = generation
             # The env:// contract follows the group: code that reads MASTER_ADDR/PORT later (a
             # library starting its own group) finds this generation's master.
@@ -297,6 +287,12 @@ class Worker(MeshInfoMixin):
         that will not come gives up at once (classes with a health thread answer this from it,
         while the rendezvous call itself is running)."""
         rendezvous.call_off(generation)
+
+    def leave_collectives(self, reason: str = "") -> int:
+        """End the collective this process is blocked in, and its peers' waits on it: a peer of
+        its group died (see :mod:`resilient_rl.runtime.leave_collective`). Classes with a health
+        thread answer this from it while the blocked call runs. The connections shut down."""
+        return leave_collective.leave_collectives(reason)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.ALL)
     def all_reduce_check(self, value: float) -> float:
@@ -313,11 +309,10 @@ class Worker(MeshInfoMixin):
 def destroy_process_group() -> None:
     """Tear down this process's group; a broken group must not prevent joining a new one."""
     try:
-        if uses_nccl(dist.get_backend()) and hasattr(dist.distributed_c10d, "_abort_process_group"):
-            # destroy on a wedged NCCL communicator can block; abort does not.
-            dist.distributed_c10d._abort_process_group()
-        else:
+        # destroy on a wedged NCCL communicator can block; abort does not.
+        if not leave_collective.abort_nccl():
             dist.destroy_process_group()
     except Exception as exc:  # the group may already be half gone
         logger.warning("destroying the old process group raised %s; continuing", exc)
+    leave_collective.forget()
     _PG_STATE["generation"] = None

@@ -178,6 +178,10 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
         def call_off_rendezvous(self, generation: int) -> None:
             Worker.call_off_rendezvous(self, generation)
 
+        @ray.method(concurrency_group="health")
+        def leave_collectives(self, reason: str = "") -> int:
+            return Worker.leave_collectives(self, reason)
+
     WorkerDict.__name__ = "WorkerDict_" + "_".join(class_dict)
     WorkerDict.__qualname__ = WorkerDict.__name__
     return RayClassWithInitArgs(ray.remote(concurrency_groups=HEALTH_GROUPS)(WorkerDict))

@@ -116,6 +116,13 @@ class FakePool:
         self.procs[key].state = "dead"
         self.procs[key].call = None
 
+    def leave_collectives(self, keys, reason: str) -> None:
+        """A survivor told to leave its collectives ends its call (it was waiting on a dead peer)."""
+        self.calls.append(("leave_collectives", tuple(keys)))
+        for key in keys:
+            if self.procs[key].state == "ok":
+                self.procs[key].call = None
+
     def adopt_spares(self, keys) -> list:
         """A dead rank of ``keys`` gets a ready spare's new process on another node (no restart
         of its own); the replaced process is a spare again at the next :meth:`wait_alive`."""

@@ -163,6 +163,12 @@ class RayRoles:
         pid, node = self.known_workers[key]
         self._process_group(key[0]).kill_rank(key[1], pid, node)
 
+    def leave_collectives(self, keys, reason: str) -> None:
+        for name in sorted({key[0] for key in keys}):
+            g = self._process_group(name)
+            if g._has_health_group():  # others would hear it only once the blocked call ends
+                g.leave_collectives([rank for group, rank in keys if group == name], reason)
+
     def adopt_spares(self, keys) -> list[tuple[str, int]]:
         """Hand each dead rank of ``keys`` to a ready warm spare of its group; the ranks handed over.
 

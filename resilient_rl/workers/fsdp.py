@@ -28,6 +28,7 @@ from torch import nn
 from resilient_rl import env
 from resilient_rl.config.sections import MODEL_DTYPES, STRATEGIES
 from resilient_rl.errors import ConfigError
+from resilient_rl.runtime import leave_collective
 from resilient_rl.models.factory import transformer_blocks
 from resilient_rl.workers.shm_reduce import ReducerCache
 
@@ -169,7 +170,8 @@ def fsdp_mesh(plan: DevicePlan):
     world = dist.get_world_size()
     shape = mesh_shape(plan.sharding, world, int(env.get("LOCAL_WORLD_SIZE") or world))
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    return init_device_mesh(plan.device.type, shape, mesh_dim_names=names)
+    with leave_collective.recording():  # a 2-D mesh opens subgroups' connections
+        return init_device_mesh(plan.device.type, shape, mesh_dim_names=names)
 
 
 def resolve_strategy(strategy: str, device: torch.device) -> str:

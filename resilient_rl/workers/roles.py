@@ -79,6 +79,11 @@ class RoleWorker(Worker):
         """Heard while the rendezvous call runs (see :meth:`Worker.call_off_rendezvous`)."""
         super().call_off_rendezvous(generation)
 
+    @ray.method(concurrency_group="health")
+    def leave_collectives(self, reason: str = "") -> int:
+        """Heard while a call is blocked in a collective (see :meth:`Worker.leave_collectives`)."""
+        return super().leave_collectives(reason)
+
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__()
         _WORKERS.add(self)

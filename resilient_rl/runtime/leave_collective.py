@@ -1,0 +1,174 @@
+"""Leaving a broken collective at once, on every rank, instead of after the group's timeout.
+
+When a rank dies inside a collective, only the ranks that exchange bytes with it directly see
+its sockets close. A gloo ring all-reduce over four ranks makes this plain: the dead rank's two
+neighbours raise at once, but a third rank waits on a neighbour that is alive and has already
+left the call, and waits for the group's whole timeout (``recovery.collective_timeout_s``). A
+survivor that raised also keeps its own sockets open (its process group lives on until the next
+generation's rendezvous), so nothing tells that third rank. Neither ``ProcessGroupGloo.abort``
+nor ``shutdown`` closes the sockets (torch 2.13; both return at once and the peer still waits),
+and destroying the group closes them only when nothing else holds it (an FSDP2 device mesh does).
+
+So this process remembers which sockets its process groups opened (:func:`recording`, around
+every group creation) and :func:`leave_collectives` shuts them down: every peer inside a call
+with this rank then sees its connection closed and raises at once, and so on around the group.
+It runs in two places:
+
+- in the worker, when a call ends with a collective error (``runtime.dispatch``): the cascade
+  reaches every rank of the group within milliseconds, with no controller round trip;
+- from the controller, through the rank's health thread, for survivors still inside a call once
+  recovery knows a rank is dead (:meth:`~resilient_rl.recovery.recovering.Recovering`): a
+  machine that vanishes sends no FIN, so nothing else would end their wait.
+
+On NCCL, ``abort`` is the communicator's own way out and is used instead. Where ``/proc`` is
+missing (not Linux), no socket is known and recovery falls back to killing the stuck survivors
+after ``recovery.hang_timeout_s``.
+
+A socket is counted as the group's when it appeared while the group was being created, is TCP,
+is not listening, and is not an accepted connection on a port this process listened on before
+(the worker's own Ray server). An unrelated connection opened by another thread in that window
+may be counted too; shutting it down costs one failed remote call on a path that already
+recovers from a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_OWNED: set[int] = set()  # socket inodes of this process's process groups
+
+_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
+            "socket timeout", "timed out waiting for")
+
+
+def looks_collective(exc: BaseException) -> bool:
+    """A torch.distributed failure (a peer died or hung) rather than a bug in the method."""
+    name = type(exc).__name__
+    text = str(exc).lower()
+    # DistStoreError: a rendezvous waited in vain for a peer (it died while the group was forming).
+    return (any(n in name for n in ("DistBackendError", "DistNetworkError", "DistStoreError", "CollectiveError"))
+            or any(m in text for m in _MARKERS))
+
+
+def _tcp_table() -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of this process's network namespace's TCP sockets."""
+    table: dict[int, tuple[int, int, str]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{name}") as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10:
+                continue
+            local, remote, state, inode = parts[1], parts[2], parts[3], int(parts[9])
+            table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+    return table
+
+
+def _socket_fds() -> dict[int, int]:
+    """inode -> file descriptor of this process's open sockets."""
+    out: dict[int, int] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(fd)
+    return out
+
+
+_LISTEN = "0A"  # /proc/net/tcp state code of a listening socket
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Count the TCP connections opened inside this block as the process groups' (see the
+    module docstring for which ones)."""
+    before = set(_socket_fds())
+    listening = {lp for lp, _, state in _tcp_table().values() if state == _LISTEN}
+    try:
+        yield
+    finally:
+        table = _tcp_table()
+        new = {inode for inode in set(_socket_fds()) - before
+               if inode in table and table[inode][2] != _LISTEN and table[inode][0] not in listening}
+        with _LOCK:
+            _OWNED.update(new)
+
+
+def forget() -> None:
+    """The groups are gone (destroyed): none of their sockets is counted any more."""
+    with _LOCK:
+        _OWNED.clear()
+
+
+def owned() -> int:
+    """How many of the groups' sockets are open now."""
+    with _LOCK:
+        return len(_OWNED & set(_socket_fds()))
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether a process group's backend string has NCCL in it.
+
+    ``get_backend()`` returns the string the group was created with, so a GPU group made as
+    ``"cpu:gloo,cuda:nccl"`` never equals ``"nccl"``: each ``device:backend`` part is read.
+    """
+    return any(part.strip().rpartition(":")[2].strip() == "nccl" for part in str(backend).lower().split(","))
+
+
+def abort_nccl() -> bool:
+    """Abort this process's NCCL communicators (every pending NCCL call raises); False, doing
+    nothing, when there is no group or it has no NCCL part."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or not uses_nccl(dist.get_backend()) \
+            or not hasattr(dist.distributed_c10d, "_abort_process_group"):
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
+
+
+def leave_collectives(reason: str = "") -> int:
+    """End every collective this process is in, and the peers' waits on it: abort NCCL
+    communicators, shut down the groups' sockets. Returns the number of sockets shut down.
+    Safe to call from any thread, more than once, and with no group."""
+    try:
+        abort_nccl()
+    except Exception as exc:  # noqa: BLE001 -- a half-gone group: the sockets below still close
+        logger.warning("aborting the NCCL communicator raised %s", exc)
+    fds = _socket_fds()
+    with _LOCK:
+        targets = [fds[i] for i in _OWNED if i in fds]
+    closed = 0
+    for fd in targets:
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            with socket.socket(fileno=dup) as s:
+                s.shutdown(socket.SHUT_RDWR)
+                closed += 1
+        except OSError:
+            pass  # already closed by the peer or by gloo
+    if closed:
+        logger.warning("left the process group's collectives (%d connections shut down)%s", closed,
+                       f": {reason}" if reason else "")
+    return closed

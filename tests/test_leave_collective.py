@@ -1,0 +1,84 @@
+"""A rank dies inside a gloo all-reduce: every survivor leaves the collective while the others
+are still alive, instead of one waiting out the group's timeout (runtime/leave_collective.py).
+
+Four gloo ranks in spawned processes; rank 3 exits while ranks 0-2 are inside an all-reduce
+called through a ``@register``-ed method (the path of every worker call). Each survivor, once
+its call has raised, marks itself done and keeps its process (and sockets) alive until every
+survivor is done or ``hold_s`` passes, as a Ray worker does: its process lives on after a
+failed call. Without leaving, a survivor that only exchanges bytes with live peers stays blocked
+until those exit (the premise, checked with the cascade switched off).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_rl.testing.ranks import run_ranks
+
+WORLD = 4
+
+
+def _rank(rank: int, port: int, out, done, hold_s: float, cascade: bool) -> None:
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from resilient_rl.runtime import dispatch, leave_collective
+    from resilient_rl.testing.ranks import join_gloo
+
+    with leave_collective.recording():
+        join_gloo(rank, port, WORLD)
+    t = torch.ones(1 << 18)
+    dist.all_reduce(t)  # every pair connected
+    if rank == WORLD - 1:
+        out.put((rank, leave_collective.owned(), None))
+        out.close()
+        out.join_thread()
+        time.sleep(1.0)
+        os._exit(9)  # dies while its peers are inside the next all-reduce
+    if not cascade:
+        dispatch.leave_collective.leave_collectives = lambda reason="": 0
+
+    class Ranked:
+        @dispatch.register()
+        def reduce(self):
+            dist.all_reduce(t)
+
+    try:
+        Ranked().reduce()
+        error = None
+    except Exception as exc:  # noqa: BLE001 -- the peer's death
+        error = type(exc).__name__
+    done[rank].set()
+    deadline = time.monotonic() + hold_s
+    while time.monotonic() < deadline and not all(e.is_set() for e in done[:WORLD - 1]):
+        time.sleep(0.01)
+    out.put((rank, all(e.is_set() for e in done[:WORLD - 1]), error))
+    out.close()
+    out.join_thread()  # the result is sent before the process ends without tearing the group down
+    os._exit(0)
+
+
+def _run(cascade: bool, hold_s: float) -> dict:
+    import torch.multiprocessing as mp
+
+    done = [mp.get_context("spawn").Event() for _ in range(WORLD)]
+    return run_ranks(_rank, WORLD, args=(done, hold_s, cascade), timeout_s=120)
+
+
+def test_every_survivor_leaves_while_the_others_are_alive():
+    results = _run(cascade=True, hold_s=60.0)
+    assert results[WORLD - 1][0] >= WORLD - 1, "the dying rank's group connections were recorded"
+    for rank in range(WORLD - 1):
+        all_done, error = results[rank]
+        assert error is not None, f"rank {rank}'s all-reduce raised"
+        assert all_done, f"rank {rank}: every survivor left the collective while the others were alive"
+
+
+@pytest.mark.slow
+def test_without_leaving_a_survivor_waits_for_its_live_peers():
+    """The premise: with the cascade off, some survivor is still blocked when ``hold_s`` ends."""
+    results = _run(cascade=False, hold_s=3.0)
+    assert not all(results[rank][0] for rank in range(WORLD - 1)), results
