@@ -188,8 +188,7 @@ class TelemetryHook:
         """Record the validation pass a metrics row holds (none: nothing to do); the ``step: 0``
         row of ``trainer.val_before_train`` comes here alone."""
         if "val/reward_mean" in row:
-            self.metrics.observe_validation(int(row["step"]), float(row["val/reward_mean"]),
-                                            float(row["val/accuracy"]), float(row.get("timing/val_s", 0.0)))
+            self.metrics.observe_validation(float(row["val/reward_mean"]), float(row["val/accuracy"]))
 
     # ------------------------------------------------------------------ the run's events
     def _event(self, event: AnyEvent) -> None:

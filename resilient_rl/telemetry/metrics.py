@@ -177,10 +177,8 @@ class TrainerMetrics:
                       "last step.",
             "rrl_goodput_ratio": "Share of wall time spent on steps that were kept (not lost "
                                  "to failures, recovery or replay).",
-            "rrl_val_step": "Step whose weights the last validation pass scored (0: before training).",
             "rrl_val_reward_mean": "Mean reward on the held-out prompts in the last validation pass.",
             "rrl_val_accuracy_ratio": "Share of held-out responses scoring 1 in the last validation pass.",
-            "rrl_val_duration_seconds": "Wall time of the last validation pass.",
         })
         r.register(self._signals)
         self.learning_rate = Gauge("rrl_learning_rate", "Learning rate in the last step.",
@@ -277,17 +275,10 @@ class TrainerMetrics:
             for role, rate in rates.items():
                 self.learning_rate.labels(role=role).set(rate)
 
-    def observe_validation(self, step: int, reward_mean: float, accuracy: float, duration_s: float) -> None:
-        """Record a validation pass over the weights of ``step``.
-
-        Raises:
-            TelemetryError: on a negative duration.
-        """
-        duration = _non_negative("observe_validation: duration_s", duration_s)
-        self._signals.set("rrl_val_step", step)
+    def observe_validation(self, reward_mean: float, accuracy: float) -> None:
+        """Record a validation pass: its mean reward and accuracy on the held-out prompts."""
         self._signals.set("rrl_val_reward_mean", reward_mean)
         self._signals.set("rrl_val_accuracy_ratio", accuracy)
-        self._signals.set("rrl_val_duration_seconds", duration)
 
     def observe_phase(self, phase: str, duration_s: float) -> None:
         """Record one phase outside a step's row, e.g. the ``checkpoint`` stall once it is known.
