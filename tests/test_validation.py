@@ -56,7 +56,8 @@ def test_verl_command_line_validation_keys(tmp_path):
                              "trainer.test_freq=5", "trainer.val_before_train=True", "data.val_batch_size=16",
                              "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
                              "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
-                             "actor_rollout_ref.rollout.val_kwargs.top_p=0.9", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                             "actor_rollout_ref.rollout.val_kwargs.top_p=0.9",
+                             "actor_rollout_ref.rollout.val_kwargs.n=2",
                              "actor_rollout_ref.rollout.val_kwargs.top_k=-1"])
     assert (cfg.data.val_path, cfg.data.val_batch_size) == (str(val), 16)
     assert (cfg.trainer.test_freq, cfg.trainer.val_before_train) == (5, True)
@@ -193,3 +194,28 @@ def test_prometheus_gets_the_last_pass():
     assert text("rrl_val_reward_mean") is None  # absent until a pass
     metrics.observe_validation(0.25, 0.5)
     assert (text("rrl_val_reward_mean"), text("rrl_val_accuracy_ratio")) == (0.25, 0.5)
+
+
+def test_a_verl_parquet_validation_file_keeps_its_data_sources(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    def row(i: int, source: str) -> dict:
+        return {"data_source": source, "prompt": [{"role": "user", "content": f"{i}{i}="}], "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": f"{i}{i}"}, "extra_info": {"index": i}}
+
+    for name, rows in (("train", [row(i, "copy") for i in range(4)]), ("val", [row(7, "a"), row(8, "b")])):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+    score = tmp_path / "score.py"
+    score.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                     "    return float(solution_str == ground_truth)\n")
+    cfg = load_config(None, [f"data.train_files={tmp_path / 'train.parquet'}",
+                             f"data.val_files={tmp_path / 'val.parquet'}",
+                             f"custom_reward_function.path={score}", "data.batch_size=2", "actor.mini_batch_size=2",
+                             "critic.mini_batch_size=2", "data.tokenizer=pkg://resilient_rl/data/tiny_tokenizer"])
+    task = get_task(cfg.data, cfg.custom_reward_function)
+    tokenizer = build_tokenizer(cfg.data, task)
+    held = held_out_dataset(cfg.data, tokenizer, task, PromptDataset.from_config(cfg.data, tokenizer, task))
+    assert list(held.data_sources) == ["a", "b"] and held.extra_infos[0] == {"index": 7}
+    batch = held.gather(np.arange(2))
+    assert list(batch["data_sources"]) == ["a", "b"]
