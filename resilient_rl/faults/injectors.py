@@ -4,6 +4,7 @@
                 .at_step(5).hang("actor", 0, in_call="update_actor")  # inside the update's collectives
                 .at_checkpoint(6).kill("actor", 1, delay_s=0.05)  # while the shards are being written
                 .during_recovery("rejoining").kill("critic", 0)   # a second failure inside recovery
+                .at_validation(8).kill("rollout", 0)              # as the validation pass of step 8 starts
                 .at_step(9).corrupt_latest_checkpoint()
                 .at_step(10).slow("actor", 1, seconds_per_advance=1.0, advances=8))  # slow, not hung
     trainer = PPOTrainer(cfg, hooks=[schedule])
