@@ -34,7 +34,7 @@ KL_SERIES = (("actor/ppo_kl", "PPO KL (new vs old policy)"),
 # Step-time panels draw bars up to this many steps, a line beyond (bars would be sub-pixel).
 _MAX_BARS = 150
 _MAX_LABELS = 12
-_BLUE, _ORANGE, _RED, _GREEN, _GREY = "#1f77b4", "#ff7f0e", "#d62728", "#2ca02c", "#7f7f7f"
+_BLUE, _ORANGE, _RED, _GREEN, _GREY, _PURPLE = "#1f77b4", "#ff7f0e", "#d62728", "#2ca02c", "#7f7f7f", "#9467bd"
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -99,7 +99,7 @@ def build_figure(run: RunFiles) -> Figure:
         ax_r.plot(ex_steps, exact, color=_BLUE, lw=1.0, ls=":", alpha=0.8, label="exact-match ratio")
     v_steps, v_reward = _series(rows, "val/reward_mean")
     if v_reward:
-        ax_r.plot(v_steps, v_reward, color=_GREEN, lw=1.2, marker="o", ms=4, label="validation reward (mean)",
+        ax_r.plot(v_steps, v_reward, color=_PURPLE, lw=1.2, marker="o", ms=4, label="validation reward (mean)",
                   gid="validation")
     ax_r.set_ylabel("reward")
     ax_r.legend(loc="best", fontsize=8, frameon=False)
