@@ -168,6 +168,16 @@ def test_validation_rows_and_training_unchanged(runs):
     assert _without_val(rows) == _without_val(plain.run_dir.read_metrics())
 
 
+def test_sampled_validation_is_reproducible_and_leaves_training_alone(runs, tmp_path):
+    plain, _ = runs
+    sampled = [*VALIDATE, "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
+               "rollout.val_kwargs.n=2"]
+    first, again = (_fit(_cfg(tmp_path, name, *sampled)).run_dir.read_metrics() for name in ("s1", "s2"))
+    assert deterministic_view(first) == deterministic_view(again)
+    assert first[0]["val/samples"] == 20
+    assert _without_val(first) == _without_val(plain.run_dir.read_metrics())
+
+
 def test_trackers_receive_the_val_metrics(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
