@@ -153,7 +153,7 @@ def pytest_terminal_summary(terminalreporter):
     recoveries = [e for r in RESULTS for e in r.events_of("recovered")]
     durations = [e["duration_s"] for e in recoveries]
     replayed = sum(e["steps_replayed"] for e in recoveries)
-    useful = sum(sum(row["timing/step_s"] for row in r.history) for r in RESULTS)
+    useful = sum(sum(row.get("timing/step_s", 0.0) for row in r.history) for r in RESULTS)
     wall = sum(r.wall_s for r in RESULTS)
     tr = terminalreporter
     tr.section("chaos summary")

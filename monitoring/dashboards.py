@@ -209,7 +209,7 @@ def build(uid: str, title: str, description: str, panels: list[Placed],
 # -- the four dashboards -------------------------------------------------------------------
 
 def training() -> dict:
-    """Step, rewards, losses, KL, learning rate and throughput."""
+    """Step, rewards (training and validation), losses, KL, learning rate and throughput."""
     steps_per_min = f"sum(rate({sel('rrl_step_duration_seconds_count')}[$__rate_interval])) * 60"
     tokens = f"rate({sel('rrl_tokens_total')}[$__rate_interval])"
     return build("rrl-training", "resilient-rl / Training progress",
@@ -228,6 +228,10 @@ def training() -> dict:
                            "last committed {{instance}}")],
                  description="Last completed step; it drops back after a restore and climbs again."),
         ts_panel("Reward (mean)", [(sel("rrl_reward_mean"), "{{instance}}")]),
+        ts_panel("Validation (held-out prompts)", [(sel("rrl_val_reward_mean"), "reward {{instance}}"),
+                                                   (sel("rrl_val_accuracy_ratio"), "accuracy {{instance}}")],
+                 description="The last validation pass (trainer.test_freq): mean reward and the share of "
+                             "responses scoring 1 on the held-out prompts."),
         ts_panel("Losses", [(sel("rrl_actor_loss"), "actor {{instance}}"),
                             (sel("rrl_critic_loss"), "critic {{instance}}")]),
         ts_panel("KL (actor vs reference)", [(sel("rrl_kl"), "{{instance}}")]),

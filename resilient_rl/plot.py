@@ -1,7 +1,8 @@
 """``resilient-rl plot RUN``: reward, step time and KL over steps, with where the run lost time.
 
 :func:`build_figure` draws three panels sharing the step axis from a run folder
-(:mod:`resilient_rl.run.info`): mean reward, step duration and KL. Every panel marks each failure
+(:mod:`resilient_rl.run.info`): mean reward (and the validation passes' reward on the held-out
+prompts, where the run validated), step duration and KL. Every panel marks each failure
 (a red dashed line at the step that failed) and the steps it cost (a shaded span from the
 checkpoint it restored to the failed step), each committed checkpoint (a green tick on the step
 axis) and an aborted run (a black line). The step-time panel labels each failure with its
@@ -33,7 +34,7 @@ KL_SERIES = (("actor/ppo_kl", "PPO KL (new vs old policy)"),
 # Step-time panels draw bars up to this many steps, a line beyond (bars would be sub-pixel).
 _MAX_BARS = 150
 _MAX_LABELS = 12
-_BLUE, _ORANGE, _RED, _GREEN, _GREY = "#1f77b4", "#ff7f0e", "#d62728", "#2ca02c", "#7f7f7f"
+_BLUE, _ORANGE, _RED, _GREEN, _GREY, _PURPLE = "#1f77b4", "#ff7f0e", "#d62728", "#2ca02c", "#7f7f7f", "#9467bd"
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -52,7 +53,7 @@ def _replayed_steps(episodes) -> set[int]:
 
 def _title(run: RunFiles, episodes, rows) -> str:
     recovered = [f for f in episodes if f.outcome == "recovered"]
-    parts = [f"{len(rows)} steps"]
+    parts = [f"{sum(1 for r in rows if int(r['step']) > 0)} steps"]  # a step 0 row is a validation only
     if episodes:
         lost = sum(float(f.recovery_s or 0.0) for f in recovered)
         parts.append(f"{len(episodes)} failure{'s' if len(episodes) != 1 else ''}, {len(recovered)} recovered "
@@ -96,6 +97,10 @@ def build_figure(run: RunFiles) -> Figure:
     ex_steps, exact = _series(rows, "reward/exact_ratio")
     if exact:
         ax_r.plot(ex_steps, exact, color=_BLUE, lw=1.0, ls=":", alpha=0.8, label="exact-match ratio")
+    v_steps, v_reward = _series(rows, "val/reward_mean")
+    if v_reward:
+        ax_r.plot(v_steps, v_reward, color=_PURPLE, lw=1.2, marker="o", ms=4, label="validation reward (mean)",
+                  gid="validation")
     ax_r.set_ylabel("reward")
     ax_r.legend(loc="best", fontsize=8, frameon=False)
 
@@ -143,7 +148,7 @@ def build_figure(run: RunFiles) -> Figure:
             ax.plot(ckpts, [0.0] * len(ckpts), ls="", marker="^", ms=7, color=_GREEN, clip_on=False, zorder=5,
                     transform=ax.get_xaxis_transform(), gid="checkpoints")
     last = max([int(r["step"]) for r in rows] + [f.step for f in episodes])   # a failed last step too
-    ax_k.set_xlim(0.4, last + 0.6)
+    ax_k.set_xlim(-0.6 if any(int(r["step"]) == 0 for r in rows) else 0.4, last + 0.6)
     # Past a dozen failures the labels would cover the bars; the title still counts them.
     for i, f in enumerate(episodes if len(episodes) <= _MAX_LABELS else []):
         if f.outcome == "recovered":

@@ -47,7 +47,8 @@ SCRAPE_S = 1.0
 SMALL = [f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "data.batch_size=16",
          "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=2", "critic.ppo_epochs=2",
          "data.num_prompts=64", "ray.cpus_per_worker=0.05", "checkpoint.save_every=2",
-         "recovery.call_timeout_s=30", "recovery.restart_timeout_s=60"]
+         "recovery.call_timeout_s=30", "recovery.restart_timeout_s=60",
+         "data.val_num_prompts=8", "trainer.test_freq=2"]  # the dashboards' validation panel has data
 # A comparison with a number at the end of an alert condition (label matchers compare strings).
 THRESHOLD = re.compile(r"\s*(?:==|!=|>=|<=|>|<)\s*(?:bool\s+)?-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?![\w.:])")
 

@@ -71,12 +71,12 @@ def test_a_verl_yaml_file_reads_as_the_same_command_line(tmp_path):
 
 def test_verl_keys_without_a_counterpart_are_named_all_at_once():
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["actor_rollout_ref.rollout.name=vllm", "trainer.test_freq=5",
+        load_config(None, ["actor_rollout_ref.rollout.name=vllm", "trainer.val_only=true",
                            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "reward_model.model.path=/rm",
                            "actor_rollout_ref.actor.optim.lr=1e-6"])
     msg = str(err.value)
     assert "verl keys with no counterpart in resilient-rl" in msg
-    for key in ("actor_rollout_ref.rollout.name", "trainer.test_freq",
+    for key in ("actor_rollout_ref.rollout.name", "trainer.val_only",
                 "actor_rollout_ref.rollout.gpu_memory_utilization", "reward_model.model.path"):
         assert f"'{key}'" in msg
     assert "optim.lr" not in msg

@@ -49,6 +49,15 @@ class DataConfig(Section):
     #: verl's ``data.max_prompt_length``: a prompt longer than this many tokens (chat template
     #: included) is an error at start, naming it (verl's ``truncation: error``); null: no limit.
     max_prompt_length: Optional[int] = None
+    #: verl's ``data.val_files``: held-out prompts scored by the validation passes
+    #: (``trainer.test_freq``), a JSONL file or verl's parquet (by its ending), read and checked
+    #: like ``path`` and scored by the same reward; null: no file.
+    val_path: Optional[str] = None
+    #: A built-in task's held-out prompts: this many, generated from their own seed and none of
+    #: them a training prompt; 0: none (a file task's held-out prompts are ``val_path``).
+    val_num_prompts: int = 0
+    #: Validation prompts per generation call; null: all of them in one.
+    val_batch_size: Optional[int] = None
 
     @property
     def resolved_task(self) -> str:
@@ -81,6 +90,18 @@ class DataConfig(Section):
         require(task in FILE_TASKS or self.batch_size <= self.num_prompts, "batch_size", self.batch_size,
                 f"must be <= num_prompts={self.num_prompts}")
         require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        require(self.val_path is None or self.val_path.strip() != "", "val_path", self.val_path,
+                "must be a JSONL or parquet file, or null (no validation file)")
+        require(self.val_path is None or task in FILE_TASKS or not self.val_path.lower().endswith(PARQUET_SUFFIX),
+                "val_path", self.val_path, f"is verl's parquet data, scored with its data sources; the built-in "
+                f"data.task={task!r} scores JSONL prompts (or give data.val_num_prompts)")
+        require(self.val_num_prompts >= 0, "val_num_prompts", self.val_num_prompts, "must be >= 0 (0: none)")
+        require(self.val_num_prompts == 0 or task in BUILTIN_TASKS, "val_num_prompts", self.val_num_prompts,
+                f"applies to a built-in task; data.task={task!r} takes its held-out prompts from data.val_path")
+        require(self.val_num_prompts == 0 or self.val_path is None, "val_num_prompts", self.val_num_prompts,
+                "give held-out prompts one way: data.val_path or data.val_num_prompts")
+        require(self.val_batch_size is None or self.val_batch_size >= 1, "val_batch_size", self.val_batch_size,
+                "must be >= 1 or null (every validation prompt in one call)")
         require(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length",
                 self.max_prompt_length, "must be >= 1 or null (no limit)")
 

@@ -47,6 +47,13 @@ RESUME_MAY_CHANGE: tuple[str, ...] = _LAYOUT + (
     "trainer.network_interface",
     "trainer.nonfinite",
     "trainer.max_nonfinite",
+    # Validation reads the weights and never writes them: what it scores and how often may change.
+    "trainer.test_freq",
+    "trainer.val_before_train",
+    "data.val_path",
+    "data.val_num_prompts",
+    "data.val_batch_size",
+    "rollout.val_kwargs",
     "actor.optim.lr",
     "critic.optim.lr",
     "checkpoint",  # root, save interval, retention, resume, storage options, leases, timeouts

@@ -66,8 +66,14 @@ class TrainerConfig(Section):
     # long to commit its last completed step before it exits (143). Size it from a save's duration
     # (the checkpoint_committed events' duration_s) plus one step; see trainer/preemption.py.
     preempt_grace_s: float = 120.0
+    #: Validate (score the held-out prompts of ``data.val_path`` or ``data.val_num_prompts``)
+    #: after every ``test_freq``-th step and after the last one; 0 (or verl's -1): never.
+    test_freq: int = 0
+    #: Validate once before the first step (a ``step: 0`` row in the metric history).
+    val_before_train: bool = False
 
     def validate(self) -> None:
+        require(self.test_freq >= 0, "test_freq", self.test_freq, "must be >= 0 (0: no validation)")
         require(self.preempt_grace_s > 0, "preempt_grace_s", self.preempt_grace_s, "must be > 0 seconds")
         require(self.total_steps >= 1, "total_steps", self.total_steps, "must be >= 1")
         require(self.total_epochs is None or self.total_epochs >= 1, "total_epochs", self.total_epochs,

@@ -114,6 +114,11 @@ class Config(Section):
             require(sequences % section.mini_batch_size == 0, f"{role}.mini_batch_size", section.mini_batch_size,
                      f"must divide data.batch_size * rollout.n = {sequences}")
         self._check_reward()
+        held_out = self.data.val_path is not None or self.data.val_num_prompts > 0
+        for key, wants in (("trainer.test_freq", self.trainer.test_freq), ("trainer.val_before_train",
+                                                                           self.trainer.val_before_train)):
+            require(not wants or held_out, key, wants, "validation needs held-out prompts: data.val_path "
+                    "(a JSONL or parquet file) or, for a built-in task, data.val_num_prompts")
         if self.data.task in BUILTIN_TASKS:
             # The longest answer (a sum carries one extra digit) must fit in the response.
             longest = self.data.max_digits + (1 if self.data.task == "add" else 0)

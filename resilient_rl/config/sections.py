@@ -288,6 +288,22 @@ class CriticConfig(Section):
 
 
 @dataclass
+class ValKwargsConfig(Section):
+    """How a validation pass samples (verl's ``rollout.val_kwargs``): greedy unless ``do_sample``,
+    else ``temperature`` (0: greedy) and ``top_p``; ``n`` responses per validation prompt."""
+
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+
+    def validate(self) -> None:
+        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0: greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.n >= 1, "n", self.n, "must be >= 1")
+
+
+@dataclass
 class RolloutConfig(Section):
     """Sampling of responses; ``world_size`` unset (null) means the actor's when colocated and 1
     when split (colocated rollouts run in the actor's processes: another value is an error).
@@ -316,6 +332,8 @@ class RolloutConfig(Section):
     compact_min_fraction: float = 0.25
     cuda_graphs: bool = True
     compile: Optional[bool] = None
+    #: Sampling of the validation passes (``trainer.test_freq``): greedy by default.
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
     def validate(self) -> None:
         choice("weight_transfer", self.weight_transfer, ("auto", "channel", "object_store"))

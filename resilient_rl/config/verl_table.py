@@ -40,16 +40,18 @@ def _none_drops(value: Any) -> Any:
     return DROP if value is None else value
 
 
-def _one_file(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise ConfigError(f"data.train_files={list(value)!r}: one file is read (data.path); "
-                              "concatenate the files into one")
-        return value[0]
-    return value
+def _one_file(key: str, ours: str) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            if len(value) != 1:
+                raise ConfigError(f"{key}={list(value)!r}: one file is read ({ours}); "
+                                  "concatenate the files into one")
+            return value[0]
+        return value
+    return convert
 
 
-def _save_freq(value: Any) -> Any:
+def _freq(value: Any) -> Any:
     return 0 if isinstance(value, int) and value < 0 else value
 
 
@@ -87,21 +89,23 @@ def _negate(value: Any) -> Any:
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 _MICRO = "micro-batches are sized in tokens here: actor.micro_batch_tokens (critic.micro_batch_tokens)"
-_VAL = "validation sets are not supported yet"
+_VAL = "validation generations are not written out; val/ metrics are"
 _ENGINE = "the rollout engine is built in (rollout.engine), not vLLM or SGLang"
 _OFFLOAD = "parameters and optimizer state stay on the device"
 
 TABLE: tuple[VerlKey, ...] = (
     # data
-    VerlKey("data.train_files", "data.path", "one file; .parquet is read as verl's data", _one_file),
+    VerlKey("data.train_files", "data.path", "one file; .parquet is read as verl's data",
+            _one_file("data.train_files", "data.path")),
     VerlKey("data.train_batch_size", "data.batch_size", "prompts per step"),
     VerlKey("data.max_response_length", "rollout.max_new_tokens"),
     VerlKey("data.max_prompt_length", "data.max_prompt_length", "a longer prompt is an error at start"),
     VerlKey("data.shuffle", "data.shuffle"),
     VerlKey("data.seed", "data.seed"),
     VerlKey("data.tokenizer", "data.tokenizer", "null: the character tokenizer (set it to the model folder)"),
-    VerlKey("data.val_files", None, _VAL),
-    VerlKey("data.val_batch_size", None, _VAL, off=(None,)),
+    VerlKey("data.val_files", "data.val_path", "one file; .parquet is read as verl's data",
+            _one_file("data.val_files", "data.val_path")),
+    VerlKey("data.val_batch_size", "data.val_batch_size", "null: every validation prompt in one call"),
     VerlKey("data.prompt_key", None, "the prompt is the 'prompt' column", off=("prompt",)),
     VerlKey("data.reward_fn_key", None, "the reward gets data_source as its first argument",
             off=("data_source",)),
@@ -207,7 +211,11 @@ TABLE: tuple[VerlKey, ...] = (
     VerlKey(f"{R}.use_fire_sampling", None, "", off=(False,)),
     VerlKey(f"{R}.chat_scheduler", None, "", off=(None,)),
     VerlKey(f"{R}.engine_kwargs", None, _ENGINE, subtree=True),
-    VerlKey(f"{R}.val_kwargs", None, _VAL, subtree=True),
+    VerlKey(f"{R}.val_kwargs.do_sample", "rollout.val_kwargs.do_sample", "false: greedy"),
+    VerlKey(f"{R}.val_kwargs.temperature", "rollout.val_kwargs.temperature"),
+    VerlKey(f"{R}.val_kwargs.top_p", "rollout.val_kwargs.top_p"),
+    VerlKey(f"{R}.val_kwargs.n", "rollout.val_kwargs.n", "responses per validation prompt"),
+    VerlKey(f"{R}.val_kwargs.top_k", None, "top_p sampling only", off=(-1, 0)),
     VerlKey(f"{R}.multi_turn", None, "single-turn rollouts", subtree=True),
     # the critic (verl's critic.optim.*, ppo_epochs and cliprange_value are this project's keys too)
     VerlKey(f"{C}.ppo_mini_batch_size", "critic.mini_batch_size", "verl counts prompts; times rollout.n",
@@ -253,17 +261,17 @@ TABLE: tuple[VerlKey, ...] = (
     VerlKey("trainer.total_training_steps", "trainer.total_steps", "", _none_drops),
     VerlKey("trainer.experiment_name", "trainer.run_name"),
     VerlKey("trainer.logger", "trainer.loggers", "a name or a list", _loggers),
-    VerlKey("trainer.save_freq", "checkpoint.save_every", "-1 is 0 (off)", _save_freq),
+    VerlKey("trainer.save_freq", "checkpoint.save_every", "-1 is 0 (off)", _freq),
     VerlKey("trainer.default_local_dir", "checkpoint.root", "checkpoints go under <dir>/<trainer.run_name>/"),
     VerlKey("trainer.resume_mode", "checkpoint.resume", "disable is off; resume_path takes resume_from_path",
             _resume_mode),
     VerlKey("trainer.resume_from_path", "checkpoint.resume", "path:<step folder>", _resume_path),
     VerlKey("trainer.max_actor_ckpt_to_keep", "checkpoint.keep_last", "", _none_drops),
     VerlKey("trainer.max_critic_ckpt_to_keep", "checkpoint.keep_last", "", _none_drops),
-    VerlKey("trainer.test_freq", None, _VAL, off=(-1,)),
-    VerlKey("trainer.val_before_train", None, _VAL, off=(False,)),
+    VerlKey("trainer.test_freq", "trainer.test_freq", "-1 is 0 (off); the last step is validated too", _freq),
+    VerlKey("trainer.val_before_train", "trainer.val_before_train", "a step 0 row of val/ metrics"),
     VerlKey("trainer.log_val_generations", None, _VAL, off=(0,)),
-    VerlKey("trainer.val_only", None, _VAL, off=(False,)),
+    VerlKey("trainer.val_only", None, "a run trains; validation runs between its steps", off=(False,)),
     VerlKey("trainer.balance_batch", None, "", off=(False,)),
     VerlKey("trainer.critic_warmup", None, "", off=(0,)),
     VerlKey("trainer.rollout_data_dir", None, "", off=(None,)),

@@ -162,14 +162,15 @@ def example_prompts_path() -> str:
 PROMPT_KEYS = ("prompt", "question")
 
 
-def read_jsonl(path: str) -> list[Sample]:
+def read_jsonl(path: str, key: str = "data.path") -> list[Sample]:
     """Samples from a JSONL file (any fsspec URL or ``pkg://package/file``); blank lines are skipped,
-    errors name file:line. A record's prompt is its ``prompt`` field, or ``question`` (GSM8K)."""
+    errors name file:line (and ``key``, the config key that names the file, where no line is to
+    blame). A record's prompt is its ``prompt`` field, or ``question`` (GSM8K)."""
     try:
-        with fsspec.open(resolve_path(path, "data.path"), "r", encoding="utf-8") as f:
+        with fsspec.open(resolve_path(path, key), "r", encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.path={path!r}: cannot read prompt file: {e}") from e
+        raise ConfigError(f"{key}={path!r}: cannot read prompt file: {e}") from e
     samples = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -189,13 +190,13 @@ def read_jsonl(path: str) -> list[Sample]:
             raise ConfigError(f"{where}: field {prompt_key!r} must not be empty")
         samples.append(Sample(prompt=record[prompt_key], answer=record["answer"], source=where))
     if not samples:
-        raise ConfigError(f"data.path={path!r}: the prompt file holds no samples")
+        raise ConfigError(f"{key}={path!r}: the prompt file holds no samples")
     return samples
 
 
-def read_parquet(path: str) -> list[Sample]:
+def read_parquet(path: str, key: str = "data.path") -> list[Sample]:
     """Samples of verl's parquet file (:func:`resilient_rl.data.parquet.read_parquet_rows`)."""
-    return [Sample(**row) for row in read_parquet_rows(path)]
+    return [Sample(**row) for row in read_parquet_rows(path, key)]
 
 
 class FileTask:
@@ -218,16 +219,22 @@ class FileTask:
         else:
             self._reward_fn = load_reward_fn(reward_fn)
         self._samples = self.read(path)
+        self.check_references(self._samples)
+
+    def check_references(self, samples: Sequence[Sample]) -> None:
+        """Check each sample's answer with the reward's ``check_reference`` (where it has one):
+        a ConfigError naming the sample's file:line for an answer the reward cannot score."""
         check = getattr(self._reward_fn, "check_reference", None)
-        if check is not None:
-            for sample in self._samples:
-                try:
-                    check(sample.answer)
-                except ConfigError as e:
-                    raise ConfigError(f"{sample.source}: {e}") from None
-                except Exception as e:
-                    raise UserCodeError(f"{sample.source}: data.reward_fn={reward_fn!r}: its check_reference raised "
-                                        f"{type(e).__name__}: {e}\n{user_traceback(e)}") from e
+        if check is None:
+            return
+        for sample in samples:
+            try:
+                check(sample.answer)
+            except ConfigError as e:
+                raise ConfigError(f"{sample.source}: {e}") from None
+            except Exception as e:
+                raise UserCodeError(f"{sample.source}: data.reward_fn={self.reward_fn_path!r}: its check_reference "
+                                    f"raised {type(e).__name__}: {e}\n{user_traceback(e)}") from e
 
     @staticmethod
     def read(path: str) -> list[Sample]:

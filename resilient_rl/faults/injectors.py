@@ -4,6 +4,7 @@
                 .at_step(5).hang("actor", 0, in_call="update_actor")  # inside the update's collectives
                 .at_checkpoint(6).kill("actor", 1, delay_s=0.05)  # while the shards are being written
                 .during_recovery("rejoining").kill("critic", 0)   # a second failure inside recovery
+                .at_validation(8).kill("rollout", 0)              # as the validation pass of step 8 starts
                 .at_step(9).corrupt_latest_checkpoint()
                 .at_step(10).slow("actor", 1, seconds_per_advance=1.0, advances=8))  # slow, not hung
     trainer = PPOTrainer(cfg, hooks=[schedule])
@@ -32,7 +33,7 @@ from resilient_rl.trainer.hooks import TrainerHook
 logger = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
-TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery")
+TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery", "validation")
 
 
 class FaultError(RRLError):
@@ -168,6 +169,12 @@ class FaultSchedule(TrainerHook):
         self._at = ("after_snapshot", step)
         return self
 
+    def at_validation(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when the validation pass over the weights of step ``step`` starts
+        (0: the pass before training); with ``in_call="generate_sequences"``, inside its generation."""
+        self._at = ("validation", step)
+        return self
+
     def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
         """Faults added next fire when a recovery enters ``state`` (rejoining or restoring)."""
         self._at = ("recovery", state)
@@ -176,8 +183,8 @@ class FaultSchedule(TrainerHook):
     def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float,
              in_call: str | None = None) -> "FaultSchedule":
         if self._at is None:
-            raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n) or during_recovery(state) before "
-                             "adding a fault")
+            raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n), at_validation(n) or "
+                             "during_recovery(state) before adding a fault")
         trigger, at = self._at
         self.faults.append(Fault(at, kind, trigger, role, rank, delay_s, in_call))
         return self
@@ -230,6 +237,9 @@ class FaultSchedule(TrainerHook):
 
     def on_checkpoint_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "checkpoint", step)
+
+    def on_validation_start(self, trainer, step: int) -> None:
+        self._trigger(trainer, "validation", step)
 
     def on_snapshot_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "snapshot", step)

@@ -163,7 +163,7 @@ class TelemetryHook:
         step, duration = int(row["step"]), float(row["timing/step_s"])
         phases = {}
         for key, value in row.items():
-            if key.startswith("timing/") and key.endswith("_s") and key != "timing/step_s":
+            if key.startswith("timing/") and key.endswith("_s") and key not in ("timing/step_s", "timing/val_s"):
                 phase = key[len("timing/"):-len("_s")]
                 if phase in PHASES:
                     phases[phase] = float(value)
@@ -175,6 +175,7 @@ class TelemetryHook:
             step, duration, phases, tokens=int(row.get("tokens", 0)), reward_mean=row.get("reward/mean"),
             losses={kind: float(row[key]) for kind, key in LOSS_KEYS.items() if key in row}, kl=kl,
             lr={role: float(row[f"{role}/lr"]) for role in ("actor", "critic") if f"{role}/lr" in row} or None)
+        self.observe_validation(row)
         replay = self.time.step_done(step, duration)
         if replay is not None:  # the step a recovery failed at is done again
             self.recovery_metrics.observe_phases({"replay": replay})
@@ -182,6 +183,12 @@ class TelemetryHook:
             self._poll_device_reports()
         except Exception as exc:  # noqa: BLE001 -- telemetry must not fail a training step
             logger.warning("telemetry: device reports not refreshed: %s", exc)
+
+    def observe_validation(self, row: Mapping[str, Any]) -> None:
+        """Record the validation pass a metrics row holds (none: nothing to do); the ``step: 0``
+        row of ``trainer.val_before_train`` comes here alone."""
+        if "val/reward_mean" in row:
+            self.metrics.observe_validation(float(row["val/reward_mean"]), float(row["val/accuracy"]))
 
     # ------------------------------------------------------------------ the run's events
     def _event(self, event: AnyEvent) -> None:

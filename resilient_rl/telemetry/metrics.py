@@ -177,6 +177,8 @@ class TrainerMetrics:
                       "last step.",
             "rrl_goodput_ratio": "Share of wall time spent on steps that were kept (not lost "
                                  "to failures, recovery or replay).",
+            "rrl_val_reward_mean": "Mean reward on the held-out prompts in the last validation pass.",
+            "rrl_val_accuracy_ratio": "Share of held-out responses scoring 1 in the last validation pass.",
         })
         r.register(self._signals)
         self.learning_rate = Gauge("rrl_learning_rate", "Learning rate in the last step.",
@@ -272,6 +274,11 @@ class TrainerMetrics:
             rates = lr if isinstance(lr, Mapping) else {"actor": lr}
             for role, rate in rates.items():
                 self.learning_rate.labels(role=role).set(rate)
+
+    def observe_validation(self, reward_mean: float, accuracy: float) -> None:
+        """Record a validation pass: its mean reward and accuracy on the held-out prompts."""
+        self._signals.set("rrl_val_reward_mean", reward_mean)
+        self._signals.set("rrl_val_accuracy_ratio", accuracy)
 
     def observe_phase(self, phase: str, duration_s: float) -> None:
         """Record one phase outside a step's row, e.g. the ``checkpoint`` stall once it is known.

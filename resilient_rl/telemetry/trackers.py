@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 #: Shown in the console summary when present, in this order: (metric, label).
 SUMMARY_KEYS = (("reward/mean", "reward"), ("actor/pg_loss", "pg_loss"), ("critic/vf_loss", "vf_loss"),
-                ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"), ("actor/entropy", "entropy"))
+                ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"), ("actor/entropy", "entropy"),
+                ("val/reward_mean", "val_reward"), ("val/accuracy", "val_accuracy"))
 #: Events the console reports (failures and recoveries are already logged as warnings where they happen).
 CONSOLE_EVENTS = ("checkpoint_committed", "checkpoint_restored", "checkpoint_corrupt", "worker_restarted",
                   "kill_unresponsive", "kill_hung")

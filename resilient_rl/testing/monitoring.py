@@ -89,6 +89,7 @@ def populated_registry() -> tuple[TrainerMetrics, DeviceMetrics]:
     trainer.observe_step(1, 0.5, {"gen": 0.2, "update_actor": 0.1}, tokens=100, reward_mean=0.1,
                          losses={"actor": 0.5, "critic": 0.25}, kl=0.01, lr={"actor": 1e-5})
     trainer.set_goodput(8.0, 10.0)
+    trainer.observe_validation(0.2, 0.1)
     trainer.set_workers_up("actor", 0, "n0", True)
     trainer.set_workers_up("actor", 1, "n1", True)
     trainer.record_failure("died")

@@ -22,6 +22,9 @@ class TrainerHook:
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         """Step ``step`` is about to run (also when it is replayed after a recovery)."""
 
+    def on_validation_start(self, trainer: Trainer, step: int) -> None:
+        """A validation pass over the weights of step ``step`` is about to run (0: before training)."""
+
     def on_checkpoint_started(self, trainer: Trainer, step: int) -> None:
         """The save of step ``step`` has started: its shards are being written."""
 

@@ -41,7 +41,9 @@ from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoi
 from resilient_rl.workers.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
+from resilient_rl.data.held_out import held_out_dataset
 from resilient_rl.data.tasks import get_task
+from resilient_rl.trainer.validation import Validator
 from resilient_rl.telemetry.hook import TelemetryHook
 from resilient_rl.data.tokenizer import build_tokenizer
 from resilient_rl.telemetry.trackers import build_trackers, check_available
@@ -92,6 +94,11 @@ class PPOTrainer:
         self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer, self.task)
         self.dataset.check_fits(cfg.model.max_seq_len, cfg.rollout.max_new_tokens)
         self.loader = StatefulPromptLoader.from_config(self.dataset, cfg.data)
+        # The held-out prompts are read and checked here too, before any worker starts.
+        held_out = held_out_dataset(cfg.data, self.tokenizer, self.task, self.dataset)
+        if held_out is not None:
+            held_out.check_fits(cfg.model.max_seq_len, cfg.rollout.max_new_tokens)
+        self.validator = Validator(cfg, held_out, self.task, self.tokenizer)
         resolve_total_epochs(cfg, len(self.dataset))  # before the config is digested or sent to workers
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
@@ -254,12 +261,14 @@ class PPOTrainer:
                                    version=self.step)
         duration = time.perf_counter() - t0
         eager_reason = metrics.pop(DECODE_EAGER_REASON, None)
+        # Not part of the step's time or throughput; a failure here fails (and replays) the step.
+        val = self.validate(step) if self.validator.due(step) else {}
         self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
         self.claim_.raise_if_lost()
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
                **{f"timing/{p}_s": phases[p] for p in PHASES if p in phases},
-               "perf/tokens_per_s": metrics["tokens"] / duration if duration > 0 else 0.0}
+               "perf/tokens_per_s": metrics["tokens"] / duration if duration > 0 else 0.0, **val}
         self.run_dir.append_metrics(row)
         self.history.append(row)
         if eager_reason is not None and not self._decode_eager_reported:
@@ -269,6 +278,25 @@ class PPOTrainer:
             self.telemetry.observe_step(row)
         if self.trackers is not None:
             self.trackers.log_metrics(step, row)
+        return row
+
+    def validate(self, step: int) -> dict:
+        """A validation pass over the rollout's weights of ``step``: its ``val/`` metrics."""
+        for hook in self.hooks:
+            hook.on_validation_start(self, step)
+        return self.validator.run(self.roles, step)
+
+    def validate_before_train(self) -> dict:
+        """``trainer.val_before_train``: validate the initial weights and record the ``step: 0`` row."""
+        row = {"step": 0, **self.validate(0)}
+        self.ckpt.fence()
+        self.claim_.raise_if_lost()
+        self.run_dir.append_metrics(row)
+        self.history.append(row)
+        if self.telemetry is not None:
+            self.telemetry.observe_validation(row)
+        if self.trackers is not None:
+            self.trackers.log_metrics(0, row)
         return row
 
     def fit(self) -> list[dict]:
@@ -303,6 +331,8 @@ class PPOTrainer:
                 if self.preemption.requested:  # the safe point: between steps, none half done
                     stop_for_preemption(self, self.cfg.trainer.preempt_grace_s)
                 try:
+                    if self.validator.due_before_train(self.step, self.history):
+                        self.validate_before_train()
                     row = self.train_step()
                     verdict = self.nonfinite.after_step(row, self.ckpt.last_committed)
                     if not verdict:  # a NaN/Inf: roll back past it

@@ -28,9 +28,11 @@ from resilient_rl.workers.fsdp import DevicePlan, to_device
 NO_WEIGHTS = -1
 
 
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed that is a pure function of its inputs."""
-    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+def sampling_seed(seed: int, step: int, rank: int, stream: str | None = None) -> int:
+    """A 63-bit seed that is a pure function of its inputs; ``stream`` names a stream apart from
+    the training step's (a validation pass samples from its own, leaving the step's untouched)."""
+    key = f"{seed}:{step}:{rank}" + (f":{stream}" if stream else "")
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -81,7 +83,8 @@ class RolloutEngine:
             raise WorkerError(f"rollout rank {rank} holds {held}, asked for {expected}",
                               role="rollout", rank=rank, cause="stale_weights")
         gen = torch.Generator(device=self.plan.device)
-        gen.manual_seed(sampling_seed(int(meta.get("seed", 0)), int(meta.get("step", 0)), rank))
+        gen.manual_seed(sampling_seed(int(meta.get("seed", 0)), int(meta.get("step", 0)), rank,
+                                      meta.get("sampling_stream")))
         args = dict(max_new_tokens=int(meta.get("max_new_tokens", self.cfg.max_new_tokens)),
                     temperature=float(meta.get("temperature", self.cfg.temperature)),
                     top_p=float(meta.get("top_p", self.cfg.top_p)), eos_token_id=self.eos_token_id,
