@@ -7,19 +7,22 @@ each a raylet of its own), and in it, one after another:
    ``trainer.nnodes=1``: the 4 ranks in one placement group on one node.
 2. **two nodes**: the same run with ``trainer.nnodes=2``: ranks 0-1 on one node, 2-3 on another,
    one placement group per node. This is also the fault-free reference of 3.
-3. **node loss**: run 2 again, and ``--delay`` s into step ``--fault-step`` (once the previous
+3. **rank kill**: run 2 again, and ``--delay`` s into step ``--fault-step`` (once the previous
+   step's snapshot is complete) actor rank 3, on the second node, is SIGKILLed.
+4. **node loss**: run 2 again, and ``--delay`` s into step ``--fault-step`` (once the previous
    step's snapshot is complete) the worker node hosting actor ranks 2-3 is removed (its raylet and
    processes killed at once). The raylets' health check runs every ``--health-check-ms`` (a node is
    declared dead after 3 missed checks; Ray's default is 5 x 3 s). Ray places that node's
    placement group again on the spare node; the ranks there restore the in-memory snapshot from
-   the copies their ring peers on the surviving node hold (``recovery.snapshot_every=1``).
+   the copies their ring peers on the surviving node hold.
 
+Every ``recovery.*`` setting is the default (``snapshot_every=auto``, no timeout shortened).
 Printed: tokens/s of runs 1 and 2 (prompt + response tokens over the summed step time, the first
 ``--warmup`` steps left out, pooled over ``--repeats`` pairs run alternately) and their ratio;
-for run 3, whether it recovered from peer copies without reading storage (no checkpoint loaded),
-the steps replayed, whether its final weights and optimizer state are bit-identical to run 2's
-(sha256 of the final checkpoint's files), and the MTTR from the removal to the failed step done,
-split into detect (removal -> ``failure``), restart (-> last ``worker_restarted``), rejoin
+for runs 3 and 4, whether each recovered from snapshots without reading storage (no checkpoint
+loaded), the steps replayed, whether its final weights and optimizer state are bit-identical to
+run 2's (sha256 of the final checkpoint's files), and the MTTR from the fault to the failed step
+done, split into detect (fault -> ``failure``), restart (-> last ``worker_restarted``), rejoin
 (-> start of the snapshot load), restore (-> ``recovered``) and complete (-> the next step starts).
 
 Every node shares this machine's 2 cores, loopback and ``/dev/shm``: the figures show the cost
@@ -41,6 +44,7 @@ from pathlib import Path
 
 from resilient_rl.env import fail_fast_on_dead_actors
 from resilient_rl.faults.harness import RunResult, run_training
+from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.nodes import RemoveNodeOf, local_nodes
 from resilient_rl.trainer.hooks import TrainerHook
 
@@ -75,10 +79,8 @@ def overrides(args, root: str, nnodes: int) -> list[str]:
         f"trainer.nnodes={nnodes}", "actor.world_size=4", "data.batch_size=16", "data.num_prompts=64",
         "actor.mini_batch_size=8", "critic.mini_batch_size=8", "ray.cpus_per_worker=0.05",
         # Only the final step is saved: the recovery has no checkpoint to fall back on but step 0.
-        f"checkpoint.save_every={args.steps}", "recovery.snapshot_every=1", "recovery.call_timeout_s=20",
-        # Generous: the nodes share 2 busy cores, where a live rank may not answer for seconds.
-        "recovery.health_timeout_s=15", "recovery.hang_timeout_s=120",
-        "recovery.collective_timeout_s=30", "recovery.restart_timeout_s=120", "recovery.placement_timeout_s=120",
+        # Every recovery.* setting is the default.
+        f"checkpoint.save_every={args.steps}",
         f"trainer.output_dir={root}/runs", f"checkpoint.root={root}/ckpt",
         "checkpoint.shared_filesystem=true",  # the simulated nodes share this machine's disk
         *args.overrides,
@@ -115,9 +117,8 @@ def check(result: RunResult) -> RunResult:
     return result
 
 
-def loss_report(args, result: RunResult, reference: RunResult, hook: RemoveNodeOf, starts: StepStarts) -> dict:
+def loss_report(args, result: RunResult, reference: RunResult, t0: float, ranks: list, starts: StepStarts) -> dict:
     ev = result.events
-    t0 = hook.fired_at
     fail = next(e for e in ev if e["event"] == "failure" and e["time"] >= t0)
     rec = next(e for e in ev if e["event"] == "recovered" and e["time"] > fail["time"])
     restarts = [e["time"] for e in ev if e["event"] == "worker_restarted" and fail["time"] < e["time"] <= rec["time"]]
@@ -132,7 +133,7 @@ def loss_report(args, result: RunResult, reference: RunResult, hook: RemoveNodeO
             "sources": snaps[-1]["sources"] if snaps else {}, "storage_loads": len(loads),
             "identical": result.final_files == reference.final_files and bool(reference.final_files)
             and result.final_trainer_state == reference.final_trainer_state,
-            "cause": fail.get("cause"), "ranks_lost": hook.ranks}
+            "cause": fail.get("cause"), "ranks_lost": ranks}
 
 
 def main(argv=None) -> int:
@@ -163,28 +164,43 @@ def main(argv=None) -> int:
               f"{statistics.median(ratios):.3f}x")
         if args.skip_loss:
             return 0
+        # A SIGKILL of rank 3 (second node): the survivors on both nodes leave the broken
+        # collective at once, Ray restarts the process in its bundle.
+        schedule = FaultSchedule().after_snapshot(args.fault_step).kill("actor", 3, delay_s=args.delay)
+        starts = StepStarts()
+        killed = check(run_training(overrides(args, f"{root}/kill", 2), "rank-kill", schedule, hooks=(starts,)))
+        fault = schedule.faults[0]
+        if fault.fired_at is None:
+            raise SystemExit("the rank was never killed")
+        r = loss_report(args, killed, reference, fault.fired_at, [("actor", 3)], starts)
+        ok_kill = report(f"SIGKILL of actor rank 3 (second node) at step {args.fault_step}", "kill", r)
         hook = RemoveNodeOf(cluster, rank=2, step=args.fault_step, delay_s=args.delay, after_snapshot=True)
         starts = StepStarts()
         lost = run_training(overrides(args, f"{root}/loss", 2), "node-loss", hooks=(hook, starts))
         check(lost)
         if hook.removed is None:
             raise SystemExit("the node was never removed")
-        r = loss_report(args, lost, reference, hook, starts)
-        print(f"\nnode loss at step {args.fault_step} (node of ranks {r['ranks_lost']} removed; "
-              f"failure cause {r['cause']}):")
-        print(f"  recovered from: {r['source']} (copies read per rank: {r['sources']}); "
-              f"checkpoints loaded from storage: {r['storage_loads']}; steps replayed: {r['replayed']}")
-        print(f"  final weights and optimizer state bit-identical to the fault-free two-node run: {r['identical']}")
-        print(f"  MTTR (removal -> failed step done) {r['mttr']:.2f} s = "
-              + " + ".join(f"{p} {r['split'][p]:.2f}" for p in PHASES))
+        r = loss_report(args, lost, reference, hook.fired_at, hook.ranks, starts)
+        ok = report(f"node loss at step {args.fault_step} (node of ranks {r['ranks_lost']} removed)", "removal", r)
         # The lost ranks' copies survive only on their ring peers' node: held there by the peer
         # process ("peer"), or as the object store's copy the peer fetched, which Ray makes the
         # primary copy when the owner's node is lost ("object_store").
         off_node = r["sources"].get("peer", 0) + r["sources"].get("object_store", 0)
-        ok = r["source"] == "snapshot" and r["storage_loads"] == 0 and r["replayed"] == 0 and r["identical"] \
-            and off_node > 0
-        print(f"  zero-replay recovery from peer copies: {'yes' if ok else 'NO'}")
-        return 0 if ok else 1
+        print(f"  lost ranks restored from copies off their node: {'yes' if off_node > 0 else 'NO'}")
+        return 0 if ok and ok_kill and off_node > 0 else 1
+
+
+def report(title: str, fault: str, r: dict) -> bool:
+    """Print one recovery's figures; whether it replayed nothing, read no storage and ended bit-identical."""
+    print(f"\n{title}; failure cause {r['cause']}:")
+    print(f"  recovered from: {r['source']} (copies read per rank: {r['sources']}); "
+          f"checkpoints loaded from storage: {r['storage_loads']}; steps replayed: {r['replayed']}")
+    print(f"  final weights and optimizer state bit-identical to the fault-free two-node run: {r['identical']}")
+    print(f"  MTTR ({fault} -> failed step done) {r['mttr']:.2f} s = "
+          + " + ".join(f"{p} {r['split'][p]:.2f}" for p in PHASES))
+    ok = r["source"] == "snapshot" and r["storage_loads"] == 0 and r["replayed"] == 0 and r["identical"]
+    print(f"  zero-replay recovery: {'yes' if ok else 'NO'}")
+    return ok
 
 
 if __name__ == "__main__":

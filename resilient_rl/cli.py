@@ -25,7 +25,7 @@ import sys
 
 from resilient_rl import env
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointTimeoutError, ConfigError,
-                                 Preempted, RecoveryError, RRLError, RunFolderError, StorageError)
+                                 NoCapacityError, Preempted, RecoveryError, RRLError, RunFolderError, StorageError)
 
 # Exit codes (documented in README.md, "Exit codes"): one meaning each, stable for scripts.
 EXIT_OK = 0
@@ -41,6 +41,9 @@ EXIT_RECOVERY = 3
 EXIT_RUNTIME = 4
 #: An unexpected exception (a bug): the traceback is printed. 70 is EX_SOFTWARE of sysexits.h.
 EXIT_INTERNAL = 70
+#: Lost ranks' node gone and no node can take their place (NoCapacityError); the run is intact,
+#: and the same command continues it once the cluster has the capacity. 75 is EX_TEMPFAIL.
+EXIT_NO_CAPACITY = 75
 #: Interrupted (Ctrl-C), 128 + SIGINT.
 EXIT_INTERRUPTED = 130
 #: Preempted (SIGTERM, or Slurm's early SIGUSR1), 128 + SIGTERM: the run stopped at a safe point
@@ -54,6 +57,8 @@ def exit_code(exc: BaseException) -> int:
         return EXIT_PREEMPTED
     if isinstance(exc, CheckpointCorruptError):
         return EXIT_CORRUPT
+    if isinstance(exc, NoCapacityError):
+        return EXIT_NO_CAPACITY
     if isinstance(exc, RecoveryError):
         return EXIT_RECOVERY
     if isinstance(exc, (StorageError, CheckpointTimeoutError)):

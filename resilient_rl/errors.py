@@ -215,6 +215,14 @@ class UserCodeError(RRLError):
     the exit code is the run-time one (4), not "internal error"."""
 
 
+class NoCapacityError(RecoveryError):
+    """Ranks were lost with their node and no alive node can hold their placement group (and
+    none is being launched): recovery stops at once instead of waiting for a place that will not
+    come. Names the lost node, the ranks and the resources missing; the last committed
+    checkpoint and the run folder are intact, and the same command continues the run once the
+    cluster has the capacity again. The CLI exits 75 (``EX_TEMPFAIL``: try again later)."""
+
+
 class Preempted(RRLError):
     """The run was asked to stop (SIGTERM, Slurm's early SIGUSR1) and stopped at a safe point after
     making its last completed step durable where it could; names the signal, the step and the last

@@ -6,7 +6,7 @@ import pytest
 
 from resilient_rl.config.runtime import RecoveryConfig
 from resilient_rl.recovery.states import RecoveryState
-from resilient_rl.errors import (CollectiveError, LeaseError, RecoveryError, StorageError, WorkerDiedError,
+from resilient_rl.errors import (CollectiveError, LeaseError, NoCapacityError, RecoveryError, StorageError, WorkerDiedError,
                                  WorkerError, WorkerTimeoutError)
 from resilient_rl.testing.clock import FakeClock
 from resilient_rl.testing.fake_pool import FakePool
@@ -292,3 +292,16 @@ def test_the_recovered_event_splits_the_recovery_into_its_phases():
     assert phases["rejoin"] == 4.0 and phases["restore"] == 3.0  # two rejoins of 2 s, one restore of 3 s
     assert phases["restart"] == 0.0  # the fake pool restarts at once, also after the failed rejoin
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
+
+
+def test_no_capacity_for_a_lost_node_stops_at_once_without_spending_the_budget():
+    h = Harness()
+    h.pool.lose_node("node-b")
+    h.pool.fail_next("wait_alive", NoCapacityError("actor ranks [1] were lost with node node-b and no alive node "
+                                                   "can take them"))
+    with pytest.raises(NoCapacityError, match="node-b.*last committed checkpoint is step"):
+        h.handle(died())
+    aborted = h.of("aborted")
+    assert len(aborted) == 1 and "no alive node" in aborted[0]["reason"]
+    assert h.of("failure_during_recovery") == [] and h.recovery.policy.total == 1
+    assert h.path()[-1] is S.FAILED

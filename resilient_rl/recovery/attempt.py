@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from resilient_rl.errors import RecoveryError
 from resilient_rl.recovery.causes import Failure
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.runtime.pool import ProcessKey
@@ -23,6 +24,7 @@ class Attempt:
     rejoin: set[str] = dataclasses.field(default_factory=set)  # process groups to rejoin and rebuild
     source: str | None = None  # where the restored state came from (snapshot, checkpoint, start)
     reason: str = ""
+    abort_error: RecoveryError | None = None  # the error to stop with, where more precise than RecoveryError
 
 
 @dataclasses.dataclass

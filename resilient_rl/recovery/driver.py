@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from resilient_rl.errors import (CheckpointFormatError, LeaseError, NoValidCheckpointError, RecoveryError, RRLError,
-                                 WorkerError)
+                                 Preempted, WorkerError)
 from resilient_rl.recovery.attempt import Attempt, Context
 from resilient_rl.recovery.causes import classify
 from resilient_rl.recovery.policy import FailurePolicy
@@ -117,7 +117,8 @@ class Aborting:
         last = self.checkpoints.last_committed
         self.ctx.emit("aborted", reason=a.reason, role=a.failure.role, rank=a.failure.rank, last_committed_step=last)
         self.sm.to(S.FAILED)
-        raise RecoveryError(f"giving up: {a.reason}; the last committed checkpoint is step {last}")
+        error = type(a.abort_error) if a.abort_error is not None else RecoveryError
+        raise error(f"giving up: {a.reason}; the last committed checkpoint is step {last}")
 
 
 class Recovery:
@@ -176,8 +177,8 @@ class Recovery:
                 if state in (S.REJOINING, S.RESTORING):
                     self.on_state(state)
                 following = self.states[state].enter(attempt, pool)
-            except (RecoveryError, LeaseError):
-                raise  # aborted, or another controller owns the run now: recovering would fight it
+            except (RecoveryError, LeaseError, Preempted):
+                raise  # aborted, another controller owns the run now, or asked to stop: recovering would fight it
             except (WorkerError, RRLError, TimeoutError) as again:
                 logger.warning("failure during recovery (%s): %s", self.sm.state.value, again)
                 attempt = dataclasses.replace(self._attempt(again, failed_step, pool), restarted=attempt.restarted,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from resilient_rl.errors import Cause, WorkerTimeoutError
+from resilient_rl.errors import Cause, NoCapacityError, WorkerTimeoutError
 from resilient_rl.recovery.attempt import Attempt, Context
 from resilient_rl.recovery.policy import Decision
 from resilient_rl.recovery.states import RecoveryState as S
@@ -59,7 +59,11 @@ class Recovering:
         adopted = self._adopt_spares(pool, set(dead) | killed)
         self._drain(pool, known, killed, broken={k[0] for k in to_restart} | {k[0] for k in killed})
         self._adopt_spares(pool, killed - adopted)  # survivors the drain found stalled
-        restarted = self._wait_restarted(pool, known, a.failure.cause)
+        try:
+            restarted = self._wait_restarted(pool, known, a.failure.cause)
+        except NoCapacityError as exc:  # nothing to wait for: stop now, the run intact
+            a.reason, a.abort_error = str(exc), exc
+            return S.ABORTING
         a.restarted += restarted
         verdict = ctx.policy.record_restarts([budget_key(pool, k) for k in restarted])
         if verdict.decision is Decision.RAISE:

@@ -63,7 +63,12 @@ class RayResourcePool:
         self.accelerator_type = accelerator_type
         self.distinct_nodes = distinct_nodes
         self.pgs: list[PlacementGroup] | None = None
+        self._excluded: dict[int, set[str]] = {}  # placement group -> nodes its label selector keeps it off
         self._groups_started = 0
+
+    def excluded_nodes(self, index: int) -> set[str]:
+        """The nodes placement group ``index`` may not be placed on (``distinct_nodes``)."""
+        return set(self._excluded.get(index, ()))
 
     def next_group_prefix(self) -> str:
         """The actor-name prefix of the next worker group started on this pool without one: the
@@ -152,6 +157,7 @@ class RayResourcePool:
         used: list[str] = []
         for i, n in enumerate(self._store):
             selector = [{NODE_ID_LABEL: f"!in({','.join(used)})"}] * n if used else None
+            self._excluded[i] = set(used)
             pgs.append(placement_group([self.bundle() for _ in range(n)], strategy=strategy, name=f"{name}_pg{i}",
                                        lifetime=lifetime, bundle_label_selector=selector))
             self._wait_placed(pgs[-1:], pgs, deadline, f" on a node other than those of its first {i} group(s)")

@@ -182,6 +182,8 @@ class PPOTrainer:
             if self.telemetry is not None:
                 self.telemetry.start()
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
+            if hasattr(self.roles, "interrupt"):  # recovery's waits for ranks end on a preemption
+                self.roles.interrupt = self.preemption.raise_if_requested
             # Whatever the run, node memory left by owners that are gone (a killed controller's
             # snapshots, a rank's reduction segment) is removed on every node.
             sweep_every_node(self.cfg.recovery.snapshot_node_dir,

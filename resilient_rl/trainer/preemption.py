@@ -55,6 +55,13 @@ class Preemption:
         logger.warning("%s received: stopping after the step in progress and committing it (within "
                        "trainer.preempt_grace_s)", signal_name)
 
+    def raise_if_requested(self) -> None:
+        """Raise Preempted where a wait (recovery waiting for ranks) must end now: asked to stop."""
+        if self.requested:
+            raise Preempted(f"{self.signal_name} received while recovering from a failure: stopped without "
+                            "waiting for the lost ranks; the last committed checkpoint is where the same command "
+                            "continues the run")
+
     def _handle(self, signum: int, _frame) -> None:
         self.request(signal.Signals(signum).name)
 

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Callable
 
 import ray
 
+from resilient_rl.runtime.capacity import alive_nodes, nodes_launching, unplaceable
 from resilient_rl.runtime.health import process_gone, replaced
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from resilient_rl.config.node_layout import check_cluster_fits, config_layouts, network_runtime_env
-from resilient_rl.errors import WorkerError
+from resilient_rl.errors import NoCapacityError, WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
 from resilient_rl.runtime.pool import STATEFUL_ROLES, primary_role, step_role
@@ -54,6 +56,8 @@ class RayRoles:
         #: The layout the actor sends its weights in (with HSDP its shard group, not its world),
         #: asked of it at the first sync over each weight channel.
         self.weights_layout: int | None = None
+        #: Called while recovery waits for ranks; raises to end the wait (a preemption asked for).
+        self.interrupt: Callable[[], None] = lambda: None
         self.generation = 0
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
                     eos_token_id=list(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
@@ -198,21 +202,38 @@ class RayRoles:
 
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         g = self._process_group(group)
-        return g.reidentify(g.wait_alive(timeout_s, while_waiting=self._yield_to_unplaced_ranks))
+        return g.reidentify(g.wait_alive(timeout_s, while_waiting=self._while_waiting))
 
-    def _yield_to_unplaced_ranks(self) -> None:
-        """Release the warm spares started outside placement groups while a rank's bundle waits to
-        be placed again (its node was lost): they must not take the free resources the bundle
-        needs. :meth:`refresh_workers` starts them again once every rank answers."""
-        if not any(len(pool) for pool in self.spares.values()):
+    def _while_waiting(self) -> None:
+        """Between tries of a wait for ranks: end the wait when asked to stop (:attr:`interrupt`);
+        where a rank's bundle waits to be placed again (its node was lost), release the warm
+        spares started outside placement groups (they must not take the free resources the
+        bundle needs; :meth:`refresh_workers` starts them again once every rank answers), and
+        stop with NoCapacityError when no alive node can hold the bundle and none is launching."""
+        self.interrupt()
+        unplaced = [g for g in self.distinct_groups() if g.resource_pool is not None and g.resource_pool.unplaced()]
+        if not unplaced:
             return
-        unplaced = [g.name_prefix for g in self.distinct_groups()
-                    if g.resource_pool is not None and g.resource_pool.unplaced()]
-        if unplaced:
+        if any(len(pool) for pool in self.spares.values()):
             logger.warning("placement groups of %s wait to be placed again: releasing the warm spares "
-                           "so that their ranks get the resources", ", ".join(unplaced))
+                           "so that their ranks get the resources", ", ".join(g.name_prefix for g in unplaced))
             for pool in self.spares.values():
                 pool.release()
+        for g in unplaced:
+            short = unplaceable(g.resource_pool)
+            if short and not nodes_launching():
+                raise NoCapacityError(self._no_capacity(g, short))
+
+    def _no_capacity(self, g: RayWorkerGroup, short: list) -> str:
+        alive = set(alive_nodes())
+        lost = sorted(key for key, (_, node) in self.known_workers.items()
+                      if key[0] == g.name_prefix and node is not None and node not in alive)
+        nodes = sorted({self.known_workers[key][1] for key in lost})
+        return (f"{primary_role(self.roles_of(g.name_prefix))} ranks {[rank for _, rank in lost]} were lost with "
+                f"node {', '.join(nodes) or '(unknown)'} and no alive node can take them: "
+                + "; ".join(s.describe() for s in short)
+                + ". The run folder and its last committed checkpoint are intact: once the cluster has a node "
+                  "with those resources, the same command continues the run")
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         """(process group, role) of the worker group ``name``; a colocated role's group is
