@@ -1,0 +1,230 @@
+"""Causal attention over packed rows (:mod:`resilient_rl.models.packing`) without a ``T x T`` mask.
+
+:func:`varlen_attention` takes ``q`` ``[B, heads, T, D]`` and ``k``/``v`` ``[B, kv_heads, T, D]``
+(grouped-query: ``heads`` a multiple of ``kv_heads``) and attends causally within each sequence of
+the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_backend` picks how:
+
+- ``"flash"``: flash-attn's ``flash_attn_varlen_func``, for CUDA tensors in fp16/bf16 when
+  ``flash_attn`` is importable. All rows' tokens form one ``[total, heads, D]`` batch whose
+  sequences start at ``cu_seqlens``; the kernel reads grouped key/value heads as they are.
+- ``"flex"``: other CUDA tensors. ``flex_attention``, compiled once per process with dynamic
+  shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
+  from the sequence boundaries at block granularity: blocks outside every sequence's causal
+  triangle are skipped, blocks inside one are computed without the mask, and no score matrix is
+  materialised.
+- ``"split"``: everything else, i.e. the CPU. ``scaled_dot_product_attention`` with
+  ``is_causal=True`` on each sequence (a row's sequences are contiguous, so this is a split along
+  the tokens and a concatenation); each call runs the fused CPU kernel, which keeps no score matrix.
+
+Why ``"split"`` on the CPU (torch 2.13 CPU build, 2 cores; ``tests/test_varlen_attention.py``
+holds the equality checks). Compiled flex attention raises ``NotImplementedError`` ("does not
+support backward on CPU") on any input that requires grad, and the update pass trains through
+attention. Forward only, it took 5.5 ms against 0.6 ms for the split (8 sequences of 1..111 tokens,
+484 in all, 4 heads over 2 key/value heads, D=16) after a 7 s first compile, and recompiling for a
+second length failed in the C++ compiler with dynamic shapes. Nested jagged tensors find no CPU
+SDPA backend ("No viable backend for scaled_dot_product_attention"). Forward and backward per
+call, same shape: split 1.7 ms, the sequences right-padded to the longest and batched through one
+causal SDPA call 3.5 ms, the dense block-diagonal mask 3.7 ms; at 12 sequences of 113..349 tokens
+(2706 in all), 14 heads over 2, D=64: split 115 ms, padded 224 ms, dense mask 2170 ms. The split is
+also exactly the per-sequence computation, so packed and unpacked attention agree bit for bit.
+
+Hugging Face models reach this through the attention function registered with transformers'
+``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`): a call without an
+attention mask and without cached keys attends per packed sequence as given by its
+``position_ids``; every other call is the model's usual SDPA attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from resilient_rl.errors import ModelInputError
+from resilient_rl.models.packing import PackedLayout, packed_layout
+
+__all__ = ["BLOCK", "HF_ATTENTION", "choose_backend", "use_varlen_attention", "varlen_attention"]
+
+#: Tokens per block of the flex backend's block mask.
+BLOCK = 128
+#: The name of the packed-aware attention function in transformers' ``AttentionInterface``.
+HF_ATTENTION = "rrl_varlen"
+
+
+@functools.cache
+def _flash_varlen_func():
+    """flash-attn's ``flash_attn_varlen_func``, or None when flash-attn is not installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """``"flash"``, ``"flex"`` or ``"split"`` for tensors on ``device`` in ``dtype`` (see the module docs)."""
+    if device.type != "cuda":
+        return "split"
+    if dtype in (torch.float16, torch.bfloat16) and _flash_varlen_func() is not None:
+        return "flash"
+    return "flex"
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+                     scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+    """Causal attention within each packed sequence of ``layout``; returns ``[B, heads, T, D]``.
+
+    ``backend`` overrides :func:`choose_backend`.
+    """
+    batch, heads, seq, dim = q.shape
+    if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
+        raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
+                              f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
+    backend = backend or choose_backend(q.device, q.dtype)
+    if backend == "flash":
+        return _flash(q, k, v, layout, scale)
+    if backend == "flex":
+        out = _flex(_tokens(q), _tokens(k), _tokens(v), layout, scale)
+    elif backend == "split":
+        out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale)
+    else:
+        raise ModelInputError(f"unknown packed attention backend {backend!r} (flash, flex, split)")
+    return out[0].view(heads, batch, seq, dim).transpose(0, 1)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[B, h, T, D]`` -> ``[1, h, B*T, D]``: the rows end to end (a view when ``B`` is 1)."""
+    batch, heads, seq, dim = x.shape
+    return x.transpose(0, 1).reshape(1, heads, batch * seq, dim)
+
+
+def _split(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    parts = [F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+             for qs, ks, vs in zip(q.split(layout.lengths, 2), k.split(layout.lengths, 2),
+                                   v.split(layout.lengths, 2))]
+    return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
+
+
+def _flash(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
+    batch, heads, seq, dim = q.shape
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B*T, h, D]
+        return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
+
+    cu = layout.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = max(layout.lengths, default=0)
+    out = _flash_varlen_func()(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=0.0,
+                               softmax_scale=scale, causal=True)
+    return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+_FLEX: list = []
+
+
+def _compiled_flex():
+    """``flex_attention`` compiled once per process; without compiling it would materialise the scores."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _FLEX[0]
+
+
+def document_block_mask(layout: PackedLayout, device: torch.device):
+    """The document-causal ``BlockMask`` of ``layout``'s tokens end to end (``[1, 1, N, N]``),
+    built from each block's first and last sequence, never from an ``N x N`` mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    ids = layout.sequence_ids.to(device)
+    total = ids.numel()
+    blocks = -(-total // BLOCK)
+    begin = torch.arange(blocks, device=device) * BLOCK
+    first = ids[begin]
+    last = ids[(begin + BLOCK).clamp(max=total) - 1]
+    q_block = torch.arange(blocks, device=device)[:, None]
+    kv_block = torch.arange(blocks, device=device)[None, :]
+    # Sequence ids never decrease along the tokens: an earlier key block shares a sequence with
+    # a query block exactly when its last sequence is the query block's first.
+    visited = (kv_block <= q_block) & (last[None, :] >= first[:, None])
+    # Both blocks inside one sequence and the key block strictly earlier: every pair attends.
+    full = (kv_block < q_block) & (first[None, :] == last[:, None])
+    partial = visited & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = dense.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return count[None, None].contiguous(), indices[None, None].contiguous()
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
+    kv_count, kv_indices = ordered(partial)
+    full_count, full_indices = ordered(full)
+    return BlockMask.from_kv_blocks(kv_count, kv_indices, full_count, full_indices, BLOCK_SIZE=BLOCK,
+                                    mask_mod=document_causal, seq_lengths=(total, total))
+
+
+def _flex(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
+    mask = document_block_mask(layout, q.device)
+    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# The layout of the last packed call, kept while its position ids live and are unchanged: every
+# layer of one forward (and its recomputation) reads the same positions, so they are read back to
+# the host once per forward rather than once per layer.
+_LAST_LAYOUT: list = [None, -1, None]
+
+
+def _layout_of(position_ids: torch.Tensor, batch: int) -> PackedLayout:
+    ref, version, layout = _LAST_LAYOUT
+    if ref is not None and ref() is position_ids and version == position_ids._version \
+            and layout.batch == batch:
+        return layout
+    layout = packed_layout(position_ids.expand(batch, -1))
+    _LAST_LAYOUT[:] = [weakref.ref(position_ids), position_ids._version, layout]
+    return layout
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
+                  sliding_window=None, **kwargs):
+    """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
+    if attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2]:
+        layout = _layout_of(position_ids, query.shape[0])
+        if dropout:
+            raise ModelInputError(f"packed attention has no attention dropout (got {dropout}); "
+                                  "set the model's attention_dropout to 0")
+        if sliding_window is not None and max(layout.lengths, default=0) > sliding_window:
+            raise ModelInputError(f"a packed sequence of {max(layout.lengths)} tokens is longer than the "
+                                  f"model's sliding window ({sliding_window}), which packed attention lacks")
+        out = varlen_attention(query, key, value, layout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  position_ids=position_ids, sliding_window=sliding_window, **kwargs)
+
+
+def _hf_mask(*, attention_mask=None, q_length: int, kv_length: int, **kwargs):
+    """transformers' mask-function contract: no mask for a call without padding or cached keys
+    (:func:`_hf_attention` then reads the sequences from the positions), else SDPA's mask."""
+    if attention_mask is None and q_length == kv_length:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, **kwargs)
+
+
+def use_varlen_attention(model) -> None:
+    """Switch the Hugging Face ``model`` from SDPA attention to :data:`HF_ATTENTION`, which is the
+    same for every call but a packed one (see the module docs). Models set to another attention
+    implementation keep it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.config._attn_implementation = HF_ATTENTION
