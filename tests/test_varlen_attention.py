@@ -226,3 +226,23 @@ def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):
         torch.testing.assert_close(varlen.varlen_attention(q, k, v, layout, backend="flex"),
                                    _reference_attention(q, k, v, lengths), rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_blocks_keep_one_graph_across_packings():
+    """Compiled transformer blocks leave the packed attention out of their graph, so a new set of
+    sequence lengths does not recompile them; the result is the eager one."""
+    from torch._dynamo.utils import counters
+
+    model, eager = _tiny(), _tiny()
+    for block in model.layers:
+        block.compile(backend="aot_eager", dynamic=True)
+    counters.clear()
+    graphs = []
+    for lengths in ([3, 5, 9], [1, 20, 7, 7], [11, 11, 11, 11, 1]):
+        _, ids, positions = _packed(lengths)
+        logits = model(input_ids=ids, position_ids=positions).logits
+        logits.sum().backward()
+        torch.testing.assert_close(logits, eager(input_ids=ids, position_ids=positions).logits)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == graphs[:1] * 3
+    assert not counters["recompiles"]

@@ -31,7 +31,8 @@ also exactly the per-sequence computation, so packed and unpacked attention agre
 Hugging Face models reach this through the attention function registered with transformers'
 ``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`): a call without an
 attention mask and without cached keys attends per packed sequence as given by its
-``position_ids``; every other call is the model's usual SDPA attention.
+``position_ids`` (where transformers' SDPA path would build the dense block-diagonal mask); every
+other call, an all-ones attention mask included, is the model's usual SDPA attention.
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "flex"
 
 
+@torch.compiler.disable
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                      scale: float | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence of ``layout``; returns ``[B, heads, T, D]``.
 
-    ``backend`` overrides :func:`choose_backend`.
+    ``backend`` overrides :func:`choose_backend`. Inside a compiled region this runs outside the
+    graph (the sequence lengths are host values, which a graph would specialise on); the flex
+    backend compiles its own call.
     """
     batch, heads, seq, dim = q.shape
     if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
@@ -188,30 +192,50 @@ def _layout_of(position_ids: torch.Tensor, batch: int) -> PackedLayout:
     return layout
 
 
+class _PackedMask:
+    """What :func:`_hf_mask` hands the attention layers of a packed call in place of a mask: the
+    sequences are read from the position ids, and no mask tensor is built."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PACKED"
+
+
+_PACKED = _PackedMask()
+
+
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
                   sliding_window=None, **kwargs):
     """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
-    if attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2]:
-        layout = _layout_of(position_ids, query.shape[0])
+    if attention_mask is _PACKED and position_ids is not None:
         if dropout:
             raise ModelInputError(f"packed attention has no attention dropout (got {dropout}); "
                                   "set the model's attention_dropout to 0")
-        if sliding_window is not None and max(layout.lengths, default=0) > sliding_window:
-            raise ModelInputError(f"a packed sequence of {max(layout.lengths)} tokens is longer than the "
-                                  f"model's sliding window ({sliding_window}), which packed attention lacks")
-        out = varlen_attention(query, key, value, layout, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return _hf_packed(query, key, value, position_ids, scaling, sliding_window), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if attention_mask is _PACKED:  # a caller that passes no position ids: one causal sequence per row
+        attention_mask = None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   position_ids=position_ids, sliding_window=sliding_window, **kwargs)
 
 
+@torch.compiler.disable
+def _hf_packed(query, key, value, position_ids, scaling, sliding_window) -> torch.Tensor:
+    layout = _layout_of(position_ids, query.shape[0])
+    if sliding_window is not None and max(layout.lengths, default=0) > sliding_window:
+        raise ModelInputError(f"a packed sequence of {max(layout.lengths)} tokens is longer than the "
+                              f"model's sliding window ({sliding_window}), which packed attention lacks")
+    return varlen_attention(query, key, value, layout, scale=scaling).transpose(1, 2).contiguous()
+
+
 def _hf_mask(*, attention_mask=None, q_length: int, kv_length: int, **kwargs):
-    """transformers' mask-function contract: no mask for a call without padding or cached keys
-    (:func:`_hf_attention` then reads the sequences from the positions), else SDPA's mask."""
+    """transformers' mask-function contract: for a call without an attention mask and without
+    cached keys, the packed marker (:func:`_hf_attention` then reads the sequences from the
+    positions, as transformers' own packed-sequence detection does); else SDPA's mask."""
     if attention_mask is None and q_length == kv_length:
-        return None
+        return _PACKED
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, **kwargs)
