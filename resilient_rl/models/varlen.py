@@ -16,17 +16,24 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
   ``is_causal=True`` on each sequence (a row's sequences are contiguous, so this is a split along
   the tokens and a concatenation); each call runs the fused CPU kernel, which keeps no score matrix.
 
-Why ``"split"`` on the CPU (torch 2.13 CPU build, 2 cores; ``tests/test_varlen_attention.py``
-holds the equality checks). Compiled flex attention raises ``NotImplementedError`` ("does not
-support backward on CPU") on any input that requires grad, and the update pass trains through
-attention. Forward only, it took 5.5 ms against 0.6 ms for the split (8 sequences of 1..111 tokens,
-484 in all, 4 heads over 2 key/value heads, D=16) after a 7 s first compile, and recompiling for a
-second length failed in the C++ compiler with dynamic shapes. Nested jagged tensors find no CPU
-SDPA backend ("No viable backend for scaled_dot_product_attention"). Forward and backward per
-call, same shape: split 1.7 ms, the sequences right-padded to the longest and batched through one
-causal SDPA call 3.5 ms, the dense block-diagonal mask 3.7 ms; at 12 sequences of 113..349 tokens
-(2706 in all), 14 heads over 2, D=64: split 115 ms, padded 224 ms, dense mask 2170 ms. The split is
-also exactly the per-sequence computation, so packed and unpacked attention agree bit for bit.
+Why ``"split"`` on the CPU: measured with ``python bench/varlen.py --repeat 15`` (torch 2.13 CPU
+build, 2 cores, fp32, best of 15). Compiled flex attention raises ``NotImplementedError`` ("does
+not support backward on CPU") for any input that requires grad, and the update pass trains through
+attention; nested jagged tensors find no CPU SDPA backend ("No viable backend"). Forward only /
+forward and backward:
+
+=====================================  ==============  ==============  ===============  ==========
+shape                                  split           right-padded    dense T x T      flex
+=====================================  ==============  ==============  ===============  ==========
+8 sequences of 1..111 (T=484),         0.29 / 1.04 ms  0.67 / 1.89 ms  1.04 / 2.69 ms   1.57 ms /
+4 heads over 2, D=16                                                                    (none)
+12 sequences of 113..349 (T=2706),     27 / 70 ms      42 / 142 ms     191 / 643 ms     1305 ms /
+14 heads over 2, D=64                                                                   (none)
+=====================================  ==============  ==============  ===============  ==========
+
+(right-padded: the sequences padded to the longest and batched through one causal SDPA call;
+flex's first call also compiles, 2-8 s.) The split is also the computation each sequence gets
+when it runs alone: the same kernel, one sequence at a time.
 
 Hugging Face models reach this through the attention function registered with transformers'
 ``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`): a call without an
@@ -46,7 +53,8 @@ import torch.nn.functional as F
 from resilient_rl.errors import ModelInputError
 from resilient_rl.models.packing import PackedLayout, packed_layout
 
-__all__ = ["BLOCK", "HF_ATTENTION", "choose_backend", "use_varlen_attention", "varlen_attention"]
+__all__ = ["BLOCK", "HF_ATTENTION", "choose_backend", "document_block_mask", "use_varlen_attention",
+           "varlen_attention"]
 
 #: Tokens per block of the flex backend's block mask.
 BLOCK = 128
@@ -118,10 +126,13 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B*T, h, D]
         return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
 
+    kernel = _flash_varlen_func()
+    if kernel is None:
+        raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
     cu = layout.cu_seqlens.to(device=q.device, dtype=torch.int32)
     longest = max(layout.lengths, default=0)
-    out = _flash_varlen_func()(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=0.0,
-                               softmax_scale=scale, causal=True)
+    out = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=0.0, softmax_scale=scale,
+                 causal=True)
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
