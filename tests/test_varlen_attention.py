@@ -119,6 +119,9 @@ def test_hf_model_uses_varlen_attention_only_for_packed_calls(monkeypatch):
         out = model(input_ids=padded, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
         torch.testing.assert_close(out[0, 2:], model(input_ids=seqs[1][None]).logits[0], rtol=1e-5, atol=1e-5)
     assert len(calls) == 2 + 2  # the unpadded call (no mask, nothing cached) is one packed sequence
+    with torch.no_grad():  # an explicit mask, all ones: one causal row, as transformers' SDPA path has it
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False)
+    assert len(calls) == 4
 
 
 class _SquareRecorder(TorchDispatchMode):
