@@ -36,16 +36,18 @@ flex's first call also compiles, 2-8 s.) The split is also the computation each 
 when it runs alone: the same kernel, one sequence at a time.
 
 Hugging Face models reach this through the attention function registered with transformers'
-``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`): a call without an
-attention mask and without cached keys attends per packed sequence as given by its
-``position_ids`` (where transformers' SDPA path would build the dense block-diagonal mask); every
-other call, an all-ones attention mask included, is the model's usual SDPA attention.
+``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`). Where transformers
+would detect packed rows (no attention mask, no cache, ``position_ids`` that restart) and its SDPA
+path would build the dense block-diagonal mask, the model's mask function hands every layer the
+rows' layout instead; every other call, an all-ones attention mask included, is the model's usual
+SDPA attention with its usual mask.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import weakref
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -83,10 +85,11 @@ def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 @torch.compiler.disable
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                     scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+                     scale: float | None = None, backend: str | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention within each packed sequence of ``layout``; returns ``[B, heads, T, D]``.
 
-    ``backend`` overrides :func:`choose_backend`. Inside a compiled region this runs outside the
+    ``dropout``: attention dropout probability (not on the flex backend). ``backend`` overrides
+    :func:`choose_backend`. Inside a compiled region this runs outside the
     graph (the sequence lengths are host values, which a graph would specialise on); the flex
     backend compiles its own call.
     """
@@ -96,11 +99,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
     backend = backend or choose_backend(q.device, q.dtype)
     if backend == "flash":
-        return _flash(q, k, v, layout, scale)
+        return _flash(q, k, v, layout, scale, dropout)
     if backend == "flex":
+        if dropout:
+            raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
+                                  f"{dropout}); set the model's attention dropout to 0")
         out = _flex(_tokens(q), _tokens(k), _tokens(v), layout, scale)
     elif backend == "split":
-        out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale)
+        out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale, dropout)
     else:
         raise ModelInputError(f"unknown packed attention backend {backend!r} (flash, flex, split)")
     return out[0].view(heads, batch, seq, dim).transpose(0, 1)
@@ -112,15 +118,16 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).reshape(1, heads, batch * seq, dim)
 
 
-def _split(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
+def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
-    parts = [F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
+                                            enable_gqa=gqa)
              for qs, ks, vs in zip(q.split(layout.lengths, 2), k.split(layout.lengths, 2),
                                    v.split(layout.lengths, 2))]
     return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
 
 
-def _flash(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
+def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float) -> torch.Tensor:
     batch, heads, seq, dim = q.shape
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B*T, h, D]
@@ -131,7 +138,7 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
     cu = layout.cu_seqlens.to(device=q.device, dtype=torch.int32)
     longest = max(layout.lengths, default=0)
-    out = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=0.0, softmax_scale=scale,
+    out = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale,
                  causal=True)
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
@@ -187,69 +194,78 @@ def _flex(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
     return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-# The layout of the last packed call, kept while its position ids live and are unchanged: every
-# layer of one forward (and its recomputation) reads the same positions, so they are read back to
-# the host once per forward rather than once per layer.
-_LAST_LAYOUT: list = [None, -1, None]
-
-
-def _layout_of(position_ids: torch.Tensor, batch: int) -> PackedLayout:
-    ref, version, layout = _LAST_LAYOUT
-    if ref is not None and ref() is position_ids and version == position_ids._version \
-            and layout.batch == batch:
-        return layout
-    layout = packed_layout(position_ids.expand(batch, -1))
-    _LAST_LAYOUT[:] = [weakref.ref(position_ids), position_ids._version, layout]
-    return layout
-
-
 class _PackedMask:
-    """What :func:`_hf_mask` hands the attention layers of a packed call in place of a mask: the
-    sequences are read from the position ids, and no mask tensor is built."""
+    """What :func:`_hf_mask` hands the attention layers of a packed call in place of a mask tensor:
+    the rows' :class:`~resilient_rl.models.packing.PackedLayout`, read once per forward."""
 
-    __slots__ = ()
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: PackedLayout):
+        self.layout = layout
 
     def __repr__(self) -> str:
-        return "PACKED"
+        return f"PackedMask(lengths={self.layout.lengths})"
 
 
-_PACKED = _PackedMask()
-
-
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
-                  sliding_window=None, **kwargs):
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  **kwargs):
     """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
-    if attention_mask is _PACKED and position_ids is not None:
-        if dropout:
-            raise ModelInputError(f"packed attention has no attention dropout (got {dropout}); "
-                                  "set the model's attention_dropout to 0")
-        return _hf_packed(query, key, value, position_ids, scaling, sliding_window), None
+    if isinstance(attention_mask, _PackedMask):
+        return _hf_packed(query, key, value, attention_mask.layout, scaling, sliding_window, dropout), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is _PACKED:  # a caller that passes no position ids: one causal sequence per row
-        attention_mask = None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  position_ids=position_ids, sliding_window=sliding_window, **kwargs)
+                                  sliding_window=sliding_window, **kwargs)
 
 
 @torch.compiler.disable
-def _hf_packed(query, key, value, position_ids, scaling, sliding_window) -> torch.Tensor:
-    layout = _layout_of(position_ids, query.shape[0])
+def _hf_packed(query, key, value, layout: PackedLayout, scaling, sliding_window, dropout) -> torch.Tensor:
     if sliding_window is not None and max(layout.lengths, default=0) > sliding_window:
         raise ModelInputError(f"a packed sequence of {max(layout.lengths)} tokens is longer than the "
                               f"model's sliding window ({sliding_window}), which packed attention lacks")
-    return varlen_attention(query, key, value, layout, scale=scaling).transpose(1, 2).contiguous()
+    out = varlen_attention(query, key, value, layout, scale=scaling, dropout=dropout)
+    return out.transpose(1, 2).contiguous()
 
 
-def _hf_mask(*, attention_mask=None, q_length: int, kv_length: int, **kwargs):
-    """transformers' mask-function contract: for a call without an attention mask and without
-    cached keys, the packed marker (:func:`_hf_attention` then reads the sequences from the
-    positions, as transformers' own packed-sequence detection does); else SDPA's mask."""
-    if attention_mask is None and q_length == kv_length:
-        return _PACKED
+#: The position ids of the base-model forward in progress when its call is one transformers reads
+#: as packed (no attention mask, no cache), else None; unset outside such a forward.
+_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("rrl_packed_positions")
+
+
+def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: int, **kwargs):
+    """transformers' mask-function contract. Where transformers would detect packed rows (no
+    attention mask, no cache, position ids that restart), the rows' layout in a
+    :class:`_PackedMask`; for rows of one sequence each, no mask (SDPA's causal flag); else SDPA's
+    own mask."""
+    positions = _POSITIONS.get(None)
+    if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
+        layout = packed_layout(positions.expand(batch_size, -1))
+        return None if len(layout.lengths) == batch_size else _PackedMask(layout)
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, **kwargs)
+    return sdpa_mask(batch_size=batch_size, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
+                     **kwargs)
+
+
+def _track_positions(base: torch.nn.Module, config) -> None:
+    """Hooks on ``base`` (the module that builds the masks) that expose a packed call's position
+    ids to :func:`_hf_mask` for the length of its forward."""
+    signature = inspect.signature(base.forward)
+    tokens: list = []
+
+    def before(module, args, kwargs):
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        cached = bound.get("cache") is not None or bound.get("past_key_values") is not None
+        use_cache = bound.get("use_cache")
+        use_cache = getattr(config, "use_cache", False) if use_cache is None else use_cache
+        packed = bound.get("attention_mask") is None and not cached and not use_cache
+        tokens.append(_POSITIONS.set(bound.get("position_ids") if packed else None))
+
+    def after(module, args, kwargs, output):
+        _POSITIONS.reset(tokens.pop())
+
+    base.register_forward_pre_hook(before, with_kwargs=True)
+    base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 def use_varlen_attention(model) -> None:
@@ -259,7 +275,9 @@ def use_varlen_attention(model) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        model.config._attn_implementation = HF_ATTENTION
+    _track_positions(getattr(model, "base_model", model), model.config)
+    model.config._attn_implementation = HF_ATTENTION
