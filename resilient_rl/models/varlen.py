@@ -253,7 +253,11 @@ def _track_positions(base: torch.nn.Module, config) -> None:
     signature = inspect.signature(base.forward)
     tokens: list = []
 
+    # A compiled forward (the rollout engine's decode step) skips both hooks: they would break its
+    # graph, and its masks then come from transformers as they would without them.
     def before(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
         bound = signature.bind_partial(*args, **kwargs).arguments
         cached = bound.get("cache") is not None or bound.get("past_key_values") is not None
         use_cache = bound.get("use_cache")
@@ -262,7 +266,8 @@ def _track_positions(base: torch.nn.Module, config) -> None:
         tokens.append(_POSITIONS.set(bound.get("position_ids") if packed else None))
 
     def after(module, args, kwargs, output):
-        _POSITIONS.reset(tokens.pop())
+        if tokens and not torch.compiler.is_compiling():
+            _POSITIONS.reset(tokens.pop())
 
     base.register_forward_pre_hook(before, with_kwargs=True)
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
