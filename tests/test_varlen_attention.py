@@ -113,6 +113,27 @@ def test_packed_model_equals_sequences_alone_with_grads(build):
         torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=name)
 
 
+def test_sliding_window_model_packs_sequences_longer_than_its_window():
+    torch.manual_seed(0)
+    model = load_hf_causal_lm(hf_config={
+        "model_type": "mistral", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": 8})
+    seqs, ids, positions = _packed(LENGTHS)  # 30 and 19 tokens are past the window
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+        # With explicit positions too, a row of one sequence keeps its window.
+        alone_at = [model(input_ids=s[None], position_ids=torch.arange(len(s))[None], use_cache=False).logits[0]
+                    for s in seqs]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(alone_at), torch.cat(alone), rtol=1e-5, atol=1e-5)
+    model.config.sliding_window = None  # the window changes the result: the checks above see it
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    with torch.no_grad():
+        assert not torch.allclose(alone[2], model(input_ids=seqs[2][None], use_cache=False).logits[0])
+
+
 def test_hf_model_uses_varlen_attention_only_for_packed_calls(monkeypatch):
     model = _qwen2()
     assert model.config._attn_implementation == varlen.HF_ATTENTION
@@ -204,8 +225,9 @@ def test_flash_is_chosen_on_cuda_when_importable(monkeypatch):
     """No GPU here: a stand-in ``flash_attn`` module checks what the flash path hands the kernel."""
     seen = {}
 
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal):
-        seen.update(shapes=(q.shape, k.shape), cu=cu_q.tolist(), longest=(max_q, max_k), causal=causal)
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size):
+        seen.update(shapes=(q.shape, k.shape), cu=cu_q.tolist(), longest=(max_q, max_k), causal=causal,
+                    window=window_size)
         assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
         lengths = torch.diff(cu_q).tolist()
         out = _reference_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -228,7 +250,7 @@ def test_flash_is_chosen_on_cuda_when_importable(monkeypatch):
     finally:
         varlen._flash_varlen_func.cache_clear()
     assert seen == {"shapes": ((124, 4, 8), (124, 2, 8)), "cu": layout.cu_seqlens.tolist(), "longest": (30, 30),
-                    "causal": True}
+                    "causal": True, "window": (-1, -1)}
     torch.testing.assert_close(out, varlen.varlen_attention(q, k, v, layout, backend="split"))
 
 

@@ -85,11 +85,14 @@ def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 @torch.compiler.disable
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                     scale: float | None = None, backend: str | None = None, dropout: float = 0.0) -> torch.Tensor:
+                     scale: float | None = None, backend: str | None = None, dropout: float = 0.0,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence of ``layout``; returns ``[B, heads, T, D]``.
 
-    ``dropout``: attention dropout probability (not on the flex backend). ``backend`` overrides
-    :func:`choose_backend`. Inside a compiled region this runs outside the
+    ``dropout``: attention dropout probability. ``window``: a sliding window, each query seeing
+    its last ``window`` keys (itself included); the split backend masks only the sequences longer
+    than the window, each with its own ``L x L`` band. The flex backend has neither. ``backend``
+    overrides :func:`choose_backend`. Inside a compiled region this runs outside the
     graph (the sequence lengths are host values, which a graph would specialise on); the flex
     backend compiles its own call.
     """
@@ -98,15 +101,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
     backend = backend or choose_backend(q.device, q.dtype)
+    if window is not None and window >= max(layout.lengths, default=0):
+        window = None  # no sequence reaches past it
     if backend == "flash":
-        return _flash(q, k, v, layout, scale, dropout)
+        return _flash(q, k, v, layout, scale, dropout, window)
     if backend == "flex":
-        if dropout:
+        if dropout or window is not None:
             raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
-                                  f"{dropout}); set the model's attention dropout to 0")
+                                  f"{dropout}) and no sliding window (got {window}, sequences up to "
+                                  f"{max(layout.lengths)} tokens)")
         out = _flex(_tokens(q), _tokens(k), _tokens(v), layout, scale)
     elif backend == "split":
-        out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale, dropout)
+        out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale, dropout, window)
     else:
         raise ModelInputError(f"unknown packed attention backend {backend!r} (flash, flex, split)")
     return out[0].view(heads, batch, seq, dim).transpose(0, 1)
@@ -118,16 +124,22 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).reshape(1, heads, batch * seq, dim)
 
 
-def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float) -> torch.Tensor:
+def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
-    parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
-                                            enable_gqa=gqa)
-             for qs, ks, vs in zip(q.split(layout.lengths, 2), k.split(layout.lengths, 2),
-                                   v.split(layout.lengths, 2))]
+    parts = []
+    for qs, ks, vs in zip(q.split(layout.lengths, 2), k.split(layout.lengths, 2), v.split(layout.lengths, 2)):
+        length = qs.shape[2]
+        if window is None or length <= window:
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
+                                                        enable_gqa=gqa))
+            continue
+        ahead = torch.arange(length, device=q.device)[:, None] - torch.arange(length, device=q.device)[None, :]
+        parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=(ahead >= 0) & (ahead < window),
+                                                    dropout_p=dropout, scale=scale, enable_gqa=gqa))
     return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
 
 
-def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float) -> torch.Tensor:
+def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None) -> torch.Tensor:
     batch, heads, seq, dim = q.shape
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B*T, h, D]
@@ -138,8 +150,9 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float) -
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
     cu = layout.cu_seqlens.to(device=q.device, dtype=torch.int32)
     longest = max(layout.lengths, default=0)
+    # flash-attn's window counts the keys on each side of the query, the query not included.
     out = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale,
-                 causal=True)
+                 causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
@@ -211,20 +224,13 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
                   **kwargs):
     """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
     if isinstance(attention_mask, _PackedMask):
-        return _hf_packed(query, key, value, attention_mask.layout, scaling, sliding_window, dropout), None
+        out = varlen_attention(query, key, value, attention_mask.layout, scale=scaling, dropout=dropout,
+                               window=sliding_window)
+        return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   sliding_window=sliding_window, **kwargs)
-
-
-@torch.compiler.disable
-def _hf_packed(query, key, value, layout: PackedLayout, scaling, sliding_window, dropout) -> torch.Tensor:
-    if sliding_window is not None and max(layout.lengths, default=0) > sliding_window:
-        raise ModelInputError(f"a packed sequence of {max(layout.lengths)} tokens is longer than the "
-                              f"model's sliding window ({sliding_window}), which packed attention lacks")
-    out = varlen_attention(query, key, value, layout, scale=scaling, dropout=dropout)
-    return out.transpose(1, 2).contiguous()
 
 
 #: The position ids of the base-model forward in progress when its call is one transformers reads
@@ -235,12 +241,12 @@ _POSITIONS: contextvars.ContextVar = contextvars.ContextVar("rrl_packed_position
 def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: int, **kwargs):
     """transformers' mask-function contract. Where transformers would detect packed rows (no
     attention mask, no cache, position ids that restart), the rows' layout in a
-    :class:`_PackedMask`; for rows of one sequence each, no mask (SDPA's causal flag); else SDPA's
-    own mask."""
+    :class:`_PackedMask`; else (rows of one sequence each included) SDPA's own mask."""
     positions = _POSITIONS.get(None)
     if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
         layout = packed_layout(positions.expand(batch_size, -1))
-        return None if len(layout.lengths) == batch_size else _PackedMask(layout)
+        if len(layout.lengths) > batch_size:
+            return _PackedMask(layout)
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(batch_size=batch_size, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
