@@ -91,10 +91,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
     ``dropout``: attention dropout probability. ``window``: a sliding window, each query seeing
     its last ``window`` keys (itself included); the split backend masks only the sequences longer
-    than the window, each with its own ``L x L`` band. The flex backend has neither. ``backend``
-    overrides :func:`choose_backend`. Inside a compiled region this runs outside the
-    graph (the sequence lengths are host values, which a graph would specialise on); the flex
-    backend compiles its own call.
+    than the window, each with its own ``L x L`` band. The flex backend has neither and raises
+    :class:`ModelInputError` when asked. ``backend`` overrides :func:`choose_backend`.
+
+    Inside a compiled region this runs outside the graph (the sequence lengths are host values,
+    which a graph would specialise on); the flex backend compiles its own call.
     """
     batch, heads, seq, dim = q.shape
     if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
