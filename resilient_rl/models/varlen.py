@@ -254,7 +254,7 @@ def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: 
                      **kwargs)
 
 
-def _track_positions(base: torch.nn.Module, config) -> None:
+def _track_positions(base: torch.nn.Module) -> None:
     """Hooks on ``base`` (the module that builds the masks) that expose a packed call's position
     ids to :func:`_hf_mask` for the length of its forward."""
     signature = inspect.signature(base.forward)
@@ -268,7 +268,7 @@ def _track_positions(base: torch.nn.Module, config) -> None:
         bound = signature.bind_partial(*args, **kwargs).arguments
         cached = bound.get("cache") is not None or bound.get("past_key_values") is not None
         use_cache = bound.get("use_cache")
-        use_cache = getattr(config, "use_cache", False) if use_cache is None else use_cache
+        use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
         packed = bound.get("attention_mask") is None and not cached and not use_cache
         tokens.append(_POSITIONS.set(bound.get("position_ids") if packed else None))
 
@@ -291,5 +291,5 @@ def use_varlen_attention(model) -> None:
         return
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
-    _track_positions(getattr(model, "base_model", model), model.config)
+    _track_positions(getattr(model, "base_model", model))
     model.config._attn_implementation = HF_ATTENTION
