@@ -1,5 +1,6 @@
 """Packed attention (models/varlen.py): equal to the sequences run one by one, forward and backward,
-for the tiny model and a Hugging Face Qwen2 with grouped-query heads, with no ``T x T`` tensor."""
+for the tiny model and Hugging Face models (Qwen2 with grouped-query heads, GPT-2, a sliding-window
+Mistral), with no ``T x T`` tensor; the backend choice, the flash call and the flex block mask."""
 
 from __future__ import annotations
 
