@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from resilient_rl.errors import ConfigError
+from resilient_rl.models.varlen import use_varlen_attention
 
 __all__ = ["hf_layers", "load_hf_causal_lm", "load_hf_config", "tiny_llama_config"]
 
@@ -46,35 +47,39 @@ def load_hf_causal_lm(path: str | None = None, hf_config: dict[str, Any] | None 
     ``AutoConfig.for_model`` arguments and must hold ``model_type`` (see :func:`tiny_llama_config`);
     a model built from it has random weights drawn from the global torch RNG. ``weights=False``
     builds a model from ``path``'s config without reading its weights (they are about to be
-    overwritten). Raises :class:`ConfigError` naming the path when it does not exist or holds no
-    loadable model.
+    overwritten). The model's SDPA attention computes packed rows per sequence
+    (:func:`~resilient_rl.models.varlen.use_varlen_attention`). Raises :class:`ConfigError` naming
+    the path when it does not exist or holds no loadable model.
     """
     if (path is None) == (hf_config is None):
         raise ConfigError("set exactly one of model.path (a local model directory) and model.hf_config "
                           f"(a config dict); got path={path!r}, hf_config={'set' if hf_config else hf_config!r}")
     transformers = _transformers()
     if path is not None and not weights:
-        return transformers.AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype)
-    if path is not None:
+        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype)
+    elif path is not None:
         local = os.path.expanduser(str(path))
         if not os.path.exists(local):
             raise ConfigError(f"model.path={path!r} does not exist (models are loaded from local "
                               "files only, never downloaded)")
         try:
-            return transformers.AutoModelForCausalLM.from_pretrained(local, dtype=dtype, local_files_only=True)
+            model = transformers.AutoModelForCausalLM.from_pretrained(local, dtype=dtype, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"model.path={path!r} holds no loadable causal LM: {exc}") from exc
-
-    assert hf_config is not None
-    kwargs = dict(hf_config)
-    model_type = kwargs.pop("model_type", None)
-    if not model_type:
-        raise ConfigError("model.hf_config.model_type is missing (e.g. 'llama', 'qwen2', 'mistral')")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **kwargs)
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"model.hf_config (model_type={model_type!r}) cannot build a causal LM: {exc}") from exc
+    else:
+        assert hf_config is not None
+        kwargs = dict(hf_config)
+        model_type = kwargs.pop("model_type", None)
+        if not model_type:
+            raise ConfigError("model.hf_config.model_type is missing (e.g. 'llama', 'qwen2', 'mistral')")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **kwargs)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"model.hf_config (model_type={model_type!r}) cannot build a causal "
+                              f"LM: {exc}") from exc
+    use_varlen_attention(model)
+    return model
 
 
 def load_hf_config(path: str) -> Any:

@@ -20,7 +20,8 @@ from torch import nn
 from resilient_rl.errors import ConfigError, ModelInputError
 from resilient_rl.models.cache_attention import cache_attention
 from resilient_rl.models.generation import compute_position_ids
-from resilient_rl.models.packing import packed_causal_mask
+from resilient_rl.models.packing import PackedLayout, packed_layout
+from resilient_rl.models.varlen import varlen_attention
 
 __all__ = ["CausalLMOutput", "KVCache", "TinyCausalLM", "TinyLMConfig"]
 
@@ -72,15 +73,20 @@ class TinyAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedLayout,
+                past: tuple[torch.Tensor, torch.Tensor] | None,
                 use_cache: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """``x`` [B,T,H], boolean ``mask`` [B,1,T,past+T] (True = attend). Returns output and new (k, v)."""
+        """``x`` [B,T,H] and either a boolean ``mask`` [B,1,T,past+T] (True = attend) or, for packed
+        rows, their :class:`~resilient_rl.models.packing.PackedLayout`. Returns output and new (k, v)."""
         batch, seq, hidden = x.shape
         q, k, v = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, PackedLayout):
+            out = varlen_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # The cache is copied out of the fused projection's view: FSDP2 must not see a block
         # return views, and later concatenations read contiguous memory.
         present = (k.contiguous(), v.contiguous()) if use_cache else None
@@ -118,7 +124,8 @@ class TinyBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=1e-6)
         self.mlp = TinyMLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedLayout,
+                past: tuple[torch.Tensor, torch.Tensor] | None,
                 use_cache: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         attn_out, present = self.attn(self.attn_norm(x), mask, past, use_cache)
         x = x + attn_out
@@ -205,7 +212,7 @@ class TinyCausalLM(nn.Module):
                               "raise model.max_seq_len to cover prompt + response length")
 
         if packed:  # sequences laid end to end, told apart by their positions (models/packing.py)
-            mask = packed_causal_mask(position_ids)
+            mask = packed_layout(position_ids)
         else:
             mask = _attention_mask_4d(attention_mask, past_len, seq)
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)

@@ -1,0 +1,295 @@
+"""Causal attention over packed rows (:mod:`resilient_rl.models.packing`) without a ``T x T`` mask.
+
+:func:`varlen_attention` takes ``q`` ``[B, heads, T, D]`` and ``k``/``v`` ``[B, kv_heads, T, D]``
+(grouped-query: ``heads`` a multiple of ``kv_heads``) and attends causally within each sequence of
+the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_backend` picks how:
+
+- ``"flash"``: flash-attn's ``flash_attn_varlen_func``, for CUDA tensors in fp16/bf16 when
+  ``flash_attn`` is importable. All rows' tokens form one ``[total, heads, D]`` batch whose
+  sequences start at ``cu_seqlens``; the kernel reads grouped key/value heads as they are.
+- ``"flex"``: other CUDA tensors. ``flex_attention``, compiled once per process with dynamic
+  shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
+  from the sequence boundaries at block granularity: blocks outside every sequence's causal
+  triangle are skipped, blocks inside one are computed without the mask, and no score matrix is
+  materialised.
+- ``"split"``: everything else, i.e. the CPU. ``scaled_dot_product_attention`` with
+  ``is_causal=True`` on each sequence (a row's sequences are contiguous, so this is a split along
+  the tokens and a concatenation); each call runs the fused CPU kernel, which keeps no score matrix.
+
+Why ``"split"`` on the CPU: measured with ``python bench/varlen.py --repeat 15`` (torch 2.13 CPU
+build, 2 cores, fp32, best of 15). Compiled flex attention raises ``NotImplementedError`` ("does
+not support backward on CPU") for any input that requires grad, and the update pass trains through
+attention; nested jagged tensors find no CPU SDPA backend ("No viable backend"). Forward only /
+forward and backward:
+
+=====================================  ==============  ==============  ===============  ==========
+shape                                  split           right-padded    dense T x T      flex
+=====================================  ==============  ==============  ===============  ==========
+8 sequences of 1..111 (T=484),         0.29 / 1.04 ms  0.67 / 1.89 ms  1.04 / 2.69 ms   1.57 ms /
+4 heads over 2, D=16                                                                    (none)
+12 sequences of 113..349 (T=2706),     27 / 70 ms      42 / 142 ms     191 / 643 ms     1305 ms /
+14 heads over 2, D=64                                                                   (none)
+=====================================  ==============  ==============  ===============  ==========
+
+(right-padded: the sequences padded to the longest and batched through one causal SDPA call;
+flex's first call also compiles, 2-8 s.) The split is also the computation each sequence gets
+when it runs alone: the same kernel, one sequence at a time.
+
+Hugging Face models reach this through the attention function registered with transformers'
+``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`). Where transformers
+would detect packed rows (no attention mask, no cache, ``position_ids`` that restart) and its SDPA
+path would build the dense block-diagonal mask, the model's mask function hands every layer the
+rows' layout instead; every other call, an all-ones attention mask included, is the model's usual
+SDPA attention with its usual mask.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from resilient_rl.errors import ModelInputError
+from resilient_rl.models.packing import PackedLayout, packed_layout
+
+__all__ = ["BLOCK", "HF_ATTENTION", "choose_backend", "document_block_mask", "use_varlen_attention",
+           "varlen_attention"]
+
+#: Tokens per block of the flex backend's block mask.
+BLOCK = 128
+#: The name of the packed-aware attention function in transformers' ``AttentionInterface``.
+HF_ATTENTION = "rrl_varlen"
+
+
+@functools.cache
+def _flash_varlen_func():
+    """flash-attn's ``flash_attn_varlen_func``, or None when flash-attn is not installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """``"flash"``, ``"flex"`` or ``"split"`` for tensors on ``device`` in ``dtype`` (see the module docs)."""
+    if device.type != "cuda":
+        return "split"
+    if dtype in (torch.float16, torch.bfloat16) and _flash_varlen_func() is not None:
+        return "flash"
+    return "flex"
+
+
+@torch.compiler.disable
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+                     scale: float | None = None, backend: str | None = None, dropout: float = 0.0,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal attention within each packed sequence of ``layout``; returns ``[B, heads, T, D]``.
+
+    ``dropout``: attention dropout probability. ``window``: a sliding window, each query seeing
+    its last ``window`` keys (itself included); the split backend masks only the sequences longer
+    than the window, each with its own ``L x L`` band. The flex backend has neither and raises
+    :class:`ModelInputError` when asked. ``backend`` overrides :func:`choose_backend`.
+
+    Inside a compiled region this runs outside the graph (the sequence lengths are host values,
+    which a graph would specialise on); the flex backend compiles its own call.
+    """
+    batch, heads, seq, dim = q.shape
+    if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
+        raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
+                              f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
+    backend = backend or choose_backend(q.device, q.dtype)
+    if window is not None and window >= max(layout.lengths, default=0):
+        window = None  # no sequence reaches past it
+    if backend == "flash":
+        return _flash(q, k, v, layout, scale, dropout, window)
+    if backend == "flex":
+        if dropout or window is not None:
+            raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
+                                  f"{dropout}) and no sliding window (got {window}, sequences up to "
+                                  f"{max(layout.lengths)} tokens)")
+        out = _flex(_tokens(q), _tokens(k), _tokens(v), layout, scale)
+    elif backend == "split":
+        out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale, dropout, window)
+    else:
+        raise ModelInputError(f"unknown packed attention backend {backend!r} (flash, flex, split)")
+    return out[0].view(heads, batch, seq, dim).transpose(0, 1)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[B, h, T, D]`` -> ``[1, h, B*T, D]``: the rows end to end (a view when ``B`` is 1)."""
+    batch, heads, seq, dim = x.shape
+    return x.transpose(0, 1).reshape(1, heads, batch * seq, dim)
+
+
+def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    parts = []
+    for qs, ks, vs in zip(q.split(layout.lengths, 2), k.split(layout.lengths, 2), v.split(layout.lengths, 2)):
+        length = qs.shape[2]
+        if window is None or length <= window:
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
+                                                        enable_gqa=gqa))
+            continue
+        ahead = torch.arange(length, device=q.device)[:, None] - torch.arange(length, device=q.device)[None, :]
+        parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=(ahead >= 0) & (ahead < window),
+                                                    dropout_p=dropout, scale=scale, enable_gqa=gqa))
+    return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
+
+
+def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None) -> torch.Tensor:
+    batch, heads, seq, dim = q.shape
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B*T, h, D]
+        return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
+
+    kernel = _flash_varlen_func()
+    if kernel is None:
+        raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
+    cu = layout.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = max(layout.lengths, default=0)
+    # flash-attn's window counts the keys on each side of the query, the query not included.
+    out = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale,
+                 causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
+    return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+_FLEX: list = []
+
+
+def _compiled_flex():
+    """``flex_attention`` compiled once per process; without compiling it would materialise the scores."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _FLEX[0]
+
+
+def document_block_mask(layout: PackedLayout, device: torch.device):
+    """The document-causal ``BlockMask`` of ``layout``'s tokens end to end (``[1, 1, N, N]``),
+    built from each block's first and last sequence, never from an ``N x N`` mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    ids = layout.sequence_ids.to(device)
+    total = ids.numel()
+    blocks = -(-total // BLOCK)
+    begin = torch.arange(blocks, device=device) * BLOCK
+    first = ids[begin]
+    last = ids[(begin + BLOCK).clamp(max=total) - 1]
+    q_block = torch.arange(blocks, device=device)[:, None]
+    kv_block = torch.arange(blocks, device=device)[None, :]
+    # Sequence ids never decrease along the tokens: an earlier key block shares a sequence with
+    # a query block exactly when its last sequence is the query block's first.
+    visited = (kv_block <= q_block) & (last[None, :] >= first[:, None])
+    # Both blocks inside one sequence and the key block strictly earlier: every pair attends.
+    full = (kv_block < q_block) & (first[None, :] == last[:, None])
+    partial = visited & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = dense.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return count[None, None].contiguous(), indices[None, None].contiguous()
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
+    kv_count, kv_indices = ordered(partial)
+    full_count, full_indices = ordered(full)
+    return BlockMask.from_kv_blocks(kv_count, kv_indices, full_count, full_indices, BLOCK_SIZE=BLOCK,
+                                    mask_mod=document_causal, seq_lengths=(total, total))
+
+
+def _flex(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
+    mask = document_block_mask(layout, q.device)
+    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class _PackedMask:
+    """What :func:`_hf_mask` hands the attention layers of a packed call in place of a mask tensor:
+    the rows' :class:`~resilient_rl.models.packing.PackedLayout`, read once per forward."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: PackedLayout):
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return f"PackedMask(lengths={self.layout.lengths})"
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  **kwargs):
+    """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
+    if isinstance(attention_mask, _PackedMask):
+        out = varlen_attention(query, key, value, attention_mask.layout, scale=scaling, dropout=dropout,
+                               window=sliding_window)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  sliding_window=sliding_window, **kwargs)
+
+
+#: The position ids of the base-model forward in progress when its call is one transformers reads
+#: as packed (no attention mask, no cache), else None; unset outside such a forward.
+_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("rrl_packed_positions")
+
+
+def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: int, **kwargs):
+    """transformers' mask-function contract. Where transformers would detect packed rows (no
+    attention mask, no cache, position ids that restart), the rows' layout in a
+    :class:`_PackedMask`; else (rows of one sequence each included) SDPA's own mask."""
+    positions = _POSITIONS.get(None)
+    if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
+        layout = packed_layout(positions.expand(batch_size, -1))
+        if len(layout.lengths) > batch_size:
+            return _PackedMask(layout)
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(batch_size=batch_size, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
+                     **kwargs)
+
+
+def _track_positions(base: torch.nn.Module) -> None:
+    """Hooks on ``base`` (the module that builds the masks) that expose a packed call's position
+    ids to :func:`_hf_mask` for the length of its forward."""
+    signature = inspect.signature(base.forward)
+    tokens: list = []
+
+    # A compiled forward (the rollout engine's decode step) skips both hooks: they would break its
+    # graph, and its masks then come from transformers as they would without them.
+    def before(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        cached = bound.get("cache") is not None or bound.get("past_key_values") is not None
+        use_cache = bound.get("use_cache")
+        use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
+        packed = bound.get("attention_mask") is None and not cached and not use_cache
+        tokens.append(_POSITIONS.set(bound.get("position_ids") if packed else None))
+
+    def after(module, args, kwargs, output):
+        if tokens and not torch.compiler.is_compiling():
+            _POSITIONS.reset(tokens.pop())
+
+    base.register_forward_pre_hook(before, with_kwargs=True)
+    base.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+
+def use_varlen_attention(model) -> None:
+    """Switch the Hugging Face ``model`` from SDPA attention to :data:`HF_ATTENTION`, which is the
+    same for every call but a packed one (see the module docs). Models set to another attention
+    implementation keep it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
+    _track_positions(getattr(model, "base_model", model))
+    model.config._attn_implementation = HF_ATTENTION
