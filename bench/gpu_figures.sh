@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU figure of the project in one command, on one GPU (not yet timed to the end on an H100:
-# the first rollouts compile the decode step; see the README's Benchmarks section):
+# the first rollouts compile the decode step; see docs/performance.md):
 #
 #   bash bench/gpu_figures.sh [--wheelhouse DIR] [OUT [WORKLOAD ...]]
 #
