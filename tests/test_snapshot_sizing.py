@@ -79,7 +79,7 @@ def test_config_default_is_auto_and_numbers_still_work():
     assert load_config(None, []).recovery.snapshot_every == "auto"
     assert load_config(None, ["recovery.snapshot_every=0"]).recovery.snapshot_every == 0
     assert load_config(None, ["recovery.snapshot_every=4"]).recovery.snapshot_every == 4
-    assert load_config(None, []).recovery.spares == 0  # spares stay opt-in
+    assert load_config(None, []).recovery.spares == "auto"  # sized at start (runtime/spare_sizing.py)
     with pytest.raises(ConfigError, match="recovery.snapshot_every"):
         load_config(None, ["recovery.snapshot_every=sometimes"])
 

@@ -21,6 +21,7 @@ from resilient_rl.runtime.capacity import alive_nodes, nodes_launching, unplacea
 from resilient_rl.runtime.health import process_gone, replaced
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.resource_pool import RayResourcePool
+from resilient_rl.runtime.spare_sizing import available_host_bytes, cores_here, decide as decide_spares
 from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from resilient_rl.config.node_layout import check_cluster_fits, config_layouts, network_runtime_env
@@ -89,11 +90,25 @@ class RayRoles:
             self._print_memory_plan()
             self.sync_weights(0)  # the rollout, built empty, gets the actor's initial weights
             # Started last: they warm up while the first step runs.
-            self.spares = {g.name_prefix: SparePool(g, cfg.recovery.spares, cfg.recovery.rendezvous_timeout_s)
-                           for g in self.distinct_groups()} if cfg.recovery.spares else {}
+            self.spares = self._start_spares()
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_spares(self) -> dict[str, SparePool]:
+        """The warm spares of ``recovery.spares`` (``auto``: one per node of each process group,
+        :mod:`resilient_rl.runtime.spare_sizing`), with the one line saying what was chosen."""
+        rc = self.cfg.recovery
+        groups = {g.name_prefix: g for g in self.distinct_groups()}
+        spans = {name: len({g.placement(r)[0] for r in range(g.world_size)} - {None}) for name, g in groups.items()}
+        here = ray.get_runtime_context().get_node_id()
+        processes_here = sum(1 for g in groups.values() for r in range(g.world_size) if g.placement(r)[0] == here)
+        auto = rc.spares == "auto"
+        decision = decide_spares(rc.spares, spans, available_host_bytes() if auto else None,
+                                 cores_here() if auto else None, processes_here)
+        logger.info(decision.line)
+        return {name: SparePool(groups[name], n, rc.rendezvous_timeout_s)
+                for name, n in decision.per_group.items() if n > 0}
 
     def _print_memory_plan(self) -> None:
         """Say once, at start, how ``micro_batch_tokens=auto`` was resolved (rank 0 of each
