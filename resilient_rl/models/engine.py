@@ -50,7 +50,7 @@ from resilient_rl.models.generation import (
 )
 from resilient_rl.models.kv_cache import CacheShape, EngineCache
 from resilient_rl.models.sampling import draw_uniform, sample_tokens
-from resilient_rl.models.tiny import TinyCausalLM
+from resilient_rl.models.tiny import TinyCausalLM, attention_mask_4d
 from resilient_rl.runtime import progress
 
 __all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "engine_cache", "generate_static", "resolve_engine",
@@ -166,16 +166,6 @@ def engine_cache(model: nn.Module, shape: CacheShape, rows: int, columns: int) -
     return cache
 
 
-def _prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, P, P]`` bool: causal, pad keys hidden; every query also sees itself, so a padding
-    query never has a fully masked row (which would make SDPA return NaN)."""
-    prompt_len = prompt_mask.shape[1]
-    idx = torch.arange(prompt_len, device=prompt_mask.device)
-    causal = idx[None, :] <= idx[:, None]
-    allowed = causal[None] & prompt_mask.bool()[:, None, :]
-    return (allowed | (idx[None, :] == idx[:, None])[None])[:, None]
-
-
 @torch.no_grad()
 def generate_static(
     model: nn.Module,
@@ -239,7 +229,7 @@ def generate_static(
     cache.rows = int(first.shape[0])
     keys, values = cache.views()
     prefill = EngineStep(keys, values, torch.arange(prompt_len, device=device),
-                         prefill_mask=_prefill_mask(prompt_mask[first]))
+                         prefill_mask=attention_mask_4d(prompt_mask[first], 0, prompt_mask.shape[1]))
     with nullcontext() if tiny else engine_attention(model):
         logits = forward(model, input_ids[first], prompt_pos[first], prefill)
         if first.shape[0] != batch:  # the samples of a prompt take copies of its prefilled rows

@@ -214,7 +214,7 @@ class TinyCausalLM(nn.Module):
         if packed:  # sequences laid end to end, told apart by their positions (models/packing.py)
             mask = packed_layout(position_ids)
         else:
-            mask = _attention_mask_4d(attention_mask, past_len, seq)
+            mask = attention_mask_4d(attention_mask, past_len, seq)
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)
         presents = []
         for i, layer in enumerate(self.layers):
@@ -260,7 +260,7 @@ class TinyCausalLM(nn.Module):
         return self.lm_head(self.norm(x[:, -1]))
 
 
-def _attention_mask_4d(attention_mask: torch.Tensor, past_len: int, seq: int) -> torch.Tensor:
+def attention_mask_4d(attention_mask: torch.Tensor, past_len: int, seq: int) -> torch.Tensor:
     """Boolean ``[B, 1, seq, past+seq]`` mask: causal, pad keys hidden.
 
     Every query may also attend to itself, so a padding query never has a fully masked row
