@@ -11,9 +11,9 @@ import signal
 import pytest
 
 from resilient_rl import cli
-from resilient_rl.errors import Preempted
+from resilient_rl.errors import Preempted, WorkerDiedError
 from resilient_rl.run.record import controller_session
-from resilient_rl.trainer.preemption import Preemption, stop_for_preemption
+from resilient_rl.trainer.preemption import Preemption, stop_after_lost_workers, stop_for_preemption
 
 
 def test_a_signal_is_noted_not_acted_on_and_the_handlers_are_given_back():
@@ -87,6 +87,18 @@ def test_a_save_past_the_grace_period_is_abandoned_and_the_last_commit_named():
     with pytest.raises(Preempted, match="after step 3: the last committed checkpoint is step 2"):
         stop_for_preemption(trainer, grace_s=0.01)
     assert trainer.ckpt.abandoned == [(3, "preempted")]
+
+
+def test_workers_stopped_by_the_same_signal_end_the_run_as_preempted_not_recovered():
+    """A requeue with no early warning signals every process: the step fails with its workers.
+    Nothing is recovered or saved; the save in flight is abandoned and the last commit named."""
+    trainer = _Trainer(3, _Checkpoints(2, pending={"step": 3}))
+    died = WorkerDiedError("actor rank 0 died", role="actor", rank=0)
+    with pytest.raises(Preempted, match=r"during step 4, whose workers stopped with it: the last committed "
+                                        r"checkpoint is step 2; .* \(step 3 is run again\)") as info:
+        stop_after_lost_workers(trainer, died)
+    assert trainer.ckpt.abandoned == [(3, "preempted")] and trainer.ckpt.saved == []
+    assert info.value.committed == 2 and cli.exit_code(info.value) == cli.EXIT_PREEMPTED
 
 
 def test_checkpoints_turned_off_stay_off():

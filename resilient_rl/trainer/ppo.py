@@ -36,7 +36,7 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
-from resilient_rl.trainer.preemption import Preemption, stop_for_preemption
+from resilient_rl.trainer.preemption import Preemption, stop_after_lost_workers, stop_for_preemption
 from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
 from resilient_rl.workers.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
@@ -349,6 +349,8 @@ class PPOTrainer:
                         # it rolls the run back to the last commit and the final steps are replayed.
                         self.ckpt.finish(self.roles)
                 except WorkerError as exc:
+                    if self.preemption.requested:  # the workers stopped with the same signal
+                        stop_after_lost_workers(self, exc)
                     # Pools that save no checkpoints run in this process: nothing to restart there.
                     self.recovery.handle(exc, self.step + 1, self.roles if self.checkpoints_on else None)
                     bar.n = self.step

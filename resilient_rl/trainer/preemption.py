@@ -117,11 +117,33 @@ def stop_for_preemption(trainer, grace_s: float) -> None:
         except RRLError as exc:  # the run stops either way; what is committed is what counts
             logger.error("committing step %d before stopping failed: %s", step, exc)
     committed = ckpt.last_committed if trainer.checkpoints_on else None
-    if committed == step:
-        where = f"step {step} is committed; the same command continues from it"
-    elif committed is not None:
-        where = f"the last committed checkpoint is step {committed}; the same command continues from it"
-    else:
-        where = "no checkpoint is committed (checkpoint.save_every=0 or none yet)"
-    raise Preempted(f"preempted by {preemption.signal_name} after step {step}: {where}",
+    raise Preempted(f"preempted by {preemption.signal_name} after step {step}: {_where(step, committed)}",
                     signal_name=preemption.signal_name or "?", step=step, committed=committed)
+
+
+def stop_after_lost_workers(trainer, exc: BaseException) -> None:
+    """A step failed after a preemption signal: the scheduler signalled the workers too (a
+    requeue or a kill with no early warning stops every process of the job), so there is nothing
+    to recover and nothing left to save the step from. Raise Preempted at once, naming the last
+    committed checkpoint, instead of starting a recovery the scheduler's SIGKILL would cut short
+    with nothing recorded. A save in flight is abandoned (its writers are gone)."""
+    preemption, ckpt, step = trainer.preemption, trainer.ckpt, trainer.step
+    if trainer.checkpoints_on and ckpt.pending is not None:
+        ckpt.abandon(reason="preempted")
+    committed = ckpt.last_committed if trainer.checkpoints_on else None
+    logger.warning("step %d failed after %s (%s): the workers stopped with the preemption; not recovering",
+                   step + 1, preemption.signal_name, exc)
+    raise Preempted(f"preempted by {preemption.signal_name} during step {step + 1}, whose workers stopped with it: "
+                    f"{_where(step, committed)}", signal_name=preemption.signal_name or "?", step=step,
+                    committed=committed)
+
+
+def _where(step: int, committed: int | None) -> str:
+    """Where the same command continues a run stopped after ``step``."""
+    if committed == step:
+        return f"step {step} is committed; the same command continues from it"
+    if committed is not None:
+        return (f"the last committed checkpoint is step {committed}; the same command continues from it"
+                + (f" (step {step} is run again)" if committed + 1 == step
+                   else f" (steps {committed + 1}-{step} are run again)" if committed < step else ""))
+    return "no checkpoint is committed (checkpoint.save_every=0 or none yet)"
