@@ -51,6 +51,9 @@ def verl_run(tmp_path):
              "reward_model": {"style": "rule", "ground_truth": a},
              "extra_info": {"split": "train", "index": i, "question": q}} for i, (q, a) in enumerate(PROBLEMS)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    # verl's held-out split: the same layout (two of the problems, as a test file would hold others).
+    held_out = [{**row, "extra_info": {**row["extra_info"], "split": "test"}} for row in rows[:2]]
+    pq.write_table(pa.Table.from_pylist(held_out), tmp_path / "test.parquet")
     log = tmp_path / "calls.jsonl"
     (tmp_path / "gsm8k_reward.py").write_text(f"LOG = {str(log)!r}\n" + REWARD)
     line = [f"data.train_files={tmp_path / 'train.parquet'}", "data.train_batch_size=2",
@@ -61,7 +64,8 @@ def verl_run(tmp_path):
             "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.temperature=1.0",
             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
-            "trainer.total_epochs=1", "trainer.save_freq=1", "trainer.test_freq=-1",
+            f"data.val_files={tmp_path / 'test.parquet'}",
+            "trainer.total_epochs=1", "trainer.save_freq=1", "trainer.test_freq=1",
             "trainer.logger=['console','jsonl']", "trainer.project_name=verl-port",
             "trainer.experiment_name=gsm8k-grpo", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
             "trainer.nnodes=1", "trainer.device=cpu", "+trainer.val_before_train=False",
@@ -88,10 +92,16 @@ def _check_run(rows: list[dict], log) -> None:
     for r in rows:
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "reward/mean"):
             assert math.isfinite(r[key]), (key, r)
+    # Validated after each step (test_freq=1) on the 2 held-out prompts, greedily (one sample each),
+    # scored by the same compute_score per data source.
+    for r in rows:
+        assert r["val/samples"] == 2 and math.isfinite(r["val/reward_mean"]), r
+        assert r["val/openai/gsm8k/reward_mean"] == r["val/reward_mean"]
     # Every response went through verl's compute_score with its row's data source, ground truth and
-    # extra info: 2 steps x 2 prompts x 2 samples.
+    # extra info: 2 steps x (2 prompts x 2 samples + 2 held-out prompts).
     calls = [json.loads(x) for x in log.read_text().splitlines()]
-    assert len(calls) == 8
+    assert len(calls) == 12
+    assert [c["extra_info"]["split"] for c in calls] == (["train"] * 4 + ["test"] * 2) * 2
     truths = {i: a for i, (_, a) in enumerate(PROBLEMS)}
     for call in calls:
         assert call["data_source"] == "openai/gsm8k" and isinstance(call["solution_str"], str)
