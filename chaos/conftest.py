@@ -7,6 +7,7 @@ invariants of :mod:`resilient_rl.faults.harness` against the reference computed 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import statistics
@@ -15,6 +16,7 @@ import pytest
 
 from resilient_rl.env import fail_fast_on_dead_actors
 from resilient_rl.faults.harness import run_training
+from resilient_rl.faults.nodes import local_nodes
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.faults.storage import register as register_faulty_storage
 
@@ -85,6 +87,19 @@ def ensure_ray():
         ray.init(address="local", num_cpus=32, include_dashboard=False, namespace="rrl-chaos",
                  object_store_memory=256 * 1024**2, log_to_driver=False, configure_logging=False)
     return ray
+
+
+@contextlib.contextmanager
+def nodes_instead(workers: int, namespace: str):
+    """A ``ray.cluster_utils`` cluster of a CPU-less head and ``workers`` worker nodes (health
+    checks every second), connected in place of the suite's cluster; ``chaos_ray`` starts the
+    suite's again on next use."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with local_nodes(workers, health_check_ms=1000, namespace=namespace) as cluster:
+        yield cluster
 
 
 @pytest.fixture

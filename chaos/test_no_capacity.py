@@ -12,12 +12,12 @@ they were; once a node is added, the same run continues to its last step with ev
 from __future__ import annotations
 
 import pytest
-import ray
 
+from conftest import nodes_instead
 from resilient_rl.cli import EXIT_NO_CAPACITY, exit_code
 from resilient_rl.errors import NoCapacityError
 from resilient_rl.faults.harness import run_training
-from resilient_rl.faults.nodes import RemoveNodeOf, local_nodes
+from resilient_rl.faults.nodes import RemoveNodeOf
 
 STEPS = 6
 
@@ -34,9 +34,7 @@ def overrides(tmp: str) -> list[str]:
 
 @pytest.fixture()
 def two_nodes():
-    if ray.is_initialized():
-        ray.shutdown()  # the suite's cluster; ``chaos_ray`` starts it again on next use
-    with local_nodes(2, health_check_ms=1000, namespace="rrl-chaos-capacity") as cluster:
+    with nodes_instead(2, "rrl-chaos-capacity") as cluster:
         yield cluster
 
 

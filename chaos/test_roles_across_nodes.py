@@ -9,11 +9,10 @@ same cluster with the same config, since the suite's reference runs another layo
 from __future__ import annotations
 
 import pytest
-import ray
 
-from conftest import STEPS
+from conftest import STEPS, nodes_instead
 from resilient_rl.faults.harness import check_invariants, leftovers, run_training
-from resilient_rl.faults.nodes import RemoveNodeOf, local_nodes
+from resilient_rl.faults.nodes import RemoveNodeOf
 
 pytestmark = pytest.mark.slow  # two runs of 4 ranks on three raylets: minutes on 2 busy cores
 
@@ -33,9 +32,7 @@ def overrides(tmp: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def nodes():
-    if ray.is_initialized():
-        ray.shutdown()  # the suite's cluster; ``chaos_ray`` starts it again on next use
-    with local_nodes(3, health_check_ms=1000, namespace="rrl-chaos-across") as cluster:
+    with nodes_instead(3, "rrl-chaos-across") as cluster:
         yield cluster
 
 
