@@ -30,10 +30,6 @@ flight after it are kept.
 
 :meth:`SnapshotKeeper.restore` loads the newest complete snapshot that is not older than the last
 committed checkpoint and was taken at the current world sizes (snapshots are never resharded).
-A snapshot newer than that, which a rank's death left unfinished (its seal, publish or a hold
-never answered), is tried first: its survivors' answers still in flight are waited for, and it
-is used when every rank still has a whole copy (checked by the load), so a failure striking
-while the previous step's snapshot is being sealed does not cost that step.
 Each rank is filled from the first copy that is still there: its own (its process survived), its
 node memory's (its new process runs on the same node), the object store's (skipped when
 ``recovery.max_task_retries`` > 0, where Ray could rebuild a lost copy by re-running the snapshot
@@ -53,7 +49,6 @@ import uuid
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import RayActorError
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
 from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
@@ -88,7 +83,6 @@ class Snapshot:
     sealed: list = dataclasses.field(default_factory=list)  # ObjectRef of each process's seal_snapshot (checksums)
     failed: bool = False
     complete: bool = False
-    lossy: bool = False  # every answer is in but a rank died before giving all of its own: see restore
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
 
 
@@ -251,11 +245,7 @@ class SnapshotKeeper:
         try:
             # Small answers: whether every copy is done and kept, without fetching any copy.
             done = {id(r): a for r, a in zip(answers, self._get(refs, timeout=self.timeout_s))}
-        except RayActorError as exc:  # a rank died while taking it: its copies elsewhere may be whole
-            logger.info("snapshot of step %d lost a rank before it was complete: %s", snap.step, exc)
-            snap.lossy = True
-            return False
-        except Exception as exc:  # a call of it failed
+        except Exception as exc:  # a rank died during the snapshot
             logger.info("snapshot of step %d is incomplete: %s", snap.step, exc)
             snap.failed = True
             return False
@@ -283,20 +273,12 @@ class SnapshotKeeper:
         self.snapshots = [s for s in self.snapshots if s.step <= step]
 
     def newest_complete(self, min_step: int | None, world_sizes: dict[str, int]) -> list[Snapshot]:
-        """Snapshots to try for a restore, newest first: the complete ones, and those newer that a
-        rank's death left unfinished (:attr:`Snapshot.lossy`), whose every rank may still have a
-        whole copy somewhere (the dead rank's peer copy or sealed node copy; the survivors' own):
-        the load tries each rank's copies and moves on to the next snapshot where one has none.
-        Answers still in flight (the survivors' seals and holds, on their snapshot threads) are
-        waited for first, so a failure that strikes while the previous step's snapshot is being
-        sealed does not cost that step."""
+        """Complete snapshots usable for a restore, newest first."""
         out = []
         for s in reversed(self.snapshots):
             if min_step is not None and s.step < min_step:
                 break
-            if not self.is_complete(s) and not s.failed and not s.lossy:
-                self._settle(s)
-            if not self.is_complete(s) and not s.lossy:
+            if not self.is_complete(s):
                 continue
             if s.world_sizes != world_sizes:
                 self.emit("snapshot_unusable", step=s.step,
@@ -304,12 +286,6 @@ class SnapshotKeeper:
                 continue
             out.append(s)
         return out
-
-    def _settle(self, snap: Snapshot) -> None:
-        """Wait (up to the call timeout) until every answer of ``snap`` is in, successful or not."""
-        answers = list({id(r): r for rs in snap.done.values() for r in rs}.values())
-        refs = answers + snap.sealed + snap.published + [r for r, _ in snap.holds]
-        self._wait(refs, num_returns=len(refs), timeout=self.timeout_s, fetch_local=False)
 
     def restore(self, roles, min_step: int | None) -> Snapshot | None:
         """Load the newest usable snapshot into every stateful rank; None when there is none (the
