@@ -1,5 +1,6 @@
-"""Roles across nodes: an actor whose ranks span two nodes loses one of them and recovers from the
-snapshot copies its ring peers keep on the other node, replaying nothing.
+"""Roles across nodes, every recovery setting at its default: an actor whose ranks span two nodes
+loses one of them and recovers from the snapshot copies its ring peers keep on the other node,
+replaying nothing; a rank killed on the second node is back without waiting out a timeout.
 
 A ``ray.cluster_utils`` cluster of a CPU-less head and three worker nodes (one spare) replaces the
 suite's cluster for this module (as in ``test_node_loss.py``); the fault-free run is made in the
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import STEPS, nodes_instead
 from resilient_rl.faults.harness import check_invariants, leftovers, run_training
+from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.nodes import RemoveNodeOf
 
 pytestmark = pytest.mark.slow  # two runs of 4 ranks on three raylets: minutes on 2 busy cores
@@ -22,10 +24,7 @@ def overrides(tmp: str) -> list[str]:
         f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "trainer.placement=colocated",
         "trainer.nnodes=2", "actor.world_size=4", "data.batch_size=16", "data.num_prompts=64",
         "actor.mini_batch_size=8", "critic.mini_batch_size=8", "actor.ppo_epochs=2", "critic.ppo_epochs=2",
-        "ray.cpus_per_worker=0.05", f"checkpoint.save_every={STEPS}", "recovery.snapshot_every=1",
-        "recovery.call_timeout_s=20", "recovery.health_timeout_s=15", "recovery.hang_timeout_s=120",
-        "recovery.collective_timeout_s=30", "recovery.restart_timeout_s=120", "recovery.placement_timeout_s=120",
-        f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt",
+        "ray.cpus_per_worker=0.05", f"checkpoint.save_every={STEPS}", f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt",
         "checkpoint.shared_filesystem=true",  # the simulated nodes share this machine's disk
     ]
 
@@ -36,13 +35,34 @@ def nodes():
         yield cluster
 
 
-def test_actor_across_nodes_loses_a_node_and_replays_nothing(nodes, tmp_path):
-    reference = run_training(overrides(str(tmp_path)), "across-reference")
-    assert reference.error is None, reference.error
-    assert not reference.events_of("worker_restarted"), "the fault-free run restarted nothing"
+@pytest.fixture(scope="module")
+def reference(nodes, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("across"))
+    result = run_training(overrides(root), "across-reference")
+    assert result.error is None, result.error
+    assert not result.events_of("worker_restarted"), "the fault-free run restarted nothing"
+    return root, result
 
+
+def test_a_rank_killed_on_the_second_node_is_back_with_nothing_replayed(nodes, reference):
+    root, ref = reference
+    schedule = FaultSchedule().after_snapshot(4).kill("actor", 3, in_call="update_actor")  # mid-step
+    result = run_training(overrides(root), "across-kill", schedule)
+    fault = schedule.faults[0]
+    assert fault.fired_at is not None, "the rank was killed"
+    check_invariants(result, ref)
+    recovered = result.events_of("recovered")[-1]
+    assert recovered["source"] == "snapshot" and recovered["steps_replayed"] == 0, recovered
+    # The survivors left the broken collective at once (tests/test_leave_collective.py shows how);
+    # the figure, for the record:
+    print(f"kill -> recovered: {recovered['time'] - fault.fired_at:.2f} s, phases {recovered['phases']}")
+    assert not leftovers(result)
+
+
+def test_actor_across_nodes_loses_a_node_and_replays_nothing(nodes, reference):
+    root, reference = reference
     hook = RemoveNodeOf(nodes, rank=2, step=4, delay_s=0.3, after_snapshot=True)
-    result = run_training(overrides(str(tmp_path)), "across-node-loss", hooks=(hook,))
+    result = run_training(overrides(root), "across-node-loss", hooks=(hook,))
     assert hook.removed is not None, "the node was removed"
     assert [r for _, r in hook.ranks] == [2, 3], "ranks 2-3 were on the removed node, 0-1 elsewhere"
     check_invariants(result, reference)

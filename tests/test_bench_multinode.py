@@ -30,7 +30,7 @@ def test_arguments_are_checked(multinode):
     assert multinode.parse_args(["actor.strategy=fsdp"]).overrides == ["actor.strategy=fsdp"]
 
 
-def test_node_loss_report_splits_the_recovery_by_phase(multinode):
+def test_a_fault_report_splits_the_recovery_by_phase(multinode):
     events = [
         {"event": "failure", "time": 100.2, "cause": "died"},
         {"event": "worker_restarted", "time": 104.0},
@@ -38,13 +38,13 @@ def test_node_loss_report_splits_the_recovery_by_phase(multinode):
         {"event": "snapshot_restored", "time": 106.5, "duration_s": 0.5, "sources": {"own": 4, "peer": 4}},
         {"event": "recovered", "time": 107.0, "steps_replayed": 0, "source": "snapshot"},
     ]
-    hook = SimpleNamespace(fired_at=100.0, ranks=[("main", 2), ("main", 3)])
+    ranks = [("main", 2), ("main", 3)]
     starts = SimpleNamespace(at={5: 99.0, 6: 109.0})
     args = SimpleNamespace(fault_step=5)
-    r = multinode.loss_report(args, result(events), result([]), hook, starts)
+    r = multinode.loss_report(args, result(events), result([]), 100.0, ranks, starts)
     assert r["split"] == pytest.approx({"detect": 0.2, "restart": 4.8, "rejoin": 1.0, "restore": 1.0,
                                         "complete": 2.0})
     assert r["mttr"] == pytest.approx(9.0) and sum(r["split"].values()) == pytest.approx(r["mttr"])
     assert r["identical"] and r["storage_loads"] == 0 and r["replayed"] == 0
-    differs = multinode.loss_report(args, result(events, files={"a": "2"}), result([]), hook, starts)
+    differs = multinode.loss_report(args, result(events, files={"a": "2"}), result([]), 100.0, ranks, starts)
     assert not differs["identical"]

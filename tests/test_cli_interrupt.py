@@ -21,8 +21,11 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     overrides = ["trainer.total_steps=500", "data.batch_size=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
                  "data.num_prompts=64", f"trainer.output_dir={tmp_path}/runs", f"checkpoint.root={tmp_path}/ckpt",
                  "trainer.run_name=ctrlc", "trainer.progress_bar=false"]
+    # Ctrl-C as at a terminal: a suite run in the background (``cmd &``) has SIGINT ignored, and
+    # a child would inherit that.
     proc = subprocess.Popen([sys.executable, "-m", "resilient_rl.cli", "-q", "train", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = Path(tmp_path) / "runs" / "ctrlc" / "metrics.jsonl"
     try:
         wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 300,
