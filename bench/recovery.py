@@ -24,7 +24,8 @@ The measurements (``--parts``), each in its own Ray cluster (``ray.init`` ... ``
    SIGKILL with warm spares and in-memory snapshots on (``recovery.spares=1``,
    ``recovery.snapshot_every=1``), and with both off (the recovery path of before). The fault is
    fired once the spares are ready (a run's steady state). Printed with the same split; "restart"
-   is then the hand-over to a spare.
+   is then the hand-over to a spare. **default**: the same with every recovery setting at its
+   default (``recovery.spares=auto``, ``recovery.snapshot_every=auto``).
 5. **hang**: a SIGSTOP of actor rank ``--rank`` with ``recovery.hang_timeout_s=--hang-timeout``; the time
    from the SIGSTOP to the ``failure`` event against that deadline (it must be within deadline + 1 s;
    a stopped rank is found sooner, when its health call goes unanswered for ``health_timeout_s``).
@@ -69,7 +70,7 @@ from resilient_rl.trainer.ppo import PPOTrainer  # noqa: E402
 from resilient_rl.runtime.cluster import local_cluster_options  # noqa: E402
 from resilient_rl.trainer.hooks import TrainerHook  # noqa: E402
 
-PARTS = ("inplace", "full", "raytrain", "old", "fast", "hang")
+PARTS = ("inplace", "full", "raytrain", "old", "fast", "default", "hang")
 INPLACE = ("detect", "restart", "rejoin", "restore", "replay")
 FULL = ("teardown", "ray_start", "worker_start", "restore", "replay")
 RAYTRAIN = ("detect", "restart", "restore", "first_step")
@@ -118,8 +119,9 @@ def build_config(args, root: str, extra=()):
         "data.num_prompts=64", f"trainer.total_steps={args.fault_step}", "checkpoint.save_every=2",
         "checkpoint.resume=auto", f"trainer.output_dir={root}/runs", f"checkpoint.root={root}/ckpt",
         "trainer.run_name=bench", "recovery.call_timeout_s=8", "recovery.collective_timeout_s=30",
-        # The baselines recover from storage (snapshots default to auto); the fast parts turn them on.
-        "recovery.snapshot_every=0", *args.overrides, *extra])
+        # The baselines recover from storage in a new process (snapshots and spares default to
+        # auto); the fast and default parts turn them on.
+        "recovery.snapshot_every=0", "recovery.spares=0", *args.overrides, *extra])
 
 
 # ---------------------------------------------------------------------------- instruments
@@ -294,6 +296,11 @@ def measure_old_inplace(args, root: str) -> dict:
 
 def measure_fast_inplace(args, root: str) -> dict:
     return measure_inplace(_save_every_20(args, FAST), root)
+
+
+def measure_default_inplace(args, root: str) -> dict:
+    """The same SIGKILL with every recovery setting at its default (spares and snapshots ``auto``)."""
+    return measure_inplace(_save_every_20(args, ("recovery.snapshot_every=auto", "recovery.spares=auto")), root)
 
 
 def measure_full_restart(args, root: str) -> dict:
@@ -502,6 +509,7 @@ def main(argv=None) -> None:
              "raytrain": ("Ray Train v2", measure_ray_train),
              "old": ("old in-place (save_every=20)", measure_old_inplace),
              "fast": ("fast in-place (save_every=20, spares, snapshots)", measure_fast_inplace),
+             "default": ("in-place with default recovery settings (save_every=20)", measure_default_inplace),
              "hang": ("hang", measure_hang)}
     res: dict[str, list[dict]] = {name: [] for name in PARTS}
     for i in range(args.repeats):
@@ -531,7 +539,9 @@ def main(argv=None) -> None:
                                 "s/step): kill -> next step completed", RAYTRAIN, res["raytrain"],
                                 ("replayed", "from_step"))
     for name, title in (("old", "old in-place (spares and snapshots off), checkpoint.save_every=20"),
-                        ("fast", "fast in-place (spares=1, snapshot_every=1), checkpoint.save_every=20")):
+                        ("fast", "fast in-place (spares=1, snapshot_every=1), checkpoint.save_every=20"),
+                        ("default", "in-place with default recovery settings (spares and snapshots auto), "
+                                    "checkpoint.save_every=20")):
         if res[name]:
             med[name] = table(f"{title}: kill -> failed step completed", INPLACE, res[name], ("replayed", "from_step"))
     ratios = []

@@ -66,16 +66,24 @@ def test_a_damaged_own_or_handed_over_copy_is_refused():
     assert "corrupt" in rank.load_snapshot(1)
 
 
-def test_an_unsealed_copy_is_never_loaded(tmp_path):
-    """A take whose seal never ran (the process died first) is not committed in node memory, and
-    a copy without a checksum is refused."""
+def test_a_copy_its_process_left_unsealed_is_loaded_from_node_memory_as_written(tmp_path):
+    """The take commits its copy in node memory before any checksum (the seal commits it again
+    with one): a process killed between its take and its seal leaves a whole copy that its new
+    process loads, answering "unsealed". Anywhere else a copy without a checksum is refused, and
+    a copy whose take never finished was never committed."""
     run_dir = str(tmp_path / "resilient-rl-run1")
     rank = Rank(mlp)
     rank.train(0)
     rank.take_snapshot(1, None, {"dir": run_dir, "id": "1.1"})
-    assert not [f for f in os.listdir(node_path(run_dir)) if f.endswith(".meta")]
-    assert Rank(mlp).load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    with open(os.path.join(node_path(run_dir), "actor-0-0.meta"), "rb") as f:
+        assert "checksum" not in f.read().decode()
+    fresh = Rank(mlp)
+    assert fresh.load_snapshot(1, NodeCopy(run_dir, "1.1")) == "unsealed"
+    assert_same(fresh.fingerprint(), rank.fingerprint())
     assert "no xxh3_64 checksum" in rank.load_snapshot(1)["corrupt"]
+    files = NodeFiles(node_path(run_dir), "actor", 0)
+    files.invalidate(files.find(2, 1, "1.1")[0])  # what a take does before writing a slot again
+    assert Rank(mlp).load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
 
 
 def test_node_memory_is_private_and_its_metadata_is_json(tmp_path):

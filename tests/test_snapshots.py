@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from resilient_rl.errors import WorkerDiedError
 from resilient_rl.recovery.snapshot_ring import ring_holders
@@ -23,6 +24,9 @@ class Ref:
 
 
 def fake_wait(refs, num_returns, timeout, fetch_local):
+    if timeout:  # waited for: the answers in flight arrive
+        for r in refs:
+            r.ready = True
     ready = [r for r in refs if r.ready]
     return ready, [r for r in refs if not r.ready]
 
@@ -45,6 +49,9 @@ class FakeGroup:
         self.calls: list[tuple] = []
         self.hold_pending = self.take_pending = self.publish_pending = self.seal_pending = False
         self.take_error: set[int] = set()
+        self.died_taking: set[int] = set()  # ranks whose process dies during the take (no copy at all)
+        self.died_sealing: set[int] = set()  # ranks whose process dies after its take, before its seal
+        self.sealed: set[tuple[int, str]] = set()  # (rank, snapshot id) of the sealed node copies
         self.node: list[dict] = [dict() for _ in range(n)]  # rank -> snapshot id -> state in its node's memory
         self.node_error: set[int] = set()  # ranks whose node memory is unusable
         self.node_lost: set[int] = set()  # ranks now on another node than their node copies
@@ -57,6 +64,8 @@ class FakeGroup:
             step, take_roles, where = args
             if rank in self.take_error:
                 return Ref(error=RuntimeError(f"rank {rank} died"))
+            if rank in self.died_taking:
+                return Ref(error=ActorDiedError())
             failed = {}
             for role in take_roles:  # this process's roles (colocated ones in sibling groups)
                 g = self.siblings.get(role, self)
@@ -71,6 +80,11 @@ class FakeGroup:
             step, take_roles, _timeout_s = args
             if rank in self.take_error:
                 return Ref(error=RuntimeError(f"seal_snapshot: the copy of step {step} is gone"))
+            if rank in self.died_taking | self.died_sealing:
+                return Ref(error=ActorDiedError())
+            for role in take_roles:
+                g = self.siblings.get(role, self)
+                g.sealed |= {(rank, i) for i, (_, state) in g.node[rank].items() if state.endswith(f"@{step}")}
             return Ref({"step": step, "checksums": {role: "xxh3_64:0" for role in take_roles}},
                        ready=not self.seal_pending)
         if method == "publish_snapshot":
@@ -124,7 +138,7 @@ class FakeGroup:
             if (rank, kind) in self.corrupt:
                 return Ref({"corrupt": f"checksum xxh3_64:1 does not match the recorded xxh3_64:0 ({kind})"})
             self.loaded[rank] = (kind, state)
-            return Ref(True)
+            return Ref("unsealed" if kind == "node" and (rank, source.snap_id) not in self.sealed else True)
         raise AssertionError(method)
 
     def get(self, refs, timeout_s=None):
@@ -233,6 +247,55 @@ def test_failed_take_makes_the_snapshot_unusable_and_restore_uses_the_previous()
     snap = k.restore(roles, min_step=None)
     assert snap.step == 1 and snap.trainer_state == {"step": 1}
     assert g.loaded == {0: ("own", "actor0@1"), 1: ("own", "actor1@1")}
+
+
+def test_a_process_dead_before_its_seal_leaves_a_snapshot_its_node_copy_restores():
+    """The failure struck after rank 1's take of step 5 and before its seal: the snapshot is
+    unfinished, and rank 1's new process loads the copy it left in node memory, unsealed; rank 0
+    its own. Step 5 is restored, not step 4: nothing is replayed."""
+    g = FakeGroup(2)
+    events = []
+    k = keeper(events=events, node_dir="/nonexistent-root")
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    k.take(roles, 4, {"step": 4})
+    g.died_sealing = {1}
+    snap = k.take(roles, 5, {"step": 5})
+    assert not k.is_complete(snap) and snap.unfinished and not snap.failed
+    g.restart(1)
+    assert k.restore(roles, None).step == 5
+    assert g.loaded == {0: ("own", "actor0@5"), 1: ("node", "actor1@5")}
+    assert events[-1] == ("snapshot_restored", {"step": 5, "duration_s": pytest.approx(0, abs=60),
+                                                "sources": {"node_unsealed": 1, "own": 1}})
+
+
+def test_survivors_seals_in_flight_are_waited_for_before_choosing_a_snapshot():
+    g = FakeGroup(2)
+    k = keeper(node_dir="/nonexistent-root")
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    k.take(roles, 4, {"step": 4})
+    g.seal_pending = True
+    k.take(roles, 5, {"step": 5})
+    g.restart(1)
+    assert k.restore(roles, None).step == 5
+    assert g.loaded == {0: ("own", "actor0@5"), 1: ("node", "actor1@5")}
+
+
+def test_a_process_dead_during_its_take_leaves_no_copy_and_the_survivors_are_not_touched():
+    """Rank 1 died before its copy of step 5 was made: step 4 is restored, and rank 0 was never
+    asked to load step 5 (the dead process's ranks are filled first)."""
+    g = FakeGroup(2)
+    events = []
+    k = keeper(events=events, node_dir="/nonexistent-root")
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    k.take(roles, 4, {"step": 4})
+    g.died_taking = {1}
+    k.take(roles, 5, {"step": 5})
+    g.restart(1)
+    g.died_taking = set()
+    assert k.restore(roles, None).step == 4
+    assert g.loaded == {0: ("own", "actor0@4"), 1: ("node", "actor1@4")}
+    assert not [c for c in g.calls if c[0] == 0 and c[1] == "load_snapshot" and c[2][0] == 5]
+    assert any(kind == "snapshot_unusable" and f["step"] == 5 for kind, f in events)
 
 
 def test_keeps_newest_complete_and_in_flight_only():

@@ -83,7 +83,6 @@ def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "flex"
 
 
-@torch.compiler.disable
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                      scale: float | None = None, backend: str | None = None, dropout: float = 0.0,
                      window: int | None = None) -> torch.Tensor:
@@ -97,6 +96,25 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     Inside a compiled region this runs outside the graph (the sequence lengths are host values,
     which a graph would specialise on); the flex backend compiles its own call.
     """
+    if torch.compiler.is_compiling():
+        return _outside_graph()(q, k, v, layout, scale, backend, dropout, window)
+    return _attention(q, k, v, layout, scale, backend, dropout, window)
+
+
+_OUTSIDE_GRAPH: list = []
+
+
+def _outside_graph():
+    """:func:`_attention` marked to run outside a compiled graph. Made at the first compiled call:
+    marking it at import would import the compiler (``torch._dynamo``, about as much CPU time as
+    torch itself) into every process, where a restarted rank's start-up pays for it."""
+    if not _OUTSIDE_GRAPH:
+        _OUTSIDE_GRAPH.append(torch.compiler.disable(_attention))
+    return _OUTSIDE_GRAPH[0]
+
+
+def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str | None, dropout: float,
+               window: int | None) -> torch.Tensor:
     batch, heads, seq, dim = q.shape
     if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "

@@ -18,7 +18,8 @@ the controller's own work. The controller keeps, per snapshot, the object refere
 holds which copy and its own state (``trainer.state_dict()``) of that step.
 
 Each process checksums its copies on its "snapshot" thread after the take (``seal_snapshot``,
-off the step's path; a copy in node memory is committed there only then), and every load checks
+off the step's path; a copy in node memory, committed there by the take, is committed again with
+its checksum), and every load checks
 the checksum before writing anything into the rank: a copy that fails it (torn, flipped) is
 reported (``snapshot_corrupt``, ``rrl_snapshot_corrupt_total``) and never restored; the rank
 tries its next copy, then an older snapshot, then storage.
@@ -30,6 +31,10 @@ flight after it are kept.
 
 :meth:`SnapshotKeeper.restore` loads the newest complete snapshot that is not older than the last
 committed checkpoint and was taken at the current world sizes (snapshots are never resharded).
+A newer one that a process's death left **unfinished** (every answer in, the only failed ones of
+processes that died: a failure striking while it was being sealed) is tried first, once the
+survivors' answers still in flight are in: the dead processes' ranks are filled first, so that
+where one of them has no whole copy left no surviving rank was touched.
 Each rank is filled from the first copy that is still there: its own (its process survived), its
 node memory's (its new process runs on the same node), the object store's (skipped when
 ``recovery.max_task_retries`` > 0, where Ray could rebuild a lost copy by re-running the snapshot
@@ -49,6 +54,7 @@ import uuid
 from typing import Any, Callable
 
 import ray
+from ray.exceptions import RayActorError
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
 from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
@@ -81,8 +87,13 @@ class Snapshot:
     node: dict[str, list]  # role -> each rank's NodeCopy, None where none
     process_of: dict  # (role, rank) -> key of its process
     sealed: list = dataclasses.field(default_factory=list)  # ObjectRef of each process's seal_snapshot (checksums)
+    caller: dict = dataclasses.field(default_factory=dict)  # id of each answer's ObjectRef -> key of the process asked
     failed: bool = False
     complete: bool = False
+    # Every answer is in, and those that failed are of processes that died (``suspects``, their
+    # keys): each rank may still have a whole copy somewhere. See :meth:`SnapshotKeeper.restore`.
+    unfinished: bool = False
+    suspects: set = dataclasses.field(default_factory=set)
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
 
 
@@ -181,18 +192,21 @@ class SnapshotKeeper:
         done: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
         nodes: dict[str, list] = {role: [None] * g.world_size for role, g in groups.items()}
         published, sealed = [], []
+        caller: dict[int, Any] = {}
         for pkey, members in by_process.items():
             (role0, r0), here = members[0], [role for role, _ in members]
             where = {"dir": self.node_dir, "id": snap_id, "owner": self.owner} if node[pkey] else None
             answer = groups[role0].execute_rank_async(r0, "take_snapshot", step, here, where)
             # The checksum (and the commit in node memory) on the process's "snapshot" thread.
             sealed.append(groups[role0].execute_rank_async(r0, "seal_snapshot", step, here, self.timeout_s))
+            caller[id(answer)] = caller[id(sealed[-1])] = pkey
             copies = None
             # The object store's copy: the way to a peer on another node, or the copy that
             # outlives the process where node memory does not.
             if pkey in held or not node[pkey]:
                 stored, copies = groups[role0].execute_rank_async(r0, "publish_snapshot", step, here, self.timeout_s)
                 published.append(stored)
+                caller[id(stored)] = pkey
             for role, r in members:
                 takes[role][r], done[role][r] = copies, answer
                 nodes[role][r] = NodeCopy(self.node_dir, snap_id) if node[pkey] else None
@@ -204,8 +218,9 @@ class SnapshotKeeper:
             # see hold_snapshot.
             ref = groups[h_role].execute_rank_async(h_rank, "hold_snapshot", step, owners, refs, self.timeout_s)
             holds.append((ref, [key for o in owners for key in o]))
+            caller[id(ref)] = process_of.get((h_role, h_rank))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders, nodes,
-                        process_of, sealed)
+                        process_of, sealed, caller)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
@@ -233,21 +248,27 @@ class SnapshotKeeper:
         kept = [s for s in self.snapshots[start:] if not s.failed]
         self.snapshots = kept[-MAX_KEPT:]
 
-    def is_complete(self, snap: Snapshot) -> bool:
-        """Whether every take, publish and hold of ``snap`` finished without an error (does not wait)."""
-        if snap.complete or snap.failed:
-            return snap.complete
+    @staticmethod
+    def _refs(snap: Snapshot) -> tuple[list, list]:
+        """(each process's take answer, every answer of ``snap``: takes, seals, publishes, holds)."""
         answers = list({id(r): r for rs in snap.done.values() for r in rs}.values())
-        refs = answers + snap.sealed + snap.published + [r for r, _ in snap.holds]
+        return answers, answers + snap.sealed + snap.published + [r for r, _ in snap.holds]
+
+    def is_complete(self, snap: Snapshot) -> bool:
+        """Whether every take, publish and hold of ``snap`` finished without an error (does not
+        wait). Once every answer is in, one that failed makes the snapshot ``failed``, unless each
+        failed answer is of a process that died: it is then ``unfinished`` (see :meth:`restore`)."""
+        if snap.complete or snap.failed or snap.unfinished:
+            return snap.complete
+        answers, refs = self._refs(snap)
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if len(ready) < len(refs):
             return False
         try:
             # Small answers: whether every copy is done and kept, without fetching any copy.
             done = {id(r): a for r, a in zip(answers, self._get(refs, timeout=self.timeout_s))}
-        except Exception as exc:  # a rank died during the snapshot
-            logger.info("snapshot of step %d is incomplete: %s", snap.step, exc)
-            snap.failed = True
+        except Exception as exc:  # a rank died during the snapshot, or a call of it failed
+            self._sort_out(snap, refs, exc)
             return False
         failed = {(role, r): done[id(ref)].get("node_failed", {}).get(role)
                   for role, refs_of_role in snap.done.items() for r, ref in enumerate(refs_of_role)}
@@ -268,17 +289,46 @@ class SnapshotKeeper:
         return True
 
     # ------------------------------------------------------------------ restore
+    def _sort_out(self, snap: Snapshot, refs: list, first: Exception) -> None:
+        """``snap`` has a failed answer (``first``): ``unfinished`` where every failed answer is of a
+        process that died (a failure striking while it was being taken or sealed), else
+        ``failed``."""
+        suspects, other = set(), None
+        for ref in refs:
+            try:
+                self._get([ref], timeout=self.timeout_s)
+            except RayActorError:
+                suspects.add(snap.caller.get(id(ref)))
+            except Exception as exc:  # noqa: BLE001 -- a copy that could not be made or kept
+                other = exc
+        if other is None and suspects and None not in suspects:
+            logger.info("snapshot of step %d is unfinished: %d process(es) died while it was taken (%s)",
+                        snap.step, len(suspects), first)
+            snap.unfinished, snap.suspects = True, suspects
+            return
+        logger.info("snapshot of step %d is incomplete: %s", snap.step, other or first)
+        snap.failed = True
+
+    def _settle(self, snap: Snapshot) -> None:
+        """Wait (up to the call timeout) until every answer of ``snap`` is in, successful or not:
+        the survivors' seals may still be running when a failure strikes."""
+        _, refs = self._refs(snap)
+        self._wait(refs, num_returns=len(refs), timeout=self.timeout_s, fetch_local=False)
+
     def drop_after(self, step: int) -> None:
         """Forget snapshots newer than ``step`` (the run went back to ``step``)."""
         self.snapshots = [s for s in self.snapshots if s.step <= step]
 
     def newest_complete(self, min_step: int | None, world_sizes: dict[str, int]) -> list[Snapshot]:
-        """Complete snapshots usable for a restore, newest first."""
+        """Snapshots to try for a restore, newest first: the complete ones and the unfinished ones
+        (:attr:`Snapshot.unfinished`), once the answers still in flight are in."""
         out = []
         for s in reversed(self.snapshots):
             if min_step is not None and s.step < min_step:
                 break
-            if not self.is_complete(s):
+            if not self.is_complete(s) and not (s.failed or s.unfinished):
+                self._settle(s)
+            if not (self.is_complete(s) or s.unfinished):
                 continue
             if s.world_sizes != world_sizes:
                 self.emit("snapshot_unusable", step=s.step,
@@ -313,8 +363,19 @@ class SnapshotKeeper:
     def _load(self, groups, snap: Snapshot) -> dict[tuple[str, int], str] | None:
         """Fill every rank of ``snap``; (role, rank) -> the copy used, or None when some rank's
         copies are all lost (reported as ``snapshot_unusable``). Each tier of copies is asked of
-        every rank still to fill, of all roles at once (one round of calls per tier)."""
+        every rank still to fill, of all roles at once (one round of calls per tier). Of an
+        unfinished snapshot, the ranks of the processes that died while it was taken are filled
+        first: where one of them has no whole copy left, no other rank was touched."""
+        keys = [(role, r) for role, g in groups for r in range(g.world_size)]
+        first = [key for key in keys if snap.process_of.get(key) in snap.suspects]
         used: dict[tuple[str, int], str] = {}
+        for todo in ([first, [key for key in keys if key not in first]] if first else [keys]):
+            if self._fill(groups, snap, todo, used) is None:
+                return None
+        return used
+
+    def _fill(self, groups, snap: Snapshot, todo: list[tuple[str, int]], used: dict) -> dict | None:
+        """Fill the ranks ``todo`` of ``snap`` (see :meth:`_load`), adding the copy used to ``used``."""
         by_role = dict(groups)
         sources: list[tuple[str, Callable[[str, int], Any]]] = [
             ("own", lambda role, r: None),
@@ -323,7 +384,6 @@ class SnapshotKeeper:
             sources.append(("object_store", lambda role, r: NO_COPY if snap.takes[role][r] is None
                             else [snap.takes[role][r]]))
         sources.append(("peer", lambda role, r: self._held(by_role, snap, role, r)))
-        todo = [(role, r) for role, g in groups for r in range(g.world_size)]
         for name, source in sources:
             if not todo:
                 break
@@ -332,8 +392,8 @@ class SnapshotKeeper:
                     for (role, r), c in asked]
             for ((role, r), _), ref in zip(asked, refs):
                 answer = self._answers(by_role[role], [ref])[0]
-                if answer is True:
-                    used[(role, r)] = name
+                if answer is True or answer == "unsealed":  # a node copy left unsealed by a dead process
+                    used[(role, r)] = name if answer is True else f"{name}_unsealed"
                     todo.remove((role, r))
                 elif isinstance(answer, dict) and "corrupt" in answer:
                     # Not restored (the rank checked before writing): its next copy is tried.

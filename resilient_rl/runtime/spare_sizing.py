@@ -8,10 +8,14 @@ about :data:`SPARE_HOST_BYTES`, and a core for the seconds its start-up imports 
 
 ``auto`` keeps one spare per node a group's ranks run on (a GPU spare serves the ranks of its own
 node), where this node's available host memory holds every spare with headroom
-(:data:`HEADROOM`) and its cores outnumber the run's processes on it with the spares; otherwise
-none. Where the ranks already take every core, starting spares slows the run: on a 2-core machine
-with five ranks, the spares made a chaos run's wall time 1.44x. An explicit number is kept as set
-(0 turns spares off). One line at start says what was chosen and why.
+(:data:`HEADROOM`) and its cores outnumber the run's processes on it with the spares. Where the
+ranks already take every core, it keeps one spare, for the group with the most ranks on this
+node: a spare costs a process start once (a few core-seconds, measured on a 2-core machine as
+0.5-2.3 s more wall time for a whole 6-step run) and nothing while it waits, so one is worth it
+on any machine, while a spare for every group starting beside the ranks slows the run (five ranks
+and four spares made a chaos run's wall time 1.44x on 2 cores). Where memory is short, none. An
+explicit number is kept as set (0 turns spares off). One line at start says what was chosen and
+why.
 """
 
 from __future__ import annotations
@@ -34,24 +38,30 @@ class SpareDecision:
 
 
 def decide(setting, nodes_per_group: dict[str, int], available_bytes: int | None, cores: int | None = None,
-           processes_here: int = 0) -> SpareDecision:
+           ranks_here: dict[str, int] | None = None) -> SpareDecision:
     """Spares per group for ``recovery.spares`` = ``setting`` (``"auto"`` or a count), given how
     many nodes each group's ranks span, this node's available host memory and cores (None:
-    unknown) and how many of the run's processes run on this node."""
+    unknown) and how many processes of each group run on this node."""
     if setting != "auto":
         n = int(setting)
         return SpareDecision({g: n for g in nodes_per_group}, f"recovery.spares={n}: "
                              + (f"{n} warm spare(s) per worker group" if n else "no warm spares"))
     wanted = {g: max(1, nodes) for g, nodes in nodes_per_group.items()}
+    ranks_here = {g: n for g, n in (ranks_here or {}).items() if n}
+    processes_here = sum(ranks_here.values())
+    if cores is not None and processes_here and cores < processes_here + len(ranks_here):
+        # One spare, for the group most ranks here belong to (ties: the first named).
+        first = max(ranks_here, key=lambda g: (ranks_here[g], -list(ranks_here).index(g)))
+        wanted = {g: int(g == first) for g in wanted}
+        why = (f"one warm spare, for {first} (the group with the most ranks on this node): this node's {cores} "
+               f"core(s) already run the run's {processes_here} process(es), so a spare for every group would slow "
+               "the run; a dead rank of another group waits for Ray to start a new process")
+    else:
+        groups = ", ".join(f"{g}: {n}" for g, n in wanted.items())
+        why = (f"one warm spare per node of each worker group ({groups}): a dead rank's place is taken at once "
+               "instead of after a new process starts")
     total = sum(wanted.values())
     need = total * SPARE_HOST_BYTES * HEADROOM
-    groups = ", ".join(f"{g}: {n}" for g, n in wanted.items())
-    here = len(wanted) if processes_here else 0  # one spare per group on this node, where it runs ranks
-    if cores is not None and processes_here and cores < processes_here + here:
-        return SpareDecision({g: 0 for g in wanted},
-                             f"recovery.spares=auto: no warm spares: this node's {cores} core(s) already run the "
-                             f"run's {processes_here} process(es), and starting {here} spare(s) beside them would slow "
-                             f"the run; a dead rank waits for Ray to start a new process (recovery.spares=N to force)")
     if available_bytes is not None and available_bytes < need:
         return SpareDecision({g: 0 for g in wanted},
                              f"recovery.spares=auto: no warm spares: {available_bytes / _GIB:.1f} GiB of host memory "
@@ -59,10 +69,9 @@ def decide(setting, nodes_per_group: dict[str, int], available_bytes: int | None
                              f"headroom; a dead rank waits for Ray to start a new process (recovery.spares=N to force)")
     where = f"{available_bytes / _GIB:.1f} GiB available on this node" if available_bytes is not None \
         else "host memory not known here"
-    return SpareDecision(wanted, f"recovery.spares=auto: one warm spare per node of each worker group ({groups}): "
-                                 f"a dead rank's place is taken at once instead of after a new process starts; a spare "
-                                 f"holds no accelerator and about {SPARE_HOST_BYTES / _GIB:.0f} GiB of host memory "
-                                 f"({where}; recovery.spares=0 turns them off)")
+    return SpareDecision(wanted, f"recovery.spares=auto: {why}; a spare holds no accelerator and about "
+                                 f"{SPARE_HOST_BYTES / _GIB:.0f} GiB of host memory ({where}; recovery.spares=0 "
+                                 "turns them off)")
 
 
 def cores_here() -> int | None:

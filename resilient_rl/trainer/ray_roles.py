@@ -102,10 +102,11 @@ class RayRoles:
         groups = {g.name_prefix: g for g in self.distinct_groups()}
         spans = {name: len({g.placement(r)[0] for r in range(g.world_size)} - {None}) for name, g in groups.items()}
         here = ray.get_runtime_context().get_node_id()
-        processes_here = sum(1 for g in groups.values() for r in range(g.world_size) if g.placement(r)[0] == here)
+        ranks_here = {name: sum(1 for r in range(g.world_size) if g.placement(r)[0] == here)
+                      for name, g in groups.items()}
         auto = rc.spares == "auto"
         decision = decide_spares(rc.spares, spans, available_host_bytes() if auto else None,
-                                 cores_here() if auto else None, processes_here)
+                                 cores_here() if auto else None, ranks_here)
         logger.info(decision.line)
         return {name: SparePool(groups[name], n, rc.rendezvous_timeout_s)
                 for name, n in decision.per_group.items() if n > 0}

@@ -174,8 +174,11 @@ class SnapshotMixin(SnapshotRestoreMixin):
                 "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
                           "optim_scalars": scalars, "rng": torch.get_rng_state().numpy().copy()}}
         if ring.files is not None:
-            # Committed in node memory by the seal, once its checksum is known.
+            # Committed in node memory now, whole but not yet checksummed: a process killed
+            # before its seal leaves a copy its restarted process can still load. The seal
+            # commits it again with its checksum.
             snap["id"] = node["id"]
+            ring.files.commit(slot, {k: v for k, v in snap.items() if k != "data"})
             self._to_commit[step] = ring.files
         return slot, snap
 
@@ -250,8 +253,9 @@ class SnapshotMixin(SnapshotRestoreMixin):
     @ray.method(concurrency_group="snapshot")
     def seal_snapshot(self, step: int, roles: list[str] | None = None, timeout_s: float = 60.0) -> dict:
         """Checksum the copies :meth:`take_snapshot` made of ``step`` for ``roles`` and, where
-        they are in node memory, commit them there (their ``.meta``, with the checksum): only a
-        sealed copy is ever loaded. Runs on the "snapshot" thread, off the step's path; waits up
+        they are in node memory, commit them there again with the checksum (the take committed them
+        without): a copy is loaded only once sealed, except where its process died before its
+        seal (see ``load_snapshot``). Runs on the "snapshot" thread, off the step's path; waits up
         to ``timeout_s`` for the take and raises a RuntimeError when it failed. The slot is not
         written again while it is read. Returns ``{"step", "checksums": {role: checksum}}``."""
         previous_publishes_stored()

@@ -92,8 +92,9 @@ class SnapshotRestoreMixin:
         object store, read here within ``timeout_s``; a snapshot dict for one handed over by
         value. A copy that does not match the rank's state raises a ValueError naming the first
         path that differs. A copy whose data does not match its checksum (or has none: it was
-        never sealed, :meth:`seal_snapshot`) is not written into the rank: the answer is then
-        ``{"corrupt": why}`` and the controller tries the next source."""
+        never sealed, :meth:`seal_snapshot`; except a node copy, see :meth:`_load_node_copy`) is
+        not written into the rank: the answer is then ``{"corrupt": why}`` and the controller
+        tries the next source."""
         step = int(step)
         slot = None
         if isinstance(source, NodeCopy):
@@ -122,18 +123,27 @@ class SnapshotRestoreMixin:
         self.prepare_checkpoint_staging()
         return True
 
-    def _load_node_copy(self, step: int, source: NodeCopy) -> bool:
+    def _load_node_copy(self, step: int, source: NodeCopy) -> bool | str:
         """Load the copy of ``step`` this rank left in this node's memory and keep it as its own
-        (the slot becomes its ring's: the next take writes the other one)."""
+        (the slot becomes its ring's: the next take writes the other one).
+
+        A copy its process left unsealed (killed between the take and the seal) has no checksum
+        to check, and is loaded as written, answering ``"unsealed"``: its metadata is committed
+        only after the copy is complete, and is withdrawn before its slot is written again, so
+        it is whole; a flipped bit in it would go unseen."""
         files = NodeFiles(node_path(source.run_dir), self.role, self.rank)
         found = files.find(KEEP, step, source.snap_id)
         if found is None:
             return False
         slot, meta, buf = found
         snap = dict(meta, data=buf.numpy())
-        why = snapshot_meta.verify(snap)
+        unsealed = "checksum" not in meta
+        why = None if unsealed else snapshot_meta.verify(snap)
         if why is not None:
             return self._corrupt(step, "node", why)
+        if unsealed:
+            logger.info("%s rank %d: node copy of step %d was left unsealed (its process died before its "
+                        "checksum); loaded as written", self.role, self.rank, step)
         self.reset_checkpoint_writer()
         self.restore_snapshot_state(snap)
         if not files.still(slot, source.snap_id):  # written over while read: no process should be
@@ -146,7 +156,7 @@ class SnapshotRestoreMixin:
         ring.adopt(slot, buf)
         self._keep_own(step, slot, snap)
         self.prepare_checkpoint_staging()
-        return True
+        return "unsealed" if unsealed else True
 
     def _corrupt(self, step: int, where: str, why: str) -> dict:
         """The answer of a load that found its copy damaged (nothing was written into the rank)."""
