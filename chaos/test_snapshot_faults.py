@@ -65,7 +65,8 @@ def test_node_memory_unusable_falls_back_to_the_object_store(reference, chaos_ru
 @pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
 def test_failure_during_a_snapshot(reference, chaos_run):
     """Killed while the snapshot of step 3 is being copied and handed to its peer: that snapshot
-    is used only if every rank finished it, else the one of step 2."""
+    is used where the killed rank's copy was complete (its take finished: the copy it left in node
+    memory, sealed or not, or its peer's), else the one of step 2."""
     result = chaos_run(FaultSchedule().at_snapshot(3).kill("actor", 0), *SNAPSHOTS)
     check_invariants(result, reference)
     rec = _recovered(result)

@@ -170,7 +170,8 @@ class RecoveryConfig(Section):
     ``spares``: warm spare processes per worker group (:mod:`resilient_rl.runtime.spares`),
     started ahead of need on free resources; a dead rank is handed to one at once instead of
     waiting for Ray to start a new process. ``auto`` (the default) keeps one per node of each
-    group where host memory allows (a spare holds no accelerator) and logs one line saying so
+    group where host memory allows (a spare holds no accelerator), only one (for the group with
+    the most ranks) where the ranks already take every core, and logs one line saying so
     (:mod:`resilient_rl.runtime.spare_sizing`); 0 turns spares off."""
 
     enabled: bool = True
@@ -193,7 +194,7 @@ class RecoveryConfig(Section):
         for name in ("max_restarts", "max_task_retries", "max_failures"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.spares == "auto" or (isinstance(self.spares, int) and self.spares >= 0), "spares", self.spares,
-                "must be 'auto' (one per node of each worker group where host memory allows) or a number >= 0")
+                "must be 'auto' (sized to the node's memory and cores) or a number >= 0")
         require(self.snapshot_every == "auto" or (isinstance(self.snapshot_every, int) and self.snapshot_every >= 0),
                 "snapshot_every", self.snapshot_every,
                 "must be 'auto' (sized to what node memory holds) or a number of steps >= 0 (0 = off)")

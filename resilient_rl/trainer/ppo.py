@@ -265,21 +265,31 @@ class PPOTrainer:
         eager_reason = metrics.pop(DECODE_EAGER_REASON, None)
         # Not part of the step's time or throughput; a failure here fails (and replays) the step.
         val = self.validate(step) if self.validator.due(step) else {}
-        self.ckpt.fence()  # a controller whose run was taken over while it hung stops here, logging nothing
-        self.claim_.raise_if_lost()
+        self._fence()
         self.step = step
         row = {"step": step, **metrics, "timing/step_s": duration,
                **{f"timing/{p}_s": phases[p] for p in PHASES if p in phases},
                "perf/tokens_per_s": metrics["tokens"] / duration if duration > 0 else 0.0, **val}
-        self.run_dir.append_metrics(row)
-        self.history.append(row)
         if eager_reason is not None and not self._decode_eager_reported:
             self._decode_eager_reported = True
             self.run_dir.event("decode_eager", step=step, reason=str(eager_reason))
-        if self.telemetry is not None:
-            self.telemetry.observe_step(row)
+        return self._record(row, self.telemetry and self.telemetry.observe_step)
+
+    def _fence(self) -> None:
+        """Before a row is recorded: a controller whose run was taken over while it hung stops
+        here, logging nothing."""
+        self.ckpt.fence()
+        self.claim_.raise_if_lost()
+
+    def _record(self, row: dict, observe) -> dict:
+        """Append ``row`` to the metrics file and the history, export it (``observe``, the
+        telemetry's method for it; None without telemetry) and log it to the trackers."""
+        self.run_dir.append_metrics(row)
+        self.history.append(row)
+        if observe is not None:
+            observe(row)
         if self.trackers is not None:
-            self.trackers.log_metrics(step, row)
+            self.trackers.log_metrics(row["step"], row)
         return row
 
     def validate(self, step: int) -> dict:
@@ -291,15 +301,8 @@ class PPOTrainer:
     def validate_before_train(self) -> dict:
         """``trainer.val_before_train``: validate the initial weights and record the ``step: 0`` row."""
         row = {"step": 0, **self.validate(0)}
-        self.ckpt.fence()
-        self.claim_.raise_if_lost()
-        self.run_dir.append_metrics(row)
-        self.history.append(row)
-        if self.telemetry is not None:
-            self.telemetry.observe_validation(row)
-        if self.trackers is not None:
-            self.trackers.log_metrics(0, row)
-        return row
+        self._fence()
+        return self._record(row, self.telemetry and self.telemetry.observe_validation)
 
     def fit(self) -> list[dict]:
         """Train to ``total_steps``; returns the newest rows of the metric history (at most
