@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from resilient_rl.config.schema import load_config
@@ -31,13 +32,14 @@ ARGS = [f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "data.batc
         "recovery.snapshot_every=0"]
 
 
-def _args(tmp_path, name: str) -> list[str]:
+def _args(tmp_path, name: str, *extra: str) -> list[str]:
     return [*ARGS, f"trainer.run_name={name}", f"trainer.output_dir={tmp_path / 'runs'}",
-            f"checkpoint.root={tmp_path / 'ckpt'}"]
+            f"checkpoint.root={tmp_path / 'ckpt'}", *extra]
 
 
-def _train(tmp_path, name: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "resilient_rl.cli", "-q", "train", *_args(tmp_path, name)],
+def _train(tmp_path, name: str, *extra: str) -> subprocess.Popen:
+    """The CLI in a session of its own: Ray's processes (and so the workers) join its process group."""
+    return subprocess.Popen([sys.executable, "-m", "resilient_rl.cli", "-q", "train", *_args(tmp_path, name, *extra)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -46,8 +48,8 @@ def _rows(tmp_path, name: str) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def _result(tmp_path, name: str):
-    return collect_run(load_config(None, _args(tmp_path, name)))
+def _result(tmp_path, name: str, *extra: str):
+    return collect_run(load_config(None, _args(tmp_path, name, *extra)))
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,62 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
     result = _result(tmp_path, name)
     assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # none lost, none repeated
     assert [e["step"] for e in result.events_of("checkpoint_restored")] == [stopped_at]
+    assert deterministic_view(result.history) == deterministic_view(unpreempted.history)
+    assert result.final_files == unpreempted.final_files
+    assert result.final_trainer_state == unpreempted.final_trainer_state
+
+
+def _preempt_without_warning(session: int) -> None:
+    """What a scheduler does with no early warning: SIGTERM to every process of the job (here the
+    CLI's session: the CLI, Ray's processes, the workers), the workers gone with it (killed here at
+    once; Ray's workers outlive a SIGTERM only until their raylet is gone)."""
+    procs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getsid(proc.pid) == session:
+                procs.append(proc)
+                proc.send_signal(signal.SIGTERM)
+        except (psutil.Error, ProcessLookupError):
+            pass
+    for proc in procs:
+        try:
+            if (proc.info["cmdline"] or [""])[0].startswith("ray::"):
+                proc.kill()
+        except psutil.Error:
+            pass
+
+
+def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path):
+    """Every process of the run signalled at once, its workers gone: nothing can be saved, so the
+    run is recorded preempted (exit 143, Ray's cluster gone too: nothing waits on it) and leaves its
+    newest snapshot in node memory; the same command continues from it, on the same node. No
+    completed step is lost or repeated, and the end is bit-identical to a run never preempted,
+    although no checkpoint was committed before the signal."""
+    name, extra = "unwarned", ("checkpoint.save_every=10", "recovery.snapshot_every=1")
+    proc = _train(tmp_path, name, *extra)
+    try:
+        deadline = time.monotonic() + 600
+        while _rows(tmp_path, name) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be preempted"
+        _preempt_without_warning(proc.pid)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    record = json.loads((tmp_path / "runs" / name / "controller.json").read_text())
+    assert record["state"] == "preempted" and 3 <= record["end_step"] < STEPS, record
+    assert "no checkpoint is committed" in err and "left in node memory" in err, err[-3000:]
+
+    resumed = _train(tmp_path, name, *extra)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    result = _result(tmp_path, name, *extra)
+    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # none lost, none repeated
+    assert [e["step"] for e in result.events_of("snapshot_restored")] == [record["end_step"]]
+    assert result.events_of("checkpoint_restored") == []
     assert deterministic_view(result.history) == deterministic_view(unpreempted.history)
     assert result.final_files == unpreempted.final_files
     assert result.final_trainer_state == unpreempted.final_trainer_state

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,6 +59,7 @@ class _Checkpoints:
 
 class _Trainer:
     checkpoints_on = True
+    snapshots = None
 
     def __init__(self, step, ckpt):
         self.step, self.ckpt, self.roles = step, ckpt, object()
@@ -99,6 +101,16 @@ def test_workers_stopped_by_the_same_signal_end_the_run_as_preempted_not_recover
         stop_after_lost_workers(trainer, died)
     assert trainer.ckpt.abandoned == [(3, "preempted")] and trainer.ckpt.saved == []
     assert info.value.committed == 2 and cli.exit_code(info.value) == cli.EXIT_PREEMPTED
+
+
+def test_workers_stopped_by_the_same_signal_leave_the_newest_snapshot_to_the_next_controller():
+    """With snapshots recorded for the next controller (recovery/snapshot_carry.py), the run's node
+    memory is not removed at its end: the next run continues from that snapshot."""
+    trainer = _Trainer(3, _Checkpoints(2))
+    trainer.snapshots = SimpleNamespace(record_path="/runs/x/snapshot.json", hand_over=False)
+    with pytest.raises(Preempted, match="the newest in-memory snapshot is left in node memory"):
+        stop_after_lost_workers(trainer, WorkerDiedError("actor rank 0 died", role="actor", rank=0))
+    assert trainer.snapshots.hand_over
 
 
 def test_checkpoints_turned_off_stay_off():

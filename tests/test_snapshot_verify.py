@@ -194,3 +194,20 @@ def test_a_take_waits_for_the_seal_reading_its_slot(monkeypatch):
     sealer.join(10)
     taker.join(10)
     assert not taker.is_alive() and rank.has_snapshot(5)
+
+
+def test_a_copy_left_under_another_clusters_node_id_is_found_only_when_asked_for_any_node(tmp_path):
+    """A new Ray cluster gives the machine a new node id: a copy an earlier controller's cluster
+    left (a preemption with no warning) is under the old one, and a rank finds its own there."""
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    take(rank, 1, run_dir, "1.1")
+    os.rename(node_path(run_dir), os.path.join(run_dir, "node-of-the-previous-cluster"))
+    fresh = Rank(mlp)
+    assert not fresh.node_copy_here(1, NodeCopy(run_dir, "1.1"))
+    assert fresh.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    anywhere = NodeCopy(run_dir, "1.1", any_node=True)
+    assert fresh.node_copy_here(1, anywhere) and not fresh.node_copy_here(2, anywhere)
+    assert fresh.load_snapshot(1, anywhere) is True
+    assert_same(fresh.fingerprint(), rank.fingerprint())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -112,6 +113,10 @@ class FakeGroup:
                 if (owner_role, owner, step) in g.held[rank]:
                     return Ref(g.held[rank][(owner_role, owner, step)])
             return Ref(None)
+        if method == "node_copy_here":
+            step, source = args
+            where, state = self.node[rank].get(source.snap_id, (None, None))
+            return Ref(rank not in self.node_lost and where == source.run_dir and state is not None)
         if method == "load_snapshot":
             step, source, _timeout = args
             if rank in self.dead_loaders:
@@ -172,11 +177,11 @@ class FakeRoles:
         return out
 
 
-def keeper(every=1, max_task_retries=0, events=None, node_dir=""):
+def keeper(every=1, max_task_retries=0, events=None, node_dir="", record_path=None):
     cfg = SimpleNamespace(snapshot_every=every, max_task_retries=max_task_retries, call_timeout_s=10.0,
                           snapshot_node_dir=node_dir)
     emit = (lambda kind, **f: events.append((kind, f))) if events is not None else (lambda kind, **f: None)
-    return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get, run_key="run")
+    return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get, run_key="run", record_path=record_path)
 
 
 def test_ring_holders_prefer_another_node_then_another_process():
@@ -567,3 +572,52 @@ def test_unusable_node_memory_fails_that_snapshot_then_publishes():
     g.restart(1)
     assert k.restore(roles, None).step == 2
     assert g.loaded == {0: ("node", "actor0@2"), 1: ("object_store", "actor1@2")}
+
+
+def _preempted_run(tmp_path):
+    """A controller that took the snapshots of steps 4 and 5 with node memory, then went down with
+    its workers (a preemption with no warning): the fake processes start afresh."""
+    record = str(tmp_path / "snapshot.json")
+    g = FakeGroup(2)
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    first = keeper(node_dir="/nonexistent-root", record_path=record)
+    first.take(roles, 4, {"step": 4, "loader": {"epoch": 0, "index": 4}})
+    first.take(roles, 5, {"step": 5, "loader": {"epoch": 0, "index": 5}})
+    g.restart(0)
+    g.restart(1)
+    return g, roles, record
+
+
+def test_the_next_controller_adopts_the_snapshot_its_predecessor_left_in_node_memory(tmp_path):
+    g, roles, record = _preempted_run(tmp_path)
+    events = []
+    k = keeper(events=events, node_dir="/nonexistent-root", record_path=record)
+    assert not k.adopt(newest_committed=5)  # not newer than the last commit: the checkpoint is the same step
+    assert k.adopt(newest_committed=2)
+    snap = k.restore(roles, None)
+    assert snap.step == 5 and snap.trainer_state == {"step": 5, "loader": {"epoch": 0, "index": 5}}
+    assert g.loaded == {0: ("node", "actor0@5"), 1: ("node", "actor1@5")}
+    assert events[-1][0] == "snapshot_restored" and events[-1][1]["sources"] == {"node": 2}
+
+
+def test_a_carried_snapshot_a_rank_cannot_find_on_its_node_touches_no_rank(tmp_path):
+    g, roles, record = _preempted_run(tmp_path)
+    g.node_lost = {1}  # rank 1's new process runs on another node
+    events = []
+    k = keeper(events=events, node_dir="/nonexistent-root", record_path=record)
+    assert k.adopt(newest_committed=None)
+    assert k.restore(roles, None) is None and not k.partial
+    assert not [c for c in g.calls if c[1] == "load_snapshot"] and g.loaded == {}
+    assert any(kind == "snapshot_unusable" and "actor rank 1" in f["reason"] for kind, f in events)
+
+
+def test_a_roll_back_past_the_recorded_step_withdraws_the_record(tmp_path):
+    g, roles, record = _preempted_run(tmp_path)
+    k = keeper(node_dir="/nonexistent-root", record_path=record)
+    k.drop_after(5)
+    assert os.path.exists(record)
+    k.drop_after(3)  # a recovery or a NaN took the run back to step 3: step 5 is another timeline's
+    assert not os.path.exists(record) and not k.adopt(newest_committed=None)
+    with open(record, "w") as f:
+        f.write("{not json")
+    assert not k.adopt(newest_committed=None)  # unreadable: not used (logged)

@@ -57,6 +57,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
+from resilient_rl.recovery import snapshot_carry
 from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
 from resilient_rl.recovery.snapshot_sizing import decide
 from resilient_rl.runtime.cluster import on_every_node
@@ -94,6 +95,7 @@ class Snapshot:
     # keys): each rank may still have a whole copy somewhere. See :meth:`SnapshotKeeper.restore`.
     unfinished: bool = False
     suspects: set = dataclasses.field(default_factory=set)
+    carried: bool = False  # left in node memory by an earlier controller of the run (snapshot_carry)
     bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
 
 
@@ -106,11 +108,15 @@ class SnapshotKeeper:
         emit: ``emit(kind, **fields)`` records an event of the run.
         run_key: the run's key (:attr:`RunDir.key`), the same for each controller of the run.
         wait, get: ``ray.wait`` and ``ray.get``, replaced by fakes in tests.
+        record_path: where each snapshot is recorded for a later controller of the run
+            (:mod:`resilient_rl.recovery.snapshot_carry`); None: nowhere.
     """
 
     def __init__(self, cfg, emit: Callable[..., None] = lambda kind, **f: None,
                  wait: Callable = ray.wait, get: Callable = ray.get, clock: Callable[[], float] = time.perf_counter,
-                 *, run_key: str):
+                 *, run_key: str, record_path: str | None = None):
+        self.record_path = record_path
+        self.hand_over = False  # set when the run stops preempted: close() leaves node memory to the next controller
         self.every = cfg.snapshot_every  # "auto" until sized (:meth:`size`)
         self.use_node_memory = True  # False where auto sizing found node memory too small
         self.sizing: Any = None  # the auto decision (snapshot_sizing.Decision), once made
@@ -221,6 +227,8 @@ class SnapshotKeeper:
             caller[id(ref)] = process_of.get((h_role, h_rank))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders, nodes,
                         process_of, sealed, caller)
+        if self.record_path is not None and all(node.values()):  # every copy outlives its process
+            snapshot_carry.write(self.record_path, step, snap_id, self.node_dir, sizes, trainer_state)
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
@@ -318,6 +326,23 @@ class SnapshotKeeper:
     def drop_after(self, step: int) -> None:
         """Forget snapshots newer than ``step`` (the run went back to ``step``)."""
         self.snapshots = [s for s in self.snapshots if s.step <= step]
+        if self.record_path is not None:
+            snapshot_carry.forget_after(self.record_path, step)
+
+    def adopt(self, newest_committed: int | None) -> bool:
+        """Take over the snapshot an earlier controller of the run recorded, where it is newer than
+        ``newest_committed`` (:mod:`resilient_rl.recovery.snapshot_carry`): the next restore tries
+        it first. Whether there was one."""
+        record = snapshot_carry.adopt(self.record_path, newest_committed) if self.record_path else None
+        if record is None:
+            return False
+        sizes = {role: int(n) for role, n in record["world_sizes"].items()}
+        none = {role: [None] * n for role, n in sizes.items()}
+        snap = Snapshot(record["step"], record["trainer_state"], sizes, takes=dict(none), done={}, published=[],
+                        holds=[], holders=dict(none), node=snapshot_carry.node_copies(record), process_of={},
+                        complete=True, carried=True)
+        self.snapshots = [s for s in self.snapshots if s.step < snap.step] + [snap]
+        return True
 
     def newest_complete(self, min_step: int | None, world_sizes: dict[str, int]) -> list[Snapshot]:
         """Snapshots to try for a restore, newest first: the complete ones and the unfinished ones
@@ -346,6 +371,9 @@ class SnapshotKeeper:
         world_sizes = {role: g.world_size for role, g in groups}
         for snap in self.newest_complete(min_step, world_sizes):
             t0 = self.clock()
+            if snap.carried and not self._all_on_their_nodes(groups, snap):
+                snap.failed = True
+                continue
             self.partial = True  # from here on, some ranks may hold part of a snapshot
             sources = self._load(groups, snap)
             if sources is None:
@@ -406,6 +434,18 @@ class SnapshotKeeper:
             return None
         return used
 
+    def _all_on_their_nodes(self, groups, snap: Snapshot) -> bool:
+        """Whether every rank finds its copy of the carried ``snap`` in its node's memory (asked
+        before any is loaded: a rank on another node now has none)."""
+        asked = [(role, r, g.execute_rank_async(r, "node_copy_here", snap.step, snap.node[role][r]))
+                 for role, g in groups for r in range(g.world_size)]
+        missing = [(role, r) for role, r, ref in asked if self._answers(dict(groups)[role], [ref])[0] is not True]
+        if missing:
+            self.emit("snapshot_unusable", step=snap.step,
+                      reason=f"the previous controller's snapshot is not in the node memory of {len(missing)} rank(s) "
+                             f"(first: {missing[0][0]} rank {missing[0][1]}): they run on other nodes now")
+        return not missing
+
     @staticmethod
     def _held(groups: dict, snap: Snapshot, role: str, rank: int):
         """A reference to the peer copy of ``role`` rank ``rank`` (resolved by Ray for the loader),
@@ -434,8 +474,9 @@ class SnapshotKeeper:
         return out
 
     def close(self) -> None:
-        """Remove this run's node memory on every live node (at the end of the run)."""
-        if self.node_dir is not None:
+        """Remove this run's node memory on every live node (at the end of the run), unless it is
+        handed over to the next controller (:attr:`hand_over`)."""
+        if self.node_dir is not None and not self.hand_over:
             self._on_every_node(remove_run, wait=True)
 
     def _on_every_node(self, fn: Callable[[str], Any], wait: bool) -> None:

@@ -162,6 +162,21 @@ def alive_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
+def control_plane_answers(timeout_s: float = 2.0) -> bool:
+    """Whether the Ray cluster this process is connected to still answers (its GCS, within
+    ``timeout_s``); True without Ray. A scheduler that signals every process of a job takes the
+    GCS down with the run: calls through it would then wait until Ray ends the process (after
+    60 s, with exit code 1)."""
+    if not ray.is_initialized():
+        return True
+    try:
+        ray._private.worker.global_worker.gcs_client.internal_kv_exists(  # the one GCS call with a deadline
+            b"rrl-probe", b"resilient-rl", timeout=timeout_s)
+    except Exception:  # noqa: BLE001 -- RpcError, a timeout: it does not answer
+        return False
+    return True
+
+
 def disconnect(owned: bool) -> None:
     """Undo :func:`connect`; ``owned`` is what it returned.
 

@@ -30,7 +30,8 @@ from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
-from resilient_rl.recovery.rollback import AFTER_NONFINITE, RollBack, checkpoint
+from resilient_rl.recovery.rollback import AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
+from resilient_rl.recovery.snapshot_carry import RECORD
 from resilient_rl.run.claim import RunClaim
 from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
@@ -127,7 +128,8 @@ class PPOTrainer:
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
         self.run_dir.subscribe(self._on_event)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
-        self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key)
+        self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key,
+                                         record_path=str(self.run_dir.path / RECORD))
                           if cfg.recovery.snapshot_every != 0 and self.checkpoints_on else None)
         # The controller's part of a checkpoint: one line per stateful part.
         policy = FailurePolicy.from_config(cfg.recovery)
@@ -184,17 +186,29 @@ class PPOTrainer:
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if hasattr(self.roles, "interrupt"):  # recovery's waits for ranks end on a preemption
                 self.roles.interrupt = self.preemption.raise_if_requested
+            if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
+                self._resume()
             # Whatever the run, node memory left by owners that are gone (a killed controller's
-            # snapshots, a rank's reduction segment) is removed on every node.
+            # snapshots, a rank's reduction segment) is removed on every node: once a snapshot the
+            # previous controller left there was tried.
             sweep_every_node(self.cfg.recovery.snapshot_node_dir,
                              self.snapshots.node_dir if self.snapshots is not None else None, SHM_DIR)
-            if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
-                self.rollback.roll_back_to(self.roles, checkpoint(self.cfg.checkpoint.resume))
             if self.step == 0:  # a fresh start: an earlier history in the folder is not this run's
                 self.run_dir.set_aside_history()
             if self.telemetry is not None:
                 self.telemetry.watch_roles(self.roles, self.ckpt.last_committed_at())
         return self.roles
+
+    def _resume(self) -> None:
+        """Roll back to the checkpoint ``checkpoint.resume`` names; with ``auto``, first to the
+        snapshot a previous controller left in node memory where it is newer than every commit
+        (:mod:`resilient_rl.recovery.snapshot_carry`: a preemption with no warning)."""
+        resume = self.cfg.checkpoint.resume
+        newest = max(self.ckpt.manager.committed_steps(), default=None)
+        carried = resume == "auto" and self.snapshots is not None and self.snapshots.adopt(newest)
+        self.rollback.roll_back_to(self.roles, *((SNAPSHOT,) if carried else ()), checkpoint(resume))
+        if carried and self.rollback.source == "snapshot":
+            self.ckpt.last_committed = newest
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -241,10 +255,16 @@ class PPOTrainer:
         # controller's Prometheus targets file in the shared run folder.
         if self.telemetry is not None and self.telemetry.server.running:
             self.telemetry.stop()
+        # A preemption with no warning signals Ray's processes too: nothing is stopped or cleaned
+        # through a cluster that is gone (its workers go with it; the next start sweeps node memory).
+        ray_gone = self.roles is not None and self.preemption.requested and not cluster.control_plane_answers()
+        if ray_gone:
+            logger.warning("Ray's cluster stopped with the preemption: its workers and node memory are left to it")
         if self.roles is not None:
-            self.roles.shutdown()
+            if not ray_gone:
+                self.roles.shutdown()
             self.roles = None
-        if self.snapshots is not None and self._claimed:  # a refused controller's key is the live run's
+        if self.snapshots is not None and self._claimed and not ray_gone:  # a refused controller's key is the live run's
             self.snapshots.close()
         self.claim_.release()
         self._claimed = False

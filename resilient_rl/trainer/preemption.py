@@ -133,9 +133,17 @@ def stop_after_lost_workers(trainer, exc: BaseException) -> None:
     committed = ckpt.last_committed if trainer.checkpoints_on else None
     logger.warning("step %d failed after %s (%s): the workers stopped with the preemption; not recovering",
                    step + 1, preemption.signal_name, exc)
+    where = _where(step, committed)
+    keeper = trainer.snapshots
+    if keeper is not None and committed != step and keeper.record_path is not None:
+        # The snapshot recorded last is left in node memory for the next controller of the run
+        # (recovery/snapshot_carry.py): the steps after the commit are not run again where the
+        # job comes back on the same nodes.
+        keeper.hand_over = True
+        where += "; the newest in-memory snapshot is left in node memory, where the next run continues from it " \
+                 "if it starts on the same nodes"
     raise Preempted(f"preempted by {preemption.signal_name} during step {step + 1}, whose workers stopped with it: "
-                    f"{_where(step, committed)}", signal_name=preemption.signal_name or "?", step=step,
-                    committed=committed)
+                    f"{where}", signal_name=preemption.signal_name or "?", step=step, committed=committed)
 
 
 def _where(step: int, committed: int | None) -> str:

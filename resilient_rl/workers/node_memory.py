@@ -61,10 +61,26 @@ _ALIVE: dict[str, int] = {}  # directory -> fd of its .alive file, locked shared
 @dataclasses.dataclass(frozen=True)
 class NodeCopy:
     """Where a rank finds a snapshot in node memory: the run's directory (``<root>/resilient-rl-
-    <run>``, this node's part of it is read) and the controller's id of the snapshot."""
+    <run>``, this node's part of it is read) and the controller's id of the snapshot.
+
+    ``any_node``: look in every part of the directory this machine holds. A copy an earlier
+    controller's cluster left is under that cluster's node ids, which a new cluster does not reuse
+    (its files are named by role and rank, so a rank finds its own wherever it is)."""
 
     run_dir: str
     snap_id: str
+    any_node: bool = False
+
+    def dirs(self) -> list[str]:
+        """The node directories to look in: this node's first."""
+        here = node_path(self.run_dir)
+        if not self.any_node:
+            return [here]
+        try:
+            parts = sorted(os.path.join(self.run_dir, d) for d in os.listdir(self.run_dir))
+        except OSError:
+            parts = []
+        return [here] + [p for p in parts if p != here and os.path.isdir(p)]
 
 
 def node_id() -> str:
@@ -224,6 +240,18 @@ class NodeFiles:
             self.open()
             return slot, meta, torch.from_file(path, shared=True, size=int(meta["bytes"]), dtype=torch.uint8)
         return None
+
+    def has(self, slots: int, step: int, snap_id: Any) -> bool:
+        """Whether this node holds the committed snapshot ``snap_id`` of ``step`` (without mapping it)."""
+        for slot in range(slots):
+            meta = self._meta(slot)
+            if meta is None or meta.get("step") != step or meta.get("id") != snap_id:
+                continue
+            try:
+                return os.path.getsize(self._path(slot, "data")) >= int(meta["bytes"])
+            except (OSError, KeyError, TypeError, ValueError):
+                return False
+        return False
 
     def still(self, slot: int, snap_id: Any) -> bool:
         """Whether slot ``slot`` still holds snapshot ``snap_id`` (checked after reading it)."""

@@ -13,7 +13,7 @@ import ray
 
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers import snapshot_meta
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles
 from resilient_rl.workers.snapshot_slots import (
     HELD_LOCK, KEEP, SLOTS, previous_publishes_stored, process_role, process_workers,
 )
@@ -82,6 +82,13 @@ class SnapshotRestoreMixin:
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def node_copy_here(self, step: int, source: NodeCopy) -> bool:
+        """Whether this rank's copy of ``step`` named by ``source`` is in this node's memory
+        (nothing is read into the rank): asked before a copy an earlier controller left is loaded,
+        so that a snapshot some rank cannot find here touches no rank."""
+        return any(NodeFiles(d, self.role, self.rank).has(KEEP, int(step), source.snap_id) for d in source.dirs())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_snapshot(self, step: int, source: Any = None, timeout_s: float = 60.0) -> bool | dict:
         """Fill model, optimizer, schedule and RNG from a snapshot of ``step``; False when the
         copy is not available here (the controller then tries the next source).
@@ -131,9 +138,12 @@ class SnapshotRestoreMixin:
         to check, and is loaded as written, answering ``"unsealed"``: its metadata is committed
         only after the copy is complete, and is withdrawn before its slot is written again, so
         it is whole; a flipped bit in it would go unseen."""
-        files = NodeFiles(node_path(source.run_dir), self.role, self.rank)
-        found = files.find(KEEP, step, source.snap_id)
-        if found is None:
+        for where in source.dirs():
+            files = NodeFiles(where, self.role, self.rank)
+            found = files.find(KEEP, step, source.snap_id)
+            if found is not None:
+                break
+        else:
             return False
         slot, meta, buf = found
         snap = dict(meta, data=buf.numpy())
