@@ -56,8 +56,8 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import RayActorError
 
-from resilient_rl.errors import WorkerDiedError, WorkerTimeoutError
 from resilient_rl.recovery import snapshot_carry
+from resilient_rl.recovery.snapshot_loading import SnapshotLoader
 from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
 from resilient_rl.recovery.snapshot_sizing import decide
 from resilient_rl.runtime.cluster import on_every_node
@@ -69,8 +69,6 @@ logger = logging.getLogger(__name__)
 
 #: Most snapshots kept at once: the newest complete one and those in flight after it.
 MAX_KEPT = 3
-#: What a tier of copies gives for a rank it has no copy of (that rank is not asked to load it).
-NO_COPY = object()
 
 
 @dataclasses.dataclass
@@ -131,6 +129,7 @@ class SnapshotKeeper:
         self._taken = 0
         self.timeout_s = min(cfg.call_timeout_s, 120.0)
         self.emit = emit
+        self.loader = SnapshotLoader(self.timeout_s, emit, self.object_store_ok)
         self._wait, self._get, self.clock = wait, get, clock
         self.snapshots: list[Snapshot] = []  # oldest first
         self.partial = False  # whether the last restore that found no usable snapshot loaded some ranks
@@ -371,11 +370,11 @@ class SnapshotKeeper:
         world_sizes = {role: g.world_size for role, g in groups}
         for snap in self.newest_complete(min_step, world_sizes):
             t0 = self.clock()
-            if snap.carried and not self._all_on_their_nodes(groups, snap):
+            if snap.carried and not self.loader.all_on_their_nodes(groups, snap):
                 snap.failed = True
                 continue
             self.partial = True  # from here on, some ranks may hold part of a snapshot
-            sources = self._load(groups, snap)
+            sources = self.loader.load(groups, snap)
             if sources is None:
                 snap.failed = True
                 continue
@@ -387,91 +386,6 @@ class SnapshotKeeper:
             self.partial = False
             return snap
         return None
-
-    def _load(self, groups, snap: Snapshot) -> dict[tuple[str, int], str] | None:
-        """Fill every rank of ``snap``; (role, rank) -> the copy used, or None when some rank's
-        copies are all lost (reported as ``snapshot_unusable``). Each tier of copies is asked of
-        every rank still to fill, of all roles at once (one round of calls per tier). Of an
-        unfinished snapshot, the ranks of the processes that died while it was taken are filled
-        first: where one of them has no whole copy left, no other rank was touched."""
-        keys = [(role, r) for role, g in groups for r in range(g.world_size)]
-        first = [key for key in keys if snap.process_of.get(key) in snap.suspects]
-        used: dict[tuple[str, int], str] = {}
-        for todo in ([first, [key for key in keys if key not in first]] if first else [keys]):
-            if self._fill(groups, snap, todo, used) is None:
-                return None
-        return used
-
-    def _fill(self, groups, snap: Snapshot, todo: list[tuple[str, int]], used: dict) -> dict | None:
-        """Fill the ranks ``todo`` of ``snap`` (see :meth:`_load`), adding the copy used to ``used``."""
-        by_role = dict(groups)
-        sources: list[tuple[str, Callable[[str, int], Any]]] = [
-            ("own", lambda role, r: None),
-            ("node", lambda role, r: snap.node[role][r] or NO_COPY)]
-        if self.object_store_ok:
-            sources.append(("object_store", lambda role, r: NO_COPY if snap.takes[role][r] is None
-                            else [snap.takes[role][r]]))
-        sources.append(("peer", lambda role, r: self._held(by_role, snap, role, r)))
-        for name, source in sources:
-            if not todo:
-                break
-            asked = [(key, c) for key, c in ((key, source(*key)) for key in todo) if c is not NO_COPY]
-            refs = [by_role[role].execute_rank_async(r, "load_snapshot", snap.step, c, self.timeout_s)
-                    for (role, r), c in asked]
-            for ((role, r), _), ref in zip(asked, refs):
-                answer = self._answers(by_role[role], [ref])[0]
-                if answer is True or answer == "unsealed":  # a node copy left unsealed by a dead process
-                    used[(role, r)] = name if answer is True else f"{name}_unsealed"
-                    todo.remove((role, r))
-                elif isinstance(answer, dict) and "corrupt" in answer:
-                    # Not restored (the rank checked before writing): its next copy is tried.
-                    self.emit("snapshot_corrupt", step=snap.step, role=role, rank=r, source=name,
-                              reason=str(answer["corrupt"]))
-        if todo:
-            role = todo[0][0]
-            self.emit("snapshot_unusable", step=snap.step,
-                      reason=f"every copy of {role} rank(s) {[r for k, r in todo if k == role]} is lost")
-            return None
-        return used
-
-    def _all_on_their_nodes(self, groups, snap: Snapshot) -> bool:
-        """Whether every rank finds its copy of the carried ``snap`` in its node's memory (asked
-        before any is loaded: a rank on another node now has none)."""
-        asked = [(role, r, g.execute_rank_async(r, "node_copy_here", snap.step, snap.node[role][r]))
-                 for role, g in groups for r in range(g.world_size)]
-        missing = [(role, r) for role, r, ref in asked if self._answers(dict(groups)[role], [ref])[0] is not True]
-        if missing:
-            self.emit("snapshot_unusable", step=snap.step,
-                      reason=f"the previous controller's snapshot is not in the node memory of {len(missing)} rank(s) "
-                             f"(first: {missing[0][0]} rank {missing[0][1]}): they run on other nodes now")
-        return not missing
-
-    @staticmethod
-    def _held(groups: dict, snap: Snapshot, role: str, rank: int):
-        """A reference to the peer copy of ``role`` rank ``rank`` (resolved by Ray for the loader),
-        :data:`NO_COPY` where no peer keeps one."""
-        holder = snap.holders[role][rank]
-        if holder is None or holder[0] not in groups:
-            return NO_COPY
-        h_role, h_rank = holder
-        return groups[h_role].execute_rank_async(h_rank, "held_snapshot", snap.step, role, rank)
-
-    def _answers(self, g, refs: list) -> list:
-        """Each call's result, or False for a copy that could not be used (it does not match):
-        the rank then tries its next copy. A copy lost with its holder is not an error here
-        (the loader answers False). A loading rank that died or hung is a failure during
-        recovery, raised: the recovery starts over and rebuilds its group, rather than the
-        restore going on around a rank Ray restarts empty."""
-        out = []
-        for ref in refs:
-            try:
-                out.append(g.get([ref], timeout_s=self.timeout_s + 10.0)[0])
-            except (WorkerDiedError, WorkerTimeoutError):
-                raise
-            except Exception as exc:
-                logger.warning("loading a snapshot copy failed: %s", exc)
-                out.append(False)
-        return out
 
     def close(self) -> None:
         """Remove this run's node memory on every live node (at the end of the run), unless it is
