@@ -35,16 +35,31 @@ class DataConfig(Section):
     #: null: from ``path`` (see :func:`default_task`); the root config resolves it, so a saved
     #: config names the task (not here: a section built as a default must keep null).
     task: Optional[str] = None
+    #: A file task's prompts: JSONL, or verl's parquet (by its ending).
     path: Optional[str] = None
+    #: What scores responses: a built-in (``exact_match``, ``partial_match``, ``gsm8k``) or
+    #: ``module:function``; null: the task's own.
     reward_fn: Optional[str] = None
+    #: Built-in tasks: how many prompts are generated.
     num_prompts: int = 1024
+    #: Built-in tasks: shortest operand, in digits.
     min_digits: int = 2
+    #: Built-in tasks: longest operand, in digits.
     max_digits: int = 3
+    #: Prompts per step.
     batch_size: int = 64
+    #: Shuffle the prompts each epoch.
     shuffle: bool = True
+    #: Seed of the prompts' generation and shuffling.
     seed: int = 0
+    #: Built-in tasks: reward the share of characters right (``partial_match``), not only an exact
+    #: answer.
     partial_credit: bool = True
+    #: A local Hugging Face tokenizer directory (``data/make_tokenizer.py`` builds one); null: a
+    #: character tokenizer of the task's alphabet.
     tokenizer: Optional[str] = None
+    #: Wrap prompts in the tokenizer's chat template; null: where the tokenizer has one, true: it
+    #: must.
     chat_template: Optional[bool] = None
     #: verl's ``data.max_prompt_length``: a prompt longer than this many tokens (chat template
     #: included) is an error at start, naming it (verl's ``truncation: error``); null: no limit.
@@ -112,7 +127,10 @@ class CustomRewardConfig(Section):
     responses as ``name(data_source, solution_str, ground_truth, extra_info)``, returning a number
     or a mapping with a ``score``. ``path`` null: not used (``data.reward_fn`` scores instead)."""
 
+    #: A Python file holding the reward function; null: not used (``data.reward_fn`` scores).
     path: Optional[str] = None
+    #: The function in that file: ``name(data_source, solution_str, ground_truth, extra_info)``
+    #: returns a number or a mapping with a ``score``.
     name: str = "compute_score"
 
     def validate(self) -> None:

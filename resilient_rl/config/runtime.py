@@ -25,46 +25,59 @@ MAX_RUN_NAME = 128
 class TrainerConfig(Section):
     """The fit loop: length, seeds, where results go, device and placement of the roles."""
 
+    #: Steps of the run (a resume continues to this step).
     total_steps: int = 250
     #: verl's ``trainer.total_epochs``: when set, the run is this many passes over the prompts,
     #: ``total_epochs * (prompts // data.batch_size)`` steps (an epoch's last incomplete batch is
     #: dropped, as verl's loader drops it), and ``total_steps`` is set to that when the trainer
     #: has read the data. Null: ``total_steps`` says how long the run is.
     total_epochs: Optional[int] = None
+    #: Seed of model initialization, sampling and every worker's RNG.
     seed: int = 1
+    #: The run's name: its folder ``output_dir/run_name`` and its checkpoints
+    #: ``checkpoint.root/run_name`` (letters, digits, ``.``, ``_``, ``-``; at most 128 characters).
     run_name: str = "ppo-copy"
+    #: Where run folders go (metrics, events, logs, config, controller record).
     output_dir: str = "runs"
+    #: ``cpu``, ``cuda`` or ``auto`` (CUDA when a GPU is visible).
     device: str = "auto"
+    #: ``colocated``: all roles share each rank's process and device; ``split``: each role has
+    #: processes of its own.
     placement: str = "colocated"
-    # Roles across nodes (verl's names): a role's ranks run world_size // nnodes on each of nnodes
-    # nodes, numbered node by node (resilient_rl.config.node_layout). n_gpus_per_node (null:
-    # not checked) caps the ranks per node; role_nnodes overrides nnodes per role when split.
+    #: Roles across nodes (verl's names): a role's ranks run world_size // nnodes on each of nnodes
+    #: nodes, numbered node by node (resilient_rl.config.node_layout). n_gpus_per_node (null:
+    #: not checked) caps the ranks per node; role_nnodes overrides nnodes per role when split.
     nnodes: int = 1
+    #: GPUs of a node: a role may put at most this many ranks on one; null: no limit.
     n_gpus_per_node: Optional[int] = None
+    #: Split placement: nodes of a role other than ``nnodes`` (``{rollout: 1}``).
     role_nnodes: Dict[str, int] = field(default_factory=dict)
-    # FSDP2 over a role's ranks: "full" shards over all of them; "hybrid" (HSDP) shards within a
-    # node and replicates across nodes (a (replicate, shard) device mesh).
+    #: FSDP2 over a role's ranks: "full" shards over all of them; "hybrid" (HSDP) shards within a
+    #: node and replicates across nodes (a (replicate, shard) device mesh).
     sharding: str = "full"
-    # Network interface the process groups use between nodes (GLOO_SOCKET_IFNAME and
-    # NCCL_SOCKET_IFNAME of every worker); "" lets gloo and NCCL choose.
+    #: Network interface the process groups use between nodes (GLOO_SOCKET_IFNAME and
+    #: NCCL_SOCKET_IFNAME of every worker); "" lets gloo and NCCL choose.
     network_interface: str = ""
+    #: Steps between summary lines on the console.
     log_every: int = 10
+    #: Show a progress bar on the console.
     progress_bar: bool = True
-    # Experiment trackers (verl: trainer.logger): console, jsonl, tensorboard, wandb, mlflow.
+    #: Experiment trackers (verl: trainer.logger): console, jsonl, tensorboard, wandb, mlflow.
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    #: Project name for the ``wandb`` and ``mlflow`` trackers.
     project_name: str = "resilient-rl"
-    # What a step that meets NaN/Inf (loss, grad norm, reward, KL) does: skip the poisoned update,
-    # roll back to the newest known-good checkpoint, or raise. See recovery/nonfinite.py.
+    #: What a step that meets NaN/Inf (loss, grad norm, reward, KL) does: skip the poisoned update,
+    #: roll back to the newest known-good checkpoint, or raise. See recovery/nonfinite.py.
     nonfinite: str = "skip"
-    # Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
+    #: Steps with non-finite values tolerated in a row (after a rollback: until a known-good commit).
     max_nonfinite: int = 3
-    # Deterministic GPU kernels (cuBLAS workspace, torch.use_deterministic_algorithms, cuDNN):
-    # a replayed or re-run step gives the same bits on a GPU too, at some cost in speed.
-    # CPU runs are bit-identical either way. See workers/determinism.py.
+    #: Deterministic GPU kernels (cuBLAS workspace, torch.use_deterministic_algorithms, cuDNN):
+    #: a replayed or re-run step gives the same bits on a GPU too, at some cost in speed.
+    #: CPU runs are bit-identical either way. See workers/determinism.py.
     deterministic: bool = False
-    # SIGTERM or SIGUSR1 (a preemption): the run stops after the step in progress and has this
-    # long to commit its last completed step before it exits (143). Size it from a save's duration
-    # (the checkpoint_committed events' duration_s) plus one step; see trainer/preemption.py.
+    #: SIGTERM or SIGUSR1 (a preemption): the run stops after the step in progress and has this
+    #: long to commit its last completed step before it exits (143). Size it from a save's duration
+    #: (the checkpoint_committed events' duration_s) plus one step; see trainer/preemption.py.
     preempt_grace_s: float = 120.0
     #: Validate (score the held-out prompts of ``data.val_path`` or ``data.val_num_prompts``)
     #: after every ``test_freq``-th step and after the last one; 0 (or verl's -1): never.
@@ -111,20 +124,35 @@ class TrainerConfig(Section):
 class CheckpointConfig(Section):
     """Where and how often checkpoints are written, how many are kept, what to resume from."""
 
+    #: Where checkpoints go: a path or an fsspec URL (``s3://``, ``gs://``, ...).
     root: str = "checkpoints"
+    #: Steps between checkpoints, and the run's last step (0: no checkpoints).
     save_every: int = 20
+    #: Committed checkpoints kept (older ones are deleted; the newest known-good is always kept).
     keep_last: int = 2
+    #: Also keep every checkpoint whose step is a multiple of this (0: none).
     keep_every: int = 0
+    #: Write checkpoints in the background (the step waits only for the copy to host memory).
     async_save: bool = True
+    #: What a start loads: ``auto`` (the newest checkpoint that verifies, or a newer snapshot a
+    #: preempted controller left), ``off`` (start over, setting the old steps aside) or
+    #: ``path:<checkpoint URL>``.
     resume: str = "auto"
+    #: fsspec options of ``root`` (credentials, endpoint); secrets are redacted in saved configs and
+    #: logs.
     storage_options: Optional[Dict[str, Any]] = None
+    #: A controller's lease on its run expires this long after its last renewal.
     lease_ttl_s: float = 60.0
+    #: Seconds between lease renewals (less than ``lease_ttl_s``).
     lease_renew_s: float = 20.0
+    #: Take the run over from a controller that still holds its lease (this start only).
     takeover: bool = False
+    #: A due save waits this long for the previous one to finish writing, then is skipped.
     save_timeout_s: float = 600.0
+    #: Checkpoints skipped in a row (storage outage) before the run stops.
     max_skipped: int = 3
-    # A local ``root`` (a path, file://) is a different folder on every node: on a cluster of more
-    # than one node it is refused at start unless declared shared (NFS, a ReadWriteMany PVC, Lustre).
+    #: A local ``root`` (a path, file://) is a different folder on every node: on a cluster of more
+    #: than one node it is refused at start unless declared shared (NFS, a ReadWriteMany PVC, Lustre).
     shared_filesystem: bool = False
 
     def validate(self) -> None:
@@ -174,20 +202,38 @@ class RecoveryConfig(Section):
     the most ranks) where the ranks already take every core, and logs one line saying so
     (:mod:`resilient_rl.runtime.spare_sizing`); 0 turns spares off."""
 
+    #: Recover from worker failures in place; false: a failure stops the run.
     enabled: bool = True
+    #: Ray restarts of each worker process (``max_restarts`` of its actor).
     max_restarts: int = 3
+    #: Ray retries of a worker call whose process died (0: the controller recovers instead).
     max_task_retries: int = 0
+    #: Failures within ``failure_window_s`` before the run gives up.
     max_failures: int = 5
+    #: The window of that failure budget.
     failure_window_s: float = 3600.0
+    #: Ceiling on one worker call (a hang is found sooner, by ``hang_timeout_s``).
     call_timeout_s: float = 3600.0
+    #: Process-group set-up deadline, at start and at each rejoin.
     rendezvous_timeout_s: float = 60.0
+    #: Process-group timeout of every collective.
     collective_timeout_s: float = 60.0
+    #: How long recovery waits for a dead rank's new process.
     restart_timeout_s: float = 120.0
+    #: How long a placement group may take to be placed at start.
     placement_timeout_s: float = 60.0
+    #: A rank whose health call goes unanswered this long is hung.
     health_timeout_s: float = 2.0
+    #: A rank inside a call that does not advance for this long is hung.
     hang_timeout_s: float = 300.0
+    #: Steps between in-memory snapshots (0: none; ``auto``: every step where node memory holds
+    #: them).
     snapshot_every: Union[int, str] = "auto"
+    #: Node-shared memory directory (a tmpfs) where snapshots outlive their processes; empty: in the
+    #: processes and Ray's object store.
     snapshot_node_dir: str = "/dev/shm"
+    #: Warm spare processes per worker group; ``auto``: sized to the node's memory and cores; 0:
+    #: none.
     spares: Union[int, str] = "auto"
 
     def validate(self) -> None:
@@ -215,12 +261,19 @@ class TelemetryConfig(Section):
     ``call_timeout_s`` bounds each call the controller makes to start, poll or stop a node's
     device exporter (a Ray actor): telemetry must never hold training up for long."""
 
+    #: Serve Prometheus metrics from the controller and sample the GPUs.
     enabled: bool = True
+    #: Address the metrics server listens on (loopback by default).
     bind_address: str = "127.0.0.1"
+    #: Port of the controller's metrics server (0: any free port, named in the targets file).
     port: int = 0
+    #: Port of each other node's device exporter (0: any free port).
     worker_port_base: int = 0
+    #: Prometheus file_sd targets file; null: ``prometheus_targets.json`` in the run folder.
     file_sd_path: Optional[str] = None
+    #: Seconds between GPU (NVML) or process samples.
     gpu_sample_interval_s: float = 5.0
+    #: Deadline of each call to a node's device exporter.
     call_timeout_s: float = 30.0
 
     def validate(self) -> None:
@@ -235,11 +288,18 @@ class TelemetryConfig(Section):
 class RayConfig(Section):
     """The Ray cluster: join one (``address``) or start a local one with these resources."""
 
+    #: A Ray cluster to join (``auto`` or ``host:port``, ``ray://`` allowed); null: ``RAY_ADDRESS``
+    #: if set, else start a local cluster.
     address: Optional[str] = None
+    #: Logical CPUs of a local cluster.
     num_cpus: int = 16
+    #: GPUs of a local cluster; null: the visible ones.
     num_gpus: Optional[int] = None
+    #: Logical CPUs each worker process asks for.
     cpus_per_worker: float = 0.1
+    #: Ray namespace of the run's named actors.
     namespace: str = "resilient-rl"
+    #: Bytes of a local cluster's object store; null: Ray's default.
     object_store_memory: Optional[int] = None
     #: Joining a cluster at ``address``: how long its GCS port may take to accept a connection, and
     #: about how long Ray then tries to reach the GCS through it.

@@ -149,13 +149,24 @@ def _world_size_or_unset(value: Optional[int]) -> None:
 class ModelConfig(Section):
     """The policy/value backbone: the built-in tiny LM or a Hugging Face causal LM."""
 
+    #: ``tiny``: the built-in causal LM, built from the sizes below; ``hf``: a Hugging Face causal
+    #: LM (``path`` or ``hf_config``; needs the ``hf`` extra).
     kind: str = "tiny"
+    #: ``kind=hf``: a local Hugging Face model directory (nothing is downloaded).
     path: Optional[str] = None
+    #: ``kind=hf``: a Hugging Face config dict to build a model with random weights from, instead of
+    #: ``path``.
     hf_config: Optional[Dict[str, Any]] = None
+    #: Tiny model: width of the residual stream (a multiple of ``num_heads``).
     hidden_size: int = 64
+    #: Tiny model: number of transformer blocks.
     num_layers: int = 2
+    #: Tiny model: attention heads per block.
     num_heads: int = 4
+    #: Tiny model: width of each block's MLP.
     intermediate_size: int = 256
+    #: Longest sequence (prompt and response) the model is built for; a Hugging Face model's
+    #: ``max_position_embeddings`` must cover it.
     max_seq_len: int = 64
     #: Compute dtype of the trained and scoring passes and of generation. Master weights, gradients
     #: reduction and optimizer state stay fp32 (FSDP2's mixed-precision policy, or autocast for a
@@ -181,13 +192,22 @@ class ModelConfig(Section):
 class OptimConfig(Section):
     """AdamW and its learning-rate schedule, one per trained role."""
 
+    #: AdamW's peak learning rate.
     lr: float = 3e-3
+    #: AdamW's decoupled weight decay.
     weight_decay: float = 0.0
+    #: AdamW's two moment decay rates, each in [0, 1).
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    #: AdamW's denominator epsilon.
     eps: float = 1e-8
+    #: Optimizer steps of linear warm-up from 0 to ``lr``.
     warmup_steps: int = 5
+    #: After warm-up: ``constant``, or ``cosine`` / ``linear`` decay to ``min_lr_ratio * lr`` over
+    #: the run's optimizer steps.
     schedule: str = "constant"
+    #: Where ``cosine`` and ``linear`` end, as a fraction of ``lr``.
     min_lr_ratio: float = 0.1
+    #: Clip the global gradient norm to this before each optimizer step.
     grad_clip: float = 1.0
 
     def validate(self) -> None:
@@ -206,15 +226,26 @@ class OptimConfig(Section):
 class ActorConfig(Section):
     """The policy being trained (PPO clipped objective)."""
 
+    #: The actor's optimizer.
     optim: OptimConfig = field(default_factory=OptimConfig)
+    #: Passes over each step's batch in the policy update.
     ppo_epochs: int = 4
+    #: Rows per optimizer step of the update, over all ranks (a multiple of ``world_size``).
     mini_batch_size: int = 32
+    #: PPO's clip range of the probability ratio.
     clip_ratio: float = 0.2
+    #: Weight of the entropy bonus in the policy loss (0: none).
     entropy_coeff: float = 0.0
+    #: Add a KL penalty against the reference policy to the loss (GRPO's way;
+    #: ``algorithm.use_kl_in_reward`` puts it in the reward instead).
     use_kl_loss: bool = False
+    #: Weight of that KL loss.
     kl_loss_coef: float = 0.001
+    #: Estimator of that KL: ``k1``, ``abs``, ``mse``, ``k3`` or ``low_var_kl``.
     kl_loss_type: str = "low_var_kl"
+    #: How token losses become one number: ``token-mean`` or one of verl's ``seq-mean-*`` modes.
     loss_agg_mode: str = "token-mean"
+    #: Ranks (processes, one GPU each on GPU) of the actor.
     world_size: int = 2
     #: Data parallelism over the ranks: ``fsdp`` shards parameters, gradients and optimizer state
     #: (FSDP2); ``ddp`` keeps a full replica on every rank and averages gradients with one all-reduce
@@ -222,7 +253,8 @@ class ActorConfig(Section):
     #: in the parameters' dtype, without FSDP2's bf16 mixed precision); ``auto`` is ``ddp`` on CPU
     #: (gloo pays a round of latency per collective) and ``fsdp`` on CUDA.
     strategy: str = "auto"
-    #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
+    #: FSDP2: true frees a unit's gathered parameters after its forward and gathers them again for
+    #: its backward; false keeps them from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
     #: Split each mini-batch into micro-batches of at most this many tokens (rows x their longest
@@ -262,20 +294,30 @@ class CriticConfig(Section):
     actor's when colocated and 1 when split; see :meth:`resilient_rl.config.schema.Config.validate`.
     """
 
+    #: Train a value model; null: on for ``algorithm.adv_estimator=gae``, off for ``grpo`` (true
+    #: with GRPO is an error).
     enabled: Optional[bool] = None
+    #: The critic's optimizer.
     optim: OptimConfig = field(default_factory=OptimConfig)
+    #: Passes over each step's batch in the value update.
     ppo_epochs: int = 4
+    #: Rows per optimizer step of the value update, over all ranks.
     mini_batch_size: int = 32
+    #: Clip range of the value-function update around the old values.
     cliprange_value: float = 0.5
+    #: Ranks of the critic; null: the actor's when colocated, 1 when split.
     world_size: Optional[int] = None
     #: As ``ActorConfig.strategy``.
     strategy: str = "auto"
-    #: FSDP2: keep a unit's gathered parameters from forward to backward (one all-gather per unit and
+    #: FSDP2: true frees a unit's gathered parameters after its forward and gathers them again for
+    #: its backward; false keeps them from forward to backward (one all-gather per unit and
     #: mini-batch instead of two). Set true when the full parameters of a model do not fit a device.
     reshard_after_forward: bool = False
-    #: As ``ActorConfig.micro_batch_tokens``, ``activation_checkpointing`` and ``compile``.
+    #: As ``actor.micro_batch_tokens``, for the value passes.
     micro_batch_tokens: Optional[Union[int, str]] = "auto"
+    #: As ``actor.activation_checkpointing``.
     activation_checkpointing: bool = False
+    #: As ``actor.compile``.
     compile: bool = False
 
     def validate(self) -> None:
@@ -292,9 +334,13 @@ class ValKwargsConfig(Section):
     """How a validation pass samples (verl's ``rollout.val_kwargs``): greedy unless ``do_sample``,
     else ``temperature`` (0: greedy) and ``top_p``; ``n`` responses per validation prompt."""
 
+    #: Sample in validation; false: greedy decoding.
     do_sample: bool = False
+    #: Sampling temperature when sampling (0: greedy).
     temperature: float = 0.0
+    #: Nucleus sampling threshold when sampling (1: off).
     top_p: float = 1.0
+    #: Responses per validation prompt.
     n: int = 1
 
     def validate(self) -> None:
@@ -321,16 +367,32 @@ class RolloutConfig(Section):
     Hugging Face models with static-shape support), else ``plain``.
     """
 
+    #: Sampling temperature of the training rollouts.
     temperature: float = 1.0
+    #: Nucleus sampling threshold (1: off).
     top_p: float = 1.0
+    #: Most tokens generated per response.
     max_new_tokens: int = 4
+    #: Responses per prompt (GRPO's group size).
     n: int = 1
+    #: Ranks of the rollout; null: the actor's when colocated (another value is then an error), 1
+    #: when split.
     world_size: Optional[int] = None
+    #: Split placement: how new weights reach the rollout: ``channel`` (a broadcast from actor rank
+    #: 0 over a process group of their own; NCCL on GPU), ``object_store`` (host memory and Ray's
+    #: object store), ``auto`` (``channel`` on GPU, ``object_store`` on CPU).
     weight_transfer: str = "auto"
+    #: ``static``: the engine with a preallocated KV cache, compaction and a compiled decode step
+    #: (resilient_rl.models.engine); ``plain``: the eager loop; ``auto``: ``static`` for the models
+    #: it covers, else ``plain``.
     engine: str = "auto"
+    #: Static engine: tokens decoded between checks for finished rows.
     finish_check_every: int = 8
+    #: Static engine: drop finished rows from the batch once this fraction of it has finished.
     compact_min_fraction: float = 0.25
+    #: Static engine on GPU: capture the compiled decode step in a CUDA graph.
     cuda_graphs: bool = True
+    #: Static engine: ``torch.compile`` the decode step; null: on GPU only.
     compile: Optional[bool] = None
     #: Sampling of the validation passes (``trainer.test_freq``): greedy by default.
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
@@ -353,6 +415,7 @@ class RefConfig(Section):
     """The frozen reference policy; ``world_size`` unset (null) means the actor's when colocated and
     1 when split (colocated, another value than the actor's is an error)."""
 
+    #: Ranks of the frozen reference policy; null: the actor's when colocated, 1 when split.
     world_size: Optional[int] = None
     #: FSDP2: false keeps the full parameters after the first forward (the ref never changes, so it
     #: then runs without collectives); true gathers them for every forward and frees them after.
@@ -366,9 +429,14 @@ class RefConfig(Section):
 class KLControlConfig(Section):
     """Coefficient of the KL penalty in the reward: fixed, or adapted towards ``target_kl``."""
 
+    #: ``fixed``: the coefficient stays ``kl_coef``; ``adaptive``: it moves towards ``target_kl``
+    #: over ``horizon`` samples.
     type: str = "fixed"
+    #: The (initial) KL coefficient.
     kl_coef: float = 0.001
+    #: Adaptive: the KL the coefficient steers towards.
     target_kl: float = 0.1
+    #: Adaptive: samples over which the coefficient adapts.
     horizon: int = 10000
 
     def validate(self) -> None:
@@ -382,13 +450,22 @@ class KLControlConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimation and the KL penalty."""
 
+    #: ``gae`` (PPO with a critic) or ``grpo`` (group-relative baseline over ``rollout.n``
+    #: responses, no critic).
     adv_estimator: str = "gae"
+    #: GAE discount.
     gamma: float = 1.0
+    #: GAE lambda.
     lam: float = 0.95
+    #: Normalize advantages over the batch (GAE).
     whiten_advantages: bool = True
+    #: GRPO: divide by the group's standard deviation (false: Dr. GRPO, only subtract the mean).
     norm_adv_by_std_in_grpo: bool = True
+    #: Subtract ``kl_ctrl``'s coefficient times the KL to the reference policy from the reward.
     use_kl_in_reward: bool = True
+    #: Estimator of that in-reward KL: ``k1``, ``abs``, ``mse``, ``k3`` or ``low_var_kl``.
     kl_penalty: str = "k1"
+    #: The in-reward KL coefficient.
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
     def validate(self) -> None:
