@@ -61,24 +61,16 @@ def unpreempted(tmp_path_factory):
     return _result(base, "ref")
 
 
-@pytest.mark.parametrize("signals, after_rows", [
-    (("SIGTERM",), 1),              # lands in step 2, whose save is due: stops with that save committed
-    (("SIGTERM",), 2),              # lands as step 2's save is being written: waits for it, commits it
-    (("SIGUSR1", "SIGTERM"), 2),    # Slurm: the early warning, then the time limit's SIGTERM
-])
-def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_path, signals, after_rows):
-    name = "preempted"
-    proc = _train(tmp_path, name)
+def _preempted(tmp_path, name: str, after_rows: int, preempt, *extra: str) -> tuple[str, dict]:
+    """Run ``name`` until ``after_rows`` steps are on disk, then ``preempt(proc)``; its stderr and
+    ``controller.json`` once it exited 143."""
+    proc = _train(tmp_path, name, *extra)
     try:
         deadline = time.monotonic() + 600
         while _rows(tmp_path, name) < after_rows and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None, "the run ended before it could be preempted"
-        log = tmp_path / "runs" / name / "train.log"
-        for sig in signals:  # the second one lands as soon as the first is acted on (it is in the log)
-            os.kill(proc.pid, getattr(signal, sig))
-            while f"{sig} received" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+        preempt(proc)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -87,6 +79,39 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
     assert proc.returncode == 143, err[-3000:]
     record = json.loads((tmp_path / "runs" / name / "controller.json").read_text())
     assert record["state"] == "preempted", record
+    return err, record
+
+
+def _resumed(tmp_path, name: str, unpreempted, *extra: str):
+    """Run ``name`` again to its end: every step once, the end bit-identical to ``unpreempted``."""
+    resumed = _train(tmp_path, name, *extra)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    result = _result(tmp_path, name, *extra)
+    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # none lost, none repeated
+    assert deterministic_view(result.history) == deterministic_view(unpreempted.history)
+    assert result.final_files == unpreempted.final_files
+    assert result.final_trainer_state == unpreempted.final_trainer_state
+    return result
+
+
+@pytest.mark.parametrize("signals, after_rows", [
+    (("SIGTERM",), 1),              # lands in step 2, whose save is due: stops with that save committed
+    (("SIGTERM",), 2),              # lands as step 2's save is being written: waits for it, commits it
+    (("SIGUSR1", "SIGTERM"), 2),    # Slurm: the early warning, then the time limit's SIGTERM
+])
+def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_path, signals, after_rows):
+    name = "preempted"
+    log = tmp_path / "runs" / name / "train.log"
+
+    def send(proc):
+        deadline = time.monotonic() + 600
+        for sig in signals:  # the second one lands as soon as the first is acted on (it is in the log)
+            os.kill(proc.pid, getattr(signal, sig))
+            while f"{sig} received" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    err, record = _preempted(tmp_path, name, after_rows, send)
     stopped_at = record["end_step"]
     assert after_rows <= stopped_at < STEPS and f"preempted by {signals[0]} after step {stopped_at}" in err
     assert f"step {stopped_at} is committed" in err and "Traceback" not in err
@@ -98,33 +123,26 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
     claims = sorted((tmp_path / "ckpt" / name / "lease").glob("token_*.json"))
     assert claims and json.loads(claims[-1].read_text())["released"], "the run's lease was left held"
 
-    resumed = _train(tmp_path, name)
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-3000:]
-    result = _result(tmp_path, name)
-    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # none lost, none repeated
+    result = _resumed(tmp_path, name, unpreempted)
     assert [e["step"] for e in result.events_of("checkpoint_restored")] == [stopped_at]
-    assert deterministic_view(result.history) == deterministic_view(unpreempted.history)
-    assert result.final_files == unpreempted.final_files
-    assert result.final_trainer_state == unpreempted.final_trainer_state
 
 
-def _preempt_without_warning(session: int) -> None:
+def _preempt_without_warning(proc) -> None:
     """What a scheduler does with no early warning: SIGTERM to every process of the job (here the
     CLI's session: the CLI, Ray's processes, the workers), the workers gone with it (killed here at
     once; Ray's workers outlive a SIGTERM only until their raylet is gone)."""
     procs = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for other in psutil.process_iter(["cmdline"]):
         try:
-            if os.getsid(proc.pid) == session:
-                procs.append(proc)
-                proc.send_signal(signal.SIGTERM)
+            if os.getsid(other.pid) == proc.pid:
+                procs.append(other)
+                other.send_signal(signal.SIGTERM)
         except (psutil.Error, ProcessLookupError):
             pass
-    for proc in procs:
+    for other in procs:
         try:
-            if (proc.info["cmdline"] or [""])[0].startswith("ray::"):
-                proc.kill()
+            if (other.info["cmdline"] or [""])[0].startswith("ray::"):
+                other.kill()
         except psutil.Error:
             pass
 
@@ -136,30 +154,9 @@ def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_m
     completed step is lost or repeated, and the end is bit-identical to a run never preempted,
     although no checkpoint was committed before the signal."""
     name, extra = "unwarned", ("checkpoint.save_every=10", "recovery.snapshot_every=1")
-    proc = _train(tmp_path, name, *extra)
-    try:
-        deadline = time.monotonic() + 600
-        while _rows(tmp_path, name) < 3 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be preempted"
-        _preempt_without_warning(proc.pid)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 143, err[-3000:]
-    record = json.loads((tmp_path / "runs" / name / "controller.json").read_text())
-    assert record["state"] == "preempted" and 3 <= record["end_step"] < STEPS, record
+    err, record = _preempted(tmp_path, name, 3, _preempt_without_warning, *extra)
+    assert 3 <= record["end_step"] < STEPS, record
     assert "no checkpoint is committed" in err and "left in node memory" in err, err[-3000:]
-
-    resumed = _train(tmp_path, name, *extra)
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-3000:]
-    result = _result(tmp_path, name, *extra)
-    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # none lost, none repeated
+    result = _resumed(tmp_path, name, unpreempted, *extra)
     assert [e["step"] for e in result.events_of("snapshot_restored")] == [record["end_step"]]
     assert result.events_of("checkpoint_restored") == []
-    assert deterministic_view(result.history) == deterministic_view(unpreempted.history)
-    assert result.final_files == unpreempted.final_files
-    assert result.final_trainer_state == unpreempted.final_trainer_state

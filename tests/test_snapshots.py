@@ -254,15 +254,21 @@ def test_failed_take_makes_the_snapshot_unusable_and_restore_uses_the_previous()
     assert g.loaded == {0: ("own", "actor0@1"), 1: ("own", "actor1@1")}
 
 
+def _one_node_after_step_4(events=None):
+    """Two ranks on one node with node memory, the snapshot of step 4 taken."""
+    g = FakeGroup(2)
+    k = keeper(events=events, node_dir="/nonexistent-root")
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    k.take(roles, 4, {"step": 4})
+    return g, k, roles
+
+
 def test_a_process_dead_before_its_seal_leaves_a_snapshot_its_node_copy_restores():
     """The failure struck after rank 1's take of step 5 and before its seal: the snapshot is
     unfinished, and rank 1's new process loads the copy it left in node memory, unsealed; rank 0
     its own. Step 5 is restored, not step 4: nothing is replayed."""
-    g = FakeGroup(2)
     events = []
-    k = keeper(events=events, node_dir="/nonexistent-root")
-    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
-    k.take(roles, 4, {"step": 4})
+    g, k, roles = _one_node_after_step_4(events)
     g.died_sealing = {1}
     snap = k.take(roles, 5, {"step": 5})
     assert not k.is_complete(snap) and snap.unfinished and not snap.failed
@@ -274,10 +280,7 @@ def test_a_process_dead_before_its_seal_leaves_a_snapshot_its_node_copy_restores
 
 
 def test_survivors_seals_in_flight_are_waited_for_before_choosing_a_snapshot():
-    g = FakeGroup(2)
-    k = keeper(node_dir="/nonexistent-root")
-    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
-    k.take(roles, 4, {"step": 4})
+    g, k, roles = _one_node_after_step_4()
     g.seal_pending = True
     k.take(roles, 5, {"step": 5})
     g.restart(1)
@@ -288,11 +291,8 @@ def test_survivors_seals_in_flight_are_waited_for_before_choosing_a_snapshot():
 def test_a_process_dead_during_its_take_leaves_no_copy_and_the_survivors_are_not_touched():
     """Rank 1 died before its copy of step 5 was made: step 4 is restored, and rank 0 was never
     asked to load step 5 (the dead process's ranks are filled first)."""
-    g = FakeGroup(2)
     events = []
-    k = keeper(events=events, node_dir="/nonexistent-root")
-    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
-    k.take(roles, 4, {"step": 4})
+    g, k, roles = _one_node_after_step_4(events)
     g.died_taking = {1}
     k.take(roles, 5, {"step": 5})
     g.restart(1)
