@@ -621,3 +621,15 @@ def test_a_roll_back_past_the_recorded_step_withdraws_the_record(tmp_path):
     with open(record, "w") as f:
         f.write("{not json")
     assert not k.adopt(newest_committed=None)  # unreadable: not used (logged)
+
+
+def test_a_carried_snapshot_of_other_world_sizes_is_not_loaded(tmp_path):
+    """The run resumes on another number of ranks (elastic resume): snapshots are never resharded,
+    so the checkpoint is used and no rank is asked for the carried copy."""
+    g, roles, record = _preempted_run(tmp_path)
+    events = []
+    k = keeper(events=events, node_dir="/nonexistent-root", record_path=record)
+    assert k.adopt(newest_committed=None)
+    assert k.restore(FakeRoles(FakeGroup(4)), None) is None
+    assert not [c for c in g.calls if c[1] in ("node_copy_here", "load_snapshot")]
+    assert any(kind == "snapshot_unusable" and "world sizes" in f["reason"] for kind, f in events)
