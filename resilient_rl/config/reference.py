@@ -20,6 +20,7 @@ import inspect
 import json
 import re
 import sys
+import textwrap
 import typing
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class Key:
 def field_descriptions(cls: type) -> dict[str, str]:
     """``{field: the text of the #: lines right above it}`` of the dataclass ``cls``."""
     lines, _ = inspect.getsourcelines(cls)
-    tree = ast.parse(inspect.cleandoc("".join(lines)) if lines[0][0].isspace() else "".join(lines))
+    tree = ast.parse(textwrap.dedent("".join(lines)))
     out = {}
     for node in tree.body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):

@@ -44,9 +44,8 @@ class TrainerConfig(Section):
     #: ``colocated``: all roles share each rank's process and device; ``split``: each role has
     #: processes of its own.
     placement: str = "colocated"
-    #: Roles across nodes (verl's names): a role's ranks run world_size // nnodes on each of nnodes
-    #: nodes, numbered node by node (resilient_rl.config.node_layout). n_gpus_per_node (null:
-    #: not checked) caps the ranks per node; role_nnodes overrides nnodes per role when split.
+    #: Nodes of each role (verl's name): a role's ranks run ``world_size // nnodes`` on each of
+    #: ``nnodes`` nodes, numbered node by node (resilient_rl.config.node_layout).
     nnodes: int = 1
     #: GPUs of a node: a role may put at most this many ranks on one; null: no limit.
     n_gpus_per_node: Optional[int] = None
