@@ -27,7 +27,8 @@ def test_auto_keeps_one_spare_for_the_largest_group_where_the_ranks_take_every_c
     assert d.per_group == {"actor": 1, "critic": 0, "rollout": 0, "ref": 0}
     assert "one warm spare, for actor" in d.line and "2 core(s)" in d.line and "5 process(es)" in d.line
     # The default run on a 2-core laptop: one group of colocated roles, two ranks.
-    assert decide("auto", {"main": 1}, 20 * GIB, cores=2, ranks_here={"main": 2}).per_group == {"main": 1}
+    one = decide("auto", {"main": 1}, 20 * GIB, cores=2, ranks_here={"main": 2})
+    assert one.per_group == {"main": 1} and "one warm spare, for main: " in one.line and "another group" not in one.line
     # Even that one needs its memory.
     assert decide("auto", {"main": 1}, SPARE_HOST_BYTES, cores=2, ranks_here={"main": 2}).per_group == {"main": 0}
 

@@ -53,9 +53,11 @@ def decide(setting, nodes_per_group: dict[str, int], available_bytes: int | None
         # One spare, for the group most ranks here belong to (ties: the first named).
         first = max(ranks_here, key=lambda g: (ranks_here[g], -list(ranks_here).index(g)))
         wanted = {g: int(g == first) for g in wanted}
-        why = (f"one warm spare, for {first} (the group with the most ranks on this node): this node's {cores} "
-               f"core(s) already run the run's {processes_here} process(es), so a spare for every group would slow "
-               "the run; a dead rank of another group waits for Ray to start a new process")
+        others = len(ranks_here) > 1
+        why = (f"one warm spare, for {first}" + (" (the group with the most ranks on this node)" if others else "")
+               + f": this node's {cores} core(s) already run the run's {processes_here} process(es), so "
+               + ("a spare for every group would slow the run; a dead rank of another group waits for Ray to start "
+                  "a new process" if others else "no more than one"))
     else:
         groups = ", ".join(f"{g}: {n}" for g, n in wanted.items())
         why = (f"one warm spare per node of each worker group ({groups}): a dead rank's place is taken at once "

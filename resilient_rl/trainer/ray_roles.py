@@ -99,7 +99,9 @@ class RayRoles:
         """The warm spares of ``recovery.spares`` (``auto``: one per node of each process group,
         :mod:`resilient_rl.runtime.spare_sizing`), with the one line saying what was chosen."""
         rc = self.cfg.recovery
-        groups = {g.name_prefix: g for g in self.distinct_groups()}
+        # Each process group by the roles its processes host ("actor+critic+ref+rollout" colocated).
+        groups = {"+".join(sorted(role for role, h in self.groups.items() if h.workers is g.workers)) or g.name_prefix: g
+                  for g in self.distinct_groups()}
         spans = {name: len({g.placement(r)[0] for r in range(g.world_size)} - {None}) for name, g in groups.items()}
         here = ray.get_runtime_context().get_node_id()
         ranks_here = {name: sum(1 for r in range(g.world_size) if g.placement(r)[0] == here)
@@ -108,7 +110,7 @@ class RayRoles:
         decision = decide_spares(rc.spares, spans, available_host_bytes() if auto else None,
                                  cores_here() if auto else None, ranks_here)
         logger.info(decision.line)
-        return {name: SparePool(groups[name], n, rc.rendezvous_timeout_s)
+        return {groups[name].name_prefix: SparePool(groups[name], n, rc.rendezvous_timeout_s)
                 for name, n in decision.per_group.items() if n > 0}
 
     def _print_memory_plan(self) -> None:
