@@ -50,8 +50,8 @@ def decide(setting, nodes_per_group: dict[str, int], available_bytes: int | None
     ranks_here = {g: n for g, n in (ranks_here or {}).items() if n}
     processes_here = sum(ranks_here.values())
     if cores is not None and processes_here and cores < processes_here + len(ranks_here):
-        # One spare, for the group most ranks here belong to (ties: the first named).
-        first = max(ranks_here, key=lambda g: (ranks_here[g], -list(ranks_here).index(g)))
+        # One spare, for the group most ranks here belong to (ties: the first named, as max keeps it).
+        first = max(ranks_here, key=ranks_here.__getitem__)
         wanted = {g: int(g == first) for g in wanted}
         others = len(ranks_here) > 1
         why = (f"one warm spare, for {first}" + (" (the group with the most ranks on this node)" if others else "")
