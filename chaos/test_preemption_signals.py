@@ -22,6 +22,8 @@ import pytest
 from resilient_rl.config.schema import load_config
 from resilient_rl.faults.harness import collect_run
 from resilient_rl.run.folder import deterministic_view
+from resilient_rl.workers.node_memory import NodeCopy, NodeFiles
+from resilient_rl.workers.snapshot_slots import KEEP
 
 pytestmark = pytest.mark.ray
 
@@ -61,14 +63,15 @@ def unpreempted(tmp_path_factory):
     return _result(base, "ref")
 
 
-def _preempted(tmp_path, name: str, after_rows: int, preempt, *extra: str) -> tuple[str, dict]:
-    """Run ``name`` until ``after_rows`` steps are on disk, then ``preempt(proc)``; its stderr and
-    ``controller.json`` once it exited 143."""
+def _preempted(tmp_path, name: str, after_rows: int, preempt, *extra: str, ready=lambda: True) -> tuple[str, dict]:
+    """Run ``name`` until ``after_rows`` steps are on disk (and ``ready()``), then
+    ``preempt(proc)``; its stderr and ``controller.json`` once it exited 143."""
     proc = _train(tmp_path, name, *extra)
     try:
         deadline = time.monotonic() + 600
-        while _rows(tmp_path, name) < after_rows and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while (_rows(tmp_path, name) < after_rows or not ready()) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert proc.poll() is None, "the run ended before it could be preempted"
         preempt(proc)
         out, err = proc.communicate(timeout=300)
@@ -147,6 +150,18 @@ def _preempt_without_warning(proc) -> None:
             pass
 
 
+def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
+    """Whether every rank's copy of the snapshot ``snapshot.json`` names is committed in node
+    memory (its take done: a kill during a take loses that step's state, and replays it)."""
+    try:
+        record = json.loads((tmp_path / "runs" / name / "snapshot.json").read_text())
+    except (OSError, ValueError):
+        return False
+    where = NodeCopy(record["node_dir"], record["id"], any_node=True)
+    return all(any(NodeFiles(d, role, rank).has(KEEP, record["step"], record["id"]) for d in where.dirs())
+               for role, n in record["world_sizes"].items() for rank in range(n))
+
+
 def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path):
     """Every process of the run signalled at once, its workers gone: nothing can be saved, so the
     run is recorded preempted (exit 143, Ray's cluster gone too: nothing waits on it) and leaves its
@@ -154,7 +169,8 @@ def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_m
     completed step is lost or repeated, and the end is bit-identical to a run never preempted,
     although no checkpoint was committed before the signal."""
     name, extra = "unwarned", ("checkpoint.save_every=10", "recovery.snapshot_every=1")
-    err, record = _preempted(tmp_path, name, 3, _preempt_without_warning, *extra)
+    err, record = _preempted(tmp_path, name, 3, _preempt_without_warning, *extra,
+                             ready=lambda: _snapshot_in_node_memory(tmp_path, name))
     assert 3 <= record["end_step"] < STEPS, record
     assert "no checkpoint is committed" in err and "left in node memory" in err, err[-3000:]
     result = _resumed(tmp_path, name, unpreempted, *extra)
