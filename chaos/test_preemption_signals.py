@@ -21,6 +21,7 @@ import pytest
 
 from resilient_rl.config.schema import load_config
 from resilient_rl.faults.harness import collect_run
+from resilient_rl.recovery import snapshot_carry
 from resilient_rl.run.folder import deterministic_view
 from resilient_rl.workers.node_memory import NodeCopy, NodeFiles
 from resilient_rl.workers.snapshot_slots import KEEP
@@ -151,15 +152,17 @@ def _preempt_without_warning(proc) -> None:
 
 
 def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
-    """Whether every rank's copy of the snapshot ``snapshot.json`` names is committed in node
-    memory (its take done: a kill during a take loses that step's state, and replays it)."""
-    try:
-        record = json.loads((tmp_path / "runs" / name / "snapshot.json").read_text())
-    except (OSError, ValueError):
+    """Whether the snapshot of the last step on disk is recorded and every rank's copy of it is
+    committed in node memory: the take is done. (A kill during the take loses that snapshot: the
+    next controller continues from the one before it, replaying a step; this test is of the other
+    case, tests/test_snapshots.py of that one.)"""
+    newest = snapshot_carry.read(str(tmp_path / "runs" / name / snapshot_carry.RECORD))[:1]
+    if not newest or newest[0]["step"] != _rows(tmp_path, name):
         return False
-    where = NodeCopy(record["node_dir"], record["id"], any_node=True)
-    return all(any(NodeFiles(d, role, rank).has(KEEP, record["step"], record["id"]) for d in where.dirs())
-               for role, n in record["world_sizes"].items() for rank in range(n))
+    e = newest[0]
+    where = NodeCopy(e["node_dir"], e["id"], any_node=True)
+    return all(any(NodeFiles(d, role, rank).has(KEEP, e["step"], e["id"]) for d in where.dirs())
+               for role, n in e["world_sizes"].items() for rank in range(n))
 
 
 def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path):

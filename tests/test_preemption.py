@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from types import SimpleNamespace
 
 import pytest
 
@@ -103,14 +102,44 @@ def test_workers_stopped_by_the_same_signal_end_the_run_as_preempted_not_recover
     assert info.value.committed == 2 and cli.exit_code(info.value) == cli.EXIT_PREEMPTED
 
 
+class _Keeper:
+    """The snapshot keeper's part that stopping uses: it recorded the snapshot of ``step``."""
+
+    def __init__(self, step):
+        self.step, self.asked = step, []
+
+    def hand_over_after(self, committed):
+        self.asked.append(committed)
+        return self.step if committed is None or self.step > committed else None
+
+
 def test_workers_stopped_by_the_same_signal_leave_the_newest_snapshot_to_the_next_controller():
     """With snapshots recorded for the next controller (recovery/snapshot_carry.py), the run's node
     memory is not removed at its end: the next run continues from that snapshot."""
     trainer = _Trainer(3, _Checkpoints(2))
-    trainer.snapshots = SimpleNamespace(record_path="/runs/x/snapshot.json", hand_over=False)
-    with pytest.raises(Preempted, match="the newest in-memory snapshot is left in node memory"):
+    trainer.snapshots = _Keeper(3)
+    with pytest.raises(Preempted, match=r"the newest in-memory snapshot \(step 3\) is left in node memory"):
         stop_after_lost_workers(trainer, WorkerDiedError("actor rank 0 died", role="actor", rank=0))
-    assert trainer.snapshots.hand_over
+    assert trainer.snapshots.asked == [2]
+
+
+def test_a_save_that_fails_with_its_workers_leaves_the_snapshot_of_the_step():
+    """The signal reached every process between two steps: the save of the last step fails with
+    its workers, so its snapshot is left in node memory, as when a step fails."""
+    class Dying(_Checkpoints):
+        def wait(self, roles, timeout_s=None):
+            raise WorkerDiedError("actor rank 0 died", role="actor", rank=0)
+
+    trainer = _Trainer(3, Dying(None))
+    trainer.snapshots = _Keeper(3)
+    with pytest.raises(Preempted, match=r"after step 3: no checkpoint is committed.*\(step 3\) is left in node memory"):
+        stop_for_preemption(trainer, grace_s=30)
+    assert trainer.snapshots.asked == [None]
+    trainer = _Trainer(3, _Checkpoints(2))
+    trainer.snapshots = _Keeper(3)
+    with pytest.raises(Preempted) as info:  # committed: nothing is left
+        stop_for_preemption(trainer, grace_s=30)
+    assert "node memory" not in str(info.value) and trainer.snapshots.asked == []
 
 
 def test_checkpoints_turned_off_stay_off():

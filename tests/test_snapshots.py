@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from resilient_rl.errors import WorkerDiedError
 from resilient_rl.recovery.snapshot_ring import ring_holders
 from resilient_rl.recovery.snapshots import SnapshotKeeper
 from resilient_rl.workers.node_memory import NodeCopy
+from resilient_rl.workers.snapshot_slots import KEEP
 
 
 class Ref:
@@ -609,6 +611,58 @@ def test_a_carried_snapshot_a_rank_cannot_find_on_its_node_touches_no_rank(tmp_p
     assert k.restore(roles, None) is None and not k.partial
     assert not [c for c in g.calls if c[1] == "load_snapshot"] and g.loaded == {}
     assert any(kind == "snapshot_unusable" and "actor rank 1" in f["reason"] for kind, f in events)
+
+
+def test_a_preemption_during_a_take_continues_from_the_snapshot_before_it(tmp_path):
+    """The job was stopped while the take of step 5 was writing its copies: rank 1's is not whole
+    (its ring slot of step 5 was being written). The record names step 4 too, whose copies the ring's
+    other slot still holds: the next controller loads that one, touching no rank with step 5."""
+    g, roles, record = _preempted_run(tmp_path)
+    del g.node[1]["5.2"]
+    events = []
+    k = keeper(events=events, node_dir="/nonexistent-root", record_path=record)
+    assert k.adopt(newest_committed=None)
+    snap = k.restore(roles, None)
+    assert snap.step == 4 and snap.trainer_state == {"step": 4, "loader": {"epoch": 0, "index": 4}}
+    assert g.loaded == {0: ("node", "actor0@4"), 1: ("node", "actor1@4")}
+    assert not [c for c in g.calls if c[1] == "load_snapshot" and c[2][0] == 5]
+    assert [kind for kind, _ in events] == ["snapshot_unusable", "snapshot_restored"]
+
+
+def test_the_record_names_what_the_rings_hold(tmp_path):
+    """Each rank's ring holds the newest KEEP takes: the record names those, newest first, and a
+    roll-back withdraws only the entries after its step. A record of the previous format (one
+    snapshot) is still adopted."""
+    from resilient_rl.recovery import snapshot_carry
+
+    record = str(tmp_path / "snapshot.json")
+    g = FakeGroup(2)
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    k = keeper(node_dir="/nonexistent-root", record_path=record)
+    for step in (4, 5, 6):
+        k.take(roles, step, {"step": step})
+    assert [e["step"] for e in snapshot_carry.read(record)] == [6, 5][:KEEP]
+    k.drop_after(5)
+    assert [e["step"] for e in snapshot_carry.read(record)] == [5]
+    k.take(roles, 6, {"step": 6})
+    assert [e["step"] for e in snapshot_carry.read(record)] == [6, 5][:KEEP]
+    old = dict(snapshot_carry.read(record)[0], format=1)
+    with open(record, "w") as f:
+        json.dump(old, f)
+    assert [e["step"] for e in snapshot_carry.adopt(record, newest_committed=5)] == [6]
+
+
+def test_node_memory_is_handed_over_only_with_a_snapshot_newer_than_the_commit(tmp_path):
+    record = str(tmp_path / "snapshot.json")
+    g = FakeGroup(2)
+    roles = FakeRoles(g, nodes={("actor", 0): "a", ("actor", 1): "a"})
+    k = keeper(node_dir="/nonexistent-root", record_path=record)
+    assert k.hand_over_after(None) is None and not k.hand_over  # nothing recorded yet
+    k.take(roles, 4, {"step": 4})
+    k.take(roles, 5, {"step": 5})
+    assert k.hand_over_after(5) is None and not k.hand_over
+    assert k.hand_over_after(4) == 5 and k.hand_over
+    assert keeper(node_dir="/nonexistent-root").hand_over_after(None) is None  # no record kept
 
 
 def test_a_roll_back_past_the_recorded_step_withdraws_the_record(tmp_path):

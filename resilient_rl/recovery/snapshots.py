@@ -132,6 +132,7 @@ class SnapshotKeeper:
         self.loader = SnapshotLoader(self.timeout_s, emit, self.object_store_ok)
         self._wait, self._get, self.clock = wait, get, clock
         self.snapshots: list[Snapshot] = []  # oldest first
+        self._recorded: list[dict] = []  # what the record names (snapshot_carry), newest first
         self.partial = False  # whether the last restore that found no usable snapshot loaded some ranks
 
     # ------------------------------------------------------------------ take
@@ -226,11 +227,21 @@ class SnapshotKeeper:
             caller[id(ref)] = process_of.get((h_role, h_rank))
         snap = Snapshot(step, copy.deepcopy(trainer_state), sizes, takes, done, published, holds, holders, nodes,
                         process_of, sealed, caller)
-        if self.record_path is not None and all(node.values()):  # every copy outlives its process
-            snapshot_carry.write(self.record_path, step, snap_id, self.node_dir, sizes, trainer_state)
+        self._record(step, snapshot_carry.entry(step, snap_id, self.node_dir, sizes, trainer_state)
+                     if all(node.values()) else None)  # every copy outlives its process
         self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
         self._prune()
         return snap
+
+    def _record(self, step: int, new: dict | None) -> None:
+        """Record for a later controller the snapshots each rank's ring in node memory holds after
+        the take of ``step``: that one (``new``; None where some copy is not in node memory) and
+        the takes before it, :data:`KEEP` in all (the take of ``step`` wrote over the oldest)."""
+        if self.record_path is None:
+            return
+        older = [e for e in self._recorded if e["step"] < step][:KEEP - 1]
+        self._recorded = ([new] if new is not None else []) + older
+        snapshot_carry.write(self.record_path, self._recorded)
 
     def peer_adds_a_copy(self, owner: tuple[Any, Any], holder: tuple[Any, Any], node_copy: bool = False) -> bool:
         """Whether a ring peer at ``holder`` keeping the copy of the rank at ``owner`` (each its
@@ -325,23 +336,35 @@ class SnapshotKeeper:
     def drop_after(self, step: int) -> None:
         """Forget snapshots newer than ``step`` (the run went back to ``step``)."""
         self.snapshots = [s for s in self.snapshots if s.step <= step]
+        self._recorded = [e for e in self._recorded if e["step"] <= step]
         if self.record_path is not None:
             snapshot_carry.forget_after(self.record_path, step)
 
     def adopt(self, newest_committed: int | None) -> bool:
-        """Take over the snapshot an earlier controller of the run recorded, where it is newer than
+        """Take over the snapshots an earlier controller of the run recorded, those newer than
         ``newest_committed`` (:mod:`resilient_rl.recovery.snapshot_carry`): the next restore tries
-        it first. Whether there was one."""
-        record = snapshot_carry.adopt(self.record_path, newest_committed) if self.record_path else None
-        if record is None:
-            return False
-        sizes = {role: int(n) for role, n in record["world_sizes"].items()}
-        none = {role: [None] * n for role, n in sizes.items()}
-        snap = Snapshot(record["step"], record["trainer_state"], sizes, takes=dict(none), done={}, published=[],
-                        holds=[], holders=dict(none), node=snapshot_carry.node_copies(record), process_of={},
-                        complete=True, carried=True)
-        self.snapshots = [s for s in self.snapshots if s.step < snap.step] + [snap]
-        return True
+        them first, newest first. Whether there was one."""
+        entries = snapshot_carry.adopt(self.record_path, newest_committed) if self.record_path else []
+        carried = []
+        for e in reversed(entries):  # oldest first, as self.snapshots
+            sizes = {role: int(n) for role, n in e["world_sizes"].items()}
+            none = {role: [None] * n for role, n in sizes.items()}
+            carried.append(Snapshot(e["step"], e["trainer_state"], sizes, takes=dict(none), done={}, published=[],
+                                    holds=[], holders=dict(none), node=snapshot_carry.node_copies(e), process_of={},
+                                    complete=True, carried=True))
+        if carried:
+            self.snapshots = [s for s in self.snapshots if s.step < carried[0].step] + carried
+        return bool(carried)
+
+    def hand_over_after(self, committed: int | None) -> int | None:
+        """Leave this run's node memory to the next controller at :meth:`close` where the record
+        names a snapshot newer than ``committed`` (None: no commit); that snapshot's step, or None
+        (nothing is left then)."""
+        newer = [e["step"] for e in self._recorded if committed is None or e["step"] > committed]
+        if self.record_path is None or not newer:
+            return None
+        self.hand_over = True
+        return newer[0]
 
     def newest_complete(self, min_step: int | None, world_sizes: dict[str, int]) -> list[Snapshot]:
         """Snapshots to try for a restore, newest first: the complete ones and the unfinished ones

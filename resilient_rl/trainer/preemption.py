@@ -117,7 +117,8 @@ def stop_for_preemption(trainer, grace_s: float) -> None:
         except RRLError as exc:  # the run stops either way; what is committed is what counts
             logger.error("committing step %d before stopping failed: %s", step, exc)
     committed = ckpt.last_committed if trainer.checkpoints_on else None
-    raise Preempted(f"preempted by {preemption.signal_name} after step {step}: {_where(step, committed)}",
+    where = _where(step, committed) + _leave_snapshot(trainer, committed, step)
+    raise Preempted(f"preempted by {preemption.signal_name} after step {step}: {where}",
                     signal_name=preemption.signal_name or "?", step=step, committed=committed)
 
 
@@ -133,17 +134,25 @@ def stop_after_lost_workers(trainer, exc: BaseException) -> None:
     committed = ckpt.last_committed if trainer.checkpoints_on else None
     logger.warning("step %d failed after %s (%s): the workers stopped with the preemption; not recovering",
                    step + 1, preemption.signal_name, exc)
-    where = _where(step, committed)
-    keeper = trainer.snapshots
-    if keeper is not None and committed != step and keeper.record_path is not None:
-        # The snapshot recorded last is left in node memory for the next controller of the run
-        # (recovery/snapshot_carry.py): the steps after the commit are not run again where the
-        # job comes back on the same nodes.
-        keeper.hand_over = True
-        where += "; the newest in-memory snapshot is left in node memory, where the next run continues from it " \
-                 "if it starts on the same nodes"
+    where = _where(step, committed) + _leave_snapshot(trainer, committed, step)
     raise Preempted(f"preempted by {preemption.signal_name} during step {step + 1}, whose workers stopped with it: "
                     f"{where}", signal_name=preemption.signal_name or "?", step=step, committed=committed)
+
+
+def _leave_snapshot(trainer, committed: int | None, step: int) -> str:
+    """Where the last completed step is not committed (its workers stopped with the signal, or its
+    save did not finish in time): leave the run's newest recorded in-memory snapshot in node memory
+    for the next controller of the run (recovery/snapshot_carry.py), so that the steps after the
+    commit are not run again where the job comes back on the same nodes. What to add to the
+    message."""
+    keeper = trainer.snapshots
+    if keeper is None or committed == step:
+        return ""
+    left = keeper.hand_over_after(committed)
+    if left is None:
+        return ""
+    return (f"; the newest in-memory snapshot (step {left}) is left in node memory, where the next run "
+            "continues from it if it starts on the same nodes")
 
 
 def _where(step: int, committed: int | None) -> str:
