@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from resilient_rl.errors import CollectiveError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import load_config
 from resilient_rl.workers.fsdp import plan_device
@@ -60,3 +61,19 @@ def test_update_with_kl_loss_reports_it_once_and_raises_no_warning():
         warnings.simplefilter("error")
         metrics = engine.update(data, step=1)
     assert metrics["actor/kl_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_rank_of_a_group_with_no_process_group_refuses_to_update_alone(monkeypatch):
+    """A process Ray restarted that has not joined its group (rank 1 of 2, no process group) would
+    average its gradients with nobody and take twice its share of each mini-batch: its update
+    raises a collective error (the recovery then rejoins its group) and leaves the weights as
+    they were."""
+    cfg = load_config(None, ["actor.ppo_epochs=1", "actor.mini_batch_size=8", "model.hidden_size=16",
+                             "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(CollectiveError, match="rank 1 of a group of 2 has no process group"):
+        engine.update(_batch(), step=1)
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())

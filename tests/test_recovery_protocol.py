@@ -146,6 +146,21 @@ def test_a_survivor_of_another_group_still_advancing_is_waited_for_not_told_to_l
     assert [(e["group"], e["rank"]) for e in h.of("worker_restarted")] == [("actor", 1)]
 
 
+def test_a_rank_that_dies_after_answering_is_counted_restarted_and_its_group_rejoins():
+    """A node is lost: the critic's rank there is found dead, while the actor's rank there still
+    answers (its process notices its node is gone a moment later), then dies and is restarted by
+    Ray while the critic is waited for. Its new process has no process group: the actor's group
+    must rejoin too, not only the critic's."""
+    pool = FakePool(groups={"actor": ("actor",), "critic": ("critic",)})
+    h = Harness(pool)
+    pool.crash("critic", 0)
+    pool.die_late("actor", 1)
+    h.handle(died(group="critic", rank=0))
+    assert [(e["group"], e["rank"]) for e in h.of("worker_restarted")] == [("actor", 1), ("critic", 0)]
+    assert ("rendezvous", ["actor", "critic"]) in pool.calls
+    assert h.of("recovered")[0]["restarted"] == [["actor", 1], ["critic", 0]]
+
+
 @pytest.mark.parametrize("operation, state", [("wait_alive", "recovering"), ("rendezvous", "rejoining"),
                                               ("init_models", "rejoining")])
 def test_a_failure_inside_a_state_goes_back_to_recovering_and_spends_the_budget(operation, state):

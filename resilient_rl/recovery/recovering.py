@@ -151,16 +151,21 @@ class Recovering:
             self.ctx.sleep(0.05 if leave else 0.2)
 
     def _wait_restarted(self, pool: RecoveryPool, known: dict, cause: Cause) -> list[ProcessKey]:
-        """Wait until every rank answers; the ranks that came back in a new process."""
-        restarted = []
+        """Wait until every rank answers; the ranks that came back in a new process.
+
+        Which ranks are new is read once every group has answered, from one more ping of all: a
+        rank whose process died after it answered (its node went away, and its processes notice a
+        moment later) and that Ray restarted meanwhile is then counted too, so its group rejoins."""
         for group in pool.process_groups():
-            for rank, info in enumerate(pool.wait_alive(group, self.ctx.cfg.restart_timeout_s)):
-                old = known.get((group, rank))
-                if old is None or old.pid != info.pid:
-                    restarted.append((group, rank))
-                    self.ctx.emit("worker_restarted", group=group, rank=rank, pid=info.pid, node=info.node_id,
-                                  role=primary_role(pool.roles_of(group)), cause=cause.value)
+            pool.wait_alive(group, self.ctx.cfg.restart_timeout_s)
         pool.refresh_workers()
+        restarted = []
+        for key, info in sorted(pool.workers().items()):
+            old = known.get(key)
+            if old is None or old.pid != info.pid:
+                restarted.append(key)
+                self.ctx.emit("worker_restarted", group=key[0], rank=key[1], pid=info.pid, node=info.node_id,
+                              role=primary_role(pool.roles_of(key[0])), cause=cause.value)
         return restarted
 
 

@@ -51,6 +51,7 @@ class FakePool:
         self.ready_spares = {g: self.spares for g in self.groups}
         self._refills: dict[str, int] = {g: 0 for g in self.groups}
         self.spare_dies = 0  # spares that die taking over next (each tries the next ready one)
+        self._late: set = set()  # processes that die just after answering (see die_late)
 
     # ------------------------------------------------------------------ faults
     def crash(self, group: str, rank: int) -> None:
@@ -72,6 +73,12 @@ class FakePool:
             if p.node == node:
                 p.state = "dead"
         self.nodes = tuple(n for n in self.nodes if n != node)
+
+    def die_late(self, group: str, rank: int) -> None:
+        """The process answers the probes and its group's wait with its old pid, then dies (its
+        node is gone; its processes notice a moment later) and Ray restarts it while the other
+        groups are waited for."""
+        self._late.add((group, rank))
 
     def fail_next(self, operation: str, exc: BaseException) -> None:
         """The next call of ``operation`` (``rendezvous``, ``init_models``, ``wait_alive``) raises ``exc``."""
@@ -157,7 +164,12 @@ class FakePool:
                                       cause="exhausted")
                 p.pid, p.state, p.restarts = next(self._pids), "ok", p.restarts + 1
                 p.node = self.nodes[rank % len(self.nodes)]
-        return [self._info((group, rank)) for rank in range(self.world_size)]
+        answers = [self._info((group, rank)) for rank in range(self.world_size)]
+        for key in sorted(k for k in self._late if k[0] == group):
+            self._late.discard(key)
+            p = self.procs[key]
+            p.pid, p.restarts = next(self._pids), p.restarts + 1
+        return answers
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:

@@ -8,11 +8,14 @@ concatenated batch (FSDP2 averages gradients over ranks, hence the ``world_size`
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import ppo_policy_loss
+from resilient_rl.errors import CollectiveError
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
@@ -25,7 +28,20 @@ from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gra
 
 
 def dp_world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """The ranks this rank's update averages over: its process group's size.
+
+    A rank of a group of several (``WORLD_SIZE``) whose process has no process group is a new
+    process that has not joined its group yet (Ray restarted it without the controller knowing):
+    its update raises a :class:`~resilient_rl.errors.CollectiveError`, so that the recovery rejoins
+    its group, instead of training its replica alone on its share of the batch."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    expected = int(os.environ.get("WORLD_SIZE") or 1)
+    if expected > 1:
+        rank = int(os.environ.get("RANK") or 0)
+        raise CollectiveError(f"rank {rank} of a group of {expected} has no process group: its process is new "
+                              "and has not joined the group", rank=rank)
+    return 1
 
 
 def planned_seq_len(model_cfg, model) -> int:
