@@ -16,7 +16,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from resilient_rl.checkpoint import AsyncShardWriter, Storage, load_shard_into
 from resilient_rl.checkpoint.sharded import allocate_staging, staging_spec
 from resilient_rl.config.runtime import CheckpointConfig
-from resilient_rl.workers.checkpointing import RANK_LOCAL, CheckpointMixin
+from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.rank_state import RankState
+
+#: The parts of a rank's state each rank saves its own of (the RNG).
+RANK_LOCAL = RankState(types.SimpleNamespace()).rank_local()
 
 
 def _state(seed: int = 0) -> dict:

@@ -107,7 +107,7 @@ def test_a_loaded_schedule_keeps_this_runs_learning_rate():
     """A resume that changes optim.lr trains on the new rate from its first step; an unchanged
     one gets exactly the saved rate (a resumed run stays bit-identical)."""
     from resilient_rl.config.schema import OptimConfig
-    from resilient_rl.workers.checkpointing import load_schedule
+    from resilient_rl.workers.rank_state import load_schedule
     from resilient_rl.workers.fsdp import build_optimizer, build_scheduler
 
     def engine(lr: float):

@@ -1,7 +1,8 @@
 """Worker side of checkpoints: what a trainable role saves and how it comes back.
 
-A role's state is its model and optimizer shards (DTensors under FSDP2), its LR schedule and its
-RNG state (rank-local). Saving stages the shards to host memory (the only part the training step
+A role's state is its :class:`~resilient_rl.workers.rank_state.RankState`: model and optimizer
+shards (DTensors under FSDP2), its LR schedule, its RNG state (rank-local) and any part the role
+registered. Saving stages the shards to host memory (the only part the training step
 waits for) and writes them in a background thread; the controller asks later whether the write
 finished and commits the step once every rank of every role has written. Loading fills the
 current (possibly differently sharded) state from the saved chunks, so a run saved on N ranks
@@ -17,16 +18,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import torch
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from resilient_rl.checkpoint import AsyncShardWriter, FileRecord, Storage, load_shard_into, stage, write_shard
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.runtime.dispatch import Dispatch, register
-from resilient_rl.errors import StorageError
-
-#: Flat-key prefixes whose values differ per rank (each rank saves and restores its own).
-RANK_LOCAL = ("rng",)
+from resilient_rl.errors import CheckpointFormatError, StorageError
+from resilient_rl.workers.rank_state import states_of
 
 
 def _records(records: list[FileRecord], finite: bool = True) -> list[dict]:
@@ -66,24 +64,6 @@ def storage_failure(exc: StorageError) -> dict:
     return {"storage_error": str(exc)[:1000], "outage": is_outage(exc)}
 
 
-def load_schedule(scheduler, state: dict) -> None:
-    """Load a saved LR schedule, keeping this run's base learning rates.
-
-    A LambdaLR's state holds the base rates it was built with, and loading it would silently put
-    back the saved run's: a resume that changes ``actor.optim.lr`` (allowed, see
-    ``config/resume.py``) would train on at the old rate. The schedule's position is the saved one;
-    the rates are this config's, applied at once (with an unchanged config this is the very value
-    the saved step computed, so a resumed run stays bit-identical)."""
-    base_lrs = list(scheduler.base_lrs)  # this run's optim.lr (a schedule's step never changes them)
-    scheduler.load_state_dict(state)
-    scheduler.base_lrs = base_lrs
-    lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, base_lrs)]
-    for group, base, lr in zip(scheduler.optimizer.param_groups, base_lrs, lrs):
-        group["initial_lr"] = base
-        group["lr"] = lr
-    scheduler._last_lr = lrs
-
-
 class CheckpointMixin:
     """Adds save/poll/load of ``self.engine`` (model, optimizer, scheduler) to a role worker."""
 
@@ -101,13 +81,11 @@ class CheckpointMixin:
         return self._storages[key]
 
     def _state(self) -> dict:
-        e = self.engine
-        return {
-            "model": get_model_state_dict(e.model),
-            "optim": get_optimizer_state_dict(e.model, e.optimizer),
-            "scheduler": e.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
-        }
+        """What a checkpoint of this rank saves: its :class:`~resilient_rl.workers.rank_state.RankState`."""
+        return states_of(self.engine).checkpoint_state()
+
+    def _rank_local(self) -> tuple[str, ...]:
+        return states_of(self.engine).rank_local()
 
     def reset_checkpoint_writer(self) -> None:
         """Drop a write left over from before a recovery (its step is never committed).
@@ -150,7 +128,7 @@ class CheckpointMixin:
             state, part = {"model": get_model_state_dict(e.model)}, "model"
         else:
             return False
-        self._checkpoint_writer().preallocate(state, self.rank, world_size=self.world_size, rank_local=RANK_LOCAL)
+        self._checkpoint_writer().preallocate(state, self.rank, world_size=self.world_size, rank_local=self._rank_local())
         self._staging_prepared = self._staging_prepared | {part}
         return True
 
@@ -164,11 +142,11 @@ class CheckpointMixin:
         self._save_finite = state_is_finite(state)
         if not async_save:
             try:
-                return _records(write_shard(stage(state, self.rank, rank_local=RANK_LOCAL, copy=False), storage,
+                return _records(write_shard(stage(state, self.rank, rank_local=self._rank_local(), copy=False), storage,
                                             rel_dir, self.rank), self._save_finite)
             except StorageError as exc:
                 return storage_failure(exc)
-        self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, self.rank, rank_local=RANK_LOCAL)
+        self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, self.rank, rank_local=self._rank_local())
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -198,11 +176,9 @@ class CheckpointMixin:
         records = [FileRecord.from_json(f) for f in files]
         template = self._state()
         loaded = load_shard_into(template, storage, rel_dir, records, verify=True, rank=self.rank)
-        e = self.engine
-        set_model_state_dict(e.model, loaded["model"])
-        set_optimizer_state_dict(e.model, e.optimizer, loaded["optim"])
-        load_schedule(e.scheduler, loaded["scheduler"])
-        if saved_world_size == self.world_size and "rng" in loaded:
-            torch.set_rng_state(loaded["rng"]["torch"])
+        try:
+            states_of(self.engine).load_checkpoint_state(loaded, same_world_size=saved_world_size == self.world_size)
+        except KeyError as exc:
+            raise CheckpointFormatError(f"{rel_dir}: {exc.args[0]}") from exc
         self.prepare_checkpoint_staging()
         return True

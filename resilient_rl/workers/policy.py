@@ -22,6 +22,7 @@ from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.logprob import response_logprobs
+from resilient_rl.workers.rank_state import RankState
 from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gradients, build_optimizer,
                                        build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
                                        update_is_finite, wrap_model)
@@ -91,6 +92,8 @@ class PolicyEngine:
         self.packing = bool(getattr(actor_cfg, "packing", False))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
+        # What checkpoints and snapshots of this rank carry (a role registers its own parts here).
+        self.states = RankState(self) if trainable else None
 
     def _logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):

@@ -37,7 +37,6 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 
 from __future__ import annotations
 
-import copy
 import logging
 import weakref
 
@@ -47,7 +46,8 @@ import torch
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers import node_capacity, snapshot_meta
 from resilient_rl.workers.node_memory import NodeFiles, node_id, node_path
-from resilient_rl.workers.snapshot_buffers import HostRing, Layout, named_tensors
+from resilient_rl.workers.rank_state import states_of
+from resilient_rl.workers.snapshot_buffers import HostRing, Layout
 from resilient_rl.workers.snapshot_restore import SnapshotRestoreMixin
 from resilient_rl.workers.snapshot_slots import (
     HELD_LOCK, KEEP, PROCESS_ROLES, SLOTS, previous_publishes_stored, process_role,
@@ -101,8 +101,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
         return ring
 
     def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        e = self.engine
-        return named_tensors(e.model, e.optimizer)
+        return states_of(self.engine).tensors()
 
     def _free_slot(self) -> int:
         """A ring slot no kept copy lives in and no publish reads, after dropping own copies beyond
@@ -167,12 +166,11 @@ class SnapshotMixin(SnapshotRestoreMixin):
         if ring.files is not None:
             ring.files.invalidate(slot)
         data = ring.copy_out(layout, [t for _, t in tensors], slot)
-        e = self.engine
-        groups, scalars = optim_extras(e.optimizer)
+        groups, scalars = optim_extras(self.engine.optimizer)
         snap = {"format": FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "bytes": int(layout.total), "layout": layout.to_list(), "data": data,
-                "extra": {"scheduler": copy.deepcopy(e.scheduler.state_dict()), "param_groups": groups,
-                          "optim_scalars": scalars, "rng": torch.get_rng_state().numpy().copy()}}
+                "extra": {"param_groups": groups, "optim_scalars": scalars,
+                          "states": states_of(self.engine).plain_state()}}
         if ring.files is not None:
             # Committed in node memory now, whole but not yet checksummed: a process killed
             # before its seal leaves a copy its restarted process can still load. The seal

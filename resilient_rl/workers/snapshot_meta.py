@@ -2,12 +2,12 @@
 
 A snapshot kept in node memory (:mod:`resilient_rl.workers.node_memory`) is two files: the
 packed tensors (``.data``) and everything else (``.meta``): format, step, rank, world size, the
-layout of the packed tensors, the non-tensor state (scheduler, optimizer hyperparameters and
-scalars, RNG) and the checksum of the data. The ``.meta`` is read by a process that did not
+layout of the packed tensors, the non-tensor state (optimizer hyperparameters and scalars, the
+plain parts of the rank's state: schedule, RNG, ...) and the checksum of the data. The ``.meta`` is read by a process that did not
 write it (a restarted rank), from a directory other local users may be able to reach, so it is
 written as JSON through the same structure-preserving flattening a checkpoint's extras use
 (:mod:`resilient_rl.checkpoint.state_tree`: tuples stay tuples, int keys stay ints), with the
-RNG state (a byte array) as base64. Loading it can build only dicts, lists, tuples, numbers and
+small tensors of the plain parts (the RNG state) as base64 with their dtype and shape. Loading it can build only dicts, lists, tuples, numbers and
 strings.
 
 The checksum (:func:`checksum`, xxHash3 64-bit of the packed bytes, about 15 GB/s on one core) is
@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 import numpy as np
+import torch
 import xxhash
 
 from resilient_rl.checkpoint.state_tree import flatten_state, unflatten_state
@@ -53,12 +54,48 @@ def verify(snap: dict) -> str | None:
     return None if got == want else f"checksum {got} does not match the recorded {want}"
 
 
+_TENSOR_KEYS = {"tensor_base64", "dtype", "shape"}
+
+
+def _tensors_to_json(value: Any) -> Any:
+    """``value`` with every tensor replaced by its bytes (base64), dtype and shape."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"tensor_base64": base64.b64encode(raw).decode(), "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape)}
+    if isinstance(value, dict):
+        return {k: _tensors_to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors_to_json(v) for v in value)
+    return value
+
+
+def _tensors_from_json(value: Any) -> Any:
+    """Invert :func:`_tensors_to_json`."""
+    if isinstance(value, dict) and set(value) == _TENSOR_KEYS:
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown tensor dtype {value['dtype']!r}")
+        raw = base64.b64decode(value["tensor_base64"])
+        shape = [int(n) for n in value["shape"]]
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    if isinstance(value, dict):
+        return {k: _tensors_from_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors_from_json(v) for v in value)
+    return value
+
+
 def encode(meta: dict) -> bytes:
-    """The JSON bytes of a snapshot's metadata (the snapshot without ``data``)."""
+    """The JSON bytes of a snapshot's metadata (the snapshot without ``data``); the tensors of its
+    plain parts (the RNG state) as base64."""
     meta = dict(meta)
     extra = dict(meta.get("extra") or {})
-    if "rng" in extra:
-        extra["rng"] = {"base64": base64.b64encode(np.asarray(extra["rng"], dtype=np.uint8).tobytes()).decode()}
+    if "states" in extra:
+        extra["states"] = _tensors_to_json(extra["states"])
     meta["extra"] = extra
     tensors, extras = flatten_state(meta)
     if tensors:  # every tensor of a snapshot is in its data
@@ -70,10 +107,9 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
     """Invert :func:`encode`; a CheckpointError naming ``where`` for anything else."""
     try:
         meta = unflatten_state({}, json.loads(raw.decode()))
-        rng = meta["extra"].get("rng")
-        if rng is not None:
-            meta["extra"]["rng"] = np.frombuffer(base64.b64decode(rng["base64"]), dtype=np.uint8).copy()
-    except (ValueError, KeyError, TypeError, AttributeError, CheckpointError) as exc:
+        if "states" in meta["extra"]:
+            meta["extra"]["states"] = _tensors_from_json(meta["extra"]["states"])
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, CheckpointError) as exc:
         raise CheckpointError(f"snapshot metadata {where} is not valid: {exc}") from exc
     if not isinstance(meta, dict):
         raise CheckpointError(f"snapshot metadata {where} is not an object")

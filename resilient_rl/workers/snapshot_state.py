@@ -1,9 +1,10 @@
 """A snapshot's non-tensor state and its restore into a rank's engine.
 
 The tensors of a snapshot are packed by :mod:`resilient_rl.workers.snapshot_buffers`; what rides
-along as plain values (optimizer hyperparameters per group, non-tensor optimizer state, scheduler,
-RNG) is gathered by :func:`optim_extras` at the take and written back, with the tensors, by
-:func:`restore_state`.
+along as plain values is the optimizer's hyperparameters per group and non-tensor state (gathered
+by :func:`optim_extras` at the take) and every plain part of the rank's
+:class:`~resilient_rl.workers.rank_state.RankState` (schedule, RNG, what the role registered).
+:func:`restore_state` writes them all back, with the tensors.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from resilient_rl.workers.snapshot_buffers import Layout, as_tensor, copy_in
+from resilient_rl.workers.rank_state import states_of
+from resilient_rl.workers.snapshot_buffers import Layout, copy_in
 
-#: Version of the snapshot dict's layout.
-FORMAT = 2
+#: Version of the snapshot dict's layout (3: the plain parts under ``extra["states"]``).
+FORMAT = 3
 
 
 def optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
@@ -37,14 +38,16 @@ def optim_extras(optimizer) -> tuple[list[dict], dict[str, Any]]:
 
 
 def restore_state(engine, snap: dict, tensors: Callable[[], list]) -> None:
-    """Write ``snap`` into ``engine`` (``model``, ``optimizer``, ``scheduler``) in place: tensors
-    (``tensors()``: the rank's named tensors), optimizer hyperparameters and non-tensor state,
-    scheduler, RNG. Bit-identical to the state it was taken from."""
+    """Write ``snap`` into ``engine`` (``model``, ``optimizer``, its rank state's plain parts) in
+    place: tensors (``tensors()``: the rank's named tensors), optimizer hyperparameters and
+    non-tensor state, then every plain part (schedule, RNG, ...). Bit-identical to the state it was
+    taken from."""
     if snap.get("format") != FORMAT:
         raise ValueError(f"snapshot format {snap.get('format')!r} is not {FORMAT}")
     e = engine
     layout = Layout.from_list(snap["layout"])
     extra = snap["extra"]
+    states_of(e).check_plain_state(extra["states"])
     has_optim_state = any(entry.name.startswith("optim/") for entry in layout.entries) or extra["optim_scalars"]
     if has_optim_state and not e.optimizer.state:
         # A rebuilt optimizer has no state to write into: create it the way a checkpoint load
@@ -62,5 +65,4 @@ def restore_state(engine, snap: dict, tensors: Callable[[], list]) -> None:
     for key, value in extra["optim_scalars"].items():
         index, name = key.split("/", 1)
         e.optimizer.state[params[int(index)]][name] = copy.deepcopy(value)
-    e.scheduler.load_state_dict(copy.deepcopy(extra["scheduler"]))
-    torch.set_rng_state(as_tensor(np.asarray(extra["rng"])).clone())
+    states_of(e).load_plain_state(extra["states"])

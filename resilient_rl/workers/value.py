@@ -14,6 +14,7 @@ from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gra
                                        build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
                                        update_is_finite, wrap_model)
 from resilient_rl.workers.policy import dp_world_size, planned_seq_len
+from resilient_rl.workers.rank_state import RankState
 
 
 def response_values(model, data, device: torch.device) -> torch.Tensor:
@@ -45,6 +46,8 @@ class ValueEngine:
         self._autocast = plan.autocast_enabled(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
+        # What checkpoints and snapshots of this rank carry (a role registers its own parts here).
+        self.states = RankState(self)
 
     def _values(self, data) -> torch.Tensor:
         with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
