@@ -116,3 +116,32 @@ def test_register_records_settings_and_hides_pad_key():
     assert C().work(3, **{PAD_SIZE_KEY: 2}) == 3
     with pytest.raises(DispatchError, match="execute_mode"):
         register(execute_mode="all")
+
+
+def test_a_collective_failure_is_typed_where_the_call_ends(monkeypatch):
+    """A worker call that ends with torch's distributed error (or a backend's transport error)
+    raises a CollectiveError naming its rank, and leaves its group's collectives; any other error
+    is the method's own and passes unchanged."""
+    from resilient_rl.errors import CollectiveError
+    from resilient_rl.runtime import leave_collective
+
+    left = []
+    monkeypatch.setattr(leave_collective, "leave_collectives", lambda reason="": left.append(reason) or 0)
+
+    class Rank:
+        rank = 3
+
+        @register()
+        def fail(self, exc):
+            raise exc
+
+    with pytest.raises(CollectiveError, match="rank 3: collective failed: DistBackendError") as info:
+        Rank().fail(torch.distributed.DistBackendError("peer 1 gone"))
+    assert info.value.rank == 3 and info.value.cause == "collective"
+    assert isinstance(info.value.__cause__, torch.distributed.DistBackendError)
+    with pytest.raises(CollectiveError):
+        Rank().fail(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"))
+    assert left == ["fail raised DistBackendError", "fail raised RuntimeError"]
+    with pytest.raises(ValueError, match="a bug"):  # the method's own error: not a peer's failure
+        Rank().fail(ValueError("a bug"))
+    assert len(left) == 2

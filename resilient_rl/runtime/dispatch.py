@@ -266,8 +266,10 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
             try:
                 return func(*args, **kwargs)
             except BaseException as exc:
-                _leave_if_collective(exc, name)
-                raise
+                typed = _leave_if_collective(exc, name, args)
+                if typed is None or typed is exc:
+                    raise
+                raise typed from exc
             finally:
                 progress.end()
 
@@ -281,8 +283,10 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
             try:
                 return await func(*args, **kwargs)
             except BaseException as exc:
-                _leave_if_collective(exc, name)
-                raise
+                typed = _leave_if_collective(exc, name, args)
+                if typed is None or typed is exc:
+                    raise
+                raise typed from exc
             finally:
                 progress.end()
 
@@ -297,11 +301,14 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.
     return decorator
 
 
-def _leave_if_collective(exc: BaseException, call: str) -> None:
+def _leave_if_collective(exc: BaseException, call: str, args: tuple) -> BaseException | None:
     """A call that ends with a collective error leaves its group's collectives, so that peers
-    still waiting on this rank raise at once too (:mod:`resilient_rl.runtime.leave_collective`)."""
-    if leave_collective.looks_collective(exc):
+    still waiting on this rank raise at once too (:mod:`resilient_rl.runtime.leave_collective`).
+    The error typed as a CollectiveError, or None where it is not a collective's."""
+    typed = leave_collective.collective_error(exc, getattr(args[0], "rank", None) if args else None)
+    if typed is not None:
         leave_collective.leave_collectives(f"{call} raised {type(exc).__name__}")
+    return typed
 
 
 def registered_methods(cls) -> dict[str, dict[str, Any]]:

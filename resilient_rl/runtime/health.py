@@ -21,7 +21,6 @@ from ray.exceptions import RayActorError
 from ray.exceptions import RayTaskError
 
 from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
-from resilient_rl.runtime.leave_collective import looks_collective
 from resilient_rl.process_state import process_alive
 
 logger = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
         return WorkerDiedError(f"{where} died: {exc}", role=group, rank=rank, cause="died")
     if isinstance(exc, RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        if isinstance(cause, CollectiveError) or looks_collective(cause):
+        if isinstance(cause, CollectiveError):  # typed in the worker (runtime.leave_collective)
             return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
         return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")

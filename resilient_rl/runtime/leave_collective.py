@@ -40,6 +40,10 @@ import socket
 import threading
 from typing import Iterator
 
+import torch.distributed
+
+from resilient_rl.errors import CollectiveError
+
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
@@ -49,13 +53,21 @@ _MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by pe
             "socket timeout", "timed out waiting for")
 
 
-def looks_collective(exc: BaseException) -> bool:
-    """A torch.distributed failure (a peer died or hung) rather than a bug in the method."""
-    name = type(exc).__name__
+def collective_error(exc: BaseException, rank: int | None = None) -> CollectiveError | None:
+    """``exc`` typed as a :class:`~resilient_rl.errors.CollectiveError` where it is a collective's
+    failure (a peer died, left or hung), None for any other error (a bug in the method is not a
+    peer's failure). Called where a worker's call ends (:mod:`resilient_rl.runtime.dispatch`), so
+    the controller only checks the type: torch's distributed errors (``DistError``: backend,
+    network, store) and the errors a backend's transport raises as plain ``RuntimeError`` or
+    ``OSError`` naming it (gloo's "Connection closed by peer", NCCL's, a socket timeout)."""
+    if isinstance(exc, CollectiveError):
+        return exc
+    dist_error = getattr(torch.distributed, "DistError", ())
     text = str(exc).lower()
-    # DistStoreError: a rendezvous waited in vain for a peer (it died while the group was forming).
-    return (any(n in name for n in ("DistBackendError", "DistNetworkError", "DistStoreError", "CollectiveError"))
-            or any(m in text for m in _MARKERS))
+    if isinstance(exc, dist_error) or (isinstance(exc, (RuntimeError, OSError)) and any(m in text for m in _MARKERS)):
+        return CollectiveError(f"rank {rank}: collective failed: {type(exc).__name__}: {exc}", rank=rank,
+                               cause="collective")
+    return None
 
 
 def _tcp_table() -> dict[int, tuple[int, int, str]]:
