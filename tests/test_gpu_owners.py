@@ -281,7 +281,7 @@ def test_memory_alert_fires_for_the_process_whose_tensors_fill_its_gpu(tmp_path,
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
 class _BusyWorker(Worker):
-    _rrl_health_group = True
+    answers_during_calls = True
 
     @ray.method(concurrency_group="health")
     def health(self):

@@ -30,7 +30,7 @@ HEALTH_S = 1.5
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
 class LoopWorker(Worker):
-    _rrl_health_group = True
+    answers_during_calls = True
 
     def __init__(self):
         super().__init__()

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
 class Holder(SnapshotMixin, Worker):
-    _rrl_health_group = True
+    answers_during_calls = True
 
     @ray.method(concurrency_group="health")
     def health(self):

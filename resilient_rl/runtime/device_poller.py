@@ -17,16 +17,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 import ray
 
-from resilient_rl.runtime.health import HEALTH_ATTR
+from resilient_rl.runtime.health import answers_during_calls
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, int]  # (worker group name, rank): one process
-
-
-def _answers_while_busy(group: Any) -> bool:
-    cls = group.ray_cls_with_init.cls if getattr(group, "ray_cls_with_init", None) is not None else None
-    return cls is not None and getattr(getattr(cls, "__ray_actor_class__", cls), HEALTH_ATTR, False)
 
 
 class DeviceReportPoller:
@@ -63,7 +58,7 @@ class DeviceReportPoller:
         self._last_round = now
         outstanding = set(self._pending.values())
         for group in groups:
-            if not _answers_while_busy(group):
+            if not answers_during_calls(group):
                 continue  # its ping would queue behind the running training call
             for rank, worker in enumerate(group.workers):
                 key = (group.name_prefix, rank)

@@ -1,11 +1,12 @@
 """Health of worker groups: probes that answer while a rank is busy, killing hung ranks,
 waiting for Ray to restart dead ones, and telling a broken collective from a bug.
 
-Worker classes that declare ``@ray.remote(concurrency_groups=HEALTH_GROUPS)`` and set
-``_rrl_health_group = True`` answer ``health()`` from their own thread, so a rank blocked in a
-collective (waiting on a stopped peer) still answers and only the stopped rank is killed. Other
-classes are probed with ``ping`` and may look hung while a long call runs. Such classes also
-declare ``call_off_rendezvous`` in that group, so a rendezvous a peer failed in can be called off.
+Every rank is probed with ``health()`` (:class:`~resilient_rl.runtime.worker.Worker`'s health
+protocol). A class that declares ``answers_during_calls`` answers from its own thread
+(``@ray.remote(concurrency_groups=HEALTH_GROUPS)``), so a rank blocked in a collective (waiting
+on a stopped peer) still answers and only the stopped rank is killed; other classes may look
+hung while a long call runs. Such classes also declare ``call_off_rendezvous`` and
+``leave_collectives`` in that group, so a rendezvous a peer failed in can be called off.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from resilient_rl.process_state import process_alive
 
 logger = logging.getLogger(__name__)
 
-#: Class attribute of worker classes whose ``health`` method runs in its own concurrency group.
-HEALTH_ATTR = "_rrl_health_group"
 #: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``:
 #: "health" for health calls, "snapshot" for keeping the ring neighbours' snapshot copies (a call
 #: that may wait for a neighbour; see ``SnapshotMixin.hold_snapshot``).
@@ -126,12 +125,20 @@ def replaced(actor, pid: int) -> bool:
     return record.get("State") == "ALIVE" and record.get("Pid") not in (None, pid)
 
 
+def answers_during_calls(group) -> bool:
+    """Whether the ranks of ``group`` (a :class:`RayWorkerGroup`) answer health calls while a call
+    runs: its worker class declares ``answers_during_calls`` (see the Worker's health protocol)."""
+    init = getattr(group, "ray_cls_with_init", None)
+    cls = init.cls if init is not None else None
+    cls = getattr(cls, "__ray_actor_class__", cls)  # the Python class behind Ray's actor class
+    return bool(cls is not None and getattr(cls, "answers_during_calls", False))
+
+
 class HealthMixin:
     """Probe, kill and wait-for-restart operations of a :class:`RayWorkerGroup`."""
 
     def _has_health_group(self) -> bool:
-        cls = self.ray_cls_with_init.cls if self.ray_cls_with_init is not None else None
-        return cls is not None and getattr(getattr(cls, "__ray_actor_class__", cls), HEALTH_ATTR, False)
+        return answers_during_calls(self)
 
     def probe(self, timeout_s: float = 2.0, gone: Callable[[int], bool] | None = None) -> dict[int, object]:
         """Health of every rank without waiting behind running calls where the class allows it.
@@ -141,8 +148,7 @@ class HealthMixin:
         ``gone(rank)`` says a rank's process is known to have exited: its probe is not waited for
         (Ray takes a second or more to report a death; a SIGKILLed process is gone at once).
         """
-        method = "health" if self._has_health_group() else "ping"
-        refs = [getattr(w, method).remote() for w in self._workers]
+        refs = [w.health.remote() for w in self._workers]
         index = {ref: rank for rank, ref in enumerate(refs)}
         out: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s

@@ -142,7 +142,16 @@ class Worker(MeshInfoMixin):
     """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`.
 
     A subclass need not call ``super().__init__()``: the group sets the rank's identity up before
-    the subclass's ``__init__`` runs (:meth:`_init_identity`)."""
+    the subclass's ``__init__`` runs (:meth:`_init_identity`).
+
+    The health protocol: the group probes every rank with :meth:`health`. A class that declares
+    ``@ray.remote(concurrency_groups=HEALTH_GROUPS)`` and puts ``health``,
+    ``call_off_rendezvous`` and ``leave_collectives`` in the "health" group sets
+    :attr:`answers_during_calls`: its ranks answer while a call runs (or is blocked in a
+    collective), so only a stopped rank looks hung. Other classes answer after the running call."""
+
+    #: Whether :meth:`health` (and the other health-group calls) answer while a call runs.
+    answers_during_calls: bool = False
 
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
         """``cuda_visible_devices`` is accepted for verl compatibility and not used: Ray assigns a
@@ -218,6 +227,10 @@ class Worker(MeshInfoMixin):
         the import lock inside its first calls (about 0.25 s in the rendezvous here)."""
         for thread in list(_WARMING):
             thread.join()
+        return self.ping()
+
+    def health(self) -> WorkerInfo:
+        """The health probe's answer (:meth:`ping`'s); see the class's health protocol."""
         return self.ping()
 
     def ping(self) -> WorkerInfo:

@@ -168,7 +168,7 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
     base = _colocated_base(class_dict)
 
     class WorkerDict(base):
-        _rrl_health_group = True
+        answers_during_calls = True
 
         @ray.method(concurrency_group="health")
         def health(self):

@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from resilient_rl.runtime.health import (HEALTH_ATTR, HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
+from resilient_rl.runtime.health import (HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
                                            kill_process)
 from resilient_rl.runtime import master_env
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch

@@ -67,7 +67,7 @@ class RoleWorker(Worker):
     """Common setup of a role: the run config, vocabulary, device plan, CPU threads."""
 
     role = "worker"
-    _rrl_health_group = True  # remote classes below declare HEALTH_GROUPS
+    answers_during_calls = True  # remote classes below declare HEALTH_GROUPS
 
     @ray.method(concurrency_group="health")
     def health(self):
