@@ -221,42 +221,36 @@ def test_a_root_left_gathered_by_a_forward_without_backward_is_copied_as_its_sha
 
 
 def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
-    from resilient_rl.workers import snapshot_slots
+    from resilient_rl.runtime.rank_host import RankHost
 
     actor, critic = Rank(mlp), Rank(mlp)
     critic.role = "critic"
-    saved = dict(snapshot_slots.PROCESS_ROLES)
-    try:
-        actor.register_snapshot_role()
-        critic.register_snapshot_role()
-        actor.train(0)
-        critic.train(1)
-        done = actor.take_snapshot(1, ["actor", "critic"])
-        _, taken = actor.publish_snapshot(1, ["actor", "critic"])
-        assert done["bytes"] == {role: taken["roles"][role]["bytes"] for role in ("actor", "critic")}
-        assert sorted(taken["roles"]) == ["actor", "critic"] and critic.has_snapshot(1)
-        with pytest.raises(ValueError, match="hosts no ref rank 0"):
-            actor.take_snapshot(1, ["ref"])
-        # Another process (rank 1 here) holds the bundle.
-        peer = Rank(mlp)
-        peer.rank = 1
-        snapshot_slots.PROCESS_ROLES.clear()
-        peer.register_snapshot_role()
-        answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
-        assert answer == {"step": 1, "kept": 2}
-        held = peer.held_snapshot(1, "critic", 0)
-        assert held is not None and np.array_equal(held["data"], taken["roles"]["critic"]["data"])
-        assert peer.snapshot_memory()["held_bytes"] == sum(done["bytes"].values())
-        # The critic restores from the held copy (as the controller hands it over).
-        critic.train(2)
-        assert critic.load_snapshot(1, held) is True
-        again = critic.snapshot(5)["roles"]["critic"]
-        layout = Layout.from_list(held["layout"])
-        assert all(torch.equal(a, b) for a, b in zip(layout.views(torch.from_numpy(again["data"])),
-                                                     layout.views(torch.from_numpy(held["data"].copy()))))
-    finally:
-        snapshot_slots.PROCESS_ROLES.clear()
-        snapshot_slots.PROCESS_ROLES.update(saved)
+    host = RankHost()  # one process hosting both roles
+    host.add("actor", actor)
+    host.add("critic", critic)
+    actor.train(0)
+    critic.train(1)
+    done = actor.take_snapshot(1, ["actor", "critic"])
+    _, taken = actor.publish_snapshot(1, ["actor", "critic"])
+    assert done["bytes"] == {role: taken["roles"][role]["bytes"] for role in ("actor", "critic")}
+    assert sorted(taken["roles"]) == ["actor", "critic"] and critic.has_snapshot(1)
+    with pytest.raises(ValueError, match="hosts no ref rank 0"):
+        actor.take_snapshot(1, ["ref"])
+    # Another process (rank 1 here, a host of its own) holds the bundle.
+    peer = Rank(mlp)
+    peer.rank = 1
+    answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
+    assert answer == {"step": 1, "kept": 2}
+    held = peer.held_snapshot(1, "critic", 0)
+    assert held is not None and np.array_equal(held["data"], taken["roles"]["critic"]["data"])
+    assert peer.snapshot_memory()["held_bytes"] == sum(done["bytes"].values())
+    # The critic restores from the held copy (as the controller hands it over).
+    critic.train(2)
+    assert critic.load_snapshot(1, held) is True
+    again = critic.snapshot(5)["roles"]["critic"]
+    layout = Layout.from_list(held["layout"])
+    assert all(torch.equal(a, b) for a, b in zip(layout.views(torch.from_numpy(again["data"])),
+                                                 layout.views(torch.from_numpy(held["data"].copy()))))
 
 
 def test_a_publish_waits_for_its_take_and_fails_with_it():

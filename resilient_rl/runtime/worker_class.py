@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from resilient_rl.runtime.devices import take_devices
+from resilient_rl.runtime.rank_host import RankHost
 from resilient_rl.runtime.dispatch import MAGIC_ATTR, registered_methods
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.runtime import master_env
@@ -144,6 +145,9 @@ def _colocated_base(class_dict: dict[str, RayClassWithInitArgs]) -> type:
             super().__init__(*args, **kwargs)
             self.worker_dict = {role: cls(*init_args[role][0], **init_args[role][1])
                                 for role, cls in role_classes.items()}
+            host = RankHost()  # the roles find each other through it (snapshots, engine collection)
+            for role, worker in self.worker_dict.items():
+                host.add(role, worker)
             # verl's fused-worker view: each role by name, and every role knows the others.
             self.fused_worker_dict = self.worker_dict
             for role, worker in self.worker_dict.items():

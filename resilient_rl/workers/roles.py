@@ -16,12 +16,12 @@ import gc
 import hashlib
 import json
 import time
-import weakref
 
 import ray
 import torch
 
 from resilient_rl.workers.determinism import apply_deterministic
+from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.runtime.worker import Worker, warm_in_background
 from resilient_rl.runtime.health import HEALTH_GROUPS
@@ -47,8 +47,6 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 #: Whether an engine of this process was dropped and its reference cycles not collected yet.
 _UNCOLLECTED = [False]
-#: The role workers of this process (colocated roles share one).
-_WORKERS: "weakref.WeakSet[RoleWorker]" = weakref.WeakSet()
 #: The run config each process built last: (its plain mapping as JSON, the Config).
 _CONFIG: dict = {}
 
@@ -86,7 +84,6 @@ class RoleWorker(Worker):
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__()
-        _WORKERS.add(self)
         self.cfg = _run_config(config)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -154,7 +151,7 @@ class RoleWorker(Worker):
         if collect and _UNCOLLECTED[0]:
             gc.collect()
             _UNCOLLECTED[0] = False
-        if collect and all(getattr(w, "engine", None) is None for w in _WORKERS):
+        if collect and all(getattr(w, "engine", None) is None for w in host_of(self).workers()):
             gc.freeze()
         return had
 

@@ -38,19 +38,19 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 from __future__ import annotations
 
 import logging
-import weakref
 
 import ray
 import torch
 
 from resilient_rl.runtime.dispatch import Dispatch, register
+from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.workers import node_capacity, snapshot_meta
 from resilient_rl.workers.node_memory import NodeFiles, node_id, node_path
 from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshot_buffers import HostRing, Layout
 from resilient_rl.workers.snapshot_restore import SnapshotRestoreMixin
 from resilient_rl.workers.snapshot_slots import (
-    HELD_LOCK, KEEP, PROCESS_ROLES, SLOTS, previous_publishes_stored, process_role,
+    HELD_LOCK, KEEP, SLOTS, previous_publishes_stored,
 )
 from resilient_rl.workers.snapshot_state import FORMAT, optim_extras
 
@@ -64,15 +64,8 @@ SLOT_WAIT_S = 2.0
 
 class SnapshotMixin(SnapshotRestoreMixin):
     """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin
-    (``self.engine``: ``model``, ``optimizer``, ``scheduler``). Each instance registers itself
-    as its role's worker of this process (:func:`process_role`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register_snapshot_role()
-
-    def register_snapshot_role(self) -> None:
-        PROCESS_ROLES[getattr(self, "role", "worker")] = weakref.ref(self)
+    (``self.engine``: ``model``, ``optimizer``, ``scheduler``). The roles of its process are its
+    :class:`~resilient_rl.runtime.rank_host.RankHost`'s (:func:`~resilient_rl.runtime.rank_host.host_of`)."""
 
     _own_snapshots: dict | None = None  # step -> (ring slot or None, this rank's copy)
     _take_failed: tuple[int, str] | None = None  # (step, why) of the last take that raised
@@ -185,7 +178,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
         role); a role not hosted here at this rank raises a ValueError."""
         out = {}
         for role in roles or [self.role]:
-            worker = self if role == self.role else process_role(role)
+            worker = self if role == self.role else host_of(self).role(role)
             if worker is None or worker.rank != self.rank:
                 raise ValueError(f"{call}: this process hosts no {role} rank {self.rank}")
             out[role] = worker
@@ -228,7 +221,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
 
         Returns two values (two ObjectRefs through Ray): ``{"step"}``, which tells that the copies
         are stored without fetching them, and ``{"step", "rank", "roles": {role: snapshot}}``."""
-        previous_publishes_stored()
+        previous_publishes_stored(host_of(self).workers())
         step = int(step)
         workers = self._process_workers_of(roles, "publish_snapshot")
         out = {}
@@ -256,7 +249,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
         seal (see ``load_snapshot``). Runs on the "snapshot" thread, off the step's path; waits up
         to ``timeout_s`` for the take and raises a RuntimeError when it failed. The slot is not
         written again while it is read. Returns ``{"step", "checksums": {role: checksum}}``."""
-        previous_publishes_stored()
+        previous_publishes_stored(host_of(self).workers())
         step = int(step)
         workers = self._process_workers_of(roles, "seal_snapshot")
         return {"step": step, "checksums": {role: w._seal(step, timeout_s) for role, w in workers.items()}}

@@ -12,10 +12,11 @@ from typing import Any
 import ray
 
 from resilient_rl.runtime.dispatch import Dispatch, register
+from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.workers import snapshot_meta
 from resilient_rl.workers.node_memory import NodeCopy, NodeFiles
 from resilient_rl.workers.snapshot_slots import (
-    HELD_LOCK, KEEP, SLOTS, previous_publishes_stored, process_role, process_workers,
+    HELD_LOCK, KEEP, SLOTS, previous_publishes_stored,
 )
 from resilient_rl.workers.snapshot_state import restore_state
 
@@ -45,7 +46,7 @@ class SnapshotRestoreMixin:
         A copy is kept as Ray handed it over (a read-only view of this node's object store,
         which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
         keeps nothing more: its copy is in its own memory and in the object store."""
-        previous_publishes_stored()
+        previous_publishes_stored(host_of(self).workers())
         step = int(step)
         if len(owners) != len(taken):
             raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
@@ -58,7 +59,7 @@ class SnapshotRestoreMixin:
         for keys, bundle in zip(owners, taken):
             for role, rank in keys:
                 snap = bundle["roles"][role]
-                local_worker = process_role(role)
+                local_worker = host_of(self).role(role)
                 if local_worker is not None and local_worker.rank == int(rank):
                     continue
                 if self._held_snapshots is None:
@@ -75,7 +76,7 @@ class SnapshotRestoreMixin:
         """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
         by any of its roles), or None (it was restarted since)."""
         with HELD_LOCK:
-            for worker in process_workers():
+            for worker in host_of(self).workers():
                 snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
                 if snap is not None:
                     return snap
