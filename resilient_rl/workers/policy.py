@@ -8,14 +8,10 @@ concatenated batch (FSDP2 averages gradients over ranks, hence the ``world_size`
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 
 from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import ppo_policy_loss
-from resilient_rl.errors import CollectiveError
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
@@ -23,26 +19,8 @@ from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.logprob import response_logprobs
 from resilient_rl.workers.rank_state import RankState
-from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gradients, build_optimizer,
-                                       build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
-                                       update_is_finite, wrap_model)
-
-
-def dp_world_size() -> int:
-    """The ranks this rank's update averages over: its process group's size.
-
-    A rank of a group of several (``WORLD_SIZE``) whose process has no process group is a new
-    process that has not joined its group yet (Ray restarted it without the controller knowing):
-    its update raises a :class:`~resilient_rl.errors.CollectiveError`, so that the recovery rejoins
-    its group, instead of training its replica alone on its share of the batch."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    expected = int(os.environ.get("WORLD_SIZE") or 1)
-    if expected > 1:
-        rank = int(os.environ.get("RANK") or 0)
-        raise CollectiveError(f"rank {rank} of a group of {expected} has no process group: its process is new "
-                              "and has not joined the group", rank=rank)
-    return 1
+from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, build_optimizer, build_scheduler, wrap_model
+from resilient_rl.workers.update_loop import run_epochs
 
 
 def planned_seq_len(model_cfg, model) -> int:
@@ -120,46 +98,12 @@ class PolicyEngine:
         return DataProto.from_dict({"log_probs": torch.cat(logps), "entropys": torch.cat(ents)})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
-        """PPO epochs over mini-batches of ``data`` (this rank's share); one scheduler step.
-
-        A mini-batch whose loss or gradient norm is NaN or Inf (on any rank) is not applied: its
-        gradients are dropped, the optimizer does not step, and ``actor/nonfinite_skipped``
-        counts it (its losses stay out of the reported means)."""
-        cfg = self.cfg
-        world = dp_world_size()
-        local_mb = max(1, cfg.mini_batch_size // world)
-        self.model.train(True)
+        """PPO epochs over mini-batches of ``data`` (this rank's share); one scheduler step
+        (:func:`~resilient_rl.workers.update_loop.run_epochs`, ``actor/*`` metrics)."""
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
-                "advantages"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
-        sums: dict[str, float] = {}
-        n_updates = skipped = 0
-        # Mini-batch order is a pure function of (seed, step): replays after recovery shuffle identically.
+                "advantages"] + (["ref_log_prob"] if self.cfg.use_kl_loss else [])
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step
-        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
-        masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
-        counts = global_token_counts(masks).clamp(min=1.0)
-        parts = self._agreed_counts([mb.batch for mb in mini_batches])
-        for mb, mask, (tokens, seqs), n_parts in zip(mini_batches, masks, counts, parts):
-            progress.advance("mini-batch")
-            terms = self._accumulate(mb, mask, tokens, seqs, world, n_parts)
-            all_reduce_gradients(self.model)
-            grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
-            if not update_is_finite(grad_norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            n_updates += 1
-            terms.append(("actor/grad_norm", grad_norm))
-            for k, v in terms:
-                sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-        step_scheduler(self.scheduler, n_updates)
-        self.model.train(False)
-        metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
-        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["actor/nonfinite_skipped"] = float(skipped)
-        return metrics
+        return run_epochs(self, data, keys, seed, "actor", self._accumulate)
 
     def _agreed_counts(self, batches) -> list[int]:
         """Micro-batches per batch, as many on every rank of an FSDP2 group (see

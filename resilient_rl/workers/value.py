@@ -5,15 +5,13 @@ from __future__ import annotations
 import torch
 
 from resilient_rl.algos.losses import value_loss
-from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
-from resilient_rl.workers.fsdp import (DevicePlan, agreed_counts, all_reduce_gradients, build_optimizer,
-                                       build_scheduler, clip_grad_norm, global_token_counts, step_scheduler,
-                                       update_is_finite, wrap_model)
-from resilient_rl.workers.policy import dp_world_size, planned_seq_len
+from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, build_optimizer, build_scheduler, wrap_model
+from resilient_rl.workers.policy import planned_seq_len
+from resilient_rl.workers.update_loop import run_epochs
 from resilient_rl.workers.rank_state import RankState
 
 
@@ -63,40 +61,12 @@ class ValueEngine:
         return DataProto.from_dict({"values": torch.cat(values) * data.batch["response_mask"]})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
-        """Value-loss epochs over mini-batches of ``data``; one scheduler step. A mini-batch with a
-        NaN/Inf loss or gradient norm is skipped (``critic/nonfinite_skipped`` counts it)."""
-        cfg = self.cfg
-        world = dp_world_size()
-        local_mb = max(1, cfg.mini_batch_size // world)
-        self.model.train(True)
+        """Value-loss epochs over mini-batches of ``data``; one scheduler step
+        (:func:`~resilient_rl.workers.update_loop.run_epochs`, ``critic/*`` metrics)."""
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns"]
-        sums: dict[str, float] = {}
-        n = skipped = 0
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
-        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
-        masks = [mb.batch["response_mask"].to(self.plan.device).float() for mb in mini_batches]
-        counts = global_token_counts(masks).clamp(min=1.0)
-        parts = self._agreed_counts([mb.batch for mb in mini_batches])
-        for mb, mask, (tokens, _), n_parts in zip(mini_batches, masks, counts, parts):
-            progress.advance("mini-batch")
-            terms = self._accumulate(mb, mask, tokens, world, n_parts)
-            all_reduce_gradients(self.model)
-            grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
-            if not update_is_finite(grad_norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            n += 1
-            for k, v in terms + [("critic/grad_norm", grad_norm)]:
-                sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-        step_scheduler(self.scheduler, n)
-        self.model.train(False)
-        metrics = {k: float(v) / max(1, n) for k, v in sums.items()}
-        metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["critic/nonfinite_skipped"] = float(skipped)
-        return metrics
+        return run_epochs(self, data, keys, seed, "critic",
+                          lambda mb, mask, tokens, _seqs, world, n: self._accumulate(mb, mask, tokens, world, n))
 
     def _agreed_counts(self, batches) -> list[int]:
         """As :meth:`~resilient_rl.workers.policy.PolicyEngine._agreed_counts` (values run padded)."""
