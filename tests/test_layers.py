@@ -16,7 +16,7 @@ PACKAGE = Path(resilient_rl.__file__).parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "env", "process_state", "jsonl", "nvml", "lazy", "log_route"),
     ("config",),
-    ("protocol", "protocol_utils", "protocol_verl", "protocol_io", "protocol_future", "events"),
+    ("protocol", "events"),
     ("data", "algos"),
     ("runtime",),
     ("models",),

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from resilient_rl.runtime import leave_collective, progress
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import DataProto, pad_dataproto_to_divisor
-from resilient_rl.protocol_future import DataProtoFuture, materialize, materialize_async
+from resilient_rl.protocol.future import DataProtoFuture, materialize, materialize_async
 
 #: Attribute under which ``@register`` stores a method's dispatch settings.
 MAGIC_ATTR = "__rrl_register__"

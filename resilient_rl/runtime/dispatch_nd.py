@@ -14,11 +14,11 @@ from functools import partial
 
 from resilient_rl.errors import DispatchError
 from resilient_rl.protocol import DataProto
-from resilient_rl.protocol_future import DataProtoFuture, concat_tensordicts
+from resilient_rl.protocol.future import DataProtoFuture, concat_tensordicts
 
 
 def _chunk(name: str, value, chunks: int) -> list:
-    from resilient_rl.protocol_utils import tensordict_class
+    from resilient_rl.protocol.utils import tensordict_class
 
     if isinstance(value, (DataProto, DataProtoFuture)):
         return value.chunk(chunks)
@@ -49,7 +49,7 @@ def _stack_rows(td, rows):
 def _concat(parts: list):
     import ray
 
-    from resilient_rl.protocol_utils import tensordict_class
+    from resilient_rl.protocol.utils import tensordict_class
 
     if parts and all(isinstance(p, ray.ObjectRef) for p in parts):
         return DataProtoFuture.concat(parts)

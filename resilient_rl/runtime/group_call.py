@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from resilient_rl.protocol import DataProto, unpad_dataproto
-from resilient_rl.protocol_future import DataProtoFuture
+from resilient_rl.protocol.future import DataProtoFuture
 
 
 class GroupCall:

@@ -26,7 +26,7 @@ from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.runtime.worker import Worker, warm_in_background
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
-from resilient_rl.protocol_utils import tensordict_class
+from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin

@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from resilient_rl.errors import DataProtoError
-# The helpers live in protocol_utils; the public ones are re-exported here, where verl has them.
-from resilient_rl.protocol_utils import (as_object_array, batch_from_wire, batch_to_wire, positive_int, tensordict_class, union_dict, union_numpy_dict,
+# The helpers live in protocol.utils; the public ones are re-exported here, where verl has them.
+from resilient_rl.protocol.utils import (as_object_array, batch_from_wire, batch_to_wire, positive_int, tensordict_class, union_dict, union_numpy_dict,
                                          union_tensor_dict, values_equal)
-from resilient_rl.protocol_io import (deserialize_single_tensor, deserialize_tensordict,  # noqa: F401
+from resilient_rl.protocol.io import (deserialize_single_tensor, deserialize_tensordict,  # noqa: F401
                                       serialize_single_tensor, serialize_tensordict)
-from resilient_rl.protocol_verl import (DataProtoConfig, DataProtoVerlMixin, fold_batch_dim,  # noqa: F401
+from resilient_rl.protocol.verl import (DataProtoConfig, DataProtoVerlMixin, fold_batch_dim,  # noqa: F401
                                         merge_meta_info, unfold_batch_dim)
-from resilient_rl.protocol_future import DataProtoFuture  # noqa: F401
+from resilient_rl.protocol.future import DataProtoFuture  # noqa: F401
 
 if TYPE_CHECKING:  # imported on first use at run time, see tensordict_class
     from tensordict import TensorDict
@@ -304,7 +304,7 @@ class DataProto(DataProtoVerlMixin):
     @staticmethod
     def concat(data: Sequence[DataProto]) -> DataProto:
         """Concatenate along dim 0; all parts must have the same keys. meta_info is merged as verl
-        does (see :func:`~resilient_rl.protocol_verl.merge_meta_info`): per-worker ``metrics``
+        does (see :func:`~resilient_rl.protocol.verl.merge_meta_info`): per-worker ``metrics``
         become one dict of lists, other keys must agree."""
         if not data:
             raise DataProtoError("cannot concat an empty list of DataProtos")

@@ -18,7 +18,7 @@ import torch
 
 from resilient_rl import env
 from resilient_rl.errors import DataProtoError
-from resilient_rl.protocol_utils import positive_int, tensordict_class
+from resilient_rl.protocol.utils import positive_int, tensordict_class
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -69,7 +69,7 @@ def list_of_dict_to_dict_of_list(items: Sequence[dict]) -> dict[str, list]:
 def merge_meta_info(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """verl's concat rule: keys of every part are merged (a key held by several parts must have
     one value); ``metrics`` of every part (a dict or a list of dicts) become one dict of lists."""
-    from resilient_rl.protocol_utils import values_equal
+    from resilient_rl.protocol.utils import values_equal
 
     merged: dict[str, Any] = {}
     metrics: list = []
@@ -273,15 +273,15 @@ class DataProtoVerlMixin:
 
     # ------------------------------------------------------------------ disk and reporting
     def save_to_disk(self, filepath: str | os.PathLike) -> None:
-        """Write to one safetensors file (no pickle; see :mod:`resilient_rl.protocol_io`)."""
-        from resilient_rl.protocol_io import save_to_disk
+        """Write to one safetensors file (no pickle; see :mod:`resilient_rl.protocol.io`)."""
+        from resilient_rl.protocol.io import save_to_disk
 
         save_to_disk(self, filepath)
 
     @classmethod
     def load_from_disk(cls, filepath: str | os.PathLike) -> DataProtoVerlMixin:
         """Read a file written by :meth:`save_to_disk`."""
-        from resilient_rl.protocol_io import load_from_disk
+        from resilient_rl.protocol.io import load_from_disk
 
         return load_from_disk(cls, filepath)
 

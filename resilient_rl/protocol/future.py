@@ -14,14 +14,14 @@ from functools import partial
 from typing import Any, Callable
 
 from resilient_rl.errors import DataProtoError
-from resilient_rl.protocol_verl import DataProtoVerlMixin
+from resilient_rl.protocol.verl import DataProtoVerlMixin
 
 
 def _concat_parts(parts: list) -> Any:
     # A DataProto is a DataProtoVerlMixin (its base here): concat through the parts' own class.
     if parts and all(isinstance(p, DataProtoVerlMixin) for p in parts) and len({type(p) for p in parts}) == 1:
         return type(parts[0]).concat(parts)
-    from resilient_rl.protocol_utils import tensordict_class
+    from resilient_rl.protocol.utils import tensordict_class
 
     if parts and all(isinstance(p, tensordict_class()) for p in parts):
         return concat_tensordicts(parts)
