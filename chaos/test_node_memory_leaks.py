@@ -18,7 +18,7 @@ from conftest import RESULTS, chaos_overrides, ensure_ray
 from resilient_rl.faults.harness import run_training
 from resilient_rl.faults.processes import kill_tree, process_tree
 from resilient_rl.testing.wait import wait_until
-from resilient_rl.workers.node_memory import PREFIX
+from resilient_rl.workers.snapshots.node_memory import PREFIX
 
 
 def _steps(path: Path) -> list[int]:

@@ -21,10 +21,10 @@ import pytest
 
 from resilient_rl.config.schema import load_config
 from resilient_rl.faults.harness import collect_run
-from resilient_rl.recovery import snapshot_carry
+from resilient_rl.workers.snapshots import carry as snapshot_carry
 from resilient_rl.run.folder import deterministic_view
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles
-from resilient_rl.workers.snapshot_slots import KEEP
+from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles
+from resilient_rl.workers.snapshots.slots import KEEP
 
 pytestmark = pytest.mark.ray
 

@@ -42,7 +42,7 @@ def reference_30(chaos_dir):
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm")
 def test_defaults_sigkill_of_an_actor_rank_and_the_rollout_replay_nothing(reference_30, chaos_dir, caplog):
     schedule = FaultSchedule().after_snapshot(23).kill("actor", 1).after_snapshot(27).kill("rollout", 0)
-    with caplog.at_level(logging.INFO, logger="resilient_rl.recovery.snapshots"):
+    with caplog.at_level(logging.INFO, logger="resilient_rl.workers.snapshots.keeper"):
         result = _run(chaos_dir, "defaults-zero-replay", schedule, *LONG)
     check_invariants(result, reference_30, expect_recoveries=2)
     recovered = [(e["failed_step"], e["restored_step"], e["steps_replayed"], e["source"])
@@ -75,7 +75,7 @@ def test_a_64mb_shm_snapshots_less_often_through_the_object_store(reference, cha
     the copies in the processes and the object store every 5 steps: a kill at step 6 restores
     step 5 from there, replays nothing, and nothing of the run is left in the tmpfs."""
     schedule = FaultSchedule().after_snapshot(6).kill("actor", 1)
-    with caplog.at_level(logging.INFO, logger="resilient_rl.recovery.snapshots"):
+    with caplog.at_level(logging.INFO, logger="resilient_rl.workers.snapshots.keeper"):
         result = _run(chaos_dir, "small-shm", schedule, "trainer.total_steps=6",
                       f"recovery.snapshot_node_dir={small_shm}")
     check_invariants(result, reference)

@@ -171,7 +171,7 @@ class _FlipNodeMemory(TrainerHook):
     def on_step_start(self, trainer, step):
         if step != self.step or self.flipped:
             return
-        from resilient_rl.workers.node_memory import NodeFiles, node_path
+        from resilient_rl.workers.snapshots.node_memory import NodeFiles, node_path
 
         snap = next(s for s in trainer.snapshots.snapshots if s.step == step - 1)
         copy = snap.node[self.role][self.rank]

@@ -1,4 +1,4 @@
-"""Snapshots in node memory (workers/node_memory.py): a rank's ring as files that outlive its
+"""Snapshots in node memory (workers/snapshots/node_memory.py): a rank's ring as files that outlive its
 process; a new process of the same rank reads its copy back bit for bit; the commit marker; a
 directory too small falls back to process memory; stale run directories are swept."""
 
@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from resilient_rl.workers import node_memory
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
-from resilient_rl.workers.node_sweep import STALE_S, sweep_stale
+from resilient_rl.workers.snapshots import node_memory
+from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles, node_path
+from resilient_rl.workers.snapshots.node_sweep import STALE_S, sweep_stale
 
 from test_snapshot_copy import Rank, assert_same, mlp
 
@@ -162,7 +162,7 @@ def test_a_new_controller_of_the_run_removes_its_predecessors_node_memory(tmp_pa
 
 
 def test_a_replaced_ring_unregisters_its_page_locked_buffers(tmp_path, monkeypatch):
-    from resilient_rl.workers.snapshot_buffers import HostRing
+    from resilient_rl.workers.snapshots.buffers import HostRing
 
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -181,7 +181,7 @@ def test_the_process_memory_ring_page_locks_exactly_the_layouts_size(monkeypatch
     slot): the ring registers pageable memory of the layout's own size instead."""
     import gc
 
-    from resilient_rl.workers.snapshot_buffers import HostRing
+    from resilient_rl.workers.snapshots.buffers import HostRing
 
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -211,7 +211,7 @@ def test_the_process_memory_ring_page_locks_exactly_the_layouts_size(monkeypatch
 
 
 def test_a_refused_page_lock_keeps_the_pageable_buffer(monkeypatch):
-    from resilient_rl.workers.snapshot_buffers import HostRing
+    from resilient_rl.workers.snapshots.buffers import HostRing
 
     cudart = FakeCudart(code=712)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)

@@ -1,4 +1,4 @@
-"""Nothing left in node memory (workers/node_sweep.py): every start removes the snapshot directories
+"""Nothing left in node memory (workers/snapshots/node_sweep.py): every start removes the snapshot directories
 and reduction segments whose owner process is gone, whatever the run, at once; what it cannot
 check (an owner on another host) is left to the age rule."""
 
@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from resilient_rl.workers import node_sweep
-from resilient_rl.workers.node_memory import NodeFiles, PREFIX
+from resilient_rl.workers.snapshots import node_sweep
+from resilient_rl.workers.snapshots.node_memory import NodeFiles, PREFIX
 
 from test_snapshot_copy import Rank, mlp
 

@@ -114,7 +114,7 @@ class _Keeper:
 
 
 def test_workers_stopped_by_the_same_signal_leave_the_newest_snapshot_to_the_next_controller():
-    """With snapshots recorded for the next controller (recovery/snapshot_carry.py), the run's node
+    """With snapshots recorded for the next controller (workers/snapshots/carry.py), the run's node
     memory is not removed at its end: the next run continues from that snapshot."""
     trainer = _Trainer(3, _Checkpoints(2))
     trainer.snapshots = _Keeper(3)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from resilient_rl.errors import CheckpointError
-from resilient_rl.workers import snapshot_meta
+from resilient_rl.workers.snapshots import meta as snapshot_meta
 from resilient_rl.workers.checkpointing import CheckpointMixin
 from resilient_rl.workers.rank_state import RankState, states_of
-from resilient_rl.workers.snapshot import SnapshotMixin
+from resilient_rl.workers.snapshots.take import SnapshotMixin
 
 
 class Visits:

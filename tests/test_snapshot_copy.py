@@ -1,4 +1,4 @@
-"""The worker-side copy path of in-memory snapshots (workers/snapshot.py, workers/snapshot_buffers.py):
+"""The worker-side copy path of in-memory snapshots (workers/snapshots/take.py, workers/snapshots/buffers.py):
 a round trip restores model, optimizer, schedule and RNG bit for bit, in place, on plain modules
 and on an FSDP2 model (gloo, world size 1)."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from resilient_rl.workers import snapshot_buffers
-from resilient_rl.workers.snapshot import SnapshotMixin
-from resilient_rl.workers.snapshot_buffers import Layout, named_tensors
+from resilient_rl.workers.snapshots import buffers as snapshot_buffers
+from resilient_rl.workers.snapshots.take import SnapshotMixin
+from resilient_rl.workers.snapshots.buffers import Layout, named_tensors
 
 
 class Rank(SnapshotMixin):
@@ -278,7 +278,7 @@ def test_a_publish_waits_for_its_take_and_fails_with_it():
 
 
 def test_a_slot_is_not_written_while_ray_may_still_store_its_publish(monkeypatch):
-    from resilient_rl.workers import snapshot as snapshot_mod
+    from resilient_rl.workers.snapshots import take as snapshot_mod
 
     rank = Rank(mlp)
     rank.train(0)

@@ -12,7 +12,7 @@ import ray
 
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.runtime.worker import Worker
-from resilient_rl.workers.snapshot import SnapshotMixin
+from resilient_rl.workers.snapshots.take import SnapshotMixin
 
 pytestmark = pytest.mark.ray
 

@@ -1,4 +1,4 @@
-"""recovery.snapshot_every=auto (trainer/snapshot_sizing.py, workers/node_capacity.py): every step in
+"""recovery.snapshot_every=auto (trainer/snapshot_sizing.py, workers/snapshots/node_capacity.py): every step in
 node memory where each node's tmpfs, RAM and cgroup limit hold the rings with headroom; less often,
 in process memory and the object store, where the tmpfs cannot; off where memory cannot; one line
 that says which and why."""
@@ -12,8 +12,8 @@ import pytest
 
 from resilient_rl.config import load_config
 from resilient_rl.errors import ConfigError
-from resilient_rl.recovery.snapshot_sizing import FALLBACK_EVERY, HEADROOM, decide
-from resilient_rl.workers import node_capacity
+from resilient_rl.workers.snapshots.sizing import FALLBACK_EVERY, HEADROOM, decide
+from resilient_rl.workers.snapshots import node_capacity
 
 MiB, GiB = 2**20, 2**30
 
@@ -87,7 +87,7 @@ def test_config_default_is_auto_and_numbers_still_work():
 def test_keeper_sizes_once_after_a_step_and_logs_one_line(caplog):
     from test_snapshots import FakeGroup, FakeRoles, fake_get, fake_wait
 
-    from resilient_rl.recovery.snapshots import SnapshotKeeper
+    from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
 
     class Sized(FakeGroup):
         def __init__(self, n, role, nbytes, room):
@@ -109,7 +109,7 @@ def test_keeper_sizes_once_after_a_step_and_logs_one_line(caplog):
     k = SnapshotKeeper(cfg, wait=fake_wait, get=fake_get, run_key="run")
     assert not k.due(1)
     roles = FakeRoles(g)
-    with caplog.at_level("INFO", logger="resilient_rl.recovery.snapshots"):
+    with caplog.at_level("INFO", logger="resilient_rl.workers.snapshots.keeper"):
         k.size(roles)
         k.size(roles)
     assert g.asked == 2  # once per process, once per run

@@ -1,4 +1,4 @@
-"""Verified, private snapshots (workers/snapshot.py, workers/snapshot_meta.py, workers/node_memory.py):
+"""Verified, private snapshots (workers/snapshots/take.py, workers/snapshots/meta.py, workers/snapshots/node_memory.py):
 every copy is checksummed on the "snapshot" thread and checked before it is written into a rank;
 node memory is private (0700/0600) and its metadata JSON (nothing is unpickled); a slot a reader
 still maps is never written again in place."""
@@ -13,7 +13,7 @@ import stat
 import numpy as np
 import torch
 
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles, node_path
+from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles, node_path
 
 from test_snapshot_copy import Rank, assert_same, mlp
 
@@ -149,7 +149,7 @@ def test_a_take_waits_for_the_seal_reading_its_slot(monkeypatch):
     """The seal reads a slot on the "snapshot" thread; a take needing that slot waits for it."""
     import threading
 
-    from resilient_rl.workers import snapshot as snapshot_mod, snapshot_meta
+    from resilient_rl.workers.snapshots import meta as snapshot_meta, take as snapshot_mod
 
     rank = Rank(mlp)
     rank.train(0)

@@ -10,10 +10,10 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from resilient_rl.errors import WorkerDiedError
-from resilient_rl.recovery.snapshot_ring import ring_holders
-from resilient_rl.recovery.snapshots import SnapshotKeeper
-from resilient_rl.workers.node_memory import NodeCopy
-from resilient_rl.workers.snapshot_slots import KEEP
+from resilient_rl.workers.snapshots.ring import ring_holders
+from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
+from resilient_rl.workers.snapshots.node_memory import NodeCopy
+from resilient_rl.workers.snapshots.slots import KEEP
 
 
 class Ref:
@@ -633,7 +633,7 @@ def test_the_record_names_what_the_rings_hold(tmp_path):
     """Each rank's ring holds the newest KEEP takes: the record names those, newest first, and a
     roll-back withdraws only the entries after its step. A record of the previous format (one
     snapshot) is still adopted."""
-    from resilient_rl.recovery import snapshot_carry
+    from resilient_rl.workers.snapshots import carry as snapshot_carry
 
     record = str(tmp_path / "snapshot.json")
     g = FakeGroup(2)

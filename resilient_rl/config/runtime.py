@@ -185,13 +185,13 @@ class RecoveryConfig(Section):
 
     ``snapshot_every``: every that many steps each stateful rank copies its state to host memory,
     kept in its node's memory, by a ring peer on another node, else in the object store
-    (:mod:`resilient_rl.recovery.snapshots`);
+    (:mod:`resilient_rl.workers.snapshots.keeper`);
     a recovery restores the newest complete snapshot instead of the older storage checkpoint.
     0 turns snapshots off. ``auto`` (the default) snapshots every step where each node's tmpfs,
     RAM and cgroup limit hold the copies with headroom, less often or not at all where they do not,
-    and logs one line saying which and why (:mod:`resilient_rl.recovery.snapshot_sizing`). ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
+    and logs one line saying which and why (:mod:`resilient_rl.workers.snapshots.sizing`). ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
     each rank keeps its snapshots, so that they outlive its process on that node
-    (:mod:`resilient_rl.workers.node_memory`); "" keeps them in the process and in Ray's object
+    (:mod:`resilient_rl.workers.snapshots.node_memory`); "" keeps them in the process and in Ray's object
     store instead (also where the directory cannot hold them).
 
     ``spares``: warm spare processes per worker group (:mod:`resilient_rl.runtime.spares`),

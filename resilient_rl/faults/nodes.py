@@ -4,7 +4,7 @@
 own to Ray (its own node id, resources and object store), so roles across nodes, their placement
 groups and a node loss run for real, with the processes of the removed node killed. What it cannot
 show is a network between them: every node shares this machine's loopback, ``/dev/shm`` and CPU.
-A rank's node memory is found by its node id (:mod:`resilient_rl.workers.node_memory`), so a
+A rank's node memory is found by its node id (:mod:`resilient_rl.workers.snapshots.node_memory`), so a
 process on another node does not read the lost node's copies even though the files are visible.
 """
 

@@ -28,7 +28,7 @@ from resilient_rl.errors import TelemetryError
 
 #: Why a checkpoint save was skipped (``rrl_checkpoint_skipped_total{reason}``).
 SKIP_REASONS = ("storage", "slow")
-#: Where a snapshot copy is loaded from, in the order recovery tries them (recovery/snapshots.py).
+#: Where a snapshot copy is loaded from, in the order recovery tries them (workers/snapshots/keeper.py).
 SNAPSHOT_SOURCES = ("own", "node", "object_store", "peer")
 
 #: The phases of one training step, in the order a step runs them (trainer/step.py times them and

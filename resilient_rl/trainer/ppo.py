@@ -31,15 +31,15 @@ from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.recovery.rollback import AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
-from resilient_rl.recovery.snapshot_carry import RECORD
+from resilient_rl.workers.snapshots.carry import RECORD
 from resilient_rl.run.claim import RunClaim
 from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
-from resilient_rl.recovery.snapshots import SnapshotKeeper
+from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
 from resilient_rl.trainer.preemption import Preemption, stop_after_lost_workers, stop_for_preemption
 from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
-from resilient_rl.workers.node_sweep import sweep_every_node
+from resilient_rl.workers.snapshots.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
 from resilient_rl.data.held_out import held_out_dataset
@@ -202,7 +202,7 @@ class PPOTrainer:
     def _resume(self) -> None:
         """Roll back to the checkpoint ``checkpoint.resume`` names; with ``auto``, first to the
         snapshot a previous controller left in node memory where it is newer than every commit
-        (:mod:`resilient_rl.recovery.snapshot_carry`: a preemption with no warning)."""
+        (:mod:`resilient_rl.workers.snapshots.carry`: a preemption with no warning)."""
         resume = self.cfg.checkpoint.resume
         newest = max(self.ckpt.manager.committed_steps(), default=None)
         carried = resume == "auto" and self.snapshots is not None and self.snapshots.adopt(newest)

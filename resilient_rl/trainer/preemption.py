@@ -142,7 +142,7 @@ def stop_after_lost_workers(trainer, exc: BaseException) -> None:
 def _leave_snapshot(trainer, committed: int | None, step: int) -> str:
     """Where the last completed step is not committed (its workers stopped with the signal, or its
     save did not finish in time): leave the run's newest recorded in-memory snapshot in node memory
-    for the next controller of the run (recovery/snapshot_carry.py), so that the steps after the
+    for the next controller of the run (workers/snapshots/carry.py), so that the steps after the
     commit are not run again where the job comes back on the same nodes. What to add to the
     message."""
     keeper = trainer.snapshots

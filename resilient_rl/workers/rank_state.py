@@ -9,8 +9,8 @@ part is a ``Stateful`` as ``torch.distributed.checkpoint`` defines it (``state_d
 - A checkpoint (:mod:`resilient_rl.workers.checkpointing`) saves the tensors through torch's
   distributed state dicts (sharded; resharded by a load at another world size) and every plain
   part by name (:meth:`RankState.checkpoint_state`).
-- A snapshot (:mod:`resilient_rl.workers.snapshot`) packs the tensors into one host buffer
-  (:func:`~resilient_rl.workers.snapshot_buffers.named_tensors`) and carries every plain part by
+- A snapshot (:mod:`resilient_rl.workers.snapshots.take`) packs the tensors into one host buffer
+  (:func:`~resilient_rl.workers.snapshots.buffers.named_tensors`) and carries every plain part by
   name (:meth:`RankState.plain_state`).
 
 So a new piece of state is registered once, and checkpoints, snapshots and both restores carry it.
@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from resilient_rl.workers.snapshot_buffers import named_tensors
+from resilient_rl.workers.snapshots.buffers import named_tensors
 
 #: The names of the tensor parts (a plain part may not take them).
 TENSOR_PARTS = ("model", "optim")

@@ -30,7 +30,7 @@ from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import CheckpointMixin
-from resilient_rl.workers.snapshot import SnapshotMixin
+from resilient_rl.workers.snapshots.take import SnapshotMixin
 from resilient_rl.workers.fsdp import DevicePlan, full_state_dict, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine

@@ -121,7 +121,7 @@ def _create(nbytes: int, world: int) -> tuple[str | None, list[str]]:
     if not os.path.isdir(SHM_DIR) or not hasattr(os, "posix_fallocate"):
         return None, []
     # The creator's pid in the name: a segment left by a rank killed in set-up is removed by the
-    # next start on this node once that process is gone (resilient_rl.workers.node_sweep).
+    # next start on this node once that process is gone (resilient_rl.workers.snapshots.node_sweep).
     name = f"rrl-reduce-{os.getpid()}-{uuid.uuid4().hex}"
     prefix = os.path.join(SHM_DIR, name)
     try:

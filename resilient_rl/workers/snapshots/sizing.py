@@ -2,7 +2,7 @@
 
 After the first step (the optimizer has its state then, so a copy has its final size) every
 process hosting stateful ranks reports the bytes of one copy of each and its node's room
-(:func:`resilient_rl.workers.node_capacity.measure`). For each node::
+(:func:`resilient_rl.workers.snapshots.node_capacity.measure`). For each node::
 
     ring  = KEEP x (sum of the copy bytes of the stateful ranks on the node)
     need  = HEADROOM x ring

@@ -1,7 +1,7 @@
 """Loading a snapshot back into the ranks: each rank from the first of its copies that is still
 there (its own, its node memory's, the object store's, its ring peer's), checked against its
 checksum by the rank before anything is written. The bookkeeping of which snapshots exist and
-which to try is :class:`~resilient_rl.recovery.snapshots.SnapshotKeeper`'s.
+which to try is :class:`~resilient_rl.workers.snapshots.keeper.SnapshotKeeper`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ NO_COPY = object()
 
 
 class SnapshotLoader:
-    """Fills the ranks of a :class:`~resilient_rl.recovery.snapshots.Snapshot`.
+    """Fills the ranks of a :class:`~resilient_rl.workers.snapshots.keeper.Snapshot`.
 
     Args:
         timeout_s: the deadline of each load call.

@@ -1,6 +1,6 @@
 """The locks of a process's snapshots, shared by the take side
-(:mod:`resilient_rl.workers.snapshot`) and the restore side
-(:mod:`resilient_rl.workers.snapshot_restore`) across the call thread and the "snapshot" thread.
+(:mod:`resilient_rl.workers.snapshots.take`) and the restore side
+(:mod:`resilient_rl.workers.snapshots.restore`) across the call thread and the "snapshot" thread.
 Which worker hosts each role of the process is its :class:`~resilient_rl.runtime.rank_host.RankHost`'s.
 """
 

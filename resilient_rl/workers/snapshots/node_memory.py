@@ -1,6 +1,6 @@
 """Node memory for in-memory snapshots: a rank's ring buffers as files in a node-shared tmpfs.
 
-A rank's snapshot ring (:class:`~resilient_rl.workers.snapshot_buffers.HostRing`) lives, where
+A rank's snapshot ring (:class:`~resilient_rl.workers.snapshots.buffers.HostRing`) lives, where
 the controller names a directory (``recovery.snapshot_node_dir``, ``/dev/shm`` by default), in
 memory-mapped files there instead of the process's own memory. The copy costs the same memory
 copy, and it outlives the process: a restarted process or a spare of the same rank on the same
@@ -13,7 +13,7 @@ Layout, one directory per run and node (:func:`node_path`)::
         .alive                          shared lock held by every process using the directory
         <role>-<rank>-<slot>.data       the packed tensors (preallocated with posix_fallocate)
         <role>-<rank>-<slot>.meta       the snapshot without its data, written last (JSON and the
-                                        tensor layout, :mod:`resilient_rl.workers.snapshot_meta`)
+                                        tensor layout, :mod:`resilient_rl.workers.snapshots.meta`)
 
 Directories are created 0700 and files 0600: a snapshot is the model and optimizer state, for
 this user's processes only; and nothing read from them is unpickled.
@@ -32,9 +32,9 @@ Directories are removed by the controller at the end of a run (:func:`remove_run
 node). One left behind by a controller that crashed is removed by the next controller of the same
 run when it starts snapshotting (:func:`remove_predecessors`), and by the start of any run on the
 same node once its owner (the controller named in its ``.owner``) is gone
-(:mod:`resilient_rl.workers.node_sweep`); one whose owner cannot be checked from the node, once
+(:mod:`resilient_rl.workers.snapshots.node_sweep`); one whose owner cannot be checked from the node, once
 no process holds its ``.alive`` lock and it has not changed for
-:data:`~resilient_rl.workers.node_sweep.STALE_S` (:func:`~resilient_rl.workers.node_sweep.sweep_stale`).
+:data:`~resilient_rl.workers.snapshots.node_sweep.STALE_S` (:func:`~resilient_rl.workers.snapshots.node_sweep.sweep_stale`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from resilient_rl.errors import CheckpointError
-from resilient_rl.workers import node_sweep, snapshot_meta
-from resilient_rl.workers.node_sweep import PREFIX
+from resilient_rl.workers.snapshots import meta as snapshot_meta, node_sweep
+from resilient_rl.workers.snapshots.node_sweep import PREFIX
 
 logger = logging.getLogger(__name__)
 

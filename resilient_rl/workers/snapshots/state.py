@@ -1,6 +1,6 @@
 """A snapshot's non-tensor state and its restore into a rank's engine.
 
-The tensors of a snapshot are packed by :mod:`resilient_rl.workers.snapshot_buffers`; what rides
+The tensors of a snapshot are packed by :mod:`resilient_rl.workers.snapshots.buffers`; what rides
 along as plain values is the optimizer's hyperparameters per group and non-tensor state (gathered
 by :func:`optim_extras` at the take) and every plain part of the rank's
 :class:`~resilient_rl.workers.rank_state.RankState` (schedule, RNG, what the role registered).
@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from resilient_rl.workers.rank_state import states_of
-from resilient_rl.workers.snapshot_buffers import Layout, copy_in
+from resilient_rl.workers.snapshots.buffers import Layout, copy_in
 
 #: Version of the snapshot dict's layout (3: the plain parts under ``extra["states"]``).
 FORMAT = 3

@@ -3,7 +3,7 @@
 Every ``recovery.snapshot_every`` steps (``auto``: sized after the first step, :meth:`SnapshotKeeper.size`), :meth:`SnapshotKeeper.take` asks every rank of every
 stateful role (actor, critic) to copy its state to host memory (``take_snapshot``, one call per
 process for the stateful roles it hosts). The ranks keep their copies in node memory
-(:mod:`resilient_rl.workers.node_memory`, under ``recovery.snapshot_node_dir`` in a directory of
+(:mod:`resilient_rl.workers.snapshots.node_memory`, under ``recovery.snapshot_node_dir`` in a directory of
 this controller's own), where they outlive the process. Then it asks each rank's ring peer on
 another node to keep a copy too (``hold_snapshot``: the next stateful rank, of any stateful role,
 in ring order on another node; one call per holding process); the copies for a peer travel
@@ -56,14 +56,14 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import RayActorError
 
-from resilient_rl.recovery import snapshot_carry
-from resilient_rl.recovery.snapshot_loading import SnapshotLoader
-from resilient_rl.recovery.snapshot_ring import process_key, processes, ring_holders
-from resilient_rl.recovery.snapshot_sizing import decide
+from resilient_rl.workers.snapshots import carry as snapshot_carry
+from resilient_rl.workers.snapshots.loading import SnapshotLoader
+from resilient_rl.workers.snapshots.ring import process_key, processes, ring_holders
+from resilient_rl.workers.snapshots.sizing import decide
 from resilient_rl.runtime.cluster import on_every_node
-from resilient_rl.workers.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
-from resilient_rl.workers.node_sweep import owner_record
-from resilient_rl.workers.snapshot_slots import KEEP
+from resilient_rl.workers.snapshots.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
+from resilient_rl.workers.snapshots.node_sweep import owner_record
+from resilient_rl.workers.snapshots.slots import KEEP
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class SnapshotKeeper:
         run_key: the run's key (:attr:`RunDir.key`), the same for each controller of the run.
         wait, get: ``ray.wait`` and ``ray.get``, replaced by fakes in tests.
         record_path: where each snapshot is recorded for a later controller of the run
-            (:mod:`resilient_rl.recovery.snapshot_carry`); None: nowhere.
+            (:mod:`resilient_rl.workers.snapshots.carry`); None: nowhere.
     """
 
     def __init__(self, cfg, emit: Callable[..., None] = lambda kind, **f: None,
@@ -141,7 +141,7 @@ class SnapshotKeeper:
 
     def size(self, roles) -> None:
         """Resolve ``snapshot_every=auto`` once, from the copies' bytes and what each node can hold
-        (:mod:`resilient_rl.recovery.snapshot_sizing`), and log the one line that says which and
+        (:mod:`resilient_rl.workers.snapshots.sizing`), and log the one line that says which and
         why. Called after a step (the optimizer has its state); nothing when already resolved."""
         if self.every != "auto":
             return
@@ -342,7 +342,7 @@ class SnapshotKeeper:
 
     def adopt(self, newest_committed: int | None) -> bool:
         """Take over the snapshots an earlier controller of the run recorded, those newer than
-        ``newest_committed`` (:mod:`resilient_rl.recovery.snapshot_carry`): the next restore tries
+        ``newest_committed`` (:mod:`resilient_rl.workers.snapshots.carry`): the next restore tries
         them first, newest first. Whether there was one."""
         entries = snapshot_carry.adopt(self.record_path, newest_committed) if self.record_path else []
         carried = []

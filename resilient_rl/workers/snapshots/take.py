@@ -2,11 +2,11 @@
 
 A snapshot is the rank's state as a checkpoint sees it (model and optimizer shards, LR schedule,
 RNG), taken straight from the engine's tensors (no state dict is built): the tensors are packed
-into a preallocated host buffer (:mod:`resilient_rl.workers.snapshot_buffers`), the few
+into a preallocated host buffer (:mod:`resilient_rl.workers.snapshots.buffers`), the few
 non-tensor parts (scheduler, optimizer hyperparameters, RNG) ride along as plain values.
 :meth:`SnapshotMixin.take_snapshot` keeps the newest copies (:data:`KEEP` buffers, reused in
 turn) in node memory where the controller names a directory
-(:mod:`resilient_rl.workers.node_memory`: they outlive the process, and a new process of the rank
+(:mod:`resilient_rl.workers.snapshots.node_memory`: they outlive the process, and a new process of the rank
 on the same node loads them back), else in the process.
 :meth:`SnapshotMixin.publish_snapshot`, where the controller asks for it (a peer on another node
 needs the copies, or they are not in node memory), returns them from the process's "snapshot"
@@ -14,13 +14,13 @@ thread, so the controller's object reference keeps a copy in Ray's object store 
 controller: it outlives this process) while the next step runs. One call of each covers every
 stateful role the process hosts (colocated roles): a process puts one object per snapshot.
 :meth:`SnapshotMixin.seal_snapshot`, also on the "snapshot" thread (off the step's path),
-checksums the copies (:mod:`resilient_rl.workers.snapshot_meta`) and commits those in node memory;
+checksums the copies (:mod:`resilient_rl.workers.snapshots.meta`) and commits those in node memory;
 every load checks the checksum before writing anything into the rank, so a torn or damaged copy
 is refused (``{"corrupt": why}``) and the controller tries the next one.
 :meth:`SnapshotMixin.hold_snapshot` makes this process keep its ring neighbours' copies (a third
 copy, on another node), all of one step in one call. :meth:`SnapshotMixin.load_snapshot` writes a
 copy back into the rank's tensors in place; both are the restore side
-(:mod:`resilient_rl.workers.snapshot_restore`).
+(:mod:`resilient_rl.workers.snapshots.restore`).
 
 A snapshot (a dict) is self-describing: ``layout`` names each packed tensor with its dtype,
 shape and offset in ``data`` (a flat uint8 NumPy array, which Ray moves out of band, without
@@ -44,15 +44,15 @@ import torch
 
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.runtime.rank_host import host_of
-from resilient_rl.workers import node_capacity, snapshot_meta
-from resilient_rl.workers.node_memory import NodeFiles, node_id, node_path
+from resilient_rl.workers.snapshots import meta as snapshot_meta, node_capacity
+from resilient_rl.workers.snapshots.node_memory import NodeFiles, node_id, node_path
 from resilient_rl.workers.rank_state import states_of
-from resilient_rl.workers.snapshot_buffers import HostRing, Layout
-from resilient_rl.workers.snapshot_restore import SnapshotRestoreMixin
-from resilient_rl.workers.snapshot_slots import (
+from resilient_rl.workers.snapshots.buffers import HostRing, Layout
+from resilient_rl.workers.snapshots.restore import SnapshotRestoreMixin
+from resilient_rl.workers.snapshots.slots import (
     HELD_LOCK, KEEP, SLOTS, previous_publishes_stored,
 )
-from resilient_rl.workers.snapshot_state import FORMAT, optim_extras
+from resilient_rl.workers.snapshots.state import FORMAT, optim_extras
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
         store.
 
         ``node``: ``{"dir": the run's node-memory directory, "id": the snapshot's id}`` to keep
-        the copies in node memory (:mod:`resilient_rl.workers.node_memory`), where they outlive
+        the copies in node memory (:mod:`resilient_rl.workers.snapshots.node_memory`), where they outlive
         this process; a role whose copy could not go there is named in ``node_failed``.
 
         A snapshot (the copy of one role) is ``{"format", "step", "rank", "world_size", "bytes",
@@ -298,7 +298,7 @@ class SnapshotMixin(SnapshotRestoreMixin):
     def snapshot_sizing(self, roles: list[str] | None = None, node_dir: str = "") -> dict:
         """For ``recovery.snapshot_every=auto``: ``{"node": this node's id, "bytes": {role: bytes
         of one snapshot copy}}`` for ``roles`` in this process at this rank, and ``"room"``: what
-        this node can hold (:func:`resilient_rl.workers.node_capacity.measure` of ``node_dir``)."""
+        this node can hold (:func:`resilient_rl.workers.snapshots.node_capacity.measure` of ``node_dir``)."""
         workers = self._process_workers_of(roles, "snapshot_sizing")
         return {"node": node_id(), "room": node_capacity.measure(node_dir),
                 "bytes": {role: int(Layout.of(w._snapshot_tensors()).total) for role, w in workers.items()}}

@@ -3,7 +3,7 @@
 Two kinds of files outlive a process that is killed:
 
 - a run's snapshot directory (``<root>/resilient-rl-<run>-<controller>``,
-  :mod:`resilient_rl.workers.node_memory`), left when its controller is killed before it removes
+  :mod:`resilient_rl.workers.snapshots.node_memory`), left when its controller is killed before it removes
   it. Its ``.owner`` file (JSON, written when the directory is created) names the controller's
   process: host, boot, pid namespace, pid and start time;
 - a shared-memory reduction segment and its pipes (``/dev/shm/rrl-reduce-<pid>-...``,

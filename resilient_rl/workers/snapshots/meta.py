@@ -1,6 +1,6 @@
 """A snapshot's metadata on disk and its checksum: JSON and a tensor layout, never pickle.
 
-A snapshot kept in node memory (:mod:`resilient_rl.workers.node_memory`) is two files: the
+A snapshot kept in node memory (:mod:`resilient_rl.workers.snapshots.node_memory`) is two files: the
 packed tensors (``.data``) and everything else (``.meta``): format, step, rank, world size, the
 layout of the packed tensors, the non-tensor state (optimizer hyperparameters and scalars, the
 plain parts of the rank's state: schedule, RNG, ...) and the checksum of the data. The ``.meta`` is read by a process that did not

@@ -1,7 +1,7 @@
 """The restore side of a worker's snapshots: the copies a process holds for its ring peers (a
 copy on another node), and loading a copy (own, node memory, object store or a peer's) back into
 the rank's tensors in place, after its checksum is verified. The take side is
-:mod:`resilient_rl.workers.snapshot`.
+:mod:`resilient_rl.workers.snapshots.take`.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import ray
 
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.runtime.rank_host import host_of
-from resilient_rl.workers import snapshot_meta
-from resilient_rl.workers.node_memory import NodeCopy, NodeFiles
-from resilient_rl.workers.snapshot_slots import (
+from resilient_rl.workers.snapshots import meta as snapshot_meta
+from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles
+from resilient_rl.workers.snapshots.slots import (
     HELD_LOCK, KEEP, SLOTS, previous_publishes_stored,
 )
-from resilient_rl.workers.snapshot_state import restore_state
+from resilient_rl.workers.snapshots.state import restore_state
 
 logger = logging.getLogger(__name__)
 
 
 class SnapshotRestoreMixin:
-    """Hold and load of in-memory snapshots; mixed into :class:`~resilient_rl.workers.snapshot.SnapshotMixin`,
+    """Hold and load of in-memory snapshots; mixed into :class:`~resilient_rl.workers.snapshots.take.SnapshotMixin`,
     whose state (own copies, ring, node memory) it reads and replaces."""
 
     _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}

@@ -5,13 +5,13 @@ A scheduler that takes the machine back with no early signal (Slurm's preemption
 ``scontrol requeue``, which signal every process of the job at once; a pod killed with its node's
 processes) takes Ray and the workers down with the controller: no checkpoint of the steps after
 the last commit can be written any more. What outlives them is node memory: each rank's copy of
-the newest snapshot (:mod:`resilient_rl.workers.node_memory`), committed there by its take
+the newest snapshot (:mod:`resilient_rl.workers.snapshots.node_memory`), committed there by its take
 before the next step starts, and the run folder.
 
 So at each snapshot the keeper records in the run folder (:data:`RECORD`, written atomically)
 what a next controller needs to find it: its step, its id, the node-memory directory, the world
 sizes and the controller's state of that step (step, data position, KL coefficient, failure
-budget). The record names the newest :data:`~resilient_rl.workers.snapshot_slots.KEEP` snapshots,
+budget). The record names the newest :data:`~resilient_rl.workers.snapshots.slots.KEEP` snapshots,
 newest first: each rank's ring of that many slots in node memory holds exactly those, and a
 preemption that strikes while the newest is being taken (its copies half written) still finds the
 one before it whole. A controller resuming the run (``checkpoint.resume=auto``) whose newest
@@ -30,7 +30,7 @@ import logging
 import os
 from typing import Any
 
-from resilient_rl.workers.node_memory import NodeCopy
+from resilient_rl.workers.snapshots.node_memory import NodeCopy
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def forget_after(path: str, step: int) -> None:
 
 def adopt(path: str, newest_committed: int | None) -> list[dict[str, Any]]:
     """The recorded snapshots newer than ``newest_committed`` (None: no commit), newest first: what
-    :meth:`~resilient_rl.recovery.snapshots.SnapshotKeeper.adopt` builds snapshots from."""
+    :meth:`~resilient_rl.workers.snapshots.keeper.SnapshotKeeper.adopt` builds snapshots from."""
     entries = [e for e in read(path) if newest_committed is None or e["step"] > newest_committed]
     if entries:
         logger.info("the run's snapshot(s) of step(s) %s (newer than its last checkpoint, %s) were left in node "

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from resilient_rl.runtime import progress
-from resilient_rl.workers import node_memory
+from resilient_rl.workers.snapshots import node_memory
 from resilient_rl.workers.fsdp import reshard
 
 #: Alignment of every tensor in a packed buffer (bytes): any dtype can be viewed at any offset.
@@ -205,7 +205,7 @@ def _unregister(cudart: Any, ptr: int) -> None:
 class HostRing:
     """``slots`` flat host buffers of one layout's size, reused in turn (pinned where CUDA is).
 
-    With ``files`` (:class:`~resilient_rl.workers.node_memory.NodeFiles`) the buffers are that
+    With ``files`` (:class:`~resilient_rl.workers.snapshots.node_memory.NodeFiles`) the buffers are that
     rank's files in node memory, which outlive the process; else the process's own memory."""
 
     def __init__(self, slots: int, files=None) -> None:
