@@ -25,7 +25,7 @@ import pytest
 
 from conftest import chaos_overrides
 from resilient_rl.checkpoint import Storage
-from resilient_rl.checkpoint.lease import read_lease
+from resilient_rl.checkpoint.leases.run_lease import read_lease
 from resilient_rl.errors import LeaseHeldError
 from resilient_rl.faults.harness import check_invariants, collect_run, run_training
 from resilient_rl.faults.injectors import FaultSchedule

@@ -154,7 +154,7 @@ class CheckpointsSkippedError(StorageError):
 
 
 class LeaseError(CheckpointError):
-    """The run's single-writer lease cannot be taken or was lost (see ``checkpoint/lease.py``)."""
+    """The run's single-writer lease cannot be taken or was lost (see ``checkpoint/leases/run_lease.py``)."""
 
 
 class LeaseHeldError(LeaseError):

@@ -14,7 +14,7 @@ from resilient_rl.cli import EXIT_ERROR, EXIT_RUNTIME, exit_code
 from resilient_rl.recovery.causes import classify
 from resilient_rl.recovery.policy import Decision, FailurePolicy
 from resilient_rl.checkpoint import Storage
-from resilient_rl.checkpoint.lease import RunLease
+from resilient_rl.checkpoint.leases.run_lease import RunLease
 from resilient_rl.errors import CheckpointsSkippedError, LeaseLostError, StorageError, WorkerDiedError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.telemetry.metrics import TrainerMetrics

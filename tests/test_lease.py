@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from resilient_rl.checkpoint import CheckpointManager, Storage
-from resilient_rl.checkpoint.lease import Lease, RunLease, holder_alive, read_lease
+from resilient_rl.checkpoint.leases.run_lease import Lease, RunLease, holder_alive, read_lease
 from resilient_rl.errors import ConfigError, LeaseHeldError, LeaseLostError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.config.schema import load_config
@@ -138,7 +138,7 @@ def test_lease_of_a_dead_local_process_is_taken_over_without_waiting(tmp_path):
 @pytest.mark.slow
 def test_lease_of_a_killed_local_controller_is_taken_over_without_waiting(tmp_path):
     code = ("import os, sys; from resilient_rl.checkpoint import Storage; "
-            "from resilient_rl.checkpoint.lease import RunLease; "
+            "from resilient_rl.checkpoint.leases.run_lease import RunLease; "
             f"RunLease(Storage({str(tmp_path)!r}), 'run', ttl_s=3600).acquire(); os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     dead = read_lease(Storage(str(tmp_path)), "run")

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from resilient_rl.checkpoint import Storage
-from resilient_rl.checkpoint.lease import RunLease, read_lease
+from resilient_rl.checkpoint.leases.run_lease import RunLease, read_lease
 from resilient_rl.errors import LeaseExpiredError, LeaseFormatError, LeaseLostError
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.testing.checkpoint_store import FAST

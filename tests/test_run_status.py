@@ -238,7 +238,7 @@ def test_the_trainer_records_its_controller_while_it_runs_and_how_it_ended(tmp_p
 
 
 def test_status_names_the_holder_of_the_run_lease(tmp_path, capsys):
-    from resilient_rl.checkpoint.lease import RunLease
+    from resilient_rl.checkpoint.leases.run_lease import RunLease
 
     run = _finished_run(tmp_path)
     lease = RunLease(run.manager.storage, run.name, ttl_s=60)

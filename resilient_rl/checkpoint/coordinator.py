@@ -12,7 +12,7 @@ checkpoint stays intact). A permanent storage error (no space left) still stops 
 Restoring is :mod:`~resilient_rl.checkpoint.restore`.
 
 One writer per run: before writing, the controller takes the run's lease (``acquire_lease``,
-``checkpoint/lease.py``); every commit and deletion checks it, and its fencing token goes into
+``checkpoint/leases/run_lease.py``); every commit and deletion checks it, and its fencing token goes into
 each manifest. A step whose state holds a NaN or Inf (a worker's shard, or the controller's own
 state) is never committed: the save is refused with a ``checkpoint_refused`` event.
 """
@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord
-from resilient_rl.checkpoint.lease import Lease, RunLease
+from resilient_rl.checkpoint.leases.run_lease import Lease, RunLease
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointsSkippedError, ConfigError,
                                  LeaseLostError, RRLError, StorageError, WorkerDiedError)

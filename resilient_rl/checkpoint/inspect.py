@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from resilient_rl.checkpoint.lease import Lease, read_lease
+from resilient_rl.checkpoint.leases.run_lease import Lease, read_lease
 from resilient_rl.checkpoint.manager import ABANDONED_DIR, CheckpointManager
 from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname
 from resilient_rl.checkpoint.storage import Storage

@@ -70,7 +70,7 @@ class CheckpointManager:
         self.on_corrupt = on_corrupt
         self.storage = Storage(root, storage_options, retry)
         self.storage_options = dict(storage_options or {})
-        #: The writer's :class:`~resilient_rl.checkpoint.lease.RunLease`, checked before every
+        #: The writer's :class:`~resilient_rl.checkpoint.leases.run_lease.RunLease`, checked before every
         #: commit and deletion; None for readers and tools that do not write a live run.
         self.lease = None
         self.verifier = Verifier(self.storage)  # deep verifications are remembered by manifest hash

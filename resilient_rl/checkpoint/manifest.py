@@ -3,7 +3,7 @@
 A step folder ``{root}/{run}/step_{N:08d}/`` is *committed* once its ``MANIFEST.json`` exists.
 The manifest lists every file of the step (path relative to the step folder, size, sha256), the
 world size each role saved with, a digest of the config, and the fencing token of the lease its
-writer held (``checkpoint/lease.py``), so a loader can verify what it reads, a resumed run can notice
+writer held (``checkpoint/leases/run_lease.py``), so a loader can verify what it reads, a resumed run can notice
 a changed config, and steps of a superseded writer can be told apart. ``known_good`` says that no NaN
 or Inf was seen in the run since the previous known-good checkpoint (a checkpoint whose tensors are
 not finite is never committed at all); retention always keeps the newest known-good one. Everything here is plain JSON: reading a

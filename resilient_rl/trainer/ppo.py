@@ -32,7 +32,7 @@ from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.recovery.rollback import AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
 from resilient_rl.workers.snapshots.carry import RECORD
-from resilient_rl.run.claim import RunClaim
+from resilient_rl.checkpoint.leases.run_claim import RunClaim
 from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.workers.snapshots.keeper import SnapshotKeeper

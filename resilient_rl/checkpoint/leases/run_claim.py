@@ -5,7 +5,7 @@ config, metrics, events, logs, controller record, Prometheus targets) and the ch
 (``{checkpoint.root}/{run_name}``). Either one shared with a live controller is damage: a second
 controller with another checkpoint root but the same run folder would append its steps to the live
 run's ``metrics.jsonl``; one with another run folder but the same checkpoint root would un-commit its
-steps. So a controller takes a lease on each (:class:`~resilient_rl.checkpoint.lease.RunLease`),
+steps. So a controller takes a lease on each (:class:`~resilient_rl.checkpoint.leases.run_lease.RunLease`),
 the run folder's one first, and only then writes its config, opens its log, starts Ray or its
 exporter. A refused controller has read the two lease folders and written nothing.
 
@@ -19,7 +19,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from resilient_rl.checkpoint.lease import RunLease
+from resilient_rl.checkpoint.leases.run_lease import RunLease
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.checkpoint.storage import Storage
 from resilient_rl.errors import ConfigError, LeaseError, StorageError

@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
-from resilient_rl.checkpoint.lease_claim import Lease, _fmt_time, _process_identity, claim_name
+from resilient_rl.checkpoint.leases.claims import Lease, _fmt_time, _process_identity, claim_name
 from resilient_rl.checkpoint.storage import Storage
 from resilient_rl.log_route import FILE_ONLY
 from resilient_rl.errors import (ConfigError, LeaseError, LeaseExpiredError, LeaseFormatError, LeaseHeldError,

@@ -1,4 +1,4 @@
-"""One lease claim: its JSON format and who wrote it (see :mod:`resilient_rl.checkpoint.lease`).
+"""One lease claim: its JSON format and who wrote it (see :mod:`resilient_rl.checkpoint.leases.run_lease`).
 
 A claim this version cannot fully read (a newer ``format_version``, a field it does not know) is a
 :class:`~resilient_rl.errors.LeaseFormatError`, never silently ignored: acting on half of a claim
