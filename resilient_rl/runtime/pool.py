@@ -22,7 +22,7 @@ of worker processes (colocated roles share one; in the split placement each role
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from resilient_rl.errors import RRLError
 from resilient_rl.protocol import DataProto
@@ -109,6 +109,9 @@ class RecoveryPool(StepRoles, Protocol):
 
     #: The process-group generation, bumped by every :meth:`rendezvous`.
     generation: int
+    #: Called between the tries of a wait for ranks (:meth:`wait_alive`); raises to end the wait
+    #: (the controller sets it: a preemption signal ends it).
+    interrupt: Callable[[], None]
 
     def process_groups(self) -> list[str]:
         """The names of the distinct process groups."""

@@ -184,7 +184,7 @@ class PPOTrainer:
             if self.telemetry is not None:
                 self.telemetry.start()
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
-            if hasattr(self.roles, "interrupt"):  # recovery's waits for ranks end on a preemption
+            if self.checkpoints_on:  # the pool recovery drives: its waits for ranks end on a preemption
                 self.roles.interrupt = self.preemption.raise_if_requested
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self._resume()
