@@ -137,9 +137,6 @@ def answers_during_calls(group) -> bool:
 class HealthMixin:
     """Probe, kill and wait-for-restart operations of a :class:`RayWorkerGroup`."""
 
-    def _has_health_group(self) -> bool:
-        return answers_during_calls(self)
-
     def probe(self, timeout_s: float = 2.0, gone: Callable[[int], bool] | None = None) -> dict[int, object]:
         """Health of every rank without waiting behind running calls where the class allows it.
 

@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from resilient_rl.runtime.health import (HEALTH_GROUPS, HealthMixin, classify_error,  # noqa: F401
+from resilient_rl.runtime.health import (HEALTH_GROUPS, HealthMixin, answers_during_calls, classify_error,  # noqa: F401
                                            kill_process)
 from resilient_rl.runtime import master_env
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
@@ -274,7 +274,7 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
     def _liveness_watch(self, n_refs: int) -> LivenessWatch | None:
         """The group's health poller, or None where liveness cannot be watched (no hang timeout, no
         health concurrency group: a health call would queue behind the call it should watch)."""
-        if self.hang_timeout_s is None or n_refs > self.world_size or not self._has_health_group():
+        if self.hang_timeout_s is None or n_refs > self.world_size or not answers_during_calls(self):
             return None
         if self._watch is None or self._watch.workers is not self._workers:
             self._watch = LivenessWatch(self._workers, self.hang_timeout_s, self.health_timeout_s,
@@ -322,7 +322,7 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
         """Tell every rank to stop waiting in the rendezvous of ``generation`` (a rank failed in
         it), so that the next generation's does not queue behind it. Not waited for; only
         classes with a health thread can hear it during the call."""
-        if not self._has_health_group():
+        if not answers_during_calls(self):
             return
         for w in self._workers:
             try:

@@ -18,7 +18,7 @@ from typing import Callable
 import ray
 
 from resilient_rl.runtime.capacity import alive_nodes, nodes_launching, unplaceable
-from resilient_rl.runtime.health import process_gone, replaced
+from resilient_rl.runtime.health import answers_during_calls, process_gone, replaced
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.spare_sizing import available_host_bytes, cores_here, decide as decide_spares
@@ -169,7 +169,7 @@ class RayRoles:
 
     def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, object]:
         g = self._process_group(group)
-        if during_call and not g._has_health_group():  # its probe would queue behind the call itself
+        if during_call and not answers_during_calls(g):  # its probe would queue behind the call itself
             return {}
         known = self.known_workers
 
@@ -188,7 +188,7 @@ class RayRoles:
     def leave_collectives(self, keys, reason: str) -> None:
         for name in sorted({key[0] for key in keys}):
             g = self._process_group(name)
-            if g._has_health_group():  # others would hear it only once the blocked call ends
+            if answers_during_calls(g):  # others would hear it only once the blocked call ends
                 g.leave_collectives([rank for group, rank in keys if group == name], reason)
 
     def adopt_spares(self, keys) -> list[tuple[str, int]]:
