@@ -1,6 +1,6 @@
 """What compiling the rollout engine's decode step costs: the first generation (which compiles the
-step for each batch size it decodes at) against the second (which reuses every compiled step), and
-the compiler's own count of graphs and graph breaks.
+step, once for every batch size it decodes at) against the second (which reuses the compiled
+step), and the compiler's own count of graphs and graph breaks.
 
 A Qwen2-shaped model from a config (random weights; ``--layers``, ``--hidden`` and friends), one
 batch of ``--rows`` rows whose stop set ends them at different lengths, so that compaction visits
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     print(f"{args.layers} layers, hidden {args.hidden}, {args.rows} rows on {device} ({args.backend}): batch sizes "
           f"{stats['buckets']}, {stats['compiles']} compiles, {stats['graph_breaks']} graph breaks")
     print(f"first generation {first:.1f} s, second {second:.2f} s ({again['compiles']} compiles): compiling cost "
-          f"{first - second:.1f} s, {(first - second) / max(stats['compiles'], 1):.1f} s per batch size; "
+          f"{first - second:.1f} s, {(first - second) / max(stats['compiles'], 1):.1f} s per compile; "
           f"first / second = {first / second:.1f}x")
     return 0
 

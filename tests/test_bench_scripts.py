@@ -350,12 +350,25 @@ def test_workload_and_generation_report_lines(workloads):
     assert "n/a" in gen.generation_lines(w, seconds, "Tesla T4")[4]
 
 
-def test_decode_compile_bench_reports_compiles_per_batch_size():
+def test_decode_compile_bench_reports_one_compile_for_every_batch_size():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(BENCH / "decode_compile.py"), "--layers", "1", "--rows", "16",
                            "--new-tokens", "16", "--backend", "aot_eager"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, second = proc.stdout.strip().splitlines()[-2:]
-    assert "0 graph breaks" in first and "compiles" in first
-    assert "(0 compiles)" in second and "per batch size" in second
+    assert "0 graph breaks" in first and ", 1 compiles" in first and "sizes [16, 8, " in first, first
+    assert "(0 compiles)" in second and "per compile" in second
+
+
+def test_decode_profile_bench_times_each_way_and_prints_the_profile():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "--rows", "4", "--tokens", "8",
+                           "--profile-tokens", "4"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    eager = next(line for line in out.splitlines() if line.strip().startswith("eager"))
+    compiled = next(line for line in out.splitlines() if "compiled, no CUDA graphs" in line)
+    assert "ms per decode step" in eager and "0 compiles" in eager
+    assert "1 compiles" in compiled and "eager fallback: None" in compiled, compiled
+    assert "Self CPU" in out  # the profiler's table

@@ -7,10 +7,16 @@ values into the cache at the columns it covers and attends through the cache:
 - **Prefill** (several query columns): over the prompt's columns only, under a causal mask that
   hides left padding; grouped-query heads are repeated for this one pass (it runs once per prompt).
 - **Decode** (one query column): each key/value head is read once for all the query heads that
-  share it (grouped-query attention in the kernel, no ``repeat_kv``), and only the cache blocks up
-  to the current column are read, not every static column. Compiled (``torch.compile``), this is
-  ``flex_attention`` with a block mask built from the current column, which the compiler lowers to
-  a flash-decoding kernel on a GPU; eager, it is a grouped matrix product over the cache.
+  share it (grouped-query attention as a grouped matrix product over the cache, no ``repeat_kv``),
+  compiled or eager alike. It reads every static column of the cache, the masked ones too.
+
+  Why not ``flex_attention`` with a block mask that skips the blocks past the current column: on
+  an H200 (torch 2.11, Qwen2.5-0.5B's shape, 512 rows, 768 columns) its compiled decode kernel took
+  5.2 ms per layer call, 128 ms per decode step against 21 ms for the whole step eager
+  (``python bench/decode_profile.py``; ``docs/performance.md``), where reading the whole cache of
+  a layer at the memory bandwidth takes 42 µs; compiled without CUDA graphs it also failed with an
+  illegal memory access. The grouped product reads the whole cache (prompt + ``max_new_tokens``
+  columns) at every step, masked columns too.
 
 Hugging Face models reach this through an attention function registered with transformers'
 ``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`engine_attention` switches a model to it
@@ -21,7 +27,6 @@ model's own cache is not used (``use_cache=False``).
 
 from __future__ import annotations
 
-import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 
 __all__ = ["BLOCK", "EngineStep", "HF_ATTENTION", "cache_attention", "decode_attention", "engine_attention"]
 
-#: Cache columns per block of the decode block mask; the cache length is a multiple of it.
+#: The cache length is a multiple of this many columns (aligned rows for the kernels).
 BLOCK = 128
 #: The name of the engine's attention function in transformers' ``AttentionInterface``.
 HF_ATTENTION = "rrl_engine"
@@ -69,20 +74,15 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=step.prefill_mask,
                                               scale=scale)
-    return decode_attention(q, k_buf, v_buf, step.key_valid, step.columns, scale)
+    return decode_attention(q, k_buf, v_buf, step.key_valid, scale)
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_valid: torch.Tensor,
-                     column: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """One query column ``q`` ``[B, heads, 1, D]`` over the cache ``[B, kv_heads, L, D]`` (see the
-    module docstring): flex attention when compiled, a grouped matrix product when eager."""
+                     scale: float | None = None) -> torch.Tensor:
+    """One query column ``q`` ``[B, heads, 1, D]`` over the cache ``[B, kv_heads, L, D]`` under
+    ``key_valid`` ``[B, L]``: the query heads of each key/value head as one group, so that each
+    cached key and value is read once (see the module docstring)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if torch.compiler.is_compiling():
-        return _flex_decode(q, k_buf, v_buf, key_valid, column, scale)
-    return _grouped_decode(q, k_buf, v_buf, key_valid, scale)
-
-
-def _grouped_decode(q, k_buf, v_buf, key_valid, scale: float) -> torch.Tensor:
     batch, heads, _, dim = q.shape
     kv_heads = k_buf.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).to(k_buf.dtype)
@@ -90,34 +90,6 @@ def _grouped_decode(q, k_buf, v_buf, key_valid, scale: float) -> torch.Tensor:
     scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1).to(v_buf.dtype), v_buf)
     return out.reshape(batch, heads, 1, dim).to(q.dtype)
-
-
-def _from_kv_blocks_kwargs() -> dict:
-    from torch.nn.attention.flex_attention import BlockMask
-
-    # Decode never needs the transposed (query-block) indices, which only the backward reads.
-    params = inspect.signature(BlockMask.from_kv_blocks).parameters
-    return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
-
-
-def _flex_decode(q, k_buf, v_buf, key_valid, column, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    batch, kv_heads, length, _ = k_buf.shape
-    blocks = length // BLOCK
-    # Blocks 0 .. column // BLOCK hold every key written so far; later blocks are never read.
-    count = (column[:1] // BLOCK + 1).to(torch.int32).view(1, 1, 1).expand(batch, 1, 1).contiguous()
-    indices = torch.arange(blocks, dtype=torch.int32, device=q.device).view(1, 1, 1, blocks)
-    indices = indices.expand(batch, 1, 1, blocks).contiguous()
-
-    def visible(b, h, q_idx, kv_idx):
-        return key_valid[b, kv_idx]
-
-    mask = BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=BLOCK, mask_mod=visible, seq_lengths=(1, length),
-                                    **_from_kv_blocks_kwargs())
-    out = flex_attention(q.to(k_buf.dtype), k_buf, v_buf, block_mask=mask, scale=scale,
-                         enable_gqa=q.shape[1] != kv_heads)
-    return out.to(q.dtype)
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, rrl_engine_step=None, **kwargs):

@@ -17,7 +17,8 @@ columns out) and differs in how it gets there:
   every ``check_every`` tokens.
 - **Finished rows leave the batch, in buckets.** At a check, the batch shrinks to the smallest of a
   few fixed sizes (:func:`~resilient_rl.models.decode_step.row_buckets`) that holds the unfinished
-  rows, when that drops at least ``compact_min_fraction`` of it: one compiled graph per bucket.
+  rows, when that drops at least ``compact_min_fraction`` of it: one compile serves every bucket
+  (the batch is a symbol of the compiled step), with one CUDA graph per bucket.
 - **Compiled step.** With ``compile`` (default: on a CUDA device) the decode step runs through
   ``torch.compile``; on CUDA with ``cuda_graphs`` it is captured in a CUDA graph per bucket
   (:mod:`resilient_rl.models.decode_step`, which also counts compiles and graph breaks).
