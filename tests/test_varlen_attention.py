@@ -237,12 +237,12 @@ def test_flash_is_chosen_on_cuda_when_importable(monkeypatch):
 
     varlen._flash_varlen_func.cache_clear()
     monkeypatch.setitem(sys.modules, "flash_attn", None)
-    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16) == "flex"  # not installed
+    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16) == "split"  # not installed
     varlen._flash_varlen_func.cache_clear()
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
     try:
         assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16) == "flash"
-        assert varlen.choose_backend(torch.device("cuda"), torch.float32) == "flex"  # the kernel has no fp32
+        assert varlen.choose_backend(torch.device("cuda"), torch.float32) == "split"  # the kernel has no fp32
         assert varlen.choose_backend(torch.device("cpu"), torch.bfloat16) == "split"
         positions = torch.cat([torch.arange(n) for n in LENGTHS * 2]).view(2, -1)
         layout = packed_layout(positions)

@@ -7,14 +7,15 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
 - ``"flash"``: flash-attn's ``flash_attn_varlen_func``, for CUDA tensors in fp16/bf16 when
   ``flash_attn`` is importable. All rows' tokens form one ``[total, heads, D]`` batch whose
   sequences start at ``cu_seqlens``; the kernel reads grouped key/value heads as they are.
-- ``"flex"``: other CUDA tensors. ``flex_attention``, compiled once per process with dynamic
+- ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
   from the sequence boundaries at block granularity: blocks outside every sequence's causal
   triangle are skipped, blocks inside one are computed without the mask, and no score matrix is
   materialised.
-- ``"split"``: everything else, i.e. the CPU. ``scaled_dot_product_attention`` with
-  ``is_causal=True`` on each sequence (a row's sequences are contiguous, so this is a split along
-  the tokens and a concatenation); each call runs the fused CPU kernel, which keeps no score matrix.
+- ``"split"``: everything else (the CPU, and a GPU without flash-attn).
+  ``scaled_dot_product_attention`` with ``is_causal=True`` on each sequence (a row's sequences are
+  contiguous, so this is a split along the tokens and a concatenation); each call runs a fused
+  kernel (flash or memory-efficient on a GPU), which keeps no score matrix.
 
 Why ``"split"`` on the CPU: measured with ``python bench/varlen.py --repeat 15`` (torch 2.13 CPU
 build, 2 cores, fp32, best of 15). Compiled flex attention raises ``NotImplementedError`` ("does
@@ -34,6 +35,19 @@ shape                                  split           right-padded    dense T x
 (right-padded: the sequences padded to the longest and batched through one causal SDPA call;
 flex's first call also compiles, 2-8 s.) The split is also the computation each sequence gets
 when it runs alone: the same kernel, one sequence at a time.
+
+Why ``"split"`` on a GPU without flash-attn, not ``"flex"``: on an H200 (torch 2.11+cu130, bf16,
+``python bench/varlen.py --device cuda --repeat 10``, best of 10), forward / forward and backward:
+
+=====================================  ==============  ==============  ===============  ==============
+shape                                  split           right-padded    dense T x T      flex
+=====================================  ==============  ==============  ===============  ==============
+8 sequences of 1..111 (T=484)          0.24 / 1.38 ms  0.24 / 1.30 ms  0.09 / 0.43 ms   1.72 / 2.98 ms
+12 sequences of 113..349 (T=2706)      0.31 / 1.93 ms  0.26 / 1.50 ms  0.23 / 0.86 ms   1.73 / 2.78 ms
+=====================================  ==============  ==============  ===============  ==============
+
+The dense mask is quickest at these lengths but grows as ``T x T`` (memory and time) with the
+packed length; flex was the slowest way that keeps no score matrix.
 
 Hugging Face models reach this through the attention function registered with transformers'
 ``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`). Where transformers
@@ -75,12 +89,10 @@ def _flash_varlen_func():
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """``"flash"``, ``"flex"`` or ``"split"`` for tensors on ``device`` in ``dtype`` (see the module docs)."""
-    if device.type != "cuda":
-        return "split"
-    if dtype in (torch.float16, torch.bfloat16) and _flash_varlen_func() is not None:
+    """``"flash"`` or ``"split"`` for tensors on ``device`` in ``dtype`` (see the module docs)."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_varlen_func() is not None:
         return "flash"
-    return "flex"
+    return "split"
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
