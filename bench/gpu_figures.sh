@@ -8,7 +8,8 @@
 # (`./install.sh --wheelhouse DIR`). Logs and a summary go to OUT (default: ./gpu-figures).
 # WORKLOAD: gsm8k-0.5b and/or gsm8k-1.5b (default: both, in that order), e.g. one per call where a
 # call's time is limited. The first rollout of each compiles the decode step for each of its batch
-# sizes (bench/decode_compile.py measures that cost), so each workload has 300 s.
+# sizes (bench/decode_compile.py measures that cost), so each workload has 300 s
+# (RRL_FIGURE_TIMEOUT=SECONDS changes that).
 #   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
 #      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
 #      rollout engine against HF generate with the engine's share of the decode roofline;
@@ -29,6 +30,7 @@ PY="$(command -v python || command -v python3)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 "$PY" -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" | tee -a "$out/gpu.txt"
 status=0
+limit="${RRL_FIGURE_TIMEOUT:-300}"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
@@ -42,8 +44,8 @@ run() {  # name, timeout, arguments of bench/gpu.py
 }
 for w in "${workloads[@]}"; do
     case "$w" in
-        gsm8k-0.5b) run "$w" 300 --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
-        gsm8k-1.5b) run "$w" 300 --workload "$w" --warmup 1 --steps 2 --skip-generation ;;
+        gsm8k-0.5b) run "$w" "$limit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
+        gsm8k-1.5b) run "$w" "$limit" --workload "$w" --warmup 1 --steps 2 --skip-generation ;;
         *) echo "gpu_figures.sh: unknown workload $w (gsm8k-0.5b, gsm8k-1.5b)" >&2; status=2 ;;
     esac
 done
