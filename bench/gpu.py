@@ -364,7 +364,7 @@ def main(argv=None) -> int:
     from train import plain_copy_s  # bench/train.py: this script's folder is first on sys.path
 
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("resilient_rl.trainer.ray_roles").setLevel(logging.INFO)  # the memory plan's line
+    logging.getLogger("resilient_rl.runtime.pool.ray_roles").setLevel(logging.INFO)  # the memory plan's line
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
         if args.workload:
             args.config = prepare_workload(args.workload, tmp, args.tiny)

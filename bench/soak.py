@@ -179,7 +179,7 @@ class ResourceSampler(TrainerHook):
         s = Sample(self.executed, step, time.time())
         s.proc["controller"] = probe(self.me)
         seen = set()
-        for (role, rank), pid in sorted(trainer.roles.worker_pids().items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (role, rank), pid in sorted(((key, pid) for key, (pid, _) in trainer.roles.role_processes().items()), key=lambda kv: (kv[0][1], kv[0][0])):
             if pid not in seen:  # colocated roles share a process: name it by its rank
                 seen.add(pid)
                 label = f"worker{rank}" if trainer.cfg.trainer.placement == "colocated" else f"{role}{rank}"

@@ -178,7 +178,7 @@ def probe_ray_call(trainer: PPOTrainer, n: int) -> float:
 
 def group_calls_per_step(cfg, roles) -> tuple[int, int]:
     """(worker-group calls, round trips waited for) of one Ray trainer step (see trainer/step.py and
-    ray_roles.py): calls in flight together are waited for as one round trip."""
+    runtime/pool/ray_roles.py): calls in flight together are waited for as one round trip."""
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
     critic = 2 if cfg.critic.enabled else 0  # compute_values, update_critic
     # generate, old log-probs, update_actor, export_weights + update_weights

@@ -188,7 +188,7 @@ class _Pool:
 
 
 def _roles_with(spares: dict[str, int], unplaced: set[str]):
-    from resilient_rl.trainer.ray_roles import RayRoles
+    from resilient_rl.runtime.pool.ray_roles import RayRoles
 
     roles = object.__new__(RayRoles)
     roles.spares = {name: _Pool(n) for name, n in spares.items()}

@@ -13,7 +13,9 @@ from resilient_rl.models.hf import tiny_llama_config
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.trainer.ray_roles import RayRoles
+from resilient_rl.runtime.pool.ray_roles import RayRoles
+from resilient_rl.workers.memory_plan import announce
+from resilient_rl.workers.roles import ROLE_CLASSES
 from resilient_rl.run.folder import deterministic_view
 from resilient_rl.trainer.step import make_prompts
 
@@ -103,7 +105,7 @@ def test_two_ranks_match_a_single_process_step(ray_cluster, tmp_path, loss_agg_m
     single = local.update_actor(data)[0]
     single_weights = {k: v.detach().clone() for k, v in local.actor.model.state_dict().items()}
 
-    roles = RayRoles(cfg, trainer.tokenizer)
+    roles = RayRoles.running(ROLE_CLASSES, announce)(cfg, trainer.tokenizer)
     try:
         per_rank = roles.update_actor(data)
         weights = next(w for w in roles.groups["actor"].full_weights() if w is not None)
@@ -126,12 +128,12 @@ def test_colocated_ppo_puts_every_role_in_actor_world_size_processes(ray_cluster
     assert cfg.critic.enabled and cfg.critic.world_size == cfg.actor.world_size == 2
     trainer = PPOTrainer(cfg)
     try:
-        with caplog.at_level(logging.INFO, logger="resilient_rl.trainer.ray_roles"):
+        with caplog.at_level(logging.INFO, logger="resilient_rl.runtime.pool.ray_roles"):
             roles = trainer.start_roles()
         plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: ")]
         assert len(plans) == 1 and "actor micro_batch_tokens=auto -> null" in plans[0], plans
         assert "; critic micro_batch_tokens=auto -> null" in plans[0]
-        pids = roles.worker_pids()
+        pids = {key: pid for key, (pid, _) in roles.role_processes().items()}
         assert {role for role, _ in pids} == {"actor", "critic", "ref", "rollout"}
         assert len(set(pids.values())) == cfg.actor.world_size
         assert len(roles.distinct_groups()) == 1

@@ -31,7 +31,7 @@ first. The pool's owner then releases those spares (:meth:`~SparePool.release`; 
 kept as a spare sits in its rank's bundle and stays) and refills the pool once every rank answers
 again (:meth:`~SparePool.refill`). For the same reason a group whose bundles wait to be placed
 again takes spares only when every dead rank of it gets one
-(:meth:`~resilient_rl.trainer.ray_roles.RayRoles.adopt_spares`): a rank left to wait needs the
+(:meth:`~resilient_rl.runtime.pool.ray_roles.RayRoles.adopt_spares`): a rank left to wait needs the
 whole placement group placed, and a spare holding a rank outside it only takes resources from it.
 """
 

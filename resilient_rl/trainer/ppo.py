@@ -110,9 +110,11 @@ class PPOTrainer:
         self._checkpoint_config = checkpoint_config(cfg)
         self.hooks = check_hooks(list(hooks or []))
         if roles_factory is None:
-            from resilient_rl.trainer.ray_roles import RayRoles
+            from resilient_rl.runtime.pool.ray_roles import RayRoles
+            from resilient_rl.workers.memory_plan import announce
+            from resilient_rl.workers.roles import ROLE_CLASSES
 
-            roles_factory = RayRoles
+            roles_factory = RayRoles.running(ROLE_CLASSES, announce)
         self._roles_factory = roles_factory
         self.roles: WorkerPool | None = None
         self.history: deque[dict] = deque(maxlen=HISTORY_WINDOW)  # the newest rows

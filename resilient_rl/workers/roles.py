@@ -16,6 +16,7 @@ import gc
 import hashlib
 import json
 import time
+from types import MappingProxyType
 
 import ray
 import torch
@@ -349,4 +350,6 @@ class RolloutWorker(RoleWorker):
         return _digest(self.engine.model.state_dict())
 
 
-ROLE_CLASSES = {"actor": ActorWorker, "critic": CriticWorker, "ref": RefWorker, "rollout": RolloutWorker}
+#: The worker class of each role, as the trainer hands it to the Ray pool (RayRoles.running).
+ROLE_CLASSES = MappingProxyType({"actor": ActorWorker, "critic": CriticWorker, "ref": RefWorker,
+                                 "rollout": RolloutWorker})

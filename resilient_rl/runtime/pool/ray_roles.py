@@ -1,4 +1,7 @@
-"""Role backend on Ray: worker groups for actor, critic, ref and rollout, in either placement.
+"""The worker pool on Ray: worker groups for actor, critic, ref and rollout, in either placement.
+
+The role classes come from the caller (:meth:`RayRoles.running`): this package starts, probes,
+kills and rejoins processes of any worker class, and the trainer names the classes it runs.
 
 - ``colocated``: actor, rollout, ref and (PPO) critic share one process per device: one resource
   pool, ``actor.world_size`` worker processes in all, every role on every device. The actor writes
@@ -13,24 +16,23 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Callable
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Callable
 
 import ray
 
-from resilient_rl.runtime.capacity import alive_nodes, nodes_launching, unplaceable
 from resilient_rl.runtime.health import answers_during_calls, process_gone, replaced
 from resilient_rl.runtime.worker import WorkerInfo
-from resilient_rl.runtime.resource_pool import RayResourcePool
-from resilient_rl.runtime.spare_sizing import available_host_bytes, cores_here, decide as decide_spares
+from resilient_rl.runtime.pool.groups import start_spares, worker_group
+from resilient_rl.runtime.pool.unplaced import yield_to_unplaced
 from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
-from resilient_rl.config.node_layout import check_cluster_fits, config_layouts, network_runtime_env
-from resilient_rl.errors import NoCapacityError, WorkerError
+from resilient_rl.config.node_layout import check_cluster_fits, config_layouts
+from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
 from resilient_rl.runtime.pool import STATEFUL_ROLES, primary_role, step_role
-from resilient_rl.workers import memory_plan
-from resilient_rl.workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +41,26 @@ class RayRoles:
     """Starts the worker groups of a run, joins their process groups and builds their models.
 
     Implements :class:`~resilient_rl.runtime.pool.WorkerPool`; a process group is named by its
-    worker group's ``name_prefix``.
+    worker group's ``name_prefix``. A pool class runs the role classes it was made with
+    (:meth:`running`).
     """
 
     writes_checkpoints = True
+    #: Role -> worker class (actor, rollout, ref, critic), set by :meth:`running`.
+    role_classes: Mapping[str, type] = MappingProxyType({})
+    #: Logs the trained roles' memory plans (rank 0's lines) once at start, set by :meth:`running`.
+    announce_plans: Callable[[logging.Logger, list], Any] = staticmethod(lambda logger, lines: None)
+
+    @classmethod
+    def running(cls, role_classes: Mapping[str, type],
+                announce_plans: Callable[[logging.Logger, list], Any]) -> type[RayRoles]:
+        """This pool as a class that runs ``role_classes`` and logs memory plans with ``announce_plans``."""
+        missing = {"actor", "rollout", "ref", "critic"} - set(role_classes)
+        if missing:
+            raise ValueError(f"RayRoles.running: no worker class for {sorted(missing)}")
+        return type(cls.__name__, (cls,), {"role_classes": MappingProxyType(dict(role_classes)),
+                                           "announce_plans": staticmethod(announce_plans),
+                                           "__module__": cls.__module__})
 
     def __init__(self, cfg, tokenizer, instance: str | None = None):
         self.cfg = cfg
@@ -70,67 +88,34 @@ class RayRoles:
         self.layouts = config_layouts(cfg)
         check_cluster_fits(list(self.layouts.values()), ray.nodes(), self.use_gpu, cfg.ray.cpus_per_worker)
         try:
-            classes = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": RefWorker}
-            if self.critic_enabled:
-                classes["critic"] = CriticWorker
+            roles = ("actor", "rollout", "ref") + (("critic",) if self.critic_enabled else ())
+            if set(roles) - set(self.role_classes):
+                raise TypeError("RayRoles runs the role classes of a pool made by RayRoles.running(...)")
+            classes = {role: self.role_classes[role] for role in roles}
             if self.colocated:
                 cls = create_colocated_worker_cls({role: RayClassWithInitArgs(c, **init) for role, c in classes.items()})
-                main = self._group("main", cfg.actor.world_size, cls)
+                main = worker_group(cfg, self.layouts["main"], "main", cls, self.instance, self.use_gpu)
                 self.torch_groups.append(main)
                 self.groups.update(main.spawn(prefix_set=tuple(classes)))
             else:
                 for role, c in classes.items():
-                    self.groups[role] = self._group(role, getattr(cfg, role).world_size, RayClassWithInitArgs(c, **init))
+                    self.groups[role] = worker_group(cfg, self.layouts[role], role, RayClassWithInitArgs(c, **init),
+                                                     self.instance, self.use_gpu)
                 # The rollout is unsharded: it needs no process group.
                 self.torch_groups += [g for role, g in self.groups.items() if role != "rollout"]
             self.worker_info: dict[tuple[str, int], WorkerInfo] = {}
             self.refresh_workers()
             self.rendezvous()
             self.init_models()
-            self._print_memory_plan()
+            # Said once, at start: how micro_batch_tokens=auto was resolved (every rank plans the same device).
+            self.announce_plans(logger, [self.groups[role].memory_plan_line()[0]
+                                         for role in ("actor", "critic") if role in self.groups])
             self.sync_weights(0)  # the rollout, built empty, gets the actor's initial weights
             # Started last: they warm up while the first step runs.
-            self.spares = self._start_spares()
+            self.spares = start_spares(self.cfg.recovery, self.groups, self.distinct_groups())
         except BaseException:
             self.shutdown()
             raise
-
-    def _start_spares(self) -> dict[str, SparePool]:
-        """The warm spares of ``recovery.spares`` (``auto``: one per node of each process group,
-        :mod:`resilient_rl.runtime.spare_sizing`), with the one line saying what was chosen."""
-        rc = self.cfg.recovery
-        # Each process group by the roles its processes host ("actor+critic+ref+rollout" colocated).
-        groups = {"+".join(sorted(role for role, h in self.groups.items() if h.workers is g.workers)) or g.name_prefix: g
-                  for g in self.distinct_groups()}
-        spans = {name: len({g.placement(r)[0] for r in range(g.world_size)} - {None}) for name, g in groups.items()}
-        here = ray.get_runtime_context().get_node_id()
-        ranks_here = {name: sum(1 for r in range(g.world_size) if g.placement(r)[0] == here)
-                      for name, g in groups.items()}
-        auto = rc.spares == "auto"
-        decision = decide_spares(rc.spares, spans, available_host_bytes() if auto else None,
-                                 cores_here() if auto else None, ranks_here)
-        logger.info(decision.line)
-        return {groups[name].name_prefix: SparePool(groups[name], n, rc.rendezvous_timeout_s)
-                for name, n in decision.per_group.items() if n > 0}
-
-    def _print_memory_plan(self) -> None:
-        """Say once, at start, how ``micro_batch_tokens=auto`` was resolved (rank 0 of each
-        trained role; every rank plans the same device)."""
-        memory_plan.announce(logger, [self.groups[role].memory_plan_line()[0]
-                                      for role in ("actor", "critic") if role in self.groups])
-
-    def _group(self, role: str, world_size: int, cls: RayClassWithInitArgs) -> RayWorkerGroup:
-        c = self.cfg
-        layout = self.layouts[role]
-        assert layout.world_size == world_size, (layout, world_size)
-        # One placement group per node, each on a node of its own (see RayResourcePool).
-        pool = RayResourcePool(list(layout.process_on_nodes), use_gpu=self.use_gpu, max_colocate_count=1,
-                               cpus_per_bundle=c.ray.cpus_per_worker,
-                               name_prefix=f"rrl_{c.trainer.run_name}_{self.instance}_{role}",
-                               placement_timeout_s=c.recovery.placement_timeout_s, distinct_nodes=True)
-        return RayWorkerGroup(pool, cls, runtime_env=network_runtime_env(c.trainer.network_interface), max_restarts=c.recovery.max_restarts,
-                              max_task_retries=c.recovery.max_task_retries, call_timeout_s=c.recovery.call_timeout_s,
-                              hang_timeout_s=c.recovery.hang_timeout_s, health_timeout_s=c.recovery.health_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     def distinct_groups(self) -> list[RayWorkerGroup]:
@@ -219,39 +204,15 @@ class RayRoles:
         return all(len(pool.ready()) == len(pool) for pool in self.spares.values())
 
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
+        """Wait for every rank of ``group`` to answer; between tries, end the wait when asked to
+        stop (:attr:`interrupt`) and give way to ranks whose node was lost (:mod:`.unplaced`)."""
         g = self._process_group(group)
-        return g.reidentify(g.wait_alive(timeout_s, while_waiting=self._while_waiting))
 
-    def _while_waiting(self) -> None:
-        """Between tries of a wait for ranks: end the wait when asked to stop (:attr:`interrupt`);
-        where a rank's bundle waits to be placed again (its node was lost), release the warm
-        spares started outside placement groups (they must not take the free resources the
-        bundle needs; :meth:`refresh_workers` starts them again once every rank answers), and
-        stop with NoCapacityError when no alive node can hold the bundle and none is launching."""
-        self.interrupt()
-        unplaced = [g for g in self.distinct_groups() if g.resource_pool is not None and g.resource_pool.unplaced()]
-        if not unplaced:
-            return
-        if any(len(pool) for pool in self.spares.values()):
-            logger.warning("placement groups of %s wait to be placed again: releasing the warm spares "
-                           "so that their ranks get the resources", ", ".join(g.name_prefix for g in unplaced))
-            for pool in self.spares.values():
-                pool.release()
-        for g in unplaced:
-            short = unplaceable(g.resource_pool)
-            if short and not nodes_launching():
-                raise NoCapacityError(self._no_capacity(g, short))
+        def between_tries() -> None:
+            self.interrupt()
+            yield_to_unplaced(self.distinct_groups(), self.spares, self.known_workers, self.roles_of)
 
-    def _no_capacity(self, g: RayWorkerGroup, short: list) -> str:
-        alive = set(alive_nodes())
-        lost = sorted(key for key, (_, node) in self.known_workers.items()
-                      if key[0] == g.name_prefix and node is not None and node not in alive)
-        nodes = sorted({self.known_workers[key][1] for key in lost})
-        return (f"{primary_role(self.roles_of(g.name_prefix))} ranks {[rank for _, rank in lost]} were lost with "
-                f"node {', '.join(nodes) or '(unknown)'} and no alive node can take them: "
-                + "; ".join(s.describe() for s in short)
-                + ". The run folder and its last committed checkpoint are intact: once the cluster has a node "
-                  "with those resources, the same command continues the run")
+        return g.reidentify(g.wait_alive(timeout_s, while_waiting=between_tries))
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         """(process group, role) of the worker group ``name``; a colocated role's group is
@@ -260,14 +221,11 @@ class RayRoles:
             return None, None
         for role, g in self.groups.items():
             if g.name_prefix == name:
-                return self._parent(g).name_prefix, role
+                return _process_group_of(self, g).name_prefix, role
         for g in self.distinct_groups():
             if g.name_prefix == name:
                 return name, primary_role(self.roles_of(name))
         return None, None
-
-    def _parent(self, g: RayWorkerGroup) -> RayWorkerGroup:
-        return next(p for p in self.distinct_groups() if p.workers is g.workers)
 
     def roles_of(self, group: str) -> tuple[str, ...]:
         parent = self._process_group(group)
@@ -276,14 +234,10 @@ class RayRoles:
     def role_processes(self) -> dict[tuple[str, int], tuple[int, str | None]]:
         known, out = self.known_workers, {}
         for role, g in self.groups.items():
-            parent = self._parent(g)
+            parent = _process_group_of(self, g)
             for rank in range(g.world_size):
                 out[(role, rank)] = known[(parent.name_prefix, rank)]
         return out
-
-    def worker_pids(self) -> dict[tuple[str, int], int]:
-        """(role, rank) -> pid of every role's processes (colocated roles share a pid)."""
-        return {key: pid for key, (pid, _) in self.role_processes().items()}
 
     def poll_device_reports(self, poller) -> bool:
         return poller.poll(self.distinct_groups())
@@ -301,7 +255,7 @@ class RayRoles:
                 continue
             g.init_process_group(self.generation, backend=self.backend, timeout_s=rc.rendezvous_timeout_s,
                                  collective_timeout_s=rc.collective_timeout_s)
-        if self.weight_channel and (groups is None or {self._parent(self.groups[r]).name_prefix
+        if self.weight_channel and (groups is None or {_process_group_of(self, self.groups[r]).name_prefix
                                                         for r in ("actor", "rollout")} & set(groups)):
             actor, rollout = self.groups["actor"], self.groups["rollout"]
             addr, port = actor.get([actor.workers[0].get_master_addr_port.remote()], timeout_s=rc.rendezvous_timeout_s)[0]
@@ -319,11 +273,11 @@ class RayRoles:
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         roles = [role for role in ("actor", "ref", "rollout", "critic") if role in self.groups
-                 and (groups is None or self._parent(self.groups[role]).name_prefix in groups)]
+                 and (groups is None or _process_group_of(self, self.groups[role]).name_prefix in groups)]
         # Every old engine of a process is dropped before the cycle collector runs, once per process.
-        last = {self._parent(self.groups[role]).name_prefix: role for role in roles}
+        last = {_process_group_of(self, self.groups[role]).name_prefix: role for role in roles}
         for role in roles:
-            self.groups[role].drop_engine(last[self._parent(self.groups[role]).name_prefix] == role)
+            self.groups[role].drop_engine(last[_process_group_of(self, self.groups[role]).name_prefix] == role)
         for role in roles:
             # The rollout is always built empty: a weight sync follows every (re)build.
             self.groups[role].init_model(True if role == "rollout" else empty)
@@ -391,3 +345,8 @@ class RayRoles:
             return {}
         return {"perf/weight_sync_bytes": float(stats[0][0]),
                 "perf/weight_sync_worker_s": max(float(s[1]) for s in stats)}
+
+
+def _process_group_of(pool: RayRoles, g: RayWorkerGroup) -> RayWorkerGroup:
+    """The group that owns ``g``'s processes (``g`` itself, or the group a colocated role was spawned from)."""
+    return next(p for p in pool.distinct_groups() if p.workers is g.workers)

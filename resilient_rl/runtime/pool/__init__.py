@@ -10,7 +10,7 @@ Each caller sees only its part of a pool:
   they save and load);
 - :class:`TelemetrySource`: what telemetry reads (processes, roles, device reports).
 
-:class:`WorkerPool` is all of them: :class:`~resilient_rl.trainer.ray_roles.RayRoles` (Ray worker
+:class:`WorkerPool` is all of them: :class:`~resilient_rl.runtime.pool.ray_roles.RayRoles` (Ray worker
 groups, one process per rank) implements it. :class:`~resilient_rl.trainer.local_roles.LocalRoles`
 (every engine in the controller's process) implements the step's part and telemetry's, which is
 all it does: it has no processes to recover and saves no checkpoint. The recovery protocol is
