@@ -13,6 +13,7 @@ from resilient_rl.faults.injectors import FaultError
 from resilient_rl.process_state import process_state
 from resilient_rl.faults.monkey import ChaosMonkey, find_run_workers
 from resilient_rl.testing.wait import wait_until
+from resilient_rl.runtime import health
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -45,7 +46,7 @@ def test_monkey_finds_and_hits_the_runs_workers(ray_cluster):
 
         monkey = ChaosMonkey("monkeyrun", interval_s=0, max_faults=1, kinds=("sigkill",), seed=3, echo=lines.append)
         (kind, target), = monkey.run()
-        assert wg.wait_alive(60)  # Ray restarts it
+        assert health.wait_alive(wg, 60)  # Ray restarts it
         assert target.pid not in {i.pid for i in wg.ping()}
     finally:
         wg.shutdown()

@@ -24,6 +24,8 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.testing.wait import wait_until
 from resilient_rl.workers.fsdp import uses_cuda
 from resilient_rl.workers.roles import ActorWorker
+from resilient_rl.runtime import health
+from resilient_rl.runtime.worker_group_spares import reidentify
 from test_controller_ray import EchoWorker
 
 
@@ -100,20 +102,20 @@ def test_a_gpu_spare_starts_with_every_gpu_taken_and_takes_the_dead_rank_s_gpu(g
         info = pool.adopt(1)
         assert info is not None and info.pid == spare.pid and info.rank == 1
         assert info.devices == before[1].devices, "the spare computes on the dead rank's GPU"
-        assert wg.placement(1) == (before[1].node_id, before[1].devices)
+        assert wg.ranks.placement(1) == (before[1].node_id, before[1].devices)
         wg.init_process_group(generation=1, backend="gloo", timeout_s=20)
         assert wg.all_reduce_check(1.0) == [3.0, 3.0]
 
         # Ray restarts the replaced process in rank 1's bundle, with its GPU: the next spare.
         wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the replaced process to come back as a spare")
         home = pool._spares[0].handle
-        assert wg.is_bundle_process(home) and ray.get(home.ping.remote()).devices == before[1].devices
+        assert wg.ranks.is_bundle_process(home) and ray.get(home.ping.remote()).devices == before[1].devices
         # The spare serving rank 1 is gone for good (as with its node): the process of rank 1's
         # own bundle serves it again, and leaves the pool.
         ray.kill(wg.workers[1], no_restart=True)
-        wait_until(lambda: ray.get(wg.workers[0].ping.remote()) and wg.permanently_dead() == [1], 30, 0.2,
+        wait_until(lambda: ray.get(wg.workers[0].ping.remote()) and health.permanently_dead(wg) == [1], 30, 0.2,
                    "Ray to give up on the spare")
-        infos = wg.reidentify(wg.wait_alive(30))
+        infos = reidentify(wg, health.wait_alive(wg, 30))
         assert wg.workers[1] is home and [i.rank for i in infos] == [0, 1]
         assert infos[1].devices == before[1].devices
         pool.ready()
@@ -132,12 +134,12 @@ def test_a_spare_that_cannot_take_the_gpus_changes_nothing(gpu_cluster):
     try:
         wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
         handles = list(wg.workers)
-        node, gpus = wg.placement(1)
-        wg._placements[1] = ("a-lost-node", gpus)  # rank 1 ran on a node this spare is not on
+        node, gpus = wg.ranks.placement(1)
+        wg.ranks.placements[1] = ("a-lost-node", gpus)  # rank 1 ran on a node this spare is not on
         assert pool.adopt(1) is None and wg.workers == handles
         wait_until(lambda: len(pool.ready()) == 1, 30, 0.2, "the refusing spare to be ready again")
         assert ray.get(pool._spares[0].handle.ping.remote()).rank == 0, "it kept a spare's identity"
-        wg._placements[1] = (node, gpus)
+        wg.ranks.placements[1] = (node, gpus)
         assert pool.adopt(1).devices == gpus
     finally:
         pool.shutdown()

@@ -19,6 +19,7 @@ from resilient_rl import Dispatch, RayClassWithInitArgs, RayResourcePool, RayWor
 from resilient_rl.runtime import progress
 from resilient_rl.runtime.health import HEALTH_GROUPS, process_gone, replaced
 from resilient_rl.errors import CollectiveError, WorkerError, WorkerTimeoutError
+from resilient_rl.runtime import health
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -143,18 +144,18 @@ def test_killing_a_stalled_rank_frees_its_peer_for_the_next_rendezvous(ray_clust
             wg.get(refs)
         # Rank 0 waits in the collective and stops advancing too, but rank 1 stopped first.
         assert err.value.rank == 1 and err.value.hang_kind == "stalled" and err.value.pid == pids[1]
-        wg.kill_rank(1, pids[1], infos[1].node_id)
+        health.kill_rank(wg, 1, pids[1], infos[1].node_id)
         # The survivor's collective fails at once (not after the group's 120 s timeout), so the
         # rendezvous of the next generation does not queue behind its call.
         with pytest.raises(WorkerError) as peer:
             wg.get([refs[0]], timeout_s=30)
         assert peer.value.cause in ("collective", "exception")
-        wg.wait_alive(60)
+        health.wait_alive(wg, 60)
         # The old process is gone, but the rank is not: Ray runs it in a new process, whose
         # answer a probe waits for (it is not reported dead).
         assert process_gone(pids[1], infos[1].node_id) and replaced(wg.workers[1], pids[1])
         assert not replaced(wg.workers[0], pids[0])
-        probe = wg.probe(timeout_s=10, gone=lambda rank: process_gone(pids[rank], infos[rank].node_id)
+        probe = health.probe(wg, timeout_s=10, gone=lambda rank: process_gone(pids[rank], infos[rank].node_id)
                          and not replaced(wg.workers[rank], pids[rank]))
         assert probe[1].pid != pids[1]
         wg.init_process_group(generation=2, backend="gloo", timeout_s=20)

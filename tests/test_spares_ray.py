@@ -20,6 +20,8 @@ from resilient_rl.run.folder import deterministic_view
 from test_controller_ray import make_group
 from test_trainer_ray import small_cfg
 from resilient_rl.trainer.ppo import PPOTrainer
+from resilient_rl.runtime import health
+from resilient_rl.runtime.worker_group_spares import reidentify
 
 pytestmark = pytest.mark.ray
 
@@ -47,9 +49,9 @@ def test_a_spare_becomes_the_dead_rank_and_the_replaced_process_a_spare(ray_clus
         for s in list(pool._spares):
             ray.kill(s.handle, no_restart=True)
         os.kill(spare_pid, signal.SIGKILL)
-        infos = wait_until(lambda: wg.wait_alive(30), 60, 0.5, "the spare to be restarted")
+        infos = wait_until(lambda: health.wait_alive(wg, 30), 60, 0.5, "the spare to be restarted")
         assert infos[1].pid != spare_pid and infos[1].rank == 0, "restarted under the spare's arguments"
-        assert [i.rank for i in wg.reidentify(infos)] == [0, 1] and [i.rank for i in wg.ping()] == [0, 1]
+        assert [i.rank for i in reidentify(wg, infos)] == [0, 1] and [i.rank for i in wg.ping()] == [0, 1]
         wg.init_process_group(generation=3, backend="gloo", timeout_s=20)
         assert wg.all_reduce_check(1.0) == [3.0, 3.0]
     finally:
@@ -85,7 +87,7 @@ def test_spares_on_a_node_that_no_longer_answers_are_not_adopted(ray_cluster, mo
         monkeypatch.setattr(spares, "node_answers", lambda node: asked.append(node) or False)
         handles = list(wg.workers)
         assert pool.adopt(0) is None and wg.workers == handles and len(pool.ready()) == 1
-        assert asked == [wg.placement(0)[0]]
+        assert asked == [wg.ranks.placement(0)[0]]
         monkeypatch.setattr(spares, "node_answers", lambda node: True)
         assert pool.adopt(0) is not None and wg.workers != handles
     finally:

@@ -23,6 +23,7 @@ from ray.exceptions import RayTaskError
 
 from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
 from resilient_rl.process_state import process_alive
+from resilient_rl.runtime.worker_group_spares import rehome
 
 logger = logging.getLogger(__name__)
 
@@ -134,80 +135,83 @@ def answers_during_calls(group) -> bool:
     return bool(cls is not None and getattr(cls, "answers_during_calls", False))
 
 
-class HealthMixin:
-    """Probe, kill and wait-for-restart operations of a :class:`RayWorkerGroup`."""
+def probe(group, timeout_s: float = 2.0, gone: Callable[[int], bool] | None = None) -> dict[int, object]:
+    """Health of every rank of ``group`` (a :class:`RayWorkerGroup`) without waiting behind running
+    calls where the class allows it.
 
-    def probe(self, timeout_s: float = 2.0, gone: Callable[[int], bool] | None = None) -> dict[int, object]:
-        """Health of every rank without waiting behind running calls where the class allows it.
-
-        Returns rank -> WorkerInfo, or the exception (died, unavailable) or None (no answer within
-        ``timeout_s``: hung, stopped, or queued behind a long call on a class without a health group).
-        ``gone(rank)`` says a rank's process is known to have exited: its probe is not waited for
-        (Ray takes a second or more to report a death; a SIGKILLed process is gone at once).
-        """
-        refs = [w.health.remote() for w in self._workers]
-        index = {ref: rank for rank, ref in enumerate(refs)}
-        out: dict[int, object] = {}
-        deadline = time.monotonic() + timeout_s
-        pending = list(refs)
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            ready, pending = ray.wait(pending, num_returns=len(pending),
-                                      timeout=min(remaining, 0.05) if gone else remaining)
-            for ref in ready:
-                try:
-                    out[index[ref]] = ray.get(ref)
-                except Exception as exc:  # died or restarting
-                    out[index[ref]] = exc
-            if gone is not None:
-                for ref in [r for r in pending if gone(index[r])]:
-                    pending.remove(ref)
-                    out[index[ref]] = WorkerDiedError(f"{self.name_prefix} rank {index[ref]}: its process exited",
-                                                      role=self.name_prefix, rank=index[ref], cause="died")
-        for ref in pending:
-            out[index[ref]] = None
-        return dict(sorted(out.items()))
-
-    def leave_collectives(self, ranks: list[int], reason: str) -> None:
-        """Tell ``ranks`` to leave their collectives (their health thread hears it while a call
-        is blocked; see :mod:`resilient_rl.runtime.leave_collective`). Not waited for."""
-        for rank in ranks:
+    Returns rank -> WorkerInfo, or the exception (died, unavailable) or None (no answer within
+    ``timeout_s``: hung, stopped, or queued behind a long call on a class without a health group).
+    ``gone(rank)`` says a rank's process is known to have exited: its probe is not waited for
+    (Ray takes a second or more to report a death; a SIGKILLed process is gone at once).
+    """
+    refs = [w.health.remote() for w in group.workers]
+    index = {ref: rank for rank, ref in enumerate(refs)}
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready, pending = ray.wait(pending, num_returns=len(pending),
+                                  timeout=min(remaining, 0.05) if gone else remaining)
+        for ref in ready:
             try:
-                self._workers[rank].leave_collectives.remote(reason)
-            except Exception:  # noqa: BLE001 -- a dead handle: it is in no collective
-                pass
+                out[index[ref]] = ray.get(ref)
+            except Exception as exc:  # died or restarting
+                out[index[ref]] = exc
+        if gone is not None:
+            for ref in [r for r in pending if gone(index[r])]:
+                pending.remove(ref)
+                out[index[ref]] = WorkerDiedError(f"{group.name_prefix} rank {index[ref]}: its process exited",
+                                                  role=group.name_prefix, rank=index[ref], cause="died")
+    for ref in pending:
+        out[index[ref]] = None
+    return dict(sorted(out.items()))
 
-    def kill_rank(self, rank: int, pid: int, node_id: str) -> None:
-        """SIGKILL rank ``rank``'s process (a hung or stopped one); Ray then restarts the actor."""
-        kill_process(pid, node_id)
-        logger.warning("%s rank %d (pid %d) killed so that Ray restarts it", self.name_prefix, rank, pid)
 
-    def permanently_dead(self) -> list[int]:
-        """Ranks whose actor Ray has given up on (state DEAD: no restarts left)."""
-        return [rank for rank, w in enumerate(self._workers) if dead_for_good(w)]
+def leave_collectives(group, ranks: list[int], reason: str) -> None:
+    """Tell ``ranks`` of ``group`` to leave their collectives (their health thread hears it while
+    a call is blocked; see :mod:`resilient_rl.runtime.leave_collective`). Not waited for."""
+    for rank in ranks:
+        try:
+            group.workers[rank].leave_collectives.remote(reason)
+        except Exception:  # noqa: BLE001 -- a dead handle: it is in no collective
+            pass
 
-    def wait_alive(self, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> list:
-        """Wait until every rank answers a ping (restarted actors included); WorkerDiedError past
-        ``timeout_s``. ``while_waiting`` is called before each try (every few seconds at most)."""
-        deadline = time.monotonic() + timeout_s
-        last: Exception | None = None
-        while True:
-            if while_waiting is not None:
-                while_waiting()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerDiedError(f"{self.name_prefix}: not every rank came back within {timeout_s:g}s: {last}",
-                                      role=self.name_prefix, rank=getattr(last, "rank", None), cause="died")
-            try:
-                return self.ping(timeout_s=min(remaining, 5.0))
-            except (WorkerError, RayActorError) as exc:
-                last = exc
-                # A rank whose warm spare Ray gave up on goes back to its own bundle's process.
-                dead = self.rehome(self.permanently_dead())
-                if dead:
-                    raise WorkerDiedError(f"{self.name_prefix} rank {dead[0]} is dead and Ray will not restart it "
-                                          f"(max_restarts={self.max_restarts} spent)", role=self.name_prefix,
-                                          rank=dead[0], cause="exhausted") from exc
-                time.sleep(0.2)
+
+def kill_rank(group, rank: int, pid: int, node_id: str) -> None:
+    """SIGKILL rank ``rank``'s process (a hung or stopped one); Ray then restarts the actor."""
+    kill_process(pid, node_id)
+    logger.warning("%s rank %d (pid %d) killed so that Ray restarts it", group.name_prefix, rank, pid)
+
+
+def permanently_dead(group) -> list[int]:
+    """Ranks of ``group`` whose actor Ray has given up on (state DEAD: no restarts left)."""
+    return [rank for rank, w in enumerate(group.workers) if dead_for_good(w)]
+
+
+def wait_alive(group, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> list:
+    """Wait until every rank of ``group`` answers a ping (restarted actors included);
+    WorkerDiedError past ``timeout_s``. ``while_waiting`` is called before each try (every few
+    seconds at most)."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        if while_waiting is not None:
+            while_waiting()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WorkerDiedError(f"{group.name_prefix}: not every rank came back within {timeout_s:g}s: {last}",
+                                  role=group.name_prefix, rank=getattr(last, "rank", None), cause="died")
+        try:
+            return group.ping(timeout_s=min(remaining, 5.0))
+        except (WorkerError, RayActorError) as exc:
+            last = exc
+            # A rank whose warm spare Ray gave up on goes back to its own bundle's process.
+            dead = rehome(group, permanently_dead(group))
+            if dead:
+                raise WorkerDiedError(f"{group.name_prefix} rank {dead[0]} is dead and Ray will not restart it "
+                                      f"(max_restarts={group.max_restarts} spent)", role=group.name_prefix,
+                                      rank=dead[0], cause="exhausted") from exc
+            time.sleep(0.2)

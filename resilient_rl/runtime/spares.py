@@ -45,6 +45,7 @@ from typing import Any
 import ray
 
 from resilient_rl.runtime.health import dead_for_good, node_answers
+from resilient_rl.runtime import worker_group_spares as group_spares
 from resilient_rl.errors import WorkerError
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class SparePool:
         self.n = n
         self.timeout_s = timeout_s
         self._names = itertools.count()
+        self._turns = itertools.count()  # which node of the group's ranks a GPU spare waits on
         self._spares: list[_Spare] = []
         self.refill()
 
@@ -79,7 +81,8 @@ class SparePool:
             self._start()
 
     def _start(self) -> None:
-        self._watch(self.group.start_spare(f"{self.group.name_prefix}_spare{next(self._names)}"), in_bundle=False)
+        name = f"{self.group.name_prefix}_spare{next(self._names)}"
+        self._watch(group_spares.start_spare(self.group, name, next(self._turns)), in_bundle=False)
 
     def _watch(self, handle, in_bundle: bool) -> None:
         """Keep ``handle`` as a spare, ready once its process has warmed up."""
@@ -95,7 +98,7 @@ class SparePool:
         gave up on it."""
         out = []
         for spare in list(self._spares):
-            if self.group.serves_a_rank(spare.handle):  # it serves a rank again (rehome)
+            if self.group.ranks.serves_a_rank(spare.handle):  # it serves a rank again (rehome)
                 self._spares.remove(spare)
                 self._start()
                 continue
@@ -125,7 +128,7 @@ class SparePool:
         (its pid, node), or None when no spare is ready or none of the ready ones could take over
         (the rank then waits for Ray's restart)."""
         ready = self.ready()
-        node = self.group.placement(rank)[0]
+        node = self.group.ranks.placement(rank)[0]
         if node is not None and any(spare.node == node for spare in ready) and not node_answers(node):
             logger.warning("%s rank %d is dead and its node %s does not answer: its spares there go with it",
                            self.group.name_prefix, rank, node)
@@ -136,7 +139,7 @@ class SparePool:
         for spare in ready:
             self._spares.remove(spare)
             try:
-                replaced, info = self.group.adopt(rank, spare.handle, self.timeout_s)
+                replaced, info = group_spares.adopt(self.group, rank, spare.handle, self.timeout_s)
             except WorkerError as exc:  # it died (Ray restarts it), or cannot take the rank's GPUs
                 logger.warning("warm spare of %s could not take over rank %d: %s", self.group.name_prefix, rank, exc)
                 self._watch(spare.handle, spare.in_bundle)
@@ -148,7 +151,7 @@ class SparePool:
     def give(self, handle) -> None:
         """Keep ``handle`` (a replaced rank's process, which Ray is restarting: in that rank's
         bundle, or where the spare that served the rank was) as a spare once it answers."""
-        self._watch(handle, in_bundle=self.group.is_bundle_process(handle))
+        self._watch(handle, in_bundle=self.group.ranks.is_bundle_process(handle))
 
     def release(self) -> None:
         """Kill the spares started outside placement groups (no restart), freeing their resources

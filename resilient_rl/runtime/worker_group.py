@@ -13,7 +13,6 @@ boundary are classified into :class:`WorkerDiedError`, :class:`WorkerTimeoutErro
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import uuid
@@ -23,13 +22,12 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from resilient_rl.runtime.health import (HEALTH_GROUPS, HealthMixin, answers_during_calls, classify_error,  # noqa: F401
-                                           kill_process)
+from resilient_rl.runtime.health import HEALTH_GROUPS, answers_during_calls, classify_error  # noqa: F401
 from resilient_rl.runtime import master_env
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.runtime.group_call import GroupCall
-from resilient_rl.runtime.worker_group_spares import SparesMixin
-from resilient_rl.runtime.worker_group_verl import VerlGroupMixin, check_verl_options
+from resilient_rl.runtime.group_ranks import RankTable
+from resilient_rl.runtime.worker_group_verl import attached_ranks, check_verl_options, checked_worker_env
 from resilient_rl.runtime.liveness import LivenessWatch
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
@@ -48,8 +46,12 @@ _PER_RANK_MODES = (Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE
 _USER_MAY_SHADOW = frozenset({"get"})
 
 
-class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
+class RayWorkerGroup:
     """One Ray actor per bundle of ``resource_pool``, driven as one object by the controller.
+
+    Its ranks' processes are ``ranks`` (:class:`~resilient_rl.runtime.group_ranks.RankTable`);
+    probing and killing them is :mod:`resilient_rl.runtime.health`'s, warm spares taking their
+    places :mod:`resilient_rl.runtime.worker_group_spares`'.
 
     verl's keyword arguments are accepted: ``worker_env`` (extra environment variables of every
     rank; the rank's own identity keys may not be overridden), ``worker_names``/``worker_handles``
@@ -66,15 +68,9 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
                  worker_env: dict[str, str] | None = None, worker_names: list[str] | None = None,
                  worker_handles: list | None = None, **verl_options) -> None:
         check_verl_options(verl_options)
-        self._workers: list = []
-        self._worker_names: list[str] = []
-        self._identities: list[dict[str, str]] = []  # each rank's RANK, WORLD_SIZE, ... (see Ranked)
-        # Each rank's node and CUDA_VISIBLE_DEVICES as its process last reported them (a warm spare
-        # taking the rank takes these GPUs), and the process started in the rank's bundle.
-        self._placements: list[tuple[str | None, str | None]] = []
-        self._bundle_workers: list = []
-        self._spare_nodes = itertools.count()
-        self._base_options: dict[str, Any] = {}
+        self.ranks = RankTable()
+        #: What every process of the group asks of Ray, wherever it is placed (warm spares too).
+        self.actor_options: dict[str, Any] = {}
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
         self.call_timeout_s = call_timeout_s
@@ -90,31 +86,31 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
         self.wg_dict: dict[str, RayWorkerGroup] | None = None
         self._master_key = f"{self.name_prefix}:{uuid.uuid4().hex[:12]}"
         if worker_names is not None or worker_handles is not None:
-            self._attach(worker_names, worker_handles)  # from_detached
+            self.ranks = attached_ranks(self.name_prefix, worker_names, worker_handles)  # from_detached
             if ray_cls_with_init is not None:
-                self._bind_worker_methods(_actor_class(ray_cls_with_init.cls))
+                _bind_worker_methods(self, _actor_class(ray_cls_with_init.cls))
             return
         if resource_pool is None or ray_cls_with_init is None:
             return  # an empty shell filled by spawn()
         self._start(resource_pool, ray_cls_with_init, runtime_env or {}, actor_options or {}, detached,
-                    self._checked_worker_env(worker_env))
-        self._bind_worker_methods(_actor_class(ray_cls_with_init.cls))
+                    checked_worker_env(worker_env))
+        _bind_worker_methods(self, _actor_class(ray_cls_with_init.cls))
 
     # ------------------------------------------------------------------ construction
     def _start(self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, runtime_env: dict,
                actor_options: dict, detached: bool, worker_env: dict[str, str]) -> None:
         slots = pool.bundle_slots()
         world_size = len(slots)
-        # What every process of the group asks of Ray, wherever it is placed (spares too).
-        self._base_options = {"num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
+        self.actor_options = {"num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
                               "max_restarts": self.max_restarts, "max_task_retries": self.max_task_retries,
                               **actor_options}
         if runtime_env:  # the user's, shared by every rank; the rank's identity does not go here
-            self._base_options["runtime_env"] = runtime_env
+            self.actor_options["runtime_env"] = runtime_env
         if pool.use_gpu:
-            self._base_options["num_gpus"] = 1 / pool.max_colocate_count
+            self.actor_options["num_gpus"] = 1 / pool.max_colocate_count
         if detached:
-            self._base_options["lifetime"] = "detached"
+            self.actor_options["lifetime"] = "detached"
+        handles, names, identities = [], [], []
         for rank, (pg, bundle_idx, local_rank, local_world_size) in enumerate(slots):
             # verl's env:// contract; rank 0 publishes MASTER_ADDR/PORT for the others (master_env).
             identity = {**worker_env, "RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -125,36 +121,14 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
                 identity[master_env.PUBLISH] = "1"
             name = f"{self.name_prefix}_{rank}"
             options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=bundle_idx), "name": name, **self._base_options}
-            self._identities.append(identity)
-            self._workers.append(cls_with_init(options, identity))
-            self._worker_names.append(name)
-        self._bundle_workers = list(self._workers)
-        self._placements = [(None, None)] * len(self._workers)
+                placement_group=pg, placement_group_bundle_index=bundle_idx), "name": name, **self.actor_options}
+            identities.append(identity)
+            handles.append(cls_with_init(options, identity))
+            names.append(name)
+        self.ranks = RankTable.of(handles, names, identities)
         # Constructors run in parallel; wait for all of them (a failing constructor names its rank).
-        self._note_placements(self.wait_refs([w.ping.remote() for w in self._workers],
-                                       timeout_s=max(self.call_timeout_s or 0, 300.0), liveness=False))
-
-    def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
-        self._remote_prefix = remote_prefix
-        for name, settings in registered_methods(user_cls).items():
-            if hasattr(RayWorkerGroup, name) and name not in _USER_MAY_SHADOW:
-                raise DispatchError(f"registered method {user_cls.__name__}.{name} clashes with a RayWorkerGroup "
-                                    "attribute; rename it")
-            setattr(self, name, self._make_group_method(remote_prefix + name, settings))
-
-    def _make_group_method(self, remote_name: str, settings: dict) -> Callable:
-        blocking: bool = settings["blocking"]
-
-        def group_method(*args, **kwargs):
-            call = self._submit(remote_name, settings, *args, **kwargs)
-            if not blocking:  # like verl: the collect function of the ObjectRefs (a DataProtoFuture
-                return call.future()  # for DataProto modes), rank zero's ref for rank-zero execution
-            return call.result()
-
-        group_method.__name__ = remote_name
-        group_method.settings = settings
-        return group_method
+        self.ranks.note_placements(self.wait_refs([w.ping.remote() for w in handles],
+                                                  timeout_s=max(self.call_timeout_s or 0, 300.0), liveness=False))
 
     def submit(self, method_name: str, *args, **kwargs) -> GroupCall:
         """Dispatch a registered method's call to the ranks without waiting: its :class:`GroupCall`,
@@ -181,20 +155,20 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
     # ------------------------------------------------------------------ properties
     @property
     def world_size(self) -> int:
-        return len(self._workers)
+        return len(self.ranks.handles)
 
     @property
     def workers(self) -> list:
-        return self._workers
+        return self.ranks.handles
 
     @property
     def worker_names(self) -> list[str]:
-        return self._worker_names
+        return self.ranks.names
 
     # ------------------------------------------------------------------ execution
     def _call(self, rank: int, method_name: str, *args, **kwargs):
         try:
-            method = getattr(self._workers[rank], method_name)
+            method = getattr(self.ranks.handles[rank], method_name)
         except AttributeError:
             raise DispatchError(f"worker group {self.name_prefix!r} has no method {method_name!r}") from None
         return method.remote(*args, **kwargs)
@@ -276,8 +250,8 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
         health concurrency group: a health call would queue behind the call it should watch)."""
         if self.hang_timeout_s is None or n_refs > self.world_size or not answers_during_calls(self):
             return None
-        if self._watch is None or self._watch.workers is not self._workers:
-            self._watch = LivenessWatch(self._workers, self.hang_timeout_s, self.health_timeout_s,
+        if self._watch is None or self._watch.workers is not self.ranks.handles:
+            self._watch = LivenessWatch(self.ranks.handles, self.hang_timeout_s, self.health_timeout_s,
                                         poll_interval_s=min(1.0, self.hang_timeout_s / 3))
         self._watch.fresh()
         return self._watch
@@ -288,19 +262,8 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
 
     def ping(self, timeout_s: float | None = None) -> list:
         """Health of every rank (WorkerInfo), within a deadline."""
-        return self._note_placements(self.wait_refs([w.ping.remote() for w in self._workers], timeout_s=timeout_s,
-                                              liveness=False))
-
-    def _note_placements(self, infos: list) -> list:
-        """Remember the node and GPUs of each rank whose process answered as that rank."""
-        for rank, info in enumerate(infos):
-            if rank < len(self._placements) and getattr(info, "rank", None) == rank:
-                self._placements[rank] = (info.node_id, getattr(info, "devices", None))
-        return infos
-
-    def placement(self, rank: int) -> tuple[str | None, str | None]:
-        """(node id, ``CUDA_VISIBLE_DEVICES``) of ``rank`` as its process last reported them."""
-        return self._placements[rank] if rank < len(self._placements) else (None, None)
+        return self.ranks.note_placements(self.wait_refs([w.ping.remote() for w in self.ranks.handles],
+                                                         timeout_s=timeout_s, liveness=False))
 
     def init_process_group(self, generation: int, backend: str | None = None, timeout_s: float = 60.0,
                            collective_timeout_s: float | None = None) -> int:
@@ -308,9 +271,9 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
 
         ``timeout_s`` bounds the rendezvous; ``collective_timeout_s`` (default: the same) bounds
         every collective of the new group."""
-        addr, port = self.wait_refs([self._workers[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
+        addr, port = self.wait_refs([self.ranks.handles[0].get_master_addr_port.remote()], timeout_s=timeout_s)[0]
         pg_timeout = collective_timeout_s or timeout_s
-        refs = [w.rendezvous.remote(generation, addr, port, backend, pg_timeout) for w in self._workers]
+        refs = [w.rendezvous.remote(generation, addr, port, backend, pg_timeout) for w in self.ranks.handles]
         try:
             self.wait_refs(refs, timeout_s=timeout_s + 5.0)
         except BaseException:
@@ -324,7 +287,7 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
         classes with a health thread can hear it during the call."""
         if not answers_during_calls(self):
             return
-        for w in self._workers:
+        for w in self.ranks.handles:
             try:
                 w.call_off_rendezvous.remote(generation)
             except Exception:  # noqa: BLE001 -- a dead handle: nothing waits there
@@ -340,21 +303,66 @@ class RayWorkerGroup(SparesMixin, VerlGroupMixin, HealthMixin):
                 raise DispatchError(f"no colocated role {prefix!r}; roles: {sorted(role_classes)}")
             g = RayWorkerGroup(None, None, name_prefix=f"{self.name_prefix}:{prefix}", call_timeout_s=self.call_timeout_s,
                                hang_timeout_s=self.hang_timeout_s, health_timeout_s=self.health_timeout_s)
-            g._workers, g._worker_names = self._workers, self._worker_names
+            g.ranks = RankTable(self.ranks.handles, self.ranks.names)  # the same processes
             g.resource_pool, g.ray_cls_with_init = self.resource_pool, self.ray_cls_with_init
-            g._bind_worker_methods(role_classes[prefix], remote_prefix=f"{prefix}_")
+            _bind_worker_methods(g, role_classes[prefix], remote_prefix=f"{prefix}_")
             groups[prefix] = g
         return groups
+
+    def fuse(self, prefix_set) -> None:
+        """Make each colocated role's group an attribute of this group (``wg.actor.add(...)``),
+        beside the methods of the fused class itself (verl)."""
+        if self.wg_dict is None:
+            self.wg_dict = self.spawn(prefix_set)
+        for role, group in self.wg_dict.items():
+            if hasattr(type(self), role):
+                raise DispatchError(f"colocated role {role!r} clashes with a RayWorkerGroup attribute; rename it")
+            setattr(self, role, group)
+
+    @classmethod
+    def from_detached(cls, name_prefix: str | None = None, worker_names: list[str] | None = None,
+                      worker_handles: list | None = None, ray_cls_with_init=None, **kwargs) -> RayWorkerGroup:
+        """A group driving workers that already run (a detached group started by another driver,
+        found by its actor names, or handles), with the registered methods of ``ray_cls_with_init``."""
+        if worker_names is None and worker_handles is None:
+            raise DispatchError("from_detached needs worker_names or worker_handles")
+        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
+                   worker_names=worker_names, worker_handles=worker_handles, **kwargs)
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self, release_pool: bool = True) -> None:
         """Kill the group's actors (no restart) and release the pool's placement groups."""
-        for w in self._workers:
+        for w in self.ranks.handles:
             try:
                 ray.kill(w, no_restart=True)
             except Exception as exc:  # already dead
                 logger.debug("ray.kill failed: %s", exc)
-        self._workers = []
+        self.ranks = RankTable()
         master_env.forget(self._master_key)
         if release_pool and self.resource_pool is not None:
             self.resource_pool.release()
+
+
+def _bind_worker_methods(group: RayWorkerGroup, user_cls: type, remote_prefix: str = "") -> None:
+    """Make every ``@register``-ed method of ``user_cls`` a method of ``group`` that dispatches
+    over its ranks (for a colocated role, the process's ``{role}_{method}``)."""
+    group._remote_prefix = remote_prefix
+    for name, settings in registered_methods(user_cls).items():
+        if hasattr(RayWorkerGroup, name) and name not in _USER_MAY_SHADOW:
+            raise DispatchError(f"registered method {user_cls.__name__}.{name} clashes with a RayWorkerGroup "
+                                "attribute; rename it")
+        setattr(group, name, _group_method(group, remote_prefix + name, settings))
+
+
+def _group_method(group: RayWorkerGroup, remote_name: str, settings: dict) -> Callable:
+    blocking: bool = settings["blocking"]
+
+    def group_method(*args, **kwargs):
+        call = group._submit(remote_name, settings, *args, **kwargs)
+        if not blocking:  # like verl: the collect function of the ObjectRefs (a DataProtoFuture
+            return call.future()  # for DataProto modes), rank zero's ref for rank-zero execution
+        return call.result()
+
+    group_method.__name__ = remote_name
+    group_method.settings = settings
+    return group_method

@@ -1,19 +1,14 @@
-"""verl's worker-group surface beyond dispatching calls: its constructor options, attaching to
-detached workers (``from_detached``) and fused colocated groups (``fuse``).
-
-:class:`VerlGroupMixin` is a base of :class:`~resilient_rl.runtime.worker_group.RayWorkerGroup`.
-"""
+"""verl's worker-group constructor surface: its options, ``worker_env``, and the ranks of a group
+attached to detached workers (``RayWorkerGroup.from_detached``)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import ray
 
 from resilient_rl.errors import DispatchError
-
-logger = logging.getLogger("resilient_rl.runtime.worker_group")
+from resilient_rl.runtime.group_ranks import RankTable
 
 #: The environment variables the group sets for every rank itself: worker_env may not override them.
 RESERVED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RAY_LOCAL_RANK",
@@ -46,54 +41,32 @@ def check_verl_options(options: dict[str, Any]) -> None:
             raise DispatchError(f"RayWorkerGroup({name}={value!r}) is not supported; accepted: {list(allowed)}")
 
 
-class VerlGroupMixin:
-    """verl's group helpers that are not about dispatching a call."""
+def checked_worker_env(worker_env: dict[str, str] | None) -> dict[str, str]:
+    """verl's ``worker_env``: extra environment variables of every rank, refused where they would
+    override a rank's identity or are not strings."""
+    env = dict(worker_env or {})
+    clash = sorted(set(env) & RESERVED_ENV)
+    if clash:
+        raise DispatchError(f"worker_env may not set {clash}: the worker group sets them for every rank")
+    bad = sorted(k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str))
+    if bad:
+        raise DispatchError(f"worker_env keys and values must be strings; check {bad}")
+    return env
 
-    @staticmethod
-    def _checked_worker_env(worker_env: dict[str, str] | None) -> dict[str, str]:
-        env = dict(worker_env or {})
-        clash = sorted(set(env) & RESERVED_ENV)
-        if clash:
-            raise DispatchError(f"worker_env may not set {clash}: the worker group sets them for every rank")
-        bad = sorted(k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str))
-        if bad:
-            raise DispatchError(f"worker_env keys and values must be strings; check {bad}")
-        return env
 
-    def _attach(self, worker_names: list[str] | None, worker_handles: list | None) -> None:
-        """Drive existing actors (by handle, or looked up by name) as this group's ranks."""
-        if worker_handles is None:
-            handles = []
-            for name in worker_names or []:
-                try:
-                    handles.append(ray.get_actor(name))
-                except ValueError as exc:
-                    raise DispatchError(f"no worker named {name!r} to attach to: {exc}") from None
-            worker_handles = handles
-        if worker_names is None:
-            worker_names = [f"{self.name_prefix}_{i}" for i in range(len(worker_handles))]
-        if len(worker_names) != len(worker_handles):
-            raise DispatchError(f"{len(worker_names)} worker_names for {len(worker_handles)} worker_handles")
-        self._workers, self._worker_names = list(worker_handles), list(worker_names)
-        self._bundle_workers = list(self._workers)
-        self._placements = [(None, None)] * len(self._workers)
-
-    @classmethod
-    def from_detached(cls, name_prefix: str | None = None, worker_names: list[str] | None = None,
-                      worker_handles: list | None = None, ray_cls_with_init=None, **kwargs):
-        """A group driving workers that already run (a detached group started by another driver,
-        found by its actor names, or handles), with the registered methods of ``ray_cls_with_init``."""
-        if worker_names is None and worker_handles is None:
-            raise DispatchError("from_detached needs worker_names or worker_handles")
-        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
-                   worker_names=worker_names, worker_handles=worker_handles, **kwargs)
-
-    def fuse(self, prefix_set) -> None:
-        """Make each colocated role's group an attribute of this group (``wg.actor.add(...)``),
-        beside the methods of the fused class itself (verl)."""
-        if self.wg_dict is None:
-            self.wg_dict = self.spawn(prefix_set)
-        for role, group in self.wg_dict.items():
-            if hasattr(type(self), role):
-                raise DispatchError(f"colocated role {role!r} clashes with a RayWorkerGroup attribute; rename it")
-            setattr(self, role, group)
+def attached_ranks(name_prefix: str, worker_names: list[str] | None, worker_handles: list | None) -> RankTable:
+    """The ranks of a group that drives existing actors (verl's ``from_detached``): by handle, or
+    looked up by name."""
+    if worker_handles is None:
+        handles = []
+        for name in worker_names or []:
+            try:
+                handles.append(ray.get_actor(name))
+            except ValueError as exc:
+                raise DispatchError(f"no worker named {name!r} to attach to: {exc}") from None
+        worker_handles = handles
+    if worker_names is None:
+        worker_names = [f"{name_prefix}_{i}" for i in range(len(worker_handles))]
+    if len(worker_names) != len(worker_handles):
+        raise DispatchError(f"{len(worker_names)} worker_names for {len(worker_handles)} worker_handles")
+    return RankTable.of(list(worker_handles), list(worker_names))

@@ -17,6 +17,7 @@ from resilient_rl import (DataProto, DataProtoFuture, Dispatch, RayClassWithInit
                           make_nd_compute_dataproto_dispatch_fn, register, split_resource_pool)
 from resilient_rl.errors import WorkerError
 from resilient_rl.testing.wait import wait_until
+from resilient_rl.runtime import health
 
 pytestmark = pytest.mark.ray
 
@@ -109,7 +110,7 @@ class LaterGroupWorker(Worker):
 
 def _restarted(wg, old_pid):
     try:
-        return wg.wait_alive(30.0)[0].pid != old_pid
+        return health.wait_alive(wg, 30.0)[0].pid != old_pid
     except WorkerError:
         return False
 

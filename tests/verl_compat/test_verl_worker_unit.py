@@ -10,6 +10,7 @@ from resilient_rl import (DataProto, Dispatch, RayResourcePool, RayWorkerGroup, 
 from resilient_rl.runtime.dispatch import collect_all_to_all, dispatch_one_to_all, registered_methods
 from resilient_rl.runtime.dispatch_nd import dispatch_lazy_compute_data_proto, collect_lazy_compute_data_proto
 from resilient_rl.errors import DispatchError, ResourceError
+from resilient_rl.runtime.worker_group_verl import checked_worker_env
 
 
 class NoSuperInit(Worker):
@@ -106,7 +107,7 @@ def test_group_options_unknown_rejected_and_worker_env_checked():
         RayWorkerGroup(None, None, profile_steps=[1])
     RayWorkerGroup(None, None, device_name="cuda", bin_pack=True)  # neutral verl options
     with pytest.raises(ValueError, match="WORLD_SIZE"):
-        RayWorkerGroup._checked_worker_env({"WORLD_SIZE": "100"})
+        checked_worker_env({"WORLD_SIZE": "100"})
 
 
 def test_pool_defaults_and_split_checks():

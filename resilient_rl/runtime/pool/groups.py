@@ -36,9 +36,9 @@ def start_spares(rc, groups: dict[str, RayWorkerGroup], process_groups: list[Ray
     # Each process group by the roles its processes host ("actor+critic+ref+rollout" colocated).
     named = {"+".join(sorted(role for role, h in groups.items() if h.workers is g.workers)) or g.name_prefix: g
              for g in process_groups}
-    spans = {name: len({g.placement(r)[0] for r in range(g.world_size)} - {None}) for name, g in named.items()}
+    spans = {name: len({g.ranks.placement(r)[0] for r in range(g.world_size)} - {None}) for name, g in named.items()}
     here = ray.get_runtime_context().get_node_id()
-    ranks_here = {name: sum(1 for r in range(g.world_size) if g.placement(r)[0] == here) for name, g in named.items()}
+    ranks_here = {name: sum(1 for r in range(g.world_size) if g.ranks.placement(r)[0] == here) for name, g in named.items()}
     auto = rc.spares == "auto"
     decision = decide_spares(rc.spares, spans, available_host_bytes() if auto else None,
                              cores_here() if auto else None, ranks_here)

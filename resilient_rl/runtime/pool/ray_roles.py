@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import ray
 
+from resilient_rl.runtime import health, worker_group_spares as group_spares
 from resilient_rl.runtime.health import answers_during_calls, process_gone, replaced
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.pool.groups import start_spares, worker_group
@@ -164,17 +165,17 @@ class RayRoles:
             pid, node = known.get((group, rank), (None, None))
             return pid is not None and process_gone(pid, node) and not replaced(g.workers[rank], pid)
 
-        return g.probe(timeout_s=timeout_s, gone=gone)
+        return health.probe(g, timeout_s=timeout_s, gone=gone)
 
     def kill(self, key: tuple[str, int]) -> None:
         pid, node = self.known_workers[key]
-        self._process_group(key[0]).kill_rank(key[1], pid, node)
+        health.kill_rank(self._process_group(key[0]), key[1], pid, node)
 
     def leave_collectives(self, keys, reason: str) -> None:
         for name in sorted({key[0] for key in keys}):
             g = self._process_group(name)
             if answers_during_calls(g):  # others would hear it only once the blocked call ends
-                g.leave_collectives([rank for group, rank in keys if group == name], reason)
+                health.leave_collectives(g, [rank for group, rank in keys if group == name], reason)
 
     def adopt_spares(self, keys) -> list[tuple[str, int]]:
         """Hand each dead rank of ``keys`` to a ready warm spare of its group; the ranks handed over.
@@ -212,7 +213,7 @@ class RayRoles:
             self.interrupt()
             yield_to_unplaced(self.distinct_groups(), self.spares, self.known_workers, self.roles_of)
 
-        return g.reidentify(g.wait_alive(timeout_s, while_waiting=between_tries))
+        return group_spares.reidentify(g, health.wait_alive(g, timeout_s, while_waiting=between_tries))
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         """(process group, role) of the worker group ``name``; a colocated role's group is
