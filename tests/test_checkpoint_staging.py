@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from resilient_rl.checkpoint import AsyncShardWriter, Storage, load_shard_into
 from resilient_rl.checkpoint.sharded import allocate_staging, staging_spec
 from resilient_rl.config.runtime import CheckpointConfig
-from resilient_rl.workers.checkpointing import CheckpointMixin
-from resilient_rl.workers.rank_state import RankState
+from resilient_rl.workers.checkpointing import RankCheckpointer
+from resilient_rl.workers.rank_state import RankState, states_of
 
 #: The parts of a rank's state each rank saves its own of (the RNG).
 RANK_LOCAL = RankState(types.SimpleNamespace()).rank_local()
@@ -91,7 +91,7 @@ def test_a_failed_preallocation_leaves_the_save_to_allocate(tmp_path, monkeypatc
 
 
 class _Engine:
-    """A role's engine: model, AdamW and schedule (what CheckpointMixin saves)."""
+    """A role's engine: model, AdamW and schedule (what a RankCheckpointer saves)."""
 
     def __init__(self) -> None:
         torch.manual_seed(0)
@@ -107,56 +107,58 @@ class _Engine:
         self.scheduler.step()
 
 
-class _Role(CheckpointMixin):
-    role, rank, world_size = "actor", 0, 1
+class _Role:
+    """Rank 0 of 1 of a role: its engine and the checkpointer handed its state, as a worker has."""
 
     def __init__(self, **checkpoint) -> None:
-        self.cfg = types.SimpleNamespace(checkpoint=CheckpointConfig(**checkpoint))
+        c = CheckpointConfig(**checkpoint)
         self.engine = _Engine()
+        self.checkpointer = RankCheckpointer(lambda: states_of(self.engine), lambda: (0, 1, None), "actor",
+                                             staging=c.async_save and c.save_every > 0)
 
 
 def test_preparing_before_the_first_step_does_not_change_training():
     prepared, plain = _Role(), _Role()
     try:
-        assert prepared.prepare_checkpoint_staging()  # the model's buffers
+        assert prepared.checkpointer.prepare_staging()  # the model's buffers
         assert not prepared.engine.optimizer.state  # no zero-learning-rate step was run
-        assert not prepared.prepare_checkpoint_staging()  # nothing new until the optimizer has state
+        assert not prepared.checkpointer.prepare_staging()  # nothing new until the optimizer has state
         for step in range(3):
             prepared.engine.update(step)
-            prepared.prepare_checkpoint_staging()
+            prepared.checkpointer.prepare_staging()
             plain.engine.update(step)
         for a, b in zip(prepared.engine.model.parameters(), plain.engine.model.parameters()):
             assert torch.equal(a, b)
-        prepared._writer._take_prepared()
-        keys = set(prepared._writer.buffers.tensors)
+        prepared.checkpointer._writer._take_prepared()
+        keys = set(prepared.checkpointer._writer.buffers.tensors)
         optim = get_optimizer_state_dict(prepared.engine.model, prepared.engine.optimizer)
         assert any(k.startswith("optim/state/") and k.endswith("/exp_avg_sq") for k in keys)
         assert len([k for k in keys if k.startswith("optim/state/")]) == 3 * len(optim["state"])
         assert {f"model/{k}" for k in get_model_state_dict(prepared.engine.model)} <= keys
-        assert prepared._staging_prepared == {"model", "optim"}
+        assert prepared.checkpointer._staging_prepared == {"model", "optim"}
     finally:
-        prepared.reset_checkpoint_writer()
+        prepared.checkpointer.reset()
 
 
 def test_nothing_is_allocated_when_saves_are_synchronous_or_off():
     for checkpoint in ({"async_save": False}, {"save_every": 0}):
         role = _Role(**checkpoint)
         role.engine.update(0)
-        assert not role.prepare_checkpoint_staging()
-        assert role._writer is None
+        assert not role.checkpointer.prepare_staging()
+        assert role.checkpointer._writer is None
 
 
 def test_reset_after_a_recovery_keeps_the_buffers_for_the_next_writer():
     role = _Role()
     role.engine.update(0)
-    role.prepare_checkpoint_staging()
-    role.reset_checkpoint_writer()  # a preallocation in progress is finished and kept, not dropped
+    role.checkpointer.prepare_staging()
+    role.checkpointer.reset()  # a preallocation in progress is finished and kept, not dropped
     try:
-        assert role._writer is not None and role._staging_prepared == frozenset()
-        ptrs = _ptrs(role._writer.buffers)
-        assert set(ptrs) == set(staging_spec(role._state(), 0, rank_local=RANK_LOCAL))
-        assert role.prepare_checkpoint_staging()  # re-sized against the kept buffers: all reused
-        role._writer._take_prepared()
-        assert _ptrs(role._writer.buffers) == ptrs
+        assert role.checkpointer._writer is not None and role.checkpointer._staging_prepared == frozenset()
+        ptrs = _ptrs(role.checkpointer._writer.buffers)
+        assert set(ptrs) == set(staging_spec(states_of(role.engine).checkpoint_state(), 0, rank_local=RANK_LOCAL))
+        assert role.checkpointer.prepare_staging()  # re-sized against the kept buffers: all reused
+        role.checkpointer._writer._take_prepared()
+        assert _ptrs(role.checkpointer._writer.buffers) == ptrs
     finally:
-        role._writer.close()
+        role.checkpointer._writer.close()

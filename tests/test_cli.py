@@ -1,7 +1,7 @@
 """The checkpoint commands of the CLI: ``checkpoints list|verify``, ``export`` and ``resume``.
 
 Most checkpoints here are written in-process, without Ray, through the same worker-side code a
-Ray actor runs (:class:`CheckpointMixin` around a single-process :class:`PolicyEngine`) and
+Ray actor runs (:class:`RankCheckpointer` around a single-process :class:`PolicyEngine`) and
 committed with :meth:`CheckpointManager.commit`. The ``ray`` tests run the real
 ``resilient-rl train`` once to check the export of an FSDP2-sharded (2-rank) actor and ``resume``.
 """
@@ -30,22 +30,20 @@ from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.run.folder import RunDir
 from resilient_rl.data.tasks import get_task
 from resilient_rl.data.tokenizer import build_tokenizer
-from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.checkpointing import RankCheckpointer
+from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
 
 RUN = "cli-run"
 
 
-class _LocalActor(CheckpointMixin):
+class _LocalActor:
     """The actor's checkpoint code hosted in this process (rank 0 of a world of 1)."""
-
-    role = "actor"
-    rank = 0
-    world_size = 1
 
     def __init__(self, engine: PolicyEngine):
         self.engine = engine
+        self.checkpointer = RankCheckpointer(lambda: states_of(engine), lambda: (0, 1, None), "actor", staging=False)
 
 
 def _train_a_little(engine: PolicyEngine, vocab: int, seed: int) -> None:
@@ -76,7 +74,7 @@ def _make_run(base: Path, model: dict, steps=(1, 2)) -> dict:
         _train_a_little(engine, tokenizer.vocab_size, step)
         manager.begin_step(step)
         manager.write_trainer_state(step, {"step": step})
-        records = actor.save_checkpoint(str(root), None, Storage.join(RUN, step_dirname(step), "actor"), False)
+        records = actor.checkpointer.save(str(root), None, Storage.join(RUN, step_dirname(step), "actor"), False)
         manager.commit(step, {"actor": [FileRecord.from_json(r) for r in records]}, {"actor": 1},
                        config_digest(cfg))
         weights[step] = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}

@@ -11,7 +11,7 @@ import torch
 
 from resilient_rl.errors import CheckpointError
 from resilient_rl.workers.snapshots import meta as snapshot_meta
-from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import RankState, states_of
 from resilient_rl.workers.snapshots.take import SnapshotMixin
 
@@ -29,7 +29,7 @@ class Visits:
         self.count, self.seen = int(state["count"]), state["seen"].clone()
 
 
-class Rank(SnapshotMixin, CheckpointMixin):
+class Rank(SnapshotMixin):
     """Rank 0 of 1 of a trainable role, without Ray: a model, AdamW, a schedule and Visits."""
 
     role, rank, world_size = "actor", 0, 1
@@ -42,6 +42,8 @@ class Rank(SnapshotMixin, CheckpointMixin):
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.visits = Visits()
         states_of(self.engine).register("visits", self.visits)
+        self.checkpointer = RankCheckpointer(lambda: states_of(self.engine), lambda: (0, 1, None), "actor",
+                                             staging=False)
 
     def train(self, step: int) -> None:
         e = self.engine
@@ -91,17 +93,17 @@ def test_a_registered_part_is_checkpointed_and_restored(tmp_path):
     rank = Rank()
     rank.train(0)
     rank.train(1)
-    records = rank.save_checkpoint(str(tmp_path), None, "step_2/actor", False)
+    records = rank.checkpointer.save(str(tmp_path), None, "step_2/actor", False)
     at = rank.fingerprint()
     rank.train(2)
     torch.rand(4)
-    assert rank.load_checkpoint(str(tmp_path), None, "step_2/actor", records, 1) is True
+    assert rank.checkpointer.load(str(tmp_path), None, "step_2/actor", records, 1) is True
     assert same(rank.fingerprint(), at)
     # A rank that registers a part the checkpoint does not hold is told which one.
     other = Rank()
     states_of(other.engine).register("sampler", Visits())
     with pytest.raises(CheckpointError, match="sampler"):
-        other.load_checkpoint(str(tmp_path), None, "step_2/actor", records, 1)
+        other.checkpointer.load(str(tmp_path), None, "step_2/actor", records, 1)
 
 
 def test_a_part_name_is_taken_once():

@@ -30,16 +30,17 @@ class Rank(SnapshotMixin):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.resets = 0
+        self.checkpointer = self  # what a restore asks of the rank's checkpointer: reset, re-stage
 
     def snapshot(self, step: int, roles=None) -> dict:
         """Take and publish the snapshot of ``step``, as the controller asks a process: the copies."""
         self.take_snapshot(step, roles)
         return self.publish_snapshot(step, roles)[1]
 
-    def reset_checkpoint_writer(self):
+    def reset(self):
         self.resets += 1
 
-    def prepare_checkpoint_staging(self):
+    def prepare_staging(self):
         return False
 
     def train(self, seed: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 :class:`LocalCheckpointRoles` has the ``groups`` that
 :class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator` talks to. Each rank of a
 group is a :class:`LocalCheckpointRank`: the workers' own
-:class:`~resilient_rl.workers.checkpointing.CheckpointMixin` over a tiny model, AdamW and an LR
+:class:`~resilient_rl.workers.checkpointing.RankCheckpointer` over a tiny model, AdamW and an LR
 schedule, with the real background shard writer. So a coordinator test saves, commits and
 restores real sharded checkpoints without Ray, and meets the faults a worker process meets:
 
@@ -19,11 +19,13 @@ from types import SimpleNamespace
 import torch
 
 from resilient_rl.testing.local_group import CheckpointOnlyPool
-from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.checkpointing import RankCheckpointer
+from resilient_rl.workers.rank_state import states_of
 
 
-class LocalCheckpointRank(CheckpointMixin):
-    """One rank of a trainable role, in this process: ``engine`` (model, optimizer, scheduler)."""
+class LocalCheckpointRank:
+    """One rank of a trainable role, in this process: ``engine`` (model, optimizer, scheduler) and
+    the checkpointer a worker hands its state."""
 
     def __init__(self, role: str, rank: int, world_size: int):
         self.role, self.rank, self.world_size = role, rank, world_size
@@ -34,6 +36,8 @@ class LocalCheckpointRank(CheckpointMixin):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         self.engine = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler)
+        self.checkpointer = RankCheckpointer(lambda: states_of(self.engine), lambda: (rank, world_size, None), role,
+                                             staging=False)
 
     def train_step(self, step: int) -> None:
         """One deterministic update (AdamW gets its state, so the optimizer is saved too)."""
@@ -46,9 +50,7 @@ class LocalCheckpointRank(CheckpointMixin):
         e.scheduler.step()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close(timeout=30)
-            self._writer = None
+        self.checkpointer.close()
 
 
 class LocalCheckpointGroup:
@@ -64,13 +66,13 @@ class LocalCheckpointGroup:
         return len(self.ranks)
 
     def save_checkpoint(self, *args):
-        return [r.save_checkpoint(*args) for r in self.ranks]
+        return [r.checkpointer.save(*args) for r in self.ranks]
 
     def checkpoint_done(self, timeout_s: float = 0.0):
-        return [r.checkpoint_done(timeout_s) for r in self.ranks]
+        return [r.checkpointer.done(timeout_s) for r in self.ranks]
 
     def load_checkpoint(self, *args):
-        return [r.load_checkpoint(*args) for r in self.ranks]
+        return [r.checkpointer.load(*args) for r in self.ranks]
 
     def train_step(self, step: int) -> None:
         for r in self.ranks:

@@ -1,7 +1,7 @@
 """One rank of a trainable role hosted in this process, with the worker-group calls that
 :class:`~resilient_rl.checkpoint.coordinator.CheckpointCoordinator` makes.
 
-It runs the real worker checkpoint code (:class:`~resilient_rl.workers.checkpointing.CheckpointMixin`)
+It runs the real worker checkpoint code (:class:`~resilient_rl.workers.checkpointing.RankCheckpointer`)
 around a single-process engine, so the controller's save/commit/restore protocol can be tested
 without Ray. A group call returns one result per rank, as a Ray worker group's does.
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 
 from resilient_rl.runtime.pool import STATEFUL_ROLES
-from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.checkpointing import RankCheckpointer
+from resilient_rl.workers.rank_state import states_of
 
 
-class LocalRank(CheckpointMixin):
-    """Rank 0 of a world of 1 holding ``engine`` (model, optimizer, scheduler)."""
+class LocalRank:
+    """Rank 0 of a world of 1 holding ``engine`` (model, optimizer, scheduler), with the
+    checkpointer a worker hands its state (synchronous saves need no staging)."""
 
-    rank = 0
-    world_size = 1
-
-    def __init__(self, role: str, engine, cfg=None):
-        self.role, self.engine, self.cfg = role, engine, cfg
+    def __init__(self, role: str, engine):
+        self.role, self.engine = role, engine
+        self.checkpointer = RankCheckpointer(lambda: states_of(engine), lambda: (0, 1, None), role, staging=False)
 
 
 class LocalGroup:
@@ -32,13 +32,13 @@ class LocalGroup:
         self.rank = rank
 
     def save_checkpoint(self, *args) -> list:
-        return [self.rank.save_checkpoint(*args)]
+        return [self.rank.checkpointer.save(*args)]
 
     def checkpoint_done(self, timeout_s: float = 0.0) -> list:
-        return [self.rank.checkpoint_done(timeout_s)]
+        return [self.rank.checkpointer.done(timeout_s)]
 
     def load_checkpoint(self, *args) -> list:
-        return [self.rank.load_checkpoint(*args)]
+        return [self.rank.checkpointer.load(*args)]
 
 
 class CheckpointOnlyPool:

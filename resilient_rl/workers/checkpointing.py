@@ -9,22 +9,21 @@ current (possibly differently sharded) state from the saved chunks, so a run sav
 resumes on M.
 
 The host buffers an async save stages into are allocated ahead of the first save
-(:meth:`CheckpointMixin.prepare_checkpoint_staging`, in the writer's thread), because allocating
+(:meth:`RankCheckpointer.prepare_staging`, in the writer's thread), because allocating
 them inside the first save's stall costs seconds on a GPU (registering pinned host memory).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+from typing import Callable
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from resilient_rl.checkpoint import AsyncShardWriter, FileRecord, Storage, load_shard_into, stage, write_shard
 from resilient_rl.checkpoint.retry import is_outage
-from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.errors import CheckpointFormatError, StorageError
-from resilient_rl.workers.rank_state import states_of
+from resilient_rl.workers.rank_state import RankState
 
 
 def _records(records: list[FileRecord], finite: bool = True) -> list[dict]:
@@ -64,30 +63,40 @@ def storage_failure(exc: StorageError) -> dict:
     return {"storage_error": str(exc)[:1000], "outage": is_outage(exc)}
 
 
-class CheckpointMixin:
-    """Adds save/poll/load of ``self.engine`` (model, optimizer, scheduler) to a role worker."""
+class RankCheckpointer:
+    """Save, poll and load of one rank's :class:`~resilient_rl.workers.rank_state.RankState`: a
+    collaborator of the worker that hosts the rank, handed what it reads at each use.
 
-    _writer: AsyncShardWriter | None = None
-    _storages: dict | None = None
-    _staging_prepared: frozenset = frozenset()  # parts of the state whose buffers are allocated
-    _save_finite: bool = True  # whether the state of the save in flight was all finite
+    ``states``: the rank's state now (None before a model is built; the engine is rebuilt after a
+    recovery). ``place``: the rank's (rank, world size, process-group generation) now (a warm
+    spare takes a rank, a rejoin starts a generation). ``label`` names the writer's thread.
+    ``staging``: whether saves are asynchronous and periodic, so that their host buffers are
+    allocated ahead of the first (:meth:`prepare_staging`)."""
+
+    def __init__(self, states: Callable[[], RankState | None], place: Callable[[], tuple[int, int, int | None]],
+                 label: str, staging: bool) -> None:
+        self._states, self._place, self.label, self.staging = states, place, label, staging
+        self._writer: AsyncShardWriter | None = None
+        self._storages: dict = {}
+        self._staging_prepared: frozenset = frozenset()  # parts of the state whose buffers are allocated
+        self._save_finite = True  # whether the state of the save in flight was all finite
 
     def _storage(self, root: str, storage_options: dict | None) -> Storage:
-        if self._storages is None:
-            self._storages = {}
         key = (root, repr(sorted((storage_options or {}).items())))
         if key not in self._storages:
             self._storages[key] = Storage(root, storage_options)
         return self._storages[key]
 
-    def _state(self) -> dict:
-        """What a checkpoint of this rank saves: its :class:`~resilient_rl.workers.rank_state.RankState`."""
-        return states_of(self.engine).checkpoint_state()
+    def _new_writer(self, buffers=None) -> AsyncShardWriter:
+        rank, _, generation = self._place()
+        return AsyncShardWriter(name=f"ckpt-{self.label}-{rank}", buffers=buffers, generation=generation)
 
-    def _rank_local(self) -> tuple[str, ...]:
-        return states_of(self.engine).rank_local()
+    def _checkpoint_writer(self) -> AsyncShardWriter:
+        if self._writer is None:
+            self._writer = self._new_writer()
+        return self._writer
 
-    def reset_checkpoint_writer(self) -> None:
+    def reset(self) -> None:
         """Drop a write left over from before a recovery (its step is never committed).
 
         The staging buffers are kept for the next writer when nothing is writing from them."""
@@ -98,16 +107,13 @@ class CheckpointMixin:
             if buffers is not None:
                 self._writer = self._new_writer(buffers)
 
-    def _new_writer(self, buffers=None) -> AsyncShardWriter:
-        return AsyncShardWriter(name=f"ckpt-{getattr(self, 'role', 'worker')}-{self.rank}", buffers=buffers,
-                                generation=getattr(self, "generation", None))
+    def close(self) -> None:
+        """Finish the write in flight (up to 30 s) and stop the writer."""
+        if self._writer is not None:
+            self._writer.close(timeout=30)
+            self._writer = None
 
-    def _checkpoint_writer(self) -> AsyncShardWriter:
-        if self._writer is None:
-            self._writer = self._new_writer()
-        return self._writer
-
-    def prepare_checkpoint_staging(self) -> bool:
+    def prepare_staging(self) -> bool:
         """Allocate the host buffers of the next async save now, in the writer's thread.
 
         Call it once the model is built (sizes the model's buffers) and after every update
@@ -116,41 +122,37 @@ class CheckpointMixin:
         on an optimizer without state runs a zero-learning-rate step, which AdamW counts as its
         first, changing every later update. Nothing is allocated while checkpoints are off or
         synchronous. Returns whether an allocation was started."""
-        cfg = getattr(self, "cfg", None)  # hosts without a run config (export tools) only load
-        e = getattr(self, "engine", None)
-        if cfg is None or e is None or "optim" in self._staging_prepared:
+        states = self._states()
+        if not self.staging or states is None or "optim" in self._staging_prepared:
             return False
-        if not (cfg.checkpoint.async_save and cfg.checkpoint.save_every > 0):
-            return False
-        if e.optimizer.state:
-            state, part = self._state(), "optim"
+        if states.optimizer_started():
+            state, part = states.checkpoint_state(), "optim"
         elif "model" not in self._staging_prepared:
-            state, part = {"model": get_model_state_dict(e.model)}, "model"
+            state, part = {"model": states.model_state()}, "model"
         else:
             return False
-        self._checkpoint_writer().preallocate(state, self.rank, world_size=self.world_size, rank_local=self._rank_local())
+        rank, world_size, _ = self._place()
+        self._checkpoint_writer().preallocate(state, rank, world_size=world_size, rank_local=states.rank_local())
         self._staging_prepared = self._staging_prepared | {part}
         return True
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
-        """Save this rank's shards under ``rel_dir``; async returns None at once (poll with checkpoint_done).
-
-        A synchronous save that the storage refuses returns :func:`storage_failure`."""
+    def save(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
+        """Save this rank's shards under ``rel_dir``; async returns None at once (poll with
+        :meth:`done`). A synchronous save that the storage refuses returns :func:`storage_failure`."""
         storage = self._storage(root, storage_options)
-        state = self._state()
+        states, (rank, _, _) = self._states(), self._place()
+        state = states.checkpoint_state()
         self._save_finite = state_is_finite(state)
         if not async_save:
             try:
-                return _records(write_shard(stage(state, self.rank, rank_local=self._rank_local(), copy=False), storage,
-                                            rel_dir, self.rank), self._save_finite)
+                return _records(write_shard(stage(state, rank, rank_local=states.rank_local(), copy=False), storage,
+                                            rel_dir, rank), self._save_finite)
             except StorageError as exc:
                 return storage_failure(exc)
-        self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, self.rank, rank_local=self._rank_local())
+        self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, rank, rank_local=states.rank_local())
         return None
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def checkpoint_done(self, timeout_s: float = 0.0):
+    def done(self, timeout_s: float = 0.0):
         """Records of the last async save once written; None while it is still being written;
         ``[]`` when this process holds no save (it was restarted, or its writer was reset: the
         save the controller waits for is lost); :func:`storage_failure` when the storage
@@ -167,18 +169,17 @@ class CheckpointMixin:
             return storage_failure(exc)
         return [] if records is None else _records(records, self._save_finite)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
-                        saved_world_size: int) -> bool:
-        """Fill model, optimizer, schedule (and RNG, on the same world size) from ``rel_dir``."""
-        self.reset_checkpoint_writer()
+    def load(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
+             saved_world_size: int) -> bool:
+        """Fill model, optimizer, schedule (and the rank-local parts, on the same world size) from ``rel_dir``."""
+        self.reset()
         storage = self._storage(root, storage_options)
         records = [FileRecord.from_json(f) for f in files]
-        template = self._state()
-        loaded = load_shard_into(template, storage, rel_dir, records, verify=True, rank=self.rank)
+        states, (rank, world_size, _) = self._states(), self._place()
+        loaded = load_shard_into(states.checkpoint_state(), storage, rel_dir, records, verify=True, rank=rank)
         try:
-            states_of(self.engine).load_checkpoint_state(loaded, same_world_size=saved_world_size == self.world_size)
+            states.load_checkpoint_state(loaded, same_world_size=saved_world_size == world_size)
         except KeyError as exc:
             raise CheckpointFormatError(f"{rel_dir}: {exc.args[0]}") from exc
-        self.prepare_checkpoint_staging()
+        self.prepare_staging()
         return True

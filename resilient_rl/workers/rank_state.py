@@ -112,6 +112,14 @@ class RankState:
         return {"model": get_model_state_dict(e.model), "optim": get_optimizer_state_dict(e.model, e.optimizer),
                 **{name: part.stateful.state_dict() for name, part in self.parts.items()}}
 
+    def model_state(self) -> dict[str, Any]:
+        """The model's state dict as a checkpoint saves it (sharded)."""
+        return get_model_state_dict(self.engine.model)
+
+    def optimizer_started(self) -> bool:
+        """Whether the optimizer has state yet (AdamW's moments exist after its first step)."""
+        return bool(self.engine.optimizer.state)
+
     def load_checkpoint_state(self, loaded: dict[str, Any], same_world_size: bool) -> None:
         """Load what :meth:`checkpoint_state` saved; a rank-local part only at the world size it
         was saved at. A plain part the checkpoint does not hold is an error naming it."""

@@ -30,7 +30,8 @@ from resilient_rl.protocol import DataProto
 from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
-from resilient_rl.workers.checkpointing import CheckpointMixin
+from resilient_rl.workers.checkpointing import RankCheckpointer
+from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.take import SnapshotMixin
 from resilient_rl.workers.fsdp import DevicePlan, full_state_dict, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.policy import PolicyEngine
@@ -157,8 +158,38 @@ class RoleWorker(Worker):
         return had
 
 
+class TrainableRole(RoleWorker):
+    """A role whose rank state is checkpointed (actor, critic): its :class:`RankCheckpointer`,
+    handed the rank's state registry, and the worker-group calls the checkpoint coordinator makes."""
+
+    def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
+        super().__init__(config, vocab_size, eos_token_id, pad_token_id)
+        c = self.cfg.checkpoint
+        self.engine = None
+        self.checkpointer = RankCheckpointer(
+            lambda: None if self.engine is None else states_of(self.engine),
+            lambda: (self.rank, self.world_size, self.generation), self.role,
+            staging=c.async_save and c.save_every > 0)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
+        """See :meth:`RankCheckpointer.save`."""
+        return self.checkpointer.save(root, storage_options, rel_dir, async_save)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def checkpoint_done(self, timeout_s: float = 0.0):
+        """See :meth:`RankCheckpointer.done`."""
+        return self.checkpointer.done(timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
+                        saved_world_size: int) -> bool:
+        """See :meth:`RankCheckpointer.load`."""
+        return self.checkpointer.load(root, storage_options, rel_dir, files, saved_world_size)
+
+
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
+class ActorWorker(SnapshotMixin, TrainableRole):
     """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
 
     role = "actor"
@@ -169,13 +200,13 @@ class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
         initialised) when a restore of the whole state follows."""
         c = self.cfg
         self.release_engine()
-        self.reset_checkpoint_writer()
+        self.checkpointer.reset()
         colocated, kv_rows = self.colocated_roles()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True,
                                    reshard_after_forward=c.actor.reshard_after_forward, empty=empty,
                                    colocated=colocated, kv_rows=kv_rows)
-        self.prepare_checkpoint_staging()  # the first save then stalls no longer than later ones
+        self.checkpointer.prepare_staging()  # the first save then stalls no longer than later ones
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -186,7 +217,7 @@ class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict:
         metrics = self.engine.update(data, int(data.meta_info["step"]))
-        self.prepare_checkpoint_staging()  # the optimizer's buffers, once it has state
+        self.checkpointer.prepare_staging()  # the optimizer's buffers, once it has state
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -242,7 +273,7 @@ class ActorWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class CriticWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
+class CriticWorker(SnapshotMixin, TrainableRole):
     """The value model (FSDP2, clipped value loss)."""
 
     role = "critic"
@@ -252,13 +283,13 @@ class CriticWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
         """As the actor's: ``empty`` when a restore of the whole state follows."""
         c = self.cfg
         self.release_engine()
-        self.reset_checkpoint_writer()
+        self.checkpointer.reset()
         # A different seed from the actor's: the critic's backbone is its own model.
         colocated, kv_rows = self.colocated_roles()
         self.engine = ValueEngine(c.model, c.critic, self.vocab_size, c.trainer.seed + 1, self.plan,
                                   total_steps=c.trainer.total_steps, empty=empty, colocated=colocated,
                                   kv_rows=kv_rows)
-        self.prepare_checkpoint_staging()
+        self.checkpointer.prepare_staging()
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -268,7 +299,7 @@ class CriticWorker(SnapshotMixin, CheckpointMixin, RoleWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_critic(self, data: DataProto) -> dict:
         metrics = self.engine.update(data, int(data.meta_info["step"]))
-        self.prepare_checkpoint_staging()
+        self.checkpointer.prepare_staging()
         return metrics
 
 

@@ -123,12 +123,12 @@ class SnapshotRestoreMixin:
         why = snapshot_meta.verify(snap)
         if why is not None:
             return self._corrupt(step, "own" if source is None else "copy", why)
-        self.reset_checkpoint_writer()
+        self.checkpointer.reset()
         self.restore_snapshot_state(snap)
         if self._own_snapshots is None:
             self._own_snapshots = {}
         self._keep_own(step, slot, snap)
-        self.prepare_checkpoint_staging()
+        self.checkpointer.prepare_staging()
         return True
 
     def _load_node_copy(self, step: int, source: NodeCopy) -> bool | str:
@@ -155,7 +155,7 @@ class SnapshotRestoreMixin:
         if unsealed:
             logger.info("%s rank %d: node copy of step %d was left unsealed (its process died before its "
                         "checksum); loaded as written", self.role, self.rank, step)
-        self.reset_checkpoint_writer()
+        self.checkpointer.reset()
         self.restore_snapshot_state(snap)
         if not files.still(slot, source.snap_id):  # written over while read: no process should be
             logger.warning("%s rank %d: node copy of step %d changed while read", self.role, self.rank, step)
@@ -166,7 +166,7 @@ class SnapshotRestoreMixin:
             self._own_snapshots = {}
         ring.adopt(slot, buf)
         self._keep_own(step, slot, snap)
-        self.prepare_checkpoint_staging()
+        self.checkpointer.prepare_staging()
         return "unsealed" if unsealed else True
 
     def _corrupt(self, step: int, where: str, why: str) -> dict:

@@ -63,7 +63,7 @@ SLOT_WAIT_S = 2.0
 
 
 class SnapshotMixin(SnapshotRestoreMixin):
-    """Adds take/hold/load of in-memory snapshots to a role worker with a CheckpointMixin
+    """Adds take/hold/load of in-memory snapshots to a role worker with a RankCheckpointer
     (``self.engine``: ``model``, ``optimizer``, ``scheduler``). The roles of its process are its
     :class:`~resilient_rl.runtime.rank_host.RankHost`'s (:func:`~resilient_rl.runtime.rank_host.host_of`)."""
 
