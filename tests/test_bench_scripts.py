@@ -372,3 +372,17 @@ def test_decode_profile_bench_times_each_way_and_prints_the_profile():
     assert "ms per decode step" in eager and "0 compiles" in eager
     assert "1 compiles" in compiled and "eager fallback: None" in compiled, compiled
     assert "Self CPU" in out  # the profiler's table
+
+
+def test_recovery_path_bench_lists_the_controller_functions_of_one_recovery():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "recovery_path.py"), "--list"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("one SIGKILL recovery: ") and " functions in " in lines[0]
+    functions = [line for line in lines if ":" in line and line.startswith("resilient_rl.")]
+    assert functions[0] == "resilient_rl.runtime.health:classify_error"
+    assert "resilient_rl.recovery.driver:Recovery.handle" in functions
+    assert any(f.endswith("RollBack.roll_back_to") for f in functions)
+    assert int(lines[0].split()[3]) == len(functions)
