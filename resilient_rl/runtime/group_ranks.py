@@ -60,5 +60,6 @@ class RankTable:
         that served it before."""
         old = self.handles[rank]
         self.handles[rank] = handle
-        self.placements[rank] = placement
+        if rank < len(self.placements):  # a spawned role group keeps no placements of its own
+            self.placements[rank] = placement
         return old
