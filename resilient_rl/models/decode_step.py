@@ -6,9 +6,10 @@ buffers among them), so one compiled version serves every call. :class:`DecodeSt
 shape) and keeps the compiled function for the life of the process, so compiled code and captured
 graphs outlive one rollout. Batch sizes come from a small fixed set of buckets
 (:func:`row_buckets`), and the batch dimension is compiled as a symbol: one compile serves every
-bucket (on a GPU a CUDA graph is still captured per bucket, which costs milliseconds), where a
-compile per bucket cost 45-55 s each for Qwen2.5-0.5B's 24 layers on an H200's host, and 96 s each
-for 24 narrow layers on a 2-core CPU (``python bench/decode_compile.py --layers 24``).
+bucket (on a GPU a CUDA graph is still captured per bucket) instead of one compile per bucket.
+One compile of Qwen2.5-0.5B's 24 layers took 45-55 s on an H200's host (the first rollout's extra
+time); on a 2-core CPU, 24 narrow layers took 47.9 s once against 383.8 s for four buckets
+compiled each for its size (``python bench/decode_compile.py --layers 24``).
 
 What compiling costs is counted, not assumed: :class:`DecodeStats` reads the compiler's own
 counters (graphs compiled, graph breaks) around a generation. A compiled step that raises is an
