@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.faults.injectors import FaultSchedule, role_pids
 from resilient_rl.runtime import cluster
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.ppo import PPOTrainer
@@ -179,7 +179,7 @@ class ResourceSampler(TrainerHook):
         s = Sample(self.executed, step, time.time())
         s.proc["controller"] = probe(self.me)
         seen = set()
-        for (role, rank), pid in sorted(((key, pid) for key, (pid, _) in trainer.roles.role_processes().items()), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (role, rank), pid in sorted(role_pids(trainer.roles).items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if pid not in seen:  # colocated roles share a process: name it by its rank
                 seen.add(pid)
                 label = f"worker{rank}" if trainer.cfg.trainer.placement == "colocated" else f"{role}{rank}"

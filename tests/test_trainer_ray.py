@@ -16,6 +16,7 @@ from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.runtime.pool.ray_roles import RayRoles
 from resilient_rl.workers.memory_plan import announce
 from resilient_rl.workers.roles import ROLE_CLASSES
+from resilient_rl.faults.injectors import role_pids
 from resilient_rl.run.folder import deterministic_view
 from resilient_rl.trainer.step import make_prompts
 
@@ -133,7 +134,7 @@ def test_colocated_ppo_puts_every_role_in_actor_world_size_processes(ray_cluster
         plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: ")]
         assert len(plans) == 1 and "actor micro_batch_tokens=auto -> null" in plans[0], plans
         assert "; critic micro_batch_tokens=auto -> null" in plans[0]
-        pids = {key: pid for key, (pid, _) in roles.role_processes().items()}
+        pids = role_pids(roles)
         assert {role for role, _ in pids} == {"actor", "critic", "ref", "rollout"}
         assert len(set(pids.values())) == cfg.actor.world_size
         assert len(roles.distinct_groups()) == 1

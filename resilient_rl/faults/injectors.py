@@ -69,14 +69,14 @@ class Fault:
             raise FaultError(f"unknown fault trigger {self.trigger!r}; allowed: {', '.join(TRIGGERS)}")
 
 
-def _pids(roles) -> dict[tuple[str, int], int]:
+def role_pids(roles) -> dict[tuple[str, int], int]:
     """(role, rank) -> pid of every role's processes (colocated roles share a pid)."""
     return {key: pid for key, (pid, _) in roles.role_processes().items()}
 
 
 def inject(kind: str, roles, role: str, rank: int) -> int:
     """Apply ``kind`` to (role, rank) of a running :class:`RayRoles`; returns the pid hit."""
-    pids = _pids(roles)
+    pids = role_pids(roles)
     if (role, rank) not in pids:
         raise FaultError(f"no worker {role} rank {rank}; workers: {sorted(pids)}")
     pid = pids[(role, rank)]
@@ -92,7 +92,7 @@ def inject(kind: str, roles, role: str, rank: int) -> int:
 
 def slow_down(roles, role: str, rank: int, seconds_per_advance: float, advances: int) -> int:
     """Make (role, rank) of a running :class:`RayRoles` slow but live; returns its pid."""
-    pids = _pids(roles)
+    pids = role_pids(roles)
     if (role, rank) not in pids:
         raise FaultError(f"no worker {role} rank {rank}; workers: {sorted(pids)}")
     ray.get(roles.groups[role].workers[rank].inject_slowdown.remote(seconds_per_advance, advances), timeout=60)
