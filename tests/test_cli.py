@@ -74,7 +74,7 @@ def _make_run(base: Path, model: dict, steps=(1, 2)) -> dict:
         _train_a_little(engine, tokenizer.vocab_size, step)
         manager.begin_step(step)
         manager.write_trainer_state(step, {"step": step})
-        records = actor.checkpointer.save(str(root), None, Storage.join(RUN, step_dirname(step), "actor"), False)
+        records = actor.checkpointer.save_checkpoint(str(root), None, Storage.join(RUN, step_dirname(step), "actor"), False)
         manager.commit(step, {"actor": [FileRecord.from_json(r) for r in records]}, {"actor": 1},
                        config_digest(cfg))
         weights[step] = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}

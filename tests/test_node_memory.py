@@ -20,8 +20,8 @@ from test_snapshot_copy import Rank, assert_same, mlp
 
 def take(rank: Rank, step: int, run_dir: str, snap_id: str) -> dict:
     """Take and seal (checksum, commit in node memory) as the controller asks a process."""
-    answer = rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
-    rank.seal_snapshot(step)
+    answer = rank.snapshots.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    rank.snapshots.seal_snapshot(step)
     return answer
 
 
@@ -41,13 +41,13 @@ def test_a_new_process_of_the_rank_loads_the_copy_its_predecessor_left(tmp_path)
     del rank  # the process is gone; its copy is not
 
     fresh = Rank(mlp)
-    assert fresh.load_snapshot(2, NodeCopy(run_dir, "2.1")) is True
+    assert fresh.snapshot_loader.load_snapshot(2, NodeCopy(run_dir, "2.1")) is True
     assert_same(fresh.fingerprint(), at_snapshot)
     fresh.train(2)
     assert torch.equal(fresh.train(3), noise_a)
     assert_same(fresh.fingerprint(), after_a)
     # The copy became the new process's own (its ring slot); its next take writes the other slot.
-    assert fresh.has_snapshot(2)
+    assert fresh.snapshots.has_snapshot(2)
     take(fresh, 4, run_dir, "4.2")
     assert sorted(os.listdir(node_path(run_dir)))[1:] == ["actor-0-0.data", "actor-0-0.meta",
                                                           "actor-0-1.data", "actor-0-1.meta"]
@@ -59,12 +59,12 @@ def test_only_the_snapshot_asked_for_is_read(tmp_path):
     rank.train(0)
     take(rank, 1, run_dir, "1.1")
     fresh = Rank(mlp)
-    assert fresh.load_snapshot(1, NodeCopy(run_dir, "1.9")) is False  # another timeline's step 1
-    assert fresh.load_snapshot(2, NodeCopy(run_dir, "1.1")) is False  # another step
-    assert fresh.load_snapshot(1, NodeCopy(str(tmp_path / "resilient-rl-other"), "1.1")) is False
+    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.9")) is False  # another timeline's step 1
+    assert fresh.snapshot_loader.load_snapshot(2, NodeCopy(run_dir, "1.1")) is False  # another step
+    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(str(tmp_path / "resilient-rl-other"), "1.1")) is False
     other_rank = Rank(mlp)
     other_rank.rank = 1
-    assert other_rank.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False  # rank 0's files are not its
+    assert other_rank.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False  # rank 0's files are not its
 
 
 def test_a_slot_being_written_is_withdrawn_first(tmp_path):
@@ -80,7 +80,7 @@ def test_a_slot_being_written_is_withdrawn_first(tmp_path):
     def dies(*args, **kwargs):
         raise KeyboardInterrupt("killed during the copy")
 
-    rank._snapshot_ring.copy_out = dies
+    rank.snapshots.ring.copy_out = dies
     with pytest.raises(KeyboardInterrupt):
         take(rank, 3, run_dir, "3.3")  # reuses step 1's slot
     files = NodeFiles(node_path(run_dir), "actor", 0)
@@ -98,14 +98,14 @@ def test_no_space_in_node_memory_keeps_copies_in_the_process(tmp_path, monkeypat
     rank = Rank(mlp)
     answer = take(rank, 1, run_dir, "1.1")
     assert "No space left on device" in answer["node_failed"]["actor"]
-    assert rank._snapshot_ring.files is None and rank.has_snapshot(1)
+    assert rank.snapshots.ring.files is None and rank.snapshots.has_snapshot(1)
     assert not [f for f in os.listdir(node_path(run_dir)) if f.endswith(".data")]  # no sparse file left
-    _, copies = rank.publish_snapshot(1)
+    _, copies = rank.snapshots.publish_snapshot(1)
     assert copies["roles"]["actor"]["step"] == 1
     # Later takes for the same run do not try again; the copy loads back from the process.
     assert take(rank, 2, run_dir, "2.2")["node_failed"]
     rank.train(0)
-    assert rank.load_snapshot(2) is True
+    assert rank.snapshot_loader.load_snapshot(2) is True
 
 
 def test_stale_run_directories_are_swept_unless_in_use(tmp_path):

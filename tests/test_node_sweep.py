@@ -43,7 +43,7 @@ def test_a_run_whose_controller_is_gone_is_removed_at_once_whatever_the_run(tmp_
 def test_a_new_run_directory_sweeps_its_dead_neighbours(tmp_path):
     gone = run_dir(tmp_path, "crashed-eeee", dead_owner())
     rank = Rank(mlp)
-    rank.take_snapshot(1, None, {"dir": str(tmp_path / f"{PREFIX}new-ffff"), "id": "1.1",
+    rank.snapshots.take_snapshot(1, None, {"dir": str(tmp_path / f"{PREFIX}new-ffff"), "id": "1.1",
                                  "owner": node_sweep.owner_record()})
     assert not os.path.exists(gone)
     assert node_sweep.read_owner(str(tmp_path / f"{PREFIX}new-ffff")) == node_sweep.owner_record()

@@ -13,7 +13,8 @@ from resilient_rl.errors import CheckpointError
 from resilient_rl.workers.snapshots import meta as snapshot_meta
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import RankState, states_of
-from resilient_rl.workers.snapshots.take import SnapshotMixin
+from resilient_rl.runtime.rank_host import host_of
+from resilient_rl.workers.snapshots.parts import snapshot_parts
 
 
 class Visits:
@@ -29,7 +30,7 @@ class Visits:
         self.count, self.seen = int(state["count"]), state["seen"].clone()
 
 
-class Rank(SnapshotMixin):
+class Rank:
     """Rank 0 of 1 of a trainable role, without Ray: a model, AdamW, a schedule and Visits."""
 
     role, rank, world_size = "actor", 0, 1
@@ -44,6 +45,9 @@ class Rank(SnapshotMixin):
         states_of(self.engine).register("visits", self.visits)
         self.checkpointer = RankCheckpointer(lambda: states_of(self.engine), lambda: (0, 1, None), "actor",
                                              staging=False)
+        parts = snapshot_parts("actor", lambda: states_of(self.engine), lambda: (0, 1), self.checkpointer,
+                               lambda attr: host_of(self).parts(attr))
+        self.snapshots, self.snapshot_loader = parts["snapshots"], parts["snapshot_loader"]
 
     def train(self, step: int) -> None:
         e = self.engine
@@ -70,13 +74,13 @@ def same(a: tuple, b: tuple) -> bool:
 def test_a_registered_part_is_snapshotted_and_restored():
     rank = Rank()
     rank.train(0)
-    rank.take_snapshot(1)
-    _, taken = rank.publish_snapshot(1)
+    rank.snapshots.take_snapshot(1)
+    _, taken = rank.snapshots.publish_snapshot(1)
     at = rank.fingerprint()
     rank.train(1)
     torch.rand(4)
     assert not same(rank.fingerprint(), at)
-    assert rank.load_snapshot(1) is True  # its own copy
+    assert rank.snapshot_loader.load_snapshot(1) is True  # its own copy
     assert same(rank.fingerprint(), at)
     # A copy read by another process from node memory: the metadata's JSON carries the part too.
     meta = {k: v for k, v in taken["roles"]["actor"].items() if k != "data"}
@@ -85,7 +89,7 @@ def test_a_registered_part_is_snapshotted_and_restored():
     assert torch.equal(back["extra"]["states"]["visits"]["seen"], torch.tensor([1, 0, 0]))
     assert torch.equal(back["extra"]["states"]["rng"]["torch"], meta["extra"]["states"]["rng"]["torch"])
     fresh = Rank()
-    assert fresh.load_snapshot(1, dict(back, data=taken["roles"]["actor"]["data"])) is True
+    assert fresh.snapshot_loader.load_snapshot(1, dict(back, data=taken["roles"]["actor"]["data"])) is True
     assert same(fresh.fingerprint(), at)
 
 
@@ -93,17 +97,17 @@ def test_a_registered_part_is_checkpointed_and_restored(tmp_path):
     rank = Rank()
     rank.train(0)
     rank.train(1)
-    records = rank.checkpointer.save(str(tmp_path), None, "step_2/actor", False)
+    records = rank.checkpointer.save_checkpoint(str(tmp_path), None, "step_2/actor", False)
     at = rank.fingerprint()
     rank.train(2)
     torch.rand(4)
-    assert rank.checkpointer.load(str(tmp_path), None, "step_2/actor", records, 1) is True
+    assert rank.checkpointer.load_checkpoint(str(tmp_path), None, "step_2/actor", records, 1) is True
     assert same(rank.fingerprint(), at)
     # A rank that registers a part the checkpoint does not hold is told which one.
     other = Rank()
     states_of(other.engine).register("sampler", Visits())
     with pytest.raises(CheckpointError, match="sampler"):
-        other.checkpointer.load(str(tmp_path), None, "step_2/actor", records, 1)
+        other.checkpointer.load_checkpoint(str(tmp_path), None, "step_2/actor", records, 1)
 
 
 def test_a_part_name_is_taken_once():

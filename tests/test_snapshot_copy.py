@@ -13,29 +13,37 @@ import torch
 from torch import nn
 
 from resilient_rl.workers.snapshots import buffers as snapshot_buffers
-from resilient_rl.workers.snapshots.take import SnapshotMixin
+from resilient_rl.runtime.rank_host import host_of
+from resilient_rl.workers.rank_state import states_of
+from resilient_rl.workers.snapshots.parts import snapshot_parts
 from resilient_rl.workers.snapshots.buffers import Layout, named_tensors
 
 
-class Rank(SnapshotMixin):
-    """A SnapshotMixin host without Ray: rank 0 of 1, with a model, AdamW and a LambdaLR."""
+class Rank:
+    """A stateful role's rank without Ray (rank 0 of 1): a model, AdamW and a LambdaLR, and the
+    snapshot parts its worker would have."""
 
-    role = "actor"
     rank, world_size = 0, 1
 
-    def __init__(self, build):
+    def __init__(self, build, role: str = "actor"):
         torch.manual_seed(0)
         model = build()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        self.role = role
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.resets = 0
         self.checkpointer = self  # what a restore asks of the rank's checkpointer: reset, re-stage
+        parts = snapshot_parts(role, lambda: states_of(self.engine), lambda: (self.rank, self.world_size), self,
+                               lambda attr: host_of(self).parts(attr))
+        self.snapshots = parts["snapshots"]
+        self.snapshot_loader = parts["snapshot_loader"]
+        self.held_snapshots = parts["held_snapshots"]
 
     def snapshot(self, step: int, roles=None) -> dict:
         """Take and publish the snapshot of ``step``, as the controller asks a process: the copies."""
-        self.take_snapshot(step, roles)
-        return self.publish_snapshot(step, roles)[1]
+        self.snapshots.take_snapshot(step, roles)
+        return self.snapshots.publish_snapshot(step, roles)[1]
 
     def reset(self):
         self.resets += 1
@@ -81,8 +89,8 @@ def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
     ``rank`` itself) and check the state and the continued training are identical."""
     for s in range(2):
         rank.train(s)
-    done = rank.take_snapshot(2)
-    stored, taken = rank.publish_snapshot(2)
+    done = rank.snapshots.take_snapshot(2)
+    stored, taken = rank.snapshots.publish_snapshot(2)
     assert taken["step"] == 2 and list(taken["roles"]) == ["actor"] and stored == {"step": 2}
     assert done == {"step": 2, "bytes": {"actor": taken["roles"]["actor"]["bytes"]}, "node_failed": {}}
     snap = taken["roles"]["actor"]
@@ -93,7 +101,7 @@ def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
     rank.train(2)
     noise_a = rank.train(3)
     after_a = rank.fingerprint()
-    assert other.load_snapshot(2, None if other is rank else snap) is True
+    assert other.snapshot_loader.load_snapshot(2, None if other is rank else snap) is True
     assert_same(other.fingerprint(), at_snapshot)
     other.train(2)
     noise_b = other.train(3)
@@ -122,7 +130,7 @@ def test_snapshot_before_the_optimizer_had_state_clears_it():
     assert not any(e[0].startswith("optim/") for e in snap["layout"])
     rank.train(0)
     assert rank.engine.optimizer.state
-    assert rank.load_snapshot(0) is True
+    assert rank.snapshot_loader.load_snapshot(0) is True
     assert not rank.engine.optimizer.state
     assert_same(rank.fingerprint(), before)
     # The next step is AdamW's first again (its step counter restarts at 1).
@@ -140,9 +148,9 @@ def test_taken_copy_is_not_changed_by_later_training_and_ring_keeps_two():
     assert np.array_equal(first["data"], kept)  # the second copy went into the other buffer
     rank.train(2)
     rank.snapshot(3)
-    assert sorted(rank._own_snapshots) == [2, 3]
-    assert rank.has_snapshot(3) and not rank.has_snapshot(1)
-    mem = rank.snapshot_memory()
+    assert sorted(rank.snapshots.own) == [2, 3]
+    assert rank.snapshots.has_snapshot(3) and not rank.snapshots.has_snapshot(1)
+    mem = rank.snapshots.snapshot_memory()
     assert mem["own_bytes"] == 2 * first["bytes"] and mem["held_bytes"] == 0
 
 
@@ -153,11 +161,11 @@ def test_mismatch_names_the_path():
     other = Rank(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
     other.train(0)
     with pytest.raises(ValueError, match=r"model/0\.weight has shape \(5, 4\), the rank's \(6, 4\)"):
-        other.load_snapshot(1, snap)
+        other.snapshot_loader.load_snapshot(1, snap)
     renamed = Rank(lambda: nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3)))  # no Tanh: "1." not "2."
     renamed.train(0)
     with pytest.raises(ValueError, match=r"model/2\.weight: not in the rank's state"):
-        renamed.load_snapshot(1, snap)
+        renamed.snapshot_loader.load_snapshot(1, snap)
 
 
 def test_layout_is_self_describing_and_aligned():
@@ -185,7 +193,7 @@ def test_copy_reports_progress_per_chunk(monkeypatch):
     chunks = list(snapshot_buffers._chunks(layout, len(layout.entries)))
     assert len(chunks) > 4 and sum(len(c) for c in chunks) == len(layout.entries)
     assert progress.snapshot().advances - before == len(chunks)  # one report per chunk copied
-    assert rank.load_snapshot(1) is True
+    assert rank.snapshot_loader.load_snapshot(1) is True
 
 
 def fsdp_mlp():
@@ -224,30 +232,29 @@ def test_a_root_left_gathered_by_a_forward_without_backward_is_copied_as_its_sha
 def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
     from resilient_rl.runtime.rank_host import RankHost
 
-    actor, critic = Rank(mlp), Rank(mlp)
-    critic.role = "critic"
+    actor, critic = Rank(mlp), Rank(mlp, role="critic")
     host = RankHost()  # one process hosting both roles
     host.add("actor", actor)
     host.add("critic", critic)
     actor.train(0)
     critic.train(1)
-    done = actor.take_snapshot(1, ["actor", "critic"])
-    _, taken = actor.publish_snapshot(1, ["actor", "critic"])
+    done = actor.snapshots.take_snapshot(1, ["actor", "critic"])
+    _, taken = actor.snapshots.publish_snapshot(1, ["actor", "critic"])
     assert done["bytes"] == {role: taken["roles"][role]["bytes"] for role in ("actor", "critic")}
-    assert sorted(taken["roles"]) == ["actor", "critic"] and critic.has_snapshot(1)
+    assert sorted(taken["roles"]) == ["actor", "critic"] and critic.snapshots.has_snapshot(1)
     with pytest.raises(ValueError, match="hosts no ref rank 0"):
-        actor.take_snapshot(1, ["ref"])
+        actor.snapshots.take_snapshot(1, ["ref"])
     # Another process (rank 1 here, a host of its own) holds the bundle.
     peer = Rank(mlp)
     peer.rank = 1
-    answer = peer.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
+    answer = peer.held_snapshots.hold_snapshot(1, [[("actor", 0), ("critic", 0)]], [pickle.loads(pickle.dumps(taken))])
     assert answer == {"step": 1, "kept": 2}
-    held = peer.held_snapshot(1, "critic", 0)
+    held = peer.held_snapshots.held_snapshot(1, "critic", 0)
     assert held is not None and np.array_equal(held["data"], taken["roles"]["critic"]["data"])
-    assert peer.snapshot_memory()["held_bytes"] == sum(done["bytes"].values())
+    assert peer.snapshots.snapshot_memory()["held_bytes"] == sum(done["bytes"].values())
     # The critic restores from the held copy (as the controller hands it over).
     critic.train(2)
-    assert critic.load_snapshot(1, held) is True
+    assert critic.snapshot_loader.load_snapshot(1, held) is True
     again = critic.snapshot(5)["roles"]["critic"]
     layout = Layout.from_list(held["layout"])
     assert all(torch.equal(a, b) for a, b in zip(layout.views(torch.from_numpy(again["data"])),
@@ -260,22 +267,22 @@ def test_a_publish_waits_for_its_take_and_fails_with_it():
     rank = Rank(mlp)
     rank.train(0)
     got = {}
-    publish = threading.Thread(target=lambda: got.update(out=rank.publish_snapshot(1, None, 30.0)))
+    publish = threading.Thread(target=lambda: got.update(out=rank.snapshots.publish_snapshot(1, None, 30.0)))
     publish.start()  # on the "snapshot" thread, possibly before the call thread's take
-    rank.take_snapshot(1)
+    rank.snapshots.take_snapshot(1)
     publish.join(30)
     assert got["out"][0] == {"step": 1} and got["out"][1]["roles"]["actor"]["step"] == 1
 
     def broken():
         raise RuntimeError("copy failed")
 
-    rank._snapshot_tensors = broken
+    rank.snapshots.tensors = broken
     with pytest.raises(RuntimeError, match="copy failed"):
-        rank.take_snapshot(2)
+        rank.snapshots.take_snapshot(2)
     with pytest.raises(RuntimeError, match=r"actor copy of step 2 is gone \(RuntimeError: copy failed\)"):
-        rank.publish_snapshot(2, None, 30.0)  # at once, not after the timeout
+        rank.snapshots.publish_snapshot(2, None, 30.0)  # at once, not after the timeout
     with pytest.raises(RuntimeError, match="no actor copy of step 3 after 0s"):
-        rank.publish_snapshot(3, None, 0.01)  # never taken
+        rank.snapshots.publish_snapshot(3, None, 0.01)  # never taken
 
 
 def test_a_slot_is_not_written_while_ray_may_still_store_its_publish(monkeypatch):
@@ -286,16 +293,16 @@ def test_a_slot_is_not_written_while_ray_may_still_store_its_publish(monkeypatch
     first = rank.snapshot(1)["roles"]["actor"]  # its slot is being stored until the next publish starts
     kept = first["data"].copy()
     rank.train(1)
-    rank.take_snapshot(2)
+    rank.snapshots.take_snapshot(2)
     rank.train(2)
     monkeypatch.setattr(snapshot_mod, "SLOT_WAIT_S", 0.05)
-    rank.take_snapshot(3)  # the only slot not kept is step 1's, still published: it gets a new buffer
+    rank.snapshots.take_snapshot(3)  # the only slot not kept is step 1's, still published: it gets a new buffer
     assert np.array_equal(first["data"], kept)
-    assert not np.shares_memory(first["data"], rank._own_snapshots[3][1]["data"])
+    assert not np.shares_memory(first["data"], rank.snapshots.own[3][1]["data"])
     # The usual order: the next publish starts (so step 1's was stored) before the take that reuses its slot.
-    rank.publish_snapshot(3)
-    slot_of_2 = rank._own_snapshots[2][0]
-    reused = rank._snapshot_ring.buffers[slot_of_2].data_ptr()
+    rank.snapshots.publish_snapshot(3)
+    slot_of_2 = rank.snapshots.own[2][0]
+    reused = rank.snapshots.ring.buffers[slot_of_2].data_ptr()
     rank.train(3)
-    rank.take_snapshot(4)
-    assert rank._own_snapshots[4][0] == slot_of_2 and rank._snapshot_ring.buffers[slot_of_2].data_ptr() == reused
+    rank.snapshots.take_snapshot(4)
+    assert rank.snapshots.own[4][0] == slot_of_2 and rank.snapshots.ring.buffers[slot_of_2].data_ptr() == reused

@@ -19,8 +19,8 @@ from test_snapshot_copy import Rank, assert_same, mlp
 
 
 def take(rank: Rank, step: int, run_dir: str, snap_id: str) -> dict:
-    answer = rank.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
-    rank.seal_snapshot(step)
+    answer = rank.snapshots.take_snapshot(step, None, {"dir": run_dir, "id": snap_id})
+    rank.snapshots.seal_snapshot(step)
     return answer
 
 
@@ -41,10 +41,10 @@ def test_flipped_bytes_in_node_memory_are_detected_and_never_restored(tmp_path):
     fresh = Rank(mlp)
     fresh.train(5)  # some state of its own, which a refused copy must leave as it is
     before = fresh.fingerprint()
-    answer = fresh.load_snapshot(1, NodeCopy(run_dir, "1.1"))
+    answer = fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1"))
     assert isinstance(answer, dict) and "does not match" in answer["corrupt"], answer
     assert_same(fresh.fingerprint(), before)
-    assert not fresh.has_snapshot(1)
+    assert not fresh.snapshots.has_snapshot(1)
 
 
 def test_a_damaged_own_or_handed_over_copy_is_refused():
@@ -57,13 +57,13 @@ def test_a_damaged_own_or_handed_over_copy_is_refused():
     before = other.fingerprint()
     bad = dict(copy, data=copy["data"].copy())
     bad["data"][7] ^= 1
-    assert "corrupt" in other.load_snapshot(1, bad)
+    assert "corrupt" in other.snapshot_loader.load_snapshot(1, bad)
     assert_same(other.fingerprint(), before)
-    assert other.load_snapshot(1, copy) is True
+    assert other.snapshot_loader.load_snapshot(1, copy) is True
     # The rank's own copy, damaged in its ring: refused too.
     rank.train(1)
-    rank._own_snapshots[1][1]["data"][3] ^= 1
-    assert "corrupt" in rank.load_snapshot(1)
+    rank.snapshots.own[1][1]["data"][3] ^= 1
+    assert "corrupt" in rank.snapshot_loader.load_snapshot(1)
 
 
 def test_a_copy_its_process_left_unsealed_is_loaded_from_node_memory_as_written(tmp_path):
@@ -74,16 +74,16 @@ def test_a_copy_its_process_left_unsealed_is_loaded_from_node_memory_as_written(
     run_dir = str(tmp_path / "resilient-rl-run1")
     rank = Rank(mlp)
     rank.train(0)
-    rank.take_snapshot(1, None, {"dir": run_dir, "id": "1.1"})
+    rank.snapshots.take_snapshot(1, None, {"dir": run_dir, "id": "1.1"})
     with open(os.path.join(node_path(run_dir), "actor-0-0.meta"), "rb") as f:
         assert "checksum" not in f.read().decode()
     fresh = Rank(mlp)
-    assert fresh.load_snapshot(1, NodeCopy(run_dir, "1.1")) == "unsealed"
+    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) == "unsealed"
     assert_same(fresh.fingerprint(), rank.fingerprint())
-    assert "no xxh3_64 checksum" in rank.load_snapshot(1)["corrupt"]
+    assert "no xxh3_64 checksum" in rank.snapshot_loader.load_snapshot(1)["corrupt"]
     files = NodeFiles(node_path(run_dir), "actor", 0)
     files.invalidate(files.find(2, 1, "1.1")[0])  # what a take does before writing a slot again
-    assert Rank(mlp).load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert Rank(mlp).snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
 
 
 def test_node_memory_is_private_and_its_metadata_is_json(tmp_path):
@@ -120,7 +120,7 @@ def test_a_pickled_meta_is_never_unpickled(tmp_path, monkeypatch):
     with open(meta_path, "wb") as f:
         pickle.dump({"step": 1, "id": "1.1", "bytes": 1, "x": _Boom()}, f)
     assert NodeFiles(node_path(run_dir), "actor", 0).find(2, 1, "1.1") is None
-    assert Rank(mlp).load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert Rank(mlp).snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
     assert not os.path.exists(tmp_path / "BOOM")
 
 
@@ -135,8 +135,8 @@ def test_a_slot_still_mapped_by_a_reader_is_not_written_in_place(tmp_path):
     files = NodeFiles(node_path(run_dir), "actor", 0)
     slot, meta, reader = files.find(2, 1, "1.1")
     kept = reader.clone()
-    rank._snapshot_ring.forget(slot)  # its next use maps the slot afresh
-    rank._own_snapshots.clear()
+    rank.snapshots.ring.forget(slot)  # its next use maps the slot afresh
+    rank.snapshots.own.clear()
     rank.train(1)
     take(rank, 2, run_dir, "2.2")
     rank.train(2)
@@ -153,11 +153,11 @@ def test_a_take_waits_for_the_seal_reading_its_slot(monkeypatch):
 
     rank = Rank(mlp)
     rank.train(0)
-    rank.take_snapshot(1)
-    rank.seal_snapshot(1)
+    rank.snapshots.take_snapshot(1)
+    rank.snapshots.seal_snapshot(1)
     rank.train(1)
-    rank.take_snapshot(2)
-    rank.seal_snapshot(2)
+    rank.snapshots.take_snapshot(2)
+    rank.snapshots.seal_snapshot(2)
     rank.train(2)
     started, release = threading.Event(), threading.Event()
     real = snapshot_meta.checksum
@@ -169,13 +169,13 @@ def test_a_take_waits_for_the_seal_reading_its_slot(monkeypatch):
 
     monkeypatch.setattr(snapshot_meta, "checksum", slow)
     monkeypatch.setattr(snapshot_mod, "SLOT_WAIT_S", 30.0)
-    rank.take_snapshot(3)  # into step 1's slot
-    before = rank._own_snapshots[3][1]["data"].copy()
+    rank.snapshots.take_snapshot(3)  # into step 1's slot
+    before = rank.snapshots.own[3][1]["data"].copy()
     errors = []
 
     def seal():
         try:
-            rank.seal_snapshot(3)
+            rank.snapshots.seal_snapshot(3)
         except RuntimeError as exc:  # superseded by step 5 once read: not committed anywhere
             errors.append(exc)
 
@@ -183,17 +183,17 @@ def test_a_take_waits_for_the_seal_reading_its_slot(monkeypatch):
     sealer.start()
     assert started.wait(10)
     rank.train(3)
-    rank.take_snapshot(4)  # into step 2's slot: no wait
+    rank.snapshots.take_snapshot(4)  # into step 2's slot: no wait
     rank.train(4)
-    taker = threading.Thread(target=rank.take_snapshot, args=(5,))
+    taker = threading.Thread(target=rank.snapshots.take_snapshot, args=(5,))
     taker.start()  # needs step 3's slot, which the seal is reading
     taker.join(0.5)
     assert taker.is_alive(), "the take wrote the slot the seal is reading"
-    assert np.array_equal(before, rank._snapshot_ring.buffers[0].numpy()), "step 3's slot changed while read"
+    assert np.array_equal(before, rank.snapshots.ring.buffers[0].numpy()), "step 3's slot changed while read"
     release.set()
     sealer.join(10)
     taker.join(10)
-    assert not taker.is_alive() and rank.has_snapshot(5)
+    assert not taker.is_alive() and rank.snapshots.has_snapshot(5)
 
 
 def test_a_copy_left_under_another_clusters_node_id_is_found_only_when_asked_for_any_node(tmp_path):
@@ -205,9 +205,9 @@ def test_a_copy_left_under_another_clusters_node_id_is_found_only_when_asked_for
     take(rank, 1, run_dir, "1.1")
     os.rename(node_path(run_dir), os.path.join(run_dir, "node-of-the-previous-cluster"))
     fresh = Rank(mlp)
-    assert not fresh.node_copy_here(1, NodeCopy(run_dir, "1.1"))
-    assert fresh.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert not fresh.snapshot_loader.node_copy_here(1, NodeCopy(run_dir, "1.1"))
+    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
     anywhere = NodeCopy(run_dir, "1.1", any_node=True)
-    assert fresh.node_copy_here(1, anywhere) and not fresh.node_copy_here(2, anywhere)
-    assert fresh.load_snapshot(1, anywhere) is True
+    assert fresh.snapshot_loader.node_copy_here(1, anywhere) and not fresh.snapshot_loader.node_copy_here(2, anywhere)
+    assert fresh.snapshot_loader.load_snapshot(1, anywhere) is True
     assert_same(fresh.fingerprint(), rank.fingerprint())

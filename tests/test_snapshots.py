@@ -39,7 +39,7 @@ def fake_get(refs, timeout=None):
 
 
 class FakeGroup:
-    """Ranks that keep snapshots like SnapshotMixin, minus the tensors."""
+    """Ranks that keep snapshots like RankSnapshots, minus the tensors."""
 
     def __init__(self, n, role="actor"):
         self.world_size, self.role = n, role

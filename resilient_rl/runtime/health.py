@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 #: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``:
 #: "health" for health calls, "snapshot" for keeping the ring neighbours' snapshot copies (a call
-#: that may wait for a neighbour; see ``SnapshotMixin.hold_snapshot``).
+#: that may wait for a neighbour; see ``HeldSnapshots.hold_snapshot``).
 HEALTH_GROUPS = {"health": 1, "snapshot": 1}
 
 

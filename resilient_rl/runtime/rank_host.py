@@ -35,6 +35,16 @@ class RankHost:
         """Every role worker of this process."""
         return [w for w in (ref() for ref in list(self._roles.values())) if w is not None]
 
+    def parts(self, attr: str) -> dict[str, Any]:
+        """role -> that role's part ``attr`` (:mod:`resilient_rl.runtime.parts`), for every role
+        of this process that has one."""
+        out = {}
+        for role, ref in list(self._roles.items()):
+            part = getattr(ref(), attr, None)
+            if part is not None:
+                out[role] = part
+        return out
+
 
 def host_of(worker: Any) -> RankHost:
     """``worker``'s host: the one that hosts it with its colocated roles, else one of its own."""

@@ -23,12 +23,15 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from resilient_rl import env
 from resilient_rl.runtime import leave_collective, progress, rendezvous
+from resilient_rl.runtime.parts import call as run_part_method
 from resilient_rl.runtime.leave_collective import uses_nccl  # noqa: F401 -- part of this module's surface
 from resilient_rl.runtime.devices import visible_devices
 from resilient_rl.runtime.master_env import free_port
@@ -152,6 +155,9 @@ class Worker(MeshInfoMixin):
 
     #: Whether :meth:`health` (and the other health-group calls) answer while a call runs.
     answers_during_calls: bool = False
+    #: The worker's parts (:mod:`resilient_rl.runtime.parts`): attribute name -> class; their
+    #: registered methods are calls of the worker, sent through :meth:`call_part`.
+    parts: Mapping[str, type] = MappingProxyType({})
 
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
         """``cuda_visible_devices`` is accepted for verl compatibility and not used: Ray assigns a
@@ -176,6 +182,11 @@ class Worker(MeshInfoMixin):
         if "_rank" not in self.__dict__:
             self._init_identity()
         return self.__dict__[name]
+
+    def call_part(self, path: str, *args, **kwargs):
+        """Run the registered method ``path`` (``"part.method"``) of one of this worker's parts:
+        the endpoint a worker group sends a part's calls to (:mod:`resilient_rl.runtime.parts`)."""
+        return run_part_method(self, path, args, kwargs)
 
     # ------------------------------------------------------------------ identity
     @property

@@ -154,6 +154,13 @@ def _colocated_base(class_dict: dict[str, RayClassWithInitArgs]) -> type:
                 setattr(self, role, worker)
                 worker.fused_worker_dict = self.worker_dict
 
+        def call_part(self, path: str, *args, **kwargs):
+            """A part method of a hosted role (``"{role}.{part}.{method}"``), else of this worker."""
+            role, _, rest = path.partition(".")
+            if role in self.worker_dict:
+                return self.worker_dict[role].call_part(rest, *args, **kwargs)
+            return Worker.call_part(self, path, *args, **kwargs)
+
         def _fuw_execute(self, method_name: str, *args, **kwargs):
             """Call ``{role}_fwmn_{method}`` (verl's fused-worker call convention)."""
             role, _, name = method_name.partition("_fwmn_")

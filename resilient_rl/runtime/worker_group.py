@@ -23,7 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from resilient_rl.runtime.health import HEALTH_GROUPS, answers_during_calls, classify_error  # noqa: F401
-from resilient_rl.runtime import master_env
+from resilient_rl.runtime import master_env, parts
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.runtime.group_call import GroupCall
 from resilient_rl.runtime.group_ranks import RankTable
@@ -81,6 +81,8 @@ class RayWorkerGroup:
         self.max_restarts = max_restarts
         self.max_task_retries = max_task_retries
         self._remote_prefix = ""
+        #: remote name of each part method -> (its call_part path, Ray options): runtime/parts.py
+        self._part_routes: dict[str, tuple[str, dict]] = {}
         self._dispatch_info: dict[str, list] = {}  # verl's nd dispatch: rank -> dp rank, per mesh
         self._collect_info: dict[str, list] = {}
         self.wg_dict: dict[str, RayWorkerGroup] | None = None
@@ -167,6 +169,11 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ execution
     def _call(self, rank: int, method_name: str, *args, **kwargs):
+        route = self._part_routes.get(method_name)
+        if route is not None:  # a part's method, through the worker's generic endpoint
+            path, options = route
+            method = self.ranks.handles[rank].call_part
+            return (method.options(**options) if options else method).remote(path, *args, **kwargs)
         try:
             method = getattr(self.ranks.handles[rank], method_name)
         except AttributeError:
@@ -345,9 +352,15 @@ class RayWorkerGroup:
 
 def _bind_worker_methods(group: RayWorkerGroup, user_cls: type, remote_prefix: str = "") -> None:
     """Make every ``@register``-ed method of ``user_cls`` a method of ``group`` that dispatches
-    over its ranks (for a colocated role, the process's ``{role}_{method}``)."""
+    over its ranks (for a colocated role, the process's ``{role}_{method}``), and so every
+    registered method of its parts (:mod:`resilient_rl.runtime.parts`)."""
     group._remote_prefix = remote_prefix
-    for name, settings in registered_methods(user_cls).items():
+    methods = registered_methods(user_cls)
+    hosted = {"": user_cls, **{f"{role}_": c for role, c in getattr(user_cls, "_rrl_role_classes", {}).items()}}
+    for prefix, cls in hosted.items():  # the class's own parts, and a colocated class's roles' parts
+        group._part_routes.update(parts.routes(cls, prefix + remote_prefix))
+        methods.update({prefix + name: settings for name, (_, settings) in parts.part_methods(cls).items()})
+    for name, settings in methods.items():
         if hasattr(RayWorkerGroup, name) and name not in _USER_MAY_SHADOW:
             raise DispatchError(f"registered method {user_cls.__name__}.{name} clashes with a RayWorkerGroup "
                                 "attribute; rename it")

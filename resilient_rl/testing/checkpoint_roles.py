@@ -66,13 +66,13 @@ class LocalCheckpointGroup:
         return len(self.ranks)
 
     def save_checkpoint(self, *args):
-        return [r.checkpointer.save(*args) for r in self.ranks]
+        return [r.checkpointer.save_checkpoint(*args) for r in self.ranks]
 
     def checkpoint_done(self, timeout_s: float = 0.0):
-        return [r.checkpointer.done(timeout_s) for r in self.ranks]
+        return [r.checkpointer.checkpoint_done(timeout_s) for r in self.ranks]
 
     def load_checkpoint(self, *args):
-        return [r.checkpointer.load(*args) for r in self.ranks]
+        return [r.checkpointer.load_checkpoint(*args) for r in self.ranks]
 
     def train_step(self, step: int) -> None:
         for r in self.ranks:

@@ -32,13 +32,13 @@ class LocalGroup:
         self.rank = rank
 
     def save_checkpoint(self, *args) -> list:
-        return [self.rank.checkpointer.save(*args)]
+        return [self.rank.checkpointer.save_checkpoint(*args)]
 
     def checkpoint_done(self, timeout_s: float = 0.0) -> list:
-        return [self.rank.checkpointer.done(timeout_s)]
+        return [self.rank.checkpointer.checkpoint_done(timeout_s)]
 
     def load_checkpoint(self, *args) -> list:
-        return [self.rank.checkpointer.load(*args)]
+        return [self.rank.checkpointer.load_checkpoint(*args)]
 
 
 class CheckpointOnlyPool:

@@ -23,6 +23,7 @@ import torch
 from resilient_rl.checkpoint import AsyncShardWriter, FileRecord, Storage, load_shard_into, stage, write_shard
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.errors import CheckpointFormatError, StorageError
+from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers.rank_state import RankState
 
 
@@ -136,7 +137,8 @@ class RankCheckpointer:
         self._staging_prepared = self._staging_prepared | {part}
         return True
 
-    def save(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
         """Save this rank's shards under ``rel_dir``; async returns None at once (poll with
         :meth:`done`). A synchronous save that the storage refuses returns :func:`storage_failure`."""
         storage = self._storage(root, storage_options)
@@ -152,7 +154,8 @@ class RankCheckpointer:
         self._checkpoint_writer().stage_and_submit(state, storage, rel_dir, rank, rank_local=states.rank_local())
         return None
 
-    def done(self, timeout_s: float = 0.0):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def checkpoint_done(self, timeout_s: float = 0.0):
         """Records of the last async save once written; None while it is still being written;
         ``[]`` when this process holds no save (it was restarted, or its writer was reset: the
         save the controller waits for is lost); :func:`storage_failure` when the storage
@@ -169,7 +172,8 @@ class RankCheckpointer:
             return storage_failure(exc)
         return [] if records is None else _records(records, self._save_finite)
 
-    def load(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
              saved_world_size: int) -> bool:
         """Fill model, optimizer, schedule (and the rank-local parts, on the same world size) from ``rel_dir``."""
         self.reset()

@@ -32,7 +32,7 @@ from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
-from resilient_rl.workers.snapshots.take import SnapshotMixin
+from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, snapshot_parts
 from resilient_rl.workers.fsdp import DevicePlan, full_state_dict, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -159,37 +159,30 @@ class RoleWorker(Worker):
 
 
 class TrainableRole(RoleWorker):
-    """A role whose rank state is checkpointed (actor, critic): its :class:`RankCheckpointer`,
-    handed the rank's state registry, and the worker-group calls the checkpoint coordinator makes."""
+    """A role whose rank state is checkpointed and snapshotted (actor, critic). Its parts
+    (:mod:`resilient_rl.runtime.parts`), each handed the rank's state registry
+    (:class:`~resilient_rl.workers.rank_state.RankState`) rather than inherited, are its
+    checkpointer, its own snapshot copies, their loader, and the copies it holds for ring peers:
+    their registered methods are this worker's calls."""
+
+    parts = MappingProxyType({"checkpointer": RankCheckpointer, **SNAPSHOT_PARTS})
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__(config, vocab_size, eos_token_id, pad_token_id)
         c = self.cfg.checkpoint
         self.engine = None
-        self.checkpointer = RankCheckpointer(
-            lambda: None if self.engine is None else states_of(self.engine),
-            lambda: (self.rank, self.world_size, self.generation), self.role,
-            staging=c.async_save and c.save_every > 0)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, async_save: bool):
-        """See :meth:`RankCheckpointer.save`."""
-        return self.checkpointer.save(root, storage_options, rel_dir, async_save)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def checkpoint_done(self, timeout_s: float = 0.0):
-        """See :meth:`RankCheckpointer.done`."""
-        return self.checkpointer.done(timeout_s)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, root: str, storage_options: dict | None, rel_dir: str, files: list[dict],
-                        saved_world_size: int) -> bool:
-        """See :meth:`RankCheckpointer.load`."""
-        return self.checkpointer.load(root, storage_options, rel_dir, files, saved_world_size)
+        states = lambda: None if self.engine is None else states_of(self.engine)  # noqa: E731
+        self.checkpointer = RankCheckpointer(states, lambda: (self.rank, self.world_size, self.generation),
+                                             self.role, staging=c.async_save and c.save_every > 0)
+        parts = snapshot_parts(self.role, states, lambda: (self.rank, self.world_size), self.checkpointer,
+                               lambda attr: host_of(self).parts(attr))
+        self.snapshots = parts["snapshots"]
+        self.snapshot_loader = parts["snapshot_loader"]
+        self.held_snapshots = parts["held_snapshots"]
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class ActorWorker(SnapshotMixin, TrainableRole):
+class ActorWorker(TrainableRole):
     """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
 
     role = "actor"
@@ -273,7 +266,7 @@ class ActorWorker(SnapshotMixin, TrainableRole):
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class CriticWorker(SnapshotMixin, TrainableRole):
+class CriticWorker(TrainableRole):
     """The value model (FSDP2, clipped value loss)."""
 
     role = "critic"

@@ -1,33 +1,42 @@
 """The restore side of a worker's snapshots: the copies a process holds for its ring peers (a
-copy on another node), and loading a copy (own, node memory, object store or a peer's) back into
-the rank's tensors in place, after its checksum is verified. The take side is
-:mod:`resilient_rl.workers.snapshots.take`.
+copy on another node, :class:`HeldSnapshots`), and loading a copy (own, node memory, object store
+or a peer's) back into the rank's tensors in place, after its checksum is verified
+(:class:`SnapshotLoader`). The take side is :mod:`resilient_rl.workers.snapshots.take`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
 from resilient_rl.runtime.dispatch import Dispatch, register
-from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.workers.snapshots import meta as snapshot_meta
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles
 from resilient_rl.workers.snapshots.slots import (
-    HELD_LOCK, KEEP, SLOTS, previous_publishes_stored,
+    HELD_LOCK, KEEP, previous_publishes_stored,
 )
 from resilient_rl.workers.snapshots.state import restore_state
 
 logger = logging.getLogger(__name__)
 
 
-class SnapshotRestoreMixin:
-    """Hold and load of in-memory snapshots; mixed into :class:`~resilient_rl.workers.snapshots.take.SnapshotMixin`,
-    whose state (own copies, ring, node memory) it reads and replaces."""
+class HeldSnapshots:
+    """The copies this rank keeps for its ring peers (a third copy of theirs, on another node), a
+    part of a stateful role worker (:mod:`resilient_rl.runtime.parts`). ``process(attr)`` is the
+    part ``attr`` of every role in this process, by role: a copy is kept once per process, and
+    found by whichever role kept it."""
 
-    _held_snapshots: dict | None = None  # (owner role, owner rank) -> {step: copy}
+    def __init__(self, role: str, process: Callable[[str], dict[str, Any]]) -> None:
+        self.role = role
+        self.process = process
+        self.copies: dict = {}  # (owner role, owner rank) -> {step: copy}
+
+    def bytes(self) -> int:
+        """Host bytes of the copies kept."""
+        with HELD_LOCK:
+            return sum(int(s["bytes"]) for h in self.copies.values() for s in h.values())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group="snapshot")
@@ -46,7 +55,7 @@ class SnapshotRestoreMixin:
         A copy is kept as Ray handed it over (a read-only view of this node's object store,
         which it keeps alive). A rank of this process (its own peer: nothing else to hold it)
         keeps nothing more: its copy is in its own memory and in the object store."""
-        previous_publishes_stored(host_of(self).workers())
+        previous_publishes_stored(self.process("snapshots").values())
         step = int(step)
         if len(owners) != len(taken):
             raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
@@ -59,12 +68,10 @@ class SnapshotRestoreMixin:
         for keys, bundle in zip(owners, taken):
             for role, rank in keys:
                 snap = bundle["roles"][role]
-                local_worker = host_of(self).role(role)
-                if local_worker is not None and local_worker.rank == int(rank):
+                local = self.process("snapshots").get(role)
+                if local is not None and local.rank == int(rank):
                     continue
-                if self._held_snapshots is None:
-                    self._held_snapshots = {}
-                held = self._held_snapshots.setdefault((role, int(rank)), {})
+                held = self.copies.setdefault((role, int(rank)), {})
                 held[step] = snap
                 kept += 1
                 for old in sorted(held)[:-KEEP]:
@@ -76,18 +83,35 @@ class SnapshotRestoreMixin:
         """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
         by any of its roles), or None (it was restarted since)."""
         with HELD_LOCK:
-            for worker in host_of(self).workers():
-                snap = ((worker._held_snapshots or {}).get((owner_role, int(owner_rank))) or {}).get(int(step))
+            for held in self.process("held_snapshots").values():
+                snap = (held.copies.get((owner_role, int(owner_rank))) or {}).get(int(step))
                 if snap is not None:
                     return snap
         return None
+
+
+class SnapshotLoader:
+    """Loads a copy of this rank's state (its own, one it left in node memory, one in the object
+    store or a peer's) back into the rank's tensors in place, after its checksum is verified; a
+    part of a stateful role worker (:mod:`resilient_rl.runtime.parts`). The rank's own copies are
+    its :class:`~resilient_rl.workers.snapshots.take.RankSnapshots`' (``snapshots``); a load keeps
+    the copy it loaded as the rank's own. ``checkpointer``'s staging is reset before and prepared
+    after a load (a checkpoint save stages from the state loaded)."""
+
+    def __init__(self, snapshots, checkpointer) -> None:
+        self.snapshots = snapshots
+        self.checkpointer = checkpointer
+
+    @property
+    def rank(self) -> int:
+        return self.snapshots.rank
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def node_copy_here(self, step: int, source: NodeCopy) -> bool:
         """Whether this rank's copy of ``step`` named by ``source`` is in this node's memory
         (nothing is read into the rank): asked before a copy an earlier controller left is loaded,
         so that a snapshot some rank cannot find here touches no rank."""
-        return any(NodeFiles(d, self.role, self.rank).has(KEEP, int(step), source.snap_id) for d in source.dirs())
+        return any(NodeFiles(d, self.snapshots.role, self.rank).has(KEEP, int(step), source.snap_id) for d in source.dirs())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_snapshot(self, step: int, source: Any = None, timeout_s: float = 60.0) -> bool | dict:
@@ -108,7 +132,7 @@ class SnapshotRestoreMixin:
         if isinstance(source, NodeCopy):
             return self._load_node_copy(step, source)
         if source is None:
-            slot, snap = (self._own_snapshots or {}).get(step, (None, None))
+            slot, snap = self.snapshots.own.get(step, (None, None))
         elif isinstance(source, list):
             try:
                 snap = ray.get(source[0], timeout=timeout_s)
@@ -117,7 +141,7 @@ class SnapshotRestoreMixin:
         else:
             snap = source
         if snap is not None and "roles" in snap:  # what publish_snapshot returned: this role's copy
-            snap = snap["roles"].get(getattr(self, "role", None))
+            snap = snap["roles"].get(self.snapshots.role)
         if snap is None or snap.get("step") != step:
             return False
         why = snapshot_meta.verify(snap)
@@ -125,9 +149,7 @@ class SnapshotRestoreMixin:
             return self._corrupt(step, "own" if source is None else "copy", why)
         self.checkpointer.reset()
         self.restore_snapshot_state(snap)
-        if self._own_snapshots is None:
-            self._own_snapshots = {}
-        self._keep_own(step, slot, snap)
+        self.snapshots.keep_own(step, slot, snap)
         self.checkpointer.prepare_staging()
         return True
 
@@ -140,7 +162,7 @@ class SnapshotRestoreMixin:
         only after the copy is complete, and is withdrawn before its slot is written again, so
         it is whole; a flipped bit in it would go unseen."""
         for where in source.dirs():
-            files = NodeFiles(where, self.role, self.rank)
+            files = NodeFiles(where, self.snapshots.role, self.rank)
             found = files.find(KEEP, step, source.snap_id)
             if found is not None:
                 break
@@ -154,28 +176,23 @@ class SnapshotRestoreMixin:
             return self._corrupt(step, "node", why)
         if unsealed:
             logger.info("%s rank %d: node copy of step %d was left unsealed (its process died before its "
-                        "checksum); loaded as written", self.role, self.rank, step)
+                        "checksum); loaded as written", self.snapshots.role, self.rank, step)
         self.checkpointer.reset()
         self.restore_snapshot_state(snap)
         if not files.still(slot, source.snap_id):  # written over while read: no process should be
-            logger.warning("%s rank %d: node copy of step %d changed while read", self.role, self.rank, step)
+            logger.warning("%s rank %d: node copy of step %d changed while read", self.snapshots.role, self.rank, step)
             return False
-        self._node_failed = None
-        ring = self._ring_for({"dir": source.run_dir})
-        with SLOTS:
-            self._own_snapshots = {}
-        ring.adopt(slot, buf)
-        self._keep_own(step, slot, snap)
+        self.snapshots.adopt_node_copy(source.run_dir, step, slot, buf, snap)
         self.checkpointer.prepare_staging()
         return "unsealed" if unsealed else True
 
     def _corrupt(self, step: int, where: str, why: str) -> dict:
         """The answer of a load that found its copy damaged (nothing was written into the rank)."""
         logger.warning("%s rank %d: %s copy of snapshot step %d is damaged, not restored: %s",
-                       getattr(self, "role", "worker"), self.rank, where, step, why)
+                       self.snapshots.role, self.rank, where, step, why)
         return {"corrupt": why}
 
     def restore_snapshot_state(self, snap: dict) -> None:
         """Write ``snap`` into the engine in place: tensors, optimizer hyperparameters and
         non-tensor state, scheduler, RNG. Bit-identical to the state it was taken from."""
-        restore_state(self.engine, snap, self._snapshot_tensors)
+        restore_state(self.snapshots.states().engine, snap, self.snapshots.tensors)
