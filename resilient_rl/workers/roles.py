@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
-import hashlib
 import json
-import time
 from types import MappingProxyType
 
 import ray
@@ -29,22 +27,15 @@ from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
-from resilient_rl.workers import weight_channel, weight_sync
+from resilient_rl.workers import weight_sync
+from resilient_rl.workers.weight_parts import WeightReceiver, WeightSender
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, snapshot_parts
-from resilient_rl.workers.fsdp import DevicePlan, full_state_dict, plan_device, resolve_strategy, uses_cuda
+from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
-
-
-def _digest(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(state.items()):
-        h.update(k.encode())
-        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 #: Whether an engine of this process was dropped and its reference cycles not collected yet.
@@ -183,9 +174,15 @@ class TrainableRole(RoleWorker):
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
 class ActorWorker(TrainableRole):
-    """The policy being trained (FSDP2, AdamW, PPO clipped loss)."""
+    """The policy being trained (FSDP2, AdamW, PPO clipped loss); its weights go to the rollout
+    through its :class:`~resilient_rl.workers.weight_parts.WeightSender` part."""
 
     role = "actor"
+    parts = MappingProxyType({**TrainableRole.parts, "weights": WeightSender})
+
+    def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
+        super().__init__(config, vocab_size, eos_token_id, pad_token_id)
+        self.weights = WeightSender(lambda: self.engine, lambda: self.plan, lambda: self.rank)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = False) -> bool:
@@ -212,57 +209,6 @@ class ActorWorker(TrainableRole):
         metrics = self.engine.update(data, int(data.meta_info["step"]))
         self.checkpointer.prepare_staging()  # the optimizer's buffers, once it has state
         return metrics
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def export_weights(self, version: int, colocated: bool):
-        """Colocated: write the weights into the rollout of this process, on the device, and return
-        (bytes, seconds); split: rank 0 returns the gathered weights on CPU (for the object store)."""
-        if colocated:
-            t0 = time.perf_counter()
-            nbytes = weight_sync.push(self.engine.model, version)
-            self._device_sync()
-            return nbytes, time.perf_counter() - t0
-        state = full_state_dict(self.engine.model, all_ranks=False)
-        return state if self.rank == 0 else None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def join_weight_channel(self, generation: int, addr: str, port: int, size: int, backend: str,
-                            timeout_s: float) -> int | None:
-        """Actor rank 0 hosts and joins the weight channel to the rollout (channel rank 0)."""
-        if self.rank != 0:
-            return None
-        return weight_channel.join(generation, addr, port, 0, size, backend, timeout_s)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weights_layout(self) -> int:
-        """The ranks the weights are sharded over as :func:`send_weights` lays them out
-        (:func:`~resilient_rl.workers.weight_sync.layout_world`)."""
-        return weight_sync.layout_world(self.engine.model)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def send_weights(self, version: int):
-        """Every actor rank gathers; rank 0 broadcasts over the weight channel. Returns (bytes, seconds)."""
-        t0 = time.perf_counter()
-        nbytes = weight_channel.send(self.engine.model, self.plan.param_dtype, is_root=self.rank == 0)
-        self._device_sync()
-        return nbytes, time.perf_counter() - t0
-
-    def _device_sync(self) -> None:
-        """Wait for the device's queued copies, so that a reported sync time is the copy's, not its launch's."""
-        if self.plan.device.type == "cuda":
-            torch.cuda.synchronize(self.plan.device)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weights_digest(self) -> str | None:
-        """sha256 of the gathered weights on rank 0 (a collective: every rank must call it)."""
-        state = full_state_dict(self.engine.model, all_ranks=False)
-        return _digest(state) if self.rank == 0 else None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def full_weights(self) -> dict | None:
-        """The gathered weights on rank 0 (tests compare them across placements and world sizes)."""
-        state = full_state_dict(self.engine.model, all_ranks=False)
-        return state if self.rank == 0 else None
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
@@ -319,9 +265,18 @@ class RefWorker(RoleWorker):
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
 class RolloutWorker(RoleWorker):
-    """Sampling with a KV cache from an unsharded copy of the policy."""
+    """Sampling with a KV cache from an unsharded copy of the policy; the actor's weights arrive
+    through its :class:`~resilient_rl.workers.weight_parts.WeightReceiver` part."""
 
     role = "rollout"
+    parts = MappingProxyType({"weights": WeightReceiver})
+
+    def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
+        super().__init__(config, vocab_size, eos_token_id, pad_token_id)
+        self.engine = None
+        # A replicated (ddp) actor sends its full weights: they arrive as from one rank.
+        self.weights = WeightReceiver(lambda: self.engine, lambda: self.rank,
+                                      lambda: resolve_strategy(self.cfg.actor.strategy, self.plan.device) == "ddp")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = True) -> bool:
@@ -339,39 +294,6 @@ class RolloutWorker(RoleWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.engine.generate_sequences(prompts, self.rank)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def update_weights(self, state: dict | None, version: int) -> int:
-        """Load weights sent by the actor, or (colocated) check that the actor of this process wrote ``version``."""
-        if state is None:
-            weight_sync.take(version)
-            self.engine.version = int(version)
-            return self.engine.version
-        return self.engine.load_weights(state, version)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def join_weight_channel(self, generation: int, addr: str, port: int, size: int, backend: str,
-                            timeout_s: float) -> int:
-        """Join the actor's weight channel as channel rank ``rank + 1``."""
-        return weight_channel.join(generation, addr, port, self.rank + 1, size, backend, timeout_s)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def receive_weights(self, version: int, layout_world: int) -> int:
-        """Receive the weights actor rank 0 broadcasts over the weight channel, laid out for
-        ``layout_world`` shards (the actor's ``weights_layout``); returns the new version."""
-        # A replicated (ddp) actor sends its full weights: they arrive as from one rank.
-        replicated = resolve_strategy(self.cfg.actor.strategy, self.plan.device) == "ddp"
-        weight_channel.receive(self.engine.model, 1 if replicated else layout_world)
-        self.engine.version = int(version)
-        return self.engine.version
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weights_version(self) -> int:
-        return self.engine.version
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weights_digest(self) -> str:
-        return _digest(self.engine.model.state_dict())
 
 
 #: The worker class of each role, as the trainer hands it to the Ray pool (RayRoles.running).
