@@ -22,7 +22,7 @@ _EXPORTS = {
     "resilient_rl.runtime.dispatch_nd": ("make_nd_compute_dataproto_dispatch_fn",),
     "resilient_rl.runtime.resource_pool": (
         "RayResourcePool", "SubRayResourcePool", "merge_resource_pool", "split_resource_pool"),
-    "resilient_rl.runtime.worker": ("Worker",),
+    "resilient_rl.runtime.verl_worker": ("Worker",),
     "resilient_rl.runtime.worker_class": ("create_colocated_worker_cls_fused", "create_colocated_worker_raw_cls"),
     "resilient_rl.runtime.worker_group": ("RayClassWithInitArgs", "RayWorkerGroup", "create_colocated_worker_cls"),
     "resilient_rl.errors": ("RRLError",),

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from resilient_rl.runtime.health import HEALTH_GROUPS
-from resilient_rl.runtime.worker import Worker
+from resilient_rl.runtime.worker import RankWorker
 from resilient_rl.runtime.parts import routes
 from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, snapshot_parts
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.ray
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)
-class Holder(Worker):
+class Holder(RankWorker):
     """A process holding ring peers' copies, with the snapshot parts of a stateful role."""
 
     answers_during_calls = True

@@ -1,6 +1,6 @@
 """``@register``, ``Dispatch``, ``Execute`` and the built-in dispatch/collect functions.
 
-A method of a :class:`~resilient_rl.runtime.worker.Worker` decorated with ``@register`` becomes a
+A method of a :class:`~resilient_rl.runtime.worker.RankWorker` decorated with ``@register`` becomes a
 method of every worker group built from that class. Its dispatch mode says how the controller's
 arguments are split over the ranks (``dispatch_fn``) and how the per-rank results are merged
 (``collect_fn``); its execute mode says which ranks run it. The names follow verl's so that a

@@ -1,7 +1,7 @@
 """Health of worker groups: probes that answer while a rank is busy, killing hung ranks,
 waiting for Ray to restart dead ones, and telling a broken collective from a bug.
 
-Every rank is probed with ``health()`` (:class:`~resilient_rl.runtime.worker.Worker`'s health
+Every rank is probed with ``health()`` (:class:`~resilient_rl.runtime.worker.RankWorker`'s health
 protocol). A class that declares ``answers_during_calls`` answers from its own thread
 (``@ray.remote(concurrency_groups=HEALTH_GROUPS)``), so a rank blocked in a collective (waiting
 on a stopped peer) still answers and only the stopped rank is killed; other classes may look

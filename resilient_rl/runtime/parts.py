@@ -5,7 +5,7 @@ sender are objects of their own classes, each holding its own state and handed w
 rank's state registry, its place). A part's ``@register``-ed methods are calls of the worker as
 the controller sees them: a worker group binds them like the worker's own (``group.save_checkpoint(...)``,
 ``group.execute_rank_async(r, "take_snapshot")``) and sends each through the worker's one generic
-endpoint, :meth:`~resilient_rl.runtime.worker.Worker.call_part`, naming the part and the method,
+endpoint, :meth:`~resilient_rl.runtime.worker.RankWorker.call_part`, naming the part and the method,
 with the Ray options the method declares (``@ray.method(concurrency_group=..., num_returns=...)``)
 given per call. verl's fused worker routes ``{role}_fwmn_{method}`` to a hosted worker the same way.
 

@@ -13,7 +13,7 @@ once it answers: the pool refills in the background, and the run holds the same 
 before (the replaced process keeps the rank's placement-group bundle).
 
 A spare is *ready* once its process has started and finished warming up (its background imports,
-:meth:`~resilient_rl.runtime.worker.Worker.warmed_up`); one still starting is never waited for
+:meth:`~resilient_rl.runtime.worker.RankWorker.warmed_up`); one still starting is never waited for
 (the rank then waits for Ray's restart, as without spares). A spare that dies while idle or while
 taking over is restarted by Ray and tried again once it answers; one Ray has given up on is
 replaced by a fresh one. A CPU group's spares need free resources (a rank's share), and where

@@ -1,4 +1,4 @@
-"""The ``Worker`` base class: identity of a rank and the lifecycle of its process group.
+"""The ``RankWorker`` base class: identity of a rank and the lifecycle of its process group.
 
 A worker learns its rank and world size from the environment its worker group sets for it
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), as in verl. The group hands these to the actor's
@@ -7,7 +7,7 @@ rather than through a per-actor Ray ``runtime_env``: that would start every acto
 setup-worker process and bar it from reusing the node's idle worker processes, which costs seconds.
 
 Its ``torch.distributed`` group is not created in ``__init__``: the controller calls
-:meth:`Worker.rendezvous` on every rank with a generation number, a master address and a port. A
+:meth:`RankWorker.rendezvous` on every rank with a generation number, a master address and a port. A
 later rendezvous with a new generation (after a peer died and was restarted) destroys the broken
 group first and joins the new one.
 
@@ -36,7 +36,6 @@ from resilient_rl.runtime.leave_collective import uses_nccl  # noqa: F401 -- par
 from resilient_rl.runtime.devices import visible_devices
 from resilient_rl.runtime.master_env import free_port
 from resilient_rl.runtime.dispatch import Dispatch, Execute, register
-from resilient_rl.runtime.worker_mesh import MeshInfoMixin
 from resilient_rl.errors import CollectiveError
 from resilient_rl.runtime.devices import device_report
 
@@ -52,7 +51,7 @@ _WARMING: list[threading.Thread] = []  # see warm_in_background
 
 def warm_in_background(fn, name: str) -> None:
     """Run ``fn`` (imports that later calls need) in a thread of its own, so that a new process
-    answers its first ping at once; :meth:`Worker.warmed_up` waits for every such thread."""
+    answers its first ping at once; :meth:`RankWorker.warmed_up` waits for every such thread."""
     thread = threading.Thread(target=fn, name=name, daemon=True)
     thread.start()
     # A process that takes over one rank after another warms up again each time: keep only the
@@ -137,15 +136,30 @@ def compute_cuda_device() -> int | None:
     return index
 
 
-#: The env:// contract a worker finds before its ``__init__`` runs (verl's ``Worker.env_keys``).
-ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who a worker process is: what its group exported (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)
+    and where it runs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_id: str
+    node_ip: str
+
+    @classmethod
+    def from_env(cls) -> "RankIdentity":
+        return cls(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")),
+                   _node_id(), _node_ip())
 
 
-class Worker(MeshInfoMixin):
-    """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`.
+class RankWorker:
+    """Base class of every worker run by a :class:`~resilient_rl.RayWorkerGroup`: a rank's
+    identity, its process group, its health calls, and its parts' calls. verl's
+    :class:`~resilient_rl.runtime.verl_worker.Worker` adds verl's surface to it.
 
-    A subclass need not call ``super().__init__()``: the group sets the rank's identity up before
-    the subclass's ``__init__`` runs (:meth:`_init_identity`).
+    A subclass need not call ``super().__init__()``: the group exports the rank's identity before
+    the subclass's ``__init__`` runs, and :attr:`identity` reads it at first use.
 
     The health protocol: the group probes every rank with :meth:`health`. A class that declares
     ``@ray.remote(concurrency_groups=HEALTH_GROUPS)`` and puts ``health``,
@@ -162,72 +176,38 @@ class Worker(MeshInfoMixin):
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
         """``cuda_visible_devices`` is accepted for verl compatibility and not used: Ray assigns a
         worker its devices."""
-        self._init_identity()
 
-    def _init_identity(self) -> None:
-        """Read this rank's identity from the environment the group exported."""
-        self._rank = int(env.get("RANK", "0"))
-        self._world_size = int(env.get("WORLD_SIZE", "1"))
-        self._local_rank = int(env.get("LOCAL_RANK", "0"))
-        self._node_id = _node_id()
-        self._node_ip = _node_ip()
+    @property
+    def identity(self) -> RankIdentity:
+        """This rank's identity, read from the environment at first use after the group exported
+        it (a warm spare taking a rank drops it, :mod:`resilient_rl.runtime.worker_class`)."""
+        identity = self.__dict__.get("_rrl_identity")
+        if identity is None:
+            identity = self.__dict__["_rrl_identity"] = RankIdentity.from_env()
+        return identity
 
-    @classmethod
-    def env_keys(cls) -> list[str]:
-        """The environment variables the group sets for every rank (verl)."""
-        return list(ENV_KEYS)
-
-    def _identity(self, name: str):
-        # A worker built outside a group and without Worker.__init__ still has an identity.
-        if "_rank" not in self.__dict__:
-            self._init_identity()
-        return self.__dict__[name]
-
-    def call_part(self, path: str, *args, **kwargs):
-        """Run the registered method ``path`` (``"part.method"``) of one of this worker's parts:
-        the endpoint a worker group sends a part's calls to (:mod:`resilient_rl.runtime.parts`)."""
-        return run_part_method(self, path, args, kwargs)
-
-    # ------------------------------------------------------------------ identity
     @property
     def rank(self) -> int:
-        return self._identity("_rank")
+        return self.identity.rank
 
     @property
     def world_size(self) -> int:
-        return self._identity("_world_size")
-
-    @property
-    def local_rank(self) -> int:
-        return self._identity("_local_rank")
-
-    @property
-    def node_id(self) -> str:
-        return self._identity("_node_id")
-
-    @property
-    def node_ip(self) -> str:
-        return self._identity("_node_ip")
+        return self.identity.world_size
 
     @property
     def generation(self) -> int | None:
         """Generation of the process group this process has joined (None before the first rendezvous)."""
         return _PG_STATE["generation"]
 
-    def get_fused_worker_by_name(self, worker_name: str):
-        """The colocated role ``worker_name`` of this process (verl's fused workers), or None."""
-        return (self.__dict__.get("fused_worker_dict") or {}).get(worker_name)
-
-    def get_node_ip(self) -> str:
-        return self.node_ip
-
-    def get_free_port(self) -> int:
-        return free_port()
+    def call_part(self, path: str, *args, **kwargs):
+        """Run the registered method ``path`` (``"part.method"``) of one of this worker's parts:
+        the endpoint a worker group sends a part's calls to (:mod:`resilient_rl.runtime.parts`)."""
+        return run_part_method(self, path, args, kwargs)
 
     def get_master_addr_port(self) -> tuple[str, int]:
         """Address and a free port of this node, for rank 0 to host a rendezvous. (verl returns
         the ``MASTER_ADDR``/``MASTER_PORT`` the rank started with; those are in the environment.)"""
-        return self.node_ip, free_port()
+        return self.identity.node_ip, free_port()
 
     get_available_master_addr_port = get_master_addr_port
 
@@ -251,7 +231,7 @@ class Worker(MeshInfoMixin):
         (see :mod:`resilient_rl.telemetry.gpu_owners`); it never initialises CUDA."""
         report = device_report(compute_cuda_device())
         done = progress.snapshot()
-        return WorkerInfo(self.rank, self.world_size, _PG_STATE["generation"], os.getpid(), self.node_id,
+        return WorkerInfo(self.rank, self.world_size, _PG_STATE["generation"], os.getpid(), self.identity.node_id,
                           report.gpu_uuids, report.torch_allocated_bytes,
                           report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
                           advances=done.advances, devices=visible_devices())
@@ -260,9 +240,6 @@ class Worker(MeshInfoMixin):
         """Fault injection (chaos suite): the next ``advances`` progress points of this process each
         sleep ``seconds_per_advance`` first, so its calls get slow while staying live."""
         progress.slow_down(seconds_per_advance, advances)
-
-    def pid(self) -> int:
-        return os.getpid()
 
     # ------------------------------------------------------------------ process group
     def rendezvous(self, generation: int, master_addr: str, master_port: int, backend: str | None = None,
@@ -282,7 +259,7 @@ class Worker(MeshInfoMixin):
                 destroy_process_group()
             backend = backend or default_backend()
             if backend == "nccl" and torch.cuda.is_available():
-                _PG_STATE["cuda_device"] = cuda_device_index(self.local_rank)
+                _PG_STATE["cuda_device"] = cuda_device_index(self.identity.local_rank)
                 torch.cuda.set_device(_PG_STATE["cuda_device"])
                 # CPU-side collectives (checkpoint metadata, object gathers) ride on gloo next to nccl.
                 backend = "cpu:gloo,cuda:nccl"

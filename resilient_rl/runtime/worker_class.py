@@ -21,7 +21,8 @@ from resilient_rl.runtime.rank_host import RankHost
 from resilient_rl.runtime.dispatch import MAGIC_ATTR, registered_methods
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.runtime import master_env
-from resilient_rl.runtime.worker import Worker, _node_ip, export_identity
+from resilient_rl.runtime.verl_worker import Worker
+from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity
 from resilient_rl.errors import DispatchError
 
 
@@ -59,7 +60,7 @@ def _ranked_remote_class(ray_cls):
                 # The env:// contract (MASTER_ADDR/PORT among it) is in place before the
                 # worker's __init__, which need not call Worker.__init__ itself.
                 export_identity(master_env.resolve(identity, _node_ip()))
-                Worker._init_identity(self)
+                self.__dict__.pop("_rrl_identity", None)  # read again at first use
                 # A spare's constructor ran once under a spare's identity: what it registered
                 # per mesh is registered again by the constructor run for the rank.
                 self.__dict__.pop("_rrl_mesh", None)
@@ -72,7 +73,7 @@ def _ranked_remote_class(ray_cls):
                 DevicesUnavailable, changing nothing, where this process cannot), export the
                 identity and run the worker's constructor again under it. A spare never served a
                 rank before (it is a fresh process), so nothing of an earlier rank is left."""
-                take_devices(devices, node_id, self.node_id)
+                take_devices(devices, node_id, self.identity.node_id)
                 args, kwargs = self._rrl_init_args
                 self._rrl_become(identity)
                 user_cls.__init__(self, *args, **kwargs)
@@ -92,7 +93,7 @@ class RayClassWithInitArgs:
     """A ``@ray.remote`` worker class with the arguments of its constructor."""
 
     def __init__(self, cls, *args, **kwargs) -> None:
-        if not issubclass(_actor_class(cls), Worker):
+        if not issubclass(_actor_class(cls), RankWorker):
             raise DispatchError(f"{_actor_class(cls).__name__} must subclass resilient_rl.Worker")
         self.cls = cls
         self.args = args
@@ -159,7 +160,7 @@ def _colocated_base(class_dict: dict[str, RayClassWithInitArgs]) -> type:
             role, _, rest = path.partition(".")
             if role in self.worker_dict:
                 return self.worker_dict[role].call_part(rest, *args, **kwargs)
-            return Worker.call_part(self, path, *args, **kwargs)
+            return RankWorker.call_part(self, path, *args, **kwargs)
 
         def _fuw_execute(self, method_name: str, *args, **kwargs):
             """Call ``{role}_fwmn_{method}`` (verl's fused-worker call convention)."""

@@ -22,7 +22,7 @@ import torch
 from resilient_rl.workers.determinism import apply_deterministic
 from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.runtime.dispatch import Dispatch, register
-from resilient_rl.runtime.worker import Worker, warm_in_background
+from resilient_rl.runtime.worker import RankWorker, warm_in_background
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol.utils import tensordict_class
@@ -54,7 +54,7 @@ def _run_config(config: dict):
     return copy.deepcopy(_CONFIG["cfg"])
 
 
-class RoleWorker(Worker):
+class RoleWorker(RankWorker):
     """Common setup of a role: the run config, vocabulary, device plan, CPU threads."""
 
     role = "worker"
@@ -67,12 +67,12 @@ class RoleWorker(Worker):
 
     @ray.method(concurrency_group="health")
     def call_off_rendezvous(self, generation: int) -> None:
-        """Heard while the rendezvous call runs (see :meth:`Worker.call_off_rendezvous`)."""
+        """Heard while the rendezvous call runs (see :meth:`RankWorker.call_off_rendezvous`)."""
         super().call_off_rendezvous(generation)
 
     @ray.method(concurrency_group="health")
     def leave_collectives(self, reason: str = "") -> int:
-        """Heard while a call is blocked in a collective (see :meth:`Worker.leave_collectives`)."""
+        """Heard while a call is blocked in a collective (see :meth:`RankWorker.leave_collectives`)."""
         return super().leave_collectives(reason)
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):

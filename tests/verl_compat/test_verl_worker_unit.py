@@ -23,7 +23,7 @@ def test_worker_without_super_init_has_its_identity(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     w = NoSuperInit(5)
-    assert (w.rank, w.world_size, w.local_rank) == (3, 4, 1)
+    assert (w.rank, w.world_size, w.identity.local_rank) == (3, 4, 1)
     assert w.ping().rank == 3
     assert "MASTER_PORT" in Worker.env_keys()
 

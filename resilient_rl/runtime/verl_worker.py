@@ -1,20 +1,44 @@
-"""A worker's data-parallel rank per named mesh, for verl's n-dimensional dispatch
-(:mod:`resilient_rl.runtime.dispatch_nd`), and verl's function-running helpers.
+"""verl's ``Worker``: the project's :class:`~resilient_rl.runtime.worker.RankWorker` with verl's
+surface, so that a verl worker ports by changing its imports.
 
-:class:`MeshInfoMixin` is a base of :class:`~resilient_rl.runtime.worker.Worker`. Its tables
-are created on first use, so a worker whose ``__init__`` does not call ``super().__init__()``
-has them too.
+It adds each worker's data-parallel rank per named mesh, for verl's n-dimensional dispatch
+(:mod:`resilient_rl.runtime.dispatch_nd`), verl's function-running helpers and its identity
+helpers. The mesh tables are created on first use, so a worker whose ``__init__`` does not call
+``super().__init__()`` has them too. The project's own role workers build on ``RankWorker``.
 """
 
 from __future__ import annotations
 
-from resilient_rl.runtime.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import DispatchError
+from resilient_rl.runtime.dispatch import Dispatch, Execute, register
+from resilient_rl.runtime.master_env import free_port
+from resilient_rl.runtime.worker import RankWorker
+
+#: The env:// contract a worker finds before its ``__init__`` runs (verl's ``Worker.env_keys``).
+ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class MeshInfoMixin:
-    """Per-mesh dispatch rank and collect flag of this worker (verl's names and semantics)."""
+class Worker(RankWorker):
+    """Base class of a verl-style worker run by a :class:`~resilient_rl.RayWorkerGroup`: a
+    :class:`~resilient_rl.runtime.worker.RankWorker` with verl's per-mesh dispatch rank and collect
+    flag (verl's names and semantics) and verl's helpers."""
 
+    @classmethod
+    def env_keys(cls) -> list[str]:
+        """The environment variables the group sets for every rank (verl)."""
+        return list(ENV_KEYS)
+
+    def get_fused_worker_by_name(self, worker_name: str):
+        """The colocated role ``worker_name`` of this process (verl's fused workers), or None."""
+        return (self.__dict__.get("fused_worker_dict") or {}).get(worker_name)
+
+    def get_node_ip(self) -> str:
+        return self.identity.node_ip
+
+    def get_free_port(self) -> int:
+        return free_port()
+
+    # ------------------------------------------------------------------ meshes
     def _mesh_tables(self) -> tuple[dict[str, int], dict[str, bool]]:
         tables = self.__dict__.get("_rrl_mesh")
         if tables is None:
