@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -27,16 +29,13 @@ def test_shard_rows_follow_torch_chunk(rows, world, expected):
 
 def test_push_writes_the_actor_weights_into_the_registered_rollout():
     actor, rollout = _model(0), _model(1)
-    weight_sync.register_sink(rollout)
-    try:
-        with pytest.raises(WorkerError, match="holds version None"):
-            weight_sync.take(1)
-        nbytes = weight_sync.push(actor, version=1)
-        weight_sync.take(1)
-        with pytest.raises(WorkerError, match="asked for 2"):
-            weight_sync.take(2)
-    finally:
-        weight_sync.clear_sink()
+    sink = weight_sync.Sink(rollout)
+    with pytest.raises(WorkerError, match="holds version None"):
+        sink.take(1)
+    nbytes = sink.push(actor, version=1)
+    sink.take(1)
+    with pytest.raises(WorkerError, match="asked for 2"):
+        sink.take(2)
     assert nbytes == sum(p.numel() * 4 for p in rollout.parameters())
     for (name, a), (_, r) in zip(actor.named_parameters(), rollout.named_parameters()):
         assert torch.equal(a, r), name
@@ -47,22 +46,19 @@ def test_push_follows_the_actor_through_updates_restores_and_rebuilds():
     """A push pairs the actor's parameters with the sink's once; later pushes copy through the
     pairs, and still see an in-place update, a swapped ``.data`` (a restore) and a rebuilt model."""
     actor, rollout = _model(0), _model(1).requires_grad_(False)
-    weight_sync.register_sink(rollout)
-    try:
-        weight_sync.push(actor, version=1)
-        with torch.no_grad():
-            for p in actor.parameters():
-                p.add_(1.0)
-        actor.lm_head.weight.data = torch.full_like(actor.lm_head.weight, 3.0)
-        weight_sync.push(actor, version=2)
-        for (name, a), (_, r) in zip(actor.named_parameters(), rollout.named_parameters()):
-            assert torch.equal(a, r), name
-        rebuilt = _model(2)
-        assert weight_sync.push(rebuilt, version=3) == sum(p.numel() * 4 for p in rollout.parameters())
-        weight_sync.take(3)
-        assert all(torch.equal(a, r) for a, r in zip(rebuilt.parameters(), rollout.parameters()))
-    finally:
-        weight_sync.clear_sink()
+    sink = weight_sync.Sink(rollout)
+    sink.push(actor, version=1)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(1.0)
+    actor.lm_head.weight.data = torch.full_like(actor.lm_head.weight, 3.0)
+    sink.push(actor, version=2)
+    for (name, a), (_, r) in zip(actor.named_parameters(), rollout.named_parameters()):
+        assert torch.equal(a, r), name
+    rebuilt = _model(2)
+    assert sink.push(rebuilt, version=3) == sum(p.numel() * 4 for p in rollout.parameters())
+    sink.take(3)
+    assert all(torch.equal(a, r) for a, r in zip(rebuilt.parameters(), rollout.parameters()))
 
 
 def test_an_fsdp2_actor_is_not_paired_so_a_push_after_a_gathering_forward_stays_right(single_rank_group):
@@ -72,32 +68,25 @@ def test_an_fsdp2_actor_is_not_paired_so_a_push_after_a_gathering_forward_stays_
 
     actor, rollout = _model(0), _model(1).requires_grad_(False)
     fully_shard(actor)
-    weight_sync.register_sink(rollout)
+    sink = weight_sync.Sink(rollout)
     ids = torch.zeros(1, 3, dtype=torch.long)
-    try:
-        with torch.no_grad():
-            actor(input_ids=ids)
-        assert not hasattr(next(actor.parameters()), "to_local")  # gathered
-        weight_sync.push(actor, version=1)
-        actor(input_ids=ids).logits.sum().backward()  # resharded after the backward
-        with torch.no_grad():
-            for p in actor.parameters():
-                p.to_local().add_(1.0)
-        weight_sync.push(actor, version=2)
-        full = {n: p.full_tensor() for n, p in actor.named_parameters()}
-    finally:
-        weight_sync.clear_sink()
+    with torch.no_grad():
+        actor(input_ids=ids)
+    assert not hasattr(next(actor.parameters()), "to_local")  # gathered
+    sink.push(actor, version=1)
+    actor(input_ids=ids).logits.sum().backward()  # resharded after the backward
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.to_local().add_(1.0)
+    sink.push(actor, version=2)
+    full = {n: p.full_tensor() for n, p in actor.named_parameters()}
     for name, r in rollout.named_parameters():
         assert torch.equal(full[name], r), name
 
 
 def test_push_casts_into_a_rollout_of_another_dtype():
     actor, rollout = _model(0), _model(1).to(torch.bfloat16).requires_grad_(False)
-    weight_sync.register_sink(rollout)
-    try:
-        assert weight_sync.push(actor, version=1) == sum(p.numel() * 2 for p in rollout.parameters())
-    finally:
-        weight_sync.clear_sink()
+    assert weight_sync.Sink(rollout).push(actor, version=1) == sum(p.numel() * 2 for p in rollout.parameters())
     assert all(torch.equal(a.to(torch.bfloat16), r) for a, r in zip(actor.parameters(), rollout.parameters()))
 
 
@@ -114,9 +103,11 @@ def test_write_into_casts_to_the_rollout_dtype_and_rejects_other_models():
 
 
 def test_push_without_a_rollout_in_the_process_is_an_error():
-    weight_sync.clear_sink()
+    from resilient_rl.workers.weight_parts import WeightSender
+
+    sender = WeightSender(lambda: SimpleNamespace(model=_model(0)), lambda: None, lambda: 0, lambda: None)
     with pytest.raises(WorkerError, match="no rollout"):
-        weight_sync.push(_model(0), version=1)
+        sender.export_weights(1, colocated=True)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])

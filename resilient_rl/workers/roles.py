@@ -27,7 +27,6 @@ from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
 from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
-from resilient_rl.workers import weight_sync
 from resilient_rl.workers.weight_parts import WeightReceiver, WeightSender
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
@@ -38,9 +37,7 @@ from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
 
 
-#: Whether an engine of this process was dropped and its reference cycles not collected yet.
-_UNCOLLECTED = [False]
-#: The run config each process built last: (its plain mapping as JSON, the Config).
+#: The run config this process built last: (its plain mapping as JSON, the Config).
 _CONFIG: dict = {}
 
 
@@ -140,11 +137,13 @@ class RoleWorker(RankWorker):
         and in every automatic collection during a step."""
         had = getattr(self, "engine", None) is not None
         self.engine = None
-        _UNCOLLECTED[0] |= had
-        if collect and _UNCOLLECTED[0]:
+        self.engine_dropped = had or getattr(self, "engine_dropped", False)  # its cycles not collected yet
+        process = host_of(self).workers()
+        if collect and any(getattr(w, "engine_dropped", False) for w in process):
             gc.collect()
-            _UNCOLLECTED[0] = False
-        if collect and all(getattr(w, "engine", None) is None for w in host_of(self).workers()):
+            for w in process:
+                w.engine_dropped = False
+        if collect and all(getattr(w, "engine", None) is None for w in process):
             gc.freeze()
         return had
 
@@ -182,7 +181,8 @@ class ActorWorker(TrainableRole):
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__(config, vocab_size, eos_token_id, pad_token_id)
-        self.weights = WeightSender(lambda: self.engine, lambda: self.plan, lambda: self.rank)
+        self.weights = WeightSender(lambda: self.engine, lambda: self.plan, lambda: self.rank,
+                                    lambda: getattr(host_of(self).parts("weights").get("rollout"), "sink", None))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = False) -> bool:
@@ -288,7 +288,7 @@ class RolloutWorker(RoleWorker):
         self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
                                     self.eos_token_id, self.pad_token_id, empty=empty)
         # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
-        weight_sync.register_sink(self.engine.model)
+        self.weights.receive_into(self.engine.model)
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

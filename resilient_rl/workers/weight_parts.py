@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from resilient_rl.errors import WorkerError
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers import weight_channel, weight_sync
 from resilient_rl.workers.fsdp import DevicePlan, full_state_dict
@@ -33,10 +34,12 @@ def digest(state: dict[str, torch.Tensor]) -> str:
 
 class WeightSender:
     """The actor's side. ``engine()``: its engine now (``model``); ``plan()``: its device plan;
-    ``rank()``: its rank."""
+    ``rank()``: its rank; ``sink()``: the weight sink of the rollout in this process
+    (:class:`~resilient_rl.workers.weight_sync.Sink`), or None where there is none."""
 
-    def __init__(self, engine: Callable[[], Any], plan: Callable[[], DevicePlan], rank: Callable[[], int]) -> None:
-        self.engine, self.plan, self._rank = engine, plan, rank
+    def __init__(self, engine: Callable[[], Any], plan: Callable[[], DevicePlan], rank: Callable[[], int],
+                 sink: Callable[[], weight_sync.Sink | None]) -> None:
+        self.engine, self.plan, self._rank, self.sink = engine, plan, rank, sink
 
     @property
     def rank(self) -> int:
@@ -48,7 +51,11 @@ class WeightSender:
         (bytes, seconds); split: rank 0 returns the gathered weights on CPU (for the object store)."""
         if colocated:
             t0 = time.perf_counter()
-            nbytes = weight_sync.push(self.engine().model, version)
+            sink = self.sink()
+            if sink is None:
+                raise WorkerError("weight sync: no rollout in this process registered its weights", role="actor",
+                                  cause="stale_weights")
+            nbytes = sink.push(self.engine().model, version)
             self._device_sync()
             return nbytes, time.perf_counter() - t0
         state = full_state_dict(self.engine().model, all_ranks=False)
@@ -98,10 +105,16 @@ class WeightSender:
 class WeightReceiver:
     """The rollout's side. ``engine()``: its engine now (``model``, ``version``, ``load_weights``);
     ``rank()``: its rank; ``replicated()``: whether the actor is replicated (ddp), so that its full
-    weights arrive as from one rank."""
+    weights arrive as from one rank. ``sink``: its engine's parameters as the destination of a
+    colocated actor's syncs (set by :meth:`receive_into` at each model build)."""
 
     def __init__(self, engine: Callable[[], Any], rank: Callable[[], int], replicated: Callable[[], bool]) -> None:
         self.engine, self._rank, self.replicated = engine, rank, replicated
+        self.sink: weight_sync.Sink | None = None
+
+    def receive_into(self, model) -> None:
+        """Make ``model``'s parameters the destination of this process's weight syncs (version unset)."""
+        self.sink = weight_sync.Sink(model)
 
     @property
     def rank(self) -> int:
@@ -112,7 +125,10 @@ class WeightReceiver:
         """Load weights sent by the actor, or (colocated) check that the actor of this process wrote ``version``."""
         engine = self.engine()
         if state is None:
-            weight_sync.take(version)
+            if self.sink is None:
+                raise WorkerError("weight sync: this rollout has no model to receive weights into", role="rollout",
+                                  cause="stale_weights")
+            self.sink.take(version)
             engine.version = int(version)
             return engine.version
         return engine.load_weights(state, version)

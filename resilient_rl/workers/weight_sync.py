@@ -6,8 +6,9 @@ and one ``all_gather_single`` on the actor's process group (NCCL on GPU, gloo on
 rank-major receive buffer that a :class:`Bucket` knows how to unpack into full tensors. Buckets
 bound the extra memory to about ``world_size + 1`` bucket sizes.
 
-- Colocated (the rollout lives in the actor's process): the rollout registers its parameters as
-  the *sink* of its process and the actor unpacks straight into them (:func:`push`). Unsharded
+- Colocated (the rollout lives in the actor's process): the rollout's parameters are the *sink*
+  of its process (:class:`Sink`, held by the rollout's weight part) and the actor unpacks straight
+  into them (:meth:`Sink.push`). Unsharded
   (one rank), that is one device copy per tensor (``copy_`` also casts fp32 master weights to the
   rollout's bf16 on a GPU).
 - Split (:mod:`resilient_rl.workers.weight_channel`): actor rank 0 broadcasts each gathered
@@ -35,9 +36,6 @@ from resilient_rl.workers.fsdp import is_fsdp
 
 #: Default bucket size of a sync (bytes in the rollout's dtype).
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
-
-_LOCK = threading.Lock()
-
 
 def shard_rows(rows: int, world: int) -> list[int]:
     """Rows of each rank under ``Shard(0)`` (``torch.chunk`` semantics; trailing ranks may get none)."""
@@ -213,81 +211,61 @@ def write_into(model: nn.Module, dst: dict[str, torch.Tensor], bucket_bytes: int
 # The sink of a colocated rollout
 
 
-@dataclass
-class _Sink:
-    params: dict[str, nn.Parameter]
-    version: int | None = None
-    #: The unsharded model last pushed and its parameters paired with the sink's (same order), so
-    #: that a later push from it is one ``_foreach_copy_`` with no walk of either module.
-    source: weakref.ref | None = None
-    pairs: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
-    nbytes: int = 0
+class Sink:
+    """A rollout's parameters as the destination of its process's weight syncs: the colocated
+    actor writes into them (:meth:`push`), the rollout checks the version it then serves
+    (:meth:`take`). The rollout's weight part owns it
+    (:class:`~resilient_rl.workers.weight_parts.WeightReceiver`); the actor finds it there."""
 
+    def __init__(self, model: nn.Module) -> None:
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        self.version: int | None = None
+        self._lock = threading.Lock()
+        #: The unsharded model last pushed and its parameters paired with the sink's (same
+        #: order), so that a later push from it is one ``_foreach_copy_`` with no walk of either module.
+        self._source: weakref.ref | None = None
+        self._pairs: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
+        self._nbytes = 0
 
-_STATE: dict[str, _Sink | None] = {"sink": None}
+    def _pair(self, model: nn.Module) -> None:
+        """Pair ``model``'s parameters with the sink's when ``model`` is not FSDP2 (else clear the pairs).
 
+        The pairs hold the parameter objects, not their data: a restore that copies into them or
+        swaps their ``.data`` is seen by the next push. A rebuilt model is a new source. An FSDP2
+        model is never paired: it swaps its registered parameters between the sharded and the
+        gathered ones (a forward without backward leaves the gathered ones registered).
+        """
+        check_same_parameters(model, self.params)
+        self._source = weakref.ref(model)
+        if is_fsdp(model):
+            self._pairs = None
+            return
+        params = dict(model.named_parameters())
+        self._pairs = ([self.params[n] for n in params], list(params.values()))
+        self._nbytes = sum(t.numel() * t.element_size() for t in self._pairs[0])
 
-def register_sink(model: nn.Module) -> None:
-    """Make ``model``'s parameters the destination of this process's weight syncs (version unset)."""
-    with _LOCK:
-        _STATE["sink"] = _Sink(dict(model.named_parameters()))
+    def push(self, model: nn.Module, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Write ``model``'s weights into the sink and mark it ``version``; returns bytes written.
 
+        Unsharded, one ``_foreach_copy_`` into the sink's parameters (a device copy per tensor,
+        cast to the rollout's dtype); sharded, the bucketed gather of :func:`write_into`.
+        """
+        if self._source is None or self._source() is not model:
+            self._pair(model)
+        if self._pairs is None:
+            nbytes = write_into(model, {n: p.data for n, p in self.params.items()}, bucket_bytes)
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(*self._pairs)
+            nbytes = self._nbytes
+        with self._lock:
+            self.version = int(version)
+        return nbytes
 
-def clear_sink() -> None:
-    with _LOCK:
-        _STATE["sink"] = None
-
-
-def _sink() -> _Sink:
-    sink = _STATE["sink"]
-    if sink is None:
-        raise WorkerError("weight sync: no rollout in this process registered its weights", role="actor",
-                          cause="stale_weights")
-    return sink
-
-
-def _pair(sink: _Sink, model: nn.Module) -> None:
-    """Pair ``model``'s parameters with the sink's when ``model`` is not FSDP2 (else clear the pairs).
-
-    The pairs hold the parameter objects, not their data: a restore that copies into them or
-    swaps their ``.data`` is seen by the next push. A rebuilt model is a new source. An FSDP2
-    model is never paired: it swaps its registered parameters between the sharded and the
-    gathered ones (a forward without backward leaves the gathered ones registered).
-    """
-    check_same_parameters(model, sink.params)
-    sink.source = weakref.ref(model)
-    if is_fsdp(model):
-        sink.pairs = None
-        return
-    params = dict(model.named_parameters())
-    sink.pairs = ([sink.params[n] for n in params], list(params.values()))
-    sink.nbytes = sum(t.numel() * t.element_size() for t in sink.pairs[0])
-
-
-def push(model: nn.Module, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Write ``model``'s weights into this process's sink and mark it ``version``; returns bytes written.
-
-    Unsharded, one ``_foreach_copy_`` into the sink's parameters (a device copy per tensor, cast to
-    the rollout's dtype); sharded, the bucketed gather of :func:`write_into`.
-    """
-    sink = _sink()
-    if sink.source is None or sink.source() is not model:
-        _pair(sink, model)
-    if sink.pairs is None:
-        nbytes = write_into(model, {n: p.data for n, p in sink.params.items()}, bucket_bytes)
-    else:
-        with torch.no_grad():
-            torch._foreach_copy_(*sink.pairs)
-        nbytes = sink.nbytes
-    with _LOCK:
-        sink.version = int(version)
-    return nbytes
-
-
-def take(version: int) -> None:
-    """Check that the sink holds ``version`` (the rollout then serves it)."""
-    with _LOCK:
-        held = _sink().version
-    if held != int(version):
-        raise WorkerError(f"weight sync: this process holds version {held}, asked for {version}",
-                          role="rollout", cause="stale_weights")
+    def take(self, version: int) -> None:
+        """Check that the sink holds ``version`` (the rollout then serves it)."""
+        with self._lock:
+            held = self.version
+        if held != int(version):
+            raise WorkerError(f"weight sync: this process holds version {held}, asked for {version}",
+                              role="rollout", cause="stale_weights")
