@@ -386,3 +386,24 @@ def test_recovery_path_bench_lists_the_controller_functions_of_one_recovery():
     assert "resilient_rl.recovery.driver:Recovery.handle" in functions
     assert any(f.endswith("RollBack.roll_back_to") for f in functions)
     assert int(lines[0].split()[3]) == len(functions)
+
+
+def test_same_history_compares_every_key_but_measured_times(tmp_path, monkeypatch, capsys):
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import same_history
+
+    def run(name: str, losses: list[float]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"step": i + 1, "actor/pg_loss": v, "timing/step_s": 0.1 * (i + 1) + len(name)}
+                for i, v in enumerate(losses)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    a, b, c = run("a", [0.5, 0.25]), run("bb", [0.5, 0.25]), run("c", [0.5, 0.3])
+    assert same_history.main([str(a), str(b)]) == 0
+    assert "2 steps, 2 keys compared (measured times and rates left out): identical" in capsys.readouterr().out
+    assert same_history.main([str(a), str(c)]) == 1
+    assert "step 2: actor/pg_loss" in capsys.readouterr().out
