@@ -41,7 +41,7 @@ def test_a_new_process_of_the_rank_loads_the_copy_its_predecessor_left(tmp_path)
     del rank  # the process is gone; its copy is not
 
     fresh = Rank(mlp)
-    assert fresh.snapshot_loader.load_snapshot(2, NodeCopy(run_dir, "2.1")) is True
+    assert fresh.snapshot_restorer.load_snapshot(2, NodeCopy(run_dir, "2.1")) is True
     assert_same(fresh.fingerprint(), at_snapshot)
     fresh.train(2)
     assert torch.equal(fresh.train(3), noise_a)
@@ -59,12 +59,12 @@ def test_only_the_snapshot_asked_for_is_read(tmp_path):
     rank.train(0)
     take(rank, 1, run_dir, "1.1")
     fresh = Rank(mlp)
-    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.9")) is False  # another timeline's step 1
-    assert fresh.snapshot_loader.load_snapshot(2, NodeCopy(run_dir, "1.1")) is False  # another step
-    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(str(tmp_path / "resilient-rl-other"), "1.1")) is False
+    assert fresh.snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.9")) is False  # another timeline's step 1
+    assert fresh.snapshot_restorer.load_snapshot(2, NodeCopy(run_dir, "1.1")) is False  # another step
+    assert fresh.snapshot_restorer.load_snapshot(1, NodeCopy(str(tmp_path / "resilient-rl-other"), "1.1")) is False
     other_rank = Rank(mlp)
     other_rank.rank = 1
-    assert other_rank.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False  # rank 0's files are not its
+    assert other_rank.snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False  # rank 0's files are not its
 
 
 def test_a_slot_being_written_is_withdrawn_first(tmp_path):
@@ -105,7 +105,7 @@ def test_no_space_in_node_memory_keeps_copies_in_the_process(tmp_path, monkeypat
     # Later takes for the same run do not try again; the copy loads back from the process.
     assert take(rank, 2, run_dir, "2.2")["node_failed"]
     rank.train(0)
-    assert rank.snapshot_loader.load_snapshot(2) is True
+    assert rank.snapshot_restorer.load_snapshot(2) is True
 
 
 def test_stale_run_directories_are_swept_unless_in_use(tmp_path):

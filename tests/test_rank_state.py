@@ -47,7 +47,7 @@ class Rank:
                                              staging=False)
         parts = snapshot_parts("actor", lambda: states_of(self.engine), lambda: (0, 1), self.checkpointer,
                                lambda attr: host_of(self).parts(attr))
-        self.snapshots, self.snapshot_loader = parts["snapshots"], parts["snapshot_loader"]
+        self.snapshots, self.snapshot_restorer = parts["snapshots"], parts["snapshot_restorer"]
 
     def train(self, step: int) -> None:
         e = self.engine
@@ -80,7 +80,7 @@ def test_a_registered_part_is_snapshotted_and_restored():
     rank.train(1)
     torch.rand(4)
     assert not same(rank.fingerprint(), at)
-    assert rank.snapshot_loader.load_snapshot(1) is True  # its own copy
+    assert rank.snapshot_restorer.load_snapshot(1) is True  # its own copy
     assert same(rank.fingerprint(), at)
     # A copy read by another process from node memory: the metadata's JSON carries the part too.
     meta = {k: v for k, v in taken["roles"]["actor"].items() if k != "data"}
@@ -89,7 +89,7 @@ def test_a_registered_part_is_snapshotted_and_restored():
     assert torch.equal(back["extra"]["states"]["visits"]["seen"], torch.tensor([1, 0, 0]))
     assert torch.equal(back["extra"]["states"]["rng"]["torch"], meta["extra"]["states"]["rng"]["torch"])
     fresh = Rank()
-    assert fresh.snapshot_loader.load_snapshot(1, dict(back, data=taken["roles"]["actor"]["data"])) is True
+    assert fresh.snapshot_restorer.load_snapshot(1, dict(back, data=taken["roles"]["actor"]["data"])) is True
     assert same(fresh.fingerprint(), at)
 
 

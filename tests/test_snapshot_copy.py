@@ -37,7 +37,7 @@ class Rank:
         parts = snapshot_parts(role, lambda: states_of(self.engine), lambda: (self.rank, self.world_size), self,
                                lambda attr: host_of(self).parts(attr))
         self.snapshots = parts["snapshots"]
-        self.snapshot_loader = parts["snapshot_loader"]
+        self.snapshot_restorer = parts["snapshot_restorer"]
         self.held_snapshots = parts["held_snapshots"]
 
     def snapshot(self, step: int, roles=None) -> dict:
@@ -101,7 +101,7 @@ def roundtrip(rank: Rank, other: Rank, via_pickle: bool):
     rank.train(2)
     noise_a = rank.train(3)
     after_a = rank.fingerprint()
-    assert other.snapshot_loader.load_snapshot(2, None if other is rank else snap) is True
+    assert other.snapshot_restorer.load_snapshot(2, None if other is rank else snap) is True
     assert_same(other.fingerprint(), at_snapshot)
     other.train(2)
     noise_b = other.train(3)
@@ -130,7 +130,7 @@ def test_snapshot_before_the_optimizer_had_state_clears_it():
     assert not any(e[0].startswith("optim/") for e in snap["layout"])
     rank.train(0)
     assert rank.engine.optimizer.state
-    assert rank.snapshot_loader.load_snapshot(0) is True
+    assert rank.snapshot_restorer.load_snapshot(0) is True
     assert not rank.engine.optimizer.state
     assert_same(rank.fingerprint(), before)
     # The next step is AdamW's first again (its step counter restarts at 1).
@@ -161,11 +161,11 @@ def test_mismatch_names_the_path():
     other = Rank(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
     other.train(0)
     with pytest.raises(ValueError, match=r"model/0\.weight has shape \(5, 4\), the rank's \(6, 4\)"):
-        other.snapshot_loader.load_snapshot(1, snap)
+        other.snapshot_restorer.load_snapshot(1, snap)
     renamed = Rank(lambda: nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3)))  # no Tanh: "1." not "2."
     renamed.train(0)
     with pytest.raises(ValueError, match=r"model/2\.weight: not in the rank's state"):
-        renamed.snapshot_loader.load_snapshot(1, snap)
+        renamed.snapshot_restorer.load_snapshot(1, snap)
 
 
 def test_layout_is_self_describing_and_aligned():
@@ -193,7 +193,7 @@ def test_copy_reports_progress_per_chunk(monkeypatch):
     chunks = list(snapshot_buffers._chunks(layout, len(layout.entries)))
     assert len(chunks) > 4 and sum(len(c) for c in chunks) == len(layout.entries)
     assert progress.snapshot().advances - before == len(chunks)  # one report per chunk copied
-    assert rank.snapshot_loader.load_snapshot(1) is True
+    assert rank.snapshot_restorer.load_snapshot(1) is True
 
 
 def fsdp_mlp():
@@ -254,7 +254,7 @@ def test_one_take_for_the_colocated_roles_and_hold_keeps_a_peer_bundle():
     assert peer.snapshots.snapshot_memory()["held_bytes"] == sum(done["bytes"].values())
     # The critic restores from the held copy (as the controller hands it over).
     critic.train(2)
-    assert critic.snapshot_loader.load_snapshot(1, held) is True
+    assert critic.snapshot_restorer.load_snapshot(1, held) is True
     again = critic.snapshot(5)["roles"]["critic"]
     layout = Layout.from_list(held["layout"])
     assert all(torch.equal(a, b) for a, b in zip(layout.views(torch.from_numpy(again["data"])),

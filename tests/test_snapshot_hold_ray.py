@@ -32,7 +32,7 @@ class Holder(RankWorker):
         parts = snapshot_parts(self.role, lambda: None, lambda: (self.rank, self.world_size), None,
                                lambda attr: host_of(self).parts(attr))
         self.snapshots = parts["snapshots"]
-        self.snapshot_loader = parts["snapshot_loader"]
+        self.snapshot_restorer = parts["snapshot_restorer"]
         self.held_snapshots = parts["held_snapshots"]
 
     @ray.method(concurrency_group="health")

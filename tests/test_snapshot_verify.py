@@ -41,7 +41,7 @@ def test_flipped_bytes_in_node_memory_are_detected_and_never_restored(tmp_path):
     fresh = Rank(mlp)
     fresh.train(5)  # some state of its own, which a refused copy must leave as it is
     before = fresh.fingerprint()
-    answer = fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1"))
+    answer = fresh.snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1"))
     assert isinstance(answer, dict) and "does not match" in answer["corrupt"], answer
     assert_same(fresh.fingerprint(), before)
     assert not fresh.snapshots.has_snapshot(1)
@@ -57,13 +57,13 @@ def test_a_damaged_own_or_handed_over_copy_is_refused():
     before = other.fingerprint()
     bad = dict(copy, data=copy["data"].copy())
     bad["data"][7] ^= 1
-    assert "corrupt" in other.snapshot_loader.load_snapshot(1, bad)
+    assert "corrupt" in other.snapshot_restorer.load_snapshot(1, bad)
     assert_same(other.fingerprint(), before)
-    assert other.snapshot_loader.load_snapshot(1, copy) is True
+    assert other.snapshot_restorer.load_snapshot(1, copy) is True
     # The rank's own copy, damaged in its ring: refused too.
     rank.train(1)
     rank.snapshots.own[1][1]["data"][3] ^= 1
-    assert "corrupt" in rank.snapshot_loader.load_snapshot(1)
+    assert "corrupt" in rank.snapshot_restorer.load_snapshot(1)
 
 
 def test_a_copy_its_process_left_unsealed_is_loaded_from_node_memory_as_written(tmp_path):
@@ -78,12 +78,12 @@ def test_a_copy_its_process_left_unsealed_is_loaded_from_node_memory_as_written(
     with open(os.path.join(node_path(run_dir), "actor-0-0.meta"), "rb") as f:
         assert "checksum" not in f.read().decode()
     fresh = Rank(mlp)
-    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) == "unsealed"
+    assert fresh.snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) == "unsealed"
     assert_same(fresh.fingerprint(), rank.fingerprint())
-    assert "no xxh3_64 checksum" in rank.snapshot_loader.load_snapshot(1)["corrupt"]
+    assert "no xxh3_64 checksum" in rank.snapshot_restorer.load_snapshot(1)["corrupt"]
     files = NodeFiles(node_path(run_dir), "actor", 0)
     files.invalidate(files.find(2, 1, "1.1")[0])  # what a take does before writing a slot again
-    assert Rank(mlp).snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert Rank(mlp).snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
 
 
 def test_node_memory_is_private_and_its_metadata_is_json(tmp_path):
@@ -120,7 +120,7 @@ def test_a_pickled_meta_is_never_unpickled(tmp_path, monkeypatch):
     with open(meta_path, "wb") as f:
         pickle.dump({"step": 1, "id": "1.1", "bytes": 1, "x": _Boom()}, f)
     assert NodeFiles(node_path(run_dir), "actor", 0).find(2, 1, "1.1") is None
-    assert Rank(mlp).snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert Rank(mlp).snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
     assert not os.path.exists(tmp_path / "BOOM")
 
 
@@ -205,9 +205,9 @@ def test_a_copy_left_under_another_clusters_node_id_is_found_only_when_asked_for
     take(rank, 1, run_dir, "1.1")
     os.rename(node_path(run_dir), os.path.join(run_dir, "node-of-the-previous-cluster"))
     fresh = Rank(mlp)
-    assert not fresh.snapshot_loader.node_copy_here(1, NodeCopy(run_dir, "1.1"))
-    assert fresh.snapshot_loader.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
+    assert not fresh.snapshot_restorer.node_copy_here(1, NodeCopy(run_dir, "1.1"))
+    assert fresh.snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
     anywhere = NodeCopy(run_dir, "1.1", any_node=True)
-    assert fresh.snapshot_loader.node_copy_here(1, anywhere) and not fresh.snapshot_loader.node_copy_here(2, anywhere)
-    assert fresh.snapshot_loader.load_snapshot(1, anywhere) is True
+    assert fresh.snapshot_restorer.node_copy_here(1, anywhere) and not fresh.snapshot_restorer.node_copy_here(2, anywhere)
+    assert fresh.snapshot_restorer.load_snapshot(1, anywhere) is True
     assert_same(fresh.fingerprint(), rank.fingerprint())

@@ -167,7 +167,7 @@ class TrainableRole(RoleWorker):
         parts = snapshot_parts(self.role, states, lambda: (self.rank, self.world_size), self.checkpointer,
                                lambda attr: host_of(self).parts(attr))
         self.snapshots = parts["snapshots"]
-        self.snapshot_loader = parts["snapshot_loader"]
+        self.snapshot_restorer = parts["snapshot_restorer"]
         self.held_snapshots = parts["held_snapshots"]
 
 

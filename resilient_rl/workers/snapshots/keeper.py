@@ -46,7 +46,6 @@ unusable; the caller rebuilds the models and falls back to storage.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 import time
@@ -64,37 +63,12 @@ from resilient_rl.runtime.cluster import on_every_node
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, remove_predecessors, remove_run, run_path
 from resilient_rl.workers.snapshots.node_sweep import owner_record
 from resilient_rl.workers.snapshots.slots import KEEP
+from resilient_rl.workers.snapshots.tracked import Snapshot
 
 logger = logging.getLogger(__name__)
 
 #: Most snapshots kept at once: the newest complete one and those in flight after it.
 MAX_KEPT = 3
-
-
-@dataclasses.dataclass
-class Snapshot:
-    """One step's snapshot as the controller tracks it."""
-
-    step: int
-    trainer_state: dict
-    world_sizes: dict[str, int]
-    takes: dict[str, list]  # role -> ObjectRef of each rank's copy (what its process's publish_snapshot returned), None where not published
-    done: dict[str, list]  # role -> ObjectRef of each rank's take_snapshot answer (the bytes of its copy)
-    published: list  # ObjectRef of each publish_snapshot's small answer (its copies are stored)
-    holds: list[tuple[Any, list[tuple[str, int]]]]  # ObjectRef of each hold_snapshot, the (role, rank) it keeps
-    holders: dict[str, list]  # role -> the (role, rank) holding each rank's peer copy, None where none does
-    node: dict[str, list]  # role -> each rank's NodeCopy, None where none
-    process_of: dict  # (role, rank) -> key of its process
-    sealed: list = dataclasses.field(default_factory=list)  # ObjectRef of each process's seal_snapshot (checksums)
-    caller: dict = dataclasses.field(default_factory=dict)  # id of each answer's ObjectRef -> key of the process asked
-    failed: bool = False
-    complete: bool = False
-    # Every answer is in, and those that failed are of processes that died (``suspects``, their
-    # keys): each rank may still have a whole copy somewhere. See :meth:`SnapshotKeeper.restore`.
-    unfinished: bool = False
-    suspects: set = dataclasses.field(default_factory=set)
-    carried: bool = False  # left in node memory by an earlier controller of the run (snapshot_carry)
-    bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # per role and rank, once complete
 
 
 class SnapshotKeeper:
@@ -266,19 +240,13 @@ class SnapshotKeeper:
         kept = [s for s in self.snapshots[start:] if not s.failed]
         self.snapshots = kept[-MAX_KEPT:]
 
-    @staticmethod
-    def _refs(snap: Snapshot) -> tuple[list, list]:
-        """(each process's take answer, every answer of ``snap``: takes, seals, publishes, holds)."""
-        answers = list({id(r): r for rs in snap.done.values() for r in rs}.values())
-        return answers, answers + snap.sealed + snap.published + [r for r, _ in snap.holds]
-
     def is_complete(self, snap: Snapshot) -> bool:
         """Whether every take, publish and hold of ``snap`` finished without an error (does not
         wait). Once every answer is in, one that failed makes the snapshot ``failed``, unless each
         failed answer is of a process that died: it is then ``unfinished`` (see :meth:`restore`)."""
         if snap.complete or snap.failed or snap.unfinished:
             return snap.complete
-        answers, refs = self._refs(snap)
+        answers, refs = snap.answers()
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if len(ready) < len(refs):
             return False
@@ -330,7 +298,7 @@ class SnapshotKeeper:
     def _settle(self, snap: Snapshot) -> None:
         """Wait (up to the call timeout) until every answer of ``snap`` is in, successful or not:
         the survivors' seals may still be running when a failure strikes."""
-        _, refs = self._refs(snap)
+        _, refs = snap.answers()
         self._wait(refs, num_returns=len(refs), timeout=self.timeout_s, fetch_local=False)
 
     def drop_after(self, step: int) -> None:

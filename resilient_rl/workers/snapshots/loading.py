@@ -18,7 +18,7 @@ NO_COPY = object()
 
 
 class SnapshotLoader:
-    """Fills the ranks of a :class:`~resilient_rl.workers.snapshots.keeper.Snapshot`.
+    """Fills the ranks of a :class:`~resilient_rl.workers.snapshots.tracked.Snapshot`.
 
     Args:
         timeout_s: the deadline of each load call.

@@ -1,6 +1,6 @@
 """The snapshot parts of a stateful role worker (:mod:`resilient_rl.runtime.parts`), declared and
 built together: its own copies (:class:`~resilient_rl.workers.snapshots.take.RankSnapshots`),
-their loader (:class:`~resilient_rl.workers.snapshots.restore.SnapshotLoader`) and the copies it
+their loader (:class:`~resilient_rl.workers.snapshots.restore.SnapshotRestorer`) and the copies it
 holds for ring peers (:class:`~resilient_rl.workers.snapshots.restore.HeldSnapshots`).
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Callable
 
-from resilient_rl.workers.snapshots.restore import HeldSnapshots, SnapshotLoader
+from resilient_rl.workers.snapshots.restore import HeldSnapshots, SnapshotRestorer
 from resilient_rl.workers.snapshots.take import RankSnapshots
 
 #: attribute name -> class, as a worker class declares its parts.
-SNAPSHOT_PARTS = MappingProxyType({"snapshots": RankSnapshots, "snapshot_loader": SnapshotLoader,
+SNAPSHOT_PARTS = MappingProxyType({"snapshots": RankSnapshots, "snapshot_restorer": SnapshotRestorer,
                                    "held_snapshots": HeldSnapshots})
 
 
@@ -25,5 +25,5 @@ def snapshot_parts(role: str, states: Callable[[], Any], place: Callable[[], tup
     load resets and re-prepares its staging); ``process(attr)``: the part ``attr`` of every role
     in this process, by role (:meth:`~resilient_rl.runtime.rank_host.RankHost.parts`)."""
     snapshots = RankSnapshots(role, states, place, process)
-    return {"snapshots": snapshots, "snapshot_loader": SnapshotLoader(snapshots, checkpointer),
+    return {"snapshots": snapshots, "snapshot_restorer": SnapshotRestorer(snapshots, checkpointer),
             "held_snapshots": HeldSnapshots(role, process)}

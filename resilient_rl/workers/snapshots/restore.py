@@ -1,7 +1,7 @@
 """The restore side of a worker's snapshots: the copies a process holds for its ring peers (a
 copy on another node, :class:`HeldSnapshots`), and loading a copy (own, node memory, object store
 or a peer's) back into the rank's tensors in place, after its checksum is verified
-(:class:`SnapshotLoader`). The take side is :mod:`resilient_rl.workers.snapshots.take`.
+(:class:`SnapshotRestorer`). The take side is :mod:`resilient_rl.workers.snapshots.take`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class HeldSnapshots:
         return None
 
 
-class SnapshotLoader:
+class SnapshotRestorer:
     """Loads a copy of this rank's state (its own, one it left in node memory, one in the object
     store or a peer's) back into the rank's tensors in place, after its checksum is verified; a
     part of a stateful role worker (:mod:`resilient_rl.runtime.parts`). The rank's own copies are

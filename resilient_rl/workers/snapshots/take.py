@@ -18,7 +18,7 @@ checksums the copies (:mod:`resilient_rl.workers.snapshots.meta`) and commits th
 every load checks the checksum before writing anything into the rank, so a torn or damaged copy
 is refused (``{"corrupt": why}``) and the controller tries the next one.
 :meth:`HeldSnapshots.hold_snapshot` makes this process keep its ring neighbours' copies (a third
-copy, on another node), all of one step in one call. :meth:`SnapshotLoader.load_snapshot` writes a
+copy, on another node), all of one step in one call. :meth:`SnapshotRestorer.load_snapshot` writes a
 copy back into the rank's tensors in place; both are the restore side
 (:mod:`resilient_rl.workers.snapshots.restore`).
 
@@ -64,7 +64,7 @@ class RankSnapshots:
     """This rank's own snapshot copies, a part of a stateful role worker
     (:mod:`resilient_rl.runtime.parts`): taken from the rank's state registry (``states()``, a
     :class:`~resilient_rl.workers.rank_state.RankState`) into a ring of host buffers, published to
-    the object store, sealed with a checksum; :class:`~resilient_rl.workers.snapshots.restore.SnapshotLoader`
+    the object store, sealed with a checksum; :class:`~resilient_rl.workers.snapshots.restore.SnapshotRestorer`
     loads them back. ``place()`` is the rank's (rank, world size); ``process(attr)`` the part
     ``attr`` of every role in this process, by role
     (:meth:`~resilient_rl.runtime.rank_host.RankHost.parts`): one call takes, publishes or seals
