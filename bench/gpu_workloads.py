@@ -264,6 +264,7 @@ def workload_lines(w: Workload, summary: dict, rows: list[dict], peak: float | N
         value = " / ".join(f"{100 * mfu(per_phase[c][key], secs, peak, gpus):.1f}%" for c in per_phase) \
             if peak else "n/a (peak unknown)"
         lines.append(f"  {name} MFU (project / verl): {value} ({1e3 * secs:.0f} ms per step)")
+    lines += allocator_lines(rows)
     if peak:
         ran = [k for k in per_phase["project"] if phase.get(k, 0.0) > 0]
         whole = " / ".join(f"{100 * mfu(sum(per_phase[c][k] for k in ran), summary['step_s'], peak, gpus):.1f}%"
@@ -273,4 +274,23 @@ def workload_lines(w: Workload, summary: dict, rows: list[dict], peak: float | N
         lines.append(f"  generation in the step: {shape['rows'] * shape['response'] / phase['gen']:.0f} output tokens/s")
     lines.append(f"  throughput (verl perf/throughput): "
                  f"{verl_throughput(summary['tokens_per_step'], summary['step_s'], gpus):.0f} tokens/s/GPU")
+    return lines
+
+
+def allocator_lines(rows: list[dict]) -> list[str]:
+    """The caching allocator's account of the update passes (``perf/<role>_*`` of
+    :mod:`resilient_rl.workers.allocator`, on a GPU only): highest peaks against the plan's and the
+    cudaMalloc retries per step, each a device-wide synchronisation of a pass planned too close to
+    the device's memory."""
+    lines = []
+    for role in ("actor", "critic"):
+        measured = [r for r in rows if f"perf/{role}_peak_bytes" in r]
+        if not measured:
+            continue
+        gib = lambda key: max(r.get(f"perf/{role}_{key}", 0.0) for r in measured) / 2**30  # noqa: E731
+        planned = f"{gib('planned_peak_bytes'):.1f} GiB planned" if any(
+            f"perf/{role}_planned_peak_bytes" in r for r in measured) else "not planned"
+        retries = statistics.fmean(r.get(f"perf/{role}_alloc_retries", 0.0) for r in measured)
+        lines.append(f"  {role} update allocator: peak {gib('peak_bytes'):.1f} GiB allocated, "
+                     f"{gib('reserved_peak_bytes'):.1f} GiB reserved ({planned}); {retries:.1f} cudaMalloc retries per step")
     return lines

@@ -343,6 +343,13 @@ def test_workload_and_generation_report_lines(workloads):
     assert f"whole-step MFU (project / verl): {100 * whole:.1f}%" in text
     assert f"{rows_per_step * 100 / 2.0:.0f} output tokens/s" in text
     assert f"{rows_per_step * 300 / 4.0:.0f} tokens/s/GPU" in text
+    assert "allocator" not in text  # no allocator counters: a CPU run
+    gib = 2**30
+    rows = [dict(r, **{"perf/actor_peak_bytes": p * gib, "perf/actor_reserved_peak_bytes": (p + 2) * gib,
+                       "perf/actor_alloc_retries": retries, "perf/actor_planned_peak_bytes": 60.0 * gib})
+            for r, p, retries in zip(rows, (61.0, 63.5), (0.0, 3.0))]
+    assert wl.allocator_lines(rows) == ["  actor update allocator: peak 63.5 GiB allocated, 65.5 GiB reserved "
+                                        "(60.0 GiB planned); 1.5 cudaMalloc retries per step"]
     seconds = {"engine": 2.0, "hf_dynamic": 8.0, "hf_static": 5.0, "param_bytes": 1e9}
     glines = gen.generation_lines(w, seconds, "NVIDIA H200")
     assert "4.00x faster" in glines[2] and "2.50x faster" in glines[3]

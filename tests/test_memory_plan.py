@@ -198,3 +198,24 @@ def test_the_logit_chunk_is_the_log_prob_heads():
     from resilient_rl.workers import logprob
 
     assert mp.CHUNK_ELEMENTS == logprob._CHUNK_ELEMENTS
+
+
+def test_the_allocators_account_of_an_update_pass(monkeypatch):
+    """On a GPU the update pass reports the allocator's peaks and its cudaMalloc retries during the
+    pass beside the plan's peak (CUDA's counters faked here: CPU has none); on CPU, nothing."""
+    import torch
+
+    from resilient_rl.workers.allocator import AllocatorWindow
+
+    stats = {"num_alloc_retries": 3, "allocated_bytes.all.peak": 10, "reserved_bytes.all.peak": 12}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    window = AllocatorWindow(torch.device("cuda", 0))
+    assert resets == [torch.device("cuda", 0)]
+    stats.update({"num_alloc_retries": 5, "allocated_bytes.all.peak": 70 * 2**30, "reserved_bytes.all.peak": 75 * 2**30})
+    assert window.metrics("actor", planned_peak=68 * 2**30) == {
+        "perf/actor_peak_bytes": 70.0 * 2**30, "perf/actor_reserved_peak_bytes": 75.0 * 2**30,
+        "perf/actor_alloc_retries": 2.0, "perf/actor_planned_peak_bytes": 68.0 * 2**30}
+    assert "perf/critic_planned_peak_bytes" not in window.metrics("critic")
+    assert AllocatorWindow(torch.device("cpu")).metrics("actor", 1) == {}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from resilient_rl.errors import CollectiveError
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime import progress
+from resilient_rl.workers.allocator import AllocatorWindow
 from resilient_rl.workers.fsdp import (all_reduce_gradients, clip_grad_norm, global_token_counts, step_scheduler,
                                        update_is_finite)
 
@@ -51,8 +52,10 @@ def run_epochs(engine, data: DataProto, keys: list[str], seed: int, prefix: str,
     A mini-batch whose loss or gradient norm is NaN or Inf (on any rank) is not applied: its
     gradients are dropped, the optimizer does not step, and ``<prefix>/nonfinite_skipped`` counts
     it (its losses stay out of the reported means). Returns the mean of each loss term over the
-    applied mini-batches, with ``<prefix>/grad_norm``, ``<prefix>/lr``."""
+    applied mini-batches, with ``<prefix>/grad_norm``, ``<prefix>/lr``, and on a GPU the
+    allocator's account of the pass (:mod:`resilient_rl.workers.allocator`)."""
     cfg, model, optimizer = engine.cfg, engine.model, engine.optimizer
+    allocator = AllocatorWindow(engine.plan.device)
     world = dp_world_size()
     local_mb = max(1, cfg.mini_batch_size // world)
     model.train(True)
@@ -81,4 +84,6 @@ def run_epochs(engine, data: DataProto, keys: list[str], seed: int, prefix: str,
     metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
     metrics[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
     metrics[f"{prefix}/nonfinite_skipped"] = float(skipped)
+    planned = getattr(engine, "memory_plan", None)
+    metrics.update(allocator.metrics(prefix, planned.peak_bytes if planned is not None else None))
     return metrics
