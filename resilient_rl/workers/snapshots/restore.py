@@ -7,6 +7,7 @@ or a peer's) back into the rank's tensors in place, after its checksum is verifi
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 import ray
@@ -15,7 +16,7 @@ from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers.snapshots import meta as snapshot_meta
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles
 from resilient_rl.workers.snapshots.slots import (
-    HELD_LOCK, KEEP, previous_publishes_stored,
+    KEEP, previous_publishes_stored,
 )
 from resilient_rl.workers.snapshots.state import restore_state
 
@@ -32,10 +33,11 @@ class HeldSnapshots:
         self.role = role
         self.process = process
         self.copies: dict = {}  # (owner role, owner rank) -> {step: copy}
+        self.lock = threading.Lock()  # the copies: kept on the "snapshot" thread, read on the call thread
 
     def bytes(self) -> int:
         """Host bytes of the copies kept."""
-        with HELD_LOCK:
+        with self.lock:
             return sum(int(s["bytes"]) for h in self.copies.values() for s in h.values())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -60,7 +62,7 @@ class HeldSnapshots:
         if len(owners) != len(taken):
             raise ValueError(f"hold_snapshot: {len(owners)} owner lists for {len(taken)} snapshots")
         taken = [ray.get(t, timeout=timeout_s) if isinstance(t, ray.ObjectRef) else t for t in taken]
-        with HELD_LOCK:
+        with self.lock:
             return self._hold(step, owners, taken)
 
     def _hold(self, step: int, owners: list[list], taken: list) -> dict:
@@ -82,8 +84,8 @@ class HeldSnapshots:
     def held_snapshot(self, step: int, owner_role: str, owner_rank: int) -> dict | None:
         """The copy of ``step`` this process holds for ``owner_role`` rank ``owner_rank`` (kept
         by any of its roles), or None (it was restarted since)."""
-        with HELD_LOCK:
-            for held in self.process("held_snapshots").values():
+        for held in self.process("held_snapshots").values():
+            with held.lock:
                 snap = (held.copies.get((owner_role, int(owner_rank))) or {}).get(int(step))
                 if snap is not None:
                     return snap

@@ -38,6 +38,7 @@ Snapshots are never resharded: a copy is loaded only into the same rank of the s
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 import ray
@@ -48,7 +49,7 @@ from resilient_rl.workers.snapshots import meta as snapshot_meta, node_capacity
 from resilient_rl.workers.snapshots.node_memory import NodeFiles, node_id, node_path
 from resilient_rl.workers.snapshots.buffers import HostRing, Layout
 from resilient_rl.workers.snapshots.slots import (
-    KEEP, SLOTS, previous_publishes_stored,
+    KEEP, previous_publishes_stored,
 )
 from resilient_rl.workers.snapshots.state import FORMAT, optim_extras
 
@@ -83,6 +84,9 @@ class RankSnapshots:
         self.layout: Layout | None = None
         self.node_failed: tuple[str, str] | None = None  # (run directory, why) where node memory failed
         self.to_commit: dict = {}  # step -> NodeFiles its seal commits the copy to
+        #: Guards the own copies and the ring slots a publish may still be reading, across the call
+        #: thread (takes) and the "snapshot" thread (publishes, seals); notified when either changes.
+        self.slots = threading.Condition()
 
     @property
     def rank(self) -> int:
@@ -101,7 +105,7 @@ class RankSnapshots:
             if ring is not None:
                 ring.release()
             ring = self.ring = HostRing(KEEP, None if want is None else NodeFiles(*want, node.get("owner")))
-            with SLOTS:
+            with self.slots:
                 self.own = {s: v for s, v in self.own.items() if v[0] is None}
                 self.publishing = frozenset()
         return ring
@@ -113,13 +117,13 @@ class RankSnapshots:
         """A ring slot no kept copy lives in and no publish reads, after dropping own copies beyond
         the newest KEEP - 1. Waits (up to :data:`SLOT_WAIT_S`) for a publish still being stored;
         past that, the slot gets a new buffer and the publish keeps the old one."""
-        with SLOTS:
+        with self.slots:
             own = self.own
             for old in sorted(own)[:-(KEEP - 1) or None]:
                 del own[old]
             kept = {slot for slot, _ in own.values()}
             free = lambda: [s for s in range(KEEP) if s not in kept and s not in self.publishing]  # noqa: E731
-            if SLOTS.wait_for(free, timeout=SLOT_WAIT_S):
+            if self.slots.wait_for(free, timeout=SLOT_WAIT_S):
                 return free()[0]
             slot = next(s for s in range(KEEP) if s not in kept)
             self.ring.forget(slot)
@@ -142,17 +146,17 @@ class RankSnapshots:
                                node["dir"], self.role, self.rank, exc)
                 slot, snap = self._copy(step, node)
         except BaseException as exc:
-            with SLOTS:
+            with self.slots:
                 self.take_failed = (step, f"{type(exc).__name__}: {exc}")
-                SLOTS.notify_all()
+                self.slots.notify_all()
             raise
         self.keep_own(step, slot, snap)
         return snap
 
     def keep_own(self, step: int, slot: int | None, snap: dict) -> None:
-        with SLOTS:
+        with self.slots:
             self.own[step] = (slot, snap)
-            SLOTS.notify_all()
+            self.slots.notify_all()
 
     def adopt_node_copy(self, run_dir: str, step: int, slot: int, buf, snap: dict) -> None:
         """Make the copy of ``step`` a load read from node memory (in ring slot ``slot`` of the run
@@ -160,7 +164,7 @@ class RankSnapshots:
         other slot."""
         self.node_failed = None
         ring = self.ring_for({"dir": run_dir})
-        with SLOTS:
+        with self.slots:
             self.own = {}
         ring.adopt(slot, buf)
         self.keep_own(step, slot, snap)
@@ -173,7 +177,7 @@ class RankSnapshots:
         if self.layout is None or not self.layout.matches(tensors):
             self.layout = Layout.of(tensors)
         layout = self.layout
-        with SLOTS:
+        with self.slots:
             self.own.pop(step, None)
         slot = self._free_slot()
         if ring.files is not None:
@@ -246,15 +250,15 @@ class RankSnapshots:
         step = int(step)
         workers = self._process_workers_of(roles, "publish_snapshot")
         out = {}
-        with SLOTS:
-            for role, w in workers.items():
+        for role, w in workers.items():
+            with w.slots:
                 w._wait_taken(step, timeout_s, "publish_snapshot")
         for role, w in workers.items():
             if "checksum" not in w.own.get(step, (None, {}))[1]:
                 w._seal(step, timeout_s)
-        with SLOTS:
-            for role, w in workers.items():
-                if step not in (w.own or {}):
+        for role, w in workers.items():
+            with w.slots:
+                if step not in w.own:
                     raise RuntimeError(f"publish_snapshot: the {role} copy of step {step} is gone (superseded)")
                 slot, out[role] = w.own[step]
                 if slot is not None:
@@ -276,11 +280,11 @@ class RankSnapshots:
         return {"step": step, "checksums": {role: w._seal(step, timeout_s) for role, w in workers.items()}}
 
     def _wait_taken(self, step: int, timeout_s: float, call: str) -> None:
-        """With SLOTS held: wait up to ``timeout_s`` for the take of ``step`` (sent before ``call``,
+        """With :attr:`slots` held: wait up to ``timeout_s`` for the take of ``step`` (sent before ``call``,
         running on the call thread); a RuntimeError when it failed or its copy is gone."""
         role = self.role
         taken = lambda: step in self.own or (self.take_failed or (None,))[0] == step  # noqa: E731
-        if not SLOTS.wait_for(taken, timeout=timeout_s):
+        if not self.slots.wait_for(taken, timeout=timeout_s):
             raise RuntimeError(f"{call}: no {role} copy of step {step} after {timeout_s:.0f}s")
         if step not in self.own:
             why = self.take_failed[1] if self.take_failed and self.take_failed[0] == step else "superseded"
@@ -288,7 +292,7 @@ class RankSnapshots:
 
     def _seal(self, step: int, timeout_s: float) -> str:
         role = self.role
-        with SLOTS:
+        with self.slots:
             self._wait_taken(step, timeout_s, "seal_snapshot")
             slot, snap = self.own[step]
             reading = slot is not None and slot not in self.publishing
@@ -297,12 +301,12 @@ class RankSnapshots:
         try:
             digest = snap.get("checksum") or snapshot_meta.checksum(snap["data"], int(snap["bytes"]))
         finally:
-            with SLOTS:
+            with self.slots:
                 still = self.own.get(step, (None, None))[1] is snap and (
                     slot is None or slot in self.publishing)
                 if reading:
                     self.publishing = self.publishing - {slot}
-                SLOTS.notify_all()
+                self.slots.notify_all()
         snap["checksum"] = digest
         files = self.to_commit.pop(step, None)
         for old in [s for s in self.to_commit if s < step]:
