@@ -393,6 +393,9 @@ def test_recovery_path_bench_lists_the_controller_functions_of_one_recovery():
     assert "resilient_rl.recovery.driver:Recovery.handle" in functions
     assert any(f.endswith("RollBack.roll_back_to") for f in functions)
     assert int(lines[0].split()[3]) == len(functions)
+    unnamed = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>", "__create_fn__")
+    named = [f for f in functions if not any(mark in f for mark in unnamed)]
+    assert lines[1].startswith(f"  of them {len(named)} written as functions in ")
 
 
 def test_same_history_compares_every_key_but_measured_times(tmp_path, monkeypatch, capsys):
