@@ -1,5 +1,6 @@
 """Whether two runs trained the same: their metrics histories (``metrics.jsonl`` of each run
-folder) compared step by step, every key but the measured times and rates.
+folder) compared step by step, every key but the measured times and counts (``timing/*``,
+``perf/*``: :func:`resilient_rl.run.folder.deterministic_view`).
 
 Two fault-free runs of one config on two versions of the code must print ``identical``: a change
 that reshapes code (no change of behaviour meant) is checked so.
@@ -10,17 +11,15 @@ that reshapes code (no change of behaviour meant) is checked so.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-#: Keys that measure time or rate: they differ between any two runs.
-MEASURED = ("timing/", "perf/")
-
-
 def history(run: Path) -> list[dict]:
-    with open(run / "metrics.jsonl") as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(MEASURED)} for line in f]
+    """The run's metrics history as it must match bit for bit (``deterministic_view``)."""
+    from resilient_rl.jsonl import read_jsonl
+    from resilient_rl.run.folder import deterministic_view
+
+    return deterministic_view(read_jsonl(run / "metrics.jsonl"))
 
 
 def differences(a: list[dict], b: list[dict]) -> list[str]:
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = history(args.run_a), history(args.run_b)
     diff = differences(a, b)
     keys = len(a[0]) if a else 0
-    print(f"{len(a)} steps, {keys} keys compared (measured times and rates left out): "
+    print(f"{len(a)} steps, {keys} keys compared (timing/* and perf/* left out): "
           + ("identical" if not diff else f"{len(diff)} differences"))
     for line in diff[:20]:
         print(line)

@@ -414,6 +414,6 @@ def test_same_history_compares_every_key_but_measured_times(tmp_path, monkeypatc
 
     a, b, c = run("a", [0.5, 0.25]), run("bb", [0.5, 0.25]), run("c", [0.5, 0.3])
     assert same_history.main([str(a), str(b)]) == 0
-    assert "2 steps, 2 keys compared (measured times and rates left out): identical" in capsys.readouterr().out
+    assert "2 steps, 2 keys compared (timing/* and perf/* left out): identical" in capsys.readouterr().out
     assert same_history.main([str(a), str(c)]) == 1
     assert "step 2: actor/pg_loss" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import time
 
 import ray
 
+from resilient_rl.runtime.pool.ray_roles import distinct_groups
 from resilient_rl.trainer.hooks import TrainerHook
 
 
@@ -72,7 +73,7 @@ class RemoveNodeOf(TrainerHook):
         if step != self.step or self._thread is not None:
             return
         roles = trainer.roles
-        group = roles.distinct_groups()[0]
+        group = distinct_groups(roles)[0]
         known = roles.known_workers
         _, node_id = known[(group.name_prefix, self.rank)]
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)

@@ -113,25 +113,16 @@ class RayRoles:
                                          for role in ("actor", "critic") if role in self.groups])
             self.sync_weights(0)  # the rollout, built empty, gets the actor's initial weights
             # Started last: they warm up while the first step runs.
-            self.spares = start_spares(self.cfg.recovery, self.groups, self.distinct_groups())
+            self.spares = start_spares(self.cfg.recovery, self.groups, distinct_groups(self))
         except BaseException:
             self.shutdown()
             raise
 
     # ------------------------------------------------------------------ lifecycle
-    def distinct_groups(self) -> list[RayWorkerGroup]:
-        """One group per distinct set of actor processes (spawned role groups share their parent's)."""
-        seen, groups = set(), []
-        for g in list(self.torch_groups) + list(self.groups.values()):
-            if id(g.workers) not in seen:
-                seen.add(id(g.workers))
-                groups.append(g)
-        return groups
-
     def refresh_workers(self) -> None:
         """Remember every rank's ping reply in ``worker_info``, keyed by (group, rank): its pid and
         node (to tell restarted actors and to kill hung ones) and its GPU (for telemetry)."""
-        self.worker_info = {(g.name_prefix, rank): info for g in self.distinct_groups()
+        self.worker_info = {(g.name_prefix, rank): info for g in distinct_groups(self)
                             for rank, info in enumerate(g.ping())}
         for pool in self.spares.values():  # every rank answers: spares released for them start again
             pool.refill()
@@ -145,10 +136,10 @@ class RayRoles:
         return dict(self.worker_info)
 
     def process_groups(self) -> list[str]:
-        return [g.name_prefix for g in self.distinct_groups()]
+        return [g.name_prefix for g in distinct_groups(self)]
 
     def _process_group(self, name: str) -> RayWorkerGroup:
-        for g in self.distinct_groups():
+        for g in distinct_groups(self):
             if g.name_prefix == name:
                 return g
         raise KeyError(f"no process group {name!r}; groups: {self.process_groups()}")
@@ -211,7 +202,7 @@ class RayRoles:
 
         def between_tries() -> None:
             self.interrupt()
-            yield_to_unplaced(self.distinct_groups(), self.spares, self.known_workers, self.roles_of)
+            yield_to_unplaced(distinct_groups(self), self.spares, self.known_workers, self.roles_of)
 
         return group_spares.reidentify(g, health.wait_alive(g, timeout_s, while_waiting=between_tries))
 
@@ -223,7 +214,7 @@ class RayRoles:
         for role, g in self.groups.items():
             if g.name_prefix == name:
                 return _process_group_of(self, g).name_prefix, role
-        for g in self.distinct_groups():
+        for g in distinct_groups(self):
             if g.name_prefix == name:
                 return name, primary_role(self.roles_of(name))
         return None, None
@@ -241,7 +232,7 @@ class RayRoles:
         return out
 
     def poll_device_reports(self, poller) -> bool:
-        return poller.poll(self.distinct_groups())
+        return poller.poll(distinct_groups(self))
 
     def checkpoint_groups(self) -> list[tuple[str, RayWorkerGroup]]:
         return [(r, self.groups[r]) for r in STATEFUL_ROLES if r in self.groups]
@@ -348,6 +339,16 @@ class RayRoles:
                 "perf/weight_sync_worker_s": max(float(s[1]) for s in stats)}
 
 
+def distinct_groups(pool: RayRoles) -> list[RayWorkerGroup]:
+    """One group per distinct set of ``pool``'s actor processes (spawned role groups share their parent's)."""
+    seen, groups = set(), []
+    for g in list(pool.torch_groups) + list(pool.groups.values()):
+        if id(g.workers) not in seen:
+            seen.add(id(g.workers))
+            groups.append(g)
+    return groups
+
+
 def _process_group_of(pool: RayRoles, g: RayWorkerGroup) -> RayWorkerGroup:
     """The group that owns ``g``'s processes (``g`` itself, or the group a colocated role was spawned from)."""
-    return next(p for p in pool.distinct_groups() if p.workers is g.workers)
+    return next(p for p in distinct_groups(pool) if p.workers is g.workers)
