@@ -7,9 +7,10 @@ columns out) and differs in how it gets there:
 - **Kept cache.** Keys and values live in buffers allocated once per model and kept across
   rollouts (:mod:`resilient_rl.models.kv_cache`), written in place; nothing grows by
   concatenation, so every decode step of a batch size has the same shapes and addresses.
-- **Attention that reads each K/V once.** Decode attends with grouped-query heads in the kernel and
-  only over the cache blocks written so far (:mod:`resilient_rl.models.cache_attention`), for the
-  tiny model and Hugging Face models alike.
+- **Attention that reads each K/V once.** Decode attends with grouped-query heads in one grouped
+  matrix product over the cache, no ``repeat_kv`` (:mod:`resilient_rl.models.cache_attention`),
+  for the tiny model and Hugging Face models alike; it reads every static column, the masked ones
+  too (why not a kernel that skips them: that module's docstring).
 - **One prefill per prompt.** Adjacent identical rows (a prompt repeated for its ``rollout.n``
   samples) are prefilled once; the cache rows and the first logits are then repeated.
 - **No host synchronisation inside decode.** Sampling stays on the device, inside the decode step

@@ -128,7 +128,7 @@ def replaced(actor, pid: int) -> bool:
 
 def answers_during_calls(group) -> bool:
     """Whether the ranks of ``group`` (a :class:`RayWorkerGroup`) answer health calls while a call
-    runs: its worker class declares ``answers_during_calls`` (see the Worker's health protocol)."""
+    runs: its worker class declares ``answers_during_calls`` (see RankWorker's health protocol)."""
     init = getattr(group, "ray_cls_with_init", None)
     cls = init.cls if init is not None else None
     cls = getattr(cls, "__ray_actor_class__", cls)  # the Python class behind Ray's actor class
