@@ -14,12 +14,12 @@ from functools import partial
 from typing import Any, Callable
 
 from resilient_rl.errors import DataProtoError
-from resilient_rl.protocol.verl import DataProtoVerlMixin
+from resilient_rl.protocol.container import DataProtoCore
 
 
 def _concat_parts(parts: list) -> Any:
-    # A DataProto is a DataProtoVerlMixin (its base here): concat through the parts' own class.
-    if parts and all(isinstance(p, DataProtoVerlMixin) for p in parts) and len({type(p) for p in parts}) == 1:
+    # A DataProto is a DataProtoCore (its base here): concat through the parts' own class.
+    if parts and all(isinstance(p, DataProtoCore) for p in parts) and len({type(p) for p in parts}) == 1:
         return type(parts[0]).concat(parts)
     from resilient_rl.protocol.utils import tensordict_class
 

@@ -1,5 +1,6 @@
 """Helpers behind :class:`~resilient_rl.protocol.DataProto`: strict equality, unions,
-column checks, padding and the wire format of its tensors.
+column checks, padding, the wire format of its tensors, verl's meta-info merge and its global
+switches (:class:`DataProtoConfig`).
 
 They are re-exported by :mod:`resilient_rl.protocol` (verl keeps ``union_tensor_dict`` and friends
 in ``verl.protocol``), so importing them from either module works.
@@ -13,11 +14,13 @@ pickle stream.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from resilient_rl import env
 from resilient_rl.errors import DataProtoError
 
 if TYPE_CHECKING:
@@ -193,3 +196,62 @@ def batch_from_wire(state: dict[str, Any] | None) -> TensorDict | None:
     tensors = {k: tensor_from_wire(k, raw, dtype, torch.Size(shape), dev)
                for k, dtype, shape, dev, raw in state["tensors"]}
     return tensordict_class()(tensors, batch_size=list(state["batch_size"]), device=state["device"])
+
+
+class _DataProtoConfigMeta(type):
+    """Class-level switches, read and set as ``DataProtoConfig.auto_padding`` (as in verl)."""
+
+    _config: dict[str, Any] = {}
+    #: meta_info key that turns auto-padding on for one DataProto (verl's key).
+    auto_padding_key = "_verl_auto_padding"
+
+    @property
+    def auto_padding(cls) -> bool:
+        by_env = (env.get("VERL_AUTO_PADDING", "FALSE") or "").upper() in ("TRUE", "1")
+        return by_env or cls._config.get(cls.auto_padding_key, False)
+
+    @auto_padding.setter
+    def auto_padding(cls, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise DataProtoError(f"DataProtoConfig.auto_padding must be a bool, got {enabled!r}")
+        cls._config[cls.auto_padding_key] = enabled
+
+
+class DataProtoConfig(metaclass=_DataProtoConfigMeta):
+    """Global DataProto switches: ``DataProtoConfig.auto_padding = True`` lets every ``chunk`` split
+    uneven batches (the ``VERL_AUTO_PADDING`` environment variable does the same)."""
+
+
+def list_of_dict_to_dict_of_list(items: Sequence[dict]) -> dict[str, list]:
+    """``[{"a": 1}, {"a": 2}]`` -> ``{"a": [1, 2]}`` (keys of the first dict, as in verl)."""
+    if not items:
+        return {}
+    out: dict[str, list] = {k: [] for k in items[0]}
+    for i, item in enumerate(items):
+        for key in out:
+            if key not in item:
+                raise DataProtoError(f"metrics of part {i} have no key {key!r}; part 0 has {sorted(out)}")
+            out[key].append(item[key])
+    return out
+
+
+def merge_meta_info(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """verl's concat rule: keys of every part are merged (a key held by several parts must have
+    one value); ``metrics`` of every part (a dict or a list of dicts) become one dict of lists."""
+    merged: dict[str, Any] = {}
+    metrics: list = []
+    for meta in metas:
+        for key, value in meta.items():
+            if key == "metrics":
+                if value is not None:
+                    metrics.extend(value if isinstance(value, list) else [value])
+            elif key in merged:
+                if not values_equal(merged[key], value):
+                    raise DataProtoError(f"Conflicting values for meta_info key '{key}' "
+                                         f"({merged[key]!r} vs {value!r})")
+            else:
+                merged[key] = value
+    if metrics:
+        merged["metrics"] = list_of_dict_to_dict_of_list(metrics) if all(isinstance(m, dict) for m in metrics) \
+            else metrics
+    return merged

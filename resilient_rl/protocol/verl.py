@@ -1,7 +1,7 @@
 """The parts of verl's ``DataProto`` surface beyond the core container: auto-padding, batch-dim
 folding, TensorDict conversion, per-sample repeats, column unfolding and disk I/O.
 
-:class:`DataProtoVerlMixin` is a base class of :class:`~resilient_rl.protocol.DataProto`; it only
+:class:`DataProto` is a base class of :class:`~resilient_rl.protocol.DataProto`; it only
 calls DataProto's own methods, so the core container stays in :mod:`resilient_rl.protocol`.
 Behaviour follows verl 0.9; errors are :class:`~resilient_rl.errors.DataProtoError`, which is an
 ``AssertionError`` too, so code that catches verl's assertions keeps working.
@@ -10,14 +10,14 @@ Behaviour follows verl 0.9; errors are :class:`~resilient_rl.errors.DataProtoErr
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from resilient_rl import env
 from resilient_rl.errors import DataProtoError
+from resilient_rl.protocol.container import DataProtoCore
 from resilient_rl.protocol.utils import positive_int, tensordict_class
 
 if TYPE_CHECKING:
@@ -29,68 +29,7 @@ if TYPE_CHECKING:
 _ITERATOR_KWARGS = frozenset({"shuffle", "drop_last", "num_workers", "pin_memory"})
 
 
-class _DataProtoConfigMeta(type):
-    """Class-level switches, read and set as ``DataProtoConfig.auto_padding`` (as in verl)."""
-
-    _config: dict[str, Any] = {}
-    #: meta_info key that turns auto-padding on for one DataProto (verl's key).
-    auto_padding_key = "_verl_auto_padding"
-
-    @property
-    def auto_padding(cls) -> bool:
-        by_env = (env.get("VERL_AUTO_PADDING", "FALSE") or "").upper() in ("TRUE", "1")
-        return by_env or cls._config.get(cls.auto_padding_key, False)
-
-    @auto_padding.setter
-    def auto_padding(cls, enabled: bool) -> None:
-        if not isinstance(enabled, bool):
-            raise DataProtoError(f"DataProtoConfig.auto_padding must be a bool, got {enabled!r}")
-        cls._config[cls.auto_padding_key] = enabled
-
-
-class DataProtoConfig(metaclass=_DataProtoConfigMeta):
-    """Global DataProto switches: ``DataProtoConfig.auto_padding = True`` lets every ``chunk`` split
-    uneven batches (the ``VERL_AUTO_PADDING`` environment variable does the same)."""
-
-
-def list_of_dict_to_dict_of_list(items: Sequence[dict]) -> dict[str, list]:
-    """``[{"a": 1}, {"a": 2}]`` -> ``{"a": [1, 2]}`` (keys of the first dict, as in verl)."""
-    if not items:
-        return {}
-    out: dict[str, list] = {k: [] for k in items[0]}
-    for i, item in enumerate(items):
-        for key in out:
-            if key not in item:
-                raise DataProtoError(f"metrics of part {i} have no key {key!r}; part 0 has {sorted(out)}")
-            out[key].append(item[key])
-    return out
-
-
-def merge_meta_info(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """verl's concat rule: keys of every part are merged (a key held by several parts must have
-    one value); ``metrics`` of every part (a dict or a list of dicts) become one dict of lists."""
-    from resilient_rl.protocol.utils import values_equal
-
-    merged: dict[str, Any] = {}
-    metrics: list = []
-    for meta in metas:
-        for key, value in meta.items():
-            if key == "metrics":
-                if value is not None:
-                    metrics.extend(value if isinstance(value, list) else [value])
-            elif key in merged:
-                if not values_equal(merged[key], value):
-                    raise DataProtoError(f"Conflicting values for meta_info key '{key}' "
-                                         f"({merged[key]!r} vs {value!r})")
-            else:
-                merged[key] = value
-    if metrics:
-        merged["metrics"] = list_of_dict_to_dict_of_list(metrics) if all(isinstance(m, dict) for m in metrics) \
-            else metrics
-    return merged
-
-
-def fold_batch_dim(data: DataProtoVerlMixin, new_batch_size: int) -> DataProtoVerlMixin:
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     """``[bsz, ...]`` -> ``[new_bsz, bsz // new_bsz, ...]`` (the batch keeps one batch dim)."""
     new_batch_size = positive_int("new_batch_size", new_batch_size)
     if len(data) % new_batch_size:
@@ -103,7 +42,7 @@ def fold_batch_dim(data: DataProtoVerlMixin, new_batch_size: int) -> DataProtoVe
     return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=data.meta_info)
 
 
-def unfold_batch_dim(data: DataProtoVerlMixin, batch_dims: int = 2) -> DataProtoVerlMixin:
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
     """Flatten the first ``batch_dims`` dims back into one batch dim (inverse of fold_batch_dim)."""
     batch_dims = positive_int("batch_dims", batch_dims)
     batch, rows = None, None
@@ -119,27 +58,13 @@ def unfold_batch_dim(data: DataProtoVerlMixin, batch_dims: int = 2) -> DataProto
     return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=data.meta_info)
 
 
-class DataProtoVerlMixin:
-    """verl's DataProto methods built on the core container (see the module docstring)."""
-
-    # ------------------------------------------------------------------ auto-padding
-    def is_padding_enabled(self) -> bool:
-        """Whether ``chunk`` may split this proto unevenly (its own flag or DataProtoConfig's)."""
-        return bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
-
-    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
-        """Append ``padding_size`` copies of the first (``"first"``) or last row, in place."""
-        if padding_size == 0:
-            return
-        positive_int("padding_size", padding_size)
-        if len(self) == 0:
-            raise DataProtoError("cannot pad an empty DataProto: there is no row to repeat")
-        row = self.select_idxs([0 if padding_candidate == "first" else len(self) - 1])
-        padded = type(self).concat([self, row.repeat(padding_size)])
-        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+class DataProto(DataProtoCore):
+    """A batch of tensors, non-tensor arrays and meta info sharing one leading dimension: the
+    core container (:class:`~resilient_rl.protocol.container.DataProtoCore`) with the rest of
+    verl's surface (see the module docstring)."""
 
     # ------------------------------------------------------------------ repeats and unfolding
-    def sample_level_repeat(self, repeat_times) -> DataProtoVerlMixin:
+    def sample_level_repeat(self, repeat_times) -> DataProto:
         """Repeat row i ``repeat_times[i]`` times (a list, tuple, 1-D tensor or 1-D array)."""
         if isinstance(repeat_times, (torch.Tensor, np.ndarray)):
             if repeat_times.ndim != 1:
@@ -159,7 +84,7 @@ class DataProtoVerlMixin:
         non_tensor = {k: np.repeat(v, times.numpy(), axis=0) for k, v in self.non_tensor_batch.items()}
         return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=self.meta_info)
 
-    def unfold_column_chunks(self, n_split: int, split_keys: list[str] | None = None) -> DataProtoVerlMixin:
+    def unfold_column_chunks(self, n_split: int, split_keys: list[str] | None = None) -> DataProto:
         """Split dim 1 of each of ``split_keys`` into ``n_split`` parts laid out along the batch dim;
         every other key is repeated ``n_split`` times per row to match."""
         n_split = positive_int("n_split", n_split)
@@ -210,7 +135,7 @@ class DataProtoVerlMixin:
 
     @classmethod
     def from_tensordict(cls, tensor_dict: TensorDict, meta_info: dict[str, Any] | None = None,
-                        num_batch_dims: int = 1) -> DataProtoVerlMixin:
+                        num_batch_dims: int = 1) -> DataProto:
         """Inverse of :meth:`to_tensordict`: tensors to ``batch``, ``NonTensorStack`` columns to
         ``non_tensor_batch``, ``NonTensorData`` entries to ``meta_info``."""
         from tensordict import NonTensorData, NonTensorStack
@@ -238,7 +163,7 @@ class DataProtoVerlMixin:
 
     # ------------------------------------------------------------------ mini-batches
     def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
-                      dataloader_kwargs: dict[str, Any] | None = None) -> Iterator[DataProtoVerlMixin]:
+                      dataloader_kwargs: dict[str, Any] | None = None) -> Iterator[DataProto]:
         """Yield mini-batches of ``mini_batch_size`` rows for ``epochs`` passes.
 
         With a ``seed`` every epoch is a fresh permutation drawn from one ``torch.Generator`` seeded
@@ -263,7 +188,7 @@ class DataProtoVerlMixin:
             generator.manual_seed(seed)
         n = len(self)
 
-        def batches() -> Iterator[DataProtoVerlMixin]:
+        def batches() -> Iterator[DataProto]:
             for _ in range(epochs):
                 order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
                 for start in range(0, n, mini_batch_size):
@@ -279,7 +204,7 @@ class DataProtoVerlMixin:
         save_to_disk(self, filepath)
 
     @classmethod
-    def load_from_disk(cls, filepath: str | os.PathLike) -> DataProtoVerlMixin:
+    def load_from_disk(cls, filepath: str | os.PathLike) -> DataProto:
         """Read a file written by :meth:`save_to_disk`."""
         from resilient_rl.protocol.io import load_from_disk
 
@@ -302,3 +227,22 @@ class DataProtoVerlMixin:
         lines.append("meta_info")
         lines += [f"  {k}: {type(v).__name__}" for k, v in self.meta_info.items()]
         return "\n".join(lines)
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
+    when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
+    size_divisor = positive_int("size_divisor", size_divisor)
+    n = len(data)
+    pad_size = (-n) % size_divisor
+    if pad_size == 0:  # includes the empty proto: nothing to pad, no rows to repeat
+        return data, 0
+    padding = data.select_idxs(torch.arange(pad_size) % n)
+    return type(data).concat([data, padding]), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
+    if isinstance(pad_size, bool) or not isinstance(pad_size, (int, np.integer)) or not 0 <= pad_size <= len(data):
+        raise DataProtoError(f"pad_size must be an integer in [0, {len(data)}], got {pad_size!r}")
+    return data if pad_size == 0 else data.slice(0, len(data) - int(pad_size))

@@ -1,7 +1,7 @@
 """What a node can hold for in-memory snapshots: its tmpfs, its RAM and its cgroup's memory limit.
 
 ``recovery.snapshot_every=auto`` (:mod:`resilient_rl.workers.snapshots.sizing`) decides from
-these, measured on each node by a rank running there (:meth:`SnapshotSizingMixin.snapshot_sizing`),
+these, measured on each node by a rank running there (:meth:`RankSnapshots.snapshot_sizing`),
 together with the bytes of each rank's snapshot copy. Every reader is injectable, so the sizing
 logic is tested against any tmpfs size, RAM or cgroup limit.
 
