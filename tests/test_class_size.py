@@ -12,7 +12,7 @@ import types
 import resilient_rl
 
 MOST = 30
-MIRRORS_VERL = {"resilient_rl.protocol.verl.DataProto"}
+MIRRORS_VERL = {"resilient_rl.protocol.DataProto"}
 
 
 def _methods(cls: type) -> set[str]:

@@ -229,6 +229,11 @@ class DataProto(DataProtoCore):
         return "\n".join(lines)
 
 
+# Its public home, where verl has it too: pickles (``save_to_disk``, Ray) name it there, as they
+# did before the container was split out, so files saved by either version load in the other.
+DataProto.__module__ = "resilient_rl.protocol"
+
+
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
     """Pad ``data`` to a multiple of ``size_divisor`` by repeating its rows from the start (cyclically
     when more padding than rows is needed). Returns ``(padded, pad_size)``; ``data`` itself is not changed."""
