@@ -16,10 +16,17 @@ so: :func:`call` refuses any other name.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from resilient_rl.errors import DispatchError
 from resilient_rl.runtime.dispatch import registered_methods
+
+
+@functools.cache
+def _registered(part_cls: type) -> frozenset[str]:
+    """The registered method names of a part class (looked up once per class, not at every call)."""
+    return frozenset(registered_methods(part_cls))
 
 
 def declared(worker_cls: type) -> dict[str, type]:
@@ -73,7 +80,7 @@ def call(worker: Any, path: str, args: tuple, kwargs: dict) -> Any:
     parts = declared(type(worker))
     if attr not in parts:
         raise DispatchError(f"{type(worker).__name__} has no part {attr!r}; parts: {sorted(parts)}")
-    if name not in registered_methods(parts[attr]):
+    if name not in _registered(parts[attr]):
         raise DispatchError(f"{type(worker).__name__}'s {attr} part has no registered method {name!r}")
     part = getattr(worker, attr, None)
     if not isinstance(part, parts[attr]):

@@ -58,8 +58,7 @@ class WeightSender:
             nbytes = sink.push(self.engine().model, version)
             self._device_sync()
             return nbytes, time.perf_counter() - t0
-        state = full_state_dict(self.engine().model, all_ranks=False)
-        return state if self.rank == 0 else None
+        return self._gathered()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join_weight_channel(self, generation: int, addr: str, port: int, size: int, backend: str,
@@ -98,6 +97,10 @@ class WeightSender:
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_weights(self) -> dict | None:
         """The gathered weights on rank 0 (tests compare them across placements and world sizes)."""
+        return self._gathered()
+
+    def _gathered(self) -> dict | None:
+        """The full weights on rank 0, None on the others (a collective: every rank must call it)."""
         state = full_state_dict(self.engine().model, all_ranks=False)
         return state if self.rank == 0 else None
 
