@@ -80,6 +80,30 @@ def test_coordinator_cleans_at_start_sparing_pending_and_abandoned_saves(tmp_pat
     coord.release_lease()
 
 
+def test_a_recovery_lists_the_storage_only_when_a_save_may_have_left_files(tmp_path, monkeypatch):
+    """A clean-up reads the run's storage (a listing of every step) at start, and then only after a
+    save was abandoned, refused or skipped: a recovery with no save in flight reads nothing."""
+    coord = CheckpointCoordinator(_cfg(tmp_path))
+    _commit(coord.manager, 1)
+    listings = []
+    real = coord.manager.cleanup_uncommitted
+    monkeypatch.setattr(coord.manager, "cleanup_uncommitted", lambda **kw: listings.append(kw) or real(**kw))
+    coord.acquire_lease()
+    paths = _leftovers(coord.manager)
+    assert coord.cleanup() == [3, 4] and len(listings) == 1  # the start: an earlier controller's leftovers
+    coord.abandon()  # nothing in flight
+    assert coord.cleanup() == [] and len(listings) == 1
+    coord.pending = {"step": 5}
+    coord.abandon()
+    _leftovers(coord.manager)
+    assert coord.cleanup() == [3, 4] and len(listings) == 2
+    assert coord.cleanup() == [] and len(listings) == 2
+    coord._refuse(6, "actor", "NaN")
+    assert coord.cleanup() == [] and len(listings) == 3
+    assert not coord.manager.storage.exists(paths["uncommitted"])
+    coord.release_lease()
+
+
 def test_unwritable_checkpoint_root_is_refused_before_the_cluster_starts(tmp_path, capsys):
     import ray
 

@@ -132,3 +132,43 @@ def test_a_recovery_without_a_valid_checkpoint_gives_up_and_keeps_the_history(tm
             Restoring(rollback).enter(Attempt(6, classify(died), died), roles)
     assert [r["step"] for r in run_dir.read_metrics()] == [1, 2, 3, 4, 5]
     assert coord.manager.committed_steps() == [2, 4]
+
+
+def test_a_roll_back_reads_the_metric_history_only_when_rows_past_the_point_exist(tmp_path, monkeypatch):
+    """Rows after the point are cut from the file and the in-memory history; a roll-back to the
+    newest recorded step (a recovery from the snapshot of the step before the failure) leaves the
+    file unread, however long it is."""
+    from collections import deque
+
+    from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
+    from resilient_rl.recovery.rollback import RollBack, checkpoint
+
+    coord, _ = _coordinator(tmp_path)
+    run_dir = RunDir(f"{tmp_path}/runs", RUN)
+    reads = []
+    for name in ("truncate_metrics_after", "read_metrics"):
+        real = getattr(run_dir, name)
+        monkeypatch.setattr(run_dir, name, lambda *a, _real=real, _name=name, **k: reads.append(_name) or _real(*a, **k))
+    history = deque(maxlen=3)
+    with LocalCheckpointRoles() as roles:
+        _committed(coord, roles, 2, 4)
+        roles.sync_weights = lambda version: {}  # no rollout among these roles
+        counter = type("Counter", (), {"step": 0})()
+        state = ControllerState()
+        state.register("step", Attribute(counter, "step", int))
+        rollback = RollBack(coord, None, state, run_dir, history, digest="d")
+        for step in (1, 2, 3, 4):
+            run_dir.append_metrics({"step": step})
+            history.append({"step": step})
+        assert rollback.roll_back_to(roles, checkpoint("auto")) == 4
+        assert reads == [] and [r["step"] for r in history] == [2, 3, 4]
+        for step in (5, 6):
+            run_dir.append_metrics({"step": step})
+            history.append({"step": step})
+        assert rollback.roll_back_to(roles, checkpoint("auto")) == 4
+        assert reads == ["truncate_metrics_after", "read_metrics"]
+        assert [r["step"] for r in history] == [2, 3, 4]
+        history.clear()  # a new controller: the file is read
+        assert rollback.roll_back_to(roles, checkpoint("auto")) == 4
+        assert [r["step"] for r in history] == [2, 3, 4] and len(reads) == 4
+    assert [r["step"] for r in run_dir.read_metrics()] == [1, 2, 3, 4]

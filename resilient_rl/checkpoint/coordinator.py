@@ -56,7 +56,10 @@ class CheckpointCoordinator:
         self.save_timeout_s = c.save_timeout_s  # how long a due save waits for the previous one
         self.max_skipped = c.max_skipped
         self.skipped_in_row = 0  # checkpoints skipped since the last commit
-        self._leftovers = False  # a skipped save may have left files behind
+        # Whether files of uncommitted saves may lie in storage: an earlier controller's at first,
+        # then what a skipped, refused or abandoned save of this one left. Cleaning up lists the
+        # run's storage, so it is done only then, not at every recovery.
+        self._leftovers = True
         self.lease: RunLease | None = None
         self.restorer = Restorer(self.manager, self.storage_options, self.on_event, self._on_corrupt)
 
@@ -95,14 +98,21 @@ class CheckpointCoordinator:
 
     def cleanup(self) -> list[int]:
         """Delete uncommitted step folders, stray temp files and incomplete uploads of this run,
-        sparing a save in flight (or abandoned, whose surviving ranks may still be writing)."""
+        sparing a save in flight (or abandoned, whose surviving ranks may still be writing); the
+        steps deleted. Nothing is read when no save can have left anything since the last clean-up."""
+        if not self._leftovers:
+            return []
         keep = [s for s in ((self.pending or {}).get("step"), self.abandoned) if s is not None]
         try:
-            return self.manager.cleanup_uncommitted(exclude_step=keep)
+            removed = self.manager.cleanup_uncommitted(exclude_step=keep)
         except StorageError as exc:  # housekeeping: never the reason a run stops
             logger.warning("cleaning up leftovers under %s failed (retried at the next start or "
                            "restore): %s", self.manager.run_url, exc)
             return []
+        # A spared save left behind is cleaned once a later save is skipped, refused or abandoned
+        # (which no longer spares it), or at the next start.
+        self._leftovers = False
+        return removed
 
     def _on_corrupt(self, step: int, reason: str) -> None:
         self.on_event("checkpoint_corrupt", step=step, reason=reason)
@@ -144,6 +154,7 @@ class CheckpointCoordinator:
     def _refuse(self, step: int, role: str, reason: str) -> None:
         """A save whose state is not finite: never committed (its folder is cleaned up later)."""
         logger.error("checkpoint of step %d not committed: %s", step, reason)
+        self._leftovers = True
         self.on_event("nonfinite", step=step, quantity="checkpoint", role=role, action="refused")
         self.on_event("checkpoint_refused", step=step, role=role, reason=reason)
 
@@ -280,6 +291,7 @@ class CheckpointCoordinator:
         if self.pending is not None:
             self.on_event("checkpoint_abandoned", step=self.pending["step"], reason=reason)
             self.abandoned = self.pending["step"]
+            self._leftovers = True
         self.pending = None
 
     def _check_lease(self) -> None:
@@ -340,5 +352,4 @@ class CheckpointCoordinator:
         if self.metrics is not None:
             self.metrics.record_checkpoint_save(duration, p["stall"], nbytes, p["step"])
         if self._leftovers:  # what skipped saves left half-written, now that storage answers again
-            self._leftovers = False
             self.cleanup()

@@ -96,9 +96,12 @@ class RollBack:
         self.source = point.kind
         step = self.state.value("step")
         roles.sync_weights(step)
-        self.run_dir.truncate_metrics_after(step)
-        self.history.clear()
-        self.history.extend(self.run_dir.read_metrics(last=self.history.maxlen))
+        # Every row is recorded in the folder and the history together: when the history's newest
+        # row is not past the point, neither is the folder's, and the (long) file is not read.
+        if not self.history or self.history[-1]["step"] > step:
+            self.run_dir.truncate_metrics_after(step)
+            self.history.clear()
+            self.history.extend(self.run_dir.read_metrics(last=self.history.maxlen))
         if self.snapshots is not None:  # the steps after the point are not this timeline's
             self.snapshots.drop_after(step)
         return step
