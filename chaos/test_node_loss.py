@@ -15,7 +15,6 @@ from ray.cluster_utils import Cluster
 
 from conftest import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, run_training
-from resilient_rl.runtime.pool.ray_roles import distinct_groups
 from resilient_rl.trainer.hooks import TrainerHook
 
 
@@ -28,8 +27,7 @@ class RemoveNode(TrainerHook):
     def on_step_start(self, trainer, step):
         if step != self.step or self.removed:
             return
-        group = distinct_groups(trainer.roles)[0]
-        _, node_id = trainer.roles.known_workers[(group.name_prefix, 1)]
+        _, node_id = trainer.roles.known_workers[(trainer.roles.process_groups()[0], 1)]
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.removed = node_id
         self.cluster.remove_node(node, allow_graceful=False)

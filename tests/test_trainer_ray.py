@@ -13,7 +13,7 @@ from resilient_rl.models.hf import tiny_llama_config
 from resilient_rl.config.schema import load_config
 from resilient_rl.trainer.local_roles import LocalRoles
 from resilient_rl.trainer.ppo import PPOTrainer
-from resilient_rl.runtime.pool.ray_roles import RayRoles, distinct_groups
+from resilient_rl.runtime.pool.ray_roles import RayRoles
 from resilient_rl.workers.memory_plan import announce
 from resilient_rl.workers.roles import ROLE_CLASSES
 from resilient_rl.faults.injectors import role_pids
@@ -137,7 +137,7 @@ def test_colocated_ppo_puts_every_role_in_actor_world_size_processes(ray_cluster
         pids = role_pids(roles)
         assert {role for role, _ in pids} == {"actor", "critic", "ref", "rollout"}
         assert len(set(pids.values())) == cfg.actor.world_size
-        assert len(distinct_groups(roles)) == 1
+        assert len(roles.process_groups()) == 1
         trainer.fit()
     finally:
         trainer.shutdown()

@@ -16,7 +16,6 @@ import time
 
 import ray
 
-from resilient_rl.runtime.pool.ray_roles import distinct_groups
 from resilient_rl.trainer.hooks import TrainerHook
 
 
@@ -73,9 +72,8 @@ class RemoveNodeOf(TrainerHook):
         if step != self.step or self._thread is not None:
             return
         roles = trainer.roles
-        group = distinct_groups(roles)[0]
         known = roles.known_workers
-        _, node_id = known[(group.name_prefix, self.rank)]
+        _, node_id = known[(roles.process_groups()[0], self.rank)]
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.ranks = sorted(key for key, (_, nid) in known.items() if nid == node_id)
         self.nodes_before = {key: nid for key, (_, nid) in known.items()}

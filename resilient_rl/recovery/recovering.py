@@ -21,7 +21,7 @@ from resilient_rl.errors import Cause, NoCapacityError, WorkerTimeoutError
 from resilient_rl.recovery.attempt import Attempt, Context
 from resilient_rl.recovery.policy import Decision
 from resilient_rl.recovery.states import RecoveryState as S
-from resilient_rl.runtime.pool import ProcessKey, RecoveryPool, primary_role
+from resilient_rl.runtime.pool import ProcessKey, RecoveryPool
 
 
 class Recovering:
@@ -42,7 +42,7 @@ class Recovering:
         if a.failure.cause is Cause.EXCEPTION and (lost or unresponsive):
             # A survivor's error raced ahead of the death that caused it: the death is the failure.
             group, rank = (lost or unresponsive)[0]
-            a.failure = dataclasses.replace(a.failure, cause=Cause.DIED, role=primary_role(pool.roles_of(group)),
+            a.failure = dataclasses.replace(a.failure, cause=Cause.DIED, role=pool.roles_of(group)[0],
                                             rank=rank)
             a.group = group
         to_restart = sorted(set(unresponsive) | set(lost) | ({hung} if hung else set()))
@@ -111,7 +111,7 @@ class Recovering:
         """Hand the ``dead`` ranks to warm spares where their groups have ready ones."""
         adopted = set(pool.adopt_spares(sorted(dead))) if dead else set()
         for group, rank in sorted(adopted):
-            self.ctx.emit("spare_adopted", group=group, rank=rank, role=primary_role(pool.roles_of(group)))
+            self.ctx.emit("spare_adopted", group=group, rank=rank, role=pool.roles_of(group)[0])
         return adopted
 
     def _drain(self, pool: RecoveryPool, known: dict, killed: set, broken: set[str]) -> None:
@@ -165,11 +165,11 @@ class Recovering:
             if old is None or old.pid != info.pid:
                 restarted.append(key)
                 self.ctx.emit("worker_restarted", group=key[0], rank=key[1], pid=info.pid, node=info.node_id,
-                              role=primary_role(pool.roles_of(key[0])), cause=cause.value)
+                              role=pool.roles_of(key[0])[0], cause=cause.value)
         return restarted
 
 
 def budget_key(pool: RecoveryPool, key: ProcessKey) -> tuple[str, int]:
     """(role, rank): the name a process's restart budget is kept under, the same for every
     controller of the run (process-group names carry a per-controller instance id)."""
-    return primary_role(pool.roles_of(key[0])) or key[0], key[1]
+    return pool.roles_of(key[0])[0], key[1]

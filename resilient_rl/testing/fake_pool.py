@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from resilient_rl.runtime.pool import role_order
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.errors import WorkerDiedError, WorkerError
 
@@ -177,10 +178,10 @@ class FakePool:
         group, _, role = name.partition(":")
         if group not in self.groups:
             return None, None
-        return group, role or self.groups[group][0]
+        return group, role or self.roles_of(group)[0]
 
     def roles_of(self, group: str) -> tuple[str, ...]:
-        return self.groups[group]
+        return tuple(sorted(self.groups[group], key=role_order))
 
     def role_processes(self) -> dict:
         return {(role, rank): (info.pid, info.node_id) for (g, rank), info in self.known.items()

@@ -96,7 +96,8 @@ class TelemetrySource(Protocol):
     def workers(self) -> dict[ProcessKey, Any]:
         """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
     def roles_of(self, group: str) -> tuple[str, ...]:
-        """The roles whose ranks live in the processes of ``group``."""
+        """The roles whose ranks live in the processes of ``group``, the one the group is reported
+        under first (:func:`primary_role`)."""
     def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:
         """(role, rank) -> (pid, node id) of every role's rank."""
     def poll_device_reports(self, poller) -> bool:
@@ -118,7 +119,8 @@ class RecoveryPool(StepRoles, Protocol):
     def workers(self) -> dict[ProcessKey, Any]:
         """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
     def roles_of(self, group: str) -> tuple[str, ...]:
-        """The roles whose ranks live in the processes of ``group``."""
+        """The roles whose ranks live in the processes of ``group``, the one the group is reported
+        under first (:func:`primary_role`)."""
     def refresh_workers(self) -> None:
         """Ping every process again and remember the replies."""
     def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, Any]:

@@ -33,7 +33,7 @@ from resilient_rl.config.node_layout import check_cluster_fits, config_layouts
 from resilient_rl.errors import WorkerError
 from resilient_rl.protocol import DataProto
 from resilient_rl.config.schema import config_to_dict
-from resilient_rl.runtime.pool import STATEFUL_ROLES, primary_role, step_role
+from resilient_rl.runtime.pool import STATEFUL_ROLES, role_order, step_role
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,13 @@ class RayRoles:
                     eos_token_id=list(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
         self.torch_groups: list[RayWorkerGroup] = []  # groups that own a torch.distributed group
         self.spares: dict[str, SparePool] = {}  # process group -> its warm spares (recovery.spares)
-        self.groups: dict[str, RayWorkerGroup] = {}
+        self.groups: dict[str, RayWorkerGroup] = {}  # role -> its worker group
+        #: Process group name -> the worker group that owns its processes (a colocated role's group
+        #: shares its parent's), and the name each role's processes go by; fixed once started.
+        self.processes: dict[str, RayWorkerGroup] = {}
+        self.process_of: dict[str, str] = {}
+        #: Process group name -> its roles, the one it is reported under first (ROLE_ORDER).
+        self.process_roles: dict[str, tuple[str, ...]] = {}
         # Each process group's ranks over nodes; a layout the cluster can never host is refused
         # here, before any actor of the run starts.
         self.layouts = config_layouts(cfg)
@@ -104,6 +110,7 @@ class RayRoles:
                                                      self.instance, self.use_gpu)
                 # The rollout is unsharded: it needs no process group.
                 self.torch_groups += [g for role, g in self.groups.items() if role != "rollout"]
+            self._name_processes()
             self.worker_info: dict[tuple[str, int], WorkerInfo] = {}
             self.refresh_workers()
             self.rendezvous()
@@ -113,16 +120,26 @@ class RayRoles:
                                          for role in ("actor", "critic") if role in self.groups])
             self.sync_weights(0)  # the rollout, built empty, gets the actor's initial weights
             # Started last: they warm up while the first step runs.
-            self.spares = start_spares(self.cfg.recovery, self.groups, distinct_groups(self))
+            self.spares = start_spares(self.cfg.recovery, self.groups, list(self.processes.values()))
         except BaseException:
             self.shutdown()
             raise
+
+    def _name_processes(self) -> None:
+        """Fill :attr:`processes`, :attr:`process_of` and :attr:`process_roles` from the groups started."""
+        for g in list(self.torch_groups) + list(self.groups.values()):
+            if not any(p.workers is g.workers for p in self.processes.values()):
+                self.processes[g.name_prefix] = g
+        self.process_of = {role: next(name for name, p in self.processes.items() if p.workers is g.workers)
+                           for role, g in self.groups.items()}
+        self.process_roles = {name: tuple(sorted((r for r, n in self.process_of.items() if n == name), key=role_order))
+                              for name in self.processes}
 
     # ------------------------------------------------------------------ lifecycle
     def refresh_workers(self) -> None:
         """Remember every rank's ping reply in ``worker_info``, keyed by (group, rank): its pid and
         node (to tell restarted actors and to kill hung ones) and its GPU (for telemetry)."""
-        self.worker_info = {(g.name_prefix, rank): info for g in distinct_groups(self)
+        self.worker_info = {(name, rank): info for name, g in self.processes.items()
                             for rank, info in enumerate(g.ping())}
         for pool in self.spares.values():  # every rank answers: spares released for them start again
             pool.refill()
@@ -136,35 +153,29 @@ class RayRoles:
         return dict(self.worker_info)
 
     def process_groups(self) -> list[str]:
-        return [g.name_prefix for g in distinct_groups(self)]
-
-    def _process_group(self, name: str) -> RayWorkerGroup:
-        for g in distinct_groups(self):
-            if g.name_prefix == name:
-                return g
-        raise KeyError(f"no process group {name!r}; groups: {self.process_groups()}")
+        return list(self.processes)
 
     def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, object]:
-        g = self._process_group(group)
+        g = self.processes[group]
         if during_call and not answers_during_calls(g):  # its probe would queue behind the call itself
             return {}
-        known = self.known_workers
+        known = dict(self.worker_info)
 
         def gone(rank: int) -> bool:
             # The process known for the rank exited, and Ray has not started its successor yet
             # (whose answer is then waited for, not taken as a death).
-            pid, node = known.get((group, rank), (None, None))
-            return pid is not None and process_gone(pid, node) and not replaced(g.workers[rank], pid)
+            info = known.get((group, rank))
+            return info is not None and process_gone(info.pid, info.node_id) and not replaced(g.workers[rank], info.pid)
 
         return health.probe(g, timeout_s=timeout_s, gone=gone)
 
     def kill(self, key: tuple[str, int]) -> None:
-        pid, node = self.known_workers[key]
-        health.kill_rank(self._process_group(key[0]), key[1], pid, node)
+        info = self.worker_info[key]
+        health.kill_rank(self.processes[key[0]], key[1], info.pid, info.node_id)
 
     def leave_collectives(self, keys, reason: str) -> None:
         for name in sorted({key[0] for key in keys}):
-            g = self._process_group(name)
+            g = self.processes[name]
             if answers_during_calls(g):  # others would hear it only once the blocked call ends
                 health.leave_collectives(g, [rank for group, rank in keys if group == name], reason)
 
@@ -177,7 +188,7 @@ class RayRoles:
         adopted = []
         for name in sorted({key[0] for key in keys} & set(self.spares)):
             dead = sum(1 for key in keys if key[0] == name)
-            if dead > len(self.spares[name].ready()) and self._process_group(name).resource_pool.unplaced():
+            if dead > len(self.spares[name].ready()) and self.processes[name].resource_pool.unplaced():
                 logger.warning("%s lost %d rank(s) with a placement group that waits to be placed again, and "
                                "has fewer warm spares ready: they wait for the placement group", name, dead)
                 keys = [key for key in keys if key[0] != name]
@@ -198,41 +209,34 @@ class RayRoles:
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         """Wait for every rank of ``group`` to answer; between tries, end the wait when asked to
         stop (:attr:`interrupt`) and give way to ranks whose node was lost (:mod:`.unplaced`)."""
-        g = self._process_group(group)
+        g = self.processes[group]
 
         def between_tries() -> None:
             self.interrupt()
-            yield_to_unplaced(distinct_groups(self), self.spares, self.known_workers, self.roles_of)
+            yield_to_unplaced(list(self.processes.values()), self.spares, self.worker_info, self.process_roles)
 
         return group_spares.reidentify(g, health.wait_alive(g, timeout_s, while_waiting=between_tries))
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
         """(process group, role) of the worker group ``name``; a colocated role's group is
         ``<parent>:<role>``; a process group's own name gives its first role."""
-        if name is None:
-            return None, None
         for role, g in self.groups.items():
             if g.name_prefix == name:
-                return _process_group_of(self, g).name_prefix, role
-        for g in distinct_groups(self):
-            if g.name_prefix == name:
-                return name, primary_role(self.roles_of(name))
+                return self.process_of[role], role
+        if name in self.processes:
+            return name, self.process_roles[name][0]
         return None, None
 
     def roles_of(self, group: str) -> tuple[str, ...]:
-        parent = self._process_group(group)
-        return tuple(role for role, g in self.groups.items() if g.workers is parent.workers)
+        return self.process_roles[group]
 
     def role_processes(self) -> dict[tuple[str, int], tuple[int, str | None]]:
-        known, out = self.known_workers, {}
-        for role, g in self.groups.items():
-            parent = _process_group_of(self, g)
-            for rank in range(g.world_size):
-                out[(role, rank)] = known[(parent.name_prefix, rank)]
-        return out
+        known = self.known_workers
+        return {(role, rank): known[(self.process_of[role], rank)]
+                for role, g in self.groups.items() for rank in range(g.world_size)}
 
     def poll_device_reports(self, poller) -> bool:
-        return poller.poll(distinct_groups(self))
+        return poller.poll(list(self.processes.values()))
 
     def checkpoint_groups(self) -> list[tuple[str, RayWorkerGroup]]:
         return [(r, self.groups[r]) for r in STATEFUL_ROLES if r in self.groups]
@@ -247,8 +251,7 @@ class RayRoles:
                 continue
             g.init_process_group(self.generation, backend=self.backend, timeout_s=rc.rendezvous_timeout_s,
                                  collective_timeout_s=rc.collective_timeout_s)
-        if self.weight_channel and (groups is None or {_process_group_of(self, self.groups[r]).name_prefix
-                                                        for r in ("actor", "rollout")} & set(groups)):
+        if self.weight_channel and (groups is None or {self.process_of[r] for r in ("actor", "rollout")} & set(groups)):
             actor, rollout = self.groups["actor"], self.groups["rollout"]
             addr, port = actor.get([actor.workers[0].get_master_addr_port.remote()], timeout_s=rc.rendezvous_timeout_s)[0]
             args = (self.generation, addr, port, rollout.world_size + 1, self.backend, rc.collective_timeout_s)
@@ -265,11 +268,11 @@ class RayRoles:
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         roles = [role for role in ("actor", "ref", "rollout", "critic") if role in self.groups
-                 and (groups is None or _process_group_of(self, self.groups[role]).name_prefix in groups)]
+                 and (groups is None or self.process_of[role] in groups)]
         # Every old engine of a process is dropped before the cycle collector runs, once per process.
-        last = {_process_group_of(self, self.groups[role]).name_prefix: role for role in roles}
+        last = {self.process_of[role]: role for role in roles}
         for role in roles:
-            self.groups[role].drop_engine(last[_process_group_of(self, self.groups[role]).name_prefix] == role)
+            self.groups[role].drop_engine(last[self.process_of[role]] == role)
         for role in roles:
             # The rollout is always built empty: a weight sync follows every (re)build.
             self.groups[role].init_model(True if role == "rollout" else empty)
@@ -285,7 +288,7 @@ class RayRoles:
                 continue
             seen.add(id(g.workers))
             g.shutdown()
-        self.torch_groups, self.groups = [], {}
+        self.torch_groups, self.groups, self.processes = [], {}, {}
 
     # ------------------------------------------------------------------ one step
     def generate(self, prompts: DataProto) -> DataProto:
@@ -338,17 +341,3 @@ class RayRoles:
         return {"perf/weight_sync_bytes": float(stats[0][0]),
                 "perf/weight_sync_worker_s": max(float(s[1]) for s in stats)}
 
-
-def distinct_groups(pool: RayRoles) -> list[RayWorkerGroup]:
-    """One group per distinct set of ``pool``'s actor processes (spawned role groups share their parent's)."""
-    seen, groups = set(), []
-    for g in list(pool.torch_groups) + list(pool.groups.values()):
-        if id(g.workers) not in seen:
-            seen.add(id(g.workers))
-            groups.append(g)
-    return groups
-
-
-def _process_group_of(pool: RayRoles, g: RayWorkerGroup) -> RayWorkerGroup:
-    """The group that owns ``g``'s processes (``g`` itself, or the group a colocated role was spawned from)."""
-    return next(p for p in distinct_groups(pool) if p.workers is g.workers)

@@ -4,25 +4,25 @@ them gives way (warm spares released) or ends (no alive node can ever hold them)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 
 from resilient_rl.errors import NoCapacityError
 from resilient_rl.runtime.capacity import alive_nodes, nodes_launching, unplaceable
-from resilient_rl.runtime.pool import primary_role
 from resilient_rl.runtime.spares import SparePool
+from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.worker_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
 
 
 def yield_to_unplaced(process_groups: list[RayWorkerGroup], spares: dict[str, SparePool],
-                      known: dict[tuple[str, int], tuple[int, str | None]],
-                      roles_of: Callable[[str], tuple[str, ...]]) -> None:
+                      known: Mapping[tuple[str, int], WorkerInfo], roles: Mapping[str, tuple[str, ...]]) -> None:
     """Between tries of a wait for ranks: where a rank's bundle waits to be placed again (its node
     was lost), release the warm spares started outside placement groups (they must not take the
     free resources the bundle needs; the pool starts them again once every rank answers), and
     raise :class:`NoCapacityError` when no alive node can hold the bundle and none is launching.
-    ``known``: (process group, rank) -> (pid, node) of every rank before the failure."""
+    ``known``: (process group, rank) -> the ping reply of every rank before the failure; ``roles``:
+    process group -> its roles, the one it is reported under first."""
     unplaced = [g for g in process_groups if g.resource_pool is not None and g.resource_pool.unplaced()]
     if not unplaced:
         return
@@ -34,15 +34,15 @@ def yield_to_unplaced(process_groups: list[RayWorkerGroup], spares: dict[str, Sp
     for g in unplaced:
         short = unplaceable(g.resource_pool)
         if short and not nodes_launching():
-            raise NoCapacityError(_no_capacity(g, short, known, roles_of(g.name_prefix)))
+            raise NoCapacityError(_no_capacity(g, short, known, roles[g.name_prefix][0]))
 
 
-def _no_capacity(g: RayWorkerGroup, short: list, known, roles: tuple[str, ...]) -> str:
+def _no_capacity(g: RayWorkerGroup, short: list, known, role: str) -> str:
     alive = set(alive_nodes())
-    lost = sorted(key for key, (_, node) in known.items()
-                  if key[0] == g.name_prefix and node is not None and node not in alive)
-    nodes = sorted({known[key][1] for key in lost})
-    return (f"{primary_role(roles)} ranks {[rank for _, rank in lost]} were lost with "
+    lost = sorted(key for key, info in known.items()
+                  if key[0] == g.name_prefix and info.node_id is not None and info.node_id not in alive)
+    nodes = sorted({known[key].node_id for key in lost})
+    return (f"{role} ranks {[rank for _, rank in lost]} were lost with "
             f"node {', '.join(nodes) or '(unknown)'} and no alive node can take them: "
             + "; ".join(s.describe() for s in short)
             + ". The run folder and its last committed checkpoint are intact: once the cluster has a node "
