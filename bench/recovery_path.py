@@ -4,7 +4,7 @@ A short run with the default config (CPU, Ray) in which actor rank ``--rank`` is
 its ``--in-call`` (default ``update_actor``) of step ``--fault-step``; the trainer recovers by itself. Every function of
 the package that the controller's main thread calls from the failed call's classification
 (``classify_error``) to the failed step's retry (the next ``train_step``) is recorded
-(``sys.setprofile``), in the order of its first call. Prints how many distinct functions in how
+(``sys.setprofile``), in the order of its first call; the fault hook's own functions are left out. Prints how many distinct functions in how
 many modules, the count per module, and with ``--list`` every function: the measure of how long
 the recovery path is, which ``docs/architecture.md`` walks.
 
@@ -37,8 +37,8 @@ def record(steps: int, fault_step: int, rank: int, in_call: str, overrides: list
         if event != "call":
             return
         module = frame.f_globals.get("__name__", "")
-        if not module.startswith("resilient_rl"):
-            return
+        if not module.startswith("resilient_rl") or module.startswith("resilient_rl.faults"):
+            return  # the fault hook that strikes is this measure's, not the recovery's
         name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
         started[0] = started[0] or name == "classify_error"
         if started[0]:

@@ -45,8 +45,11 @@ def make_event(kind: str, *, time: float | None = None, **fields: Any) -> Event:
     cls = EVENT_TYPES.get(kind)
     if cls is None:
         raise EventSchemaError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(EVENT_TYPES))}")
-    _check_fields(cls, fields)
-    return cls(time=_time.time() if time is None else time, **fields)
+    try:
+        return cls(time=_time.time() if time is None else time, **fields)
+    except TypeError:  # an unknown or missing field: named by the check
+        _check_fields(cls, fields)
+        raise
 
 
 def event_to_json(ev: AnyEvent) -> dict[str, Any]:
@@ -136,28 +139,25 @@ class EventBus:
     most events, and a tracker's hiccup must not stop it) nor the other subscribers."""
 
     def __init__(self) -> None:
-        self._subscribers: list[Callable[[AnyEvent], None]] = []
+        self._subscribers: list[list[Callable[[AnyEvent], None]]] = []
         self._lock = threading.Lock()
 
     def subscribe(self, fn: Callable[[AnyEvent], None]) -> Callable[[], None]:
         """Call ``fn(event)`` on every later event; returns a function that unsubscribes (idempotent)."""
-        def call(ev: AnyEvent) -> None:  # a distinct entry per subscription, even of the same ``fn``
-            fn(ev)
-
+        entry = [fn]  # a distinct entry per subscription, even of the same ``fn``
         with self._lock:
-            self._subscribers.append(call)
+            self._subscribers.append(entry)
 
         def unsubscribe() -> None:
             with self._lock:
-                if call in self._subscribers:
-                    self._subscribers.remove(call)
+                self._subscribers = [e for e in self._subscribers if e is not entry]
 
         return unsubscribe
 
     def publish(self, event: AnyEvent) -> None:
         with self._lock:
             subscribers = list(self._subscribers)
-        for call in subscribers:
+        for (call,) in subscribers:
             try:
                 call(event)
             except Exception:

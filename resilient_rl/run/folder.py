@@ -42,18 +42,6 @@ _STEP_RE = re.compile(rb'^\{"step": (\d+)[,}]')
 _TAIL_PROBE = 64 * 1024
 
 
-def _append_line(path: Path, line: bytes) -> None:
-    """Append one complete line with a single ``write`` on an O_APPEND descriptor (line-atomic
-    against other appenders and, up to a crash mid-call, against readers)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        view = memoryview(line)
-        while view:  # a short write happens only on a full disk or a signal; finish the line
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-
-
 def _cut_torn_tail(path: Path) -> None:
     """Truncate an unterminated last line, so the next append starts on a fresh line."""
     try:
@@ -122,10 +110,18 @@ class RunDir:
             raise output_dir_error(self.output_dir, f"cannot write {self.path / 'config.yaml'}", exc) from exc
 
     def _append(self, path: Path, obj: dict[str, Any]) -> None:
+        """Append ``obj`` as one complete line with a single ``write`` on an O_APPEND descriptor
+        (line-atomic against other appenders and, up to a crash mid-call, against readers)."""
         if path not in self._repaired:
             _cut_torn_tail(path)
             self._repaired.add(path)
-        _append_line(path, (json.dumps(obj) + "\n").encode())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview((json.dumps(obj) + "\n").encode())
+            while view:  # a short write happens only on a full disk or a signal; finish the line
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
 
     def truncate_metrics_after(self, step: int) -> int:
         """Drop history lines past ``step`` (a resumed run rewrites them identically), and a torn
