@@ -13,8 +13,7 @@ from resilient_rl.errors import CheckpointError
 from resilient_rl.workers.snapshots import meta as snapshot_meta
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import RankState, states_of
-from resilient_rl.runtime.rank_host import host_of
-from resilient_rl.workers.snapshots.parts import snapshot_parts
+from resilient_rl.workers.snapshots.parts import attach_snapshot_parts
 
 
 class Visits:
@@ -45,9 +44,7 @@ class Rank:
         states_of(self.engine).register("visits", self.visits)
         self.checkpointer = RankCheckpointer(lambda: states_of(self.engine), lambda: (0, 1, None), "actor",
                                              staging=False)
-        parts = snapshot_parts("actor", lambda: states_of(self.engine), lambda: (0, 1), self.checkpointer,
-                               lambda attr: host_of(self).parts(attr))
-        self.snapshots, self.snapshot_restorer = parts["snapshots"], parts["snapshot_restorer"]
+        attach_snapshot_parts(self, lambda: states_of(self.engine), lambda: (0, 1), self.checkpointer)
 
     def train(self, step: int) -> None:
         e = self.engine

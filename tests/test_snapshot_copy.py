@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from resilient_rl.workers.snapshots import buffers as snapshot_buffers
-from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.workers.rank_state import states_of
-from resilient_rl.workers.snapshots.parts import snapshot_parts
+from resilient_rl.workers.snapshots.parts import attach_snapshot_parts
 from resilient_rl.workers.snapshots.buffers import Layout, named_tensors
 
 
@@ -34,11 +33,7 @@ class Rank:
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.resets = 0
         self.checkpointer = self  # what a restore asks of the rank's checkpointer: reset, re-stage
-        parts = snapshot_parts(role, lambda: states_of(self.engine), lambda: (self.rank, self.world_size), self,
-                               lambda attr: host_of(self).parts(attr))
-        self.snapshots = parts["snapshots"]
-        self.snapshot_restorer = parts["snapshot_restorer"]
-        self.held_snapshots = parts["held_snapshots"]
+        attach_snapshot_parts(self, lambda: states_of(self.engine), lambda: (self.rank, self.world_size), self)
 
     def snapshot(self, step: int, roles=None) -> dict:
         """Take and publish the snapshot of ``step``, as the controller asks a process: the copies."""

@@ -13,8 +13,7 @@ import ray
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.runtime.worker import RankWorker
 from resilient_rl.runtime.parts import routes
-from resilient_rl.runtime.rank_host import host_of
-from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, snapshot_parts
+from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, attach_snapshot_parts
 
 pytestmark = pytest.mark.ray
 
@@ -29,11 +28,7 @@ class Holder(RankWorker):
 
     def __init__(self):
         super().__init__()
-        parts = snapshot_parts(self.role, lambda: None, lambda: (self.rank, self.world_size), None,
-                               lambda attr: host_of(self).parts(attr))
-        self.snapshots = parts["snapshots"]
-        self.snapshot_restorer = parts["snapshot_restorer"]
-        self.held_snapshots = parts["held_snapshots"]
+        attach_snapshot_parts(self, lambda: None, lambda: (self.rank, self.world_size), None)
 
     @ray.method(concurrency_group="health")
     def health(self):

@@ -15,6 +15,7 @@ import copy
 import gc
 import json
 from types import MappingProxyType
+from typing import Any
 
 import ray
 import torch
@@ -30,7 +31,7 @@ from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers.weight_parts import WeightReceiver, WeightSender
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
-from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, snapshot_parts
+from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, attach_snapshot_parts
 from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -56,6 +57,8 @@ class RoleWorker(RankWorker):
 
     role = "worker"
     answers_during_calls = True  # remote classes below declare HEALTH_GROUPS
+    engine: Any = None  # the role's engine once built (init_model), None after drop_engine
+    engine_dropped = False  # an engine was dropped whose reference cycles are not collected yet
 
     @ray.method(concurrency_group="health")
     def health(self):
@@ -135,10 +138,10 @@ class RoleWorker(RankWorker):
         collector's sight (``gc.freeze``). A full collection then scans only what was made since,
         the engines: about 1 ms instead of 0.2 s with torch loaded, in the rejoin of a survivor
         and in every automatic collection during a step."""
-        had = getattr(self, "engine", None) is not None
+        had = self.engine is not None
         self.engine = None
-        self.engine_dropped = had or getattr(self, "engine_dropped", False)  # its cycles not collected yet
-        process = host_of(self).workers()
+        self.engine_dropped = had or self.engine_dropped
+        process = host_of(self).workers()  # any worker of the process: a role has these attributes, others not
         if collect and any(getattr(w, "engine_dropped", False) for w in process):
             gc.collect()
             for w in process:
@@ -164,11 +167,7 @@ class TrainableRole(RoleWorker):
         states = lambda: None if self.engine is None else states_of(self.engine)  # noqa: E731
         self.checkpointer = RankCheckpointer(states, lambda: (self.rank, self.world_size, self.generation),
                                              self.role, staging=c.async_save and c.save_every > 0)
-        parts = snapshot_parts(self.role, states, lambda: (self.rank, self.world_size), self.checkpointer,
-                               lambda attr: host_of(self).parts(attr))
-        self.snapshots = parts["snapshots"]
-        self.snapshot_restorer = parts["snapshot_restorer"]
-        self.held_snapshots = parts["held_snapshots"]
+        attach_snapshot_parts(self, states, lambda: (self.rank, self.world_size), self.checkpointer)
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUPS)

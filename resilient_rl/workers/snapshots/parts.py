@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Callable
 
+from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.workers.snapshots.restore import HeldSnapshots, SnapshotRestorer
 from resilient_rl.workers.snapshots.take import RankSnapshots
 
@@ -17,13 +18,17 @@ SNAPSHOT_PARTS = MappingProxyType({"snapshots": RankSnapshots, "snapshot_restore
                                    "held_snapshots": HeldSnapshots})
 
 
-def snapshot_parts(role: str, states: Callable[[], Any], place: Callable[[], tuple[int, int]], checkpointer,
-                   process: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-    """The snapshot parts of ``role``'s rank, by attribute name. ``states()``: the rank's
+def attach_snapshot_parts(worker: Any, states: Callable[[], Any], place: Callable[[], tuple[int, int]],
+                          checkpointer) -> None:
+    """Give ``worker`` (a rank of the role ``worker.role``) its snapshot parts, as the attributes
+    :data:`SNAPSHOT_PARTS` names. ``states()``: the rank's
     :class:`~resilient_rl.workers.rank_state.RankState` now; ``place()``: its (rank, world size)
     now; ``checkpointer``: its :class:`~resilient_rl.workers.checkpointing.RankCheckpointer` (a
-    load resets and re-prepares its staging); ``process(attr)``: the part ``attr`` of every role
-    in this process, by role (:meth:`~resilient_rl.runtime.rank_host.RankHost.parts`)."""
-    snapshots = RankSnapshots(role, states, place, process)
-    return {"snapshots": snapshots, "snapshot_restorer": SnapshotRestorer(snapshots, checkpointer),
-            "held_snapshots": HeldSnapshots(role, process)}
+    load resets and re-prepares its staging). The parts find the other roles of the process
+    through its :class:`~resilient_rl.runtime.rank_host.RankHost`."""
+    def process(attr: str) -> dict[str, Any]:
+        return host_of(worker).parts(attr)
+
+    worker.snapshots = RankSnapshots(worker.role, states, place, process)
+    worker.snapshot_restorer = SnapshotRestorer(worker.snapshots, checkpointer)
+    worker.held_snapshots = HeldSnapshots(worker.role, process)
