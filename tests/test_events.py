@@ -176,6 +176,26 @@ def test_the_bus_survives_a_failing_subscriber_and_unsubscribes(caplog):
     assert seen == [ev]
 
 
+def test_a_subscription_to_event_types_hears_only_those_and_each_subscription_is_its_own():
+    from resilient_rl.events.kinds import CheckpointCommitted, CheckpointStarted
+
+    bus, started, both, every = EventBus(), [], [], []
+    bus.subscribe(started.append, CheckpointStarted)
+    bus.subscribe(both.append, CheckpointStarted, CheckpointCommitted)
+    first = bus.subscribe(every.append)
+    bus.subscribe(every.append)  # the same function twice: two subscriptions
+    events = [make_event("checkpoint_started", step=1, stall_s=0.0),
+              make_event("checkpoint_corrupt", step=2, reason="checksum"),
+              make_event("checkpoint_committed", step=1, duration_s=0.1, stall_s=0.0, bytes=1)]
+    for ev in events:
+        bus.publish(ev)
+    assert started == events[:1] and both == [events[0], events[2]]
+    assert every == [e for e in events for _ in range(2)]
+    first()
+    bus.publish(events[1])
+    assert every[-2:] == [events[2], events[1]] and len(every) == 7
+
+
 def test_run_dir_publishes_on_its_bus_after_writing(tmp_path):
     rd = RunDir(str(tmp_path), "r")
     seen = []

@@ -139,12 +139,13 @@ class EventBus:
     most events, and a tracker's hiccup must not stop it) nor the other subscribers."""
 
     def __init__(self) -> None:
-        self._subscribers: list[list[Callable[[AnyEvent], None]]] = []
+        self._subscribers: list[list] = []  # [fn, kinds]: a distinct entry per subscription
         self._lock = threading.Lock()
 
-    def subscribe(self, fn: Callable[[AnyEvent], None]) -> Callable[[], None]:
-        """Call ``fn(event)`` on every later event; returns a function that unsubscribes (idempotent)."""
-        entry = [fn]  # a distinct entry per subscription, even of the same ``fn``
+    def subscribe(self, fn: Callable[[AnyEvent], None], *kinds: type[Event]) -> Callable[[], None]:
+        """Call ``fn(event)`` on every later event (only those of the event types ``kinds``, where
+        given); returns a function that unsubscribes (idempotent)."""
+        entry = [fn, kinds]  # a distinct entry per subscription, even of the same ``fn``
         with self._lock:
             self._subscribers.append(entry)
 
@@ -157,7 +158,9 @@ class EventBus:
     def publish(self, event: AnyEvent) -> None:
         with self._lock:
             subscribers = list(self._subscribers)
-        for (call,) in subscribers:
+        for call, kinds in subscribers:
+            if kinds and not isinstance(event, kinds):
+                continue
             try:
                 call(event)
             except Exception:

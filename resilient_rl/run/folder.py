@@ -197,11 +197,11 @@ class RunDir:
         self._append(self.events_path, event_to_json(ev))
         self.bus.publish(ev)
 
-    def subscribe(self, listener: Callable[[AnyEvent], None]) -> Callable[[], None]:
-        """Call ``listener(event)`` with every later event, typed (one dataclass per kind,
-        :mod:`resilient_rl.events.kinds`); returns a function that unsubscribes. A listener that
-        raises is logged and skipped (:class:`~resilient_rl.events.EventBus`)."""
-        return self.bus.subscribe(listener)
+    def subscribe(self, listener: Callable[[AnyEvent], None], *kinds: type) -> Callable[[], None]:
+        """Call ``listener(event)`` with every later event (of the event types ``kinds`` only, where
+        given), typed (one dataclass per kind, :mod:`resilient_rl.events.kinds`); returns a function
+        that unsubscribes. A listener that raises is logged and skipped (:class:`~resilient_rl.events.EventBus`)."""
+        return self.bus.subscribe(listener, *kinds)
 
 
 def deterministic_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

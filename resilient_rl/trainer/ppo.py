@@ -15,8 +15,7 @@ import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import WorkerError
-from resilient_rl.events import AnyEvent
-from resilient_rl.events.kinds import CheckpointStarted
+from resilient_rl.events.kinds import CheckpointCommitted, CheckpointRefused, CheckpointStarted
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
@@ -127,8 +126,8 @@ class PPOTrainer:
         # Set by SIGTERM/SIGUSR1 once the CLI installs its handlers: the loop stops at its next safe point.
         self.preemption = Preemption()
         self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
-        self.run_dir.subscribe(self.nonfinite.on_checkpoint_event)
-        self.run_dir.subscribe(self._on_event)
+        self.run_dir.subscribe(self.nonfinite.on_checkpoint_event, CheckpointRefused, CheckpointCommitted)
+        self.run_dir.subscribe(self._on_checkpoint_started, CheckpointStarted)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
         self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key,
                                          record_path=str(self.run_dir.path / RECORD))
@@ -149,11 +148,10 @@ class PPOTrainer:
         for hook in self.hooks:
             hook.on_recovery_state(self, state)
 
-    def _on_event(self, event: AnyEvent) -> None:
+    def _on_checkpoint_started(self, event: CheckpointStarted) -> None:
         """Fault hooks hear of a save as it starts (to fail it mid-write)."""
-        if isinstance(event, CheckpointStarted):
-            for hook in self.hooks:
-                hook.on_checkpoint_started(self, event.step)
+        for hook in self.hooks:
+            hook.on_checkpoint_started(self, event.step)
 
     def claim(self) -> None:
         """Check the config against the checkpoint a resume loads (ConfigError naming the keys
