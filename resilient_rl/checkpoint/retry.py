@@ -89,16 +89,9 @@ def is_outage(exc: BaseException) -> bool:
 def call_with_retry(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T]) -> T:
     """Run ``fn``, retrying transient errors per ``policy``; any failure that remains is raised
     as StorageError("<op> failed for <where>: ...") chained to the original error."""
-    attempts = 0
-
     def _before_sleep(state: Any) -> None:
         log.warning("%s %s: transient error %r (attempt %d/%d), retrying", op, where,
                     state.outcome.exception(), state.attempt_number, policy.attempts)
-
-    def _counted() -> T:
-        nonlocal attempts
-        attempts += 1
-        return fn()
 
     retrying = Retrying(
         stop=stop_after_attempt(policy.attempts),
@@ -108,10 +101,10 @@ def call_with_retry(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T
         reraise=True,
     )
     try:
-        return retrying(_counted)
+        return retrying(fn)
     except StorageError:
         raise
     except Exception as exc:
-        why = f"still failing after {attempts} attempts" if is_transient(exc) else "permanent error"
+        why = f"still failing after {retrying.statistics.get('attempt_number', 1)} attempts" if is_transient(exc) else "permanent error"
         raise StorageError(f"{op} failed for {where}: {why}: {type(exc).__name__}: {exc}",
                            outage=is_transient(exc)) from exc
