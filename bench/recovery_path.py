@@ -10,6 +10,7 @@ the recovery path is, which ``docs/architecture.md`` walks.
 
     python bench/recovery_path.py
     python bench/recovery_path.py --list
+    python bench/recovery_path.py --walk    # the functions per part of the recovery, as docs/architecture.md
 """
 
 from __future__ import annotations
@@ -74,6 +75,30 @@ def record(steps: int, fault_step: int, rank: int, in_call: str, overrides: list
 
 #: Code objects that are not functions of the source: comprehensions, lambdas, dataclass methods.
 UNNAMED = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>", "__create_fn__")
+#: Where each part of the walk begins: the first call of these (the rest of the failed step's
+#: handling, the states of the recovery, then the loop going on).
+PHASES = (("the failure", "classify_error"), ("RECOVERING", "Recovering.enter"), ("REJOINING", "Rejoining.enter"),
+          ("RESTORING", "Restoring.enter"), ("recovered, the loop goes on", "state_seconds"))
+
+
+def walk(functions: list[str]) -> str:
+    """The named functions as Markdown: per part of the recovery (:data:`PHASES`), each module in the
+    order it is first reached, with its functions in the order of their first call."""
+    parts: list[tuple[str, dict[str, list[str]]]] = []
+    for f in functions:
+        module, name = f.split(":", 1)
+        if any(mark in name for mark in UNNAMED):
+            continue
+        for title, first in PHASES:
+            if name.endswith(first) and title not in (t for t, _ in parts):
+                parts.append((title, {}))
+        parts[-1][1].setdefault(module.removeprefix("resilient_rl."), []).append(name)
+    lines = []
+    for title, modules in parts:
+        lines.append(f"**{title}** ({sum(map(len, modules.values()))} functions)\n")
+        lines += [f"- `{m}`: " + ", ".join(f"`{n}`" for n in names) for m, names in modules.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -83,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--in-call", default="update_actor", help="the actor call the kill strikes in")
     p.add_argument("--list", action="store_true", help="print every function")
+    p.add_argument("--walk", action="store_true", help="print the named functions per part of the recovery (Markdown)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     functions = record(args.steps, args.fault_step, args.rank, args.in_call, args.overrides)
@@ -95,6 +121,8 @@ def main(argv=None) -> int:
         print(f"  {n:4d}  {module}")
     if args.list:
         print("\n".join(functions))
+    if args.walk:
+        print(walk(functions))
     return 0
 
 
