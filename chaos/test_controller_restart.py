@@ -49,7 +49,10 @@ def test_controller_killed_and_started_again_resumes(reference, chaos_dir, chaos
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
     result = collect_run(load_config(None, overrides))
-    assert [e for e in result.events if e["event"] == "checkpoint_restored"], "the second controller resumed"
+    # From its last checkpoint, or from the snapshot the first left in node memory where every rank
+    # still finds its copy there (whether the first sealed it before it died is a matter of timing).
+    assert [e for e in result.events if e["event"] in ("checkpoint_restored", "snapshot_restored")], \
+        "the second controller resumed"
     check_invariants(result, reference, expect_recoveries=0)
     # ETTR spans both controllers: the second continued the first's ledger, and the pause between
     # them (and any step trained again) is lost to the crashed controller.

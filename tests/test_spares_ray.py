@@ -196,7 +196,7 @@ def _roles_with(spares: dict[str, int], unplaced: set[str]):
     roles.spares = {name: _Pool(n) for name, n in spares.items()}
     groups = {name: types.SimpleNamespace(name_prefix=name, resource_pool=types.SimpleNamespace(
         unplaced=lambda name=name: name in unplaced)) for name in spares}
-    roles._process_group = groups.__getitem__
+    roles.processes = groups
     roles.torch_groups, roles.groups, roles.worker_info = [], {}, {}
     return roles
 
