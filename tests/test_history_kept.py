@@ -148,7 +148,8 @@ def test_a_roll_back_reads_the_metric_history_only_when_rows_past_the_point_exis
     reads = []
     for name in ("truncate_metrics_after", "read_metrics"):
         real = getattr(run_dir, name)
-        monkeypatch.setattr(run_dir, name, lambda *a, _real=real, _name=name, **k: reads.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(run_dir, name,
+                            lambda *a, _real=real, _name=name, **k: reads.append(_name) or _real(*a, **k))
     history = deque(maxlen=3)
     with LocalCheckpointRoles() as roles:
         _committed(coord, roles, 2, 4)

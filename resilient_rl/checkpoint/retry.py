@@ -105,6 +105,7 @@ def call_with_retry(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T
     except StorageError:
         raise
     except Exception as exc:
-        why = f"still failing after {retrying.statistics.get('attempt_number', 1)} attempts" if is_transient(exc) else "permanent error"
+        attempts = retrying.statistics.get("attempt_number", 1)
+        why = f"still failing after {attempts} attempts" if is_transient(exc) else "permanent error"
         raise StorageError(f"{op} failed for {where}: {why}: {type(exc).__name__}: {exc}",
                            outage=is_transient(exc)) from exc

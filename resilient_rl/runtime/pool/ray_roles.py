@@ -132,8 +132,8 @@ class RayRoles:
                 self.processes[g.name_prefix] = g
         self.process_of = {role: next(name for name, p in self.processes.items() if p.workers is g.workers)
                            for role, g in self.groups.items()}
-        self.process_roles = {name: tuple(sorted((r for r, n in self.process_of.items() if n == name), key=role_order))
-                              for name in self.processes}
+        self.process_roles = {name: tuple(sorted((r for r, n in self.process_of.items() if n == name),
+                                                 key=role_order)) for name in self.processes}
 
     # ------------------------------------------------------------------ lifecycle
     def refresh_workers(self) -> None:
