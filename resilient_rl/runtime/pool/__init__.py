@@ -55,12 +55,6 @@ def role_order(role: str) -> int:
     return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
 
 
-def primary_role(roles) -> str | None:
-    """The role a process shared by ``roles`` is reported under (the first of :data:`ROLE_ORDER`)."""
-    roles = list(roles)
-    return min(roles, key=role_order) if roles else None
-
-
 class StepRoles(Protocol):
     """The roles as one step drives them (see :mod:`resilient_rl.trainer.step`)."""
 
@@ -97,7 +91,7 @@ class TelemetrySource(Protocol):
         """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
     def roles_of(self, group: str) -> tuple[str, ...]:
         """The roles whose ranks live in the processes of ``group``, the one the group is reported
-        under first (:func:`primary_role`)."""
+        under first (the first of :data:`ROLE_ORDER`)."""
     def role_processes(self) -> dict[RoleKey, tuple[int, str | None]]:
         """(role, rank) -> (pid, node id) of every role's rank."""
     def poll_device_reports(self, poller) -> bool:
@@ -120,7 +114,7 @@ class RecoveryPool(StepRoles, Protocol):
         """Every process's last ping reply (``WorkerInfo``: pid, node, GPU), from :meth:`refresh_workers`."""
     def roles_of(self, group: str) -> tuple[str, ...]:
         """The roles whose ranks live in the processes of ``group``, the one the group is reported
-        under first (:func:`primary_role`)."""
+        under first (the first of :data:`ROLE_ORDER`)."""
     def refresh_workers(self) -> None:
         """Ping every process again and remember the replies."""
     def probe(self, group: str, timeout_s: float, during_call: bool = False) -> dict[int, Any]:
