@@ -363,7 +363,7 @@ class RolloutConfig(Section):
     KV cache, one prefill per prompt, finish checks every ``finish_check_every`` tokens, finished
     rows dropped once ``compact_min_fraction`` of the batch has finished, the decode step compiled
     when ``compile`` (null: on GPU) and captured in a CUDA graph on GPU when ``cuda_graphs``);
-    ``plain`` is the eager loop; ``auto`` is ``static`` for the models it covers (the tiny model,
+    ``plain`` is the decode loop's plain mode (the model's own cache, eager); ``auto`` is ``static`` for the models it covers (the tiny model,
     Hugging Face models with static-shape support), else ``plain``.
     """
 
@@ -383,8 +383,8 @@ class RolloutConfig(Section):
     #: object store), ``auto`` (``channel`` on GPU, ``object_store`` on CPU).
     weight_transfer: str = "auto"
     #: ``static``: the engine with a preallocated KV cache, compaction and a compiled decode step
-    #: (resilient_rl.models.engine); ``plain``: the eager loop; ``auto``: ``static`` for the models
-    #: it covers, else ``plain``.
+    #: (resilient_rl.models.engine); ``plain``: the same decode loop with the model's own cache,
+    #: eager; ``auto``: ``static`` for the models it covers, else ``plain``.
     engine: str = "auto"
     #: Static engine: tokens decoded between checks for finished rows.
     finish_check_every: int = 8

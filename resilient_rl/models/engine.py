@@ -2,7 +2,9 @@
 
 :func:`generate_static` has the contract of :func:`~resilient_rl.models.generation.generate`
 (left-padded prompts in, a :class:`GenerationOutput` with exactly ``max_new_tokens`` response
-columns out) and differs in how it gets there:
+columns out) and runs the same decode loop
+(:func:`~resilient_rl.models.generation.decode_loop`) with a decoder of its own, which differs
+from the plain mode's in how it gets there:
 
 - **Kept cache.** Keys and values live in buffers allocated once per model and kept across
   rollouts (:mod:`resilient_rl.models.kv_cache`), written in place; nothing grows by
@@ -40,20 +42,20 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from resilient_rl.errors import ConfigError, ModelInputError
+from resilient_rl.errors import ConfigError
 from resilient_rl.models.cache_attention import BLOCK, EngineStep, engine_attention
 from resilient_rl.models.decode_step import DecodeStep, row_buckets
 from resilient_rl.models.generation import (
-    TOKEN_BLOCK,
     GenerationOutput,
-    _check_sampling_args,
     _eos_tensor,
+    check_generate_args,
     compute_position_ids,
+    decode_loop,
+    generation_output,
 )
 from resilient_rl.models.kv_cache import CacheShape, EngineCache
 from resilient_rl.models.sampling import draw_uniform, sample_tokens
 from resilient_rl.models.tiny import TinyCausalLM, attention_mask_4d
-from resilient_rl.runtime import progress
 
 __all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "engine_cache", "generate_static", "resolve_engine",
            "shared_prompt_groups", "static_unsupported_reason"]
@@ -190,16 +192,11 @@ def generate_static(
     of them. ``check_every``: tokens between the finish checks (the only host synchronisations).
     ``compile``: run the decode step through ``torch.compile`` (None: on a CUDA device only).
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ModelInputError(f"generate: input_ids {tuple(input_ids.shape)} and attention_mask "
-                              f"{tuple(attention_mask.shape)} must both be [batch, prompt_len]")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, top_p)
     if not isinstance(check_every, int) or check_every < 1:
         raise ConfigError(f"rollout.finish_check_every must be a positive int, got {check_every!r}")
     if not 0 <= compact_min_fraction <= 1:
         raise ConfigError(f"rollout.compact_min_fraction must be in [0, 1], got {compact_min_fraction!r}")
-    _check_sampling_args(temperature, top_p)
     reason = static_unsupported_reason(model)
     if reason is not None:
         raise ConfigError(f"rollout.engine='static' cannot run this model: {reason}")
@@ -217,8 +214,6 @@ def generate_static(
     last = int(response_pos.max())
     if limit is not None and last >= limit:
         raise ConfigError(f"position {last} is past " + hint.format(limit=limit))
-    if isinstance(eos_token_id, torch.Tensor):
-        eos_token_id = eos_token_id.flatten().tolist()
     eos_ids = _eos_tensor(eos_token_id, device)
 
     on_cuda = device.type == "cuda"
@@ -237,65 +232,42 @@ def generate_static(
         if first.shape[0] != batch:  # the samples of a prompt take copies of its prefilled rows
             cache.take_rows(group)
             logits = logits.index_select(0, group)
-        out = _decode_loop(step_fn, forward, model, cache, logits, input_ids, prompt_mask, response_pos, eos_ids,
-                           max_new_tokens, temperature, top_p, pad_token_id, generator, check_every,
-                           compact_min_fraction, buckets)
-    responses, response_mask = out
-    responses, response_mask = responses.t(), response_mask.t()
-    mask_dtype = attention_mask.dtype
-    return GenerationOutput(
-        sequences=torch.cat([input_ids, responses], dim=1),
-        responses=responses.contiguous(),
-        response_mask=response_mask.to(mask_dtype),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1).to(mask_dtype),
-        position_ids=torch.cat([prompt_pos, response_pos], dim=1),
-        engine_stats=step_fn.finish(),
-    )
+        decoder = _EngineDecoder(step_fn, forward, model, cache, prompt_mask, temperature, top_p, generator,
+                                 compact_min_fraction, buckets)
+        responses, response_mask = decode_loop(
+            decoder.step, sample_tokens(logits, temperature, top_p, generator).to(input_ids.dtype),
+            response_pos[:, :1], max_new_tokens, eos_ids, pad_token_id, check_every, decoder.compact)
+    return generation_output(input_ids, attention_mask, prompt_pos, response_pos, responses, response_mask,
+                             step_fn.finish())
 
 
-def _decode_loop(step_fn, forward, model, cache: EngineCache, logits, input_ids, prompt_mask, response_pos, eos_ids,
-                 max_new_tokens, temperature, top_p, pad_token_id, generator, check_every, compact_min_fraction,
-                 buckets) -> tuple[torch.Tensor, torch.Tensor]:
-    """Record, check and compact, decode and pick: ``[max_new_tokens, B]`` responses and their mask."""
-    batch, prompt_len = input_ids.shape
-    device = input_ids.device
-    columns = cache.capacity[1]
-    responses = torch.full((max_new_tokens, batch), pad_token_id, dtype=input_ids.dtype, device=device)
-    response_mask = torch.zeros((max_new_tokens, batch), dtype=torch.long, device=device)
-    key_valid = torch.zeros((batch, columns), dtype=torch.bool, device=device)
-    key_valid[:, :prompt_len] = prompt_mask.bool()
-    rows = torch.arange(batch, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    position = response_pos[:, :1].clone()
-    column = torch.full((1,), prompt_len, dtype=torch.long, device=device)
-    keys, values = cache.views()
-    sampled = sample_tokens(logits, temperature, top_p, generator).to(input_ids.dtype)
-    for step in range(max_new_tokens):
-        if step % TOKEN_BLOCK == 0:
-            progress.advance("tokens")
-        responses[step].index_copy_(0, rows, torch.where(finished, torch.full_like(sampled, pad_token_id), sampled))
-        response_mask[step].index_copy_(0, rows, (~finished).long())
-        if step + 1 == max_new_tokens:
-            break
-        if eos_ids is not None:
-            finished = finished | torch.isin(sampled, eos_ids)
-            if (step + 1) % check_every == 0:
-                unfinished = int((~finished).sum())  # the loop's only host synchronisation
-                if unfinished == 0:
-                    break
-                keep = compaction_rows(finished, unfinished, compact_min_fraction, buckets)
-                if keep is not None:
-                    cache.take_rows(keep)
-                    keys, values = cache.views()
-                    step_fn.stats.compactions += 1
-                    rows, finished, key_valid = rows[keep], finished[keep], key_valid[keep]
-                    position, sampled = position[keep], sampled[keep]
-        # Finished rows are fed their sampled token, not the pad id: their logits are ignored,
-        # and a pad id need not be a valid embedding index.
-        key_valid.index_fill_(1, column, True)
-        draw = draw_uniform(rows.shape[0], temperature, generator, device)
-        sampled = step_fn(forward, model, keys, values, sampled, position, column, key_valid, draw, temperature,
-                          top_p).to(input_ids.dtype)
-        position = position + 1
-        column = column + 1
-    return responses, response_mask
+class _EngineDecoder:
+    """:func:`generate_static`'s decoder: the kept cache, the compiled step, compaction in buckets."""
+
+    def __init__(self, step_fn: DecodeStep, forward, model: nn.Module, cache: EngineCache, prompt_mask, temperature,
+                 top_p, generator, compact_min_fraction, buckets):
+        self.step_fn, self.forward, self.model, self.cache = step_fn, forward, model, cache
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.compact_min_fraction, self.buckets = compact_min_fraction, buckets
+        batch, prompt_len = prompt_mask.shape
+        self.key_valid = torch.zeros((batch, cache.capacity[1]), dtype=torch.bool, device=prompt_mask.device)
+        self.key_valid[:, :prompt_len] = prompt_mask.bool()
+        self.column = torch.full((1,), prompt_len, dtype=torch.long, device=prompt_mask.device)
+        self.keys, self.values = cache.views()
+
+    def step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        self.key_valid.index_fill_(1, self.column, True)
+        draw = draw_uniform(tokens.shape[0], self.temperature, self.generator, tokens.device)
+        picked = self.step_fn(self.forward, self.model, self.keys, self.values, tokens, position, self.column,
+                              self.key_valid, draw, self.temperature, self.top_p).to(tokens.dtype)
+        self.column = self.column + 1
+        return picked
+
+    def compact(self, finished: torch.Tensor, unfinished: int) -> torch.Tensor | None:
+        keep = compaction_rows(finished, unfinished, self.compact_min_fraction, self.buckets)
+        if keep is not None:
+            self.cache.take_rows(keep)
+            self.keys, self.values = self.cache.views()
+            self.key_valid = self.key_valid[keep]
+            self.step_fn.stats.compactions += 1
+        return keep

@@ -1,10 +1,18 @@
-"""Batched autoregressive generation for causal LMs (the built-in tiny model and Hugging Face models).
+"""Batched autoregressive generation for causal LMs: the one decode loop and its plain mode.
 
-Prompts arrive left-padded, so every row's next token is written in the same column. The routine
-prefills the prompt once and then feeds one token per step with the KV cache (or recomputes the
-whole sequence when ``use_cache=False``, which is the reference the cached path is tested against).
-Sampling draws from an explicit :class:`torch.Generator`, so a seeded generator reproduces the same
-tokens on CPU bit for bit; the generator's state is what a rollout worker checkpoints.
+Prompts arrive left-padded, so every row's next token is written in the same column. Every
+generation, plain or by the rollout engine (:mod:`resilient_rl.models.engine`), runs
+:func:`decode_loop`: it records one token per row per step, marks rows finished at an
+end-of-sequence token, stops once every row has finished, and asks its decoder for the next
+tokens. A decoder owns the model call, its cache and the sampling; the engine's also drops
+finished rows from its batch (compaction).
+
+:func:`generate` is the loop's plain mode: the model's own KV cache (or a whole-sequence forward
+each step when ``use_cache=False``, which is the reference the cached paths are tested against),
+sampling with ``torch.multinomial``, and a finish check every step. It runs any model with the
+Hugging Face calling convention, including those the engine does not cover. Sampling draws from an
+explicit :class:`torch.Generator`, so a seeded generator reproduces the same tokens on CPU bit for
+bit; the generator's state is what a rollout worker checkpoints.
 
 Responses always have exactly ``max_new_tokens`` columns (padded after the end-of-sequence token)
 so that every rollout batch has a fixed shape.
@@ -12,17 +20,19 @@ so that every rollout batch has a fixed shape.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from resilient_rl.runtime import progress
 from resilient_rl.errors import ConfigError, ModelInputError
+from resilient_rl.models.sampling import top_p_filter
+from resilient_rl.runtime import progress
 
-__all__ = ["GenerationOutput", "compute_position_ids", "generate", "sample_next_token"]
+__all__ = ["GenerationOutput", "check_generate_args", "compute_position_ids", "decode_loop", "generate",
+           "generation_output", "sample_next_token"]
 
 #: Tokens per progress report (liveness): a long generation advances, so it is never taken for a hang.
 TOKEN_BLOCK = 8
@@ -73,16 +83,105 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_p: flo
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        # A stable sort keeps ties in index order, so filtering is deterministic.
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = mass_before >= top_p
-        drop[..., 0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+    probs = top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def check_generate_args(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                        temperature: float, top_p: float) -> None:
+    """A clear error for a generation request no decoder can run."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ModelInputError(f"generate: input_ids {tuple(input_ids.shape)} and attention_mask "
+                              f"{tuple(attention_mask.shape)} must both be [batch, prompt_len]")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    _check_sampling_args(temperature, top_p)
+
+
+def decode_loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sampled: torch.Tensor,
+                position: torch.Tensor, max_new_tokens: int, eos_ids: torch.Tensor | None, pad_token_id: int,
+                check_every: int = 1,
+                compact: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode loop: ``[B, max_new_tokens]`` responses and their mask.
+
+    ``sampled`` ``[B]``: the tokens picked from the prompts' last logits; ``position`` ``[B, 1]``:
+    where the first of them sits. ``step(tokens, position)`` feeds the batch's tokens and returns the
+    next ones. Every ``check_every`` tokens (the loop's only host synchronisation) the loop stops if
+    every row has finished, else ``compact(finished, unfinished)`` may return the rows the decoder
+    kept (it has dropped the others from its own state), and the loop keeps the same ones.
+    """
+    batch, device = sampled.shape[0], sampled.device
+    position = position.contiguous()  # one layout for every step (a compiled step guards on strides)
+    responses = torch.full((max_new_tokens, batch), pad_token_id, dtype=sampled.dtype, device=device)
+    response_mask = torch.zeros((max_new_tokens, batch), dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        if i % TOKEN_BLOCK == 0:
+            progress.advance("tokens")
+        responses[i].index_copy_(0, rows, torch.where(finished, torch.full_like(sampled, pad_token_id), sampled))
+        response_mask[i].index_copy_(0, rows, (~finished).long())
+        if i + 1 == max_new_tokens:
+            break
+        if eos_ids is not None:
+            finished = finished | torch.isin(sampled, eos_ids)
+            if (i + 1) % check_every == 0:
+                unfinished = int((~finished).sum())
+                if unfinished == 0:
+                    break
+                keep = None if compact is None else compact(finished, unfinished)
+                if keep is not None:
+                    rows, finished, position, sampled = rows[keep], finished[keep], position[keep], sampled[keep]
+        # Finished rows are fed their sampled token, not the pad id: their logits are ignored,
+        # and a pad id need not be a valid embedding index.
+        sampled = step(sampled, position)
+        position = position + 1
+    return responses.t(), response_mask.t()
+
+
+def generation_output(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_pos: torch.Tensor,
+                      response_pos: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                      engine_stats: dict | None = None) -> GenerationOutput:
+    """The :class:`GenerationOutput` of :func:`decode_loop`'s responses for these prompts."""
+    mask_dtype = attention_mask.dtype
+    return GenerationOutput(
+        sequences=torch.cat([input_ids, responses], dim=1),
+        responses=responses.contiguous(),
+        response_mask=response_mask.to(mask_dtype),
+        attention_mask=torch.cat([attention_mask.long(), response_mask], dim=1).to(mask_dtype),
+        position_ids=torch.cat([prompt_pos, response_pos], dim=1),
+        engine_stats=engine_stats,
+    )
+
+
+class _PlainDecoder:
+    """:func:`generate`'s decoder: the model's own cache (or none), the growing sequence."""
+
+    def __init__(self, model: nn.Module, input_ids, prompt_mask, prompt_pos, use_cache: bool, sample):
+        self.model, self.use_cache, self.sample = model, use_cache, sample
+        self.seq, self.seq_mask, self.seq_pos = input_ids, prompt_mask, prompt_pos
+        self.past: Any = None
+
+    def forward(self) -> torch.Tensor:
+        """The sequence so far through the model: the next tokens."""
+        if self.use_cache and self.past is not None:
+            out = self.model(input_ids=self.seq[:, -1:], attention_mask=self.seq_mask,
+                             position_ids=self.seq_pos[:, -1:], past_key_values=self.past, use_cache=True)
+        else:
+            out = self.model(input_ids=self.seq, attention_mask=self.seq_mask, position_ids=self.seq_pos,
+                             use_cache=self.use_cache)
+        if self.use_cache:
+            self.past = out.past_key_values
+        return self.sample(out.logits[:, -1, :]).to(self.seq.dtype)
+
+    def step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        # While generating, every generated token is attended to: a finished row's later tokens
+        # are padding whose logits are ignored, so they need no masking until the final mask.
+        self.seq = torch.cat([self.seq, tokens[:, None]], dim=1)
+        self.seq_mask = torch.cat([self.seq_mask, torch.ones_like(self.seq_mask[:, :1])], dim=1)
+        self.seq_pos = torch.cat([self.seq_pos, position], dim=1)
+        return self.forward()
 
 
 @torch.no_grad()
@@ -98,7 +197,7 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
 ) -> GenerationOutput:
-    """Generate ``max_new_tokens`` tokens for a batch of left-padded prompts.
+    """Generate ``max_new_tokens`` tokens for a batch of left-padded prompts (the plain mode).
 
     ``model`` is called with the Hugging Face convention (``input_ids``, ``attention_mask``,
     ``position_ids``, ``past_key_values``, ``use_cache``) and must return an object with
@@ -106,61 +205,15 @@ def generate(
     and Hugging Face causal LMs do. ``eos_token_id`` may be one id or several. Generation stops
     early once every row has produced an eos token; the remaining columns are ``pad_token_id``.
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ModelInputError(
-            f"generate: input_ids {tuple(input_ids.shape)} and attention_mask "
-            f"{tuple(attention_mask.shape)} must both be [batch, prompt_len]")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    _check_sampling_args(temperature, top_p)
-
-    batch, _ = input_ids.shape
-    device = input_ids.device
-    mask_dtype = attention_mask.dtype
+    check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, top_p)
     prompt_mask = attention_mask.long()
     prompt_pos = compute_position_ids(prompt_mask)
-    response_pos = prompt_pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)
-    eos_ids = _eos_tensor(eos_token_id, device)
-
-    responses = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=device)
-    response_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-
-    # While generating, every generated token is attended to: a finished row's later tokens
-    # are padding whose logits are ignored, so they need no masking until the final mask.
-    seq, seq_mask, seq_pos = input_ids, prompt_mask, prompt_pos
-    past: Any = None
-    for step in range(max_new_tokens):
-        if step % TOKEN_BLOCK == 0:
-            progress.advance("tokens")
-        if use_cache and past is not None:
-            out = model(input_ids=seq[:, -1:], attention_mask=seq_mask, position_ids=seq_pos[:, -1:],
-                        past_key_values=past, use_cache=True)
-        else:
-            out = model(input_ids=seq, attention_mask=seq_mask, position_ids=seq_pos, use_cache=use_cache)
-        if use_cache:
-            past = out.past_key_values
-        sampled = sample_next_token(out.logits[:, -1, :], temperature, top_p, generator).to(input_ids.dtype)
-        token = torch.where(finished, torch.full_like(sampled, pad_token_id), sampled)
-        responses[:, step] = token
-        response_mask[:, step] = (~finished).long()
-        if eos_ids is not None:
-            finished = finished | torch.isin(token, eos_ids)
-        if step + 1 == max_new_tokens or bool(finished.all()):
-            break
-        # Finished rows are fed their sampled token, not the pad id: their logits are ignored,
-        # and a pad id need not be a valid embedding index.
-        seq = torch.cat([seq, sampled[:, None]], dim=1)
-        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
-        seq_pos = torch.cat([seq_pos, response_pos[:, step:step + 1]], dim=1)
-
-    return GenerationOutput(
-        sequences=torch.cat([input_ids, responses], dim=1),
-        responses=responses,
-        response_mask=response_mask.to(mask_dtype),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1).to(mask_dtype),
-        position_ids=torch.cat([prompt_pos, response_pos], dim=1),
-    )
+    response_pos = prompt_pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=input_ids.device)
+    decoder = _PlainDecoder(model, input_ids, prompt_mask, prompt_pos, use_cache,
+                            lambda logits: sample_next_token(logits, temperature, top_p, generator))
+    responses, response_mask = decode_loop(decoder.step, decoder.forward(), response_pos[:, :1], max_new_tokens,
+                                           _eos_tensor(eos_token_id, input_ids.device), pad_token_id)
+    return generation_output(input_ids, attention_mask, prompt_pos, response_pos, responses, response_mask)
 
 
 def _check_sampling_args(temperature: float, top_p: float) -> None:
@@ -170,9 +223,11 @@ def _check_sampling_args(temperature: float, top_p: float) -> None:
         raise ConfigError(f"generate: top_p must be in (0, 1], got {top_p!r}")
 
 
-def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> torch.Tensor | None:
+def _eos_tensor(eos_token_id: int | Sequence[int] | torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     if eos_token_id is None:
         return None
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.flatten().tolist()
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if not ids:
         return None

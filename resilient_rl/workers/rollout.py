@@ -1,8 +1,8 @@
 """The rollout engine: batched sampling with a KV cache from an unsharded copy of the policy.
 
-``rollout.engine`` picks the generation routine once, when the model is built: the static engine
-(:func:`~resilient_rl.models.engine.generate_static`) for the models it covers, else the plain
-eager loop (:func:`~resilient_rl.models.generation.generate`).
+``rollout.engine`` picks the decoder of the decode loop once, when the model is built: the static
+engine's (:func:`~resilient_rl.models.engine.generate_static`) for the models it covers, else the
+plain mode (:func:`~resilient_rl.models.generation.generate`: the model's own cache, eager).
 
 It receives the actor's weights after every update (``load_weights``) together with a version
 number; a generate request that names another version is refused, so stale weights can never
