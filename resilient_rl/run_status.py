@@ -164,6 +164,8 @@ class RunStatus:
                         f"replayed {f.steps_replayed}")
             elif f.outcome == "aborted":
                 what = f"ABORTED: {f.abort_reason}"
+            elif f.state is not None:  # a recovery in progress, or one the controller's end cut short
+                what = f"no recovery recorded: the last state entered is {f.state}"
             else:
                 what = "no recovery recorded"
             extra = []

@@ -25,7 +25,8 @@ class Checkpoints:
 
 
 class Harness:
-    """A Recovery wired to a FakePool, recording events, states entered and restores."""
+    """A Recovery wired to a FakePool, recording events, states entered (their ``recovery_state``
+    events, kept apart from the others) and restores."""
 
     def __init__(self, pool: FakePool | None = None, restore=None, **recovery):
         self.pool = pool or FakePool()
@@ -39,8 +40,14 @@ class Harness:
         cfg = RecoveryConfig(**{"max_restarts": 3, "max_failures": 5, "failure_window_s": 3600.0, **recovery})
         self.source = None  # where the roll-back went (a scripted restore names none)
         self.recovery = Recovery(cfg, checkpoints=self.ckpt, rollback=self,
-                                 emit=lambda kind, **f: self.events.append((kind, f)), on_state=self.states.append,
+                                 emit=self._emit,
                                  clock=self.clock, sleep=self.clock.sleep, wall_clock=self.wall)
+
+    def _emit(self, kind: str, **fields) -> None:
+        if kind == "recovery_state":
+            self.states.append(RecoveryState(fields["state"]))
+        else:
+            self.events.append((kind, fields))
 
     def roll_back_to(self, roles, *points) -> int:
         assert roles is self.pool and points[-1].kind == "start"
@@ -83,12 +90,19 @@ def test_a_dead_rank_is_restarted_rejoined_and_restored():
                          "restarted": [["main", 1]], "generation": 2, "source": None}
     assert set(phases) == {"detect", "restart", "rejoin", "restore"} and phases["restart"] == 0.0
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
-    assert h.states == [S.REJOINING, S.RESTORING]
+    assert h.states == [S.RECOVERING, S.REJOINING, S.RESTORING]
     assert h.ckpt.abandoned == 1 and h.restores == 1
     assert h.pool.empty_inits == [True]  # models rebuilt empty: the restore fills them
     assert h.recovery.policy.restarts == {"actor:1": 1}
     assert "kill" not in h.pool.ops()  # nothing to kill: the process was already gone
 
+
+
+def test_every_state_a_recovery_enters_is_an_event_also_when_it_aborts():
+    h = Harness(enabled=False)
+    with pytest.raises(RecoveryError):
+        h.handle(died())
+    assert h.states == [S.RECOVERING, S.ABORTING] and h.kinds() == ["failure", "aborted"]
 
 def test_a_stopped_rank_is_killed_then_restarted():
     h = Harness()

@@ -189,6 +189,19 @@ def test_failure_episodes_shorten_group_names_and_keep_pending_ones(tmp_path):
         ("main:actor", "pending", "main:actor rank 0: gloo broke")]
 
 
+
+def test_status_names_the_state_a_pending_recovery_last_entered(tmp_path, capsys):
+    run = FakeRun(tmp_path, name="x-run")
+    run.train(1)
+    run.run_dir.event("failure", step=2, role=f"{run.group}:actor", rank=0, cause="died",
+                      message=f"{run.group}:actor rank 0 died")
+    for state in ("recovering", "rejoining"):
+        run.run_dir.event("recovery_state", state=state, failed_step=2)
+    (episode,) = failure_episodes(open_run(str(run.path)).events, "x-run")
+    assert (episode.outcome, episode.state) == ("pending", "rejoining")
+    code, out, _ = _cli(capsys, "status", str(run.path))
+    assert code == 0 and "no recovery recorded: the last state entered is rejoining" in out
+
 def test_a_reused_pid_is_not_the_controller():
     rec = ControllerRecord.for_this_process()
     assert controller_alive(rec) is True

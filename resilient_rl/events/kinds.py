@@ -139,6 +139,15 @@ class FailureDuringRecovery(Event):
     group: str | None = None
 
 
+@_kind("recovery_state")
+class RecoveryStateEntered(Event):
+    """A recovery of the failure at ``failed_step`` entered ``state`` (``recovering``, ``rejoining``,
+    ``restoring`` or ``aborting``): where a recovery that has not ended stands."""
+
+    state: str
+    failed_step: int
+
+
 @_kind("recovered")
 class Recovered(Event):
     """Recovery finished: restored ``restored_step``, replays from there; ``restarted`` lists the

@@ -181,7 +181,8 @@ class FaultSchedule(TrainerHook):
         return self
 
     def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
-        """Faults added next fire when a recovery enters ``state`` (rejoining or restoring)."""
+        """Faults added next fire when a recovery enters ``state`` (recovering, rejoining, restoring
+        or aborting)."""
         self._at = ("recovery", state)
         return self
 

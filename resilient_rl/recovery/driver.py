@@ -129,21 +129,19 @@ class Recovery:
         checkpoints: the checkpoint coordinator (``abandon``, ``last_committed``).
         rollback: rolls pool and controller back to the first point that exists of the newest
             snapshot, valid checkpoint or the start (``roll_back_to``) and says where it went (``source``).
-        emit: ``emit(kind, **fields)`` records an event of the run (``events.jsonl``, metrics).
-        on_state: called with each state entered after RECOVERING (fault hooks).
+        emit: ``emit(kind, **fields)`` records an event of the run (``events.jsonl``, metrics); each
+            state the recovery enters is a ``recovery_state`` event (fault hooks act on them).
         clock, sleep, wall_clock: monotonic time, sleeping and the time of day, replaced by fakes in tests.
         policy: the failure policy (its budget is part of the controller's checkpointed state);
             by default one from ``cfg`` on ``wall_clock``.
     """
 
     def __init__(self, cfg, checkpoints: CheckpointState, rollback: RollBackAfterFailure, emit: Callable[..., None],
-                 on_state: Callable[[RecoveryState], None] = lambda state: None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  wall_clock: Callable[[], float] = time.time, policy: FailurePolicy | None = None):
         self.cfg = cfg
         self.checkpoints = checkpoints
         self.emit = emit
-        self.on_state = on_state
         self.clock, self.wall_clock = clock, wall_clock
         self.policy = policy if policy is not None else FailurePolicy.from_config(cfg, clock=wall_clock)
         self.sm = RecoveryStateMachine(clock=clock)
@@ -174,8 +172,7 @@ class Recovery:
             self.sm.to(state)
         while state is not S.RUNNING:
             try:
-                if state in (S.REJOINING, S.RESTORING):
-                    self.on_state(state)
+                self.emit("recovery_state", state=state.value, failed_step=failed_step)
                 following = self.states[state].enter(attempt, pool)
             except (RecoveryError, LeaseError, Preempted):
                 raise  # aborted, another controller owns the run now, or asked to stop: recovering would fight it

@@ -139,6 +139,7 @@ class FailureEpisode:
     killed_unresponsive: list[str] = field(default_factory=list)
     failures_during_recovery: int = 0
     abort_reason: str | None = None
+    state: str | None = None            # the last recovery state entered (recovering, rejoining, ...)
 
     @property
     def who(self) -> str:
@@ -174,6 +175,8 @@ def failure_episodes(events: list[dict[str, Any]], run: str | None = None) -> li
             current.killed_unresponsive.append(f"{short_group(e.get('group'), run)} rank {e.get('rank')}")
         elif kind == "failure_during_recovery":
             current.failures_during_recovery += 1
+        elif kind == "recovery_state":
+            current.state = e.get("state")
         elif kind == "recovered":
             current.outcome = "recovered"
             current.restored_step = e.get("restored_step")

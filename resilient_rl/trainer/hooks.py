@@ -32,7 +32,7 @@ class TrainerHook:
         """The in-memory snapshot of step ``step`` has started (ranks copying, peers fetching)."""
 
     def on_recovery_state(self, trainer: Trainer, state: RecoveryState) -> None:
-        """A recovery entered ``state`` (rejoining or restoring)."""
+        """A recovery entered ``state`` (recovering, rejoining, restoring or aborting)."""
 
 
 def check_hooks(hooks: list) -> list[TrainerHook]:

@@ -15,7 +15,8 @@ import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import WorkerError
-from resilient_rl.events.kinds import CheckpointCommitted, CheckpointRefused, CheckpointStarted
+from resilient_rl.events.kinds import (CheckpointCommitted, CheckpointRefused, CheckpointStarted,
+                                       RecoveryStateEntered)
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
@@ -29,6 +30,7 @@ from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
+from resilient_rl.recovery.states import RecoveryState
 from resilient_rl.recovery.rollback import AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
 from resilient_rl.workers.snapshots.carry import RECORD
 from resilient_rl.checkpoint.leases.run_claim import RunClaim
@@ -128,6 +130,7 @@ class PPOTrainer:
         self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event, CheckpointRefused, CheckpointCommitted)
         self.run_dir.subscribe(self._on_checkpoint_started, CheckpointStarted)
+        self.run_dir.subscribe(self._on_recovery_state, RecoveryStateEntered)
         # In-memory snapshots on peers (recovery.snapshot_every); they need the checkpointing pool.
         self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key,
                                          record_path=str(self.run_dir.path / RECORD))
@@ -142,9 +145,11 @@ class PPOTrainer:
         # Rolling back (resume, recovery, NaN) and recovering; what the state holds now is the start.
         self.rollback = RollBack(self.ckpt, self.snapshots, self.state, self.run_dir, self.history, self.digest)
         self.recovery = Recovery(cfg.recovery, checkpoints=self.ckpt, rollback=self.rollback, emit=self.run_dir.event,
-                                 on_state=self._on_recovery_state, policy=policy)
+                                 policy=policy)
 
-    def _on_recovery_state(self, state) -> None:
+    def _on_recovery_state(self, event: RecoveryStateEntered) -> None:
+        """Fault hooks hear of each state a recovery enters (to fail what it is doing)."""
+        state = RecoveryState(event.state)
         for hook in self.hooks:
             hook.on_recovery_state(self, state)
 
