@@ -363,8 +363,9 @@ class RolloutConfig(Section):
     KV cache, one prefill per prompt, finish checks every ``finish_check_every`` tokens, finished
     rows dropped once ``compact_min_fraction`` of the batch has finished, the decode step compiled
     when ``compile`` (null: on GPU) and captured in a CUDA graph on GPU when ``cuda_graphs``);
-    ``plain`` is the decode loop's plain mode (the model's own cache, eager); ``auto`` is ``static`` for the models it covers (the tiny model,
-    Hugging Face models with static-shape support), else ``plain``.
+    ``plain`` is the decode loop's plain mode (the model's own cache, eager); ``auto`` is ``static``
+    for the models it covers (the tiny model, Hugging Face models with static-shape support), else
+    ``plain``.
     """
 
     #: Sampling temperature of the training rollouts.
