@@ -1,4 +1,4 @@
-"""Generation throughput: the project's rollout engine vs Hugging Face ``generate`` and the plain loop.
+"""Generation throughput: the project's rollout engine vs Hugging Face ``generate`` and the plain mode.
 
 One tiny Hugging Face causal LM built from a config (random weights, nothing downloaded; Llama- or
 Qwen2-shaped), one batch of ``--prompts`` left-padded prompts x ``--n`` samples each, the same
@@ -9,7 +9,7 @@ as a ratio against the engine, all measured in this run:
 - ``engine``: :func:`resilient_rl.models.engine.generate_static` (static cache, one prefill per
   prompt, finish checks every 8 tokens, sampling on the device);
 - ``hf``: ``model.generate(do_sample=True, num_return_sequences=n)`` with its default cache;
-- ``plain``: :func:`resilient_rl.models.generation.generate`, the eager loop, on the repeated batch.
+- ``plain``: :func:`resilient_rl.models.generation.generate`, the decode loop's plain mode, on the repeated batch.
 
     python bench/generation.py                         # Qwen2-shaped, 8 prompts x 4 samples, 64 + 64 tokens
     python bench/generation.py --arch llama --prompts 16 --n 8 --prompt-len 128
