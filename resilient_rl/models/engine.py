@@ -49,9 +49,9 @@ from resilient_rl.models.generation import (
     GenerationOutput,
     _eos_tensor,
     check_generate_args,
-    compute_position_ids,
     decode_loop,
     generation_output,
+    generation_positions,
 )
 from resilient_rl.models.kv_cache import CacheShape, EngineCache
 from resilient_rl.models.sampling import draw_uniform, sample_tokens
@@ -208,8 +208,7 @@ def generate_static(
     device = input_ids.device
     total_len = prompt_len + max_new_tokens
     prompt_mask = attention_mask.long()
-    prompt_pos = compute_position_ids(prompt_mask)
-    response_pos = prompt_pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)
+    prompt_pos, response_pos = generation_positions(prompt_mask, max_new_tokens)
     limit, hint = limit_of(model)
     last = int(response_pos.max())
     if limit is not None and last >= limit:

@@ -32,7 +32,7 @@ from resilient_rl.models.sampling import top_p_filter
 from resilient_rl.runtime import progress
 
 __all__ = ["GenerationOutput", "check_generate_args", "compute_position_ids", "decode_loop", "generate",
-           "generation_output", "sample_next_token"]
+           "generation_output", "generation_positions", "sample_next_token"]
 
 #: Tokens per progress report (liveness): a long generation advances, so it is never taken for a hang.
 TOKEN_BLOCK = 8
@@ -68,6 +68,13 @@ def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     padding positions are 0 (they are masked anyway).
     """
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def generation_positions(attention_mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_pos, response_pos)``: the prompt's positions (:func:`compute_position_ids`) and
+    the ``max_new_tokens`` positions after each row's last prompt token."""
+    prompt_pos = compute_position_ids(attention_mask)
+    return prompt_pos, prompt_pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=attention_mask.device)
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
@@ -207,8 +214,7 @@ def generate(
     """
     check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, top_p)
     prompt_mask = attention_mask.long()
-    prompt_pos = compute_position_ids(prompt_mask)
-    response_pos = prompt_pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=input_ids.device)
+    prompt_pos, response_pos = generation_positions(prompt_mask, max_new_tokens)
     decoder = _PlainDecoder(model, input_ids, prompt_mask, prompt_pos, use_cache,
                             lambda logits: sample_next_token(logits, temperature, top_p, generator))
     responses, response_mask = decode_loop(decoder.step, decoder.forward(), response_pos[:, :1], max_new_tokens,
