@@ -141,12 +141,12 @@ class RoleWorker(RankWorker):
         had = self.engine is not None
         self.engine = None
         self.engine_dropped = had or self.engine_dropped
-        process = host_of(self).workers()  # any worker of the process: a role has these attributes, others not
-        if collect and any(getattr(w, "engine_dropped", False) for w in process):
+        process = [w for w in host_of(self).workers() if isinstance(w, RoleWorker)]
+        if collect and any(w.engine_dropped for w in process):
             gc.collect()
             for w in process:
                 w.engine_dropped = False
-        if collect and all(getattr(w, "engine", None) is None for w in process):
+        if collect and all(w.engine is None for w in process):
             gc.freeze()
         return had
 
