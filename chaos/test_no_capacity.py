@@ -39,7 +39,7 @@ def two_nodes():
 
 
 def test_a_lost_node_with_no_capacity_stops_at_once_and_the_run_continues_when_a_node_is_back(two_nodes, tmp_path):
-    hook = RemoveNodeOf(two_nodes, rank=2, step=4, delay_s=0.3)
+    hook = RemoveNodeOf(two_nodes, rank=2, step=4, in_call="update_actor")  # inside step 4, however busy
     lost = run_training(overrides(str(tmp_path)), "no-capacity", hooks=(hook,))
     assert hook.removed is not None
     assert isinstance(lost.error, NoCapacityError), repr(lost.error)

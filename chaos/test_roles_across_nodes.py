@@ -61,7 +61,8 @@ def test_a_rank_killed_on_the_second_node_is_back_with_nothing_replayed(nodes, r
 
 def test_actor_across_nodes_loses_a_node_and_replays_nothing(nodes, reference):
     root, reference = reference
-    hook = RemoveNodeOf(nodes, rank=2, step=4, delay_s=0.3, after_snapshot=True)
+    # Inside step 4 (its actor update), with step 3's snapshot complete: however busy the machine.
+    hook = RemoveNodeOf(nodes, rank=2, step=4, after_snapshot=True, in_call="update_actor")
     result = run_training(overrides(root), "across-node-loss", hooks=(hook,))
     assert hook.removed is not None, "the node was removed"
     assert [r for _, r in hook.ranks] == [2, 3], "ranks 2-3 were on the removed node, 0-1 elsewhere"

@@ -125,7 +125,7 @@ def wait_in_call(roles, role: str, rank: int, call: str, timeout_s: float = 60.0
     return False
 
 
-def _wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
+def wait_snapshot(trainer, step: int, timeout_s: float = 30.0) -> None:
     """Wait until the trainer's in-memory snapshot of ``step`` is complete (or ``timeout_s`` passed)."""
     keeper = trainer.snapshots
     deadline = time.monotonic() + timeout_s
@@ -238,7 +238,7 @@ class FaultSchedule(TrainerHook):
     def on_step_start(self, trainer, step: int) -> None:
         self._trigger(trainer, "step", step)
         if any(f.trigger == "after_snapshot" and f.step == step and not f.fired for f in self.faults):
-            _wait_snapshot(trainer, step - 1)
+            wait_snapshot(trainer, step - 1)
             self._trigger(trainer, "after_snapshot", step)
 
     def on_checkpoint_started(self, trainer, step: int) -> None:

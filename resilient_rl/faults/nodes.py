@@ -11,11 +11,14 @@ process on another node does not read the lost node's copies even though the fil
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 
 import ray
 
+from resilient_rl.faults.injectors import wait_in_call, wait_snapshot
 from resilient_rl.trainer.hooks import TrainerHook
 
 
@@ -53,15 +56,17 @@ class RemoveNodeOf(TrainerHook):
     process on it die at once) the worker node that hosts rank ``rank`` of the first process group.
 
     The node goes from a thread, while the step runs: ``delay_s`` after the step starts and, with
-    ``after_snapshot``, not before the snapshot of the previous step is complete (a fault that
-    strikes mid-step, as most do, rather than in the instant between a step and its snapshot).
+    ``in_call``, once ``role`` rank ``rank`` is inside that registered call and has advanced there
+    (a fault that strikes mid-step whatever the machine's load, not after the step has ended). With
+    ``after_snapshot`` the step starts only once the snapshot of the previous step is complete (as
+    :meth:`FaultSchedule.after_snapshot <resilient_rl.faults.injectors.FaultSchedule.after_snapshot>`).
     ``removed`` is the node id, ``fired_at`` the wall-clock time of the removal, ``ranks`` the
     (group, rank)s that ran on the node, ``nodes_before`` every rank's node then."""
 
     def __init__(self, cluster, rank: int, step: int, delay_s: float = 0.0, after_snapshot: bool = False,
-                 timeout_s: float = 60.0):
+                 in_call: str | None = None, role: str = "actor"):
         self.cluster, self.rank, self.step = cluster, rank, step
-        self.delay_s, self.after_snapshot, self.timeout_s = delay_s, after_snapshot, timeout_s
+        self.delay_s, self.after_snapshot, self.in_call, self.role = delay_s, after_snapshot, in_call, role
         self.removed: str | None = None
         self.fired_at: float | None = None
         self.ranks: list[tuple[str, int]] = []
@@ -71,36 +76,28 @@ class RemoveNodeOf(TrainerHook):
     def on_step_start(self, trainer, step: int) -> None:
         if step != self.step or self._thread is not None:
             return
+        if self.after_snapshot:
+            wait_snapshot(trainer, step - 1)
         roles = trainer.roles
         known = roles.known_workers
         _, node_id = known[(roles.process_groups()[0], self.rank)]
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.ranks = sorted(key for key, (_, nid) in known.items() if nid == node_id)
         self.nodes_before = {key: nid for key, (_, nid) in known.items()}
-        snaps = trainer.snapshots if self.after_snapshot else None
-        self._thread = threading.Thread(target=self._remove, args=(node, node_id, snaps, step - 1),
-                                        name="remove-node", daemon=True)
+        pids = sorted({pid for pid, nid in known.values() if nid == node_id})
+        self._thread = threading.Thread(target=self._remove, args=(roles, node, node_id, pids), name="remove-node",
+                                        daemon=True)
         self._thread.start()
 
-    def _remove(self, node, node_id: str, snaps, previous: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _remove(self, roles, node, node_id: str, pids: list[int]) -> None:
         time.sleep(self.delay_s)
-        while snaps is not None and time.monotonic() < deadline:
-            if any(s.step == previous and _answered(s) for s in list(snaps.snapshots)):
-                break
-            time.sleep(0.02)
+        if self.in_call and not wait_in_call(roles, self.role, self.rank, self.in_call):
+            return  # not removed: the test's own check (``removed``) reports it
         self.fired_at = time.time()
         self.cluster.remove_node(node, allow_graceful=False)
+        # The ranks' processes die with their node, not once they notice that their raylet is
+        # gone: a rank inside a call would finish it first, and its step with it.
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.removed = node_id
-
-
-def _answered(snap) -> bool:
-    """Whether every take, publish and hold of ``snap`` has answered (read only: the keeper's own
-    bookkeeping stays with the controller's thread)."""
-    if snap.complete:
-        return True
-    refs = [r for rs in snap.done.values() for r in rs if r is not None] + list(snap.published) \
-        + [r for r, _ in snap.holds]
-    refs = list(dict.fromkeys(refs))  # colocated roles share their process's answer
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-    return len(ready) == len(refs)
