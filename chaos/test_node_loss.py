@@ -15,22 +15,7 @@ from ray.cluster_utils import Cluster
 
 from conftest import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, run_training
-from resilient_rl.trainer.hooks import TrainerHook
-
-
-class RemoveNode(TrainerHook):
-    """Hook: remove the node hosting actor rank 1 when step ``step`` starts."""
-
-    def __init__(self, cluster: Cluster, step: int):
-        self.cluster, self.step, self.removed = cluster, step, None
-
-    def on_step_start(self, trainer, step):
-        if step != self.step or self.removed:
-            return
-        _, node_id = trainer.roles.known_workers[(trainer.roles.process_groups()[0], 1)]
-        node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
-        self.removed = node_id
-        self.cluster.remove_node(node, allow_graceful=False)
+from resilient_rl.faults.nodes import RemoveNodeOf
 
 
 @pytest.fixture
@@ -54,7 +39,7 @@ def multi_node(reference):
 
 
 def test_worker_node_lost(reference, chaos_dir, multi_node):
-    hook = RemoveNode(multi_node, step=4)
+    hook = RemoveNodeOf(multi_node, rank=1, step=4)  # the node of actor rank 1, as step 4 starts
     # The simulated nodes share this machine's disk: the local checkpoint root is shared.
     result = run_training(chaos_overrides(chaos_dir) + ["recovery.restart_timeout_s=120",
                                                         "checkpoint.shared_filesystem=true"], "node-loss",
