@@ -14,7 +14,8 @@ import uuid
 import pytest
 
 from resilient_rl.faults.harness import check_invariants
-from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.faults.injectors import FaultSchedule, wait_snapshot
+from resilient_rl.faults.nodes import lose_node, node_pids
 from resilient_rl.trainer.hooks import TrainerHook
 
 SNAPSHOTS = ("checkpoint.save_every=20", "recovery.snapshot_every=1")
@@ -89,8 +90,8 @@ def test_owner_and_holder_killed_together(reference, chaos_run):
 
 
 class _RemoveActorNode(TrainerHook):
-    """Hook: remove the node hosting actor rank 1 when step ``step`` starts (after a short delay,
-    so step ``step - 1``'s snapshot is complete); remembers which stateful ranks lived elsewhere."""
+    """Hook: remove the node hosting actor rank 1, with its processes, when step ``step`` starts
+    (once step ``step - 1``'s snapshot is complete); remembers which stateful ranks lived elsewhere."""
 
     def __init__(self, cluster, step: int, replacement_cpus: int):
         self.cluster, self.step, self.removed, self.survivors = cluster, step, None, []
@@ -99,15 +100,13 @@ class _RemoveActorNode(TrainerHook):
     def on_step_start(self, trainer, step):
         if step != self.step or self.removed:
             return
-        import time
-
-        time.sleep(0.5)
+        wait_snapshot(trainer, step - 1)
         places = trainer.roles.role_processes()
         node_id = places[("actor", 1)][1]
         self.survivors = [key for key in (("actor", 0), ("actor", 1), ("critic", 0)) if places[key][1] != node_id]
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.removed = node_id
-        self.cluster.remove_node(node, allow_graceful=False)
+        lose_node(self.cluster, node, node_pids(trainer.roles, node_id))
         # A replacement node (as an autoscaler would add): the lost ranks need its CPUs to restart.
         self.cluster.add_node(num_cpus=self.replacement_cpus)
 

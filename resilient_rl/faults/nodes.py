@@ -84,7 +84,7 @@ class RemoveNodeOf(TrainerHook):
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.ranks = sorted(key for key, (_, nid) in known.items() if nid == node_id)
         self.nodes_before = {key: nid for key, (_, nid) in known.items()}
-        pids = sorted({pid for pid, nid in known.values() if nid == node_id})
+        pids = node_pids(roles, node_id)
         self._thread = threading.Thread(target=self._remove, args=(roles, node, node_id, pids), name="remove-node",
                                         daemon=True)
         self._thread.start()
@@ -94,10 +94,21 @@ class RemoveNodeOf(TrainerHook):
         if self.in_call and not wait_in_call(roles, self.role, self.rank, self.in_call):
             return  # not removed: the test's own check (``removed``) reports it
         self.fired_at = time.time()
-        self.cluster.remove_node(node, allow_graceful=False)
-        # The ranks' processes die with their node, not once they notice that their raylet is
-        # gone: a rank inside a call would finish it first, and its step with it.
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        lose_node(self.cluster, node, pids)
         self.removed = node_id
+
+
+def node_pids(roles, node_id: str) -> list[int]:
+    """The processes of ``roles``' ranks (a pool's ``known_workers``) on node ``node_id``."""
+    return sorted({pid for pid, nid in roles.known_workers.values() if nid == node_id})
+
+
+def lose_node(cluster, node, pids: list[int]) -> None:
+    """Remove worker ``node`` of ``cluster`` ungracefully, with the rank processes ``pids`` on it.
+
+    ``Cluster.remove_node`` kills the node's raylet; its workers die only once they notice, and a
+    rank inside a call finishes it (and its step) first. A lost node's processes die with it."""
+    cluster.remove_node(node, allow_graceful=False)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
