@@ -52,8 +52,9 @@ def local_nodes(workers: int = 3, cpus_per_node: int = 8, object_store_bytes: in
 
 
 class RemoveNodeOf(TrainerHook):
-    """Trainer hook: once step ``step`` is under way, remove (ungracefully: its raylet and every
-    process on it die at once) the worker node that hosts rank ``rank`` of the first process group.
+    """Trainer hook: once step ``step`` is under way, remove (ungracefully: its raylet and its
+    ranks' processes die at once, :func:`lose_node`) the worker node that hosts rank ``rank`` of the
+    first process group.
 
     The node goes from a thread, while the step runs: ``delay_s`` after the step starts and, with
     ``in_call``, once ``role`` rank ``rank`` is inside that registered call and has advanced there
