@@ -100,9 +100,12 @@ def _resumed(tmp_path, name: str, unpreempted, *extra: str):
 
 
 @pytest.mark.parametrize("signals, after_rows", [
-    (("SIGTERM",), 1),              # lands in step 2, whose save is due: stops with that save committed
+    # lands in step 2, whose save is due: stops with that save committed
+    pytest.param(("SIGTERM",), 1, marks=pytest.mark.slow),
     (("SIGTERM",), 2),              # lands as step 2's save is being written: waits for it, commits it
-    (("SIGUSR1", "SIGTERM"), 2),    # Slurm: the early warning, then the time limit's SIGTERM
+    # Slurm: the early warning, then the time limit's SIGTERM (in the default set through a real
+    # Slurm: chaos/test_slurm_preemption.py)
+    pytest.param(("SIGUSR1", "SIGTERM"), 2, marks=pytest.mark.slow),
 ])
 def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_path, signals, after_rows):
     name = "preempted"
@@ -131,24 +134,42 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
     assert [e["step"] for e in result.events_of("checkpoint_restored")] == [stopped_at]
 
 
-def _preempt_without_warning(proc) -> None:
+def _preempt_without_warning(proc, order: str) -> None:
     """What a scheduler does with no early warning: SIGTERM to every process of the job (here the
     CLI's session: the CLI, Ray's processes, the workers), the workers gone with it (killed here at
-    once; Ray's workers outlive a SIGTERM only until their raylet is gone)."""
-    procs = []
+    once; Ray's workers outlive a SIGTERM only until their raylet is gone). The signals land in no
+    set order: ``order`` says which come first, in waves 0.3 s apart:
+
+    - ``controller first``: the controller, then at once the workers and Ray's processes;
+    - ``controller last``: the workers and Ray's processes, then the controller: the failed step is
+      seen with Ray's control plane gone;
+    - ``Ray last``: the workers, the controller, then Ray's processes: the failure is seen, and the
+      signal lands, with Ray's control plane still up (a recovery begins and must stop)."""
+    session = []
     for other in psutil.process_iter(["cmdline"]):
         try:
-            if os.getsid(other.pid) == proc.pid:
-                procs.append(other)
-                other.send_signal(signal.SIGTERM)
+            if os.getsid(other.pid) == proc.pid and other.pid != proc.pid:
+                session.append(other)
         except (psutil.Error, ProcessLookupError):
             pass
-    for other in procs:
-        try:
-            if (other.info["cmdline"] or [""])[0].startswith("ray::"):
-                other.kill()
-        except psutil.Error:
-            pass
+    # Ray's agents are named ``ray::...Agent`` too; their raylet dies with them.
+    workers = [p for p in session if (name := (p.info["cmdline"] or [""])[0]).startswith("ray::")
+               and not name.endswith("Agent")]
+    ray_procs = [p for p in session if p not in workers]
+    controller = [psutil.Process(proc.pid)]
+    waves = {"controller first": [controller + workers + ray_procs],
+             "controller last": [workers + ray_procs, controller],
+             "Ray last": [workers, controller, ray_procs]}[order]
+    for i, wave in enumerate(waves):
+        if i:
+            time.sleep(0.3)
+        for other in wave:
+            try:
+                other.send_signal(signal.SIGTERM)
+                if other in workers:
+                    other.kill()
+            except psutil.Error:
+                pass
 
 
 def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
@@ -165,14 +186,17 @@ def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
                for role, n in e["world_sizes"].items() for rank in range(n))
 
 
-def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path):
-    """Every process of the run signalled at once, its workers gone: nothing can be saved, so the
-    run is recorded preempted (exit 143, Ray's cluster gone too: nothing waits on it) and leaves its
-    newest snapshot in node memory; the same command continues from it, on the same node. No
+# The default set takes the two orders where the failure is seen before the signal.
+@pytest.mark.parametrize("order", [pytest.param("controller first", marks=pytest.mark.slow), "controller last",
+                                   "Ray last"])
+def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path, order):
+    """Every process of the run signalled, in any order, its workers gone: nothing can be saved, so
+    the run is recorded preempted (exit 143, Ray's cluster gone too: nothing waits on it) and leaves
+    its newest snapshot in node memory; the same command continues from it, on the same node. No
     completed step is lost or repeated, and the end is bit-identical to a run never preempted,
     although no checkpoint was committed before the signal."""
     name, extra = "unwarned", ("checkpoint.save_every=10", "recovery.snapshot_every=1")
-    err, record = _preempted(tmp_path, name, 3, _preempt_without_warning, *extra,
+    err, record = _preempted(tmp_path, name, 3, lambda proc: _preempt_without_warning(proc, order), *extra,
                              ready=lambda: _snapshot_in_node_memory(tmp_path, name))
     assert 3 <= record["end_step"] < STEPS, record
     assert "no checkpoint is committed" in err and "left in node memory" in err, err[-3000:]

@@ -11,9 +11,10 @@ import signal
 import pytest
 
 from resilient_rl import cli
-from resilient_rl.errors import Preempted, WorkerDiedError
+from resilient_rl.errors import Preempted, RecoveryError, WorkerDiedError
 from resilient_rl.run.record import controller_session
-from resilient_rl.trainer.preemption import Preemption, stop_after_lost_workers, stop_for_preemption
+from resilient_rl.trainer.preemption import (Preemption, stop_after_lost_cluster, stop_after_lost_workers,
+                                             stop_for_preemption, stop_recovering)
 
 
 def test_a_signal_is_noted_not_acted_on_and_the_handlers_are_given_back():
@@ -140,6 +141,36 @@ def test_a_save_that_fails_with_its_workers_leaves_the_snapshot_of_the_step():
     with pytest.raises(Preempted) as info:  # committed: nothing is left
         stop_for_preemption(trainer, grace_s=30)
     assert "node memory" not in str(info.value) and trainer.snapshots.asked == []
+
+
+def test_a_signal_landing_while_recovering_stops_the_recovery_as_preempted():
+    """The workers went down with the job before the controller's own signal landed: the recovery
+    it began stops at its next call (the pool's interrupt), as a step that failed after the
+    signal does, the newest snapshot left for the next controller."""
+    trainer = _Trainer(3, _Checkpoints(2))
+    trainer.snapshots = _Keeper(3)
+    with pytest.raises(Preempted, match=r"preempted by SIGTERM while recovering step 4: the last committed "
+                                        r"checkpoint is step 2.*\(step 3\) is left in node memory") as info:
+        stop_recovering(trainer)
+    assert info.value.committed == 2 and cli.exit_code(info.value) == cli.EXIT_PREEMPTED
+    trainer.preemption = Preemption()  # no signal: the recovery goes on
+    stop_recovering(trainer)
+
+
+def test_a_cluster_gone_without_a_signal_fails_the_run_naming_where_it_continues():
+    """Ray's control plane stopped answering with no preemption signal (a lost head node): there is
+    nothing to recover on. The run fails at once with the reason, rather than in a call that blocks
+    until Ray ends the process with nothing recorded; the snapshot is left as at a preemption."""
+    trainer = _Trainer(3, _Checkpoints(2, pending={"step": 3}))
+    trainer.preemption = Preemption()
+    trainer.snapshots = _Keeper(3)
+    died = WorkerDiedError("actor rank 0 died", role="actor", rank=0)
+    with pytest.raises(RecoveryError, match=r"step 4 failed \(actor rank 0 died\) and Ray's control plane has not "
+                                            r"answered for 20s: the cluster this run was on is gone.* the last "
+                                            r"committed checkpoint is step 2.*\(step 3\) is left in node memory"
+                       ) as info:
+        stop_after_lost_cluster(trainer, died, 20.0)
+    assert trainer.ckpt.abandoned == [(3, "cluster lost")] and cli.exit_code(info.value) == cli.EXIT_RECOVERY
 
 
 def test_checkpoints_turned_off_stay_off():

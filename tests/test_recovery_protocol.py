@@ -6,8 +6,8 @@ import pytest
 
 from resilient_rl.config.runtime import RecoveryConfig
 from resilient_rl.recovery.states import RecoveryState
-from resilient_rl.errors import (CollectiveError, LeaseError, NoCapacityError, RecoveryError, StorageError, WorkerDiedError,
-                                 WorkerError, WorkerTimeoutError)
+from resilient_rl.errors import (CollectiveError, LeaseError, NoCapacityError, Preempted, RecoveryError, StorageError,
+                                 WorkerDiedError, WorkerError, WorkerTimeoutError)
 from resilient_rl.testing.clock import FakeClock
 from resilient_rl.testing.fake_pool import FakePool
 from resilient_rl.recovery.driver import Recovery
@@ -286,6 +286,31 @@ def test_a_lease_lost_during_recovery_is_not_recovered_from():
     h.pool.crash("main", 1)
     with pytest.raises(LeaseError):
         h.handle(died())
+    assert "recovered" not in h.kinds()
+
+
+def test_a_preemption_signal_landing_during_the_probe_stops_the_recovery_before_its_next_call():
+    """A job-wide signal took the workers down, and reaches the controller once it is recovering:
+    the controller's interrupt then raises, before any call that would need Ray's control plane
+    (gone with the job: such a call blocks until Ray ends the process). Nothing is restarted,
+    rejoined or restored."""
+    h = Harness()
+    h.pool.crash("main", 1)
+    signalled = []
+    probe = h.pool.probe
+
+    def probe_then_signal(*args, **kwargs):
+        signalled.append(True)
+        return probe(*args, **kwargs)
+
+    def interrupt():
+        if signalled:
+            raise Preempted("preempted by SIGTERM while recovering step 7", signal_name="SIGTERM", step=6, committed=4)
+
+    h.pool.probe, h.pool.interrupt = probe_then_signal, interrupt
+    with pytest.raises(Preempted, match="while recovering step 7"):
+        h.handle(died())
+    assert h.pool.ops() == ["probe"] and h.states == [S.RECOVERING] and h.restores == 0
     assert "recovered" not in h.kinds()
 
 

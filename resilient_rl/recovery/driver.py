@@ -172,6 +172,8 @@ class Recovery:
             self.sm.to(state)
         while state is not S.RUNNING:
             try:
+                if pool is not None:
+                    pool.interrupt()  # asked to stop (a preemption signal): before the state's calls
                 self.emit("recovery_state", state=state.value, failed_step=failed_step)
                 following = self.states[state].enter(attempt, pool)
             except (RecoveryError, LeaseError, Preempted):

@@ -37,6 +37,7 @@ class Recovering:
             return S.ABORTING
         known = pool.workers()
         unresponsive, dead, replaced = self._probe(pool, known)
+        pool.interrupt()  # a signal that took the workers down may land during the probe
         lost = dead + replaced
         hung = self._hung_rank(a, known)
         if a.failure.cause is Cause.EXCEPTION and (lost or unresponsive):

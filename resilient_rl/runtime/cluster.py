@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import time
+from typing import Callable
 
 import ray
 
@@ -175,6 +177,30 @@ def control_plane_answers(timeout_s: float = 2.0) -> bool:
     except Exception:  # noqa: BLE001 -- RpcError, a timeout: it does not answer
         return False
     return True
+
+
+#: How long a controller waits for a Ray control plane that stopped answering before it takes the
+#: cluster for gone. Ray ends a process whose GCS stays away 60 s (its
+#: ``gcs_rpc_server_reconnect_timeout_s``), with exit code 1 and nothing recorded: well before that.
+CONTROL_PLANE_WAIT_S = 20.0
+
+
+def control_plane_back(within_s: float = CONTROL_PLANE_WAIT_S, give_up: Callable[[], bool] = lambda: False,
+                       every_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                       sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether the Ray control plane answers now or within ``within_s`` (a GCS restarting);
+    False as soon as ``give_up()`` is true (a preemption signal: the cluster went down with the
+    job). Probes every ``every_s`` with short sleeps between, so the process's signal handlers run
+    while it waits (a call into a GCS that is gone would block them until Ray ends the process)."""
+    deadline = clock() + within_s
+    while True:
+        if give_up():
+            return False
+        if control_plane_answers(timeout_s=min(2.0, max(every_s, deadline - clock()))):
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(every_s)
 
 
 def disconnect(owned: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from resilient_rl.runtime.pool import role_order
 from resilient_rl.runtime.worker import WorkerInfo
@@ -39,6 +40,7 @@ class FakePool:
     writes_checkpoints: bool = True
     critic_enabled: bool = False
     spares: int = 0  # warm spares per group, ready now (the processes they replace refill the pool)
+    interrupt: Callable[[], None] = lambda: None  # as the controller sets it (raises to stop recovering)
 
     def __post_init__(self) -> None:
         self._pids = itertools.count(100)
@@ -151,6 +153,7 @@ class FakePool:
 
     def wait_alive(self, group: str, timeout_s: float) -> list[WorkerInfo]:
         self.calls.append(("wait_alive", group))
+        self.interrupt()
         self._maybe_fail("wait_alive")
         self.ready_spares[group] += self._refills[group]
         self._refills[group] = 0

@@ -38,7 +38,8 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.run.log import RunLog
 from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
-from resilient_rl.trainer.preemption import Preemption, stop_after_lost_workers, stop_for_preemption
+from resilient_rl.trainer.preemption import (Preemption, stop_after_lost_cluster, stop_after_lost_workers,
+                                             stop_for_preemption, stop_recovering)
 from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
 from resilient_rl.workers.snapshots.node_sweep import sweep_every_node
 from resilient_rl.workers.shm_reduce import SHM_DIR
@@ -190,7 +191,7 @@ class PPOTrainer:
                 self.telemetry.start()
             self.roles = self._roles_factory(self.cfg, self.tokenizer)
             if self.checkpoints_on:  # the pool recovery drives: its waits for ranks end on a preemption
-                self.roles.interrupt = self.preemption.raise_if_requested
+                self.roles.interrupt = lambda: stop_recovering(self)
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self._resume()
             # Whatever the run, node memory left by owners that are gone (a killed controller's
@@ -260,11 +261,12 @@ class PPOTrainer:
         # controller's Prometheus targets file in the shared run folder.
         if self.telemetry is not None and self.telemetry.server.running:
             self.telemetry.stop()
-        # A preemption with no warning signals Ray's processes too: nothing is stopped or cleaned
-        # through a cluster that is gone (its workers go with it; the next start sweeps node memory).
-        ray_gone = self.roles is not None and self.preemption.requested and not cluster.control_plane_answers()
+        # A preemption with no warning signals Ray's processes too, and a head node can be lost:
+        # nothing is stopped or cleaned through a cluster that is gone (its workers go with it;
+        # the next start sweeps node memory).
+        ray_gone = self.roles is not None and not cluster.control_plane_answers()
         if ray_gone:
-            logger.warning("Ray's cluster stopped with the preemption: its workers and node memory are left to it")
+            logger.warning("Ray's cluster is gone: its workers and node memory are left to it")
         if self.roles is not None:
             if not ray_gone:
                 self.roles.shutdown()
@@ -352,6 +354,17 @@ class PPOTrainer:
                 self.trackers.close()
                 self.trackers = None
 
+    def _stop_if_nothing_to_recover(self, exc: WorkerError) -> None:
+        """Before a recovery: stop where its workers went with the whole job (a preemption signal,
+        or Ray's control plane gone: a call through it would block until Ray ends the process)."""
+        if not self.preemption.requested and self.checkpoints_on:
+            waited = cluster.CONTROL_PLANE_WAIT_S
+            if not cluster.control_plane_back(waited, give_up=lambda: self.preemption.requested) \
+                    and not self.preemption.requested:
+                stop_after_lost_cluster(self, exc, waited)
+        if self.preemption.requested:  # the workers stopped with the same signal
+            stop_after_lost_workers(self, exc)
+
     def _fit_loop(self, tqdm) -> list[dict]:
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
@@ -377,8 +390,7 @@ class PPOTrainer:
                         # it rolls the run back to the last commit and the final steps are replayed.
                         self.ckpt.finish(self.roles)
                 except WorkerError as exc:
-                    if self.preemption.requested:  # the workers stopped with the same signal
-                        stop_after_lost_workers(self, exc)
+                    self._stop_if_nothing_to_recover(exc)
                     # Pools that save no checkpoints run in this process: nothing to restart there.
                     self.recovery.handle(exc, self.step + 1, self.roles if self.checkpoints_on else None)
                     bar.n = self.step

@@ -13,6 +13,12 @@ is waited for and committed, and a step not yet saved is saved. The run then end
 released as at any end, and the CLI exits 143. Running the same command again resumes from that
 step: nothing completed is lost, nothing is repeated.
 
+A preemption with no warning signals every process of the job, the workers and Ray's own
+processes included, in no set order: a step fails with its workers (:func:`stop_after_lost_workers`),
+or the signal lands while the failure is being recovered (:func:`stop_recovering`). Either way
+the run stops as preempted, the newest snapshot left in node memory for the next controller.
+Ray's cluster can also be gone with no signal (its head node lost): :func:`stop_after_lost_cluster`.
+
 A signal arriving while the run is already stopping is noted in the log and changes nothing, up
 to the process's exit: the durable save goes on until its grace period ends (the scheduler's
 SIGKILL bounds it anyway), and the shutdown after it is not cut short.
@@ -25,7 +31,7 @@ import signal
 import threading
 import time
 
-from resilient_rl.errors import Preempted, RRLError
+from resilient_rl.errors import Preempted, RecoveryError, RRLError
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +60,6 @@ class Preemption:
         self.signal_name, self.received_at = signal_name, time.monotonic()
         logger.warning("%s received: stopping after the step in progress and committing it (within "
                        "trainer.preempt_grace_s)", signal_name)
-
-    def raise_if_requested(self) -> None:
-        """Raise Preempted where a wait (recovery waiting for ranks) must end now: asked to stop."""
-        if self.requested:
-            raise Preempted(f"{self.signal_name} received while recovering from a failure: stopped without "
-                            "waiting for the lost ranks; the last committed checkpoint is where the same command "
-                            "continues the run")
 
     def _handle(self, signum: int, _frame) -> None:
         self.request(signal.Signals(signum).name)
@@ -128,15 +127,47 @@ def stop_after_lost_workers(trainer, exc: BaseException) -> None:
     to recover and nothing left to save the step from. Raise Preempted at once, naming the last
     committed checkpoint, instead of starting a recovery the scheduler's SIGKILL would cut short
     with nothing recorded. A save in flight is abandoned (its writers are gone)."""
-    preemption, ckpt, step = trainer.preemption, trainer.ckpt, trainer.step
-    if trainer.checkpoints_on and ckpt.pending is not None:
-        ckpt.abandon(reason="preempted")
-    committed = ckpt.last_committed if trainer.checkpoints_on else None
     logger.warning("step %d failed after %s (%s): the workers stopped with the preemption; not recovering",
-                   step + 1, preemption.signal_name, exc)
-    where = _where(step, committed) + _leave_snapshot(trainer, committed, step)
-    raise Preempted(f"preempted by {preemption.signal_name} during step {step + 1}, whose workers stopped with it: "
-                    f"{where}", signal_name=preemption.signal_name or "?", step=step, committed=committed)
+                   trainer.step + 1, trainer.preemption.signal_name, exc)
+    _stop_without_workers(trainer, f"during step {trainer.step + 1}, whose workers stopped with it")
+
+
+def stop_recovering(trainer) -> None:
+    """What the pool's waits call while recovering (its ``interrupt``): after a preemption signal,
+    stop the recovery as :func:`stop_after_lost_workers` stops a step. The signal may land just
+    after the failure it caused was seen: the workers went down with the job before the controller
+    was told."""
+    if trainer.preemption.requested:
+        logger.warning("%s received while recovering step %d: the workers stopped with the preemption; not "
+                       "recovering", trainer.preemption.signal_name, trainer.step + 1)
+        _stop_without_workers(trainer, f"while recovering step {trainer.step + 1}")
+
+
+def stop_after_lost_cluster(trainer, exc: BaseException, waited_s: float) -> None:
+    """A step failed and Ray's control plane has not answered for ``waited_s``, with no preemption
+    signal: the cluster the run was on is gone (its head node lost, or stopped), and every worker
+    with it. Nothing can be recovered on it: raise RecoveryError naming where the same command
+    continues, the newest snapshot left in node memory as at a preemption."""
+    committed, where = _without_workers(trainer, reason="cluster lost")
+    raise RecoveryError(f"step {trainer.step + 1} failed ({exc}) and Ray's control plane has not answered for "
+                        f"{waited_s:g}s: the cluster this run was on is gone, and its workers with it; {where}")
+
+
+def _stop_without_workers(trainer, when: str) -> None:
+    preemption = trainer.preemption
+    committed, where = _without_workers(trainer, reason="preempted")
+    raise Preempted(f"preempted by {preemption.signal_name} {when}: {where}",
+                    signal_name=preemption.signal_name or "?", step=trainer.step, committed=committed)
+
+
+def _without_workers(trainer, reason: str) -> tuple[int | None, str]:
+    """Stopping with the workers gone: abandon a save in flight (its writers are gone), leave the
+    newest snapshot for the next controller; (last commit, where the same command continues)."""
+    ckpt, step = trainer.ckpt, trainer.step
+    if trainer.checkpoints_on and ckpt.pending is not None:
+        ckpt.abandon(reason=reason)
+    committed = ckpt.last_committed if trainer.checkpoints_on else None
+    return committed, _where(step, committed) + _leave_snapshot(trainer, committed, step)
 
 
 def _leave_snapshot(trainer, committed: int | None, step: int) -> str:

@@ -104,8 +104,9 @@ class RecoveryPool(StepRoles, Protocol):
 
     #: The process-group generation, bumped by every :meth:`rendezvous`.
     generation: int
-    #: Called between the tries of a wait for ranks (:meth:`wait_alive`); raises to end the wait
-    #: (the controller sets it: a preemption signal ends it).
+    #: Called before each recovery state, after the probe and between the tries of a wait for
+    #: ranks (:meth:`wait_alive`); raises to end the recovery (the controller sets it: a
+    #: preemption signal ends it).
     interrupt: Callable[[], None]
 
     def process_groups(self) -> list[str]:

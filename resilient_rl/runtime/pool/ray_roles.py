@@ -76,7 +76,7 @@ class RayRoles:
         #: The layout the actor sends its weights in (with HSDP its shard group, not its world),
         #: asked of it at the first sync over each weight channel.
         self.weights_layout: int | None = None
-        #: Called while recovery waits for ranks; raises to end the wait (a preemption asked for).
+        #: Called while recovering (:class:`~resilient_rl.runtime.pool.RecoveryPool`); raises to stop.
         self.interrupt: Callable[[], None] = lambda: None
         self.generation = 0
         init = dict(config=config_to_dict(cfg), vocab_size=tokenizer.vocab_size,
