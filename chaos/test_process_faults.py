@@ -10,8 +10,11 @@ from resilient_rl.faults.injectors import FaultSchedule
 
 # The default set kills one rank of a trained role, the frozen ref and the rollout; the rest of
 # the roles and ranks run with the slow cases (the recovery path is the same code for each).
+# The default set kills actor rank 1; the rollout's SIGKILL is in chaos/test_snapshot_defaults.py
+# and chaos/test_validation_faults.py.
 ROLES = [pytest.param("actor", 0, marks=pytest.mark.slow), ("actor", 1),
-         pytest.param("critic", 0, marks=pytest.mark.slow), ("ref", 0), ("rollout", 0)]
+         *(pytest.param(role, rank, marks=pytest.mark.slow) for role, rank in [("critic", 0), ("ref", 0),
+                                                                              ("rollout", 0)])]
 
 
 @pytest.mark.parametrize("role,rank", ROLES)
@@ -35,8 +38,8 @@ def test_sigkill_of_an_fsdp_rank(fsdp_reference, chaos_run):
     check_restore_point(result.events_of("recovered")[0], 2)
 
 
-@pytest.mark.parametrize("role,rank", [("actor", 1), *(pytest.param(role, rank, marks=pytest.mark.slow)
-                                                     for role, rank in [("critic", 0), ("ref", 0), ("rollout", 0)])])
+@pytest.mark.slow  # the default set stops a rank inside a collective (below)
+@pytest.mark.parametrize("role,rank", [("actor", 1), ("critic", 0), ("ref", 0), ("rollout", 0)])
 def test_sigstop(reference, chaos_run, role, rank):
     """A stopped rank: its health call goes unanswered, it is named hung, killed and restarted."""
     schedule = FaultSchedule().at_step(3).hang(role, rank, delay_s=0.1)

@@ -12,7 +12,8 @@ from resilient_rl.faults.harness import check_invariants, leftovers
 from resilient_rl.faults.injectors import FaultSchedule
 
 
-@pytest.mark.parametrize("state,role,rank", [("rejoining", "actor", 0), ("restoring", "critic", 0)])
+@pytest.mark.parametrize("state,role,rank", [("rejoining", "actor", 0),
+                                              pytest.param("restoring", "critic", 0, marks=pytest.mark.slow)])
 def test_second_kill_during_recovery(reference, chaos_run, state, role, rank):
     """A survivor dies while the group rendezvous (rejoining) or while state is restored."""
     schedule = FaultSchedule().at_step(4).kill("actor", 1, delay_s=0.05).during_recovery(state).kill(role, rank)

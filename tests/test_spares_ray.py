@@ -149,6 +149,7 @@ def test_a_pool_knows_when_a_bundle_waits_to_be_placed(ray_cluster):
         waiting.release()
 
 
+@pytest.mark.slow  # the default set's recovery through a spare: chaos/test_spare_faults.py
 def test_colocated_run_recovers_through_a_spare_and_matches_the_fault_free_run(ray_cluster, tmp_path):
     fast = ("checkpoint.save_every=20", "recovery.snapshot_every=1", "recovery.spares=1", "trainer.total_steps=4")
     reference = PPOTrainer(small_cfg(tmp_path, "ref", *fast))

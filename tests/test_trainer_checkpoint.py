@@ -51,7 +51,8 @@ def test_stop_and_resume_is_bit_identical(ray_cluster, tmp_path):
     assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)
 
 
-@pytest.mark.parametrize("world_size,saved_as,loaded_as", [(1, "fsdp", "ddp"), (4, "ddp", "fsdp")])
+@pytest.mark.parametrize("world_size,saved_as,loaded_as", [(1, "fsdp", "ddp"),
+                                                            pytest.param(4, "ddp", "fsdp", marks=pytest.mark.slow)])
 def test_resume_on_another_world_size(ray_cluster, tmp_path, world_size, saved_as, loaded_as):
     """FSDP2 shards load into replicas, and replicas (written once, by rank 0) into 4 shards."""
     saved, w_saved = fit(cfg(tmp_path, "src", "trainer.total_steps=2", *strategy(saved_as)))
