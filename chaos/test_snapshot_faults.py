@@ -106,7 +106,7 @@ class _RemoveActorNode(TrainerHook):
         self.survivors = [key for key in (("actor", 0), ("actor", 1), ("critic", 0)) if places[key][1] != node_id]
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.removed = node_id
-        lose_node(self.cluster, node, node_pids(trainer.roles, node_id))
+        lose_node(self.cluster, node, node_pids(trainer.roles.known_workers, node_id))
         # A replacement node (as an autoscaler would add): the lost ranks need its CPUs to restart.
         self.cluster.add_node(num_cpus=self.replacement_cpus)
 

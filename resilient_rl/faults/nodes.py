@@ -85,7 +85,7 @@ class RemoveNodeOf(TrainerHook):
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.ranks = sorted(key for key, (_, nid) in known.items() if nid == node_id)
         self.nodes_before = {key: nid for key, (_, nid) in known.items()}
-        pids = node_pids(roles, node_id)
+        pids = node_pids(known, node_id)
         self._thread = threading.Thread(target=self._remove, args=(roles, node, node_id, pids), name="remove-node",
                                         daemon=True)
         self._thread.start()
@@ -99,9 +99,10 @@ class RemoveNodeOf(TrainerHook):
         self.removed = node_id
 
 
-def node_pids(roles, node_id: str) -> list[int]:
-    """The processes of ``roles``' ranks (a pool's ``known_workers``) on node ``node_id``."""
-    return sorted({pid for pid, nid in roles.known_workers.values() if nid == node_id})
+def node_pids(known: dict, node_id: str) -> list[int]:
+    """The processes on node ``node_id`` of the ranks in ``known`` (a pool's ``known_workers``:
+    ``(group, rank) -> (pid, node id)``)."""
+    return sorted({pid for pid, nid in known.values() if nid == node_id})
 
 
 def lose_node(cluster, node, pids: list[int]) -> None:
