@@ -8,15 +8,14 @@ from conftest import FSDP, check_restore_point
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 
-# The default set kills one rank of a trained role, the frozen ref and the rollout; the rest of
-# the roles and ranks run with the slow cases (the recovery path is the same code for each).
-# The default set kills actor rank 1; the rollout's SIGKILL is in chaos/test_snapshot_defaults.py
-# and chaos/test_validation_faults.py.
-ROLES = [pytest.param("actor", 0, marks=pytest.mark.slow), ("actor", 1),
-         *(pytest.param(role, rank, marks=pytest.mark.slow) for role, rank in [("critic", 0), ("ref", 0),
-                                                                              ("rollout", 0)])]
+# SIGKILL of each role and rank runs with the slow cases (the recovery path is the same code for
+# each). The default set kills an actor rank in test_sigkill_of_an_fsdp_rank below,
+# chaos/test_snapshot_defaults.py (the rollout too) and chaos/test_spare_faults.py, and the rollout
+# in chaos/test_validation_faults.py.
+ROLES = [("actor", 0), ("actor", 1), ("critic", 0), ("ref", 0), ("rollout", 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role,rank", ROLES)
 def test_sigkill(reference, chaos_run, role, rank):
     # At the very start of step 4, so the dead rank's first call of the step finds it gone.

@@ -33,6 +33,7 @@ def test_mixed_schedule(reference, chaos_run):
     check_invariants(result, reference, expect_recoveries=3)
 
 
+@pytest.mark.slow  # the budget's arithmetic runs against a scripted pool in tests/test_recovery_protocol.py
 def test_budget_exhausted_stops_with_a_report(reference, chaos_run):
     """Ray may restart actor rank 1 once; the second death ends the run naming it."""
     schedule = FaultSchedule().at_step(2).kill("actor", 1).at_step(4).kill("actor", 1)

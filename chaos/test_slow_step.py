@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 
 SLOW_S, ADVANCES, HANG_S = 1.5, 6, 3
 
 
+@pytest.mark.slow  # in the default set: tests/test_liveness_ray.py, a long call that keeps advancing
 def test_slow_actor_rank_is_not_a_hang(reference, chaos_run):
     """Actor rank 1's next mini-batches each take 1.5 s longer: 9 s in all, three times the hang
     timeout and more than the suite's 6 s call ceiling, yet it advances every 1.5 s."""
