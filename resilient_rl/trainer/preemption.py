@@ -133,8 +133,9 @@ def stop_after_lost_workers(trainer, exc: BaseException) -> None:
 
 
 def stop_recovering(trainer) -> None:
-    """What the pool's waits call while recovering (its ``interrupt``): after a preemption signal,
-    stop the recovery as :func:`stop_after_lost_workers` stops a step. The signal may land just
+    """The pool's ``interrupt``, called by its waits for ranks and by the recovery between its
+    states: after a preemption signal, stop the recovery as :func:`stop_after_lost_workers` stops a
+    step. The signal may land just
     after the failure it caused was seen: the workers went down with the job before the controller
     was told."""
     if trainer.preemption.requested:
@@ -148,7 +149,7 @@ def stop_after_lost_cluster(trainer, exc: BaseException, waited_s: float) -> Non
     signal: the cluster the run was on is gone (its head node lost, or stopped), and every worker
     with it. Nothing can be recovered on it: raise RecoveryError naming where the same command
     continues, the newest snapshot left in node memory as at a preemption."""
-    committed, where = _without_workers(trainer, reason="cluster lost")
+    _, where = _without_workers(trainer, reason="cluster lost")
     raise RecoveryError(f"step {trainer.step + 1} failed ({exc}) and Ray's control plane has not answered for "
                         f"{waited_s:g}s: the cluster this run was on is gone, and its workers with it; {where}")
 
