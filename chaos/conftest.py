@@ -1,13 +1,8 @@
-"""The chaos suite's shared pieces: one Ray cluster, one fault-free reference run, a summary.
-
-Every scenario trains the same small config (split placement, so every role has its own
-processes: actor 2 ranks, critic, ref and rollout 1 each) under a fault schedule and checks the
-invariants of :mod:`resilient_rl.faults.harness` against the reference computed once.
-"""
+"""The chaos suite's fixtures (its Ray cluster, the fault-free reference runs) and its summary;
+the run they are built on is in :mod:`suite`."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import statistics
@@ -16,9 +11,8 @@ import pytest
 
 from resilient_rl.env import fail_fast_on_dead_actors
 from resilient_rl.faults.harness import run_training
-from resilient_rl.faults.nodes import local_nodes
-from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.faults.storage import register as register_faulty_storage
+from suite import FSDP, RESULTS, chaos_overrides, ensure_ray, fault_free_run
 
 # The suite's clusters handle dead actors as the trainer's own do (see resilient_rl.env).
 fail_fast_on_dead_actors()
@@ -26,80 +20,6 @@ fail_fast_on_dead_actors()
 # The fault-injecting faulty:// storage is opt-in: on here, before the suite's Ray cluster starts,
 # so its workers can open it too.
 register_faulty_storage()
-
-STEPS = 6
-#: ``RRL_CHAOS_RECOVERY=fast`` runs every scenario (and the reference) with warm spares and a
-#: snapshot after every step; by default snapshots are ``auto`` (every step where node memory
-#: holds them) and spares off. Scenarios about the storage path itself keep snapshots off.
-FAST_RECOVERY = ("recovery.spares=1", "recovery.snapshot_every=1")
-#: What a scenario that tests restoring from storage adds: no snapshot (one would be preferred)
-#: and no spares (a fault waits for them to be ready, which would move it off the save it targets).
-STORAGE_ONLY = ("recovery.snapshot_every=0", "recovery.spares=0")
-
-
-def recovery_mode() -> tuple[str, ...]:
-    mode = os.environ.get("RRL_CHAOS_RECOVERY", "")
-    if mode not in ("", "default", "fast"):
-        raise pytest.UsageError(f"RRL_CHAOS_RECOVERY={mode!r}: use 'fast' (spares and snapshots) or leave it unset")
-    return FAST_RECOVERY if mode == "fast" else ()
-
-
-def check_restore_point(recovered: dict, *checkpoint_steps: int) -> None:
-    """A recovery restored one of ``checkpoint_steps`` from storage or a snapshot (the newest
-    complete one, which no storage step pins down): always one with fast recovery, and by default
-    (``recovery.snapshot_every=auto``) unless node memory could not hold one."""
-    if recovery_mode():
-        assert recovered["source"] == "snapshot", recovered
-    else:
-        assert recovered["source"] == "snapshot" or recovered["restored_step"] in checkpoint_steps, recovered
-
-
-def chaos_overrides(tmp: str) -> list[str]:
-    return [
-        f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "trainer.placement=split",
-        "data.batch_size=16", "data.num_prompts=64", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
-        "actor.ppo_epochs=2", "critic.ppo_epochs=2", "actor.world_size=2", "critic.world_size=1",
-        "rollout.world_size=1", "ref.world_size=1", "ray.cpus_per_worker=0.05",
-        "checkpoint.save_every=2", "checkpoint.keep_last=3",
-        "recovery.call_timeout_s=6", "recovery.health_timeout_s=2", "recovery.collective_timeout_s=30",
-        "recovery.restart_timeout_s=60", "recovery.max_restarts=4", "recovery.max_failures=6",
-        f"trainer.output_dir={tmp}/runs", f"checkpoint.root={tmp}/ckpt", *recovery_mode(),
-    ]
-
-
-RESULTS: list = []
-
-
-def storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
-    """Overrides that put the run's checkpoints on ``faulty://`` storage failing by ``plan``
-    (a folder of its own under ``chaos_dir``, named ``name``)."""
-    url, options = faulty_url(f"{chaos_dir}/ckpt-{name}", plan, name=name)
-    flat = [f"checkpoint.root={url}", f"checkpoint.storage_options.target_protocol={options['target_protocol']}",
-            f"checkpoint.storage_options.name={options['name']}"]
-    return flat + [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}"
-                   for k, v in options["plan"].items()]
-
-
-def ensure_ray():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=32, include_dashboard=False, namespace="rrl-chaos",
-                 object_store_memory=256 * 1024**2, log_to_driver=False, configure_logging=False)
-    return ray
-
-
-@contextlib.contextmanager
-def nodes_instead(workers: int, namespace: str):
-    """A ``ray.cluster_utils`` cluster of a CPU-less head and ``workers`` worker nodes (health
-    checks every second), connected in place of the suite's cluster; ``chaos_ray`` starts the
-    suite's again on next use."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    with local_nodes(workers, health_check_ms=1000, namespace=namespace) as cluster:
-        yield cluster
 
 
 @pytest.fixture
@@ -121,23 +41,10 @@ def chaos_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("chaos"))
 
 
-def fault_free_run(chaos_dir: str, name: str, *extra: str):
-    ensure_ray()
-    result = run_training(chaos_overrides(chaos_dir) + list(extra), name)
-    assert result.error is None, result.error
-    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
-    assert result.final_files, "the reference run committed no checkpoint"
-    return result
-
-
 @pytest.fixture(scope="session")
 def reference(chaos_dir):
     """The fault-free run every scenario is compared with (computed once per session)."""
     return fault_free_run(chaos_dir, "reference")
-
-
-#: The trained roles sharded with FSDP2 (on CPU they default to replicas, ``ddp``).
-FSDP = ("actor.strategy=fsdp", "critic.strategy=fsdp")
 
 
 @pytest.fixture(scope="session")
@@ -161,18 +68,43 @@ def chaos_run(chaos_ray, chaos_dir, request):
     return run
 
 
+def _brief(result) -> dict:
+    """What the session summary needs of one run under faults (plain values: with ``pytest -n``
+    it travels from the worker that ran the test to the one that writes the summary)."""
+    return {"faults": sum(1 for f in result.schedule.faults if f.fired) if result.schedule else 0,
+            "recoveries": [(e["duration_s"], e["steps_replayed"]) for e in result.events_of("recovered")],
+            "useful_s": sum(row.get("timing/step_s", 0.0) for row in result.history), "wall_s": result.wall_s}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The runs under faults a test recorded in ``RESULTS`` go into its teardown report."""
+    if call.when == "teardown":
+        item.user_properties.extend(("chaos_run", _brief(r)) for r in RESULTS)
+        RESULTS.clear()
+    yield
+
+
+SUMMARY: list[dict] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        SUMMARY.extend(value for key, value in report.user_properties if key == "chaos_run")
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not RESULTS:
+    if not SUMMARY:
         return
-    faults = sum(sum(1 for f in r.schedule.faults if f.fired) for r in RESULTS if r.schedule)
-    recoveries = [e for r in RESULTS for e in r.events_of("recovered")]
-    durations = [e["duration_s"] for e in recoveries]
-    replayed = sum(e["steps_replayed"] for e in recoveries)
-    useful = sum(sum(row.get("timing/step_s", 0.0) for row in r.history) for r in RESULTS)
-    wall = sum(r.wall_s for r in RESULTS)
+    faults = sum(r["faults"] for r in SUMMARY)
+    recoveries = [rec for r in SUMMARY for rec in r["recoveries"]]
+    durations = [duration for duration, _ in recoveries]
+    replayed = sum(steps for _, steps in recoveries)
+    useful = sum(r["useful_s"] for r in SUMMARY)
+    wall = sum(r["wall_s"] for r in SUMMARY)
     tr = terminalreporter
     tr.section("chaos summary")
-    tr.write_line(f"runs under faults: {len(RESULTS)}; faults injected: {faults}; recoveries: {len(recoveries)}")
+    tr.write_line(f"runs under faults: {len(SUMMARY)}; faults injected: {faults}; recoveries: {len(recoveries)}")
     if durations:
         tr.write_line(f"recovery time: mean {statistics.mean(durations):.1f}s, max {max(durations):.1f}s; "
                       f"steps replayed: {replayed}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORAGE_ONLY, storage_overrides
+from suite import STORAGE_ONLY, storage_overrides
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.storage import FaultPlan

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORAGE_ONLY, storage_overrides
+from suite import STORAGE_ONLY, storage_overrides
 from resilient_rl.cli import EXIT_RUNTIME, exit_code
 from resilient_rl.errors import CheckpointsSkippedError
 from resilient_rl.faults.harness import check_invariants, metric_totals

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import chaos_overrides
+from suite import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, collect_run
 from resilient_rl.config.schema import load_config
 from resilient_rl.faults.processes import kill_tree, process_tree

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chaos_overrides, storage_overrides
+from suite import chaos_overrides, storage_overrides
 from resilient_rl.checkpoint import Storage
 from resilient_rl.config.schema import load_config
 from resilient_rl.errors import CheckpointFormatError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import nodes_instead
+from suite import nodes_instead
 from resilient_rl.cli import EXIT_NO_CAPACITY, exit_code
 from resilient_rl.errors import NoCapacityError
 from resilient_rl.faults.harness import run_training

@@ -13,7 +13,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from conftest import chaos_overrides
+from suite import chaos_overrides
 from resilient_rl.faults.harness import check_invariants, run_training
 from resilient_rl.faults.nodes import RemoveNodeOf
 

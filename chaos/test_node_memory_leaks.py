@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RESULTS, chaos_overrides, ensure_ray
+from suite import RESULTS, chaos_overrides, ensure_ray
 from resilient_rl.faults.harness import run_training
 from resilient_rl.faults.processes import kill_tree, process_tree
 from resilient_rl.testing.wait import wait_until

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import RESULTS, STEPS, chaos_overrides
+from suite import RESULTS, STEPS, chaos_overrides
 from resilient_rl.checkpoint import CheckpointManager
 from resilient_rl.faults.harness import leftovers, run_training
 from resilient_rl.faults.nonfinite import NonFiniteAdvantage, NonFiniteReward, nonfinite_tensors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FSDP, check_restore_point
+from suite import FSDP, check_restore_point
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STEPS, nodes_instead
+from suite import STEPS, nodes_instead
 from resilient_rl.faults.harness import check_invariants, leftovers, run_training
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.nodes import RemoveNodeOf

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chaos_overrides
+from suite import chaos_overrides
 from resilient_rl.checkpoint import Storage
 from resilient_rl.checkpoint.leases.run_lease import read_lease
 from resilient_rl.errors import LeaseHeldError

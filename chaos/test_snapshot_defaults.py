@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import RESULTS, chaos_overrides, ensure_ray
+from suite import RESULTS, chaos_overrides, ensure_ray
 from resilient_rl.faults.harness import check_invariants, run_training
 from resilient_rl.faults.injectors import FaultSchedule
 

@@ -124,7 +124,7 @@ def test_node_loss_recovers_from_a_peer_on_another_node(reference, chaos_dir):
     import ray
     from ray.cluster_utils import Cluster
 
-    from conftest import chaos_overrides, recovery_mode
+    from suite import chaos_overrides, recovery_mode
     from resilient_rl.faults.harness import run_training
 
     if ray.is_initialized():
@@ -191,7 +191,7 @@ def test_bytes_flipped_in_node_memory_are_detected_and_never_restored(reference,
     process finds the checksum wrong, reports it and does not load it; with no other copy of
     that rank (one node, node memory keeps it) the snapshot is unusable and the run restores the
     next source: the older snapshot (step 2) or the checkpoint of step 2. Bit-identical all the same."""
-    from conftest import RESULTS, chaos_overrides, ensure_ray
+    from suite import RESULTS, chaos_overrides, ensure_ray
     from resilient_rl.faults.harness import run_training
 
     ensure_ray()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STEPS, chaos_overrides, ensure_ray
+from suite import STEPS, chaos_overrides, ensure_ray
 from resilient_rl.faults.harness import check_invariants, run_training
 from resilient_rl.faults.injectors import FaultSchedule
 
