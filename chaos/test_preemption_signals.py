@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
 import pytest
@@ -134,6 +136,18 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
     assert [e["step"] for e in result.events_of("checkpoint_restored")] == [stopped_at]
 
 
+@pytest.fixture
+def node_memory(tmp_path):
+    """A node-memory folder of the test's own (``recovery.snapshot_node_dir``): every run that
+    starts on the node removes the folders in its own that a dead controller left, the snapshot
+    this test hands from one controller to the next among them, so a run of another test started
+    in between (``pytest -n``) must not share it."""
+    where = f"/dev/shm/rrl-test-{uuid.uuid4().hex[:8]}" if os.access("/dev/shm", os.W_OK) else str(tmp_path / "shm")
+    os.makedirs(where)
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
 def _preempt_without_warning(proc, order: str) -> None:
     """What a scheduler does with no early warning: SIGTERM to every process of the job (here the
     CLI's session: the CLI, Ray's processes, the workers), the workers gone with it (killed here at
@@ -189,13 +203,15 @@ def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
 # The default set takes the two orders where the failure is seen before the signal.
 @pytest.mark.parametrize("order", [pytest.param("controller first", marks=pytest.mark.slow), "controller last",
                                    "Ray last"])
-def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path, order):
+def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path,
+                                                                                     node_memory, order):
     """Every process of the run signalled, in any order, its workers gone: nothing can be saved, so
     the run is recorded preempted (exit 143, Ray's cluster gone too: nothing waits on it) and leaves
     its newest snapshot in node memory; the same command continues from it, on the same node. No
     completed step is lost or repeated, and the end is bit-identical to a run never preempted,
     although no checkpoint was committed before the signal."""
-    name, extra = "unwarned", ("checkpoint.save_every=10", "recovery.snapshot_every=1")
+    name = "unwarned"
+    extra = ("checkpoint.save_every=10", "recovery.snapshot_every=1", f"recovery.snapshot_node_dir={node_memory}")
     err, record = _preempted(tmp_path, name, 3, lambda proc: _preempt_without_warning(proc, order), *extra,
                              ready=lambda: _snapshot_in_node_memory(tmp_path, name))
     assert 3 <= record["end_step"] < STEPS, record
