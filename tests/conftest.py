@@ -4,6 +4,7 @@ process group."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -11,6 +12,18 @@ from resilient_rl.env import fail_fast_on_dead_actors
 
 # The clusters tests start handle dead actors as the trainer's own do (see resilient_rl.env).
 fail_fast_on_dead_actors()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_cluster_left_by_another_file():
+    """Each test file starts with no Ray connection in this process. Under ``pytest -n`` a process
+    runs files of both suites, and the chaos suite keeps its cluster up from one of its files to
+    the next: a ``ray.init`` here would fail on it, and code that joins the connection it finds
+    (``runtime.cluster.connect``) would join a cluster of other settings."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="module")
