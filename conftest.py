@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-import psutil
+from resilient_rl.runtime.spare_sizing import available_host_bytes, cores_here
 
 #: What one test process may hold at once: a chaos run's controller and its six workers, or a
 #: Ray cluster of a tests/ module, each about 0.5 GiB.
@@ -14,6 +12,7 @@ MAX_PROCESSES = 4
 
 
 def pytest_xdist_auto_num_workers(config):
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    by_memory = psutil.virtual_memory().available // MEMORY_PER_PROCESS
+    cpus = cores_here() or 1
+    available = available_host_bytes()
+    by_memory = MAX_PROCESSES if available is None else available // MEMORY_PER_PROCESS
     return max(1, min(cpus, by_memory, MAX_PROCESSES))
