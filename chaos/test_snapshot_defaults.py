@@ -8,9 +8,11 @@ the failed step, though storage checkpoints are rare (``checkpoint.save_every=20
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from suite import RESULTS, chaos_overrides, ensure_ray
 from resilient_rl.faults.harness import check_invariants, run_training
 from resilient_rl.faults.injectors import FaultSchedule
+from resilient_rl.workers.snapshots import node_sweep
 
 LONG = ("trainer.total_steps=30", "checkpoint.save_every=20")
 
@@ -54,20 +57,26 @@ def test_defaults_sigkill_of_an_actor_rank_and_the_rollout_replay_nothing(refere
 
 
 @pytest.fixture
-def small_shm(tmp_path):
-    """A 64 MiB tmpfs (Docker's default /dev/shm) with 60 MiB already used (Ray's object store,
-    other processes): what is left cannot hold the rings."""
+def shm_64m(tmp_path):
+    """A 64 MiB tmpfs (Docker's default /dev/shm)."""
     mount = tmp_path / f"shm-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
-        with open(mount / "used-by-others", "wb") as f:
-            f.write(b"\0" * (60 * 2**20))
         yield str(mount)
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def small_shm(shm_64m):
+    """The 64 MiB tmpfs with 60 MiB already used (Ray's object store, other processes): what is
+    left cannot hold the rings."""
+    with open(os.path.join(shm_64m, "used-by-others"), "wb") as f:
+        f.write(b"\0" * (60 * 2**20))
+    return shm_64m
 
 
 def test_a_64mb_shm_snapshots_less_often_through_the_object_store(reference, chaos_dir, small_shm, caplog):
@@ -86,3 +95,30 @@ def test_a_64mb_shm_snapshots_less_often_through_the_object_store(reference, cha
     assert (rec["restored_step"], rec["steps_replayed"], rec["source"]) == (5, 0, "snapshot"), rec
     assert result.events_of("snapshot_restored")[0]["sources"].get("object_store") == 1
     assert sorted(os.listdir(small_shm)) == ["used-by-others"]
+
+
+def test_a_run_takes_the_room_a_gone_controller_kept_for_its_next_one(chaos_dir, shm_64m, caplog):
+    """60 MiB of the 64 MiB tmpfs hold the snapshot a controller that is gone (preempted with no
+    warning) left for its run's next controller. Another run's sizing counts that as room it may
+    take, snapshots every step in node memory all the same, and its ring, short of room, removes
+    the kept snapshot before it reserves its space; nothing is left once the run ends."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    owner = node_sweep.owner_record(proc.pid)
+    proc.wait()
+    kept = os.path.join(shm_64m, f"{node_sweep.PREFIX}preempted-0123abcd")
+    os.makedirs(os.path.join(kept, "node0"))
+    with open(os.path.join(kept, "node0", "actor-0-0.data"), "wb") as f:
+        f.write(b"\0" * (60 * 2**20))
+    with open(os.path.join(kept, "node0", "actor-0-0.meta"), "w") as f:
+        f.write("{}")
+    with open(os.path.join(kept, node_sweep.OWNER_FILE), "w") as f:
+        json.dump(owner, f)
+    with caplog.at_level(logging.INFO, logger="resilient_rl.workers.snapshots.keeper"):
+        result = _run(chaos_dir, "takes-kept-room", None, "trainer.total_steps=3",
+                      f"recovery.snapshot_node_dir={shm_64m}")
+    assert result.error is None, result.error
+    lines = [r.getMessage() for r in caplog.records if "snapshot_every=auto" in r.getMessage()]
+    assert len(lines) == 1 and "every step, in node memory" in lines[0], lines
+    assert "kept there for the next controllers of runs whose controller is gone" in lines[0], lines
+    assert not result.events_of("snapshot_unusable"), "the ring did not fit"
+    assert os.listdir(shm_64m) == []

@@ -13,7 +13,7 @@ import torch
 
 from resilient_rl.workers.snapshots import node_memory
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles, node_path
-from resilient_rl.workers.snapshots.node_sweep import STALE_S, sweep_stale
+from resilient_rl.workers.snapshots.node_sweep import STALE_S, sweep_runs
 
 from test_snapshot_copy import Rank, assert_same, mlp
 
@@ -108,7 +108,7 @@ def test_no_space_in_node_memory_keeps_copies_in_the_process(tmp_path, monkeypat
     assert rank.snapshot_restorer.load_snapshot(2) is True
 
 
-def test_stale_run_directories_are_swept_unless_in_use(tmp_path):
+def test_run_directories_of_owners_that_cannot_be_checked_are_swept_once_stale_unless_in_use(tmp_path):
     root = tmp_path
     live = NodeFiles(str(root / "resilient-rl-live" / "n0"), "actor", 0)
     live.map(0, 64)  # this process holds its .alive lock
@@ -119,12 +119,12 @@ def test_stale_run_directories_are_swept_unless_in_use(tmp_path):
     (root / "resilient-rl-unmarked" / "n0").mkdir(parents=True)  # no process ever locked it
     (root / "unrelated").mkdir()
     later = time.time() + 2 * STALE_S
-    removed = sweep_stale(str(root), keep=str(root / "resilient-rl-mine"), now=later)
+    removed = sweep_runs(str(root), keep=str(root / "resilient-rl-mine"), now=later)
     assert sorted(removed) == [str(root / "resilient-rl-dead"), str(root / "resilient-rl-unmarked")]
     assert (root / "resilient-rl-live").exists() and (root / "unrelated").exists()
     # Recently changed: kept whoever uses it.
     (root / "resilient-rl-x" / "n0").mkdir(parents=True)
-    assert sweep_stale(str(root), keep="", now=time.time()) == []
+    assert sweep_runs(str(root), keep="", now=time.time()) == []
 
 
 class FakeCudart:

@@ -1,15 +1,22 @@
-"""Nothing left in node memory (workers/snapshots/node_sweep.py): every start removes the snapshot directories
-and reduction segments whose owner process is gone, whatever the run, at once; what it cannot
-check (an owner on another host) is left to the age rule."""
+"""Nothing left in node memory that no run will use (workers/snapshots/node_sweep.py): a sweep removes
+the snapshot directories and reduction segments whose owner process is gone, whatever the run, at
+once where they hold no snapshot; one that holds a snapshot is kept for its run's next controller
+for the owner's keep, unless a live run needs the room; what a sweep cannot check (an owner on
+another host) is left to the age rule."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 
-from resilient_rl.workers.snapshots import node_sweep
+import pytest
+
+from resilient_rl.config import load_config
+from resilient_rl.errors import ConfigError
+from resilient_rl.workers.snapshots import node_memory, node_sweep
 from resilient_rl.workers.snapshots.node_memory import NodeFiles, PREFIX
 
 from test_snapshot_copy import Rank, mlp
@@ -29,7 +36,7 @@ def run_dir(root, name: str, owner: dict | None) -> str:
     return os.path.dirname(files.dir)
 
 
-def test_a_run_whose_controller_is_gone_is_removed_at_once_whatever_the_run(tmp_path):
+def test_a_run_whose_controller_is_gone_with_no_snapshot_is_removed_at_once_whatever_the_run(tmp_path):
     live = run_dir(tmp_path, "live-run-bbbb", node_sweep.owner_record())
     foreign = run_dir(tmp_path, "remote-run-cccc", {**node_sweep.owner_record(), "host": "elsewhere", "pid": 1})
     unknown = run_dir(tmp_path, "old-format-dddd", None)
@@ -47,6 +54,106 @@ def test_a_new_run_directory_sweeps_its_dead_neighbours(tmp_path):
                                  "owner": node_sweep.owner_record()})
     assert not os.path.exists(gone)
     assert node_sweep.read_owner(str(tmp_path / f"{PREFIX}new-ffff")) == node_sweep.owner_record()
+
+
+def left_with_a_snapshot(root, name: str, owner: dict | None, nbytes: int = 4096) -> str:
+    """A run directory as a controller that is gone left it: one node's committed slot, no process
+    holding its ``.alive`` lock."""
+    run = root / f"{PREFIX}{name}"
+    node = run / "node0"
+    node.mkdir(parents=True)
+    (node / ".alive").write_bytes(b"")
+    (node / "actor-0-0.data").write_bytes(b"\0" * nbytes)
+    (node / "actor-0-0.meta").write_bytes(b"{}")
+    if owner is not None:
+        (run / node_sweep.OWNER_FILE).write_text(json.dumps(owner))
+    return str(run)
+
+
+def test_a_gone_controllers_snapshot_is_kept_for_its_next_controller_for_the_owners_keep(tmp_path):
+    kept = left_with_a_snapshot(tmp_path, "preempted-aaaa", {**dead_owner(), "keep_s": 300.0})
+    unkept = left_with_a_snapshot(tmp_path, "killed-bbbb", {**dead_owner(), "keep_s": 0.0})
+    older = left_with_a_snapshot(tmp_path, "older-cccc", {k: v for k, v in dead_owner().items() if k != "keep_s"})
+    assert node_sweep.holds_snapshot(kept) and not node_sweep.holds_snapshot(str(tmp_path / "nothing"))
+    now = time.time() + 1
+    for d in (kept, os.path.join(kept, "node0"), older, os.path.join(older, "node0")):
+        os.utime(d, (now - 1, now - 1))
+    assert node_sweep.sweep_runs(str(tmp_path), now=now) == [unkept]
+    assert node_sweep.sweep_runs(str(tmp_path), now=now + 299) == []
+    assert node_sweep.sweep_runs(str(tmp_path), now=now + 301) == [kept]
+    assert node_sweep.sweep_runs(str(tmp_path), now=now + node_sweep.STALE_S + 1) == [older]  # no keep_s: STALE_S
+
+
+def test_a_kept_snapshot_in_use_by_a_process_is_not_removed(tmp_path):
+    kept = left_with_a_snapshot(tmp_path, "dying-aaaa", {**dead_owner(), "keep_s": 0.0})
+    node_memory._hold_alive(os.path.join(kept, "node0"))  # a rank of it still maps it
+    try:
+        assert node_sweep.sweep_runs(str(tmp_path), now=time.time() + 10, reclaim=True) == []
+    finally:
+        os.close(node_memory._ALIVE.pop(os.path.join(kept, "node0")))
+    assert node_sweep.sweep_runs(str(tmp_path), now=time.time() + 10) == [kept]
+
+
+def test_a_live_run_that_needs_the_room_takes_what_is_kept_for_a_gone_controller(tmp_path):
+    live = left_with_a_snapshot(tmp_path, "live-aaaa", node_sweep.owner_record())
+    kept = left_with_a_snapshot(tmp_path, "preempted-bbbb", dead_owner(), nbytes=64 * 1024)
+    remote = left_with_a_snapshot(tmp_path, "remote-cccc", {**node_sweep.owner_record(), "host": "elsewhere"})
+    mine = str(tmp_path / f"{PREFIX}mine-dddd")
+    assert node_sweep.reclaimable_bytes(str(tmp_path)) >= 64 * 1024
+    # Enough room: nothing is taken.
+    assert node_memory.make_room(mine, 1024, free=lambda d: 10 * 1024) == []
+    # Short of it: the kept snapshot goes; the live run's, and the remote one marked in use lately, stay.
+    assert node_memory.make_room(mine, 1024, free=lambda d: 1024) == [kept]
+    assert os.path.isdir(live) and os.path.isdir(remote)
+    # A remote owner's directory not marked in use for MARK_LOST_S: its controller is gone.
+    later = time.time() + node_sweep.MARK_LOST_S + 1
+    assert node_sweep.sweep_runs(str(tmp_path), keep=mine, now=later) == []  # not stale yet without a need
+    assert node_sweep.sweep_runs(str(tmp_path), keep=mine, now=later, reclaim=True) == [remote]
+    assert node_sweep.reclaimable_bytes(str(tmp_path), now=later) == 0
+
+
+def test_a_ring_that_would_leave_its_node_short_takes_the_room_before_it_reserves_it(tmp_path, monkeypatch):
+    from resilient_rl.workers.snapshots import node_capacity
+
+    kept = left_with_a_snapshot(tmp_path, "preempted-aaaa", dead_owner())
+    files = NodeFiles(str(tmp_path / f"{PREFIX}live-bbbb" / "node0"), "actor", 0, node_sweep.owner_record())
+    files.map(0, 1024)
+    assert os.path.isdir(kept)  # room enough: kept for its run's next controller
+    monkeypatch.setattr(node_capacity, "free_bytes", lambda d: 1024)
+    files.map(1, 1024)
+    assert not os.path.exists(kept)
+
+
+def test_a_controllers_sweeps_mark_its_directory_in_use_and_run_every_minute(tmp_path):
+    remote = left_with_a_snapshot(tmp_path, "remote-aaaa", {**node_sweep.owner_record(), "host": "elsewhere"})
+    long_ago = time.time() - 2 * node_sweep.STALE_S
+    for d in (remote, os.path.join(remote, "node0")):
+        os.utime(d, (long_ago, long_ago))
+    # Its own sweep marks it in use: another node's sweep keeps it.
+    assert node_sweep.sweep_node(str(tmp_path), keep=remote, shm_dir=str(tmp_path / "no-shm")) == []
+    assert node_sweep.sweep_runs(str(tmp_path)) == []
+    calls, t = [], [0.0]
+    sweeps = node_sweep.NodeSweeps("/root", "/root/mine", "/shm", every_s=60.0, clock=lambda: t[0],
+                                   sweep=lambda *a: calls.append(a))
+    sweeps.maybe()
+    assert calls == []  # none before the start's
+    sweeps.now()
+    t[0] = 59.0
+    sweeps.maybe()
+    t[0] = 60.0
+    sweeps.maybe()
+    assert calls == [("/root", "/root/mine", "/shm")] * 2
+
+
+def test_the_keep_is_the_runs_config_and_goes_into_its_owner_record(tmp_path):
+    from test_snapshots import keeper
+
+    assert load_config(None, []).recovery.snapshot_hand_over_s == 600.0
+    assert load_config(None, ["recovery.snapshot_hand_over_s=0"]).recovery.snapshot_hand_over_s == 0
+    with pytest.raises(ConfigError, match="recovery.snapshot_hand_over_s"):
+        load_config(None, ["recovery.snapshot_hand_over_s=-1"])
+    k = keeper(node_dir=str(tmp_path))
+    assert k.owner["keep_s"] == 600.0 and node_sweep.keep_for(k.owner) == 600.0
 
 
 def test_reduction_segments_of_dead_creators_are_removed(tmp_path):

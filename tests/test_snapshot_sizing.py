@@ -18,10 +18,10 @@ from resilient_rl.workers.snapshots import node_capacity
 MiB, GiB = 2**20, 2**30
 
 
-def report(node="n1", actor=100 * MiB, tmpfs_free=10 * GiB, mem=64 * GiB, cgroup=None, tmpfs_size=None):
+def report(node="n1", actor=100 * MiB, tmpfs_free=10 * GiB, mem=64 * GiB, cgroup=None, tmpfs_size=None, kept=0):
     return {"node": node, "bytes": {"actor": actor},
             "room": {"dir": "/dev/shm", "tmpfs_free": tmpfs_free, "tmpfs_size": tmpfs_size or tmpfs_free,
-                     "mem_available": mem, "cgroup_free": cgroup}}
+                     "mem_available": mem, "cgroup_free": cgroup, "reclaimable": kept}}
 
 
 def test_every_step_in_node_memory_when_every_node_holds_its_rings():
@@ -50,6 +50,19 @@ def test_a_cgroup_limit_or_little_ram_turns_snapshots_down_or_off():
     assert d.every == 0
 
 
+def test_memory_kept_for_a_gone_controllers_next_one_counts_as_room_a_ring_may_take():
+    # 100 MiB free of the tmpfs and of RAM; the rings need 1.5 x 2 x 40 = 120 MiB.
+    d = decide([report(actor=40 * MiB, tmpfs_free=100 * MiB, mem=100 * MiB)], keep=2, node_dir="/dev/shm")
+    assert d.every == 0
+    d = decide([report(actor=40 * MiB, tmpfs_free=100 * MiB, mem=100 * MiB, kept=30 * MiB)], keep=2,
+               node_dir="/dev/shm")
+    assert (d.every, d.node_memory) == (1, True), d.line
+    assert "30.0 MiB kept there for the next controllers of runs whose controller is gone" in d.line
+    # Not where a cgroup limit is what is short: the kept pages may be charged to another cgroup.
+    d = decide([report(actor=40 * MiB, cgroup=100 * MiB, kept=1 * GiB)], keep=2, node_dir="/dev/shm")
+    assert not d.node_memory
+
+
 def test_one_small_node_decides_for_the_run():
     d = decide([report("n1"), report("n2", tmpfs_free=50 * MiB)], keep=2, node_dir="/dev/shm")
     assert d.every == FALLBACK_EVERY and "node n2" in d.line
@@ -64,9 +77,9 @@ def test_node_room_is_read_from_statvfs_and_the_cgroup(tmp_path):
     st = SimpleNamespace(f_bavail=16, f_frsize=4 * MiB, f_blocks=16)
     files = {"/sys/fs/cgroup/memory.max": "8589934592", "/sys/fs/cgroup/memory.current": "1073741824"}
     room = node_capacity.measure(str(tmp_path / "resilient-rl-x" / "node"), statvfs=lambda p: st,
-                                 read=files.get, mem_available=lambda: 3 * GiB)
+                                 read=files.get, mem_available=lambda: 3 * GiB, reclaimable=lambda d: 5 * MiB)
     assert room == {"dir": str(tmp_path / "resilient-rl-x" / "node"), "tmpfs_free": 64 * MiB, "tmpfs_size": 64 * MiB,
-                    "mem_available": 3 * GiB, "cgroup_free": 7 * GiB}
+                    "mem_available": 3 * GiB, "cgroup_free": 7 * GiB, "reclaimable": 5 * MiB}
     assert node_capacity.cgroup_free({"/sys/fs/cgroup/memory.max": "max"}.get) is None
     v1 = {"/sys/fs/cgroup/memory/memory.limit_in_bytes": str(2**63 - 4096),
           "/sys/fs/cgroup/memory/memory.usage_in_bytes": "5"}
@@ -105,7 +118,8 @@ def test_keeper_sizes_once_after_a_step_and_logs_one_line(caplog):
     small = {"dir": "/dev/shm", "tmpfs_free": 64 * MiB, "tmpfs_size": 64 * MiB, "mem_available": 8 * GiB,
              "cgroup_free": None}
     g = Sized(2, "actor", 40 * MiB, small)
-    cfg = SimpleNamespace(snapshot_every="auto", max_task_retries=0, call_timeout_s=10.0, snapshot_node_dir="/dev/shm")
+    cfg = SimpleNamespace(snapshot_every="auto", max_task_retries=0, call_timeout_s=10.0, snapshot_node_dir="/dev/shm",
+                          snapshot_hand_over_s=600.0)
     k = SnapshotKeeper(cfg, wait=fake_wait, get=fake_get, run_key="run")
     assert not k.due(1)
     roles = FakeRoles(g)

@@ -181,7 +181,7 @@ class FakeRoles:
 
 def keeper(every=1, max_task_retries=0, events=None, node_dir="", record_path=None):
     cfg = SimpleNamespace(snapshot_every=every, max_task_retries=max_task_retries, call_timeout_s=10.0,
-                          snapshot_node_dir=node_dir)
+                          snapshot_node_dir=node_dir, snapshot_hand_over_s=600.0)
     emit = (lambda kind, **f: events.append((kind, f))) if events is not None else (lambda kind, **f: None)
     return SnapshotKeeper(cfg, emit=emit, wait=fake_wait, get=fake_get, run_key="run", record_path=record_path)
 

@@ -192,7 +192,12 @@ class RecoveryConfig(Section):
     and logs one line saying which and why (:mod:`resilient_rl.workers.snapshots.sizing`). ``snapshot_node_dir``: a node-shared memory directory (a tmpfs) where
     each rank keeps its snapshots, so that they outlive its process on that node
     (:mod:`resilient_rl.workers.snapshots.node_memory`); "" keeps them in the process and in Ray's object
-    store instead (also where the directory cannot hold them).
+    store instead (also where the directory cannot hold them). ``snapshot_hand_over_s``: how long
+    the node memory of a controller that is gone without ending the run (killed, or preempted with
+    no warning) is kept for the run's next controller, which continues from it
+    (:mod:`resilient_rl.workers.snapshots.carry`), counted from when the controller was last seen
+    alive (within a minute); other runs on the node sweep it after that, and sooner where their own
+    snapshots need the room (:mod:`resilient_rl.workers.snapshots.node_sweep`); 0: not kept.
 
     ``spares``: warm spare processes per worker group (:mod:`resilient_rl.runtime.spares`),
     started ahead of need on free resources; a dead rank is handed to one at once instead of
@@ -231,6 +236,9 @@ class RecoveryConfig(Section):
     #: Node-shared memory directory (a tmpfs) where snapshots outlive their processes; empty: in the
     #: processes and Ray's object store.
     snapshot_node_dir: str = "/dev/shm"
+    #: How long node memory left by a controller that is gone is kept for the run's next
+    #: controller (0: not kept).
+    snapshot_hand_over_s: float = 600.0
     #: Warm spare processes per worker group; ``auto``: sized to the node's memory and cores; 0:
     #: none.
     spares: Union[int, str] = "auto"
@@ -244,8 +252,10 @@ class RecoveryConfig(Section):
                 "snapshot_every", self.snapshot_every,
                 "must be 'auto' (sized to what node memory holds) or a number of steps >= 0 (0 = off)")
         for f in dataclasses.fields(self):
-            if f.name.endswith("_s"):
+            if f.name.endswith("_s") and f.name != "snapshot_hand_over_s":
                 require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+        require(self.snapshot_hand_over_s >= 0, "snapshot_hand_over_s", self.snapshot_hand_over_s,
+                "must be >= 0 seconds (0: node memory a gone controller left is not kept)")
         require(not self.snapshot_node_dir or self.snapshot_node_dir.startswith("/"), "snapshot_node_dir",
                 self.snapshot_node_dir, "must be an absolute path, or empty to keep snapshots in the processes")
         # A stopped rank must be named before its peers, which stall waiting for it in a collective.

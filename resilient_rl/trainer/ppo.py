@@ -41,7 +41,7 @@ from resilient_rl.trainer.hooks import check_hooks
 from resilient_rl.trainer.preemption import (Preemption, stop_after_lost_cluster, stop_after_lost_workers,
                                              stop_for_preemption, stop_recovering)
 from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
-from resilient_rl.workers.snapshots.node_sweep import sweep_every_node
+from resilient_rl.workers.snapshots.node_sweep import NodeSweeps
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
 from resilient_rl.data.held_out import held_out_dataset
@@ -136,6 +136,9 @@ class PPOTrainer:
         self.snapshots = (SnapshotKeeper(cfg.recovery, emit=self.run_dir.event, run_key=self.run_dir.key,
                                          record_path=str(self.run_dir.path / RECORD))
                           if cfg.recovery.snapshot_every != 0 and self.checkpoints_on else None)
+        # Sweeps of every node's memory: at the start of the workers, then every minute of the run.
+        self.node_sweeps = NodeSweeps(cfg.recovery.snapshot_node_dir,
+                                      self.snapshots.node_dir if self.snapshots is not None else None, SHM_DIR)
         # The controller's part of a checkpoint: one line per stateful part.
         policy = FailurePolicy.from_config(cfg.recovery)
         self.state = ControllerState()
@@ -195,10 +198,9 @@ class PPOTrainer:
             if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
                 self._resume()
             # Whatever the run, node memory left by owners that are gone (a killed controller's
-            # snapshots, a rank's reduction segment) is removed on every node: once a snapshot the
-            # previous controller left there was tried.
-            sweep_every_node(self.cfg.recovery.snapshot_node_dir,
-                             self.snapshots.node_dir if self.snapshots is not None else None, SHM_DIR)
+            # snapshots once their keep has passed, a rank's reduction segment) is removed on every
+            # node: once a snapshot the previous controller left there was tried.
+            self.node_sweeps.now()
             if self.step == 0:  # a fresh start: an earlier history in the folder is not this run's
                 self.run_dir.set_aside_history()
             if self.telemetry is not None:
@@ -385,6 +387,7 @@ class PPOTrainer:
                         continue
                     self.maybe_checkpoint()
                     self.maybe_snapshot()
+                    self.node_sweeps.maybe()
                     if self.step >= total and self.checkpoints_on:
                         # The last save, waited for (bounded) inside the recovery: a rank that lost
                         # it rolls the run back to the last commit and the final steps are replayed.

@@ -98,7 +98,8 @@ class SnapshotKeeper:
         # earlier controller's of the same run is removed at the first snapshot.
         self.node_dir = run_path(root, run_key, uuid.uuid4().hex[:12]) if root else None
         self._predecessors_removed = root == ""
-        self.owner = owner_record()  # this controller: a start on any node removes its memory once it is gone
+        # This controller: a sweep on any node removes its memory once it is gone and its keep has passed.
+        self.owner = owner_record(keep_s=cfg.snapshot_hand_over_s)
         self.no_node: set = set()  # processes whose node memory failed: their copies are published
         self._taken = 0
         self.timeout_s = min(cfg.call_timeout_s, 120.0)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from resilient_rl.workers.snapshots import node_sweep
+
 #: cgroup v2, then v1: (limit file, usage file).
 CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
@@ -69,13 +71,23 @@ def cgroup_free(read: Callable[[str], str | None] = _read) -> int | None:
     return None
 
 
+def free_bytes(directory: str) -> int:
+    """The smaller of the free bytes of the tmpfs holding ``directory`` (where there is one) and
+    the RAM available: what more pages written there can take."""
+    tmpfs = tmpfs_free(directory)
+    mem = _mem_available()
+    return mem if tmpfs is None else min(tmpfs[0], mem)
+
+
 def measure(directory: str, *, statvfs: Callable = os.statvfs, read: Callable[[str], str | None] = _read,
-            mem_available: Callable[[], int] = _mem_available) -> dict:
+            mem_available: Callable[[], int] = _mem_available,
+            reclaimable: Callable[[str], int] = node_sweep.reclaimable_bytes) -> dict:
     """This node's room for snapshots: ``{"dir", "tmpfs_free", "tmpfs_size"}`` (None without a
-    directory, or where it does not exist), ``"mem_available"`` and ``"cgroup_free"`` (None:
-    unlimited), in bytes."""
+    directory, or where it does not exist), ``"mem_available"``, ``"cgroup_free"`` (None:
+    unlimited) and ``"reclaimable"`` (what runs whose controller is gone keep under the directory
+    for their next one, which a live run that needs the room takes), in bytes."""
     tmpfs = tmpfs_free(directory, statvfs) if directory else None
     return {"dir": directory, "tmpfs_free": None if tmpfs is None else tmpfs[0],
             "tmpfs_size": None if tmpfs is None else tmpfs[1],
-            "mem_available": int(mem_available()), "cgroup_free": cgroup_free(read)}
-
+            "mem_available": int(mem_available()), "cgroup_free": cgroup_free(read),
+            "reclaimable": reclaimable(directory) if tmpfs is not None else 0}

@@ -29,12 +29,15 @@ keeps reading its own bytes). The space is reserved up front (``posix_fallocate`
 small for the ring fails the reservation with an OSError, never a SIGBUS during the copy.
 
 Directories are removed by the controller at the end of a run (:func:`remove_run`, on every
-node). One left behind by a controller that crashed is removed by the next controller of the same
-run when it starts snapshotting (:func:`remove_predecessors`), and by the start of any run on the
-same node once its owner (the controller named in its ``.owner``) is gone
-(:mod:`resilient_rl.workers.snapshots.node_sweep`); one whose owner cannot be checked from the node, once
-no process holds its ``.alive`` lock and it has not changed for
-:data:`~resilient_rl.workers.snapshots.node_sweep.STALE_S` (:func:`~resilient_rl.workers.snapshots.node_sweep.sweep_stale`).
+node). One left by a controller that is gone (killed, or preempted with no warning) is removed by
+the next controller of the same run when it starts snapshotting (:func:`remove_predecessors`),
+once it has tried to continue from it; by a sweep of any run on the same node once its owner (the
+controller named in its ``.owner``) is gone and the owner's keep (``recovery.snapshot_hand_over_s``)
+has passed, at once where it holds no committed snapshot; and sooner by a live run whose ring
+would leave the node short (:func:`make_room`). One whose owner cannot be checked from the node is
+removed once no process holds its ``.alive`` lock and it has not changed for
+:data:`~resilient_rl.workers.snapshots.node_sweep.STALE_S`
+(:mod:`resilient_rl.workers.snapshots.node_sweep`).
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ import fcntl
 import logging
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from resilient_rl.errors import CheckpointError
-from resilient_rl.workers.snapshots import meta as snapshot_meta, node_sweep
+from resilient_rl.workers.snapshots import meta as snapshot_meta, node_capacity, node_sweep
 from resilient_rl.workers.snapshots.node_sweep import PREFIX
+from resilient_rl.workers.snapshots.sizing import HEADROOM
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,17 @@ def remove_predecessors(path: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
+def make_room(run: str, nbytes: int, free: Callable[[str], int] | None = None) -> list[str]:
+    """Before ``nbytes`` more of run directory ``run`` are reserved: where that would leave its
+    node short (less than :data:`~resilient_rl.workers.snapshots.sizing.HEADROOM` x ``nbytes``
+    free in the tmpfs or in RAM), take the memory kept for the next controllers of runs whose
+    controller is gone (:func:`~resilient_rl.workers.snapshots.node_sweep.sweep_runs` with
+    ``reclaim``): a live run comes first. Returns the directories removed."""
+    if (free or node_capacity.free_bytes)(run) >= HEADROOM * nbytes:
+        return []
+    return node_sweep.sweep_runs(os.path.dirname(run), keep=run, reclaim=True)
+
+
 def make_private_dirs(path: str) -> None:
     """Create ``path`` and its parents up to the node-memory root, each 0700 (whatever the umask),
     a directory that exists already made 0700 too where it is a run directory of ours."""
@@ -174,6 +189,7 @@ class NodeFiles:
         """A flat uint8 tensor over slot ``slot``'s data file of ``nbytes`` bytes, its space
         reserved (an OSError, e.g. ENOSPC, when the directory cannot hold it)."""
         self.open()
+        make_room(os.path.dirname(self.dir), nbytes)
         path = self._path(slot, "data")
         # A fresh file, never the old one's pages: whoever still maps the old one (a reader of the
         # copy it held, a process of the rank before this one) keeps reading what it held.

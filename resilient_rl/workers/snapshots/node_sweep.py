@@ -1,22 +1,35 @@
-"""Leave nothing behind in node memory: every start removes what dead owners left there.
+"""Leave nothing in node memory that no run will use, and keep what a run's next controller will.
 
 Two kinds of files outlive a process that is killed:
 
 - a run's snapshot directory (``<root>/resilient-rl-<run>-<controller>``,
-  :mod:`resilient_rl.workers.snapshots.node_memory`), left when its controller is killed before it removes
-  it. Its ``.owner`` file (JSON, written when the directory is created) names the controller's
-  process: host, boot, pid namespace, pid and start time;
+  :mod:`resilient_rl.workers.snapshots.node_memory`), left when its controller is gone before it
+  removes it: killed, or preempted with no warning, which leaves it on purpose for the run's next
+  controller (:mod:`resilient_rl.workers.snapshots.carry`). Its ``.owner`` file (JSON, written
+  when the directory is created) names the controller's process (host, boot, pid namespace, pid
+  and start time) and how long the directory is to be kept once that process is gone
+  (``keep_s``: ``recovery.snapshot_hand_over_s``);
 - a shared-memory reduction segment and its pipes (``/dev/shm/rrl-reduce-<pid>-...``,
   :mod:`resilient_rl.workers.shm_reduce`), left when the rank that created it dies in set-up;
   its name carries the creating pid.
 
-:func:`sweep_node` removes, whatever the run, every such directory whose owner process is gone
-(the owner ran on this host, same boot and pid namespace, and no process with its pid and start
-time exists), and every segment whose creator is gone. A directory whose owner cannot be checked
-from here (a controller on another node, or no ``.owner``) is removed once no process holds its
-``.alive`` lock and it has not changed for :data:`STALE_S`.
-The controller runs it on every node when it starts (:func:`sweep_every_node`); so does the first
-process that opens a run directory on a node.
+:func:`sweep_node` removes, whatever the run:
+
+- a run directory whose owner is gone (the owner ran on this host, same boot and pid namespace,
+  and no process with its pid and start time exists): at once where it holds no committed
+  snapshot; where it does, once it has not changed for the owner's ``keep_s`` and no process
+  holds its ``.alive`` lock: until then a requeue of its run on this node adopts it;
+- one whose owner cannot be checked from here (a controller on another node, or no ``.owner``):
+  once no process holds its ``.alive`` lock and it has not changed for :data:`STALE_S` (or the
+  owner's ``keep_s`` where longer);
+- every reduction segment whose creator is gone.
+
+A live run that needs the room takes it first (``reclaim``: :func:`sweep_runs`; a ring that would
+leave its node short, :mod:`resilient_rl.workers.snapshots.node_memory`): a kept directory whose
+owner is gone, and one whose owner cannot be checked that has not been marked in use for
+:data:`MARK_LOST_S`. The controller sweeps every node when it starts and every
+:data:`SWEEP_EVERY_S` of its run (:class:`NodeSweeps`), each sweep marking its own directory in use
+(:func:`mark_in_use`); the first process that opens a run directory on a node sweeps that node.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import re
 import shutil
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -40,8 +53,14 @@ logger = logging.getLogger(__name__)
 OWNER_FILE = ".owner"
 #: Prefix of a run's directory under the root.
 PREFIX = "resilient-rl-"
-#: Age (seconds since its last change) past which an unused run directory is removed.
+#: Age (seconds since its last change) past which an unused run directory whose owner cannot be
+#: checked is removed; also how long one whose owner is gone is kept where its ``.owner`` says not.
 STALE_S = 600.0
+#: Seconds between a controller's sweeps of every node during its run.
+SWEEP_EVERY_S = 60.0
+#: A directory whose owner cannot be checked, not marked in use for this long: its controller is
+#: gone (it marks it every :data:`SWEEP_EVERY_S`), and a run that needs the room takes it.
+MARK_LOST_S = 3 * SWEEP_EVERY_S
 REDUCE_PREFIX = "rrl-reduce-"
 _REDUCE_NAME = re.compile(rf"^{REDUCE_PREFIX}(\d+)-")
 
@@ -61,12 +80,13 @@ def _pid_namespace() -> int:
         return 0
 
 
-def owner_record(pid: int | None = None) -> dict[str, Any]:
+def owner_record(pid: int | None = None, keep_s: float = STALE_S) -> dict[str, Any]:
     """Who owns what this process leaves in node memory: enough to tell, on the same host, whether
-    that process still runs (a pid alone may be reused)."""
+    that process still runs (a pid alone may be reused); and ``keep_s``, how long to keep it for
+    the run's next controller once that process is gone."""
     pid = os.getpid() if pid is None else pid
     return {"host": socket.gethostname(), "boot": _boot_id(), "pidns": _pid_namespace(), "pid": pid,
-            "start": psutil.Process(pid).create_time()}
+            "start": psutil.Process(pid).create_time(), "keep_s": float(keep_s)}
 
 
 def owner_alive(record: dict) -> bool | None:
@@ -113,47 +133,117 @@ def _other_runs(root: str, keep: str | None) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.join(root, n) != keep]
 
 
-def sweep_runs(root: str, keep: str | None = None) -> list[str]:
-    """Remove the run directories under ``root`` (other than ``keep``) whose owner on this host is
-    gone; the others are left to the age rule (:func:`sweep_stale`)."""
-    removed = []
-    for run in _other_runs(root, keep):
-        record = read_owner(run)
-        if record is not None and owner_alive(record) is False:
-            shutil.rmtree(run, ignore_errors=True)
-            removed.append(run)
-    return removed + sweep_stale(root, keep=keep or "")
+def _age(run: str, now: float) -> float | None:
+    """Seconds since ``run`` or one of its node directories last changed (a snapshot committed, a
+    sweep of its controller marking it in use); None when it cannot be read."""
+    try:
+        times = [os.stat(run).st_mtime] + [os.stat(os.path.join(run, n)).st_mtime for n in os.listdir(run)]
+    except OSError:
+        return None
+    return now - max(times)
 
 
-def sweep_stale(root: str, keep: str, now: float | None = None) -> list[str]:
-    """Remove the run directories under ``root`` (other than ``keep``) that no live process uses
-    and that have not changed for :data:`STALE_S`; returns those removed."""
+def holds_snapshot(run: str) -> bool:
+    """Whether ``run`` holds a committed snapshot copy on some node (a slot's ``.meta``): what a
+    next controller of its run could adopt."""
+    try:
+        parts = [os.path.join(run, n) for n in os.listdir(run)]
+        return any(n.endswith(".meta") for p in parts if os.path.isdir(p) for n in os.listdir(p))
+    except OSError:
+        return False
+
+
+def keep_for(record: dict | None) -> float:
+    """How long the owner of ``record`` asked its run directory to be kept once it is gone
+    (``recovery.snapshot_hand_over_s``; :data:`STALE_S` where the record names none)."""
+    try:
+        return max(float(record["keep_s"]), 0.0)  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return STALE_S
+
+
+def _verdict(run: str, now: float, reclaim: bool) -> str | None:
+    """Whether a sweep removes ``run``: ``"gone"`` (at once), ``"unused"`` (where no process
+    holds its ``.alive`` lock) or None (kept); ``reclaim``: a live run needs the room."""
+    record = read_owner(run)
+    alive = owner_alive(record) if record is not None else None
+    if alive:
+        return None
+    age = _age(run, now)
+    if age is None:
+        return None
+    if alive is False:  # its controller is gone: kept for the run's next one only with something to adopt
+        if not holds_snapshot(run):
+            return "gone"
+        return "unused" if reclaim or age > keep_for(record) else None
+    # Its owner cannot be checked from here: a live controller's sweeps mark it in use every SWEEP_EVERY_S.
+    return "unused" if age > (MARK_LOST_S if reclaim else max(STALE_S, keep_for(record))) else None
+
+
+def _remove_unless_in_use(run: str) -> bool:
+    """Remove ``run`` unless a process holds the ``.alive`` lock of one of its node directories."""
+    fds = []
+    try:
+        for n in os.listdir(run):
+            alive = os.path.join(run, n, ".alive")
+            if os.path.exists(alive):
+                fd = os.open(alive, os.O_RDWR)
+                fds.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
+        shutil.rmtree(run, ignore_errors=True)
+        return True
+    except OSError:
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _size(run: str) -> int:
+    total = 0
+    for parent, _, files in os.walk(run):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(parent, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def sweep_runs(root: str, keep: str | None = None, reclaim: bool = False, now: float | None = None) -> list[str]:
+    """Remove the run directories under ``root`` (other than ``keep``) that no run will use (see
+    the module's text); with ``reclaim`` (a live run needs the room) also those kept for a next
+    controller. Returns those removed."""
     now = time.time() if now is None else now
     removed = []
     for run in _other_runs(root, keep):
-        try:
-            nodes = [os.path.join(run, n) for n in os.listdir(run)]
-            if max([os.stat(run).st_mtime] + [os.stat(n).st_mtime for n in nodes]) > now - STALE_S:
-                continue
-            fds = []
-            try:
-                for n in nodes:
-                    alive = os.path.join(n, ".alive")
-                    if os.path.exists(alive):
-                        fd = os.open(alive, os.O_RDWR)
-                        fds.append(fd)
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
-                shutil.rmtree(run, ignore_errors=True)
-                removed.append(run)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-        except OSError:
-            continue
+        verdict = _verdict(run, now, reclaim)
+        if verdict == "gone":
+            shutil.rmtree(run, ignore_errors=True)
+        if verdict == "gone" or (verdict == "unused" and _remove_unless_in_use(run)):
+            removed.append(run)
     if removed:
-        logger.info("removed snapshot memory left by runs that ended: %s", removed)
+        logger.info("removed snapshot memory under %s left by controllers that are gone%s: %s", root,
+                    " (the room is needed)" if reclaim else "", removed)
     return removed
 
+
+def reclaimable_bytes(root: str, now: float | None = None) -> int:
+    """Bytes under ``root`` that :func:`sweep_runs` with ``reclaim`` would free now (a directory in
+    use is counted too: its users are gone once its controller is)."""
+    now = time.time() if now is None else now
+    return sum(_size(run) for run in _other_runs(root, None) if _verdict(run, now, reclaim=True) is not None)
+
+
+def mark_in_use(run: str | None) -> None:
+    """Mark ``run`` (this controller's directory, where this node has one) in use now: its age
+    restarts, so a node that cannot check its owner keeps it while the controller lives, and once
+    it is gone the keep counts from here."""
+    if run:
+        try:
+            os.utime(run)
+        except OSError:
+            pass
 
 
 def sweep_reduce_segments(shm_dir: str) -> list[str]:
@@ -184,7 +274,9 @@ def sweep_reduce_segments(shm_dir: str) -> list[str]:
 
 
 def sweep_node(root: str, keep: str | None, shm_dir: str) -> list[str]:
-    """:func:`sweep_runs` of ``root`` and :func:`sweep_reduce_segments` of ``shm_dir`` on this node."""
+    """On this node: mark ``keep`` in use (:func:`mark_in_use`), then :func:`sweep_runs` of
+    ``root`` and :func:`sweep_reduce_segments` of ``shm_dir``."""
+    mark_in_use(keep)
     removed = (sweep_runs(root, keep) if root else []) + sweep_reduce_segments(shm_dir)
     if removed:
         logger.info("removed node memory whose owner is gone: %s", removed)
@@ -200,3 +292,25 @@ def sweep_every_node(root: str, keep: str | None, shm_dir: str, wait_s: float | 
         on_every_node(sweep_node, root, keep, shm_dir, wait_s=wait_s)
     except Exception as exc:  # a node that went away meanwhile: its memory went with it
         logger.warning("sweeping node memory under %s and %s: %s", root, shm_dir, exc)
+
+
+class NodeSweeps:
+    """A controller's sweeps of every node (:func:`sweep_every_node`, keeping its own directory
+    ``keep``): one at its start (:meth:`now`), then one every ``every_s`` of its run
+    (:meth:`maybe`, between steps), so that memory kept for a gone controller's next one is freed
+    once its keep ends, and this controller's own is marked in use."""
+
+    def __init__(self, root: str, keep: str | None, shm_dir: str, every_s: float = SWEEP_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic, sweep: Callable[..., None] = sweep_every_node):
+        self.root, self.keep, self.shm_dir, self.every_s = root, keep, shm_dir, every_s
+        self.clock, self._sweep = clock, sweep
+        self.last: float | None = None
+
+    def now(self) -> None:
+        self._sweep(self.root, self.keep, self.shm_dir)
+        self.last = self.clock()
+
+    def maybe(self) -> None:
+        """Sweep where the last sweep is ``every_s`` old (none before :meth:`now`)."""
+        if self.last is not None and self.clock() - self.last >= self.every_s:
+            self.now()

@@ -6,15 +6,17 @@ process hosting stateful ranks reports the bytes of one copy of each and its nod
 
     ring  = KEEP x (sum of the copy bytes of the stateful ranks on the node)
     need  = HEADROOM x ring
-    every step, in node memory   when need <= tmpfs free, need <= RAM available
+    every step, in node memory   when need <= tmpfs free + kept, need <= RAM available + kept
                                  and need <= cgroup limit - usage (where limited), on every node
     every FALLBACK_EVERY steps,  when a node's tmpfs cannot hold it (or there is none) but its
       in process memory + the    memory can hold the copies in the processes plus the object
       object store               store's: HEADROOM x (KEEP + 1) / KEEP x ring
     off                          otherwise
 
-The object-store path costs a copy through Ray per snapshot (node memory does not), hence the
-longer interval. :func:`decide` returns the decision and the one line the controller logs, which
+``kept``: the node memory that runs whose controller is gone keep there for their next
+controller; a ring that needs the room takes it when it is reserved
+(:func:`resilient_rl.workers.snapshots.node_memory.make_room`). The object-store path costs a
+copy through Ray per snapshot (node memory does not), hence the longer interval. :func:`decide` returns the decision and the one line the controller logs, which
 gives the formula with the numbers and, where the tmpfs was too small, how to enlarge it.
 """
 
@@ -59,8 +61,11 @@ def decide(reports: list[dict], keep: int, node_dir: str) -> Decision:
     for node, info in sorted(per_node.items()):
         room, ring = info["room"], keep * info["bytes"]
         need = HEADROOM * ring
-        limits = [room["mem_available"]] + ([room["cgroup_free"]] if room.get("cgroup_free") is not None else [])
-        if not node_dir or room.get("tmpfs_free") is None or need > room["tmpfs_free"] or need > min(limits):
+        cgroup = [room["cgroup_free"]] if room.get("cgroup_free") is not None else []
+        limits = [room["mem_available"]] + cgroup
+        taken = room.get("reclaimable") or 0  # freed by the rings' reservation where they need it
+        if not node_dir or room.get("tmpfs_free") is None or need > room["tmpfs_free"] + taken \
+                or need > min([room["mem_available"] + taken] + cgroup):
             tmpfs_ok = False
             short.append((node, need, room))
         if HEADROOM * ring * (keep + 1) / keep > min(limits):
@@ -71,7 +76,9 @@ def decide(reports: list[dict], keep: int, node_dir: str) -> Decision:
     formula = (f"{HEADROOM:g} x {keep} copies x {_mib(info['bytes'])} per node = {_mib(HEADROOM * keep * info['bytes'])} "
                f"against tmpfs {node_dir or '(none)'} free {_mib(room.get('tmpfs_free')) if node_dir else 'n/a'}, "
                f"RAM available {_mib(room['mem_available'])}, cgroup free {_mib(room.get('cgroup_free'))}"
-               f" (largest node {node[:8]}, {len(per_node)} node(s))")
+               + (f", {_mib(room['reclaimable'])} kept there for the next controllers of runs whose controller is gone"
+                  if room.get("reclaimable") else "")
+               + f" (largest node {node[:8]}, {len(per_node)} node(s))")
     if tmpfs_ok:
         return Decision(1, True, f"recovery.snapshot_every=auto: every step, in node memory: {formula}")
     node, need, room = short[0]
