@@ -138,10 +138,9 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
 
 @pytest.fixture
 def node_memory(tmp_path):
-    """A node-memory folder of the test's own (``recovery.snapshot_node_dir``): every run that
-    starts on the node removes the folders in its own that a dead controller left, the snapshot
-    this test hands from one controller to the next among them, so a run of another test started
-    in between (``pytest -n``) must not share it."""
+    """A node-memory folder of the test's own (``recovery.snapshot_node_dir``), removed after it:
+    what the test's runs leave there is theirs alone to sweep or keep, whatever other tests run at
+    the same time (``pytest -n``)."""
     where = f"/dev/shm/rrl-test-{uuid.uuid4().hex[:8]}" if os.access("/dev/shm", os.W_OK) else str(tmp_path / "shm")
     os.makedirs(where)
     yield where
@@ -201,21 +200,30 @@ def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
 
 
 # The default set takes the two orders where the failure is seen before the signal.
-@pytest.mark.parametrize("order", [pytest.param("controller first", marks=pytest.mark.slow), "controller last",
-                                   "Ray last"])
+@pytest.mark.parametrize("order, another_run_between", [pytest.param("controller first", False, marks=pytest.mark.slow),
+                                                        ("controller last", False), ("Ray last", True)])
 def test_a_preemption_without_warning_continues_from_the_snapshot_left_in_node_memory(unpreempted, tmp_path,
-                                                                                     node_memory, order):
+                                                                                     node_memory, order,
+                                                                                     another_run_between):
     """Every process of the run signalled, in any order, its workers gone: nothing can be saved, so
     the run is recorded preempted (exit 143, Ray's cluster gone too: nothing waits on it) and leaves
     its newest snapshot in node memory; the same command continues from it, on the same node. No
     completed step is lost or repeated, and the end is bit-identical to a run never preempted,
-    although no checkpoint was committed before the signal."""
+    although no checkpoint was committed before the signal. Another run that starts and ends on
+    the node in between (the preemptor, say) keeps that snapshot for it
+    (``recovery.snapshot_hand_over_s``)."""
     name = "unwarned"
     extra = ("checkpoint.save_every=10", "recovery.snapshot_every=1", f"recovery.snapshot_node_dir={node_memory}")
     err, record = _preempted(tmp_path, name, 3, lambda proc: _preempt_without_warning(proc, order), *extra,
                              ready=lambda: _snapshot_in_node_memory(tmp_path, name))
     assert 3 <= record["end_step"] < STEPS, record
     assert "no checkpoint is committed" in err and "left in node memory" in err, err[-3000:]
+    left = sorted(os.listdir(node_memory))
+    if another_run_between:
+        other = _train(tmp_path, "preemptor", *extra[1:], "trainer.total_steps=2")
+        out, other_err = other.communicate(timeout=600)
+        assert other.returncode == 0, other_err[-3000:]
+        assert sorted(os.listdir(node_memory)) == left, "the preemptor's sweeps removed the hand-over"
     result = _resumed(tmp_path, name, unpreempted, *extra)
     assert [e["step"] for e in result.events_of("snapshot_restored")] == [record["end_step"]]
     assert result.events_of("checkpoint_restored") == []
