@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import statistics
+import uuid
 
 import pytest
 
@@ -34,6 +36,17 @@ def pytest_sessionfinish(session, exitstatus):
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture
+def node_memory(tmp_path):
+    """A node-memory folder of the test's own (``recovery.snapshot_node_dir``; under ``/dev/shm``
+    where it is writable), removed after it: what the test's runs leave there is theirs alone to
+    sweep or keep, whatever other tests run at the same time (``pytest -n``)."""
+    where = f"/dev/shm/rrl-test-{uuid.uuid4().hex[:8]}" if os.access("/dev/shm", os.W_OK) else str(tmp_path / "shm")
+    os.makedirs(where)
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import psutil
 import pytest
@@ -134,17 +132,6 @@ def test_a_preempted_run_resumes_with_nothing_lost_or_repeated(unpreempted, tmp_
 
     result = _resumed(tmp_path, name, unpreempted)
     assert [e["step"] for e in result.events_of("checkpoint_restored")] == [stopped_at]
-
-
-@pytest.fixture
-def node_memory(tmp_path):
-    """A node-memory folder of the test's own (``recovery.snapshot_node_dir``), removed after it:
-    what the test's runs leave there is theirs alone to sweep or keep, whatever other tests run at
-    the same time (``pytest -n``)."""
-    where = f"/dev/shm/rrl-test-{uuid.uuid4().hex[:8]}" if os.access("/dev/shm", os.W_OK) else str(tmp_path / "shm")
-    os.makedirs(where)
-    yield where
-    shutil.rmtree(where, ignore_errors=True)
 
 
 def _preempt_without_warning(proc, order: str) -> None:

@@ -8,8 +8,6 @@ end bit-identical to the fault-free reference.
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 
 import pytest
 
@@ -28,17 +26,13 @@ def _recovered(result) -> dict:
 
 
 @pytest.mark.slow  # with the default config: chaos/test_snapshot_defaults.py
-def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run, tmp_path):
+def test_sigkill_actor_rank_replays_only_the_failed_step(reference, chaos_run, node_memory):
     """The killed rank's new process (or spare) reads the copy it left in node memory; the run's
     node memory is gone once it ends."""
-    root = f"/dev/shm/rrl-chaos-{uuid.uuid4().hex[:8]}" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
-    try:
-        # Once step 3's snapshot is complete (a kill racing it is test_failure_during_a_snapshot).
-        result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS,
-                           f"recovery.snapshot_node_dir={root}")
-        assert os.listdir(root) == [], "the run's node memory was left behind"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    # Once step 3's snapshot is complete (a kill racing it is test_failure_during_a_snapshot).
+    result = chaos_run(FaultSchedule().after_snapshot(4).kill("actor", 1), *SNAPSHOTS,
+                       f"recovery.snapshot_node_dir={node_memory}")
+    assert os.listdir(node_memory) == [], "the run's node memory was left behind"
     check_invariants(result, reference)
     rec = _recovered(result)
     assert (rec["failed_step"], rec["restored_step"], rec["steps_replayed"], rec["source"]) == (4, 3, 0, "snapshot")
