@@ -189,7 +189,6 @@ class NodeFiles:
         """A flat uint8 tensor over slot ``slot``'s data file of ``nbytes`` bytes, its space
         reserved (an OSError, e.g. ENOSPC, when the directory cannot hold it)."""
         self.open()
-        make_room(os.path.dirname(self.dir), nbytes)
         path = self._path(slot, "data")
         # A fresh file, never the old one's pages: whoever still maps the old one (a reader of the
         # copy it held, a process of the rank before this one) keeps reading what it held.
@@ -197,6 +196,7 @@ class NodeFiles:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        make_room(os.path.dirname(self.dir), nbytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if nbytes:

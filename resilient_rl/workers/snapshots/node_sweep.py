@@ -54,7 +54,8 @@ OWNER_FILE = ".owner"
 #: Prefix of a run's directory under the root.
 PREFIX = "resilient-rl-"
 #: Age (seconds since its last change) past which an unused run directory whose owner cannot be
-#: checked is removed; also how long one whose owner is gone is kept where its ``.owner`` says not.
+#: checked is removed; also how long one whose owner is gone is kept where its ``.owner`` names no
+#: ``keep_s``.
 STALE_S = 600.0
 #: Seconds between a controller's sweeps of every node during its run.
 SWEEP_EVERY_S = 60.0
@@ -277,10 +278,10 @@ def sweep_node(root: str, keep: str | None, shm_dir: str) -> list[str]:
     """On this node: mark ``keep`` in use (:func:`mark_in_use`), then :func:`sweep_runs` of
     ``root`` and :func:`sweep_reduce_segments` of ``shm_dir``."""
     mark_in_use(keep)
-    removed = (sweep_runs(root, keep) if root else []) + sweep_reduce_segments(shm_dir)
-    if removed:
-        logger.info("removed node memory whose owner is gone: %s", removed)
-    return removed
+    segments = sweep_reduce_segments(shm_dir)
+    if segments:
+        logger.info("removed reduction segments whose creator is gone: %s", segments)
+    return (sweep_runs(root, keep) if root else []) + segments
 
 
 def sweep_every_node(root: str, keep: str | None, shm_dir: str, wait_s: float | None = None) -> None:
