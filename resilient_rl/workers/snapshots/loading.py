@@ -85,7 +85,8 @@ class SnapshotLoader:
         if missing:
             self.emit("snapshot_unusable", step=snap.step,
                       reason=f"the previous controller's snapshot is not in the node memory of {len(missing)} rank(s) "
-                             f"(first: {missing[0][0]} rank {missing[0][1]}): they run on other nodes now")
+                             f"(first: {missing[0][0]} rank {missing[0][1]}): they run on other nodes now, or it "
+                             f"was removed (its recovery.snapshot_hand_over_s passed, or a live run needed the room)")
         return not missing
 
     @staticmethod
