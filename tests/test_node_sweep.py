@@ -89,8 +89,10 @@ def test_a_kept_snapshot_in_use_by_a_process_is_not_removed(tmp_path):
     node_memory._hold_alive(os.path.join(kept, "node0"))  # a rank of it still maps it
     try:
         assert node_sweep.sweep_runs(str(tmp_path), now=time.time() + 10, reclaim=True) == []
+        assert node_sweep.reclaimable_bytes(str(tmp_path), now=time.time() + 10) == 0
     finally:
         os.close(node_memory._ALIVE.pop(os.path.join(kept, "node0")))
+    assert node_sweep.reclaimable_bytes(str(tmp_path), now=time.time() + 10) >= 4096
     assert node_sweep.sweep_runs(str(tmp_path), now=time.time() + 10) == [kept]
 
 

@@ -34,15 +34,16 @@ owner is gone, and one whose owner cannot be checked that has not been marked in
 
 from __future__ import annotations
 
-import json
+import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
 import shutil
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psutil
 
@@ -181,8 +182,10 @@ def _verdict(run: str, now: float, reclaim: bool) -> str | None:
     return "unused" if age > (MARK_LOST_S if reclaim else max(STALE_S, keep_for(record))) else None
 
 
-def _remove_unless_in_use(run: str) -> bool:
-    """Remove ``run`` unless a process holds the ``.alive`` lock of one of its node directories."""
+@contextlib.contextmanager
+def _unused(run: str) -> Iterator[bool]:
+    """Whether no process holds the ``.alive`` lock of one of ``run``'s node directories; while
+    the block runs, none can take it (this process holds them all exclusively)."""
     fds = []
     try:
         for n in os.listdir(run):
@@ -191,13 +194,22 @@ def _remove_unless_in_use(run: str) -> bool:
                 fd = os.open(alive, os.O_RDWR)
                 fds.append(fd)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
-        shutil.rmtree(run, ignore_errors=True)
-        return True
+        free = True
     except OSError:
-        return False
+        free = False
+    try:
+        yield free
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _remove_unless_in_use(run: str) -> bool:
+    """Remove ``run`` unless a process holds the ``.alive`` lock of one of its node directories."""
+    with _unused(run) as free:
+        if free:
+            shutil.rmtree(run, ignore_errors=True)
+        return free
 
 
 def _size(run: str) -> int:
@@ -230,10 +242,16 @@ def sweep_runs(root: str, keep: str | None = None, reclaim: bool = False, now: f
 
 
 def reclaimable_bytes(root: str, now: float | None = None) -> int:
-    """Bytes under ``root`` that :func:`sweep_runs` with ``reclaim`` would free now (a directory in
-    use is counted too: its users are gone once its controller is)."""
+    """Bytes under ``root`` that :func:`sweep_runs` with ``reclaim`` would free now."""
     now = time.time() if now is None else now
-    return sum(_size(run) for run in _other_runs(root, None) if _verdict(run, now, reclaim=True) is not None)
+    total = 0
+    for run in _other_runs(root, None):
+        verdict = _verdict(run, now, reclaim=True)
+        if verdict == "unused":
+            with _unused(run) as free:
+                verdict = "unused" if free else None
+        total += _size(run) if verdict is not None else 0
+    return total
 
 
 def mark_in_use(run: str | None) -> None:
