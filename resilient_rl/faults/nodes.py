@@ -108,9 +108,12 @@ def node_pids(known: dict, node_id: str) -> list[int]:
 def lose_node(cluster, node, pids: list[int]) -> None:
     """Remove worker ``node`` of ``cluster`` ungracefully, with the rank processes ``pids`` on it.
 
-    ``Cluster.remove_node`` kills the node's raylet; its workers die only once they notice, and a
-    rank inside a call finishes it (and its step) first. A lost node's processes die with it."""
-    cluster.remove_node(node, allow_graceful=False)
+    A lost node's processes die with it: the ranks first, at once, so that the loss strikes a rank
+    inside its call whatever the machine's load; then ``Cluster.remove_node`` kills the node's
+    raylet and Ray's other processes there, which takes seconds on a busy machine (a rank whose
+    raylet is gone dies only once it notices, and one inside a call finishes it, and its step,
+    first)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    cluster.remove_node(node, allow_graceful=False)
