@@ -126,6 +126,25 @@ def test_a_ring_that_would_leave_its_node_short_takes_the_room_before_it_reserve
     assert not os.path.exists(kept)
 
 
+def test_a_reservation_that_finds_no_space_takes_the_room_and_tries_once_more(tmp_path, monkeypatch):
+    """Another process of the node reserved its slot between the measure and this reservation."""
+    import errno
+
+    kept = left_with_a_snapshot(tmp_path, "preempted-aaaa", dead_owner())
+    files = NodeFiles(str(tmp_path / f"{PREFIX}live-bbbb" / "node0"), "actor", 0, node_sweep.owner_record())
+    real, calls = os.posix_fallocate, []
+
+    def fallocate(fd, offset, length):
+        calls.append(os.path.exists(kept))
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    assert files.map(0, 1024).numel() == 1024
+    assert calls == [True, False]  # the kept snapshot was removed before the second try
+
+
 def test_a_controllers_sweeps_mark_its_directory_in_use_and_run_every_minute(tmp_path):
     remote = left_with_a_snapshot(tmp_path, "remote-aaaa", {**node_sweep.owner_record(), "host": "elsewhere"})
     long_ago = time.time() - 2 * node_sweep.STALE_S

@@ -43,6 +43,7 @@ removed once no process holds its ``.alive`` lock and it has not changed for
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -196,11 +197,19 @@ class NodeFiles:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        make_room(os.path.dirname(self.dir), nbytes)
+        run = os.path.dirname(self.dir)
+        make_room(run, nbytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as exc:
+                    # Another process of the node reserved its own slot since make_room measured.
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    node_sweep.sweep_runs(os.path.dirname(run), keep=run, reclaim=True)
+                    os.posix_fallocate(fd, 0, nbytes)
         except OSError:
             os.close(fd)
             os.unlink(path)
