@@ -97,7 +97,7 @@ def test_a_64mb_shm_snapshots_less_often_through_the_object_store(reference, cha
     assert sorted(os.listdir(small_shm)) == ["used-by-others"]
 
 
-# Slow set: it found no space at a later snapshot in 3 of 8 runs (cause not yet found); the mechanism
+# Slow set: it found no space at a later snapshot in 3 of 9 runs (cause not yet found); the mechanism
 # is covered in the default set by tests/test_node_sweep.py.
 @pytest.mark.slow
 def test_a_run_takes_the_room_a_gone_controller_kept_for_its_next_one(chaos_dir, shm_64m, caplog):
