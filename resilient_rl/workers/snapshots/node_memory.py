@@ -139,6 +139,12 @@ def make_room(run: str, nbytes: int, free: Callable[[str], int] | None = None) -
     ``reclaim``): a live run comes first. Returns the directories removed."""
     if (free or node_capacity.free_bytes)(run) >= HEADROOM * nbytes:
         return []
+    return reclaim(run)
+
+
+def reclaim(run: str) -> list[str]:
+    """Take the memory kept beside run directory ``run`` for the next controllers of runs whose
+    controller is gone; the directories removed."""
     return node_sweep.sweep_runs(os.path.dirname(run), keep=run, reclaim=True)
 
 
@@ -208,7 +214,7 @@ class NodeFiles:
                     # Another process of the node reserved its own slot since make_room measured.
                     if exc.errno != errno.ENOSPC:
                         raise
-                    node_sweep.sweep_runs(os.path.dirname(run), keep=run, reclaim=True)
+                    reclaim(run)
                     os.posix_fallocate(fd, 0, nbytes)
         except OSError:
             os.close(fd)
