@@ -310,19 +310,30 @@ class _Measure:
         self.first, self.last = first, last
 
 
-def run(args: argparse.Namespace, tmp: str, device: str) -> dict:
-    """Train ``--warmup`` + ``--steps`` (+ a recovery) steps through the trainer's own loop;
-    returns what :func:`format_report` needs besides the copy time."""
+def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> dict:
+    """Train ``--warmup`` + ``--steps`` (+ a recovery) steps through the trainer's own loop, printing
+    each step and recovery event as it happens (bench/gpu_progress.py); returns what
+    :func:`format_report` needs besides the copy time."""
+    from gpu_progress import Progress
     from resilient_rl.runtime.cluster import connect, disconnect
     from resilient_rl.telemetry.device import GpuSampler
     from resilient_rl.trainer.ppo import PPOTrainer
 
     cfg = build_config(args, tmp, device)
     measure = _Measure(args, GpuSampler() if device == "cuda" else None)
+    figures = None
+    if args.workload:
+        from train import summarize
+
+        w = WORKLOADS[args.workload].tiny() if args.tiny else WORKLOADS[args.workload]
+        figures = lambda rows: workload_lines(w, summarize(rows), rows, peak, gpus_used(cfg),  # noqa: E731
+                                              cfg.actor.ppo_epochs)
+    progress = Progress(measure.first, measure.last, figures, out=lambda line: print(line, flush=True))
     owned = connect(cfg.ray)
     trainer = None
     try:
-        trainer = PPOTrainer(cfg, hooks=measure.hooks)
+        trainer = PPOTrainer(cfg, hooks=measure.hooks + [progress])
+        progress.attach(trainer.run_dir)
         trainer.run_dir.subscribe(lambda ev: measure.stalls.append((ev.step, ev.stall_s))
                                   if ev.kind == "checkpoint_started" else None)
         trainer.fit()
@@ -331,6 +342,7 @@ def run(args: argparse.Namespace, tmp: str, device: str) -> dict:
         if measure.sampling is not None and measure.sampling._thread.is_alive():
             measure.sampling.__exit__()
         if trainer is not None:
+            progress.finish(trainer.run_dir)
             trainer.shutdown()
         disconnect(owned)
     history = trainer.run_dir.read_metrics()
@@ -338,20 +350,7 @@ def run(args: argparse.Namespace, tmp: str, device: str) -> dict:
     return {"cfg": cfg, "rows": rows, "readings": measure.sampling.readings if measure.sampling else [],
             "stalls": measure.stalls, "n_params": count_params(cfg, vocab),
             "recovered": [e for e in trainer.run_dir.read_events() if e.get("event") == "recovered"],
-            "steps": [r["step"] for r in history], "warm": [r for r in history if r["step"] < measure.first]}
-
-
-def recovery_lines(recovered: list[dict], steps: list[int]) -> list[str]:
-    """The recovery after the bench's SIGKILL: its time, phases and the steps it replayed."""
-    if not recovered:
-        return ["recovery: none recorded (the SIGKILL did not fail a step?)"]
-    lines = []
-    for e in recovered:
-        phases = ", ".join(f"{k} {v:.2f} s" for k, v in (e.get("phases") or {}).items())
-        lines.append(f"recovery after a SIGKILL of the actor worker: {e['duration_s']:.2f} s to the failed step's "
-                     f"retry, {e['steps_replayed']} steps replayed" + (f" ({phases})" if phases else ""))
-    lines.append(f"steps in the history: {steps[0]}..{steps[-1]}, each once: {len(steps) == len(set(steps))}")
-    return lines
+            "history": history, "warm": [r for r in history if r["step"] < measure.first]}
 
 
 def main(argv=None) -> int:
@@ -363,18 +362,18 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     from train import plain_copy_s  # bench/train.py: this script's folder is first on sys.path
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("resilient_rl.runtime.pool.ray_roles").setLevel(logging.INFO)  # the memory plan's line
+    name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
         if args.workload:
             args.config = prepare_workload(args.workload, tmp, args.tiny)
-        r = run(args, tmp, device)
+        r = run(args, tmp, device, peak)
     cfg, rows = r["cfg"], r["rows"]
     nbytes = next((row["perf/weight_sync_bytes"] for row in rows if "perf/weight_sync_bytes" in row), None)
     # Timed after the workers are gone, so the copy has the device to itself: the floor.
     copy_s = plain_copy_s(int(nbytes), device, args.copy_repeats) if nbytes else None
-    name = torch.cuda.get_device_name(0) if cuda else "CPU"
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
     m = cfg.model
     print(f"\nconfig {args.config}: {cfg.trainer.placement}, model {m.kind} hidden={m.hidden_size} "
           f"layers={m.num_layers}; batch {cfg.data.batch_size} prompts x n={cfg.rollout.n}, "
@@ -399,7 +398,9 @@ def main(argv=None) -> int:
 
         w = WORKLOADS[args.workload].tiny() if args.tiny else WORKLOADS[args.workload]
         print("\n".join(workload_lines(w, summarize(rows), rows, peak, gpus_used(cfg), cfg.actor.ppo_epochs)))
-        print("\n".join(recovery_lines(r["recovered"], r["steps"])))
+        from gpu_progress import recovery_lines
+
+        print("\n".join(recovery_lines(r["recovered"], r["history"], rows)))
         if not args.skip_generation and cuda:
             from gpu_generation import compare_generation, generation_lines
 

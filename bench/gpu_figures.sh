@@ -35,9 +35,12 @@ run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
     echo "== $name: python bench/gpu.py $*" | tee -a "$out/summary.txt"
-    timeout "$limit" "$PY" bench/gpu.py "$@" > "$out/$name.log" 2>&1
+    # SIGTERM first (the trainer stops at a step boundary), SIGKILL 20 s later: a run never outlasts its limit much.
+    timeout -k 20 "$limit" "$PY" bench/gpu.py "$@" > "$out/$name.log" 2>&1
     local rc=$?
-    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up)|memory plan:" \
+    # The stamped lines ("[  12.3 s] step 2: ...") are printed as the run goes: a run stopped at its
+    # limit still leaves its steps, its recovery events and the figures of its measured steps so far.
+    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:" \
         "$out/$name.log" | tee -a "$out/summary.txt"
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }

@@ -307,6 +307,71 @@ def test_workload_config_loads_and_its_data_fits_its_tokenizer_and_reward(worklo
         gpu.parse_args(["--tiny"])
 
 
+def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkeypatch):
+    """bench/gpu.py's running account: a run stopped at its time limit still shows its steps, its
+    recovery's course and the figures of the measured steps it finished."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from gpu_progress import Progress
+
+    from resilient_rl.events.kinds import FailureEvent, Recovered
+
+    class RunDir:
+        rows: list[dict] = []
+        listeners: list = []
+
+        def read_metrics(self):
+            return list(self.rows)
+
+        def subscribe(self, fn, *kinds):
+            self.listeners.append((fn, kinds))
+            return lambda: self.listeners.clear()
+
+        def publish(self, event):
+            for fn, kinds in self.listeners:
+                if isinstance(event, kinds):
+                    fn(event)
+
+    now = [100.0]
+    lines: list[str] = []
+    figures_of: list[list[int]] = []
+
+    def figures(rows):
+        figures_of.append([r["step"] for r in rows])
+        return [f"  figures of {len(rows)} steps"]
+
+    run_dir = RunDir()
+    progress = Progress(2, 3, figures, out=lines.append, clock=lambda: now[0])
+    progress.attach(run_dir)
+    trainer = type("T", (), {"run_dir": run_dir})()
+    row = lambda step: {"step": step, "timing/step_s": 4.0, "timing/gen_s": 3.0, "timing/ref_s": 0.01,  # noqa: E731
+                        "tokens": 800, "perf/decode_compiles": 1.0 if step == 1 else 0.0,
+                        "perf/decode_compactions": 2.0}
+    progress.on_step_start(trainer, 1)
+    assert lines == []
+    run_dir.rows.append(row(1))
+    now[0] = 112.5
+    progress.on_step_start(trainer, 2)
+    assert lines == ["[   12.5 s] step 1: 4.0 s (gen 3.0); 800 tokens, 200 tokens/s; decode step: 1 compiles, 2 compactions"]
+    assert figures_of == []  # a warm-up step: no figures
+    run_dir.rows.append(row(2))
+    progress.on_step_start(trainer, 3)
+    assert lines[1].startswith("[   12.5 s] step 2: ") and "figures of measured steps 2..2 so far" in lines[2]
+    assert lines[3] == "  figures of 1 steps" and figures_of == [[2]]
+    run_dir.publish(FailureEvent(time=0.0, step=3, role="actor", rank=0, cause="died", message="x" * 1000))
+    assert lines[4].startswith("[   12.5 s] failure: step=3 role=actor rank=0 cause=died message=xxx")
+    assert lines[4].endswith(" ...") and len(lines[4]) < 400
+    run_dir.rows.append(row(3))
+    run_dir.publish(Recovered(time=0.0, failed_step=3, restored_step=2, steps_replayed=0, duration_s=1.25,
+                              restarted=[["g", 0]], generation=1))
+    assert lines[5].startswith("[   12.5 s] recovered: failed_step=3 restored_step=2 steps_replayed=0 duration_s=1.25")
+    progress.finish(run_dir)
+    assert lines[6].startswith("[   12.5 s] step 3: ") and figures_of == [[2], [2, 3]]
+    run_dir.publish(Recovered(time=0.0, failed_step=4, restored_step=3, steps_replayed=0, duration_s=1.0,
+                              restarted=[], generation=2))
+    progress.steps(run_dir.rows)
+    assert len(lines) == 9  # nothing new: no step printed twice, no event after finish
+
+
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu():
     """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
     dimensions: rollout through the compiled decode step with compaction, rewards, update, weight
@@ -321,6 +386,14 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu():
     assert "first checkpoint save" in out
     recovery = next(line for line in out.splitlines() if line.startswith("recovery after a SIGKILL"))
     assert "0 steps replayed" in recovery, recovery
+    # The retry's own cost (the restarted process compiles its decode step) is shown beside it.
+    assert "  the retried step 5: " in out and "decode-step compiles) against a median" in out
+    # Printed as the run went: every step once, the recovery's course, the figures so far.
+    stamped = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[")]
+    assert [line.split(":")[0] for line in stamped if line.startswith("step ")] == [f"step {i}" for i in range(1, 6)]
+    assert any(line.startswith("failure: step=5") for line in stamped)
+    assert any(line.startswith("recovered: failed_step=5") for line in stamped)
+    assert "figures of measured steps 2..3 so far:" in stamped
     assert "each once: True" in out and "whole-step MFU" not in out  # no peak is known for a CPU
 
 
