@@ -490,3 +490,15 @@ def test_same_history_compares_every_key_but_measured_times(tmp_path, monkeypatc
     assert "2 steps, 2 keys compared (timing/* and perf/* left out): identical" in capsys.readouterr().out
     assert same_history.main([str(a), str(c)]) == 1
     assert "step 2: actor/pg_loss" in capsys.readouterr().out
+
+
+def test_decode_spans_bench_compares_spans_with_reading_the_whole_cache():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / "decode_spans.py"), "--rows", "4", "--prompt", "8",
+                           "--new-tokens", "200", "--repeats", "1"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("4 rows x (8 prompt + 200 new tokens), CPU, eager")
+    assert lines[1].split()[:2] == ["whole", "cache"] and lines[2].split()[0] == "spans"
+    assert lines[3].startswith("  spans / whole cache: ") and lines[3].endswith("x the time")

@@ -44,30 +44,50 @@ def compiled_rollouts():
         ids[1, :3], mask[1, :3] = 0, 0  # prompts of different lengths, left-padded
         ids[3, :6], mask[3, :6] = 0, 0
         ids, mask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)  # 16 rows, n=4
-        args = dict(max_new_tokens=40, temperature=1.0, top_p=0.9, eos_token_id=list(range(2, 10)), check_every=2,
-                    compact_min_fraction=0.0)
-        runs = [generate_static(model, ids, mask, compile=True, generator=torch.Generator().manual_seed(s), **args)
-                for s in (1, 2)]
-        eager = [generate_static(model, ids, mask, compile=False, generator=torch.Generator().manual_seed(s), **args)
+        # First, no stop id and 10 + 150 columns: the steps read a span of 128 columns, then of
+        # 256 (the cache's width, kept for the rollouts after it).
+        long = dict(max_new_tokens=150, temperature=1.0, top_p=0.9, check_every=2)
+        runs, eager = ([generate_static(model, ids, mask, compile=compile, generator=torch.Generator().manual_seed(4),
+                                        **long)] for compile in (True, False))
+        args = dict(long, max_new_tokens=40, eos_token_id=list(range(2, 10)), compact_min_fraction=0.0)
+        runs += [generate_static(model, ids, mask, compile=True, generator=torch.Generator().manual_seed(s), **args)
                  for s in (1, 2)]
+        eager += [generate_static(model, ids, mask, compile=False, generator=torch.Generator().manual_seed(s), **args)
+                  for s in (1, 2)]
     finally:
         DecodeStep.backend, DecodeStep._compiled, DecodeStep.failure = saved
-    return runs, eager, graphs
+    return runs[1:] + runs[:1], eager[1:] + eager[:1], graphs
 
 
-def test_one_compile_for_every_batch_bucket_and_no_graph_break(compiled_rollouts):
+def test_one_compile_for_every_batch_bucket_and_span_and_no_graph_break(compiled_rollouts):
     runs, _, graphs = compiled_rollouts
-    first, second = (r.engine_stats for r in runs)
+    first, second, long = (r.engine_stats for r in runs)
     assert first["compiled"] and first["compactions"] >= 1 and len(set(first["buckets"]) - {1}) >= 2, first
-    assert first["graph_breaks"] == 0 and second["graph_breaks"] == 0
-    # The batch is a symbol of the compiled step: one compile serves every bucket (a single row,
+    assert first["graph_breaks"] == second["graph_breaks"] == long["graph_breaks"] == 0
+    # The batch and the columns read are symbols of the compiled step: the long rollout compiles
+    # once for both its spans, and the others compile nothing for their buckets (a single row,
     # which the compiler specialises, may add one).
+    assert long["compiles"] == 1 and long["steps"] == 149 and long["buckets"] == [16], long
     seen = set(first["buckets"]) | set(second["buckets"])
-    assert first["compiles"] + second["compiles"] == 1 + (1 in seen), (first, second)
-    assert len(graphs) == first["compiles"] + second["compiles"]
+    assert first["compiles"] + second["compiles"] == (1 in seen), (first, second)
+    assert len(graphs) == long["compiles"] + first["compiles"] + second["compiles"]
     assert any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in graphs[0].graph.nodes
                if n.op == "placeholder"), "the batch size is not an input of the compiled graph"
     assert first["eager_fallback"] is None
+
+
+def test_a_step_reads_the_cache_columns_up_to_its_own_not_all_of_them(compiled_rollouts):
+    """The keys a step multiplies have a symbolic column count (a span up to the step's column,
+    rounded up to the block), not the cache's static width; and the long rollout, which crosses
+    from the first span into the second, samples what the eager step does."""
+    runs, eager, graphs = compiled_rollouts
+    for gm in graphs:
+        keys = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.matmul, operator.matmul)
+                and len(_shape(n.args[0]) or ()) == 4][0].args[1]
+        assert isinstance(keys.meta["example_value"].shape[-1], torch.SymInt), keys.format_node()
+    compiled, plain = runs[2], eager[2]
+    assert torch.equal(compiled.response_mask, plain.response_mask) and compiled.response_mask.all()
+    assert (compiled.responses == plain.responses).float().mean() > 0.95
 
 
 def test_compiled_rollout_samples_what_the_eager_one_does(compiled_rollouts):

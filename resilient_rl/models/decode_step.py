@@ -5,8 +5,9 @@ buffers among them), so one compiled version serves every call. :class:`DecodeSt
 (``torch.compile``; on a GPU with ``mode="reduce-overhead"``, which captures a CUDA graph per input
 shape) and keeps the compiled function for the life of the process, so compiled code and captured
 graphs outlive one rollout. Batch sizes come from a small fixed set of buckets
-(:func:`row_buckets`), and the batch dimension is compiled as a symbol: one compile serves every
-bucket (on a GPU a CUDA graph is still captured per bucket) instead of one compile per bucket.
+(:func:`row_buckets`), and the batch dimension is compiled as a symbol, as is the span of cache
+columns a step reads: one compile serves every bucket and span (on a GPU a CUDA graph is still
+captured per bucket and span) instead of one compile per bucket.
 One compile of Qwen2.5-0.5B's 24 layers took 45-55 s on an H200's host (the first rollout's extra
 time); on a 2-core CPU, 24 narrow layers took 47.9 s once against 383.8 s for four buckets
 compiled each for its size (``python bench/decode_compile.py --layers 24``).
@@ -112,7 +113,7 @@ class DecodeStep:
             self.stats.buckets.append(batch)
         if not self.compile:
             return decode(*args)
-        _mark_batch_dynamic(args)
+        _mark_dynamic(args)
         try:
             if self.mode == "reduce-overhead":
                 # Each call is a new step of the CUDA graphs: the tokens it returns live in the
@@ -138,15 +139,19 @@ class DecodeStep:
         return self.stats.as_dict()
 
 
-def _mark_batch_dynamic(args) -> None:
-    """Compile the batch dimension of :func:`decode`'s row inputs as a symbol (the cache's keys and
-    values, tokens, positions, key mask, draws), so that compaction to a smaller bucket reuses the
-    compiled step. ``maybe``: a batch the compiler must specialise (a single row) recompiles once
-    instead of failing."""
+def _mark_dynamic(args) -> None:
+    """Compile the batch dimension of :func:`decode`'s row inputs (the cache's keys and values,
+    tokens, positions, key mask, draws) and the cache columns read (keys, values, key mask) as
+    symbols, so that compaction to a smaller bucket and a longer span of columns reuse the compiled
+    step. ``maybe``: a size the compiler must specialise (a single row) recompiles once instead of
+    failing."""
     keys, values, tokens, position, _, key_valid, draw = args[2:9]
     for t in (*keys, *values, tokens, position, key_valid, draw):
         if t is not None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
+    for t in (*keys, *values):
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+    torch._dynamo.maybe_mark_dynamic(key_valid, 1)
 
 
 def _allow_recompiles(count: int) -> None:

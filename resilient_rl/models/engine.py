@@ -9,10 +9,13 @@ from the plain mode's in how it gets there:
 - **Kept cache.** Keys and values live in buffers allocated once per model and kept across
   rollouts (:mod:`resilient_rl.models.kv_cache`), written in place; nothing grows by
   concatenation, so every decode step of a batch size has the same shapes and addresses.
-- **Attention that reads each K/V once.** Decode attends with grouped-query heads in one grouped
-  matrix product over the cache, no ``repeat_kv`` (:mod:`resilient_rl.models.cache_attention`),
-  for the tiny model and Hugging Face models alike; it reads every static column, the masked ones
-  too (why not a kernel that skips them: that module's docstring).
+- **Attention that reads each K/V once, up to the current column.** Decode attends with
+  grouped-query heads in one grouped matrix product over the cache, no ``repeat_kv``
+  (:mod:`resilient_rl.models.cache_attention`), for the tiny model and Hugging Face models alike.
+  A step reads the cache's columns up to its own, rounded up to a multiple of ``BLOCK`` (128), or
+  of a larger multiple of it where the cache holds more than :data:`SPANS` blocks: the span is a
+  symbol of the compiled step, so a generation of 512 new tokens after a 256-token prompt reads
+  384, then 512, 640 and 768 columns instead of 768 at every step, with one compile.
 - **One prefill per prompt.** Adjacent identical rows (a prompt repeated for its ``rollout.n``
   samples) are prefilled once; the cache rows and the first logits are then repeated.
 - **No host synchronisation inside decode.** Sampling stays on the device, inside the decode step
@@ -21,10 +24,10 @@ from the plain mode's in how it gets there:
 - **Finished rows leave the batch, in buckets.** At a check, the batch shrinks to the smallest of a
   few fixed sizes (:func:`~resilient_rl.models.decode_step.row_buckets`) that holds the unfinished
   rows, when that drops at least ``compact_min_fraction`` of it: one compile serves every bucket
-  (the batch is a symbol of the compiled step), with one CUDA graph per bucket.
+  (the batch is a symbol of the compiled step), with one CUDA graph per bucket and span.
 - **Compiled step.** With ``compile`` (default: on a CUDA device) the decode step runs through
-  ``torch.compile``; on CUDA with ``cuda_graphs`` it is captured in a CUDA graph per bucket
-  (:mod:`resilient_rl.models.decode_step`, which also counts compiles and graph breaks).
+  ``torch.compile``; on CUDA with ``cuda_graphs`` it is captured in a CUDA graph per bucket and
+  span (:mod:`resilient_rl.models.decode_step`, which also counts compiles and graph breaks).
 
 Random stream: a seeded generator reproduces the same tokens bit for bit (what a replayed step
 after recovery relies on), but it is a different stream from the plain path's: a draw inverts
@@ -53,7 +56,7 @@ from resilient_rl.models.generation import (
     generation_output,
     generation_positions,
 )
-from resilient_rl.models.kv_cache import CacheShape, EngineCache
+from resilient_rl.models.kv_cache import PAD_COLUMNS, CacheShape, EngineCache
 from resilient_rl.models.sampling import draw_uniform, sample_tokens
 from resilient_rl.models.tiny import TinyCausalLM, attention_mask_4d
 
@@ -65,6 +68,8 @@ __all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "engine_cache", "gen
 ENGINES = ("auto", "static", "plain")
 #: On CUDA no bucket is smaller than this many rows (and buckets are multiples of it).
 CUDA_ROW_BUCKET = 8
+#: A decode step reads the cache's columns up to its own in at most this many spans (see _EngineDecoder.views).
+SPANS = 8
 
 
 def static_unsupported_reason(model: nn.Module) -> str | None:
@@ -249,24 +254,42 @@ class _EngineDecoder:
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.compact_min_fraction, self.buckets = compact_min_fraction, buckets
         batch, prompt_len = prompt_mask.shape
-        self.key_valid = torch.zeros((batch, cache.capacity[1]), dtype=torch.bool, device=prompt_mask.device)
+        # As the cache's buffers, one column wider than used: its views are never contiguous.
+        self.key_valid = torch.zeros((batch, cache.capacity[1] + PAD_COLUMNS), dtype=torch.bool,
+                                     device=prompt_mask.device)
         self.key_valid[:, :prompt_len] = prompt_mask.bool()
         self.column = torch.full((1,), prompt_len, dtype=torch.long, device=prompt_mask.device)
-        self.keys, self.values = cache.views()
+        self.next_column = prompt_len  # the host's count of ``column``: no synchronisation to read it
+        self.span = 0  # the cache columns the views below cover (0: none taken yet)
+        # Spans grow by a multiple of BLOCK columns, at most SPANS of them over the cache.
+        self.span_step = BLOCK * -(-cache.capacity[1] // (SPANS * BLOCK))
+
+    def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Keys, values and key mask of the columns the step at ``next_column`` reads: every column
+        up to its own, rounded up to a multiple of ``span_step`` (at most :data:`SPANS` spans, each
+        a value of one symbol of the compiled step; on a GPU a CUDA graph per span and bucket)."""
+        span = min(self.cache.capacity[1], (self.next_column // self.span_step + 1) * self.span_step)
+        if span != self.span:
+            self.keys, self.values = self.cache.views(columns=span)
+            self.valid_span = self.key_valid[:, :span]
+            self.span = span
+        return self.keys, self.values, self.valid_span
 
     def step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         self.key_valid.index_fill_(1, self.column, True)
+        keys, values, key_valid = self.views()
         draw = draw_uniform(tokens.shape[0], self.temperature, self.generator, tokens.device)
-        picked = self.step_fn(self.forward, self.model, self.keys, self.values, tokens, position, self.column,
-                              self.key_valid, draw, self.temperature, self.top_p).to(tokens.dtype)
+        picked = self.step_fn(self.forward, self.model, keys, values, tokens, position, self.column,
+                              key_valid, draw, self.temperature, self.top_p).to(tokens.dtype)
         self.column = self.column + 1
+        self.next_column += 1
         return picked
 
     def compact(self, finished: torch.Tensor, unfinished: int) -> torch.Tensor | None:
         keep = compaction_rows(finished, unfinished, self.compact_min_fraction, self.buckets)
         if keep is not None:
             self.cache.take_rows(keep)
-            self.keys, self.values = self.cache.views()
             self.key_valid = self.key_valid[keep]
+            self.span = 0  # the views hold the rows before the compaction
             self.step_fn.stats.compactions += 1
         return keep
