@@ -126,8 +126,9 @@ def test_a_ring_that_would_leave_its_node_short_takes_the_room_before_it_reserve
     assert not os.path.exists(kept)
 
 
-def test_a_reservation_that_finds_no_space_takes_the_room_and_tries_once_more(tmp_path, monkeypatch):
-    """Another process of the node reserved its slot between the measure and this reservation."""
+def test_a_reservation_that_finds_no_space_takes_the_room_and_tries_again(tmp_path, monkeypatch):
+    """Another process of the node reserved its slot between the measure and this reservation, or
+    removed the kept snapshot itself, whose pages the kernel frees a moment after its name."""
     import errno
 
     kept = left_with_a_snapshot(tmp_path, "preempted-aaaa", dead_owner())
@@ -136,13 +137,66 @@ def test_a_reservation_that_finds_no_space_takes_the_room_and_tries_once_more(tm
 
     def fallocate(fd, offset, length):
         calls.append(os.path.exists(kept))
-        if len(calls) == 1:
+        if len(calls) <= 2:  # the second: the pages of the removed snapshot are not free yet
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
     assert files.map(0, 1024).numel() == 1024
-    assert calls == [True, False]  # the kept snapshot was removed before the second try
+    assert calls == [True, False, False]  # the kept snapshot was removed before the second try
+
+
+def test_a_reservation_that_still_finds_no_space_says_where_the_room_went(tmp_path, monkeypatch):
+    """The error names the request, the free and total bytes, this run's files, the other files
+    there and the rest: on a tmpfs of its own, removed files that a process still maps."""
+    import errno
+    from types import SimpleNamespace
+
+    from resilient_rl.workers.snapshots import node_capacity
+
+    other = tmp_path / f"{PREFIX}other-cccc" / "node0"
+    other.mkdir(parents=True)
+    (other / "actor-0-0.data").write_bytes(b"\1" * 2**20)
+    files = NodeFiles(str(tmp_path / f"{PREFIX}live-bbbb" / "node0"), "actor", 0, node_sweep.owner_record())
+    files.map(1, 2**19)  # this run's half MiB
+    mib = 2**20 // 4096
+    fs = SimpleNamespace(f_frsize=4096, f_blocks=64 * mib, f_bfree=60 * mib, f_bavail=60 * mib)
+    monkeypatch.setattr(node_capacity.os, "statvfs", lambda path: fs)
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "no space")))
+    monkeypatch.setattr(node_capacity.os.path, "ismount", lambda path: path == str(tmp_path))
+    monkeypatch.setattr(node_memory, "RESERVE_WAIT_S", 0.2)  # it tries again for that long, then says why
+    with pytest.raises(OSError) as err:
+        files.map(0, 3 * 2**20)
+    assert err.value.errno == errno.ENOSPC
+    assert str(err.value).endswith(f"no space: reserving 3.0 MiB in {tmp_path / (PREFIX + 'live-bbbb')}: 60.0 MiB "
+                                   "free of 64.0 MiB; this run's files hold 0.5 MiB, other files there 1.0 MiB, "
+                                   "and 2.5 MiB is held by removed files a process still maps"), str(err.value)
+    assert not os.path.exists(files._path(0, "data"))  # nothing half-reserved is left
+    monkeypatch.setattr(node_capacity.os.path, "ismount", lambda path: False)
+    assert node_capacity.room_report(os.path.dirname(files.dir), 2**20).endswith(
+        "and 2.5 MiB is used by the rest of that file system")
+
+
+def test_the_processes_holding_removed_files_are_named_with_their_bytes(tmp_path):
+    """A file removed while mapped (a ring's old slot) or open keeps its pages: the report names
+    the process and what it holds."""
+    import torch
+
+    from resilient_rl.workers.snapshots import node_capacity
+
+    mapped, opened = tmp_path / "mapped.data", tmp_path / "opened.data"
+    mapped.write_bytes(b"\0" * 2**20)
+    opened.write_bytes(b"\0" * 3 * 2**19)
+    view = torch.from_file(str(mapped), shared=True, size=2**20, dtype=torch.uint8)
+    with open(opened, "rb") as f:
+        assert node_capacity.removed_file_holders(str(tmp_path)) == []  # nothing removed yet
+        mapped.unlink()
+        opened.unlink()
+        held = node_capacity.removed_file_holders(str(tmp_path))
+        assert [(pid, n) for pid, _, n in held] == [(os.getpid(), 2**20 + 3 * 2**19)], held
+        assert not f.closed
+    del view
+    assert node_capacity.removed_file_holders(str(tmp_path)) == []
 
 
 def test_a_controllers_sweeps_mark_its_directory_in_use_and_run_every_minute(tmp_path):

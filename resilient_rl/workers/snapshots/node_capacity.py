@@ -91,3 +91,70 @@ def measure(directory: str, *, statvfs: Callable = os.statvfs, read: Callable[[s
             "tmpfs_size": None if tmpfs is None else tmpfs[1],
             "mem_available": int(mem_available()), "cgroup_free": cgroup_free(read),
             "reclaimable": reclaimable(directory) if tmpfs is not None else 0}
+
+
+def room_report(directory: str, nbytes: int) -> str:
+    """Where the room of the tmpfs holding run directory ``directory`` went, for an error that
+    ``nbytes`` more did not fit: its free and total bytes, the bytes of files in this run's
+    directory and in the others beside it, and the rest in use: files already removed that a
+    process still maps (their pages stay until it lets go)."""
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    root = os.path.dirname(directory)
+    try:
+        st = os.statvfs(root)
+    except OSError as exc:
+        return f"reserving {mib(nbytes)} in {directory}: the file system cannot be read ({exc})"
+    total, used = st.f_blocks * st.f_frsize, (st.f_blocks - st.f_bfree) * st.f_frsize
+    ours = others = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                held = os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+            if dirpath == directory or dirpath.startswith(directory + os.sep):
+                ours += held
+            else:
+                others += held
+    rest = max(used - ours - others, 0)
+    # Where the root is the file system (a tmpfs such as /dev/shm), what no file holds is held by
+    # removed files still open or mapped; a folder of a larger file system shares it with everything else.
+    if os.path.ismount(root):
+        held = removed_file_holders(root)
+        rest = f"{mib(rest)} is held by removed files a process still maps" + (
+            f" ({', '.join(f'pid {pid} {name}: {mib(n)}' for pid, name, n in held)})" if held else "")
+    else:
+        rest = f"{mib(rest)} is used by the rest of that file system"
+    return (f"reserving {mib(nbytes)} in {directory}: {mib(st.f_bavail * st.f_frsize)} free of {mib(total)}; "
+            f"this run's files hold {mib(ours)}, other files there {mib(others)}, and {rest}")
+
+
+def removed_file_holders(root: str, proc: str = "/proc") -> list[tuple[int, str, int]]:
+    """(pid, process name, bytes) of every process that holds files under ``root`` that were
+    removed (open or mapped: their pages stay in use until it lets go), most bytes first. Only the
+    processes this user may inspect are seen."""
+    prefix = root.rstrip(os.sep) + os.sep
+    out = []
+    for pid in (p for p in os.listdir(proc) if p.isdigit()):
+        files: dict[str, int] = {}
+        try:
+            with open(f"{proc}/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith(prefix) and parts[5].endswith(" (deleted)\n"):
+                        start, end = (int(x, 16) for x in parts[0].split("-"))
+                        files[parts[5]] = max(files.get(parts[5], 0), end - start)
+            for fd in os.listdir(f"{proc}/{pid}/fd"):
+                try:  # each on its own: an fd closed since the listing (the listing's own) is no answer
+                    target = os.readlink(f"{proc}/{pid}/fd/{fd}")
+                    if target.startswith(prefix) and target.endswith(" (deleted)"):
+                        files.setdefault(target + "\n", os.stat(f"{proc}/{pid}/fd/{fd}").st_size)
+                except OSError:
+                    continue
+            with open(f"{proc}/{pid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if files:
+            out.append((int(pid), name, sum(files.values())))
+    return sorted(out, key=lambda held: -held[2])

@@ -51,6 +51,7 @@ import shutil
 from typing import Any, Callable
 
 import torch
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from resilient_rl.errors import CheckpointError
 from resilient_rl.workers.snapshots import meta as snapshot_meta, node_capacity, node_sweep
@@ -58,6 +59,9 @@ from resilient_rl.workers.snapshots.node_sweep import PREFIX
 from resilient_rl.workers.snapshots.sizing import HEADROOM
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a reservation that finds no space keeps taking kept room and trying again (see _reserve).
+RESERVE_WAIT_S = 2.0
 
 
 _ALIVE: dict[str, int] = {}  # directory -> fd of its .alive file, locked shared by this process
@@ -148,6 +152,29 @@ def reclaim(run: str) -> list[str]:
     return node_sweep.sweep_runs(os.path.dirname(run), keep=run, reclaim=True)
 
 
+def _no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+def _reserve(fd: int, nbytes: int, run: str) -> None:
+    """Reserve ``nbytes`` for ``fd``, a new file of run directory ``run``. Where the node has no
+    space left, take the room kept for gone controllers (:func:`reclaim`) and try again, for up
+    to :data:`RESERVE_WAIT_S`: another process of the node may have reserved its slot since
+    :func:`make_room` measured, or be removing a kept directory itself (a removed file's pages
+    are freed a moment after its name is gone). Then an OSError that says where the room went
+    (:func:`~resilient_rl.workers.snapshots.node_capacity.room_report`)."""
+    try:
+        for attempt in Retrying(retry=retry_if_exception(_no_space), stop=stop_after_delay(RESERVE_WAIT_S),
+                                wait=wait_exponential(multiplier=0.02, max=0.5),
+                                before_sleep=lambda _: reclaim(run), reraise=True):
+            with attempt:
+                os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if not _no_space(exc):
+            raise
+        raise OSError(exc.errno, f"{exc.strerror}: {node_capacity.room_report(run, nbytes)}") from exc
+
+
 def make_private_dirs(path: str) -> None:
     """Create ``path`` and its parents up to the node-memory root, each 0700 (whatever the umask),
     a directory that exists already made 0700 too where it is a run directory of ours."""
@@ -208,14 +235,7 @@ class NodeFiles:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if nbytes:
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)
-                except OSError as exc:
-                    # Another process of the node reserved its own slot since make_room measured.
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    reclaim(run)
-                    os.posix_fallocate(fd, 0, nbytes)
+                _reserve(fd, nbytes, run)
         except OSError:
             os.close(fd)
             os.unlink(path)
