@@ -28,11 +28,17 @@ def bench(monkeypatch):
     return gpu, train
 
 
-def test_gpu_bench_without_gpu_says_so_and_exits_0():
+def run_on_cpu(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python bench/<script> args...`` with no GPU visible; the test's failure shows its stderr."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py")], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_gpu_bench_without_gpu_says_so_and_exits_0():
+    proc = run_on_cpu("gpu.py", timeout=120)
     assert proc.stdout.strip().splitlines() == ["bench/gpu.py: no CUDA device visible to torch on this machine; "
                                                 "nothing to measure (bench/train.py runs on CPU)"]
 
@@ -376,10 +382,7 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu():
     """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
     dimensions: rollout through the compiled decode step with compaction, rewards, update, weight
     sync, a checkpoint and a recovery from a SIGKILL, with nothing replayed."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--workload", "gsm8k-0.5b", "--tiny",
-                           "--warmup", "1", "--steps", "2"], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2", timeout=900)
     out = proc.stdout
     decode = next(line for line in out.splitlines() if line.startswith("decode step in the measured steps"))
     assert "0 graph breaks" in decode and "eager fallback: no" in decode and " 0.0 compactions" not in decode
@@ -431,21 +434,15 @@ def test_workload_and_generation_report_lines(workloads):
 
 
 def test_decode_compile_bench_reports_one_compile_for_every_batch_size():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(BENCH / "decode_compile.py"), "--layers", "1", "--rows", "16",
-                           "--new-tokens", "16", "--backend", "aot_eager"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_on_cpu("decode_compile.py", "--layers", "1", "--rows", "16", "--new-tokens", "16", "--backend",
+                      "aot_eager")
     first, second = proc.stdout.strip().splitlines()[-2:]
     assert "0 graph breaks" in first and ", 1 compiles" in first and "sizes [16, 8, " in first, first
     assert "(0 compiles)" in second and "per compile" in second
 
 
 def test_decode_profile_bench_times_each_way_and_prints_the_profile():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "--rows", "4", "--tokens", "8",
-                           "--profile-tokens", "4"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_on_cpu("decode_profile.py", "--rows", "4", "--tokens", "8", "--profile-tokens", "4")
     out = proc.stdout
     eager = next(line for line in out.splitlines() if line.strip().startswith("eager"))
     compiled = next(line for line in out.splitlines() if "compiled, no CUDA graphs" in line)
@@ -493,11 +490,7 @@ def test_same_history_compares_every_key_but_measured_times(tmp_path, monkeypatc
 
 
 def test_decode_spans_bench_compares_spans_with_reading_the_whole_cache():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(BENCH / "decode_spans.py"), "--rows", "4", "--prompt", "8",
-                           "--new-tokens", "200", "--repeats", "1"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_on_cpu("decode_spans.py", "--rows", "4", "--prompt", "8", "--new-tokens", "200", "--repeats", "1")
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("4 rows x (8 prompt + 200 new tokens), CPU, eager")
     assert lines[1].split()[:2] == ["whole", "cache"] and lines[2].split()[0] == "spans"
