@@ -357,7 +357,8 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
     run_dir.rows.append(row(1))
     now[0] = 112.5
     progress.on_step_start(trainer, 2)
-    assert lines == ["[   12.5 s] step 1: 4.0 s (gen 3.0); 800 tokens, 200 tokens/s; decode step: 1 compiles, 2 compactions"]
+    assert lines == ["[   12.5 s] step 1: 4.0 s (gen 3.0); 800 tokens, 200 tokens/s; "
+                     "decode step: 1 compiles, 2 compactions"]
     assert figures_of == []  # a warm-up step: no figures
     run_dir.rows.append(row(2))
     progress.on_step_start(trainer, 3)

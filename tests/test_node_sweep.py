@@ -170,7 +170,8 @@ def test_a_reservation_that_still_finds_no_space_says_where_the_room_went(tmp_pa
     assert err.value.errno == errno.ENOSPC
     assert str(err.value).endswith(f"no space: reserving 3.0 MiB in {tmp_path / (PREFIX + 'live-bbbb')}: 60.0 MiB "
                                    "free of 64.0 MiB; this run's files hold 0.5 MiB, other files there 1.0 MiB, "
-                                   "and 2.5 MiB is held by removed files a process still maps"), str(err.value)
+                                   "and 2.5 MiB is held by removed files (still open or mapped, or being freed)"), \
+        str(err.value)
     assert not os.path.exists(files._path(0, "data"))  # nothing half-reserved is left
     monkeypatch.setattr(node_capacity.os.path, "ismount", lambda path: False)
     assert node_capacity.room_report(os.path.dirname(files.dir), 2**20).endswith(

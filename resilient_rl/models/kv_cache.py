@@ -2,8 +2,8 @@
 
 Buffers are ``[capacity rows, kv_heads, columns, head_dim]``, with ``columns`` a multiple of the
 decode attention's block. A generation uses the first rows of them, and a decode step the first
-columns up to its own (views at the buffers' own addresses), and changes them in one way only: keeping, repeating or dropping batch rows, done in
-place (:meth:`EngineCache.take_rows`). So the addresses never change, within a generation or from
+columns up to its own (views at the buffers' own addresses), and changes them in one way only:
+keeping, repeating or dropping batch rows, done in place (:meth:`EngineCache.take_rows`). So the addresses never change, within a generation or from
 one rollout to the next, and a decode step captured in a CUDA graph reads and writes the buffers
 directly: a fresh cache each rollout would force the graphs to be recorded again.
 
@@ -69,7 +69,8 @@ class EngineCache:
         every layer, at the buffers' addresses."""
         rows = self.rows if rows is None else rows
         columns = self.capacity[1] if columns is None else columns
-        return ([_static(k[:rows, :, :columns]) for k in self.keys], [_static(v[:rows, :, :columns]) for v in self.values])
+        return ([_static(k[:rows, :, :columns]) for k in self.keys],
+                [_static(v[:rows, :, :columns]) for v in self.values])
 
     def take_rows(self, index: torch.Tensor) -> None:
         """Make the rows in use ``index`` ``[R]`` of the current ones (keep, repeat or drop), in place."""

@@ -97,7 +97,8 @@ def room_report(directory: str, nbytes: int) -> str:
     """Where the room of the tmpfs holding run directory ``directory`` went, for an error that
     ``nbytes`` more did not fit: its free and total bytes, the bytes of files in this run's
     directory and in the others beside it, and the rest in use: files already removed that a
-    process still maps (their pages stay until it lets go)."""
+    process still holds (their pages stay until it lets go, named where found) or whose pages the
+    kernel is still freeing."""
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     root = os.path.dirname(directory)
     try:
@@ -121,7 +122,7 @@ def room_report(directory: str, nbytes: int) -> str:
     # removed files still open or mapped; a folder of a larger file system shares it with everything else.
     if os.path.ismount(root):
         held = removed_file_holders(root)
-        rest = f"{mib(rest)} is held by removed files a process still maps" + (
+        rest = f"{mib(rest)} is held by removed files (still open or mapped, or being freed)" + (
             f" ({', '.join(f'pid {pid} {name}: {mib(n)}' for pid, name, n in held)})" if held else "")
     else:
         rest = f"{mib(rest)} is used by the rest of that file system"
