@@ -274,9 +274,14 @@ def count_params(cfg, vocab_size: int) -> int:
     return matmul_params(model)
 
 
+def workload(name: str, tiny: bool = False):
+    """Workload ``name`` (bench/gpu_workloads.py), at its small dimensions with ``tiny``."""
+    return WORKLOADS[name].tiny() if tiny else WORKLOADS[name]
+
+
 def prepare_workload(name: str, tmp: str, tiny: bool = False) -> str:
     """Write workload ``name``'s tokenizer, prompt file and config into ``tmp``; returns the config's path."""
-    w = WORKLOADS[name].tiny() if tiny else WORKLOADS[name]
+    w = workload(name, tiny)
     tokenizer, prompts = prepare_data(w, Path(tmp), 4 * w.prompts)
     path = Path(tmp) / f"{w.name}.yaml"
     path.write_text(yaml.safe_dump(workload_config(w, tokenizer, prompts)))
@@ -325,7 +330,7 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
     if args.workload:
         from train import summarize
 
-        w = WORKLOADS[args.workload].tiny() if args.tiny else WORKLOADS[args.workload]
+        w = workload(args.workload, args.tiny)
         figures = lambda rows: workload_lines(w, summarize(rows), rows, peak, gpus_used(cfg),  # noqa: E731
                                               cfg.actor.ppo_epochs)
     progress = Progress(measure.first, measure.last, figures, out=lambda line: print(line, flush=True))
@@ -350,7 +355,7 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
     return {"cfg": cfg, "rows": rows, "readings": measure.sampling.readings if measure.sampling else [],
             "stalls": measure.stalls, "n_params": count_params(cfg, vocab),
             "recovered": [e for e in trainer.run_dir.read_events() if e.get("event") == "recovered"],
-            "history": history, "warm": [r for r in history if r["step"] < measure.first]}
+            "history": history, "warm": [r for r in history if r["step"] < measure.first], "figures": figures}
 
 
 def main(argv=None) -> int:
@@ -394,17 +399,15 @@ def main(argv=None) -> int:
               f"{sum(d[1] for d in decode):.0f} graph breaks, {sum(d[2] for d in decode) / len(decode):.1f} "
               f"compactions per rollout, eager fallback: {'yes' if any(d[3] for d in decode) else 'no'}")
     if args.workload:
-        from train import summarize
-
-        w = WORKLOADS[args.workload].tiny() if args.tiny else WORKLOADS[args.workload]
-        print("\n".join(workload_lines(w, summarize(rows), rows, peak, gpus_used(cfg), cfg.actor.ppo_epochs)))
         from gpu_progress import recovery_lines
+
+        print("\n".join(r["figures"](rows)))  # the workload's figures, as printed during the run
 
         print("\n".join(recovery_lines(r["recovered"], r["history"], rows)))
         if not args.skip_generation and cuda:
             from gpu_generation import compare_generation, generation_lines
 
-            paths = tuple(args.generation_paths.split(","))
+            w, paths = workload(args.workload, args.tiny), tuple(args.generation_paths.split(","))
             print("\n".join(generation_lines(w, compare_generation(w, paths=paths), name)))
     return 0
 
