@@ -140,3 +140,60 @@ def test_hang_timeout_is_validated_against_the_health_timeout():
     with pytest.raises(ConfigError, match="hang_timeout_s"):
         load_config(None, ["recovery.hang_timeout_s=1", "recovery.health_timeout_s=2"])
     assert load_config(None, []).recovery.hang_timeout_s > load_config(None, []).recovery.health_timeout_s
+
+
+def test_a_process_still_warming_up_gets_warmup_timeout_s_to_answer():
+    # Its start-up imports hold the interpreter for seconds on a loaded host; a stopped warm
+    # process is still named after health_timeout_s.
+    clock = FakeClock(50.0)
+    watches = {0: RankWatch(sent_at=clock.now, pid=5, warming=True), 1: RankWatch(pid=6)}
+    clock.now += 2.5
+    assert judge(watches, clock(), 300.0, 2.0, warmup_timeout_s=30.0) is None
+    hung = judge(watches, clock(), 300.0, 2.0)  # no warm-up allowance: judged as any rank
+    assert (hung.rank, hung.kind) == (0, "unresponsive") and "health_timeout_s=2" in hung.detail
+    clock.now += 28.0
+    hung = judge(watches, clock(), 300.0, 2.0, warmup_timeout_s=30.0)
+    assert (hung.rank, hung.kind, hung.pid, hung.stalled_s) == (0, "unresponsive", 5, 30.5)
+    assert "while starting up" in hung.detail and "recovery.warmup_timeout_s=30" in hung.detail
+    watches[1].sent_at = clock.now - 2.5
+    watches[0].sent_at = None
+    assert judge(watches, clock(), 300.0, 2.0, warmup_timeout_s=30.0).rank == 1
+
+
+def test_the_rank_table_knows_which_processes_still_warm_up():
+    from resilient_rl.runtime.group_ranks import RankTable
+    from resilient_rl.runtime.worker import WorkerInfo
+
+    table = RankTable.of(["h0", "h1"], ["a0", "a1"])
+    shared = table.sharing()  # a colocated role group of the same processes
+    assert [table.is_warming(r) for r in (0, 1)] == [True, True]  # not heard from: assumed starting
+    table.note_placements([WorkerInfo(0, 2, None, 10, "n", warming=False),
+                           WorkerInfo(1, 2, None, 11, "n", warming=True)])
+    assert [shared.is_warming(r) for r in (0, 1)] == [False, True]
+    table.serve(1, "spare", ("n", None), warming=False)  # a spare is ready only once warm
+    assert shared.handles[1] == "spare" and not shared.is_warming(1)
+    table.serve(0, "home")  # the bundle's own process again: unknown until it answers
+    assert table.is_warming(0)
+
+
+def test_the_warm_up_runs_with_the_garbage_collector_off_and_says_so():
+    import gc
+
+    from resilient_rl.runtime import worker
+
+    inside, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def imports():
+        seen["gc"] = gc.isenabled()
+        inside.set()
+        release.wait(10)
+
+    assert gc.isenabled()
+    worker.warm_in_background(imports, "warm-test")
+    assert inside.wait(10)
+    assert worker.warming() and seen["gc"] is False
+    release.set()
+    for t in list(worker._WARMING):
+        t.join(10)
+    assert not worker.warming() and gc.isenabled()

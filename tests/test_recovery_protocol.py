@@ -113,6 +113,26 @@ def test_a_stopped_rank_is_killed_then_restarted():
     assert h.of("failure")[0]["cause"] == "collective"
 
 
+def test_a_survivor_still_importing_at_start_is_waited_for_not_killed():
+    # Its start-up imports hold the interpreter: its health answers come late, not never.
+    h = Harness(warmup_timeout_s=30.0)
+    h.pool.crash("main", 1)
+    h.pool.warm_up("main", 0, silent_probes=3)
+    h.handle(died())
+    assert h.of("kill_unresponsive") == [] and [e["rank"] for e in h.of("worker_restarted")] == [1]
+    assert 0.0 < h.clock.now - 1000.0 < 30.0
+
+
+def test_a_survivor_that_never_ends_its_warm_up_is_killed_after_warmup_timeout_s():
+    h = Harness(warmup_timeout_s=30.0)
+    h.pool.crash("main", 1)
+    h.pool.warm_up("main", 0)
+    h.handle(died())
+    assert [e["rank"] for e in h.of("kill_unresponsive")] == [0]
+    assert sorted(e["rank"] for e in h.of("worker_restarted")) == [0, 1]
+    assert h.clock.now - 1000.0 >= 30.0
+
+
 def test_a_rank_named_as_hung_is_killed_although_it_answers_the_probe():
     h = Harness()
     pid = h.pool.known[("main", 1)].pid

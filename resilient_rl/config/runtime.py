@@ -177,9 +177,10 @@ class RecoveryConfig(Section):
     """Failure budget, liveness and the deadline of every blocking call.
 
     A rank is hung when it stops answering its health call for ``health_timeout_s`` (a stopped
-    process) or, inside a call, stops advancing for ``hang_timeout_s`` (longer than the slowest
-    single mini-batch, token block or checkpoint chunk); a long call that keeps advancing is
-    healthy. ``call_timeout_s`` is only a generous ceiling on one whole worker call. The wait for a
+    process; ``warmup_timeout_s`` while the process still runs its start-up imports) or, inside
+    a call, stops advancing for ``hang_timeout_s`` (longer than the slowest single mini-batch,
+    token block or checkpoint chunk); a long call that keeps advancing is healthy.
+    ``call_timeout_s`` is only a generous ceiling on one whole worker call. The wait for a
     background checkpoint write has its own ``checkpoint.save_timeout_s`` and the telemetry
     exporter's calls ``telemetry.call_timeout_s``.
 
@@ -228,6 +229,9 @@ class RecoveryConfig(Section):
     placement_timeout_s: float = 60.0
     #: A rank whose health call goes unanswered this long is hung.
     health_timeout_s: float = 2.0
+    #: The same for a process still running its start-up imports (they hold the interpreter for
+    #: seconds on a loaded host).
+    warmup_timeout_s: float = 60.0
     #: A rank inside a call that does not advance for this long is hung.
     hang_timeout_s: float = 300.0
     #: Steps between in-memory snapshots (0: none; ``auto``: every step where node memory holds
@@ -258,6 +262,8 @@ class RecoveryConfig(Section):
                 "must be >= 0 seconds (0: node memory a gone controller left is not kept)")
         require(not self.snapshot_node_dir or self.snapshot_node_dir.startswith("/"), "snapshot_node_dir",
                 self.snapshot_node_dir, "must be an absolute path, or empty to keep snapshots in the processes")
+        require(self.warmup_timeout_s >= self.health_timeout_s, "warmup_timeout_s", self.warmup_timeout_s,
+                f"must be at least recovery.health_timeout_s ({self.health_timeout_s:g})")
         # A stopped rank must be named before its peers, which stall waiting for it in a collective.
         require(self.hang_timeout_s > self.health_timeout_s, "hang_timeout_s", self.hang_timeout_s,
                  f"must be greater than recovery.health_timeout_s ({self.health_timeout_s:g})")

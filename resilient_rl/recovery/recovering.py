@@ -75,7 +75,9 @@ class Recovering:
     def _probe(self, pool: RecoveryPool, known: dict) -> tuple[list[ProcessKey], list[ProcessKey], list[ProcessKey]]:
         """(unresponsive, dead, replaced): known ranks that do not answer the health probe
         (stopped, hung outside a call), ranks whose process died, and ranks whose process was
-        already replaced (restarted)."""
+        already replaced (restarted). A process still running its start-up imports may not answer
+        in time: it is not taken as unresponsive here (a call waiting on it judges it by
+        ``warmup_timeout_s``)."""
         unresponsive, dead, replaced = [], [], []
         for group in pool.process_groups():
             for rank, info in pool.probe(group, timeout_s=self.ctx.cfg.health_timeout_s).items():
@@ -83,7 +85,8 @@ class Recovering:
                 if key not in known:
                     continue
                 if info is None:
-                    unresponsive.append(key)
+                    if not _warming(known[key]):
+                        unresponsive.append(key)
                 elif isinstance(info, BaseException):
                     dead.append(key)
                 elif info.pid != known[key].pid:
@@ -121,9 +124,11 @@ class Recovering:
         A survivor of a ``broken`` process group (one of its ranks died or was killed) is told to
         leave its collectives: no peer will join them, and a rank that only waits on live peers
         would otherwise wait out the group's timeout. One that stays inside a call without
-        advancing for ``hang_timeout_s`` is killed."""
+        advancing for ``hang_timeout_s`` is killed, as is one that does not answer (after
+        ``warmup_timeout_s`` where it was still starting up)."""
         cfg, clock = self.ctx.cfg, self.ctx.clock
-        deadline = clock() + cfg.restart_timeout_s
+        start = clock()
+        deadline = start + cfg.restart_timeout_s
         told: set[ProcessKey] = set()
         while clock() < deadline:
             busy = 0
@@ -133,7 +138,9 @@ class Recovering:
                     key = (group, rank)
                     if key in killed or key not in known or isinstance(info, BaseException):
                         continue
-                    if info is None:
+                    if info is None and _warming(known[key]) and clock() - start < cfg.warmup_timeout_s:
+                        busy += 1
+                    elif info is None:
                         self._kill(pool, key, known, "kill_unresponsive", killed)
                     elif info.call is not None and info.pid == known[key].pid:
                         if (info.progress_age_s or 0.0) > cfg.hang_timeout_s:
@@ -168,6 +175,11 @@ class Recovering:
                 self.ctx.emit("worker_restarted", group=key[0], rank=key[1], pid=info.pid, node=info.node_id,
                               role=pool.roles_of(key[0])[0], cause=cause.value)
         return restarted
+
+
+def _warming(info) -> bool:
+    """Whether a process was still running its start-up imports when it last answered."""
+    return bool(getattr(info, "warming", False))
 
 
 def budget_key(pool: RecoveryPool, key: ProcessKey) -> tuple[str, int]:

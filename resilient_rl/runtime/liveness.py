@@ -5,7 +5,9 @@ health every ``poll_interval_s`` (through the health concurrency group, one call
 rank at most, never blocking) and judges with :func:`judge`:
 
 - a rank whose health call has not answered for ``health_timeout_s`` is *unresponsive*: its
-  process is stopped (SIGSTOP) or wedged below Python;
+  process is stopped (SIGSTOP) or wedged below Python. A process still running its start-up
+  imports (its last reply said ``warming``, or it has not answered since it started) gets
+  ``warmup_timeout_s`` instead: those imports hold the interpreter for seconds on a loaded host;
 - a rank that answers, is inside a registered call, and reports no progress
   (:mod:`resilient_rl.runtime.progress`) for ``hang_timeout_s`` is *stalled*: stuck in a
   collective, a deadlock, an endless loop.
@@ -28,13 +30,15 @@ class RankWatch:
     """What the controller knows of one rank's liveness.
 
     ``sent_at`` is when the health call now in flight was sent (None: none in flight);
-    ``snapshot`` the progress from the latest reply; ``pid`` the process that sent it."""
+    ``snapshot`` the progress from the latest reply; ``pid`` the process that sent it;
+    ``warming`` whether that process was still running its start-up imports."""
 
     sent_at: float | None = None
     last_sent: float | None = None
     snapshot: ProgressSnapshot | None = None
     pid: int | None = None
     ref: object | None = None
+    warming: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,17 +53,24 @@ class Hung:
     stalled_s: float | None = None
 
 
-def judge(watches: dict[int, RankWatch], now: float, hang_timeout_s: float, health_timeout_s: float) -> Hung | None:
+def judge(watches: dict[int, RankWatch], now: float, hang_timeout_s: float, health_timeout_s: float,
+          warmup_timeout_s: float | None = None) -> Hung | None:
     """The hung rank among ``watches`` at time ``now`` (monotonic seconds), or None when all are live.
 
     Pure: no Ray, no clock of its own, so the decision is unit-tested with a fake clock."""
+    def limit(w: RankWatch) -> tuple[float, str]:
+        if w.warming and warmup_timeout_s is not None:
+            return max(warmup_timeout_s, health_timeout_s), "warmup_timeout_s"
+        return health_timeout_s, "health_timeout_s"
+
     silent = [(now - w.sent_at, r) for r, w in watches.items()
-              if w.sent_at is not None and now - w.sent_at > health_timeout_s]
+              if w.sent_at is not None and now - w.sent_at > limit(w)[0]]
     if silent:
         waited, rank = max(silent)
-        return Hung(rank, "unresponsive", f"its health call has not answered for {waited:.1f}s "
-                    f"(recovery.health_timeout_s={health_timeout_s:g}): the process is stopped or wedged",
-                    watches[rank].pid, waited)
+        seconds, key = limit(watches[rank])
+        starting = " while starting up" if key == "warmup_timeout_s" else ""
+        return Hung(rank, "unresponsive", f"its health call has not answered for {waited:.1f}s{starting} "
+                    f"(recovery.{key}={seconds:g}): the process is stopped or wedged", watches[rank].pid, waited)
     stalled = [(w.snapshot.age_s, r) for r, w in watches.items()
                if w.snapshot is not None and w.snapshot.call is not None and w.snapshot.age_s > hang_timeout_s]
     if stalled:
@@ -74,10 +85,15 @@ class LivenessWatch:
     """Non-blocking health polling of a worker group's ranks (Ray side of :func:`judge`)."""
 
     def __init__(self, workers: list, hang_timeout_s: float, health_timeout_s: float,
-                 poll_interval_s: float = 1.0, clock=time.monotonic) -> None:
+                 poll_interval_s: float = 1.0, clock=time.monotonic, warmup_timeout_s: float | None = None,
+                 warming=lambda rank: False) -> None:
+        """``warming(rank)``: whether the rank's process was still starting when last heard of
+        (before this watch's first reply from it)."""
         self.workers = workers
         self.hang_timeout_s = hang_timeout_s
         self.health_timeout_s = health_timeout_s
+        self.warmup_timeout_s = warmup_timeout_s
+        self.warming = warming
         self.poll_interval_s = poll_interval_s
         self.clock = clock
         self.watches: dict[int, RankWatch] = {}
@@ -104,10 +120,13 @@ class LivenessWatch:
                 except Exception:  # the rank died: the call's own result says so
                     continue
                 watch.snapshot = ProgressSnapshot(info.call, info.progress_age_s or 0.0, info.advances)
-                watch.pid = info.pid
+                watch.pid, watch.warming = info.pid, bool(getattr(info, "warming", False))
         for rank in ranks:
-            watch = self.watches.setdefault(rank, RankWatch())
+            if rank not in self.watches:
+                self.watches[rank] = RankWatch(warming=bool(self.warming(rank)))
+            watch = self.watches[rank]
             if watch.ref is None and (watch.last_sent is None or now - watch.last_sent >= self.poll_interval_s):
                 watch.ref = self.workers[rank].health.remote()
                 watch.sent_at = watch.last_sent = now
-        return judge({r: self.watches[r] for r in ranks}, now, self.hang_timeout_s, self.health_timeout_s)
+        return judge({r: self.watches[r] for r in ranks}, now, self.hang_timeout_s, self.health_timeout_s,
+                     self.warmup_timeout_s)

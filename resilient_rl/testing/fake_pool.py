@@ -27,6 +27,10 @@ class FakeProcess:
     call: str | None = None
     progress_age_s: float | None = None
     restarts: int = 0
+    #: Still running its start-up imports: it says so, and answers no probe for this many more
+    #: probes (None: none at all).
+    warming: bool = False
+    silent_probes: int | None = 0
 
 
 @dataclass
@@ -65,6 +69,13 @@ class FakePool:
         """The process is SIGSTOPped: it answers nothing until killed."""
         self.procs[(group, rank)].state = "stopped"
 
+    def warm_up(self, group: str, rank: int, silent_probes: int | None = None) -> None:
+        """The process is still importing at start: it said ``warming`` when last asked, and
+        answers none of the next ``silent_probes`` probes (None: it never does; it is wedged)."""
+        p = self.procs[(group, rank)]
+        p.warming, p.silent_probes = True, silent_probes
+        self.known[(group, rank)] = self._info((group, rank))
+
     def busy(self, group: str, rank: int, call: str, progress_age_s: float) -> None:
         """The process is inside ``call`` and has not advanced for ``progress_age_s``."""
         p = self.procs[(group, rank)]
@@ -96,7 +107,7 @@ class FakePool:
     def _info(self, key) -> WorkerInfo:
         p = self.procs[key]
         return WorkerInfo(key[1], self.world_size, self.generation, p.pid, p.node,
-                          call=p.call, progress_age_s=p.progress_age_s)
+                          call=p.call, progress_age_s=p.progress_age_s, warming=p.warming)
 
     def process_groups(self) -> list[str]:
         return list(self.groups)
@@ -117,7 +128,11 @@ class FakePool:
                 out[rank] = None
             elif p.state == "dead":
                 out[rank] = WorkerDiedError(f"{group} rank {rank} died", role=group, rank=rank)
+            elif p.warming and (p.silent_probes is None or p.silent_probes > 0):
+                p.silent_probes = None if p.silent_probes is None else p.silent_probes - 1
+                out[rank] = None
             else:
+                p.warming = False
                 out[rank] = self._info((group, rank))
         return out
 
@@ -125,6 +140,7 @@ class FakePool:
         self.calls.append(("kill", key))
         self.procs[key].state = "dead"
         self.procs[key].call = None
+        self.procs[key].warming = False  # its successor starts warm here
 
     def leave_collectives(self, keys, reason: str) -> None:
         """A survivor told to leave its collectives ends its call (it was waiting on a dead peer)."""

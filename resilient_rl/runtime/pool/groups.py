@@ -26,7 +26,7 @@ def worker_group(cfg, layout, name: str, cls: RayClassWithInitArgs, instance: st
     return RayWorkerGroup(pool, cls, runtime_env=network_runtime_env(cfg.trainer.network_interface),
                           max_restarts=rc.max_restarts, max_task_retries=rc.max_task_retries,
                           call_timeout_s=rc.call_timeout_s, hang_timeout_s=rc.hang_timeout_s,
-                          health_timeout_s=rc.health_timeout_s)
+                          health_timeout_s=rc.health_timeout_s, warmup_timeout_s=rc.warmup_timeout_s)
 
 
 def start_spares(rc, groups: dict[str, RayWorkerGroup], process_groups: list[RayWorkerGroup]) -> dict[str, SparePool]:
