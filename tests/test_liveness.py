@@ -175,25 +175,3 @@ def test_the_rank_table_knows_which_processes_still_warm_up():
     table.serve(0, "home")  # the bundle's own process again: unknown until it answers
     assert table.is_warming(0)
 
-
-def test_the_warm_up_runs_with_the_garbage_collector_off_and_says_so():
-    import gc
-
-    from resilient_rl.runtime import worker
-
-    inside, release = threading.Event(), threading.Event()
-    seen = {}
-
-    def imports():
-        seen["gc"] = gc.isenabled()
-        inside.set()
-        release.wait(10)
-
-    assert gc.isenabled()
-    worker.warm_in_background(imports, "warm-test")
-    assert inside.wait(10)
-    assert worker.warming() and seen["gc"] is False
-    release.set()
-    for t in list(worker._WARMING):
-        t.join(10)
-    assert not worker.warming() and gc.isenabled()

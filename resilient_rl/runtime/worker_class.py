@@ -22,7 +22,8 @@ from resilient_rl.runtime.dispatch import MAGIC_ATTR, registered_methods
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.runtime import master_env
 from resilient_rl.runtime.verl_worker import Worker
-from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity
+from resilient_rl.protocol.utils import tensordict_class
+from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity, warm_in_background
 from resilient_rl.errors import DispatchError
 
 
@@ -54,6 +55,10 @@ def _ranked_remote_class(ray_cls):
             def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
                 self._rrl_init_args = (args, kwargs)
                 self._rrl_become(identity)
+                # The first batch's import (tensordict, and with it torch's compiler stack) runs
+                # in the background from the start, so that it overlaps the controller's
+                # rendezvous and no call of the worker holds the interpreter through it.
+                warm_in_background(tensordict_class, "warm-imports")
                 super().__init__(*args, **kwargs)
 
             def _rrl_become(self, identity: dict[str, str]) -> None:

@@ -23,10 +23,10 @@ import torch
 from resilient_rl.workers.determinism import apply_deterministic
 from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.runtime.dispatch import Dispatch, register
-from resilient_rl.runtime.worker import RankWorker, warm_in_background
+from resilient_rl.runtime.worker import RankWorker
+from resilient_rl.workers.compile_cache import CompileCache
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
-from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.config.schema import config_from_dict
 from resilient_rl.workers.weight_parts import WeightReceiver, WeightSender
 from resilient_rl.workers.checkpointing import RankCheckpointer
@@ -88,9 +88,6 @@ class RoleWorker(RankWorker):
             torch.set_num_threads(1)
         apply_deterministic(self.cfg.trainer.deterministic)  # before anything here initialises CUDA
         torch.manual_seed(self.cfg.trainer.seed)
-        # A (re)started worker answers its first ping before the slow tensordict import is done:
-        # the import then overlaps the controller's rendezvous instead of the restart wait.
-        warm_in_background(tensordict_class, "warm-imports")
 
     @property
     def plan(self) -> DevicePlan:
@@ -285,7 +282,9 @@ class RolloutWorker(RoleWorker):
         c = self.cfg
         self.release_engine()
         self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
-                                    self.eos_token_id, self.pad_token_id, empty=empty)
+                                    self.eos_token_id, self.pad_token_id, empty=empty,
+                                    compile_cache=CompileCache(c.checkpoint.root, c.trainer.run_name,
+                                                               c.checkpoint.storage_options))
         # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
         self.weights.receive_into(self.engine.model)
         return True

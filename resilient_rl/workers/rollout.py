@@ -8,6 +8,10 @@ It receives the actor's weights after every update (``load_weights``) together w
 number; a generate request that names another version is refused, so stale weights can never
 produce a batch silently. Sampling draws from a generator seeded by (run seed, step, rank), which
 makes a replayed step after recovery sample exactly the same tokens.
+
+Where it compiles its decode step, a process first takes the run's kept compiler artifacts and
+rank 0 keeps what it compiled (:mod:`resilient_rl.workers.compile_cache`), so a process started
+on another node later does not compile from scratch.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from resilient_rl.models.engine import generate_static, resolve_engine
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.models.generation import generate
 from resilient_rl.protocol import DataProto
+from resilient_rl.workers.compile_cache import CompileCache
 from resilient_rl.workers.fsdp import DevicePlan, to_device
 
 #: The weights version of a rollout built empty, before it received any weights.
@@ -40,11 +45,14 @@ class RolloutEngine:
     """Generates responses for left-padded prompts."""
 
     def __init__(self, model_cfg, rollout_cfg, vocab_size: int, seed: int, plan: DevicePlan,
-                 eos_token_id: int | Sequence[int] | None, pad_token_id: int, empty: bool = False):
+                 eos_token_id: int | Sequence[int] | None, pad_token_id: int, empty: bool = False,
+                 compile_cache: CompileCache | None = None):
         """``eos_token_id``: one id or several (a response ends at the first of them).
         ``empty``: the weights are allocated, not initialised, and the version is
-        :data:`NO_WEIGHTS` until the actor's first sync (generation refuses to run before it)."""
+        :data:`NO_WEIGHTS` until the actor's first sync (generation refuses to run before it).
+        ``compile_cache``: the run's kept compiler artifacts (None: this process's own only)."""
         self.plan = plan
+        self.compile_cache = compile_cache
         self.cfg = rollout_cfg
         self.model = to_device(build_causal_lm(model_cfg, vocab_size, seed, empty=empty), plan.device)
         if plan.mixed_precision:
@@ -56,6 +64,8 @@ class RolloutEngine:
         #: "static" or "plain": what ``rollout.engine`` resolved to for this model.
         self.engine = resolve_engine(getattr(rollout_cfg, "engine", "auto"), self.model)
         self.version = NO_WEIGHTS if empty else 0
+        if compile_cache is not None and self.compiles():
+            compile_cache.adopt(plan.device)  # once per process, before its first compile
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Copy the actor's full weights in; returns the new version."""
@@ -73,6 +83,12 @@ class RolloutEngine:
             h.update(k.encode())
             h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
+
+    def compiles(self) -> bool:
+        """Whether generations compile the decode step (``rollout.compile``; unset: on a GPU)."""
+        wanted = getattr(self.cfg, "compile", None)
+        return self.engine == "static" and (torch.device(self.plan.device).type == "cuda" if wanted is None
+                                            else bool(wanted))
 
     def generate_sequences(self, prompts: DataProto, rank: int) -> DataProto:
         meta = prompts.meta_info
@@ -101,6 +117,8 @@ class RolloutEngine:
         meta = {}
         if out.engine_stats is not None:
             stats = out.engine_stats
+            if stats["compiles"] and rank == 0 and self.compile_cache is not None:
+                self.compile_cache.publish(self.plan.device)
             meta["metrics"] = {"perf/decode_compiles": float(stats["compiles"]),
                                "perf/decode_graph_breaks": float(stats["graph_breaks"]),
                                "perf/decode_compactions": float(stats["compactions"]),
