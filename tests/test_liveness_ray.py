@@ -187,6 +187,8 @@ def test_a_sigstopped_rank_is_named(ray_cluster):
     wg = make_group("sigstop", call_timeout_s=60)
     stopped = None
     try:
+        # Stopped once started up: a process still importing at start gets recovery.warmup_timeout_s.
+        ray.get([w.warmed_up.remote() for w in wg.workers])
         pid = wg.ping()[1].pid
         refs = wg.execute_all_async("work", 30.0, 0.2)
         time.sleep(0.5)

@@ -65,13 +65,18 @@ class RankTable:
         """Remember the node and GPUs of each rank whose process answered (``infos``: ping replies)
         as that rank; returns ``infos``."""
         for rank, info in enumerate(infos):
-            if getattr(info, "rank", None) != rank:
-                continue
-            if rank < len(self.placements):
-                self.placements[rank] = (info.node_id, getattr(info, "devices", None))
-            if rank < len(self.warming):
-                self.warming[rank] = bool(getattr(info, "warming", False))
+            self.note(rank, info)
         return infos
+
+    def note(self, rank: int, info) -> None:
+        """Remember what ``rank``'s process said of itself in a health reply (``info``), where it
+        answered as that rank: its node and GPUs, and whether it is still warming up."""
+        if getattr(info, "rank", None) != rank:
+            return
+        if rank < len(self.placements):
+            self.placements[rank] = (info.node_id, getattr(info, "devices", None))
+        if rank < len(self.warming):
+            self.warming[rank] = bool(getattr(info, "warming", False))
 
     def serve(self, rank: int, handle, placement: tuple[str | None, str | None] = (None, None),
               warming: bool = True) -> object:

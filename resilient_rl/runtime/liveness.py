@@ -86,14 +86,15 @@ class LivenessWatch:
 
     def __init__(self, workers: list, hang_timeout_s: float, health_timeout_s: float,
                  poll_interval_s: float = 1.0, clock=time.monotonic, warmup_timeout_s: float | None = None,
-                 warming=lambda rank: False) -> None:
-        """``warming(rank)``: whether the rank's process was still starting when last heard of
-        (before this watch's first reply from it)."""
+                 table=None) -> None:
+        """``table``: the group's :class:`~resilient_rl.runtime.group_ranks.RankTable`, which says
+        whether a rank's process was still starting when last heard of (before this watch's first
+        reply from it) and learns it from every reply here."""
         self.workers = workers
         self.hang_timeout_s = hang_timeout_s
         self.health_timeout_s = health_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
-        self.warming = warming
+        self.table = table
         self.poll_interval_s = poll_interval_s
         self.clock = clock
         self.watches: dict[int, RankWatch] = {}
@@ -121,9 +122,11 @@ class LivenessWatch:
                     continue
                 watch.snapshot = ProgressSnapshot(info.call, info.progress_age_s or 0.0, info.advances)
                 watch.pid, watch.warming = info.pid, bool(getattr(info, "warming", False))
+                if self.table is not None:
+                    self.table.note(inflight[ref], info)
         for rank in ranks:
             if rank not in self.watches:
-                self.watches[rank] = RankWatch(warming=bool(self.warming(rank)))
+                self.watches[rank] = RankWatch(warming=self.table is not None and self.table.is_warming(rank))
             watch = self.watches[rank]
             if watch.ref is None and (watch.last_sent is None or now - watch.last_sent >= self.poll_interval_s):
                 watch.ref = self.workers[rank].health.remote()

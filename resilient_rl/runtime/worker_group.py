@@ -261,7 +261,7 @@ class RayWorkerGroup:
         if self._watch is None or self._watch.workers is not self.ranks.handles:
             self._watch = LivenessWatch(self.ranks.handles, self.hang_timeout_s, self.health_timeout_s,
                                         poll_interval_s=min(1.0, self.hang_timeout_s / 3),
-                                        warmup_timeout_s=self.warmup_timeout_s, warming=self.ranks.is_warming)
+                                        warmup_timeout_s=self.warmup_timeout_s, table=self.ranks)
         self._watch.fresh()
         return self._watch
 
