@@ -266,30 +266,6 @@ def test_a_failing_compiled_step_falls_back_to_eager_and_says_so(monkeypatch, ca
     assert not again.engine_stats["compiled"] and again.engine_stats["eager_fallback"]
 
 
-def test_a_step_failing_under_precompile_compiles_without_it_before_going_eager(monkeypatch, caplog, tiny):
-    """torch's caching precompile is experimental: a step that fails under it is compiled plainly
-    (the process keeps a compiled step), and only a failure then too makes it eager."""
-    import resilient_rl.models.decode_step as decode_step
-
-    def compile_failing_under_precompile(fn, **kwargs):
-        def call(*args):
-            if torch._dynamo.config.caching_precompile:
-                raise RuntimeError("cannot load the package")
-            return fn(*args)
-        return call
-
-    monkeypatch.setattr(decode_step.torch, "compile", compile_failing_under_precompile)
-    monkeypatch.setattr(DecodeStep, "_compiled", {})
-    monkeypatch.setattr(DecodeStep, "failure", None)
-    monkeypatch.setattr(DecodeStep, "precompile", True)
-    ids, mask = prompts()
-    out = generate_static(tiny, ids, mask, max_new_tokens=5, temperature=0.0, compile=True)
-    assert out.engine_stats["compiled"] and out.engine_stats["eager_fallback"] is None
-    assert "compiles it without" in caplog.text and "decodes eagerly" not in caplog.text
-    assert not DecodeStep.precompile and not torch._dynamo.config.caching_precompile
-    assert_same_output(out, generate(tiny, ids, mask, max_new_tokens=5, temperature=0.0))
-
-
 def test_decode_step_is_compiled_once_per_process(monkeypatch):
     import resilient_rl.models.decode_step as decode_step
 

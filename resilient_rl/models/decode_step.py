@@ -19,9 +19,7 @@ kernels as uncompiled) and every later generation reports ``eager_fallback`` wit
 
 With :attr:`DecodeStep.precompile` on (set by the run's compile cache), the step compiles under
 torch's caching precompile (:mod:`resilient_rl.models.precompile`): a process that finds the kept
-package skips tracing, and the step reports no compile. That torch feature is experimental: a step
-that fails under it is compiled again without it (a warning says why) before the process gives up
-on compiling.
+package skips tracing, and the step reports no compile.
 """
 
 from __future__ import annotations
@@ -132,35 +130,22 @@ class DecodeStep:
             return decode(*args)
         _mark_dynamic(args)
         try:
-            return self._compiled_call(args)
+            if self.mode == "reduce-overhead":
+                # Each call is a new step of the CUDA graphs: the tokens it returns live in the
+                # graph's memory, overwritten by the next replay, so they are copied out (B ids)
+                # before they are fed back in.
+                torch.compiler.cudagraph_mark_step_begin()
+                return self._function(args[1])(*args).clone()
+            return self._function(args[1])(*args)
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
-            failure = exc
-        if DecodeStep.precompile:  # experimental in torch: compile the step plainly before giving up on it
-            log.warning("rollout engine: the decode step failed under torch's caching precompile (%s: %s); "
-                        "this process compiles it without from now on", type(failure).__name__, str(failure)[:300])
-            DecodeStep.precompile, self._key = False, None
-            torch._dynamo.config.caching_precompile = False  # the generation's compiling() restores it
-            try:
-                return self._compiled_call(args)
-            except Exception as exc:  # noqa: BLE001
-                failure = exc
-        # A failed call may be repeated eagerly: a decode step only overwrites one cache column and
-        # returns logits.
-        DecodeStep.failure = f"{type(failure).__name__}: {failure}"[:500]
-        log.warning("rollout engine: the compiled decode step failed (%s); this process decodes eagerly "
-                    "from now on", DecodeStep.failure)
-        self.compile = False
-        self.stats.eager_fallback = DecodeStep.failure
-        return decode(*args)
-
-    def _compiled_call(self, args) -> torch.Tensor:
-        if self.mode == "reduce-overhead":
-            # Each call is a new step of the CUDA graphs: the tokens it returns live in the graph's
-            # memory, overwritten by the next replay, so they are copied out (B ids) before they
-            # are fed back in.
-            torch.compiler.cudagraph_mark_step_begin()
-            return self._function(args[1])(*args).clone()
-        return self._function(args[1])(*args)
+            # A failed call may be repeated eagerly: a decode step only overwrites one cache
+            # column and returns logits.
+            DecodeStep.failure = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("rollout engine: the compiled decode step failed (%s); this process decodes eagerly "
+                        "from now on", DecodeStep.failure)
+            self.compile = False
+            self.stats.eager_fallback = DecodeStep.failure
+            return decode(*args)
 
     def finish(self) -> dict:
         """The generation's :class:`DecodeStats` as a dict (the compiler's counts since the start)."""
