@@ -1,9 +1,7 @@
 """What the run's kept compiler artifacts save a process that starts on another node: the first
 generation of a fresh process (which compiles the decode step) with an empty local compile cache,
 against the same with the run's artifacts loaded first, and with the node's own cache warm (a
-process restarted on the node where the step was compiled). Each case is a fresh interpreter, and
-the three run twice: with ``rollout.precompile`` (the traced step kept too) and without. Ratios
-are against the first case with precompile.
+process restarted on the node where the step was compiled). Each case is a fresh interpreter.
 
 A Qwen2-shaped model from a config (random weights), rows ending at different lengths so that
 compaction visits several batch buckets, as ``bench/decode_compile.py``.
@@ -22,21 +20,18 @@ import tempfile
 import time
 
 CASE = r"""
-import hashlib, json, sys, time
+import json, sys, time
 import torch
 from resilient_rl.models.engine import generate_static
 from resilient_rl.models.hf import load_hf_causal_lm
-from resilient_rl.models.decode_step import DecodeStep
 from resilient_rl.workers.compile_cache import CompileCache
 
 root, layers, adopt, publish = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-precompile = sys.argv[5] == "1"
 device = "cuda" if torch.cuda.is_available() else "cpu"
-cache = CompileCache(root, "bench", precompile=precompile)
+cache = CompileCache(root, "bench")
 t0 = time.perf_counter()
 loaded = cache.adopt(device) if adopt else 0
 t_adopt = time.perf_counter() - t0
-DecodeStep.precompile = precompile  # adopt() sets it only where it loads
 config = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": layers,
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
           "max_position_embeddings": 4096, "tie_word_embeddings": True}
@@ -52,17 +47,15 @@ if device == "cuda":
 first = time.perf_counter() - t0
 from torch._dynamo.utils import counters
 print(json.dumps({"adopt_s": t_adopt, "loaded": loaded, "first_s": first, "compiles": out.engine_stats["compiles"],
-                  "published": cache.keep(device, share=publish), "inductor": dict(counters["inductor"]),
-                  "dynamo_cache": dict(counters["dynamo_cache"]),
-                  "tokens": hashlib.sha256(out.responses.cpu().numpy().tobytes()).hexdigest()}))
+                  "published": cache.publish(device) if publish else 0, "inductor": dict(counters["inductor"])}))
 """
 
 
-def case(root: str, local: str, layers: int, adopt: bool, publish: bool, precompile: bool) -> dict:
+def case(root: str, local: str, layers: int, adopt: bool, publish: bool) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": local}
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CASE, root, str(layers), str(int(adopt)), str(int(publish)),
-                           str(int(precompile))], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", CASE, root, str(layers), str(int(adopt)), str(int(publish))],
+                          env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t0}
@@ -72,25 +65,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
     args = p.parse_args(argv)
-    base, tokens = None, set()
-    for precompile in (True, False):
-        with tempfile.TemporaryDirectory() as tmp:
-            root, node_a, node_b = (os.path.join(tmp, n) for n in ("ckpt", "node-a", "node-b"))
-            cold = case(root, node_a, args.layers, False, True, precompile)  # compiles; keeps the artifacts
-            other = case(root, node_b, args.layers, True, False, precompile)  # another node: the run's artifacts
-            same = case(root, node_a, args.layers, False, False, precompile)  # the same node: its own cache
-        base = base or cold["first_s"]
-        tokens |= {r["tokens"] for r in (cold, other, same)}
-        print(f"{args.layers} layers, precompile {'on' if precompile else 'off'}; first generation of a fresh "
-              f"process (compiling the decode step), {cold['published'] / 2**20:.1f} MiB of artifacts kept")
-        for name, r in (("empty local cache (compiles)", cold), ("another node, the run's artifacts", other),
-                        ("the same node, its own cache", same)):
-            print(f"  {name:36s} {r['first_s']:6.1f} s  ({r['first_s'] / base:.2f}x)  traced {r['compiles']}, "
-                  f"loading the artifacts {r['adopt_s']:.1f} s, inductor cache hits "
-                  f"{r['inductor'].get('fxgraph_cache_hit', 0)}, traced-step hits "
-                  f"{r['dynamo_cache'].get('dynamo_cache_hit', 0)}")
-    print(f"the same tokens in every case: {len(tokens) == 1}")
-    return 0 if len(tokens) == 1 else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        root, node_a, node_b = (os.path.join(tmp, n) for n in ("ckpt", "node-a", "node-b"))
+        cold = case(root, node_a, args.layers, adopt=False, publish=True)  # compiles; keeps the artifacts
+        other = case(root, node_b, args.layers, adopt=True, publish=False)  # another node: the run's artifacts
+        same = case(root, node_a, args.layers, adopt=False, publish=False)  # the same node: its own cache
+    rows = [("empty local cache (compiles)", cold), ("another node, the run's artifacts", other),
+            ("the same node, its own cache", same)]
+    print(f"{args.layers} layers; first generation of a fresh process (compiling the decode step), "
+          f"{cold['published'] / 2**20:.1f} MiB of artifacts kept")
+    for name, r in rows:
+        hits = r["inductor"].get("fxgraph_cache_hit", 0)
+        print(f"  {name:36s} {r['first_s']:6.1f} s  ({r['first_s'] / cold['first_s']:.2f}x)  "
+              f"loading the artifacts {r['adopt_s']:.1f} s, inductor cache hits {hits}")
+    return 0
 
 
 if __name__ == "__main__":

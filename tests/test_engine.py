@@ -273,24 +273,8 @@ def test_decode_step_is_compiled_once_per_process(monkeypatch):
     monkeypatch.setattr(decode_step.torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
     monkeypatch.setattr(DecodeStep, "_compiled", {})
     monkeypatch.setattr(DecodeStep, "failure", None)
-    model = torch.nn.Linear(4, 4)
-    first = DecodeStep(compile=True, cuda_graphs=True)._function(model)
-    assert DecodeStep(compile=True, cuda_graphs=True)._function(model) is first is decode_step.decode
-    DecodeStep(compile=True, cuda_graphs=False)._function(model)
+    first = DecodeStep(compile=True, cuda_graphs=True)._function()
+    assert DecodeStep(compile=True, cuda_graphs=True)._function() is first
+    DecodeStep(compile=True, cuda_graphs=False)._function()
     assert [kw["mode"] for kw in compiled] == ["reduce-overhead", None]
     assert all(kw["dynamic"] is None for kw in compiled)  # only the batch, marked at each call, is a symbol
-
-
-def test_under_precompile_each_model_shape_keeps_its_own_traced_step(monkeypatch):
-    """The kept package is keyed by the function's qualified name: one per model class and shapes."""
-    import resilient_rl.models.decode_step as decode_step
-
-    monkeypatch.setattr(decode_step.torch, "compile", lambda fn, **kw: fn)
-    monkeypatch.setattr(DecodeStep, "_compiled", {})
-    monkeypatch.setattr(DecodeStep, "failure", None)
-    monkeypatch.setattr(DecodeStep, "precompile", True)
-    a = DecodeStep(compile=True, cuda_graphs=False)._function(torch.nn.Linear(4, 4))
-    assert DecodeStep(compile=True, cuda_graphs=False)._function(torch.nn.Linear(4, 4)) is a  # same shapes
-    b = DecodeStep(compile=True, cuda_graphs=False)._function(torch.nn.Linear(4, 8))
-    assert a.__code__ is b.__code__ is decode_step.decode.__code__
-    assert len({decode_step.decode.__qualname__, a.__qualname__, b.__qualname__}) == 3

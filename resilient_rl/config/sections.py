@@ -395,10 +395,6 @@ class RolloutConfig(Section):
     cuda_graphs: bool = True
     #: Static engine: ``torch.compile`` the decode step; null: on GPU only.
     compile: Optional[bool] = None
-    #: Compiled decode step: keep the traced step with the compiled code (torch's experimental
-    #: caching precompile), so a process started again, on any node, skips tracing; false: keep
-    #: the compiled code only.
-    precompile: bool = True
     #: Sampling of the validation passes (``trainer.test_freq``): greedy by default.
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 

@@ -16,10 +16,6 @@ What compiling costs is counted, not assumed: :class:`DecodeStats` reads the com
 counters (graphs compiled, graph breaks) around a generation. A compiled step that raises is an
 event, not a silent slowdown: the process then decodes eagerly (the same results, the same
 kernels as uncompiled) and every later generation reports ``eager_fallback`` with the reason.
-
-With :attr:`DecodeStep.precompile` on (set by the run's compile cache), the step compiles under
-torch's caching precompile (:mod:`resilient_rl.models.precompile`): a process that finds the kept
-package skips tracing, and the step reports no compile.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from resilient_rl.models.cache_attention import EngineStep
-from resilient_rl.models.precompile import per_model, precompiling
 from resilient_rl.models.sampling import pick_tokens
 
 __all__ = ["DecodeStats", "DecodeStep", "decode", "row_buckets"]
@@ -95,31 +90,21 @@ class DecodeStep:
     backend: str | Callable = "inductor"
     #: Why compiling failed in this process (None: it did not); once set, decoding stays eager.
     failure: str | None = None
-    #: Compile under torch's caching precompile (:mod:`resilient_rl.models.precompile`).
-    precompile: bool = False
 
     def __init__(self, compile: bool, cuda_graphs: bool):
         self.compile = compile and DecodeStep.failure is None
         self.mode = "reduce-overhead" if cuda_graphs else None
         self.stats = DecodeStats(compiled=self.compile, eager_fallback=DecodeStep.failure)
         self._start = _compiler_counts()
-        self._key: str | None = None
 
-    def compiling(self):
-        """The context a generation's decode steps run in: torch's caching precompile on where
-        this step compiles and :attr:`precompile` is set (once per generation, not per step)."""
-        return precompiling(self.compile and DecodeStep.precompile)
-
-    def _function(self, model) -> Callable:
-        if self._key is None:  # once per generation
-            fn = per_model(decode, model) if DecodeStep.precompile else decode
-            self._key = f"{self.mode}/{fn.__qualname__}"
-            if self._key not in DecodeStep._compiled:
-                _allow_recompiles(BUCKET_LEVELS * 4)
-                mode = {"mode": self.mode} if DecodeStep.backend == "inductor" else {}
-                # dynamic=None: only the dimensions marked in __call__ (the batch) are symbols.
-                DecodeStep._compiled[self._key] = torch.compile(fn, backend=DecodeStep.backend, dynamic=None, **mode)
-        return DecodeStep._compiled[self._key]
+    def _function(self) -> Callable:
+        key = str(self.mode)
+        if key not in DecodeStep._compiled:
+            _allow_recompiles(BUCKET_LEVELS * 4)
+            mode = {"mode": self.mode} if DecodeStep.backend == "inductor" else {}
+            # dynamic=None: only the dimensions marked in __call__ (the batch) are symbols.
+            DecodeStep._compiled[key] = torch.compile(decode, backend=DecodeStep.backend, dynamic=None, **mode)
+        return DecodeStep._compiled[key]
 
     def __call__(self, *args) -> torch.Tensor:
         self.stats.steps += 1
@@ -135,8 +120,8 @@ class DecodeStep:
                 # graph's memory, overwritten by the next replay, so they are copied out (B ids)
                 # before they are fed back in.
                 torch.compiler.cudagraph_mark_step_begin()
-                return self._function(args[1])(*args).clone()
-            return self._function(args[1])(*args)
+                return self._function()(*args).clone()
+            return self._function()(*args)
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
             # A failed call may be repeated eagerly: a decode step only overwrites one cache
             # column and returns logits.

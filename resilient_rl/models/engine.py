@@ -231,7 +231,7 @@ def generate_static(
     keys, values = cache.views()
     prefill = EngineStep(keys, values, torch.arange(prompt_len, device=device),
                          prefill_mask=attention_mask_4d(prompt_mask[first], 0, prompt_mask.shape[1]))
-    with nullcontext() if tiny else engine_attention(model), step_fn.compiling():
+    with nullcontext() if tiny else engine_attention(model):
         logits = forward(model, input_ids[first], prompt_pos[first], prefill)
         if first.shape[0] != batch:  # the samples of a prompt take copies of its prefilled rows
             cache.take_rows(group)

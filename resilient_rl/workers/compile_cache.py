@@ -5,23 +5,19 @@ decode step instead of compiling it again.
 Triton kernels) in a cache on the local disk, so a process restarted on the same node finds it
 there. A process on another node does not: a warm spare adopted there, every process after a
 node loss, and every process of a run resumed on new nodes compile again (49.6 s for the
-decode step of Qwen2.5-0.5B on an H200 host, where a step takes 3.4 ms). And even a process that
-finds every kernel traces the step again, since dynamo keeps no guards across processes.
+decode step of Qwen2.5-0.5B on an H200 host, where a step takes 3.4 ms).
 
-So once a rollout process has compiled, it saves the compiler's artifacts
+So once a rollout process has compiled, its rank 0 writes the compiler's artifacts
 (``torch.compiler.save_cache_artifacts``: everything compiled or found in the cache by this
-process) and its rank 0 writes them to one file per torch version and device in the run's
-checkpoint folder, ``<checkpoint.root>/<run_name>/compile_cache/``; a process about to compile
-for the first time loads that file into its local cache first
-(``torch.compiler.load_cache_artifacts``). With ``rollout.precompile`` (default on) the step is
-compiled under torch's caching precompile (:mod:`resilient_rl.models.precompile`), so the
-artifacts and the local cache also hold the traced step with its guards, and a process that finds
-them skips tracing as well. ``python bench/compile_cache.py --layers 8`` (six fresh processes,
-2-core CPU), the first generation with precompile: 48.5 s compiling with an empty local cache,
-22.8 s on another node with the run's artifacts (on a CPU inductor's C++ is compiled again from
-the kept source, a GPU's kernels are kept compiled), 4.2 s on the same node; without it 54.1 s,
-24.3 s and 9.3 s. A file that does not match this torch, device or model is
-loaded and then simply not hit: the compiler's own keys and guards decide.
+process) to one file per torch version and device in the run's checkpoint folder,
+``<checkpoint.root>/<run_name>/compile_cache/``, and a process about to compile for the first
+time loads that file into its local cache first (``torch.compiler.load_cache_artifacts``). The
+compiler still traces the step (guards are not kept) but takes the compiled code from the cache:
+on a 2-core CPU the first generation of 8 layers took 20.1 s with the artifacts against 34.5 s
+without and 7.4 s with the node's own cache warm (``python bench/compile_cache.py --layers 8``;
+on a CPU inductor's C++ is compiled again from the kept source, a GPU's kernels are kept
+compiled). A file that does not match this torch, device or model is
+loaded and then simply not hit: the compiler's own cache keys decide.
 
 Everything here is best effort: an unreadable or unwritable cache folder costs a compile, never a
 step (a warning says why).
@@ -35,8 +31,6 @@ import re
 import torch
 
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.models.decode_step import DecodeStep
-from resilient_rl.models.precompile import precompiling
 
 __all__ = ["CompileCache"]
 
@@ -63,10 +57,8 @@ class CompileCache:
 
     FOLDER = "compile_cache"
 
-    def __init__(self, root: str, run_name: str, storage_options: dict | None = None, precompile: bool = True):
-        """``precompile``: keep the traced step with the compiled code (``rollout.precompile``)."""
+    def __init__(self, root: str, run_name: str, storage_options: dict | None = None):
         self.root, self.run_name, self.storage_options = root, run_name, storage_options
-        self.precompile = precompile
         self._storage: Storage | None = None
 
     @property
@@ -81,38 +73,31 @@ class CompileCache:
 
     def adopt(self, device) -> int:
         """Load the run's artifacts into this process's compile cache, once per process and before
-        its first compile (which then runs under precompile where asked); the bytes loaded (0:
-        none there, or already done)."""
+        its first compile; the bytes loaded (0: none there, or already done)."""
         if _PROCESS["adopted"]:
             return 0
         _PROCESS["adopted"] = True
-        DecodeStep.precompile = self.precompile
         path = self.path(device)
-        data = b""
         try:
-            if self.storage.exists(path):
-                data = self.storage.read_bytes(path)
-                with precompiling(self.precompile):
-                    if torch.compiler.load_cache_artifacts(data) is None:  # torch logged why (a torn file)
-                        raise ValueError("torch loaded no artifacts from it")
+            if not self.storage.exists(path):
+                return 0
+            data = self.storage.read_bytes(path)
+            if torch.compiler.load_cache_artifacts(data) is None:  # torch logged why (a torn file)
+                raise ValueError("torch loaded no artifacts from it")
         except Exception as exc:  # noqa: BLE001 -- a cache: without it the step compiles
             log.warning("compile cache: could not load %s (%s: %s); compiling from scratch",
                         self.storage.url_for(path), type(exc).__name__, exc)
-            data = b""
-        if not data:
             return 0
         log.info("compile cache: loaded %.1f MiB of compiled code from %s", len(data) / 2**20,
                  self.storage.url_for(path))
         return len(data)
 
-    def keep(self, device, share: bool) -> int:
-        """Save what this process compiled (or found cached): into the node's local cache (the
-        traced step, under precompile), and with ``share`` (one rank) for the run's other
-        processes; the bytes written to the run (0: none, or nothing new since the last write)."""
+    def publish(self, device) -> int:
+        """Write what this process compiled (or found cached) for the run's other processes;
+        the bytes written (0: nothing new since this process last wrote)."""
         try:
-            with precompiling(self.precompile):
-                saved = torch.compiler.save_cache_artifacts()
-            if not share or not saved or len(saved[0]) <= _PROCESS["published"]:
+            saved = torch.compiler.save_cache_artifacts()
+            if not saved or len(saved[0]) <= _PROCESS["published"]:
                 return 0
             data = saved[0]
             self.storage.write_bytes_atomic(self.path(device), data)

@@ -284,8 +284,7 @@ class RolloutWorker(RoleWorker):
         self.engine = RolloutEngine(c.model, c.rollout, self.vocab_size, c.trainer.seed, self.plan,
                                     self.eos_token_id, self.pad_token_id, empty=empty,
                                     compile_cache=CompileCache(c.checkpoint.root, c.trainer.run_name,
-                                                               c.checkpoint.storage_options,
-                                                               precompile=c.rollout.precompile))
+                                                               c.checkpoint.storage_options))
         # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
         self.weights.receive_into(self.engine.model)
         return True

@@ -9,10 +9,9 @@ number; a generate request that names another version is refused, so stale weigh
 produce a batch silently. Sampling draws from a generator seeded by (run seed, step, rank), which
 makes a replayed step after recovery sample exactly the same tokens.
 
-Where it compiles its decode step, a process first takes the run's kept compiler artifacts, and
-after compiling keeps its own in the node's cache and (rank 0) the run's
-(:mod:`resilient_rl.workers.compile_cache`), so a process started later, on any node, neither
-compiles nor traces the step from scratch.
+Where it compiles its decode step, a process first takes the run's kept compiler artifacts and
+rank 0 keeps what it compiled (:mod:`resilient_rl.workers.compile_cache`), so a process started
+on another node later does not compile from scratch.
 """
 
 from __future__ import annotations
@@ -118,8 +117,8 @@ class RolloutEngine:
         meta = {}
         if out.engine_stats is not None:
             stats = out.engine_stats
-            if stats["compiles"] and self.compile_cache is not None:
-                self.compile_cache.keep(self.plan.device, share=rank == 0)
+            if stats["compiles"] and rank == 0 and self.compile_cache is not None:
+                self.compile_cache.publish(self.plan.device)
             meta["metrics"] = {"perf/decode_compiles": float(stats["compiles"]),
                                "perf/decode_graph_breaks": float(stats["graph_breaks"]),
                                "perf/decode_compactions": float(stats["compactions"]),
