@@ -47,7 +47,8 @@ if device == "cuda":
 first = time.perf_counter() - t0
 from torch._dynamo.utils import counters
 print(json.dumps({"adopt_s": t_adopt, "loaded": loaded, "first_s": first, "compiles": out.engine_stats["compiles"],
-                  "published": cache.publish(device) if publish else 0, "inductor": dict(counters["inductor"])}))
+                  "published": cache.publish(device) if publish else 0, "inductor": dict(counters["inductor"]),
+                  "eager": out.engine_stats["eager_fallback"]}))
 """
 
 
@@ -78,6 +79,11 @@ def main(argv=None) -> int:
         hits = r["inductor"].get("fxgraph_cache_hit", 0)
         print(f"  {name:36s} {r['first_s']:6.1f} s  ({r['first_s'] / cold['first_s']:.2f}x)  "
               f"loading the artifacts {r['adopt_s']:.1f} s, inductor cache hits {hits}")
+    eager = [name for name, r in rows if r["eager"]]
+    if eager:  # a fast case that decoded eagerly measured nothing about the compile cache
+        reason = next(r["eager"] for _, r in rows if r["eager"])
+        print(f"  the compiled step failed and decoded eagerly in: {', '.join(eager)} ({reason})")
+        return 1
     return 0
 
 
