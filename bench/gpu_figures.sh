@@ -14,6 +14,7 @@
 #      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
 #      rollout engine against HF generate with the engine's share of the decode roofline;
 #   2. gsm8k-1.5b: the same but the generation comparison.
+# Before them, bench/sampling.py times the decode step's sampling pass at 512 rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -31,6 +32,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 "$PY" -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" | tee -a "$out/gpu.txt"
 status=0
 limit="${RRL_FIGURE_TIMEOUT:-300}"
+# The decode step's sampling pass at the workloads' shape (two small compiles, seconds).
+echo "== python bench/sampling.py --rows 512" | tee -a "$out/summary.txt"
+timeout -k 10 120 "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
