@@ -13,8 +13,8 @@ process) to one file per torch version and device in the run's checkpoint folder
 ``<checkpoint.root>/<run_name>/compile_cache/``, and a process about to compile for the first
 time loads that file into its local cache first (``torch.compiler.load_cache_artifacts``). The
 compiler still traces the step (guards are not kept) but takes the compiled code from the cache:
-on a 2-core CPU the first generation of 8 layers took 20.1 s with the artifacts against 34.5 s
-without and 7.4 s with the node's own cache warm (``python bench/compile_cache.py --layers 8``;
+on a 2-core CPU the first generation of 8 layers took 25.6 s with the artifacts against 42.6 s
+without and 8.6 s with the node's own cache warm (``python bench/compile_cache.py --layers 8``;
 on a CPU inductor's C++ is compiled again from the kept source, a GPU's kernels are kept
 compiled). A file that does not match this torch, device or model is
 loaded and then simply not hit: the compiler's own cache keys decide.
