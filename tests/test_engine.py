@@ -12,6 +12,7 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.models.decode_step import DecodeStep, row_buckets
 from resilient_rl.models.engine import (
     compaction_rows,
+    compiles_decode,
     engine_cache,
     generate_static,
     resolve_engine,
@@ -91,6 +92,11 @@ def test_single_eos_id_still_works(tiny):
     eos = frequent_tokens(tiny, ids, mask, k=1)[0]
     plain = generate(tiny, ids, mask, max_new_tokens=12, temperature=0.0, eos_token_id=eos)
     assert_same_output(plain, generate_static(tiny, ids, mask, max_new_tokens=12, temperature=0.0, eos_token_id=eos))
+
+
+def test_decode_step_compiles_when_asked_or_on_cuda_by_default():
+    assert compiles_decode(None, "cuda:0") and not compiles_decode(None, "cpu")
+    assert compiles_decode(True, "cpu") and not compiles_decode(False, torch.device("cuda"))
 
 
 def test_shared_prefill_groups_adjacent_identical_prompts():

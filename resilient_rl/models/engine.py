@@ -60,8 +60,8 @@ from resilient_rl.models.kv_cache import PAD_COLUMNS, CacheShape, EngineCache
 from resilient_rl.models.sampling import draw_uniform, sample_tokens
 from resilient_rl.models.tiny import TinyCausalLM, attention_mask_4d
 
-__all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "engine_cache", "generate_static", "resolve_engine",
-           "shared_prompt_groups", "static_unsupported_reason"]
+__all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "compiles_decode", "engine_cache", "generate_static",
+           "resolve_engine", "shared_prompt_groups", "static_unsupported_reason"]
 
 
 #: Values of ``rollout.engine``.
@@ -163,6 +163,11 @@ def _hf_limit(model: nn.Module) -> tuple[int | None, str]:
 _CACHES: "weakref.WeakKeyDictionary[nn.Module, EngineCache]" = weakref.WeakKeyDictionary()
 
 
+def compiles_decode(compile: bool | None, device: torch.device | str) -> bool:
+    """Whether :func:`generate_static` compiles its decode step: ``compile``, or, when None, on CUDA."""
+    return torch.device(device).type == "cuda" if compile is None else bool(compile)
+
+
 def engine_cache(model: nn.Module, shape: CacheShape, rows: int, columns: int) -> EngineCache:
     """The model's cache, kept from one generation to the next (grown when this one needs more)."""
     cache = _CACHES.get(model)
@@ -221,7 +226,7 @@ def generate_static(
     eos_ids = _eos_tensor(eos_token_id, device)
 
     on_cuda = device.type == "cuda"
-    step_fn = DecodeStep(compile=on_cuda if compile is None else compile, cuda_graphs=on_cuda and cuda_graphs)
+    step_fn = DecodeStep(compile=compiles_decode(compile, device), cuda_graphs=on_cuda and cuda_graphs)
     # Buckets depend on the device only: compiled or not, a seeded generation samples the same rows.
     buckets = row_buckets(batch, CUDA_ROW_BUCKET if on_cuda and batch >= CUDA_ROW_BUCKET else 1)
     cache = engine_cache(model, shape_of(model), batch, -(-total_len // BLOCK) * BLOCK)

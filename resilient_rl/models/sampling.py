@@ -64,16 +64,18 @@ def pick_tokens(logits: torch.Tensor, temperature: float, top_p: float, draw: to
     logits = logits.float()
     if draw is None:
         return logits.argmax(dim=-1)
-    if not torch.compiler.is_compiling():
-        cdf = top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p).cumsum(dim=-1)
-        # The first entry whose running sum exceeds the draw: a zero-probability token never is (its
-        # sum equals its predecessor's); the clamp covers a draw rounding up to the total.
-        return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    if top_p < 1.0:
-        return pick_from_weights(top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p), draw)
-    # The weights exp((logits - max) / T) are computed where they are summed and again for the one
-    # block searched, never written out whole.
-    return pick_from_weights(logits, draw, top=logits.amax(dim=-1, keepdim=True), temperature=temperature)
+    compiling = torch.compiler.is_compiling()
+    if compiling and top_p >= 1.0:
+        # The weights exp((logits - max) / T) are computed where they are summed and again for the one
+        # block searched, never written out whole.
+        return pick_from_weights(logits, draw, top=logits.amax(dim=-1, keepdim=True), temperature=temperature)
+    probs = top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p)
+    if compiling:
+        return pick_from_weights(probs, draw)
+    cdf = probs.cumsum(dim=-1)
+    # The first entry whose running sum exceeds the draw: a zero-probability token never is (its
+    # sum equals its predecessor's); the clamp covers a draw rounding up to the total.
+    return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
 
 
 def pick_from_weights(values: torch.Tensor, draw: torch.Tensor, block: int = BLOCK, top: torch.Tensor | None = None,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from resilient_rl.errors import WorkerError
-from resilient_rl.models.engine import generate_static, resolve_engine
+from resilient_rl.models.engine import compiles_decode, generate_static, resolve_engine
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.models.generation import generate
 from resilient_rl.protocol import DataProto
@@ -86,9 +86,7 @@ class RolloutEngine:
 
     def compiles(self) -> bool:
         """Whether generations compile the decode step (``rollout.compile``; unset: on a GPU)."""
-        wanted = getattr(self.cfg, "compile", None)
-        return self.engine == "static" and (torch.device(self.plan.device).type == "cuda" if wanted is None
-                                            else bool(wanted))
+        return self.engine == "static" and compiles_decode(getattr(self.cfg, "compile", None), self.plan.device)
 
     def generate_sequences(self, prompts: DataProto, rank: int) -> DataProto:
         meta = prompts.meta_info
