@@ -12,6 +12,9 @@ One compile of Qwen2.5-0.5B's 24 layers took 45-55 s on an H200's host (the firs
 time); on a 2-core CPU, 24 narrow layers took 77.2 s with an empty compile cache, once for every
 bucket and span (``python bench/decode_compile.py --layers 24``; the README has the comparisons).
 
+With the inductor back end the step is compiled ahead of time and kept
+(:mod:`resilient_rl.models.decode_kept`): the run's other processes load it instead of tracing it.
+
 What compiling costs is counted, not assumed: :class:`DecodeStats` reads the compiler's own
 counters (graphs compiled, graph breaks) around a generation. A compiled step that raises is an
 event, not a silent slowdown: the process then decodes eagerly (the same results, the same
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from resilient_rl.models.cache_attention import EngineStep
+from resilient_rl.models.decode_kept import kept_steps
 from resilient_rl.models.sampling import pick_tokens
 
 __all__ = ["DecodeStats", "DecodeStep", "decode", "row_buckets"]
@@ -71,6 +75,8 @@ class DecodeStats:
     compiles: int = 0
     graph_breaks: int = 0
     eager_fallback: str | None = None
+    #: Whether the compiled step ran a version kept for other processes (see :mod:`.decode_kept`).
+    kept: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,11 +97,43 @@ class DecodeStep:
     #: Why compiling failed in this process (None: it did not); once set, decoding stays eager.
     failure: str | None = None
 
-    def __init__(self, compile: bool, cuda_graphs: bool):
+    #: Why this process could not compile the step to keep it (None: it could); once set, the step
+    #: is compiled as before, and a new process traces it again.
+    kept_failure: str | None = None
+
+    def __init__(self, compile: bool, cuda_graphs: bool, key: str | None = None):
+        """``key``: the model's :func:`~resilient_rl.models.decode_kept.step_key` (None: the step is
+        not kept for other processes)."""
         self.compile = compile and DecodeStep.failure is None
         self.mode = "reduce-overhead" if cuda_graphs else None
+        self.key = key
         self.stats = DecodeStats(compiled=self.compile, eager_fallback=DecodeStep.failure)
         self._start = _compiler_counts()
+
+    def _kept_version(self, args) -> Callable | None:
+        """The kept version of the step for ``args``, compiled now if none is held yet (None: the
+        step is not kept in this process: another back end, no key, or compiling it to keep failed)."""
+        if self.key is None or DecodeStep.backend != "inductor" or DecodeStep.kept_failure is not None:
+            return None
+        kept = kept_steps(self.key, self.mode)
+        fn = kept.find(args)
+        if fn is None:
+            try:
+                fn = kept.compile(decode, args, _mark_dynamic)
+            except Exception as exc:  # noqa: BLE001 -- the step compiled as before is as correct
+                DecodeStep.kept_failure = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("rollout engine: the decode step could not be compiled to be kept (%s); this process "
+                            "compiles it as before, and a new process traces it again", DecodeStep.kept_failure)
+                return None
+        self.stats.kept = True
+        return fn
+
+    def _run(self, args) -> torch.Tensor:
+        fn = self._kept_version(args)
+        if fn is None:
+            _mark_dynamic(args)
+            fn = self._function()
+        return fn(*args)
 
     def _function(self) -> Callable:
         key = str(self.mode)
@@ -113,15 +151,14 @@ class DecodeStep:
             self.stats.buckets.append(batch)
         if not self.compile:
             return decode(*args)
-        _mark_dynamic(args)
         try:
             if self.mode == "reduce-overhead":
                 # Each call is a new step of the CUDA graphs: the tokens it returns live in the
                 # graph's memory, overwritten by the next replay, so they are copied out (B ids)
                 # before they are fed back in.
                 torch.compiler.cudagraph_mark_step_begin()
-                return self._function()(*args).clone()
-            return self._function()(*args)
+                return self._run(args).clone()
+            return self._run(args)
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
             # A failed call may be repeated eagerly: a decode step only overwrites one cache
             # column and returns logits.

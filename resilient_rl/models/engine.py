@@ -47,6 +47,7 @@ from torch import nn
 
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.cache_attention import BLOCK, EngineStep, engine_attention
+from resilient_rl.models.decode_kept import step_key
 from resilient_rl.models.decode_step import DecodeStep, row_buckets
 from resilient_rl.models.generation import (
     GenerationOutput,
@@ -226,7 +227,9 @@ def generate_static(
     eos_ids = _eos_tensor(eos_token_id, device)
 
     on_cuda = device.type == "cuda"
-    step_fn = DecodeStep(compile=compiles_decode(compile, device), cuda_graphs=on_cuda and cuda_graphs)
+    compiling = compiles_decode(compile, device)
+    step_fn = DecodeStep(compile=compiling, cuda_graphs=on_cuda and cuda_graphs,
+                         key=step_key(model) if compiling else None)
     # Buckets depend on the device only: compiled or not, a seeded generation samples the same rows.
     buckets = row_buckets(batch, CUDA_ROW_BUCKET if on_cuda and batch >= CUDA_ROW_BUCKET else 1)
     cache = engine_cache(model, shape_of(model), batch, -(-total_len // BLOCK) * BLOCK)

@@ -65,7 +65,7 @@ class RolloutEngine:
         self.engine = resolve_engine(getattr(rollout_cfg, "engine", "auto"), self.model)
         self.version = NO_WEIGHTS if empty else 0
         if compile_cache is not None and self.compiles():
-            compile_cache.adopt(plan.device)  # once per process, before its first compile
+            compile_cache.adopt(plan.device, self.model)  # once per process, before its first compile
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Copy the actor's full weights in; returns the new version."""
@@ -116,11 +116,12 @@ class RolloutEngine:
         if out.engine_stats is not None:
             stats = out.engine_stats
             if stats["compiles"] and rank == 0 and self.compile_cache is not None:
-                self.compile_cache.publish(self.plan.device)
+                self.compile_cache.publish(self.plan.device, self.model)
             meta["metrics"] = {"perf/decode_compiles": float(stats["compiles"]),
                                "perf/decode_graph_breaks": float(stats["graph_breaks"]),
                                "perf/decode_compactions": float(stats["compactions"]),
-                               "perf/decode_eager": float(stats["eager_fallback"] is not None)}
+                               "perf/decode_eager": float(stats["eager_fallback"] is not None),
+                               "perf/decode_kept": float(stats["kept"])}
             if stats["eager_fallback"] is not None:
                 meta["decode_eager_reason"] = stats["eager_fallback"]
         return DataProto.from_dict({

@@ -1,0 +1,158 @@
+"""The decode step traced once and kept: a new process loads it instead of tracing it again.
+
+``torch.compile`` traces the step in every new process, even when a compile cache holds every
+kernel. On a 2-core CPU that tracing was 4.8 s of the 8.2 s a restarted process took for 8 layers,
+and a recovered rollout pays it before its retried step. So the step is compiled ahead of time
+(``torch.compile(...).aot_compile``): the result is a function with its guards that can be
+written to bytes (:func:`save_kept`) and loaded by another process (:func:`load_kept`), which
+then runs the step without tracing it. One version serves every batch bucket and span of cache
+columns (the batch and the columns are symbols, as in
+:class:`~resilient_rl.models.decode_step.DecodeStep`); a call that no kept version accepts (a
+single row, greedy decoding, another ``top_p``) compiles one more version.
+
+What the kept guards check: the tensors (shapes, strides, dtypes, devices), the values the step
+specialised on (greedy or not, ``top_p``) and the global state (grad mode, autocast). Guards on
+object identity (the model object, functions, modules' globals) cannot be written down; what they
+would check is folded into :func:`step_key` instead, which names the file: the model's class and
+configuration, the source of this package, and the torch and transformers versions. The model
+itself is an argument of every call (its parameters are inputs of the graph, not constants), so a
+kept version runs whatever weights the model holds now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["KEPT_LIMIT", "KeptSteps", "kept_steps", "load_kept", "portable_guards", "save_kept", "step_key"]
+
+#: Versions of the step one process keeps for one model, at most (as the compiler's recompile limit).
+KEPT_LIMIT = 16
+
+_SOURCE: list[str] = []
+_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KEPT: dict[tuple[str, str | None], KeptSteps] = {}
+
+
+def _source_digest() -> str:
+    """sha256 of this package's source (the engine, the attention, the sampling), read once."""
+    if not _SOURCE:
+        h = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+        _SOURCE.append(h.hexdigest())
+    return _SOURCE[0]
+
+
+def step_key(model: torch.nn.Module) -> str:
+    """What the guards a kept step cannot hold would check, as a hex digest: the model's class and
+    configuration, the source of :mod:`resilient_rl.models`, and the torch and transformers versions."""
+    if model not in _KEYS:
+        try:
+            import transformers
+
+            hf_version = transformers.__version__
+        except ImportError:  # pragma: no cover -- a dependency; without it only tiny models run
+            hf_version = "none"
+        cls = type(model)
+        parts = [torch.__version__, hf_version, f"{cls.__module__}.{cls.__qualname__}",
+                 repr(getattr(model, "config", None)), _source_digest()]
+        _KEYS[model] = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return _KEYS[model]
+
+
+def portable_guards(entries) -> list[bool]:
+    """The guards a kept step holds (``guard_filter_fn``): all but those on globals and on object
+    identity, which cannot be written down (:func:`step_key` stands for them)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [not (e.is_global or e.guard_type in unsupported or unsupported.intersection(e.derived_guard_types))
+            for e in entries]
+
+
+def _mode_options(mode: str | None) -> dict:
+    """Inductor's settings for ``mode`` (on a GPU "reduce-overhead": CUDA graphs)."""
+    return dict(torch._inductor.list_mode_options(mode)) if mode else {}
+
+
+class KeptSteps:
+    """The versions of the decode step this process holds for one model key and compile mode,
+    compiled here or loaded; a call runs the first whose guards accept its arguments."""
+
+    def __init__(self, key: str, mode: str | None):
+        self.key, self.mode = key, mode
+        self.steps: list = []
+        self.loaded = 0
+        self._last = None
+
+    def find(self, args: tuple):
+        """The kept version that accepts ``args`` (None: none does)."""
+        if self._last is not None and self._last.guard_check(*args):
+            return self._last
+        for fn in self.steps:
+            if fn is not self._last and fn.guard_check(*args):
+                self._last = fn
+                return fn
+        return None
+
+    def compile(self, step: Callable, args: tuple, mark: Callable[[tuple], None]):
+        """Compile one more version of ``step`` for ``args`` (``mark`` names their dynamic dimensions)."""
+        if len(self.steps) >= KEPT_LIMIT:
+            raise RuntimeError(f"the decode step has {len(self.steps)} compiled versions already "
+                               f"(at most {KEPT_LIMIT}); another one was asked for")
+        mark(args)
+        options = {**_mode_options(self.mode), "guard_filter_fn": portable_guards}
+        fn = torch.compile(step, fullgraph=True, dynamic=None, options=options).aot_compile((args, {}))
+        fn.disable_guard_check()  # find() checked them
+        self.steps.append(fn)
+        self._last = fn
+        return fn
+
+    def state(self) -> dict:
+        """Every version held, for another process's :meth:`load` (its parts are bytes)."""
+        return {"mode": self.mode, "steps": [type(fn).serialize(fn).serialized_data for fn in self.steps]}
+
+    def load(self, state: dict, step: Callable) -> int:
+        """Add the versions of ``step`` that ``state`` (from :meth:`state`) holds; how many."""
+        # Inductor applies its settings (CUDA graphs) when it rebuilds the compiled code.
+        with torch._inductor.config.patch(_mode_options(self.mode)):
+            loaded = [torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=step.__globals__)
+                      for blob in state["steps"]]
+        for fn in loaded[:KEPT_LIMIT - len(self.steps)]:
+            fn.disable_guard_check()
+            self.steps.append(fn)
+        self.loaded += len(loaded)
+        return len(loaded)
+
+
+def kept_steps(key: str, mode: str | None) -> KeptSteps:
+    """This process's :class:`KeptSteps` for a model key and compile mode."""
+    if (key, mode) not in _KEPT:
+        _KEPT[(key, mode)] = KeptSteps(key, mode)
+    return _KEPT[(key, mode)]
+
+
+def save_kept(key: str) -> tuple[bytes, int]:
+    """Every version of the step this process holds for the model ``key`` (compiled here or
+    loaded, in every compile mode) as bytes for :func:`load_kept`, and how many versions."""
+    held = [kept for (k, _), kept in _KEPT.items() if k == key and kept.steps]
+    data = pickle.dumps({"key": key, "modes": [kept.state() for kept in held]})
+    return data, sum(len(kept.steps) for kept in held)
+
+
+def load_kept(data: bytes, key: str, step: Callable) -> int:
+    """Load the versions of ``step`` that :func:`save_kept` wrote for the model ``key``; how many.
+    Raises ValueError when ``data`` was kept for another model key."""
+    kept = pickle.loads(data)
+    if not isinstance(kept, dict) or kept.get("key") != key:
+        found = str(kept.get("key"))[:16] if isinstance(kept, dict) else type(kept).__name__
+        raise ValueError(f"kept for model key {found}, not {key[:16]}")
+    return sum(kept_steps(key, state["mode"]).load(state, step) for state in kept["modes"])

@@ -1,0 +1,100 @@
+"""The decode step traced once and kept (models/decode_kept.py): its versions run whatever weights
+the model holds, load back from bytes without tracing, refuse another model's file, and a step
+that cannot be kept compiles as before. A fresh process on another node loading the run's kept
+step is tested in test_compile_cache.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from resilient_rl.models import decode_kept
+from resilient_rl.models.decode_kept import KeptSteps, load_kept, portable_guards, save_kept, step_key
+from resilient_rl.models.decode_step import DecodeStep, decode
+from resilient_rl.models.engine import generate_static
+from resilient_rl.models.hf import load_hf_causal_lm, tiny_llama_config
+from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
+
+VOCAB = 40
+
+
+def llama(seed: int, hidden: int = 32):
+    torch.manual_seed(seed)
+    return load_hf_causal_lm(hf_config=tiny_llama_config(VOCAB, hidden_size=hidden, intermediate_size=64)).eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch):
+    """No kept versions held yet and no failure seen, as in a new process."""
+    monkeypatch.setattr(decode_kept, "_KEPT", {})
+    monkeypatch.setattr(DecodeStep, "kept_failure", None)
+    monkeypatch.setattr(DecodeStep, "failure", None)
+    monkeypatch.setattr(DecodeStep, "_compiled", {})
+
+
+def run(model, compile: bool, greedy: bool = False):
+    ids = torch.randint(1, VOCAB, (6, 5), generator=torch.Generator().manual_seed(3))
+    return generate_static(model, ids, torch.ones_like(ids), max_new_tokens=8, eos_token_id=[1, 2], compile=compile,
+                           temperature=0.0 if greedy else 1.0, check_every=2,
+                           generator=torch.Generator().manual_seed(7))
+
+
+def test_a_kept_step_runs_the_weights_the_model_holds_now():
+    first = llama(1)
+    assert step_key(first) == step_key(llama(2))  # one configuration, another set of weights
+    out = run(first, compile=True)
+    assert out.engine_stats["kept"] and out.engine_stats["compiles"] == 1
+    assert torch.equal(out.sequences, run(first, compile=False).sequences)
+    first.load_state_dict(llama(2).state_dict())  # as a weight sync does
+    again = run(first, compile=True)  # the same kept version: the weights are its inputs, not constants
+    assert again.engine_stats["compiles"] == 0 and not torch.equal(again.sequences, out.sequences)
+    assert torch.equal(again.sequences, run(first, compile=False).sequences)
+    greedy = run(first, compile=True, greedy=True)  # no draw: one more version
+    assert greedy.engine_stats["compiles"] == 1 and len(decode_kept.kept_steps(step_key(first), None).steps) == 2
+    assert torch.equal(greedy.sequences, run(first, compile=False, greedy=True).sequences)
+
+
+def test_kept_versions_load_from_bytes_and_run_without_tracing(monkeypatch):
+    model = llama(1)
+    compiled = run(model, compile=True)
+    data, count = save_kept(step_key(model))
+    assert count == 1 and len(data) > 10_000
+    monkeypatch.setattr(decode_kept, "_KEPT", {})  # as a new process
+    assert load_kept(data, step_key(model), decode) == 1
+    loaded = run(model, compile=True)
+    assert loaded.engine_stats["compiles"] == 0 and loaded.engine_stats["kept"]
+    assert torch.equal(loaded.sequences, compiled.sequences)
+    with pytest.raises(ValueError, match="kept for model key"):
+        load_kept(data, step_key(llama(1, hidden=48)), decode)
+
+
+def test_step_key_names_the_model_class_and_configuration():
+    assert step_key(llama(1)) != step_key(llama(1, hidden=48))
+    torch.manual_seed(0)
+    tiny = TinyCausalLM(TinyLMConfig(vocab_size=VOCAB, hidden_size=32, max_seq_len=64))
+    assert step_key(tiny) != step_key(llama(1)) and len(step_key(tiny)) == 64
+
+
+def test_portable_guards_keep_tensors_and_values_and_drop_identity_and_globals():
+    def entry(guard_type, is_global=False, derived=()):
+        return SimpleNamespace(guard_type=guard_type, is_global=is_global, derived_guard_types=derived)
+
+    entries = [entry("TENSOR_MATCH"), entry("EQUALS_MATCH"), entry("CONSTANT_MATCH", derived=("NONE_MATCH",)),
+               entry("SHAPE_ENV"), entry("ID_MATCH"), entry("CLOSURE_MATCH"), entry("TYPE_MATCH", is_global=True),
+               entry("BUILTIN_MATCH", derived=("ID_MATCH",))]
+    assert portable_guards(entries) == [True, True, True, True, False, False, False, False]
+
+
+def test_a_step_that_cannot_be_kept_compiles_as_before(monkeypatch, caplog):
+    def refuse(self, step, args, mark):
+        raise RuntimeError("this guard cannot be written down")
+
+    monkeypatch.setattr(KeptSteps, "compile", refuse)
+    model = llama(1)
+    out = run(model, compile=True)
+    stats = out.engine_stats
+    assert stats["compiled"] and not stats["kept"] and stats["eager_fallback"] is None and stats["compiles"] >= 1
+    assert "cannot be written down" in DecodeStep.kept_failure and "could not be compiled to be kept" in caplog.text
+    assert torch.equal(out.sequences, run(model, compile=False).sequences)
