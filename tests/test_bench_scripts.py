@@ -28,9 +28,9 @@ def bench(monkeypatch):
     return gpu, train
 
 
-def run_on_cpu(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_on_cpu(script: str, *args: str, timeout: int = 600, **env_vars: str) -> subprocess.CompletedProcess:
     """``python bench/<script> args...`` with no GPU visible; the test's failure shows its stderr."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO), **env_vars}
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -379,19 +379,23 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
     assert len(lines) == 9  # nothing new: no step printed twice, no event after finish
 
 
-def test_gpu_workload_runs_end_to_end_tiny_on_cpu():
+def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
     dimensions: rollout through the compiled decode step with compaction, rewards, update, weight
-    sync, a checkpoint and a recovery from a SIGKILL, with nothing replayed."""
-    proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2", timeout=900)
+    sync, a checkpoint and a recovery from a SIGKILL, with nothing replayed. Its own empty compile
+    cache: the first rollout compiles, and the restarted process loads the kept step instead."""
+    proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2", timeout=900,
+                      TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = proc.stdout
+    warmup = next(line for line in out.splitlines() if line.startswith("warm-up step 1:"))
+    assert "1 decode-step compiles" in warmup, warmup
     decode = next(line for line in out.splitlines() if line.startswith("decode step in the measured steps"))
     assert "0 graph breaks" in decode and "eager fallback: no" in decode and " 0.0 compactions" not in decode
     assert "first checkpoint save" in out
     recovery = next(line for line in out.splitlines() if line.startswith("recovery after a SIGKILL"))
     assert "0 steps replayed" in recovery, recovery
-    # The retry's own cost (the restarted process compiles its decode step) is shown beside it.
-    assert "  the retried step 5: " in out and "decode-step compiles) against a median" in out
+    # The retry's own cost is shown beside it: the restarted process ran the kept decode step.
+    assert "  the retried step 5: " in out and ", 0 decode-step compiles) against a median" in out
     # Printed as the run went: every step once, the recovery's course, the figures so far.
     stamped = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[")]
     assert [line.split(":")[0] for line in stamped if line.startswith("step ")] == [f"step {i}" for i in range(1, 6)]
