@@ -96,5 +96,20 @@ def test_a_step_that_cannot_be_kept_compiles_as_before(monkeypatch, caplog):
     out = run(model, compile=True)
     stats = out.engine_stats
     assert stats["compiled"] and not stats["kept"] and stats["eager_fallback"] is None and stats["compiles"] >= 1
-    assert "cannot be written down" in DecodeStep.kept_failure and "could not be compiled to be kept" in caplog.text
+    assert "cannot be written down" in DecodeStep.kept_failure and "kept decode step could not be compiled" in caplog.text
+    assert torch.equal(out.sequences, run(model, compile=False).sequences)
+
+
+def test_a_kept_version_that_fails_leaves_the_step_compiled_as_before(monkeypatch, caplog):
+    def failing(self, args):
+        def run(*_):
+            raise RuntimeError("a kept version that cannot run here")
+        return run
+
+    monkeypatch.setattr(KeptSteps, "find", failing)
+    model = llama(1)
+    out = run(model, compile=True)
+    stats = out.engine_stats
+    assert stats["compiled"] and not stats["kept"] and stats["eager_fallback"] is None and stats["compiles"] >= 1
+    assert "cannot run here" in DecodeStep.kept_failure and "kept decode step failed" in caplog.text
     assert torch.equal(out.sequences, run(model, compile=False).sequences)

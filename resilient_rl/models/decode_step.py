@@ -110,10 +110,22 @@ class DecodeStep:
         self.stats = DecodeStats(compiled=self.compile, eager_fallback=DecodeStep.failure)
         self._start = _compiler_counts()
 
+    def _keeps(self) -> bool:
+        """Whether this call runs a kept version of the step (the inductor back end, a model key,
+        and no failure of a kept version in this process yet)."""
+        return self.key is not None and DecodeStep.backend == "inductor" and DecodeStep.kept_failure is None
+
+    def _drop_kept(self, exc: Exception, what: str) -> None:
+        """Stop keeping the step in this process: it is compiled as before from now on."""
+        DecodeStep.kept_failure = f"{type(exc).__name__}: {exc}"[:500]
+        self.stats.kept = False
+        log.warning("rollout engine: the kept decode step %s (%s); this process compiles the step as before, and "
+                    "a new process traces it again", what, DecodeStep.kept_failure)
+
     def _kept_version(self, args) -> Callable | None:
         """The kept version of the step for ``args``, compiled now if none is held yet (None: the
-        step is not kept in this process: another back end, no key, or compiling it to keep failed)."""
-        if self.key is None or DecodeStep.backend != "inductor" or DecodeStep.kept_failure is not None:
+        step is not kept in this process)."""
+        if not self._keeps():
             return None
         kept = kept_steps(self.key, self.mode)
         fn = kept.find(args)
@@ -121,9 +133,7 @@ class DecodeStep:
             try:
                 fn = kept.compile(decode, args, _mark_dynamic)
             except Exception as exc:  # noqa: BLE001 -- the step compiled as before is as correct
-                DecodeStep.kept_failure = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("rollout engine: the decode step could not be compiled to be kept (%s); this process "
-                            "compiles it as before, and a new process traces it again", DecodeStep.kept_failure)
+                self._drop_kept(exc, "could not be compiled")
                 return None
         self.stats.kept = True
         return fn
@@ -133,7 +143,25 @@ class DecodeStep:
         if fn is None:
             _mark_dynamic(args)
             fn = self._function()
+        if self.mode == "reduce-overhead":
+            # Each call is a new step of the CUDA graphs: the tokens it returns live in the
+            # graph's memory, overwritten by the next replay, so they are copied out (B ids)
+            # before they are fed back in.
+            torch.compiler.cudagraph_mark_step_begin()
+            return fn(*args).clone()
         return fn(*args)
+
+    def _compiled_step(self, args) -> torch.Tensor:
+        """The compiled step: a kept version, or where that fails, the step compiled as before. A
+        failed call may be repeated: a decode step only overwrites one cache column and returns
+        logits. (Where the step compiled as before fails, :meth:`__call__` decodes eagerly.)"""
+        try:
+            return self._run(args)
+        except Exception as exc:  # noqa: BLE001 -- the step compiled as before is as correct
+            if not self._keeps():
+                raise
+            self._drop_kept(exc, "failed")
+        return self._run(args)
 
     def _function(self) -> Callable:
         key = str(self.mode)
@@ -152,16 +180,8 @@ class DecodeStep:
         if not self.compile:
             return decode(*args)
         try:
-            if self.mode == "reduce-overhead":
-                # Each call is a new step of the CUDA graphs: the tokens it returns live in the
-                # graph's memory, overwritten by the next replay, so they are copied out (B ids)
-                # before they are fed back in.
-                torch.compiler.cudagraph_mark_step_begin()
-                return self._run(args).clone()
-            return self._run(args)
+            return self._compiled_step(args)
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
-            # A failed call may be repeated eagerly: a decode step only overwrites one cache
-            # column and returns logits.
             DecodeStep.failure = f"{type(exc).__name__}: {exc}"[:500]
             log.warning("rollout engine: the compiled decode step failed (%s); this process decodes eagerly "
                         "from now on", DecodeStep.failure)
