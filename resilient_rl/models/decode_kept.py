@@ -90,7 +90,6 @@ class KeptSteps:
     def __init__(self, key: str, mode: str | None):
         self.key, self.mode = key, mode
         self.steps: list = []
-        self.loaded = 0
         self._last = None
 
     def find(self, args: tuple):
@@ -121,15 +120,16 @@ class KeptSteps:
         return {"mode": self.mode, "steps": [type(fn).serialize(fn).serialized_data for fn in self.steps]}
 
     def load(self, state: dict, step: Callable) -> int:
-        """Add the versions of ``step`` that ``state`` (from :meth:`state`) holds; how many."""
+        """Add the versions of ``step`` that ``state`` (from :meth:`state`) holds, up to
+        :data:`KEPT_LIMIT` in all; how many were added."""
+        blobs = state["steps"][:max(0, KEPT_LIMIT - len(self.steps))]
         # Inductor applies its settings (CUDA graphs) when it rebuilds the compiled code.
         with torch._inductor.config.patch(_mode_options(self.mode)):
             loaded = [torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=step.__globals__)
-                      for blob in state["steps"]]
-        for fn in loaded[:KEPT_LIMIT - len(self.steps)]:
-            fn.disable_guard_check()
-            self.steps.append(fn)
-        self.loaded += len(loaded)
+                      for blob in blobs]
+        for fn in loaded:
+            fn.disable_guard_check()  # find() checks them
+        self.steps.extend(loaded)
         return len(loaded)
 
 
