@@ -98,7 +98,7 @@ class CompileCache:
 
     def steps_path(self, device, key: str) -> str:
         """The file of the traced decode steps kept for the model ``key`` (:mod:`~resilient_rl.models.decode_kept`)."""
-        return Storage.join(self.run_name, self.FOLDER, f"{device_tag(device)}.decode-{key[:16]}.bin")
+        return Storage.join(self.run_name, self.FOLDER, _steps_name(device, key))
 
     def adopt(self, device, model: torch.nn.Module | None = None) -> int:
         """Load the run's artifacts into this process's compile cache, once per process and before
@@ -120,8 +120,7 @@ class CompileCache:
 
     def _steps_files(self, device, key: str) -> list[tuple[Storage, str]]:
         """Where the decode steps kept for ``key`` are: the run's folder, then this node's copy."""
-        return [(self.storage, self.steps_path(device, key)),
-                (self.node, f"{device_tag(device)}.decode-{key[:16]}.bin")]
+        return [(self.storage, self.steps_path(device, key)), (self.node, _steps_name(device, key))]
 
     @staticmethod
     def _read(storage: Storage, path: str, what: str, load) -> int:
@@ -174,6 +173,11 @@ def _saved(what: str, save) -> tuple[bytes, int]:
     except Exception as exc:  # noqa: BLE001 -- a cache: the run goes on without it
         log.warning("compile cache: could not save %s (%s: %s)", what, type(exc).__name__, exc)
         return b"", 0
+
+
+def _steps_name(device, key: str) -> str:
+    """The name of the file of the decode steps kept for the model ``key``, in the run's folder and the node's."""
+    return f"{device_tag(device)}.decode-{key[:16]}.bin"
 
 
 def _load_artifacts(data: bytes) -> None:
