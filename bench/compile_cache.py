@@ -15,52 +15,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
+
+from decode_bench import run_fresh, small_qwen2
 
 CASE = r"""
 import json, sys, time
 import torch
+from decode_bench import decode_model, device, synchronize
 from resilient_rl.models.engine import generate_static
-from resilient_rl.models.hf import load_hf_causal_lm
 from resilient_rl.workers.compile_cache import CompileCache
 
-root, layers, adopt, publish = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-device = "cuda" if torch.cuda.is_available() else "cpu"
+root, config, steps = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+adopt, publish = "adopt" in steps, "publish" in steps
 cache = CompileCache(root, "bench")
-config = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": layers,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-          "max_position_embeddings": 4096, "tie_word_embeddings": True}
-torch.manual_seed(0)
-dtype = torch.bfloat16 if device == "cuda" else torch.float32
-model = load_hf_causal_lm(hf_config=config).to(device=device, dtype=dtype).eval()
+model = decode_model(config)
 t0 = time.perf_counter()
-loaded = cache.adopt(device, model) if adopt else 0
+loaded = cache.adopt(device(), model) if adopt else 0
 t_adopt = time.perf_counter() - t0
-ids = torch.randint(8, 1024, (64, 32), device=device)
+ids = torch.randint(8, config["vocab_size"], (64, 32), device=device())
 t0 = time.perf_counter()
 out = generate_static(model, ids, torch.ones_like(ids), max_new_tokens=48, eos_token_id=list(range(8, 50)),
-                      compile=True, check_every=4, generator=torch.Generator(device=device).manual_seed(0))
-if device == "cuda":
-    torch.cuda.synchronize()
+                      compile=True, check_every=4, generator=torch.Generator(device=device()).manual_seed(0))
+synchronize()
 first = time.perf_counter() - t0
 from torch._dynamo.utils import counters
 print(json.dumps({"adopt_s": t_adopt, "loaded": loaded, "first_s": first, "compiles": out.engine_stats["compiles"],
-                  "published": cache.publish(device, model) if publish else 0, "inductor": dict(counters["inductor"]),
+                  "published": cache.publish(device(), model) if publish else 0, "inductor": dict(counters["inductor"]),
                   "eager": out.engine_stats["eager_fallback"], "kept": out.engine_stats["kept"]}))
 """
-
-
-def case(root: str, local: str, layers: int, adopt: bool, publish: bool) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": local}
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CASE, root, str(layers), str(int(adopt)), str(int(publish))],
-                          env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(done.stderr[-3000:])
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t0}
 
 
 def main(argv=None) -> int:
@@ -69,9 +52,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root, node_a, node_b = (os.path.join(tmp, n) for n in ("ckpt", "node-a", "node-b"))
-        cold = case(root, node_a, args.layers, adopt=False, publish=True)  # compiles; keeps the step
-        other = case(root, node_b, args.layers, adopt=True, publish=False)  # another node: the run's kept step
-        same = case(root, node_a, args.layers, adopt=True, publish=False)  # the same node, its own cache too
+        config = json.dumps(small_qwen2(args.layers))
+        cold = run_fresh(CASE, root, config, "publish", cache=node_a)  # compiles; keeps the step
+        other = run_fresh(CASE, root, config, "adopt", cache=node_b)  # another node: the run's kept step
+        same = run_fresh(CASE, root, config, "adopt", cache=node_a)  # the same node, its own cache too
     rows = [("empty local cache (compiles)", cold), ("another node, the run's kept step", other),
             ("the same node, its own cache too", same)]
     print(f"{args.layers} layers; first generation of a fresh process, {cold['published'] / 2**20:.1f} MiB kept "

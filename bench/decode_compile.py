@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from decode_bench import decode_model, device, small_qwen2, synchronize
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,35 +35,25 @@ def main(argv=None) -> int:
 
     from resilient_rl.models.decode_step import DecodeStep
     from resilient_rl.models.engine import generate_static
-    from resilient_rl.models.hf import load_hf_causal_lm
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = {"model_type": "qwen2", "vocab_size": args.vocab, "hidden_size": args.hidden,
-              "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-              "num_key_value_heads": args.kv_heads, "intermediate_size": 2 * args.hidden,
-              "max_position_embeddings": 4096, "tie_word_embeddings": True}
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = load_hf_causal_lm(hf_config=config).to(device=device, dtype=dtype).eval()
+    model = decode_model(small_qwen2(args.layers, args.hidden, args.heads, args.kv_heads, args.vocab))
     DecodeStep.backend = args.backend
-    ids = torch.randint(8, args.vocab, (args.rows, 32), device=device)
+    ids = torch.randint(8, args.vocab, (args.rows, 32), device=device())
     mask = torch.ones_like(ids)
     # About one row in (new tokens / 2) ends at each token: rows finish at different lengths.
     stops = list(range(8, 8 + max(1, 2 * args.vocab // args.new_tokens)))
 
     def generation() -> tuple[float, dict]:
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         out = generate_static(model, ids, mask, max_new_tokens=args.new_tokens, eos_token_id=stops, compile=True,
-                              check_every=4, generator=torch.Generator(device=device).manual_seed(0))
-        if device == "cuda":
-            torch.cuda.synchronize()
+                              check_every=4, generator=torch.Generator(device=device()).manual_seed(0))
+        synchronize()
         return time.perf_counter() - t0, out.engine_stats
 
     first, stats = generation()
     second, again = generation()
-    print(f"{args.layers} layers, hidden {args.hidden}, {args.rows} rows on {device} ({args.backend}): batch sizes "
+    print(f"{args.layers} layers, hidden {args.hidden}, {args.rows} rows on {device()} ({args.backend}): batch sizes "
           f"{stats['buckets']}, {stats['compiles']} compiles, {stats['graph_breaks']} graph breaks")
     print(f"first generation {first:.1f} s, second {second:.2f} s ({again['compiles']} compiles): compiling cost "
           f"{first - second:.1f} s, {(first - second) / max(stats['compiles'], 1):.1f} s per compile; "

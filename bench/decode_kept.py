@@ -11,34 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
+
+from decode_bench import run_fresh, small_qwen2
 
 CASE = r"""
 import json, sys, time
 import torch
+from decode_bench import decode_model, device, synchronize
 from resilient_rl.models.decode_step import DecodeStep
 from resilient_rl.models.engine import generate_static
-from resilient_rl.models.hf import load_hf_causal_lm
 
-kept, layers, rows = sys.argv[1] == "1", int(sys.argv[2]), int(sys.argv[3])
+kept, config, rows = sys.argv[1] == "1", json.loads(sys.argv[2]), int(sys.argv[3])
 if not kept:
     DecodeStep.kept_failure = "compiled as before (bench case)"
-device = "cuda" if torch.cuda.is_available() else "cpu"
-config = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": layers,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-          "max_position_embeddings": 4096, "tie_word_embeddings": True}
-torch.manual_seed(0)
-model = load_hf_causal_lm(hf_config=config).to(device).eval()
-ids = torch.randint(8, 1024, (rows, 16), device=device)
+model = decode_model(config)
+ids = torch.randint(8, config["vocab_size"], (rows, 16), device=device())
 
 
 def generation():
     out = generate_static(model, ids, torch.ones_like(ids), max_new_tokens=128, compile=True, check_every=8,
-                          generator=torch.Generator(device=device).manual_seed(0))
-    if device == "cuda":
-        torch.cuda.synchronize()
+                          generator=torch.Generator(device=device()).manual_seed(0))
+    synchronize()
     return out
 
 
@@ -53,25 +47,17 @@ print(json.dumps({"ms_per_step": sorted(times)[2] / out.engine_stats["steps"] * 
 """
 
 
-def case(kept: bool, layers: int, rows: int, cache: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-    done = subprocess.run([sys.executable, "-c", CASE, str(int(kept)), str(layers), str(rows)], env=env,
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(done.stderr[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rows", type=int, default=8)
     args = p.parse_args(argv)
+    config = json.dumps(small_qwen2(args.layers))
     with tempfile.TemporaryDirectory() as tmp:
         runs = {True: [], False: []}
         for _ in range(2):
             for kept in (False, True):
-                runs[kept].append(case(kept, args.layers, args.rows, os.path.join(tmp, str(kept))))
+                runs[kept].append(run_fresh(CASE, int(kept), config, args.rows, cache=os.path.join(tmp, str(kept))))
     base = min(r["ms_per_step"] for r in runs[False])
     print(f"{args.layers} layers, {args.rows} rows; ms per decode step (best of two processes, median of five)")
     for kept, name in ((False, "compiled as before"), (True, "kept version")):

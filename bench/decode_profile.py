@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_workloads import WORKLOADS  # noqa: E402  (this script's folder)
+from decode_bench import decode_model, device, synchronize  # noqa: E402  (this script's folder)
+from gpu_workloads import WORKLOADS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,27 +34,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from resilient_rl.models.engine import generate_static
-    from resilient_rl.models.hf import load_hf_causal_lm
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
+    cuda = device() == "cuda"
     w = WORKLOADS[args.workload] if cuda else WORKLOADS[args.workload].tiny()
-    torch.manual_seed(0)
-    model = load_hf_causal_lm(hf_config=w.hf_config).to(device=device, dtype=torch.bfloat16 if cuda else None)
-    model.eval()
-    ids = torch.randint(8, w.tokenizer_vocab, (args.rows, w.prompt_len), device=device)
+    model = decode_model(w.hf_config)
+    ids = torch.randint(8, w.tokenizer_vocab, (args.rows, w.prompt_len), device=device())
     mask = torch.ones_like(ids)
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     def generation(tokens: int, **kw) -> tuple[float, dict]:
-        sync()
+        synchronize()
         t0 = time.perf_counter()
         out = generate_static(model, ids, mask, max_new_tokens=tokens, temperature=1.0,
-                              generator=torch.Generator(device=device).manual_seed(0), **kw)
-        sync()
+                              generator=torch.Generator(device=device()).manual_seed(0), **kw)
+        synchronize()
         return time.perf_counter() - t0, out.engine_stats
 
     variants = {"eager": {"compile": False}, "compiled": {"compile": True},

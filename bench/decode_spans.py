@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_workloads import WORKLOADS  # noqa: E402  (this script's folder)
+from decode_bench import decode_model, device, small_qwen2, synchronize  # noqa: E402  (this script's folder)
+from gpu_workloads import WORKLOADS  # noqa: E402
 
 #: The CPU's model when no workload is named: a Qwen2 shape small enough for a 2-core machine.
-CPU_CONFIG = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
-              "max_position_embeddings": 4096, "tie_word_embeddings": True}
+CPU_CONFIG = small_qwen2(2, hidden=128, vocab=256)
 
 
 def main(argv=None) -> int:
@@ -39,14 +38,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import resilient_rl.models.engine as engine
-    from resilient_rl.models.hf import load_hf_causal_lm
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
+    cuda = device() == "cuda"
     config = WORKLOADS[args.workload].hf_config if args.workload else CPU_CONFIG
-    torch.manual_seed(0)
-    model = load_hf_causal_lm(hf_config=config).to(device=device, dtype=torch.bfloat16 if cuda else None).eval()
-    ids = torch.randint(8, config["vocab_size"], (args.rows, args.prompt), device=device)
+    model = decode_model(config)
+    ids = torch.randint(8, config["vocab_size"], (args.rows, args.prompt), device=device())
     mask = torch.ones_like(ids)
     spans_init = engine._EngineDecoder.__init__
 
@@ -55,13 +51,11 @@ def main(argv=None) -> int:
         self.span_step = self.cache.capacity[1]
 
     def generation() -> float:
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         engine.generate_static(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0,
-                               compile=cuda or args.compile, generator=torch.Generator(device=device).manual_seed(0))
-        if cuda:
-            torch.cuda.synchronize()
+                               compile=cuda or args.compile, generator=torch.Generator(device=device()).manual_seed(0))
+        synchronize()
         return time.perf_counter() - t0
 
     best = {}

@@ -82,12 +82,13 @@ class Workload:
 
     def tiny(self) -> "Workload":
         """The same workload at small dimensions (CPU, tests): the same code path end to end."""
-        config = _qwen2(64, 2, 4, 2, 128, vocab=2048)
+        config = qwen2_config(64, 2, 4, 2, 128, vocab=2048)
         return Workload(f"{self.name}-tiny", config, prompts=4, n=4, prompt_len=40, max_new_tokens=24,
                         tokenizer_vocab=1024, mean_response=self.mean_response)
 
 
-def _qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 151936) -> dict:
+def qwen2_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 151936) -> dict:
+    """A Qwen2 ``config.json`` of this shape (a model built from it has random weights)."""
     return {"model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
             "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -96,8 +97,8 @@ def _qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: in
 
 #: Shapes of Qwen2.5-1.5B and Qwen2.5-0.5B (their config.json), 64 prompts x 8 samples, up to 256 + 512.
 WORKLOADS = {
-    "gsm8k-1.5b": Workload("gsm8k-1.5b", _qwen2(1536, 28, 12, 2, 8960)),
-    "gsm8k-0.5b": Workload("gsm8k-0.5b", _qwen2(896, 24, 14, 2, 4864)),
+    "gsm8k-1.5b": Workload("gsm8k-1.5b", qwen2_config(1536, 28, 12, 2, 8960)),
+    "gsm8k-0.5b": Workload("gsm8k-0.5b", qwen2_config(896, 24, 14, 2, 4864)),
 }
 
 _WORDS = ("apples", "pens", "trains", "hours", "coins", "miles", "boxes", "cups", "days", "books", "marbles",

@@ -500,3 +500,29 @@ def test_decode_spans_bench_compares_spans_with_reading_the_whole_cache():
     assert lines[0].startswith("4 rows x (8 prompt + 200 new tokens), CPU, eager")
     assert lines[1].split()[:2] == ["whole", "cache"] and lines[2].split()[0] == "spans"
     assert lines[3].startswith("  spans / whole cache: ") and lines[3].endswith("x the time")
+
+
+def test_fresh_case_runs_in_its_own_interpreter_with_its_own_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import decode_bench
+
+    code = ("import json, os, sys, decode_bench\nprint('other output first')\n"
+            "print(json.dumps({'args': sys.argv[1:], 'cache': os.environ['TORCHINDUCTOR_CACHE_DIR']}))")
+    out = decode_bench.run_fresh(code, 1, "a", cache=str(tmp_path))
+    assert out["args"] == ["1", "a"] and out["cache"] == str(tmp_path) and out["process_s"] > 0
+    with pytest.raises(SystemExit, match="ZeroDivisionError"):
+        decode_bench.run_fresh("1 / 0", cache=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_decode_kept_bench_runs_each_case_on_the_path_it_names():
+    lines = run_on_cpu("decode_kept.py", "--layers", "1", "--rows", "4").stdout.strip().splitlines()
+    assert lines[1].strip().startswith("compiled as before") and lines[1].endswith("(1.00x)  kept False")
+    assert lines[2].strip().startswith("kept version") and lines[2].endswith("kept True")
+
+
+@pytest.mark.slow
+def test_compile_cache_bench_loads_the_kept_step_with_no_compile():
+    lines = run_on_cpu("compile_cache.py", "--layers", "1").stdout.strip().splitlines()
+    assert "compiles 1, kept step True" in lines[1]
+    assert all("compiles 0, kept step True" in line for line in lines[2:4]), lines
