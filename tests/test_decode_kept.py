@@ -5,6 +5,7 @@ step is tested in test_compile_cache.py."""
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -109,3 +110,22 @@ def test_a_step_that_cannot_be_kept_or_fails_kept_compiles_as_before(monkeypatch
     assert stats["compiled"] and not stats["kept"] and stats["eager_fallback"] is None and stats["compiles"] >= 1
     assert "cannot" in DecodeStep.kept_failure and logged in caplog.text
     assert torch.equal(out.sequences, run(model, compile=False).sequences)
+
+
+def test_versions_kept_with_cuda_graphs_are_loaded_with_cuda_graphs(monkeypatch):
+    """Inductor reads its CUDA-graph setting when it rebuilds a loaded version: loading a
+    ``reduce-overhead`` version must run with that setting on (CUDA graphs cannot run on a CPU; the
+    loader is a fake that records the setting)."""
+    seen = []
+
+    def load(blob, f_globals):
+        seen.append((blob.read(), torch._inductor.config.triton.cudagraphs))
+        return SimpleNamespace(disable_guard_check=lambda: None)
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", load)
+    data = pickle.dumps({"key": "k", "modes": [{"mode": "reduce-overhead", "steps": [b"graphs"]},
+                                               {"mode": None, "steps": [b"plain", b"plain 2"]}]})
+    assert load_kept(data, "k", decode) == 3
+    assert seen == [(b"graphs", True), (b"plain", False), (b"plain 2", False)]
+    assert not torch._inductor.config.triton.cudagraphs  # only while loading
+    assert [len(decode_kept.kept_steps("k", mode).steps) for mode in ("reduce-overhead", None)] == [1, 2]
