@@ -55,15 +55,23 @@ def chaos_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(chaos_dir):
-    """The fault-free run every scenario is compared with (computed once per session)."""
-    return fault_free_run(chaos_dir, "reference")
+def shared_dir(tmp_path_factory):
+    """A folder every worker of a ``pytest -n`` session sees (None without ``-n``)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return str(tmp_path_factory.getbasetemp().parent / "chaos-shared")
 
 
 @pytest.fixture(scope="session")
-def fsdp_reference(chaos_dir):
+def reference(chaos_dir, shared_dir):
+    """The fault-free run every scenario is compared with (trained once per session)."""
+    return fault_free_run(chaos_dir, "reference", shared=shared_dir)
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(chaos_dir, shared_dir):
     """The fault-free run of the scenarios that shard the trained roles with FSDP2."""
-    return fault_free_run(chaos_dir, "reference-fsdp", *FSDP)
+    return fault_free_run(chaos_dir, "reference-fsdp", *FSDP, shared=shared_dir)
 
 
 @pytest.fixture

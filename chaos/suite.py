@@ -12,11 +12,14 @@ Scenarios import from here (``from suite import ...``), never from ``conftest``:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 
 import pytest
 
-from resilient_rl.faults.harness import run_training
+from resilient_rl.config.schema import load_config
+from resilient_rl.faults.harness import collect_run, run_training
 from resilient_rl.faults.nodes import local_nodes
 from resilient_rl.faults.storage import FaultPlan, faulty_url
 
@@ -97,10 +100,29 @@ def nodes_instead(workers: int, namespace: str):
         yield cluster
 
 
-def fault_free_run(chaos_dir: str, name: str, *extra: str):
-    ensure_ray()
-    result = run_training(chaos_overrides(chaos_dir) + list(extra), name)
-    assert result.error is None, result.error
+def fault_free_run(chaos_dir: str, name: str, *extra: str, shared: str | None = None):
+    """The fault-free run ``name`` (``extra``: its overrides), in ``chaos_dir``.
+
+    ``shared``: a folder every worker of the session sees (``pytest -n``). The run is then trained
+    once per session: the first worker to ask trains it there, under a lock, and each worker copies
+    its checkpoints and run folder into its own ``chaos_dir`` (scenarios copy them and resume from
+    them) and reads the run from there."""
+    if shared is None:
+        ensure_ray()
+        result = run_training(chaos_overrides(chaos_dir) + list(extra), name)
+        assert result.error is None, result.error
+    else:
+        os.makedirs(shared, exist_ok=True)
+        trained = os.path.join(shared, name, "trained")
+        with open(os.path.join(shared, f"{name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on an error
+            if not os.path.exists(trained):
+                fault_free_run(os.path.join(shared, name), name, *extra)
+                open(trained, "w").close()
+        for folder in ("ckpt", "runs"):
+            shutil.copytree(os.path.join(shared, name, folder, name), os.path.join(chaos_dir, folder, name))
+        cfg = load_config(None, chaos_overrides(chaos_dir) + list(extra) + [f"trainer.run_name={name}"])
+        result = collect_run(cfg)
     assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
     assert result.final_files, "the reference run committed no checkpoint"
     return result
