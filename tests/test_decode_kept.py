@@ -112,20 +112,29 @@ def test_a_step_that_cannot_be_kept_or_fails_kept_compiles_as_before(monkeypatch
     assert torch.equal(out.sequences, run(model, compile=False).sequences)
 
 
-def test_versions_kept_with_cuda_graphs_are_loaded_with_cuda_graphs(monkeypatch):
-    """Inductor reads its CUDA-graph setting when it rebuilds a loaded version: loading a
-    ``reduce-overhead`` version must run with that setting on (CUDA graphs cannot run on a CPU; the
-    loader is a fake that records the setting)."""
+def test_loading_rebuilds_each_mode_under_its_settings_and_adds_nothing_from_a_file_that_fails(monkeypatch):
+    """Inductor reads its CUDA-graph setting when it rebuilds a loaded version: a
+    ``reduce-overhead`` version must be rebuilt with that setting on (CUDA graphs cannot run on a
+    CPU; the loader is a fake that records the setting). A file that fails part way adds no
+    version, so the next copy tried does not add ones held already."""
     seen = []
 
     def load(blob, f_globals):
-        seen.append((blob.read(), torch._inductor.config.triton.cudagraphs))
+        data = blob.read()
+        if data == b"torn":
+            raise EOFError("torn version")
+        seen.append((data, torch._inductor.config.triton.cudagraphs))
         return SimpleNamespace(disable_guard_check=lambda: None)
 
+    def file(*modes) -> bytes:
+        return pickle.dumps({"key": "k", "modes": [{"mode": mode, "steps": steps} for mode, steps in modes]})
+
     monkeypatch.setattr(torch.compiler, "load_compiled_function", load)
-    data = pickle.dumps({"key": "k", "modes": [{"mode": "reduce-overhead", "steps": [b"graphs"]},
-                                               {"mode": None, "steps": [b"plain", b"plain 2"]}]})
-    assert load_kept(data, "k", decode) == 3
+    with pytest.raises(EOFError):
+        load_kept(file(("reduce-overhead", [b"graphs"]), (None, [b"plain", b"torn"])), "k", decode)
+    assert [len(decode_kept.kept_steps("k", mode).steps) for mode in ("reduce-overhead", None)] == [0, 0]
+    seen.clear()
+    assert load_kept(file(("reduce-overhead", [b"graphs"]), (None, [b"plain", b"plain 2"])), "k", decode) == 3
     assert seen == [(b"graphs", True), (b"plain", False), (b"plain 2", False)]
     assert not torch._inductor.config.triton.cudagraphs  # only while loading
     assert [len(decode_kept.kept_steps("k", mode).steps) for mode in ("reduce-overhead", None)] == [1, 2]

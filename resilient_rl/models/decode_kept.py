@@ -119,18 +119,22 @@ class KeptSteps:
         """Every version held, for another process's :meth:`load` (its parts are bytes)."""
         return {"mode": self.mode, "steps": [type(fn).serialize(fn).serialized_data for fn in self.steps]}
 
-    def load(self, state: dict, step: Callable) -> int:
-        """Add the versions of ``step`` that ``state`` (from :meth:`state`) holds, up to
-        :data:`KEPT_LIMIT` in all; how many were added."""
-        blobs = state["steps"][:max(0, KEPT_LIMIT - len(self.steps))]
+    def rebuild(self, state: dict, step: Callable) -> list:
+        """The versions of ``step`` that ``state`` (from :meth:`state`) holds, rebuilt but not yet
+        held (:meth:`add` holds them)."""
         # Inductor applies its settings (CUDA graphs) when it rebuilds the compiled code.
         with torch._inductor.config.patch(_mode_options(self.mode)):
-            loaded = [torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=step.__globals__)
-                      for blob in blobs]
-        for fn in loaded:
+            rebuilt = [torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=step.__globals__)
+                       for blob in state["steps"]]
+        for fn in rebuilt:
             fn.disable_guard_check()  # find() checks them
-        self.steps.extend(loaded)
-        return len(loaded)
+        return rebuilt
+
+    def add(self, rebuilt: list) -> int:
+        """Hold ``rebuilt`` versions, up to :data:`KEPT_LIMIT` in all; how many were added."""
+        added = rebuilt[:max(0, KEPT_LIMIT - len(self.steps))]
+        self.steps.extend(added)
+        return len(added)
 
 
 def kept_steps(key: str, mode: str | None) -> KeptSteps:
@@ -155,4 +159,8 @@ def load_kept(data: bytes, key: str, step: Callable) -> int:
     if not isinstance(kept, dict) or kept.get("key") != key:
         found = str(kept.get("key"))[:16] if isinstance(kept, dict) else type(kept).__name__
         raise ValueError(f"kept for model key {found}, not {key[:16]}")
-    return sum(kept_steps(key, state["mode"]).load(state, step) for state in kept["modes"])
+    # Every mode is rebuilt before any is held: a file that fails part way adds nothing, so the
+    # next copy tried (the node's) does not add versions held already.
+    held = [(kept_steps(key, state["mode"]), state) for state in kept["modes"]]
+    rebuilt = [(steps, steps.rebuild(state, step)) for steps, state in held]
+    return sum(steps.add(versions) for steps, versions in rebuilt)
