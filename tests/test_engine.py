@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient_rl.config.sections import ConfigFieldError, RolloutConfig
+from resilient_rl.config.section import ConfigFieldError
+from resilient_rl.config.sections import RolloutConfig
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.decode_step import DecodeStep, row_buckets
 from resilient_rl.models.engine import (

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from resilient_rl.config.sections import BUILTIN_REWARDS, BUILTIN_TASKS, FILE_TASKS, choice, require, Section
+from resilient_rl.config.section import choice, require, Section
+from resilient_rl.config.sections import BUILTIN_REWARDS, BUILTIN_TASKS, FILE_TASKS
 
 #: The ending that makes an unset ``data.task`` read ``data.path`` as verl's parquet data.
 PARQUET_SUFFIX = ".parquet"

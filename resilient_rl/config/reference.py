@@ -24,7 +24,7 @@ import textwrap
 import typing
 from pathlib import Path
 
-from resilient_rl.config.sections import type_name
+from resilient_rl.config.section import type_name
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

@@ -1,8 +1,9 @@
 """The run-time config sections: the fit loop, checkpointing, recovery, telemetry and Ray.
 
 These say how a run is driven and kept alive rather than what is trained; the model, optimiser,
-role and data sections, and the shared validation machinery (:class:`Section`, ``require``,
-``choice``), live in :mod:`resilient_rl.config.sections`. The root config in
+role and data sections live in :mod:`resilient_rl.config.sections` and
+:mod:`resilient_rl.config.data_sections`, the shared validation machinery (:class:`Section`,
+``require``, ``choice``) in :mod:`resilient_rl.config.section`. The root config in
 :mod:`resilient_rl.config.schema` re-exports every section.
 """
 
@@ -13,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from resilient_rl.config.sections import choice, require, Section
+from resilient_rl.config.section import choice, require, Section
 
 
 #: Longest ``trainer.run_name``: it names folders (255 bytes at most on common file systems) with

@@ -44,7 +44,6 @@ from resilient_rl.config.sections import (
     LOSS_AGG_MODES,
     ActorConfig,
     AlgorithmConfig,
-    ConfigFieldError,
     CriticConfig,
     FILE_TASKS,
     KLControlConfig,
@@ -52,10 +51,8 @@ from resilient_rl.config.sections import (
     OptimConfig,
     RefConfig,
     RolloutConfig,
-    require,
-    Section,
-    type_name,
 )
+from resilient_rl.config.section import ConfigFieldError, require, Section, type_name
 
 logger = logging.getLogger(__name__)
 
