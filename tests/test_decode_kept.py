@@ -71,6 +71,22 @@ def test_kept_versions_load_from_bytes_and_run_without_tracing(monkeypatch):
         load_kept(data, step_key(llama(1, hidden=48)), decode)
 
 
+def test_a_process_that_numbered_its_hooks_otherwise_runs_the_kept_step(monkeypatch):
+    """Module hooks are numbered by a counter of the process: one that registered other hooks
+    before it built the rollout model (an actor's FSDP2 hooks, say) gives the model's own hooks
+    other numbers, and that must not cost a compile."""
+    model = llama(1)
+    compiled = run(model, compile=True)
+    data, _ = save_kept(step_key(model))
+    monkeypatch.setattr(decode_kept, "_KEPT", {})  # as a new process ...
+    monkeypatch.setattr(torch.utils.hooks.RemovableHandle, "next_id", torch.utils.hooks.RemovableHandle.next_id + 7)
+    again = llama(1)  # ... whose earlier hooks moved the numbers on
+    assert load_kept(data, step_key(again), decode) == 1
+    loaded = run(again, compile=True)
+    assert loaded.engine_stats["compiles"] == 0 and loaded.engine_stats["kept"]
+    assert torch.equal(loaded.sequences, compiled.sequences)
+
+
 def test_step_key_names_the_model_class_and_configuration():
     assert step_key(llama(1)) != step_key(llama(1, hidden=48))
     torch.manual_seed(0)
@@ -78,14 +94,17 @@ def test_step_key_names_the_model_class_and_configuration():
     assert step_key(tiny) != step_key(llama(1)) and len(step_key(tiny)) == 64
 
 
-def test_portable_guards_keep_tensors_and_values_and_drop_identity_and_globals():
-    def entry(guard_type, is_global=False, derived=()):
-        return SimpleNamespace(guard_type=guard_type, is_global=is_global, derived_guard_types=derived)
+def test_portable_guards_keep_tensors_and_values_and_drop_identity_globals_and_hook_numbers():
+    def entry(guard_type, is_global=False, derived=(), name="L['model']"):
+        return SimpleNamespace(guard_type=guard_type, is_global=is_global, derived_guard_types=derived, name=name)
 
+    hooks = "model._modules['model']._forward_hooks"
     entries = [entry("TENSOR_MATCH"), entry("EQUALS_MATCH"), entry("CONSTANT_MATCH", derived=("NONE_MATCH",)),
-               entry("SHAPE_ENV"), entry("ID_MATCH"), entry("CLOSURE_MATCH"), entry("TYPE_MATCH", is_global=True),
-               entry("BUILTIN_MATCH", derived=("ID_MATCH",))]
-    assert portable_guards(entries) == [True, True, True, True, False, False, False, False]
+               entry("SHAPE_ENV"), entry("SEQUENCE_LENGTH", name=hooks), entry("ID_MATCH"), entry("CLOSURE_MATCH"),
+               entry("TYPE_MATCH", is_global=True), entry("BUILTIN_MATCH", derived=("ID_MATCH",)),
+               entry("DICT_CONTAINS", name=hooks + "_always_called"),
+               entry("TYPE_MATCH", name=hooks + "_always_called[3]")]
+    assert portable_guards(entries) == [True] * 5 + [False] * 6
 
 
 def _refuse_to_compile(self, step, args, mark):

@@ -14,7 +14,8 @@ What the kept guards check: the tensors (shapes, strides, dtypes, devices), the 
 specialised on (greedy or not, ``top_p``) and the global state (grad mode, autocast). Guards on
 object identity (the model object, functions, modules' globals) cannot be written down; what they
 would check is folded into :func:`step_key` instead, which names the file: the model's class and
-configuration, the source of this package, and the torch and transformers versions. The model
+configuration, the source of this package, and the torch and transformers versions. Guards on the
+numbers of module hooks are dropped as well: a counter of the process hands them out. The model
 itself is an argument of every call (its parameters are inputs of the graph, not constants), so a
 kept version runs whatever weights the model holds now.
 """
@@ -70,12 +71,20 @@ def step_key(model: torch.nn.Module) -> str:
 
 def portable_guards(entries) -> list[bool]:
     """The guards a kept step holds (``guard_filter_fn``): all but those on globals and on object
-    identity, which cannot be written down (:func:`step_key` stands for them)."""
+    identity, which cannot be written down (:func:`step_key` stands for them), and those on the
+    numbers of module hooks (``_forward_hooks_always_called``), which a counter of the process
+    hands out: a process that registered other hooks first numbers the model's own otherwise.
+    The count of each module's hooks stays guarded."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-    return [not (e.is_global or e.guard_type in unsupported or unsupported.intersection(e.derived_guard_types))
+    return [not (e.is_global or e.guard_type in unsupported or unsupported.intersection(e.derived_guard_types)
+                 or _HOOK_NUMBERS in e.name)
             for e in entries]
+
+
+#: The part of a guard's name that reads module hooks by their number.
+_HOOK_NUMBERS = "_hooks_always_called"
 
 
 def _mode_options(mode: str | None) -> dict:
