@@ -69,6 +69,10 @@ def step_key(model: torch.nn.Module) -> str:
     return _KEYS[model]
 
 
+#: The part of a guard's name that reads module hooks by their number.
+_HOOK_NUMBERS = "_hooks_always_called"
+
+
 def portable_guards(entries) -> list[bool]:
     """The guards a kept step holds (``guard_filter_fn``): all but those on globals and on object
     identity, which cannot be written down (:func:`step_key` stands for them), and those on the
@@ -81,10 +85,6 @@ def portable_guards(entries) -> list[bool]:
     return [not (e.is_global or e.guard_type in unsupported or unsupported.intersection(e.derived_guard_types)
                  or _HOOK_NUMBERS in e.name)
             for e in entries]
-
-
-#: The part of a guard's name that reads module hooks by their number.
-_HOOK_NUMBERS = "_hooks_always_called"
 
 
 def _mode_options(mode: str | None) -> dict:
@@ -125,7 +125,7 @@ class KeptSteps:
         return fn
 
     def state(self) -> dict:
-        """Every version held, for another process's :meth:`load` (its parts are bytes)."""
+        """Every version held, for another process's :meth:`rebuild` (its parts are bytes)."""
         return {"mode": self.mode, "steps": [type(fn).serialize(fn).serialized_data for fn in self.steps]}
 
     def rebuild(self, state: dict, step: Callable) -> list:
