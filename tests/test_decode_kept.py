@@ -5,6 +5,7 @@ step is tested in test_compile_cache.py."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 from types import SimpleNamespace
 
@@ -157,3 +158,19 @@ def test_loading_rebuilds_each_mode_under_its_settings_and_adds_nothing_from_a_f
     assert seen == [(b"graphs", True), (b"plain", False), (b"plain 2", False)]
     assert not torch._inductor.config.triton.cudagraphs  # only while loading
     assert [len(decode_kept.kept_steps("k", mode).steps) for mode in ("reduce-overhead", None)] == [1, 2]
+
+
+def test_a_torch_without_the_ahead_of_time_compile_compiles_the_step_as_before(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="resilient_rl.models.decode_step")
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    decode_kept.unkeepable.cache_clear()
+    try:
+        model = llama(1)
+        out = run(model, compile=True)
+    finally:
+        decode_kept.unkeepable.cache_clear()
+    stats = out.engine_stats
+    assert stats["compiled"] and not stats["kept"] and stats["compiles"] >= 1 and stats["eager_fallback"] is None
+    assert "has no ahead-of-time compile" in DecodeStep.kept_failure and "traced in every new process" in caplog.text
+    assert not decode_kept.kept_steps(step_key(model), None).steps
+    assert torch.equal(out.sequences, run(model, compile=False).sequences)

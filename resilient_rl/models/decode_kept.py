@@ -22,6 +22,7 @@ kept version runs whatever weights the model holds now.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import pickle
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KEPT_LIMIT", "KeptSteps", "kept_steps", "load_kept", "portable_guards", "save_kept", "step_key"]
+__all__ = ["KEPT_LIMIT", "KeptSteps", "kept_steps", "load_kept", "portable_guards", "save_kept", "step_key",
+           "unkeepable"]
 
 #: Versions of the step one process keeps for one model, at most (as the compiler's recompile limit).
 KEPT_LIMIT = 16
@@ -144,6 +146,18 @@ class KeptSteps:
         added = rebuilt[:max(0, KEPT_LIMIT - len(self.steps))]
         self.steps.extend(added)
         return len(added)
+
+
+@functools.cache
+def unkeepable() -> str | None:
+    """Why this torch cannot keep the step (None: it can): it lacks the ahead-of-time compile or
+    its loader (``torch.compiler.load_compiled_function``), as torch releases before them do."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch._dynamo.aot_compile") is None or \
+            not hasattr(torch.compiler, "load_compiled_function"):
+        return f"torch {torch.__version__} has no ahead-of-time compile to keep the step with"
+    return None
 
 
 def kept_steps(key: str, mode: str | None) -> KeptSteps:

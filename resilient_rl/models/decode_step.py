@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from resilient_rl.models.cache_attention import EngineStep
-from resilient_rl.models.decode_kept import kept_steps
+from resilient_rl.models.decode_kept import kept_steps, unkeepable
 from resilient_rl.models.sampling import pick_tokens
 
 __all__ = ["DecodeStats", "DecodeStep", "decode", "row_buckets"]
@@ -111,9 +111,15 @@ class DecodeStep:
         self._start = _compiler_counts()
 
     def _keeps(self) -> bool:
-        """Whether this call runs a kept version of the step (the inductor back end, a model key,
-        and no failure of a kept version in this process yet)."""
-        return self.key is not None and DecodeStep.backend == "inductor" and DecodeStep.kept_failure is None
+        """Whether this call runs a kept version of the step (the inductor back end, a model key, a
+        torch that can keep it, and no failure of a kept version in this process yet)."""
+        if self.key is None or DecodeStep.backend != "inductor" or DecodeStep.kept_failure is not None:
+            return False
+        reason = unkeepable()
+        if reason is not None:
+            DecodeStep.kept_failure = reason
+            log.info("rollout engine: %s; the decode step is traced in every new process", reason)
+        return reason is None
 
     def _drop_kept(self, exc: Exception, what: str) -> None:
         """Stop keeping the step in this process: it is compiled as before from now on."""
