@@ -133,3 +133,28 @@ def test_the_next_tokens_are_picked_inside_the_compiled_step(compiled_rollouts):
         targets = " ".join(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
         assert "sort" in targets and "searchsorted" in targets and "softmax" in targets, targets
 
+
+
+def test_graphs_left_out_of_cuda_graphs_are_counted(monkeypatch):
+    """Inductor runs a graph it cannot capture in CUDA graphs without them (its log says why):
+    correct, slower, and otherwise silent. A back end that skips them as inductor does (CUDA
+    graphs cannot run on a CPU) shows the count in the generation's stats."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    def skipping_backend(gm, example_inputs):
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a test")
+        return gm.forward
+
+    monkeypatch.setattr(DecodeStep, "backend", skipping_backend)
+    monkeypatch.setattr(DecodeStep, "_compiled", {})
+    monkeypatch.setattr(DecodeStep, "failure", None)
+    torch.manual_seed(0)
+    model = load_hf_causal_lm(hf_config=CONFIG).eval()
+    ids = torch.randint(1, 64, (4, 6), generator=torch.Generator().manual_seed(3))
+    args = dict(max_new_tokens=6, temperature=1.0, check_every=2, compact_min_fraction=0.0)
+    first = generate_static(model, ids, torch.ones_like(ids), compile=True, **args,
+                            generator=torch.Generator().manual_seed(1)).engine_stats
+    again = generate_static(model, ids, torch.ones_like(ids), compile=True, **args,
+                            generator=torch.Generator().manual_seed(1)).engine_stats
+    assert first["compiles"] == first["cudagraph_skips"] >= 1 and first["eager_fallback"] is None, first
+    assert again["compiles"] == again["cudagraph_skips"] == 0, again

@@ -66,7 +66,8 @@ def decode(forward: Callable, model, keys, values, tokens, position, column, key
 @dataclass
 class DecodeStats:
     """Counters of one generation: decode steps run, batch sizes used, compactions, and the
-    compiler's work during it (graphs compiled, graph breaks), plus the eager fallback if any."""
+    compiler's work during it (graphs compiled, graph breaks, graphs inductor ran without the CUDA
+    graphs asked for), plus the eager fallback if any."""
 
     compiled: bool = False
     steps: int = 0
@@ -74,6 +75,9 @@ class DecodeStats:
     buckets: list[int] = field(default_factory=list)
     compiles: int = 0
     graph_breaks: int = 0
+    #: Graphs inductor left out of CUDA graphs (``reduce-overhead``; its log says why): they run,
+    #: correct but slower.
+    cudagraph_skips: int = 0
     eager_fallback: str | None = None
     #: Whether the compiled step ran a version kept for other processes (see :mod:`.decode_kept`).
     kept: bool = False
@@ -82,10 +86,12 @@ class DecodeStats:
         return asdict(self)
 
 
-def _compiler_counts() -> tuple[int, int]:
+def _compiler_counts() -> tuple[int, int, int]:
+    """The process's graphs compiled, graph breaks and CUDA-graph skips so far."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+    return (int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values())),
+            int(counters["inductor"]["cudagraph_skips"]))
 
 
 class DecodeStep:
@@ -197,8 +203,9 @@ class DecodeStep:
 
     def finish(self) -> dict:
         """The generation's :class:`DecodeStats` as a dict (the compiler's counts since the start)."""
-        graphs, breaks = _compiler_counts()
-        self.stats.compiles, self.stats.graph_breaks = graphs - self._start[0], breaks - self._start[1]
+        now = _compiler_counts()
+        self.stats.compiles, self.stats.graph_breaks, self.stats.cudagraph_skips = (
+            n - start for n, start in zip(now, self._start))
         return self.stats.as_dict()
 
 

@@ -119,6 +119,7 @@ class RolloutEngine:
                 self.compile_cache.publish(self.plan.device, self.model)
             meta["metrics"] = {"perf/decode_compiles": float(stats["compiles"]),
                                "perf/decode_graph_breaks": float(stats["graph_breaks"]),
+                               "perf/decode_cudagraph_skips": float(stats["cudagraph_skips"]),
                                "perf/decode_compactions": float(stats["compactions"]),
                                "perf/decode_eager": float(stats["eager_fallback"] is not None),
                                "perf/decode_kept": float(stats["kept"])}
