@@ -9,7 +9,7 @@ graphs outlive one rollout. Batch sizes come from a small fixed set of buckets
 columns a step reads: one compile serves every bucket and span (on a GPU a CUDA graph is still
 captured per bucket and span) instead of one compile per bucket.
 One compile of Qwen2.5-0.5B's 24 layers took 45-55 s on an H200's host (the first rollout's extra
-time); on a 2-core CPU, 24 narrow layers took 65.5 s with an empty compile cache, once for every
+time); on a 2-core CPU, 24 narrow layers took 66.5 s with an empty compile cache, once for every
 bucket and span (``python bench/decode_compile.py --layers 24``; the README has the comparisons).
 
 With the inductor back end the step is compiled ahead of time and kept
