@@ -392,14 +392,13 @@ def main(argv=None) -> int:
     for row in r["warm"]:
         print(f"warm-up step {row['step']}: {row['timing/step_s']:.1f} s (generation {row.get('timing/gen_s', 0):.1f} s, "
               f"{row.get('perf/decode_compiles', 0):.0f} decode-step compiles)")
-    decode = [(row.get("perf/decode_compiles", 0.0), row.get("perf/decode_graph_breaks", 0.0),
-               row.get("perf/decode_compactions", 0.0), row.get("perf/decode_eager", 0.0),
-               row.get("perf/decode_cudagraph_skips", 0.0)) for row in rows]
-    if decode:
-        print(f"decode step in the measured steps: {sum(d[0] for d in decode):.0f} compiles, "
-              f"{sum(d[1] for d in decode):.0f} graph breaks, {sum(d[4] for d in decode):.0f} CUDA-graph skips, "
-              f"{sum(d[2] for d in decode) / len(decode):.1f} compactions per rollout, "
-              f"eager fallback: {'yes' if any(d[3] for d in decode) else 'no'}")
+    if rows:
+        total = {name: sum(row.get(f"perf/decode_{name}", 0.0) for row in rows)
+                 for name in ("compiles", "graph_breaks", "cudagraph_skips", "compactions", "eager")}
+        print(f"decode step in the measured steps: {total['compiles']:.0f} compiles, "
+              f"{total['graph_breaks']:.0f} graph breaks, {total['cudagraph_skips']:.0f} CUDA-graph skips, "
+              f"{total['compactions'] / len(rows):.1f} compactions per rollout, "
+              f"eager fallback: {'yes' if total['eager'] else 'no'}")
     if args.workload:
         from gpu_progress import recovery_lines
 
