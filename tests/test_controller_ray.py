@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
+import time
 
 import cloudpickle
 import numpy as np
@@ -69,6 +71,11 @@ class EchoWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def later(self, x):
         return x * 10
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_after(self, delays):
+        time.sleep(delays[self.rank])
+        raise RuntimeError(f"rank {self.rank} failed")
 
 
 @ray.remote
@@ -218,5 +225,24 @@ def test_second_rendezvous_after_sigkill_and_ray_restart(ray_cluster):
         wg.init_process_group(generation=2, backend="gloo", timeout_s=20)
         assert wg.all_reduce_check(1.0) == [3.0, 3.0]
         assert [i.generation for i in wg.ping()] == [2, 2]
+    finally:
+        wg.shutdown()
+
+
+def test_calls_left_by_a_failed_wait_are_read(ray_cluster, monkeypatch):
+    """A wait fails fast on rank 0's error while rank 1's call runs on and fails later. Nobody waits
+    for rank 1's call; Ray would log its error as "Unhandled error" once the ref is freed unread,
+    on the user's console, long after the failure was handled. The group reads it."""
+    unhandled = []
+    monkeypatch.setattr(ray._private.worker, "_unhandled_error_handler", unhandled.append)
+    wg = make_group(2, "unread")
+    try:
+        with pytest.raises(WorkerError, match="rank 0 failed"):
+            wg.fail_after([0.0, 1.0])
+        assert wg.describe("after")[1]["rank"] == 1  # queued behind rank 1's failing call
+        wait_until(lambda: wg.read_abandoned() == 0, 30, 0.1, "rank 1's call to be read")
+        gc.collect()
+        time.sleep(0.5)  # the handler runs on Ray's own thread
+        assert unhandled == []
     finally:
         wg.shutdown()

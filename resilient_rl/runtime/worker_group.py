@@ -14,12 +14,10 @@ boundary are classified into :class:`WorkerDiedError`, :class:`WorkerTimeoutErro
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from resilient_rl.runtime.health import HEALTH_GROUPS, answers_during_calls, classify_error  # noqa: F401
@@ -27,12 +25,13 @@ from resilient_rl.runtime import master_env, parts
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.runtime.group_call import GroupCall
 from resilient_rl.runtime.group_ranks import RankTable
+from resilient_rl.runtime.group_wait import AbandonedCalls, wait_results
 from resilient_rl.runtime.worker_group_verl import attached_ranks, check_verl_options, checked_worker_env
 from resilient_rl.runtime.liveness import LivenessWatch
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
                                                  create_colocated_worker_cls)
-from resilient_rl.errors import (DispatchError, WorkerTimeoutError)
+from resilient_rl.errors import DispatchError
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +77,7 @@ class RayWorkerGroup:
         self.health_timeout_s = health_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
         self._watch: LivenessWatch | None = None
+        self._unread = AbandonedCalls()
         self.name_prefix = name_prefix or (resource_pool.next_group_prefix() if resource_pool else "rrl")
         self.max_restarts = max_restarts
         self.max_task_retries = max_task_retries
@@ -217,38 +217,24 @@ class RayWorkerGroup:
         ``call_timeout_s``) is only a ceiling on the whole wait: WorkerTimeoutError with cause
         "timeout" names the ranks still running when it passes.
         """
-        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        index = {ref: i for i, ref in enumerate(refs)}
-        watch = self._liveness_watch(len(refs)) if liveness else None
-        results: list = [None] * len(refs)
-        pending = list(refs)
-        while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait_s = remaining if watch is None else min(watch.poll_interval_s, remaining or watch.poll_interval_s)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            for ref in ready:
-                # Keep the value: fetching it again would deserialize (and copy) every result twice.
-                try:
-                    results[index[ref]] = ray.get(ref, timeout=0)
-                except (RayActorError, RayTaskError) as exc:
-                    raise classify_error(exc, self.name_prefix, index[ref]) from exc
-                except GetTimeoutError:  # pragma: no cover - ready refs do not time out
-                    pending.append(ref)
-            if not pending:
-                break
-            if watch is not None:
-                hung = watch.poll(index[r] for r in pending)
-                if hung is not None:
-                    raise WorkerTimeoutError(f"{self.name_prefix} rank {hung.rank} is hung: {hung.detail}",
-                                             role=self.name_prefix, rank=hung.rank, cause="hang", pid=hung.pid,
-                                             hang_kind=hung.kind, stalled_s=hung.stalled_s)
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                ranks = sorted(index[r] for r in pending)
-                raise WorkerTimeoutError(f"{self.name_prefix}: rank(s) {ranks} did not finish within the "
-                                         f"{timeout_s:g}s ceiling", role=self.name_prefix, rank=ranks[0],
-                                         cause="timeout")
-        return results
+        read: set = set()
+        self.read_abandoned()
+        try:
+            timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+            watch = self._liveness_watch(len(refs)) if liveness else None
+            return wait_results(refs, self.name_prefix, timeout_s, watch, read)
+        except BaseException:
+            self.abandon(r for r in refs if r not in read)  # the other ranks' calls run on
+            raise
+
+    def abandon(self, refs) -> None:
+        """Calls of this group nobody will wait for any more: each is read once it has ended
+        (:class:`~resilient_rl.runtime.group_wait.AbandonedCalls`)."""
+        self._unread.add(refs)
+
+    def read_abandoned(self) -> int:
+        """Read the abandoned calls that have ended; how many still run."""
+        return self._unread.read()
 
     #: The name callers used before ``wait_refs``; a worker's registered ``get`` replaces it on its group.
     get = wait_refs
