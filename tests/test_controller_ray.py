@@ -16,6 +16,7 @@ import torch
 
 from resilient_rl import (DataProto, Dispatch, Execute, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
                           Worker, create_colocated_worker_cls, merge_resource_pool, register)
+from resilient_rl.runtime.group_call import results_in_order
 from resilient_rl.errors import CollectiveError, DispatchError, ResourceError, WorkerDiedError, WorkerError
 from resilient_rl.testing.wait import wait_until
 
@@ -230,19 +231,24 @@ def test_second_rendezvous_after_sigkill_and_ray_restart(ray_cluster):
 
 
 def test_calls_left_by_a_failed_wait_are_read(ray_cluster, monkeypatch):
-    """A wait fails fast on rank 0's error while rank 1's call runs on and fails later. Nobody waits
-    for rank 1's call; Ray would log its error as "Unhandled error" once the ref is freed unread,
-    on the user's console, long after the failure was handled. The group reads it."""
+    """A wait fails fast on rank 0's error while rank 1's call runs on and fails later, and so does
+    a call on another group collected after it. Nobody waits for those; Ray would log their errors
+    as "Unhandled error" once their refs are freed unread, on the user's console, long after the
+    failure was handled. Their groups read them."""
     unhandled = []
     monkeypatch.setattr(ray._private.worker, "_unhandled_error_handler", unhandled.append)
-    wg = make_group(2, "unread")
+    wg, other = make_group(2, "unread"), make_group(1, "unread_other")
     try:
         with pytest.raises(WorkerError, match="rank 0 failed"):
             wg.fail_after([0.0, 1.0])
-        assert wg.describe("after")[1]["rank"] == 1  # queued behind rank 1's failing call
-        wait_until(lambda: wg.read_abandoned() == 0, 30, 0.1, "rank 1's call to be read")
+        with pytest.raises(WorkerError, match="rank 0 failed"):
+            list(results_in_order([wg.submit("fail_after", [0.0, 0.5]), other.submit("fail_after", [1.0])]))
+        # Queued behind the failing calls: when these return, those have ended.
+        assert wg.describe("after")[1]["rank"] == 1 and other.describe("after")[0]["rank"] == 0
+        wait_until(lambda: wg.read_abandoned() == other.read_abandoned() == 0, 30, 0.1, "the calls to be read")
         gc.collect()
         time.sleep(0.5)  # the handler runs on Ray's own thread
         assert unhandled == []
     finally:
         wg.shutdown()
+        other.shutdown()

@@ -8,7 +8,7 @@ groups they run side by side) and collect each later exactly as the blocking cal
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from resilient_rl.protocol import DataProto, unpad_dataproto
 from resilient_rl.protocol.future import DataProtoFuture
@@ -17,13 +17,18 @@ from resilient_rl.protocol.future import DataProtoFuture
 class GroupCall:
     """The ObjectRefs of one call on a group's ranks, and how to collect them."""
 
-    def __init__(self, group, refs: list, collect: Callable, pad_size: int = 0, rank_zero: bool = False):
-        self.group, self.refs = group, refs
+    def __init__(self, group, refs: list, collect: Callable | None = None, pad_size: int = 0, rank_zero: bool = False,
+                 timeout_s: float | None = None):
+        self.group, self.refs, self.timeout_s = group, refs, timeout_s
         self._collect, self._pad_size, self._rank_zero = collect, pad_size, rank_zero
 
     def result(self) -> Any:
-        """Wait for every rank (watching their liveness, as a blocking call does) and collect."""
-        values = self.group.wait_refs(self.refs)
+        """Wait for every rank (watching their liveness, as a blocking call does, within
+        ``timeout_s``, by default the group's ``call_timeout_s``) and collect (by default: each
+        rank's value, in rank order)."""
+        values = self.group.wait_refs(self.refs, timeout_s=self.timeout_s)
+        if self._collect is None:
+            return values
         if self._rank_zero:
             return self._collect(self.group, values[0])
         output = self._collect(self.group, values)
@@ -43,3 +48,23 @@ class GroupCall:
             pad, inner = self._pad_size, output.dispatch_fn
             output.dispatch_fn = (lambda d: unpad_dataproto(inner(d) if inner else d, pad))
         return output
+
+    def abandon(self) -> None:
+        """Nobody will wait for this call: its group reads it once it ends (see
+        :class:`~resilient_rl.runtime.group_wait.AbandonedCalls`)."""
+        self.group.abandon(self.refs)
+
+
+def results_in_order(calls: Iterable[GroupCall]) -> Iterator[Any]:
+    """Each call's result, waited for in the order given. When one fails (or the caller stops
+    iterating), the calls after it are abandoned to their groups before the failure propagates:
+    a call on another group that fails in turn (its collective's peer died) is then read, not
+    left for Ray to log as an unhandled error."""
+    calls = list(calls)
+    for i, call in enumerate(calls):
+        try:
+            yield call.result()
+        except BaseException:
+            for later in calls[i + 1:]:
+                later.abandon()
+            raise

@@ -24,6 +24,7 @@ import ray
 
 from resilient_rl.runtime import health, worker_group_spares as group_spares
 from resilient_rl.runtime.health import answers_during_calls, process_gone, replaced
+from resilient_rl.runtime.group_call import GroupCall, results_in_order
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.pool.groups import start_spares, worker_group
 from resilient_rl.runtime.pool.unplaced import yield_to_unplaced
@@ -255,11 +256,11 @@ class RayRoles:
             actor, rollout = self.groups["actor"], self.groups["rollout"]
             addr, port = actor.get([actor.workers[0].get_master_addr_port.remote()], timeout_s=rc.rendezvous_timeout_s)[0]
             args = (self.generation, addr, port, rollout.world_size + 1, self.backend, rc.collective_timeout_s)
-            refs = (actor.execute_all_async("join_weight_channel", *args),
-                    rollout.execute_all_async("join_weight_channel", *args))
+            wait_s = rc.rendezvous_timeout_s + 5.0
+            calls = [GroupCall(g, g.execute_all_async("join_weight_channel", *args), timeout_s=wait_s)
+                     for g in (actor, rollout)]
             try:
-                for g, r in zip((actor, rollout), refs):
-                    g.get(r, timeout_s=rc.rendezvous_timeout_s + 5.0)
+                list(results_in_order(calls))
             except BaseException:  # the ranks still waiting for a failed peer give up at once
                 for g in (actor, rollout):
                     g.call_off_rendezvous(self.generation)
@@ -312,8 +313,7 @@ class RayRoles:
     def concurrently(self, calls: list[tuple[str, DataProto]]):
         """Every call dispatched now (its data serialized as it is at this point), results collected
         in order when iterated."""
-        pending = [self.groups[step_role(method)].submit(method, data) for method, data in calls]
-        return (call.result() for call in pending)
+        return results_in_order([self.groups[step_role(method)].submit(method, data) for method, data in calls])
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Give the rollout the actor's weights as ``version``; returns the bytes moved and, where the
@@ -323,13 +323,13 @@ class RayRoles:
         if self.colocated:
             # One process per rank runs both, in order: the check is queued behind the write.
             calls = (actor.submit("export_weights", version, True), rollout.submit("update_weights", None, version))
-            stats, versions = (c.result() for c in calls)
+            stats, versions = results_in_order(calls)
         elif self.weight_channel:
             if self.weights_layout is None:
                 self.weights_layout = actor.get(actor.execute_all_async("weights_layout"))[0]
-            refs = (actor.execute_all_async("send_weights", version),
-                    rollout.execute_all_async("receive_weights", version, self.weights_layout))
-            stats, versions = actor.get(refs[0]), rollout.get(refs[1])
+            stats, versions = results_in_order((
+                GroupCall(actor, actor.execute_all_async("send_weights", version)),
+                GroupCall(rollout, rollout.execute_all_async("receive_weights", version, self.weights_layout))))
         else:
             states = actor.export_weights(version, False)
             versions = rollout.update_weights(ray.put(states[0]), version)
