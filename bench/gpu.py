@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import tempfile
 import threading
@@ -60,137 +59,13 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch import nn
 
+from gpu_report import format_report, matmul_params, peak_flops, utilization_summary
 from gpu_workloads import WORKLOADS, prepare_data, workload_config, workload_lines
 
 NO_GPU = ("bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure "
           "(bench/train.py runs on CPU)")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "resilient_rl" / "configs" / "grpo_add.yaml"
-#: Dense bf16 tensor-core peak per device, matched in order against the CUDA device name.
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-                   ("A100", 312e12))
-
-
-# ------------------------------------------------------------------ pure helpers (tested on CPU)
-def matmul_params(model: nn.Module) -> int:
-    """Parameters used in matrix products: every parameter except those of embedding tables.
-
-    A tied LM head is counted through the head (it multiplies), an untied input embedding is not
-    (a lookup costs no FLOPs).
-    """
-    total = 0
-    for module in model.modules():
-        if not isinstance(module, nn.Embedding):
-            total += sum(p.numel() for p in module.parameters(recurse=False))
-    return total
-
-
-def step_flops(n_params: int, tokens: float, *, ppo_epochs: int, need_ref: bool,
-               critic_epochs: int | None = None) -> dict[str, float]:
-    """Model FLOPs of one step per phase (see the module docstring); ``critic_epochs`` None: no critic."""
-    fwd = 2.0 * n_params * tokens
-    flops = {"gen": fwd, "old_log_prob": fwd, "update_actor": 3.0 * fwd * ppo_epochs}
-    if need_ref:
-        flops["ref"] = fwd
-    if critic_epochs is not None:
-        flops["values"] = fwd
-        flops["update_critic"] = 3.0 * fwd * critic_epochs
-    return flops
-
-
-def peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of a device by its CUDA name; None when the table does not know it."""
-    for key, peak in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return peak
-    return None
-
-
-def si(value: float, unit: str) -> str:
-    """``value`` with an SI prefix: ``si(3.2e13, "FLOP/s")`` is ``'32.0 TFLOP/s'``."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f} {prefix}{unit}"
-    return f"{value:.1f} {unit}"
-
-
-def utilization_summary(readings: list[list]) -> dict[int, dict]:
-    """Per CUDA index: mean and max utilization ratio and most memory used over NVML readings
-    (lists of :class:`~resilient_rl.telemetry.device.GpuSample`); unreadable fields are skipped."""
-    per: dict[int, dict] = {}
-    for reading in readings:
-        for s in reading:
-            d = per.setdefault(s.index, {"uuid": s.uuid, "util": [], "memory": []})
-            if s.utilization_ratio is not None:
-                d["util"].append(s.utilization_ratio)
-            if s.memory_used_bytes is not None:
-                d["memory"].append(s.memory_used_bytes)
-    return {i: {"uuid": d["uuid"], "samples": len(d["util"]),
-                "mean_util": statistics.fmean(d["util"]) if d["util"] else None,
-                "max_util": max(d["util"]) if d["util"] else None,
-                "max_memory_bytes": max(d["memory"]) if d["memory"] else None}
-            for i, d in sorted(per.items())}
-
-
-def format_report(rows: list[dict], *, n_params: int, ppo_epochs: int, need_ref: bool,
-                  critic_epochs: int | None, device_name: str, peak: float | None, n_gpus: int,
-                  util: dict[int, dict], copy_s: float | None, stalls: list[tuple[int, float]]) -> list[str]:
-    """The printed figures, as lines, from the measured steps' metrics rows and the side measurements."""
-    from train import summarize  # bench/train.py (an importer puts bench/ on sys.path)
-
-    s = summarize(rows)
-    tokens = s["tokens_per_step"]
-    flops = step_flops(n_params, tokens, ppo_epochs=ppo_epochs, need_ref=need_ref, critic_epochs=critic_epochs)
-    total_flops = sum(flops.values())
-    lines = [f"{len(rows)} measured steps on {n_gpus} x {device_name}; model {n_params / 1e6:.1f} M matmul params; "
-             f"{tokens:.0f} tokens/step",
-             f"tokens/s: {s['tokens_per_s']:.0f}   mean step: {1e3 * s['step_s']:.1f} ms   "
-             f"median step: {1e3 * s['median_step_s']:.1f} ms",
-             "phase share of step time, % (mean ms, achieved model FLOP/s):"]
-    for phase, share in s["share"].items():
-        if share == 0 and phase not in flops:
-            continue
-        secs = s["phase_s"][phase]
-        rate = si(flops[phase] / secs, "FLOP/s") if phase in flops and secs > 0 else ""
-        lines.append(f"  {phase:<14}{share:6.1f}% ({1e3 * secs:9.1f} ms)  {rate:>14}".rstrip())
-    lines.append("model FLOPs/step = 2NT x (gen + old_log_prob" + (" + ref" if need_ref else "")
-                 + (" + values" if critic_epochs is not None else "") + f") + 6NT x {ppo_epochs} epochs"
-                 + (f" + 6NT x {critic_epochs} critic epochs" if critic_epochs is not None else "")
-                 + f" = {si(total_flops, 'FLOP')}")
-    achieved = total_flops / s["step_s"]
-    if peak:
-        lines.append(f"MFU: {100 * achieved / (peak * n_gpus):.2f}% ({si(achieved, 'FLOP/s')} over "
-                     f"{n_gpus} x {si(peak, 'FLOP/s')} dense bf16 peak)")
-    else:
-        lines.append(f"MFU: n/a (no peak known for {device_name!r}; pass --peak-tflops); "
-                     f"achieved {si(achieved, 'FLOP/s')}")
-    for index, u in util.items():
-        if u["mean_util"] is None:
-            lines.append(f"GPU {index} ({u['uuid']}): utilization not readable")
-            continue
-        mem = f", memory used max {u['max_memory_bytes'] / 2**30:.1f} GiB" if u["max_memory_bytes"] else ""
-        lines.append(f"GPU {index} ({u['uuid']}): utilization mean {100 * u['mean_util']:.0f}% "
-                     f"max {100 * u['max_util']:.0f}% over {u['samples']} NVML samples{mem}")
-    if not util:
-        lines.append("GPU utilization: no NVML readings (pynvml missing or NVML unavailable)")
-    lines.append(f"weight sync: {s['share']['weight_sync']:.1f}% of the step "
-                 f"({1e3 * s['phase_s']['weight_sync']:.2f} ms as the controller times it)")
-    if s["weight_sync_worker_s"] is None:
-        lines.append("weight sync vs plain copy: n/a (the workers report no weight-sync bytes)")
-    elif copy_s:
-        ws, phase_s = s["weight_sync_worker_s"], s["phase_s"]["weight_sync"]
-        lines.append(f"weight sync / plain device copy of {s['weight_sync_bytes'] / 2**20:.1f} MiB "
-                     f"({1e3 * copy_s:.3f} ms): worker-timed {ws / copy_s:.1f}x ({1e3 * ws:.3f} ms), "
-                     f"controller-timed {phase_s / copy_s:.1f}x")
-    if stalls:
-        later = [stall for _, stall in stalls[1:]]
-        first = f"first checkpoint save (step {stalls[0][0]}) stalled {1e3 * stalls[0][1]:.1f} ms"
-        lines.append(first + (f"; later saves median {1e3 * statistics.median(later):.1f} ms ({len(later)} saves)"
-                              if later else "; no later save measured"))
-    return lines
-
-
 def gpus_used(cfg) -> int:
     """GPUs the Ray trainer takes: one pool of actor.world_size colocated, else one pool per role."""
     if cfg.trainer.placement == "colocated":
@@ -318,7 +193,7 @@ class _Measure:
 def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> dict:
     """Train ``--warmup`` + ``--steps`` (+ a recovery) steps through the trainer's own loop, printing
     each step and recovery event as it happens (bench/gpu_progress.py); returns what
-    :func:`format_report` needs besides the copy time."""
+    :func:`gpu_report.format_report` needs besides the copy time."""
     from gpu_progress import Progress
     from resilient_rl.runtime.cluster import connect, disconnect
     from resilient_rl.telemetry.device import GpuSampler

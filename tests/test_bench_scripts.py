@@ -28,6 +28,14 @@ def bench(monkeypatch):
     return gpu, train
 
 
+@pytest.fixture
+def report(bench):
+    """bench/gpu_report.py, the figures bench/gpu.py prints."""
+    import gpu_report
+
+    return gpu_report
+
+
 def run_on_cpu(script: str, *args: str, timeout: int = 600, **env_vars: str) -> subprocess.CompletedProcess:
     """``python bench/<script> args...`` with no GPU visible; the test's failure shows its stderr."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO), **env_vars}
@@ -53,19 +61,17 @@ def test_gpu_bench_rejects_bad_arguments(bench):
     assert args.overrides == ["data.batch_size=64", "rollout.n=4"] and args.config.endswith("grpo_add.yaml")
 
 
-def test_step_flops_formula(bench):
-    gpu, _ = bench
+def test_step_flops_formula(report):
     n, t = 1_000, 50
-    grpo = gpu.step_flops(n, t, ppo_epochs=2, need_ref=True)
+    grpo = report.step_flops(n, t, ppo_epochs=2, need_ref=True)
     assert grpo == {"gen": 2 * n * t, "ref": 2 * n * t, "old_log_prob": 2 * n * t, "update_actor": 6 * n * t * 2}
-    ppo = gpu.step_flops(n, t, ppo_epochs=4, need_ref=False, critic_epochs=3)
+    ppo = report.step_flops(n, t, ppo_epochs=4, need_ref=False, critic_epochs=3)
     assert set(ppo) == {"gen", "old_log_prob", "update_actor", "values", "update_critic"}
     assert ppo["update_critic"] == 6 * n * t * 3 and ppo["values"] == 2 * n * t
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_matmul_params_leave_out_embedding_lookups(bench, tie):
-    gpu, _ = bench
+def test_matmul_params_leave_out_embedding_lookups(report, tie):
     cfg = TinyLMConfig(vocab_size=20, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
                        tie_embeddings=tie)
     model = TinyCausalLM(cfg)
@@ -74,20 +80,18 @@ def test_matmul_params_leave_out_embedding_lookups(bench, tie):
     # is a parameter of its own and the embedding table is not counted.
     head = cfg.vocab_size * cfg.hidden_size
     all_params = sum(p.numel() for p in model.parameters())
-    assert gpu.matmul_params(model) == all_params - embeddings + (head if tie else 0)
+    assert report.matmul_params(model) == all_params - embeddings + (head if tie else 0)
 
 
-def test_peak_flops_table(bench):
-    gpu, _ = bench
-    assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert gpu.peak_flops("NVIDIA H200") == 989e12
-    assert gpu.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert gpu.peak_flops("Tesla T4") is None
+def test_peak_flops_table(report):
+    assert report.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert report.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert report.peak_flops("NVIDIA H200") == 989e12
+    assert report.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert report.peak_flops("Tesla T4") is None
 
 
-def test_utilization_summary_from_nvml_readings(bench):
-    gpu, _ = bench
+def test_utilization_summary_from_nvml_readings(report):
     a, b = FakeGpu(uuid="GPU-aaaa", utilization_percent=20), FakeGpu(uuid="GPU-bbbb", utilization_percent=50)
     b.unsupported = {"utilization"}
     sampler = GpuSampler(nvml=FakeNVML([a, b]))
@@ -95,10 +99,10 @@ def test_utilization_summary_from_nvml_readings(bench):
     for percent in (20, 60, 100):
         a.utilization_percent = percent
         readings.append(sampler.sample())
-    util = gpu.utilization_summary(readings)
+    util = report.utilization_summary(readings)
     assert util[0]["mean_util"] == pytest.approx(0.6) and util[0]["max_util"] == 1.0 and util[0]["samples"] == 3
     assert util[1]["mean_util"] is None and util[1]["uuid"] == "GPU-bbbb"
-    assert gpu.utilization_summary([[], []]) == {}
+    assert report.utilization_summary([[], []]) == {}
 
 
 def test_sampling_thread_collects_readings(bench):
@@ -117,10 +121,9 @@ def _rows(n=4):
              "perf/weight_sync_worker_s": 0.002} for _ in range(n)]
 
 
-def test_format_report_mfu_weight_sync_and_stalls(bench):
-    gpu, _ = bench
+def test_format_report_mfu_weight_sync_and_stalls(report):
     n = 10**9  # 1 B matmul params, 1000 tokens, 2 epochs: (2 + 2 + 2 + 6*2) * 1e12 = 18 TFLOP per 1 s step
-    lines = gpu.format_report(_rows(), n_params=n, ppo_epochs=2, need_ref=True, critic_epochs=None,
+    lines = report.format_report(_rows(), n_params=n, ppo_epochs=2, need_ref=True, critic_epochs=None,
                               device_name="NVIDIA H100 80GB HBM3", peak=100e12, n_gpus=2,
                               util={0: {"uuid": "GPU-a", "samples": 5, "mean_util": 0.5, "max_util": 0.9,
                                         "max_memory_bytes": 3 * 2**30}},
@@ -136,10 +139,9 @@ def test_format_report_mfu_weight_sync_and_stalls(bench):
     assert "40.0%" in gen and "5.0 TFLOP/s" in gen  # 2e12 FLOP in 0.4 s
 
 
-def test_format_report_without_peak_or_sync(bench):
-    gpu, _ = bench
+def test_format_report_without_peak_or_sync(report):
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in _rows()]
-    text = "\n".join(gpu.format_report(rows, n_params=1000, ppo_epochs=1, need_ref=False, critic_epochs=1,
+    text = "\n".join(report.format_report(rows, n_params=1000, ppo_epochs=1, need_ref=False, critic_epochs=1,
                                        device_name="Tesla T4", peak=None, n_gpus=1, util={}, copy_s=None,
                                        stalls=[]))
     assert "MFU: n/a (no peak known for 'Tesla T4'; pass --peak-tflops)" in text
