@@ -245,7 +245,7 @@ def test_calls_left_by_a_failed_wait_are_read(ray_cluster, monkeypatch):
             list(results_in_order([wg.submit("fail_after", [0.0, 0.5]), other.submit("fail_after", [1.0])]))
         # Queued behind the failing calls: when these return, those have ended.
         assert wg.describe("after")[1]["rank"] == 1 and other.describe("after")[0]["rank"] == 0
-        wait_until(lambda: wg.read_abandoned() == other.read_abandoned() == 0, 30, 0.1, "the calls to be read")
+        wait_until(lambda: wg.abandoned.read() == other.abandoned.read() == 0, 30, 0.1, "the calls to be read")
         gc.collect()
         time.sleep(0.5)  # the handler runs on Ray's own thread
         assert unhandled == []

@@ -52,7 +52,7 @@ class GroupCall:
     def abandon(self) -> None:
         """Nobody will wait for this call: its group reads it once it ends (see
         :class:`~resilient_rl.runtime.group_wait.AbandonedCalls`)."""
-        self.group.abandon(self.refs)
+        self.group.abandoned.add(self.refs)
 
 
 def results_in_order(calls: Iterable[GroupCall]) -> Iterator[Any]:

@@ -77,7 +77,8 @@ class RayWorkerGroup:
         self.health_timeout_s = health_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
         self._watch: LivenessWatch | None = None
-        self._unread = AbandonedCalls()
+        #: Calls of the group nobody waits for any more (a wait failed fast), read once they end.
+        self.abandoned = AbandonedCalls()
         self.name_prefix = name_prefix or (resource_pool.next_group_prefix() if resource_pool else "rrl")
         self.max_restarts = max_restarts
         self.max_task_retries = max_task_retries
@@ -215,26 +216,18 @@ class RayWorkerGroup:
         group has ``hang_timeout_s`` and a health concurrency group): WorkerTimeoutError with cause
         "hang" names a rank that stopped answering or stopped advancing. ``timeout_s`` (default
         ``call_timeout_s``) is only a ceiling on the whole wait: WorkerTimeoutError with cause
-        "timeout" names the ranks still running when it passes.
+        "timeout" names the ranks still running when it passes. The calls a failed wait leaves
+        running go to :attr:`abandoned`, read once they end (:mod:`resilient_rl.runtime.group_wait`).
         """
         read: set = set()
-        self.read_abandoned()
+        self.abandoned.read()
         try:
             timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
             watch = self._liveness_watch(len(refs)) if liveness else None
             return wait_results(refs, self.name_prefix, timeout_s, watch, read)
         except BaseException:
-            self.abandon(r for r in refs if r not in read)  # the other ranks' calls run on
+            self.abandoned.add(r for r in refs if r not in read)  # the other ranks' calls run on
             raise
-
-    def abandon(self, refs) -> None:
-        """Calls of this group nobody will wait for any more: each is read once it has ended
-        (:class:`~resilient_rl.runtime.group_wait.AbandonedCalls`)."""
-        self._unread.add(refs)
-
-    def read_abandoned(self) -> int:
-        """Read the abandoned calls that have ended; how many still run."""
-        return self._unread.read()
 
     #: The name callers used before ``wait_refs``; a worker's registered ``get`` replaces it on its group.
     get = wait_refs
