@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -135,8 +136,12 @@ def test_kv_cache_generation_equals_no_cache(kind, temperature, top_p, request):
         seen = []
         hook = model.register_forward_hook(lambda _m, _a, out, seen=seen: seen.append(out.logits[:, -1]))
         try:
-            outs.append(generate(model, ids, mask, max_new_tokens=8, temperature=temperature, top_p=top_p,
-                                 generator=torch.Generator().manual_seed(7), use_cache=use_cache))
+            # The cache goes by the keyword the model's forward names (transformers 5 renamed
+            # ``past_key_values`` to ``cache``; a name it no longer reads would lose the cache).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
+                outs.append(generate(model, ids, mask, max_new_tokens=8, temperature=temperature, top_p=top_p,
+                                     generator=torch.Generator().manual_seed(7), use_cache=use_cache))
         finally:
             hook.remove()
         step_logits.append(torch.stack(seen))

@@ -20,6 +20,7 @@ so that every rollout batch has a fixed shape.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +163,15 @@ def generation_output(input_ids: torch.Tensor, attention_mask: torch.Tensor, pro
     )
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The name a model's forward takes its KV cache by, and its output returns it by: ``cache``
+    where the forward has that parameter (transformers 5 renamed ``past_key_values``, which it
+    reads only until its deprecation ends), else ``past_key_values`` (earlier transformers,
+    :class:`~resilient_rl.models.tiny.TinyCausalLM`)."""
+    forward = getattr(model, "_orig_mod", model).forward  # a compiled model's own forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 class _PlainDecoder:
     """:func:`generate`'s decoder: the model's own cache (or none), the growing sequence."""
 
@@ -169,17 +179,18 @@ class _PlainDecoder:
         self.model, self.use_cache, self.sample = model, use_cache, sample
         self.seq, self.seq_mask, self.seq_pos = input_ids, prompt_mask, prompt_pos
         self.past: Any = None
+        self.cache_key = cache_keyword(model)
 
     def forward(self) -> torch.Tensor:
         """The sequence so far through the model: the next tokens."""
         if self.use_cache and self.past is not None:
             out = self.model(input_ids=self.seq[:, -1:], attention_mask=self.seq_mask,
-                             position_ids=self.seq_pos[:, -1:], past_key_values=self.past, use_cache=True)
+                             position_ids=self.seq_pos[:, -1:], use_cache=True, **{self.cache_key: self.past})
         else:
             out = self.model(input_ids=self.seq, attention_mask=self.seq_mask, position_ids=self.seq_pos,
                              use_cache=self.use_cache)
         if self.use_cache:
-            self.past = out.past_key_values
+            self.past = getattr(out, self.cache_key)
         return self.sample(out.logits[:, -1, :]).to(self.seq.dtype)
 
     def step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -207,9 +218,9 @@ def generate(
     """Generate ``max_new_tokens`` tokens for a batch of left-padded prompts (the plain mode).
 
     ``model`` is called with the Hugging Face convention (``input_ids``, ``attention_mask``,
-    ``position_ids``, ``past_key_values``, ``use_cache``) and must return an object with
-    ``.logits`` and ``.past_key_values``; both :class:`~resilient_rl.models.tiny.TinyCausalLM`
-    and Hugging Face causal LMs do. ``eos_token_id`` may be one id or several. Generation stops
+    ``position_ids``, ``past_key_values`` or ``cache``: :func:`cache_keyword`, ``use_cache``) and
+    must return an object with ``.logits`` and the cache by the same name; both
+    :class:`~resilient_rl.models.tiny.TinyCausalLM` and Hugging Face causal LMs do. ``eos_token_id`` may be one id or several. Generation stops
     early once every row has produced an eos token; the remaining columns are ``pad_token_id``.
     """
     check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, top_p)
