@@ -86,7 +86,8 @@ def _fit(cfg) -> int:
     if address:  # a wrong address fails here, in seconds, before a run folder or a worker exists
         check_reachable(address, source, cfg.ray.connect_timeout_s)
 
-    from resilient_rl.trainer.ppo import PPOTrainer, reward_summary
+    from resilient_rl.run.info import reward_summary
+    from resilient_rl.trainer.ppo import PPOTrainer
     from resilient_rl.run.log import RunLog
 
     trainer = PPOTrainer(cfg)

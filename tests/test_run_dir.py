@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from resilient_rl.errors import RunFolderError
-from resilient_rl.trainer.ppo import HISTORY_WINDOW, reward_summary
+from resilient_rl.run.info import reward_summary
+from resilient_rl.trainer.ppo import HISTORY_WINDOW
 from resilient_rl.run.folder import RunDir
 
 

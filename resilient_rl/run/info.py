@@ -1,4 +1,5 @@
-"""Read what a run left in its folder, without starting anything: for ``status`` and ``plot``.
+"""Read what a run left in its folder, without starting anything: for ``status``, ``plot`` and the
+reward line at the end of ``train``.
 
 A run folder is ``{trainer.output_dir}/{run_name}/`` (:class:`~resilient_rl.run.folder.RunDir`):
 ``config.yaml``, ``metrics.jsonl`` (one row per kept step), ``events.jsonl`` (failures, recoveries,
@@ -19,8 +20,9 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import yaml
 
 from resilient_rl.errors import RunFolderError
@@ -225,3 +227,11 @@ def last_write_time(run: RunFiles) -> float | None:
     if run.metrics_mtime is not None:
         times.append(run.metrics_mtime)
     return max(times) if times else None
+
+
+def reward_summary(rows: Sequence[dict] | Sequence[float]) -> tuple[float, float]:
+    """Mean reward of the first and of the last 10% of steps (at least one step each); ``rows``
+    are metric rows or their ``reward/mean`` values (``RunDir.read_column("reward/mean")``)."""
+    rewards = [r["reward/mean"] if isinstance(r, dict) else r for r in rows]
+    k = max(1, len(rewards) // 10)
+    return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))

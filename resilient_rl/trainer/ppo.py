@@ -9,9 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
 
 from resilient_rl.algos.kl import get_kl_controller
 from resilient_rl.errors import WorkerError
@@ -71,14 +70,6 @@ def resolve_total_epochs(cfg, num_prompts: int) -> None:
         logger.info("trainer.total_epochs=%d: trainer.total_steps=%d (%d prompts // data.batch_size=%d = %d per epoch)",
                     epochs, steps, num_prompts, cfg.data.batch_size, per_epoch)
     cfg.trainer.total_steps = steps
-
-
-def reward_summary(rows: Sequence[dict] | Sequence[float]) -> tuple[float, float]:
-    """Mean reward of the first and of the last 10% of steps (at least one step each); ``rows``
-    are metric rows or their ``reward/mean`` values (``RunDir.read_column("reward/mean")``)."""
-    rewards = [r["reward/mean"] if isinstance(r, dict) else r for r in rows]
-    k = max(1, len(rewards) // 10)
-    return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
 
 
 class PPOTrainer:
