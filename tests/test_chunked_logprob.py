@@ -3,6 +3,8 @@ the full-logits path, gradients within float tolerance, and no ``[B, R, V]`` ten
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -126,3 +128,22 @@ def test_packed_rows_give_the_padded_rows_log_probs(name):
         # (Hugging Face models detect packed rows only without a cache, hence use_cache=False.)
         separate = model(**inputs, use_cache=False).logits
     assert (crossing - separate).abs().max() > 1e-5  # the tolerance the equality above uses
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_an_fsdp2_model_returns_no_view_through_the_chunked_head(single_rank_group, pack):
+    """FSDP2 registers its pre-backward hook on the root module's outputs and warns when one is a
+    view (an in-place op on it would drop the hook): the chunked head's statistics are a tensor of
+    their own, and the warning, once per worker process, stays out of the workers' logs."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _models()["tiny"]
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    batch = _batch(model.get_output_embeddings().out_features)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*returned a view tensor")
+        logp, ent = response_logprobs(model, batch, CPU, chunk_elements=50 * 4, pack=pack)
+    (logp.sum() + ent.sum()).backward()
+    assert all(p.grad is not None for p in model.parameters())

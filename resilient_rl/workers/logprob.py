@@ -93,7 +93,9 @@ def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
         args = (flat_h[start:start + rows], head.weight, head.bias, flat_labels[start:start + rows])
         parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
     out = torch.cat(parts) if parts else flat_h.new_zeros((0, 2), dtype=torch.float32)
-    return out.reshape(*labels.shape, 2)
+    # A tensor of its own, not a view of ``out``: it is the model's output, on which FSDP2 hooks
+    # its backward (and warns about a view, where an in-place op would lose that hook).
+    return out.reshape(*labels.shape, 2).clone()
 
 
 @contextlib.contextmanager
