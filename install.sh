@@ -33,6 +33,9 @@ if [ -n "$wheelhouse" ]; then
         "$PY" -m pip install "${offline[@]}" torch
     fi
     echo "install.sh: installing from the wheelhouse $wheelhouse (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+    # The project is built here, without an isolated build environment: first the build
+    # requirements of pyproject.toml (kept as installed where they already satisfy it).
+    "$PY" -m pip install "${offline[@]}" "setuptools>=77" wheel
     "$PY" -m pip install "${offline[@]}" --no-build-isolation -e "$target"
     exit 0
 fi

@@ -29,7 +29,7 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-reqs = list(project["dependencies"]) + ["setuptools>=68", "wheel"]
+reqs = list(project["dependencies"]) + ["setuptools>=77", "wheel"]
 if sys.argv[2] == "1":
     reqs += project["optional-dependencies"]["dev"]
 if sys.argv[1] != "1":
