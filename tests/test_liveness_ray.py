@@ -205,3 +205,31 @@ def test_a_sigstopped_rank_is_named(ray_cluster):
             os.kill(stopped, signal.SIGCONT)
             os.kill(stopped, signal.SIGKILL)
         wg.shutdown()
+
+
+def test_a_rank_heard_of_only_while_starting_up_is_asked_again(ray_cluster):
+    """The group's first ping finds its processes starting up, and calls shorter than the poll
+    interval end before any health call: the waits ask those ranks whether they still are, so a
+    stop after start-up is judged by ``health_timeout_s``, not by the start-up allowance or the
+    call's ceiling."""
+    wg = make_group("stale", call_timeout_s=20, warmup_timeout_s=60)
+    stopped = None
+    try:
+        ray.get([w.warmed_up.remote() for w in wg.workers])  # not through the group: it still holds "starting"
+        assert wg.ranks.is_warming(1)
+        for _ in range(3):
+            wg.work(0.05, 0.01)  # short calls
+        assert not any(wg.ranks.is_warming(r) for r in range(wg.world_size))
+        pid = ray.get(wg.workers[1].ping.remote()).pid  # not through the group
+        refs = wg.execute_all_async("work", 30.0, 0.2)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = pid
+        with pytest.raises(WorkerTimeoutError) as err:
+            wg.get(refs)
+        assert err.value.cause == "hang" and err.value.rank == 1 and "health_timeout_s" in str(err.value)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+            os.kill(stopped, signal.SIGKILL)
+        wg.shutdown()

@@ -100,36 +100,60 @@ class LivenessWatch:
         self.watches: dict[int, RankWatch] = {}
 
     def fresh(self) -> None:
-        """Forget replies of an earlier wait (a health call still in flight stays: one per rank)."""
+        """Before a wait: take the replies that arrived since the last one (for the rank table),
+        forget what they told of progress (a health call still in flight stays: one per rank), and
+        ask each rank the table still takes for starting up whether it is.
+
+        A process is taken for starting up until a reply says otherwise, and a call shorter than
+        ``poll_interval_s`` ends before any health call is sent: without asking, a process would
+        keep its start-up allowance (``warmup_timeout_s``) long after its start, and its stop
+        would be found only by the call's ceiling (the recovery then waiting out that allowance)."""
+        self._collect()
         for watch in self.watches.values():
             watch.snapshot = None
+        if self.table is None:
+            return
+        now = self.clock()
+        for rank in range(len(self.workers)):
+            if self.table.is_warming(rank):
+                watch = self.watches.setdefault(rank, RankWatch(warming=True))
+                if watch.ref is None:
+                    self._send(rank, watch, now)
 
     def poll(self, ranks) -> Hung | None:
         """Collect the replies that arrived, send calls where due to ``ranks``, judge those ranks."""
-        import ray
-
         now = self.clock()
         ranks = list(ranks)
-        inflight = {w.ref: r for r, w in self.watches.items() if w.ref is not None}
-        if inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0)
-            for ref in ready:
-                watch = self.watches[inflight[ref]]
-                watch.ref = watch.sent_at = None
-                try:
-                    info = ray.get(ref, timeout=0)
-                except Exception:  # the rank died: the call's own result says so
-                    continue
-                watch.snapshot = ProgressSnapshot(info.call, info.progress_age_s or 0.0, info.advances)
-                watch.pid, watch.warming = info.pid, bool(getattr(info, "warming", False))
-                if self.table is not None:
-                    self.table.note(inflight[ref], info)
+        self._collect()
         for rank in ranks:
             if rank not in self.watches:
                 self.watches[rank] = RankWatch(warming=self.table is not None and self.table.is_warming(rank))
             watch = self.watches[rank]
             if watch.ref is None and (watch.last_sent is None or now - watch.last_sent >= self.poll_interval_s):
-                watch.ref = self.workers[rank].health.remote()
-                watch.sent_at = watch.last_sent = now
+                self._send(rank, watch, now)
         return judge({r: self.watches[r] for r in ranks}, now, self.hang_timeout_s, self.health_timeout_s,
                      self.warmup_timeout_s)
+
+    def _send(self, rank: int, watch: RankWatch, now: float) -> None:
+        watch.ref = self.workers[rank].health.remote()
+        watch.sent_at = watch.last_sent = now
+
+    def _collect(self) -> None:
+        """Take the health replies that have arrived (never waits)."""
+        import ray
+
+        inflight = {w.ref: r for r, w in self.watches.items() if w.ref is not None}
+        if not inflight:
+            return
+        ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0)
+        for ref in ready:
+            watch = self.watches[inflight[ref]]
+            watch.ref = watch.sent_at = None
+            try:
+                info = ray.get(ref, timeout=0)
+            except Exception:  # the rank died: the call's own result says so
+                continue
+            watch.snapshot = ProgressSnapshot(info.call, info.progress_age_s or 0.0, info.advances)
+            watch.pid, watch.warming = info.pid, bool(getattr(info, "warming", False))
+            if self.table is not None:
+                self.table.note(inflight[ref], info)

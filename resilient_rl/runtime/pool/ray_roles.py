@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable
 
@@ -151,7 +152,11 @@ class RayRoles:
         return {key: (info.pid, info.node_id) for key, info in self.worker_info.items()}
 
     def workers(self) -> dict[tuple[str, int], WorkerInfo]:
-        return dict(self.worker_info)
+        """Every rank's ping reply of the last :meth:`refresh_workers`, with whether its process is
+        starting up as last heard (its group's health replies since: the ping at start finds most
+        processes starting up, and recovery gives such a process ``warmup_timeout_s`` to answer)."""
+        return {key: replace(info, warming=self.processes[key[0]].ranks.is_warming(key[1]))
+                for key, info in self.worker_info.items()}
 
     def process_groups(self) -> list[str]:
         return list(self.processes)
