@@ -220,8 +220,9 @@ def generate(
     ``model`` is called with the Hugging Face convention (``input_ids``, ``attention_mask``,
     ``position_ids``, ``past_key_values`` or ``cache``: :func:`cache_keyword`, ``use_cache``) and
     must return an object with ``.logits`` and the cache by the same name; both
-    :class:`~resilient_rl.models.tiny.TinyCausalLM` and Hugging Face causal LMs do. ``eos_token_id`` may be one id or several. Generation stops
-    early once every row has produced an eos token; the remaining columns are ``pad_token_id``.
+    :class:`~resilient_rl.models.tiny.TinyCausalLM` and Hugging Face causal LMs do.
+    ``eos_token_id`` may be one id or several. Generation stops early once every row has produced
+    an eos token; the remaining columns are ``pad_token_id``.
     """
     check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, top_p)
     prompt_mask = attention_mask.long()
