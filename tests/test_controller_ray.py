@@ -16,6 +16,7 @@ import torch
 
 from resilient_rl import (DataProto, Dispatch, Execute, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
                           Worker, create_colocated_worker_cls, merge_resource_pool, register)
+from resilient_rl.runtime.ended_calls import read_ended
 from resilient_rl.runtime.group_call import results_in_order
 from resilient_rl.errors import CollectiveError, DispatchError, ResourceError, WorkerDiedError, WorkerError
 from resilient_rl.testing.wait import wait_until
@@ -252,3 +253,27 @@ def test_calls_left_by_a_failed_wait_are_read(ray_cluster, monkeypatch):
     finally:
         wg.shutdown()
         other.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def _after(value, delay_s: float = 0.0):
+    time.sleep(delay_s)
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def test_read_ended_takes_what_ended_and_leaves_what_runs(ray_cluster):
+    """The controller's never-waiting read of its calls in flight: a call that returned gives its
+    value, one that failed its error, one still running is left for a later read."""
+    returned, failed, running = _after.remote(1), _after.remote(ValueError("boom")), _after.remote(2, 3.0)
+    short = [returned, failed]
+    wait_until(lambda: len(ray.wait(short, num_returns=2, timeout=0)[0]) == 2, 30, 0.05, "the short calls to end")
+    ended, still = read_ended([returned, failed, running])
+    assert still == [running]
+    by_ref = {ref: (value, error) for ref, value, error in ended}
+    assert set(by_ref) == {returned, failed}
+    assert by_ref[returned] == (1, None)
+    assert by_ref[failed][0] is None and "boom" in str(by_ref[failed][1])
+    assert read_ended([]) == ([], [])
+    assert ray.get(running) == 2

@@ -5,7 +5,7 @@ process computes on and how much memory torch holds there. Telemetry wants that 
 training runs, and the training loop must never wait for it: :class:`DeviceReportPoller` sends
 ``health`` calls (answered through the workers' health concurrency group even while a training
 call runs) at most every ``interval_s``, at most one outstanding per process, and picks up the
-replies that have arrived with ``ray.wait(timeout=0)`` the next time it is polled. A process
+replies that have arrived, without waiting, the next time it is polled. A process
 that died simply stops replying; recovery, not the poller, deals with it.
 """
 
@@ -15,8 +15,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-import ray
-
+from resilient_rl.runtime.ended_calls import read_ended
 from resilient_rl.runtime.health import answers_during_calls
 
 logger = logging.getLogger(__name__)
@@ -67,17 +66,12 @@ class DeviceReportPoller:
         return changed
 
     def _harvest(self) -> bool:
-        if not self._pending:
-            return False
-        refs = list(self._pending)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ended, _ = read_ended(self._pending)
         changed = False
-        for ref in ready:
+        for ref, info, error in ended:
             key = self._pending.pop(ref)
-            try:
-                info = ray.get(ref, timeout=0)
-            except Exception as exc:  # noqa: BLE001 -- died or restarting: recovery's business
-                logger.debug("no device report from %s rank %d: %s", key[0], key[1], exc)
+            if error is not None:  # died or restarting: recovery's business
+                logger.debug("no device report from %s rank %d: %s", key[0], key[1], error)
                 continue
             if self.reports.get(key) != info:
                 self.reports[key] = info

@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from resilient_rl.errors import WorkerTimeoutError
+from resilient_rl.runtime.ended_calls import read_ended
 from resilient_rl.runtime.health import classify_error
 from resilient_rl.runtime.liveness import LivenessWatch
 
@@ -81,11 +82,6 @@ class AbandonedCalls:
 
     def read(self) -> int:
         """Read the calls that have ended; how many still run."""
-        if self.refs:
-            ready, self.refs = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-            for ref in ready:
-                try:
-                    ray.get(ref, timeout=0)
-                except Exception:  # noqa: BLE001 -- what the failed wait handled, or what followed from it
-                    pass
+        # Their errors are what the failed wait handled, or what followed from it.
+        _, self.refs = read_ended(self.refs)
         return len(self.refs)

@@ -140,18 +140,14 @@ class LivenessWatch:
 
     def _collect(self) -> None:
         """Take the health replies that have arrived (never waits)."""
-        import ray
+        from resilient_rl.runtime.ended_calls import read_ended
 
         inflight = {w.ref: r for r, w in self.watches.items() if w.ref is not None}
-        if not inflight:
-            return
-        ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0)
-        for ref in ready:
+        ended, _ = read_ended(inflight)
+        for ref, info, error in ended:
             watch = self.watches[inflight[ref]]
             watch.ref = watch.sent_at = None
-            try:
-                info = ray.get(ref, timeout=0)
-            except Exception:  # the rank died: the call's own result says so
+            if error is not None:  # the rank died: the call's own result says so
                 continue
             watch.snapshot = ProgressSnapshot(info.call, info.progress_age_s or 0.0, info.advances)
             watch.pid, watch.warming = info.pid, bool(getattr(info, "warming", False))

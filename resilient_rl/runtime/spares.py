@@ -44,6 +44,7 @@ from typing import Any
 
 import ray
 
+from resilient_rl.runtime.ended_calls import read_ended
 from resilient_rl.runtime.health import dead_for_good, node_answers
 from resilient_rl.runtime import worker_group_spares as group_spares
 from resilient_rl.errors import WorkerError
@@ -102,19 +103,18 @@ class SparePool:
                 self._spares.remove(spare)
                 self._start()
                 continue
-            done, _ = ray.wait([spare.ping], timeout=0)
-            if done:
-                try:
-                    spare.node = getattr(ray.get(spare.ping, timeout=0), "node_id", None)
-                    spare.ok = True
-                except Exception as exc:  # it died, and Ray restarts it or gave up on it
-                    spare.ok = False
-                    if dead_for_good(spare.handle):
-                        logger.info("warm spare of %s is gone for good (%s); starting another",
-                                    self.group.name_prefix, exc)
-                        self._spares.remove(spare)
-                        self._start()
-                        continue
+            ended, _ = read_ended([spare.ping])
+            if ended:
+                _, info, error = ended[0]
+                spare.ok = error is None  # else it died, and Ray restarts it or gave up on it
+                if spare.ok:
+                    spare.node = getattr(info, "node_id", None)
+                elif dead_for_good(spare.handle):
+                    logger.info("warm spare of %s is gone for good (%s); starting another",
+                                self.group.name_prefix, error)
+                    self._spares.remove(spare)
+                    self._start()
+                    continue
                 # A restarted process is asked to warm up again before it counts as ready.
                 spare.ping = spare.handle.ping.remote() if spare.ok else spare.handle.warmed_up.remote()
             if spare.ok:
