@@ -9,7 +9,8 @@ and backward together and forward alone without gradients (best of ``--repeat``)
 - ``nested``: SDPA on nested jagged tensors;
 - ``flex``: ``flex_attention`` compiled, under the document-causal block mask (its first call,
   the compilation, is printed apart);
-- ``flash``: ``flash_attn_varlen_func`` (CUDA, bf16 inputs, flash-attn installed).
+- ``flash``: ``flash_attn_varlen_func`` (CUDA, bf16 inputs, flash-attn installed);
+- ``torch``: torch's own ``varlen_attn`` (CUDA, bf16 inputs, torch 2.11 and newer).
 
 A way that cannot run prints why (flex has no backward on the CPU: its ``fwd+bwd`` fails there).
 
@@ -72,6 +73,7 @@ WAYS = {
     "nested": _nested,
     "flex": lambda q, k, v, layout: varlen.varlen_attention(q, k, v, layout, backend="flex"),
     "flash": lambda q, k, v, layout: varlen.varlen_attention(q, k, v, layout, backend="flash"),
+    "torch": lambda q, k, v, layout: varlen.varlen_attention(q, k, v, layout, backend="torch"),
 }
 
 

@@ -7,12 +7,19 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
 - ``"flash"``: flash-attn's ``flash_attn_varlen_func``, for CUDA tensors in fp16/bf16 when
   ``flash_attn`` is importable. All rows' tokens form one ``[total, heads, D]`` batch whose
   sequences start at ``cu_seqlens``; the kernel reads grouped key/value heads as they are.
+- ``"torch"``: the same layout through torch's own ``varlen_attn``
+  (``torch.nn.attention.varlen``: the FlashAttention-2 kernels built into torch's CUDA build), for
+  CUDA tensors in fp16/bf16 on a device of compute capability 8.0 or newer where flash-attn is not
+  installed, so a cluster without flash-attn's wheels gets one kernel per packed batch too. It needs
+  a torch whose ``varlen_attn`` takes the causal mask as ``window_size`` (2.11 and newer) and, for
+  grouped key/value heads, ``enable_gqa``; it has no attention dropout (a call with dropout, or
+  grouped heads on a torch without ``enable_gqa``, takes ``"split"``).
 - ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
   from the sequence boundaries at block granularity: blocks outside every sequence's causal
   triangle are skipped, blocks inside one are computed without the mask, and no score matrix is
   materialised.
-- ``"split"``: everything else (the CPU, and a GPU without flash-attn).
+- ``"split"``: everything else (the CPU, and a GPU neither of those kernels serves).
   ``scaled_dot_product_attention`` with ``is_causal=True`` on each sequence (a row's sequences are
   contiguous, so this is a split along the tokens and a concatenation); each call runs a fused
   kernel (flash or memory-efficient on a GPU), which keeps no score matrix.
@@ -36,8 +43,9 @@ shape                                  split           right-padded    dense T x
 flex's first call also compiles, 2-8 s.) The split is also the computation each sequence gets
 when it runs alone: the same kernel, one sequence at a time.
 
-Why ``"split"`` on a GPU without flash-attn, not ``"flex"``: on an H200 (torch 2.11+cu130, bf16,
-``python bench/varlen.py --device cuda --repeat 10``, best of 10), forward / forward and backward:
+Why ``"split"``, not ``"flex"``, where neither varlen kernel serves: on an H200 (torch 2.11+cu130,
+bf16, ``python bench/varlen.py --device cuda --repeat 10``, best of 10; before the ``"torch"``
+backend, which that bench now times too), forward / forward and backward:
 
 =====================================  ==============  ==============  ===============  ==============
 shape                                  split           right-padded    dense T x T      flex
@@ -88,10 +96,42 @@ def _flash_varlen_func():
     return flash_attn_varlen_func
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """``"flash"`` or ``"split"`` for tensors on ``device`` in ``dtype`` (see the module docs)."""
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_varlen_func() is not None:
+@functools.cache
+def _torch_varlen_func():
+    """torch's own ``varlen_attn`` where this torch has it and takes the causal mask as
+    ``window_size`` (torch 2.11 and newer; 2.10 took ``is_causal``), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def _torch_varlen_serves(gqa: bool, dropout: float) -> bool:
+    """Whether torch's ``varlen_attn`` can take a call with grouped key/value heads (``gqa``) and
+    attention ``dropout``: it has no dropout, and grouped heads need its ``enable_gqa``."""
+    kernel = _torch_varlen_func()
+    return (kernel is not None and not dropout
+            and (not gqa or "enable_gqa" in inspect.signature(kernel).parameters))
+
+
+@functools.cache
+def _flash_capable(index: int | None) -> bool:
+    """Whether CUDA device ``index`` runs torch's FlashAttention-2 kernels (compute capability 8.0
+    or newer, and a torch built with them)."""
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    return bool(available) and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, gqa: bool = False, dropout: float = 0.0) -> str:
+    """``"flash"``, ``"torch"`` or ``"split"`` for tensors on ``device`` in ``dtype``, with grouped
+    key/value heads (``gqa``) and attention ``dropout`` (see the module docs)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "split"
+    if _flash_varlen_func() is not None:
         return "flash"
+    if _torch_varlen_serves(gqa, dropout) and _flash_capable(device.index):
+        return "torch"
     return "split"
 
 
@@ -131,11 +171,18 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
     if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
-    backend = backend or choose_backend(q.device, q.dtype)
+    gqa = heads != k.shape[1]
+    backend = backend or choose_backend(q.device, q.dtype, gqa, dropout)
     if window is not None and window >= max(layout.lengths, default=0):
         window = None  # no sequence reaches past it
     if backend == "flash":
         return _flash(q, k, v, layout, scale, dropout, window)
+    if backend == "torch":
+        if not _torch_varlen_serves(gqa, dropout):
+            raise ModelInputError(f"packed attention on the torch backend needs torch's varlen_attn with "
+                                  f"window_size{' and enable_gqa' if gqa else ''} (torch {torch.__version__}) "
+                                  f"and takes no attention dropout (got {dropout})")
+        return _torch_varlen(q, k, v, layout, scale, window)
     if backend == "flex":
         if dropout or window is not None:
             raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
@@ -145,7 +192,7 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
     elif backend == "split":
         out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale, dropout, window)
     else:
-        raise ModelInputError(f"unknown packed attention backend {backend!r} (flash, flex, split)")
+        raise ModelInputError(f"unknown packed attention backend {backend!r} (flash, torch, flex, split)")
     return out[0].view(heads, batch, seq, dim).transpose(0, 1)
 
 
@@ -170,21 +217,35 @@ def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
     return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
 
 
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``[B, h, T, D]`` -> ``[B*T, h, D]``: the layout of the varlen kernels."""
+    batch, heads, seq, dim = x.shape
+    return x.transpose(1, 2).reshape(batch * seq, heads, dim)
+
+
+def _cu_seqlens(layout: PackedLayout, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The sequences' starts (and the end) as the varlen kernels take them, and the longest."""
+    return layout.cu_seqlens.to(device=device, dtype=torch.int32), max(layout.lengths, default=0)
+
+
 def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None) -> torch.Tensor:
-    batch, heads, seq, dim = q.shape
-
-    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B*T, h, D]
-        return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
-
     kernel = _flash_varlen_func()
     if kernel is None:
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
-    cu = layout.cu_seqlens.to(device=q.device, dtype=torch.int32)
-    longest = max(layout.lengths, default=0)
+    cu, longest = _cu_seqlens(layout, q.device)
     # flash-attn's window counts the keys on each side of the query, the query not included.
-    out = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale,
-                 causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
-    return out.view(batch, seq, heads, dim).transpose(1, 2)
+    out = kernel(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest, dropout_p=dropout,
+                 softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
+    return out.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+
+
+def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None) -> torch.Tensor:
+    cu, longest = _cu_seqlens(layout, q.device)
+    grouped = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    # (-1, 0) is causal; (w, 0) a causal window of w keys before the query, as flash-attn counts it.
+    out = _torch_varlen_func()(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest,
+                               scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
+    return out.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
 _FLEX: list = []
