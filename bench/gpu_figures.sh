@@ -14,7 +14,8 @@
 #      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
 #      rollout engine against HF generate with the engine's share of the decode roofline;
 #   2. gsm8k-1.5b: the same but the generation comparison.
-# Before them, bench/sampling.py times the decode step's sampling pass at 512 rows.
+# Before them, bench/sampling.py times the decode step's sampling pass at 512 rows, and
+# bench/varlen.py the packed-attention backends (torch's own varlen kernel among them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -35,6 +36,9 @@ limit="${RRL_FIGURE_TIMEOUT:-300}"
 # The decode step's sampling pass at the workloads' shape (two small compiles, seconds).
 echo "== python bench/sampling.py --rows 512" | tee -a "$out/summary.txt"
 timeout -k 10 120 "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$out/summary.txt"
+# The ways of packed attention the log-prob and update passes may take (flex compiles, seconds).
+echo "== python bench/varlen.py --device cuda" | tee -a "$out/summary.txt"
+timeout -k 10 120 "$PY" bench/varlen.py --device cuda 2>&1 | grep -vE "^W[0-9]{4}" | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
