@@ -12,6 +12,8 @@ and backward together and forward alone without gradients (best of ``--repeat``)
 - ``flash``: ``flash_attn_varlen_func`` (CUDA, bf16 inputs, flash-attn installed);
 - ``torch``: torch's own ``varlen_attn`` (CUDA, bf16 inputs, torch 2.11 and newer).
 
+On a GPU it also times one packed micro-batch of the gsm8k workloads' size (``GPU_SHAPES``).
+
 A way that cannot run prints why (flex has no backward on the CPU: its ``fwd+bwd`` fails there).
 
     python bench/varlen.py
@@ -32,6 +34,13 @@ from resilient_rl.models.packing import packed_layout
 SHAPES = {  # name: (lengths, heads, kv_heads, head_dim)
     "tiny": ([1, 65, 59, 44, 88, 83, 33, 111], 4, 2, 16),
     "qwen-0.5b": ([141, 159, 232, 348, 349, 116, 243, 113, 340, 202, 121, 342], 14, 2, 64),
+}
+#: On a GPU also one packed micro-batch of the gsm8k workloads' size: 96 sequences of 128 to 512
+#: tokens (about 31 k), where one kernel launch per sequence and layer (split) shows. Its dense
+#: ``T x T`` mask alone is about 1 GB; on the CPU the dense way's scores would not fit in memory.
+GPU_SHAPES = {
+    "qwen-0.5b-micro-batch": (torch.randint(128, 513, (96,), generator=torch.Generator().manual_seed(0)).tolist(),
+                              14, 2, 64),
 }
 
 
@@ -96,7 +105,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, {dtype}")
-    for name, (lengths, heads, kv_heads, dim) in SHAPES.items():
+    shapes = {**SHAPES, **(GPU_SHAPES if device.type == "cuda" else {})}
+    for name, (lengths, heads, kv_heads, dim) in shapes.items():
         total = sum(lengths)
         layout = packed_layout(torch.cat([torch.arange(n) for n in lengths])[None].to(device))
         torch.manual_seed(0)
