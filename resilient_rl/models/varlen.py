@@ -118,9 +118,9 @@ def _torch_varlen_serves(gqa: bool, dropout: float) -> bool:
 @functools.cache
 def _flash_capable(index: int | None) -> bool:
     """Whether CUDA device ``index`` runs torch's FlashAttention-2 kernels (compute capability 8.0
-    or newer, and a torch built with them)."""
+    or newer, and a torch built with them for CUDA: a ROCm build's varlen path is not the same)."""
     available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
-    return bool(available) and torch.cuda.get_device_capability(index) >= (8, 0)
+    return bool(available) and torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype, gqa: bool = False, dropout: float = 0.0) -> str:
