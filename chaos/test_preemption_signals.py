@@ -176,7 +176,7 @@ def _snapshot_in_node_memory(tmp_path, name: str) -> bool:
     """Whether the snapshot of the last step on disk is recorded and every rank's copy of it is
     committed in node memory: the take is done. (A kill during the take loses that snapshot: the
     next controller continues from the one before it, replaying a step; this test is of the other
-    case, tests/test_snapshots.py of that one.)"""
+    case, tests/test_snapshot_node_memory.py of that one.)"""
     newest = snapshot_carry.read(str(tmp_path / "runs" / name / snapshot_carry.RECORD))[:1]
     if not newest or newest[0]["step"] != _rows(tmp_path, name):
         return False

@@ -57,7 +57,7 @@ def test_node_memory_unusable_falls_back_to_the_object_store(reference, chaos_ru
     assert result.events_of("snapshot_restored")[0]["sources"].get("object_store") == 1
 
 
-@pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
+@pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py and test_snapshot_node_memory.py
 def test_failure_during_a_snapshot(reference, chaos_run):
     """Killed while the snapshot of step 3 is being copied and handed to its peer: that snapshot
     is used where the killed rank's copy was complete (its take finished: the copy it left in node
@@ -68,7 +68,7 @@ def test_failure_during_a_snapshot(reference, chaos_run):
     assert rec["source"] == "snapshot" and rec["restored_step"] in (2, 3)
 
 
-@pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py
+@pytest.mark.slow  # the fallbacks are unit-tested in tests/test_snapshots.py and test_snapshot_node_memory.py
 def test_owner_and_holder_killed_together(reference, chaos_run):
     """Both actor ranks die with their own processes (on one node no peer keeps another copy:
     the copies they left in node memory outlive them). Their new processes load those (the

@@ -222,7 +222,7 @@ def test_a_controllers_sweeps_mark_its_directory_in_use_and_run_every_minute(tmp
 
 
 def test_the_keep_is_the_runs_config_and_goes_into_its_owner_record(tmp_path):
-    from test_snapshots import keeper
+    from resilient_rl.testing.snapshot_keeper import keeper
 
     assert load_config(None, []).recovery.snapshot_hand_over_s == 600.0
     assert load_config(None, ["recovery.snapshot_hand_over_s=0"]).recovery.snapshot_hand_over_s == 0

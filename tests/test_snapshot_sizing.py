@@ -98,8 +98,7 @@ def test_config_default_is_auto_and_numbers_still_work():
 
 
 def test_keeper_sizes_once_after_a_step_and_logs_one_line(caplog):
-    from test_snapshots import FakeGroup, FakeRoles, fake_get, fake_wait
-
+    from resilient_rl.testing.snapshot_keeper import FakeGroup, FakeRoles, Ref, fake_get, fake_wait
     from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
 
     class Sized(FakeGroup):
@@ -110,8 +109,6 @@ def test_keeper_sizes_once_after_a_step_and_logs_one_line(caplog):
         def execute_rank_async(self, rank, method, *args):
             if method != "snapshot_sizing":
                 return super().execute_rank_async(rank, method, *args)
-            from test_snapshots import Ref
-
             self.asked += 1
             return Ref({"node": "n1", "bytes": {role: self.nbytes for role in args[0]}, "room": self.room})
 
