@@ -95,7 +95,8 @@ class FakeGroup:
                 return [Ref(error=error), Ref(error=error)]
             out = {role: {"step": step, "rank": rank, "bytes": 10, "state": f"{role}{rank}@{step}"}
                    for role in take_roles}
-            return [Ref({"step": step}, ready=not self.publish_pending), Ref({"step": step, "rank": rank, "roles": out})]
+            return [Ref({"step": step}, ready=not self.publish_pending),
+                    Ref({"step": step, "rank": rank, "roles": out})]
         if method == "hold_snapshot":
             step, owners, takes, _timeout_s = args
             for take in takes:
