@@ -298,7 +298,8 @@ def test_torch_varlen_is_chosen_on_cuda_without_flash_attn(monkeypatch):
     monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: _varlen_attn_stand_in(calls))
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
     cuda = torch.device("cuda")
-    assert varlen.choose_backend(cuda, torch.bfloat16) == varlen.choose_backend(cuda, torch.float16, gqa=True) == "torch"
+    assert varlen.choose_backend(cuda, torch.bfloat16) == "torch"
+    assert varlen.choose_backend(cuda, torch.float16, gqa=True) == "torch"
     assert varlen.choose_backend(cuda, torch.float32) == "split"  # the kernels have no fp32
     assert varlen.choose_backend(CPU, torch.bfloat16) == "split"
     assert varlen.choose_backend(cuda, torch.bfloat16, dropout=0.1) == "split"  # no attention dropout
@@ -334,6 +335,38 @@ def test_torch_varlen_is_chosen_on_cuda_without_flash_attn(monkeypatch):
     torch.testing.assert_close(varlen.varlen_attention(inputs[0], same_heads, same_heads, layout, backend="torch"),
                                varlen.varlen_attention(inputs[0], same_heads, same_heads, layout, backend="split"))
     assert calls[-1]["gqa"] is False
+
+
+def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, caplog):
+    """A kernel that raises where it was chosen (not asked for by name) is reported once, the call
+    is computed split, and the process chooses split from then on."""
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore detail")
+
+    monkeypatch.setattr(varlen, "_TORCH_VARLEN_FAILED", [])
+    monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: varlen_attn)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16, gqa=True) == "torch"
+    positions = torch.cat([torch.arange(n) for n in LENGTHS]).view(1, -1)
+    layout = packed_layout(positions)
+    q, k, v = (torch.randn(1, h, 62, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
+    with pytest.raises(RuntimeError, match="Ampere"):  # asked for by name: its error is the caller's
+        varlen.varlen_attention(q, k, v, layout, backend="torch")
+    assert varlen._TORCH_VARLEN_FAILED == []
+    on_a_gpu = varlen.choose_backend
+    monkeypatch.setattr(varlen, "choose_backend",  # the tensors are on the CPU; the choice as on a GPU
+                        lambda device, dtype, gqa, dropout: on_a_gpu(torch.device("cuda"), dtype, gqa, dropout))
+    with caplog.at_level("WARNING", logger=varlen.__name__):
+        out = varlen.varlen_attention(q, k, v, layout)
+        varlen.varlen_attention(q, k, v, layout)
+    torch.testing.assert_close(out, varlen.varlen_attention(q, k, v, layout, backend="split"))
+    assert varlen._TORCH_VARLEN_FAILED == ["RuntimeError: FlashAttention only supports Ampere GPUs or newer."]
+    assert [r.getMessage() for r in caplog.records] == [
+        "packed attention: torch's varlen kernel failed (RuntimeError: FlashAttention only supports Ampere GPUs "
+        "or newer.); this process attends per sequence from now on"]
+    assert on_a_gpu(torch.device("cuda"), torch.bfloat16, gqa=True) == "split"
 
 
 def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):

@@ -13,7 +13,8 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
   installed, so a cluster without flash-attn's wheels gets one kernel per packed batch too. It needs
   a torch whose ``varlen_attn`` takes the causal mask as ``window_size`` (2.11 and newer) and, for
   grouped key/value heads, ``enable_gqa``; it has no attention dropout (a call with dropout, or
-  grouped heads on a torch without ``enable_gqa``, takes ``"split"``).
+  grouped heads on a torch without ``enable_gqa``, takes ``"split"``). Where the kernel raises
+  (a shape or device it does not take), the process logs why once and takes ``"split"`` from then.
 - ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
   from the sequence boundaries at block granularity: blocks outside every sequence's causal
@@ -70,6 +71,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +81,8 @@ from resilient_rl.models.packing import PackedLayout, packed_layout
 
 __all__ = ["BLOCK", "HF_ATTENTION", "choose_backend", "document_block_mask", "use_varlen_attention",
            "varlen_attention"]
+
+logger = logging.getLogger(__name__)
 
 #: Tokens per block of the flex backend's block mask.
 BLOCK = 128
@@ -115,6 +119,10 @@ def _torch_varlen_serves(gqa: bool, dropout: float) -> bool:
             and (not gqa or "enable_gqa" in inspect.signature(kernel).parameters))
 
 
+#: Why torch's varlen kernel failed in this process, once it has: packed attention then runs split.
+_TORCH_VARLEN_FAILED: list[str] = []
+
+
 @functools.cache
 def _flash_capable(index: int | None) -> bool:
     """Whether CUDA device ``index`` runs torch's FlashAttention-2 kernels (compute capability 8.0
@@ -130,7 +138,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, gqa: bool = False, 
         return "split"
     if _flash_varlen_func() is not None:
         return "flash"
-    if _torch_varlen_serves(gqa, dropout) and _flash_capable(device.index):
+    if _torch_varlen_serves(gqa, dropout) and not _TORCH_VARLEN_FAILED and _flash_capable(device.index):
         return "torch"
     return "split"
 
@@ -172,6 +180,7 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
     gqa = heads != k.shape[1]
+    chosen = backend is None
     backend = backend or choose_backend(q.device, q.dtype, gqa, dropout)
     if window is not None and window >= max(layout.lengths, default=0):
         window = None  # no sequence reaches past it
@@ -182,7 +191,15 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
             raise ModelInputError(f"packed attention on the torch backend needs torch's varlen_attn with "
                                   f"window_size{' and enable_gqa' if gqa else ''} (torch {torch.__version__}) "
                                   f"and takes no attention dropout (got {dropout})")
-        return _torch_varlen(q, k, v, layout, scale, window)
+        try:
+            return _torch_varlen(q, k, v, layout, scale, window)
+        except RuntimeError as exc:  # e.g. a head size or device its kernels do not take
+            if not chosen:
+                raise
+            _TORCH_VARLEN_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            logger.warning("packed attention: torch's varlen kernel failed (%s); this process attends per "
+                           "sequence from now on", _TORCH_VARLEN_FAILED[0])
+            backend = "split"
     if backend == "flex":
         if dropout or window is not None:
             raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
