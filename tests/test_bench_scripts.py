@@ -300,6 +300,7 @@ def test_workload_config_loads_and_its_data_fits_its_tokenizer_and_reward(worklo
     w = wl.WORKLOADS["gsm8k-0.5b"]
     assert cfg.model.kind == "hf" and cfg.model.hf_config["hidden_size"] == 896
     assert (cfg.data.batch_size, cfg.rollout.n, cfg.rollout.max_new_tokens) == (64, 8, 512)
+    assert cfg.actor.packing  # rows without padding, as verl runs (use_remove_padding)
     tokenizer = build_tokenizer(cfg.data)
     samples = read_jsonl(cfg.data.path)
     lengths = [len(tokenizer.encode_prompt(s.prompt)) for s in samples]

@@ -197,3 +197,37 @@ def test_packed_micro_batches_count_real_tokens_and_give_the_row_batch_update():
             assert m[k] == pytest.approx(m_rows[k], rel=1e-4, abs=1e-6), (k, extra)
         for n in w_rows:
             assert torch.allclose(w[n], w_rows[n], atol=1e-6), (n, extra)
+
+
+def test_the_ref_packs_its_rows_as_the_actor_does(monkeypatch):
+    """``actor.packing`` packs the ref's log-prob pass too: the same log-probs as its padded pass,
+    through packed attention."""
+    from resilient_rl.models import varlen
+
+    cfg = _cfg(packing=True)
+    batch = _batch()
+    resp = batch.batch["response_mask"]
+    padded = PolicyEngine(cfg.model, VOCAB, 0, plan_device("cpu"), trainable=False)
+    packed = PolicyEngine(cfg.model, VOCAB, 0, plan_device("cpu"), trainable=False, packing=cfg.actor.packing)
+    assert (padded.packing, packed.packing) == (False, True)
+    calls = []
+    real = varlen.varlen_attention
+    monkeypatch.setattr("resilient_rl.models.tiny.varlen_attention",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    lp_packed = packed.compute_log_prob(batch).batch["log_probs"]
+    assert calls and len(calls[0].lengths) == len(batch)  # one packed row of the 8 sequences
+    lp_padded = padded.compute_log_prob(batch).batch["log_probs"]
+    assert torch.allclose(lp_packed * resp, lp_padded * resp, atol=1e-5)
+
+
+def test_the_single_process_roles_hand_the_ref_the_actors_packing(tmp_path):
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.trainer.ppo import PPOTrainer
+
+    for packing in (False, True):
+        cfg = load_config(None, [f"actor.packing={str(packing).lower()}", "trainer.total_steps=1", "data.batch_size=4",
+                                 "actor.mini_batch_size=4", "critic.mini_batch_size=4", "trainer.progress_bar=false",
+                                 f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt"])
+        roles = LocalRoles(cfg, PPOTrainer(cfg).tokenizer)
+        assert roles.ref.packing is roles.actor.packing is packing

@@ -163,8 +163,8 @@ class ActorConfig(Section):
     #: ``torch.compile`` each transformer block (needs a C++ compiler on CPU; first steps compile).
     compile: bool = False
     #: Run each (micro-)batch's real tokens end to end in one row, without padding (positions tell
-    #: the sequences apart); ``micro_batch_tokens`` then counts real tokens. Log-prob and update
-    #: passes; values are computed padded.
+    #: the sequences apart); ``micro_batch_tokens`` then counts real tokens. The actor's log-prob and
+    #: update passes and the ref's log-probs; values are computed padded.
     packing: bool = False
 
     def validate(self) -> None:

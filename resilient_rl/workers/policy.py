@@ -43,11 +43,12 @@ class PolicyEngine:
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
-                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0):
+                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0, packing: bool = False):
         """``empty``: the weights are allocated, not initialised, for a restore to fill (the
         caller must load the whole state before using the engine). ``colocated`` (the other roles
         sharing this process's device) and ``kv_rows`` (their rollout's cache rows) size
-        ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`)."""
+        ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`). ``packing``: for an engine
+        without ``actor_cfg`` (the ref), whether its passes pack rows (``actor.packing``)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
@@ -67,7 +68,7 @@ class PolicyEngine:
             getattr(actor_cfg, "micro_batch_tokens", None) if trainable else None, role="actor", model=self.model,
             device_plan=plan, role_cfg=actor_cfg, seq_len=planned_seq_len(model_cfg, self.model),
             colocated=colocated, kv_rows=kv_rows)
-        self.packing = bool(getattr(actor_cfg, "packing", False))
+        self.packing = bool(getattr(actor_cfg, "packing", False) if actor_cfg is not None else packing)
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
         # What checkpoints and snapshots of this rank carry (a role registers its own parts here).

@@ -250,7 +250,7 @@ class RefWorker(RoleWorker):
         c = self.cfg
         self.release_engine()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
-                                   reshard_after_forward=c.ref.reshard_after_forward)
+                                   reshard_after_forward=c.ref.reshard_after_forward, packing=c.actor.packing)
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
