@@ -48,7 +48,7 @@ run() {  # name, timeout, arguments of bench/gpu.py
     local rc=$?
     # The stamped lines ("[  12.3 s] step 2: ...") are printed as the run goes: a run stopped at its
     # limit still leaves its steps, its recovery events and the figures of its measured steps so far.
-    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:" \
+    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:|packed attention:" \
         "$out/$name.log" | tee -a "$out/summary.txt"
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }

@@ -338,13 +338,15 @@ def test_torch_varlen_is_chosen_on_cuda_without_flash_attn(monkeypatch):
 
 
 def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, caplog):
-    """A kernel that raises where it was chosen (not asked for by name) is reported once, the call
-    is computed split, and the process chooses split from then on."""
+    """The first choice of a backend is logged; a kernel that raises where it was chosen (not asked
+    for by name) is reported once, the call is computed split, and the process chooses split from
+    then on."""
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                     enable_gqa=False):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore detail")
 
     monkeypatch.setattr(varlen, "_TORCH_VARLEN_FAILED", [])
+    monkeypatch.setattr(varlen, "_ANNOUNCED", set())
     monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
     monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: varlen_attn)
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
@@ -358,12 +360,13 @@ def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, 
     on_a_gpu = varlen.choose_backend
     monkeypatch.setattr(varlen, "choose_backend",  # the tensors are on the CPU; the choice as on a GPU
                         lambda device, dtype, gqa, dropout: on_a_gpu(torch.device("cuda"), dtype, gqa, dropout))
-    with caplog.at_level("WARNING", logger=varlen.__name__):
+    with caplog.at_level("INFO", logger=varlen.__name__):
         out = varlen.varlen_attention(q, k, v, layout)
         varlen.varlen_attention(q, k, v, layout)
     torch.testing.assert_close(out, varlen.varlen_attention(q, k, v, layout, backend="split"))
     assert varlen._TORCH_VARLEN_FAILED == ["RuntimeError: FlashAttention only supports Ampere GPUs or newer."]
     assert [r.getMessage() for r in caplog.records] == [
+        "packed attention: torch's varlen kernel (torch.nn.attention.varlen)",
         "packed attention: torch's varlen kernel failed (RuntimeError: FlashAttention only supports Ampere GPUs "
         "or newer.); this process attends per sequence from now on"]
     assert on_a_gpu(torch.device("cuda"), torch.bfloat16, gqa=True) == "split"

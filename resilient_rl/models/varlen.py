@@ -121,6 +121,10 @@ def _torch_varlen_serves(gqa: bool, dropout: float) -> bool:
 
 #: Why torch's varlen kernel failed in this process, once it has: packed attention then runs split.
 _TORCH_VARLEN_FAILED: list[str] = []
+#: How each backend is named in the line a process logs the first time it chooses it.
+_BACKEND_NAMES = {"flash": "flash-attn's varlen kernel", "torch": "torch's varlen kernel (torch.nn.attention.varlen)",
+                  "split": "one scaled_dot_product_attention call per sequence"}
+_ANNOUNCED: set[str] = set()
 
 
 @functools.cache
@@ -182,6 +186,9 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
     gqa = heads != k.shape[1]
     chosen = backend is None
     backend = backend or choose_backend(q.device, q.dtype, gqa, dropout)
+    if chosen and backend not in _ANNOUNCED:
+        _ANNOUNCED.add(backend)
+        logger.info("packed attention: %s", _BACKEND_NAMES.get(backend, backend))
     if window is not None and window >= max(layout.lengths, default=0):
         window = None  # no sequence reaches past it
     if backend == "flash":
@@ -200,6 +207,7 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
             logger.warning("packed attention: torch's varlen kernel failed (%s); this process attends per "
                            "sequence from now on", _TORCH_VARLEN_FAILED[0])
             backend = "split"
+            _ANNOUNCED.add(backend)  # the warning said so
     if backend == "flex":
         if dropout or window is not None:
             raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
