@@ -111,12 +111,16 @@ def _torch_varlen_func():
     return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
+@functools.cache
+def _takes_gqa(kernel) -> bool:
+    return "enable_gqa" in inspect.signature(kernel).parameters
+
+
 def _torch_varlen_serves(gqa: bool, dropout: float) -> bool:
     """Whether torch's ``varlen_attn`` can take a call with grouped key/value heads (``gqa``) and
     attention ``dropout``: it has no dropout, and grouped heads need its ``enable_gqa``."""
     kernel = _torch_varlen_func()
-    return (kernel is not None and not dropout
-            and (not gqa or "enable_gqa" in inspect.signature(kernel).parameters))
+    return kernel is not None and not dropout and (not gqa or _takes_gqa(kernel))
 
 
 #: Why torch's varlen kernel failed in this process, once it has: packed attention then runs split.
