@@ -10,6 +10,7 @@ rows' real tokens in one row, no padding computed) and, with ``--compile``,
 built from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
 
     python bench/logprob.py                                # CPU, tiny shape
+    python bench/logprob.py --ragged                       # responses of different lengths
     python bench/logprob.py --shape qwen2.5-1.5b --batch 8 --prompt 256 --response 512   # one GPU
 """
 
@@ -60,12 +61,17 @@ def build(shape: str, device: torch.device, checkpointing: bool, compile: bool =
     return apply_block_options(model, activation_checkpointing=checkpointing, compile=compile)
 
 
-def batch(vocab: int, rows: int, prompt: int, response: int, device: torch.device) -> dict[str, torch.Tensor]:
+def batch(vocab: int, rows: int, prompt: int, response: int, device: torch.device,
+          ragged: bool = False) -> dict[str, torch.Tensor]:
+    """Rows of left-padded prompts and responses; ``ragged``: responses that end at different
+    lengths (an eighth of ``response`` to all of it, right-padded), as a rollout's do."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (rows, prompt + response), generator=g)
     mask = torch.ones_like(ids)
     for r in range(rows):  # left padding of varied length, as a batch of prompts has
         mask[r, :(r * 37) % (prompt // 2)] = 0
+        if ragged:
+            mask[r, prompt + int(torch.randint(max(1, response // 8), response + 1, (), generator=g)):] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=mask, position_ids=pos,
                                                responses=ids[:, prompt:]).items()}
@@ -97,14 +103,17 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also a variant with torch.compile'd blocks")
+    ap.add_argument("--ragged", action="store_true", help="responses that end at different lengths")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # model.dtype=auto
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")) if device.type == "cpu" else torch.get_num_threads())
+    real = batch(8, args.batch, args.prompt, args.response, torch.device("cpu"), args.ragged)["attention_mask"]
     print(f"shape {args.shape} ({SHAPES[args.shape]['num_hidden_layers']} layers, vocab "
           f"{SHAPES[args.shape]['vocab_size']}), batch {args.batch} x (prompt {args.prompt} + response "
-          f"{args.response}), {device}, compute {dtype}, fp32 master weights")
+          f"{args.response}{', ragged' if args.ragged else ''}; {int(real.sum())} real tokens of "
+          f"{real.numel()}), {device}, compute {dtype}, fp32 master weights")
     results, values = {}, {}
     variants = [("full", False, False, False), ("chunked", True, False, False), ("chunked+ckpt", True, True, False),
                 ("chunked+packed", "packed", False, False)]
@@ -112,7 +121,7 @@ def main() -> None:
         variants.append(("chunked+compile", True, False, True))
     for name, chunked, ckpt, compiled in variants:
         model = build(args.shape, device, ckpt, compiled)
-        data = batch(model.config.vocab_size, args.batch, args.prompt, args.response, device)
+        data = batch(model.config.vocab_size, args.batch, args.prompt, args.response, device, args.ragged)
         fn = full_response_logprobs if not chunked else response_logprobs
         if chunked == "packed":
             def fn(model, data, device):  # noqa: E731 - the rows' real tokens in one row
@@ -139,8 +148,10 @@ def main() -> None:
     for name, (t_lp, m_lp, t_up, m_up) in results.items():
         print(f"{name:14s} {t_lp:11.4f} {m_lp:9.2f} {t_up:10.4f} {m_up:9.2f}   "
               f"{t_lp / base[0]:.2f}x {t_up / base[2]:.2f}x; {m_lp / base[1]:.2f}x {m_up / base[3]:.2f}x")
-    print(f"max |packed - full| log-prob: {(values['chunked+packed'] - values['full']).abs().max().item():.3g}")
-    diff = (values["chunked"] - values["full"]).abs().max().item()
+    valid = real[:, args.prompt:].bool()  # response tokens (a padded one's log-prob means nothing)
+    packed_diff = (values["chunked+packed"] - values["full"])[valid].abs().max().item()
+    print(f"max |packed - full| log-prob: {packed_diff:.3g}")
+    diff = (values["chunked"] - values["full"])[valid].abs().max().item()
     print(f"max |chunked - full| log-prob: {diff:.3g} ({'bit-identical' if diff == 0 else 'compute dtype ' + str(dtype)})")
 
 
