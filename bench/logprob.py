@@ -109,7 +109,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # model.dtype=auto
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")) if device.type == "cpu" else torch.get_num_threads())
-    real = batch(8, args.batch, args.prompt, args.response, torch.device("cpu"), args.ragged)["attention_mask"]
+    data = batch(SHAPES[args.shape]["vocab_size"], args.batch, args.prompt, args.response, device, args.ragged)
+    real = data["attention_mask"].cpu()
     print(f"shape {args.shape} ({SHAPES[args.shape]['num_hidden_layers']} layers, vocab "
           f"{SHAPES[args.shape]['vocab_size']}), batch {args.batch} x (prompt {args.prompt} + response "
           f"{args.response}{', ragged' if args.ragged else ''}; {int(real.sum())} real tokens of "
@@ -121,7 +122,6 @@ def main() -> None:
         variants.append(("chunked+compile", True, False, True))
     for name, chunked, ckpt, compiled in variants:
         model = build(args.shape, device, ckpt, compiled)
-        data = batch(model.config.vocab_size, args.batch, args.prompt, args.response, device, args.ragged)
         fn = full_response_logprobs if not chunked else response_logprobs
         if chunked == "packed":
             def fn(model, data, device):  # noqa: E731 - the rows' real tokens in one row
