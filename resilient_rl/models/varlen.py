@@ -252,6 +252,12 @@ def _token_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch * seq, heads, dim)
 
 
+def _head_major(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A varlen kernel's ``[B*T, h, D]`` output back to ``like``'s ``[B, h, T, D]``."""
+    batch, heads, seq, dim = like.shape
+    return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
 def _cu_seqlens(layout: PackedLayout, device: torch.device) -> tuple[torch.Tensor, int]:
     """The sequences' starts (and the end) as the varlen kernels take them, and the longest."""
     return layout.cu_seqlens.to(device=device, dtype=torch.int32), max(layout.lengths, default=0)
@@ -265,7 +271,7 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
     # flash-attn's window counts the keys on each side of the query, the query not included.
     out = kernel(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest, dropout_p=dropout,
                  softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
-    return out.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    return _head_major(out, q)
 
 
 def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None) -> torch.Tensor:
@@ -274,7 +280,7 @@ def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: in
     # (-1, 0) is causal; (w, 0) a causal window of w keys before the query, as flash-attn counts it.
     out = _torch_varlen_func()(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest,
                                scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
-    return out.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    return _head_major(out, q)
 
 
 _FLEX: list = []
