@@ -7,7 +7,9 @@ import pytest
 
 from resilient_rl.cli import EXIT_NO_CAPACITY, EXIT_RECOVERY, exit_code
 from resilient_rl.errors import NoCapacityError, RecoveryError
-from resilient_rl.runtime.capacity import shortfall
+from resilient_rl.runtime.capacity import Shortfall, shortfall
+from resilient_rl.runtime.pool import unplaced
+from resilient_rl.runtime.worker import WorkerInfo
 
 B = {"CPU": 0.05}
 GPU_B = {"CPU": 0.05, "GPU": 1.0}
@@ -42,6 +44,44 @@ def test_strict_spread_needs_a_node_per_bundle_and_pack_may_split():
 
 def test_nothing_waiting_is_no_shortfall():
     assert shortfall(0, [], "STRICT_PACK", {}, excluded=set()) is None
+
+
+class _Pg:
+    def __init__(self, pid: str) -> None:
+        self.id = pid
+
+
+class _Pool:
+    """Two placement groups of two bundles: ranks 0, 1 on node "a", ranks 2, 3 on node "b"."""
+
+    def __init__(self) -> None:
+        self.pgs = [_Pg("pg0"), _Pg("pg1")]
+
+    def unplaced(self) -> bool:
+        return True
+
+    def bundle_slots(self):
+        return [(pg, i, i, 2) for pg in self.pgs for i in range(2)]
+
+
+class _Group:
+    name_prefix = "actor"
+    resource_pool = _Pool()
+
+
+def test_no_capacity_names_the_ranks_whose_bundles_wait_whatever_their_last_reply_said(monkeypatch):
+    """Ranks 2 and 3 were lost with node "b"; the last reply read for rank 2 came from a process on
+    node "a" (a spare that had answered in its place), so only the placement group says it waits."""
+    waiting = Shortfall(1, [B, B], "STRICT_PACK", {}, indices=(0, 1))
+    monkeypatch.setattr(unplaced, "unplaceable", lambda pool: [waiting])
+    monkeypatch.setattr(unplaced, "nodes_launching", lambda: 0)
+    monkeypatch.setattr(unplaced, "alive_nodes", lambda: {"a": {"CPU": 8.0}})
+    known = {("actor", r): WorkerInfo(r, 4, 0, 100 + r, node) for r, node in enumerate("aaab")}
+    with pytest.raises(NoCapacityError) as err:
+        unplaced.yield_to_unplaced([_Group()], {}, known, {"actor": ("actor",)})
+    message = str(err.value)
+    assert "actor ranks [2, 3] were lost with node b " in message, message
+    assert "placement group 1: 2 bundle(s) need CPU=0.1 on one node" in message, message
 
 
 @pytest.mark.parametrize("exc, code", [(NoCapacityError("no node"), EXIT_NO_CAPACITY),

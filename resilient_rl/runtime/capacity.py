@@ -29,6 +29,7 @@ class Shortfall:
     bundles: list[dict]   # the resources of each waiting bundle
     strategy: str
     largest: dict         # the largest alive candidate node's resources (empty: no candidate node)
+    indices: tuple[int, ...] = ()  # the waiting bundles' indices in the placement group
 
     def describe(self) -> str:
         need = _sum(self.bundles) if self.strategy in ("STRICT_PACK", "PACK") else self.bundles[0]
@@ -56,9 +57,10 @@ def _fits(need: dict, have: dict) -> bool:
 
 
 def shortfall(index: int, bundles: list[dict], strategy: str, nodes: dict[str, dict],
-              excluded: set[str]) -> Shortfall | None:
-    """Whether ``bundles`` (waiting bundles of one placement group) fit the alive ``nodes``
-    (node id -> total resources) other than ``excluded``, under ``strategy``; None when they fit."""
+              excluded: set[str], indices: tuple[int, ...] = ()) -> Shortfall | None:
+    """Whether ``bundles`` (waiting bundles of one placement group, at ``indices`` in it) fit the
+    alive ``nodes`` (node id -> total resources) other than ``excluded``, under ``strategy``; None
+    when they fit."""
     if not bundles:
         return None
     candidates = {nid: res for nid, res in nodes.items() if nid not in excluded}
@@ -75,7 +77,7 @@ def shortfall(index: int, bundles: list[dict], strategy: str, nodes: dict[str, d
     if fits:
         return None
     largest = max(candidates.values(), key=lambda r: sum(float(r.get(k, 0.0)) for k in bundles[0]), default={})
-    return Shortfall(index, bundles, strategy, dict(largest))
+    return Shortfall(index, bundles, strategy, dict(largest), tuple(indices))
 
 
 def alive_nodes() -> dict[str, dict]:
@@ -116,8 +118,10 @@ def unplaceable(pool) -> list[Shortfall]:
         if table.get("state") in ("CREATED", "REMOVED"):
             continue
         placed = table.get("bundles_to_node_id", {}) or {}
-        waiting = [dict(b) for j, b in sorted(table.get("bundles", {}).items()) if j not in placed or placed[j] not in nodes]
-        found = shortfall(i, waiting, table.get("strategy", pool.strategy), nodes, pool.excluded_nodes(i))
+        waiting = {j: dict(b) for j, b in sorted(table.get("bundles", {}).items())
+                   if j not in placed or placed[j] not in nodes}
+        found = shortfall(i, list(waiting.values()), table.get("strategy", pool.strategy), nodes,
+                          pool.excluded_nodes(i), indices=tuple(waiting))
         if found is not None:
             out.append(found)
     return out

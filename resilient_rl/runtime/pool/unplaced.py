@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 
 from resilient_rl.errors import NoCapacityError
-from resilient_rl.runtime.capacity import alive_nodes, nodes_launching, unplaceable
+from resilient_rl.runtime.capacity import Shortfall, alive_nodes, nodes_launching, unplaceable
 from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.worker_group import RayWorkerGroup
@@ -37,13 +37,22 @@ def yield_to_unplaced(process_groups: list[RayWorkerGroup], spares: dict[str, Sp
             raise NoCapacityError(_no_capacity(g, short, known, roles[g.name_prefix][0]))
 
 
-def _no_capacity(g: RayWorkerGroup, short: list, known, role: str) -> str:
+def _no_capacity(g: RayWorkerGroup, short: list[Shortfall], known: Mapping[tuple[str, int], WorkerInfo],
+                 role: str) -> str:
+    """The error's text: the ranks whose bundles wait (read from the placement groups, not from
+    the replies before the failure, which may already place a rank elsewhere), the node they were
+    lost with, and what no alive node has."""
+    ranks = waiting_ranks(g.resource_pool, short)
     alive = set(alive_nodes())
-    lost = sorted(key for key, info in known.items()
-                  if key[0] == g.name_prefix and info.node_id is not None and info.node_id not in alive)
-    nodes = sorted({known[key].node_id for key in lost})
-    return (f"{role} ranks {[rank for _, rank in lost]} were lost with "
+    nodes = sorted({known[(g.name_prefix, r)].node_id for r in ranks if (g.name_prefix, r) in known} - alive - {None})
+    return (f"{role} ranks {ranks} were lost with "
             f"node {', '.join(nodes) or '(unknown)'} and no alive node can take them: "
             + "; ".join(s.describe() for s in short)
             + ". The run folder and its last committed checkpoint are intact: once the cluster has a node "
               "with those resources, the same command continues the run")
+
+
+def waiting_ranks(pool, short: list[Shortfall]) -> list[int]:
+    """The ranks of ``pool`` whose bundles are among the waiting bundles of ``short``."""
+    waiting = {(pool.pgs[s.group].id, j) for s in short for j in s.indices}
+    return [rank for rank, (pg, j, *_) in enumerate(pool.bundle_slots()) if (pg.id, j) in waiting]
