@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from resilient_rl.errors import ModelInputError
-from resilient_rl.models import varlen
+from resilient_rl.models import varlen, varlen_hf
 from resilient_rl.models.hf import load_hf_causal_lm
 from resilient_rl.models.packing import packed_layout
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
@@ -138,10 +138,10 @@ def test_sliding_window_model_packs_sequences_longer_than_its_window():
 
 def test_hf_model_uses_varlen_attention_only_for_packed_calls(monkeypatch):
     model = _qwen2()
-    assert model.config._attn_implementation == varlen.HF_ATTENTION
+    assert model.config._attn_implementation == varlen_hf.HF_ATTENTION
     calls = []
-    real = varlen.varlen_attention
-    monkeypatch.setattr(varlen, "varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = varlen_hf.varlen_attention
+    monkeypatch.setattr(varlen_hf, "varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     seqs, ids, positions = _packed([5, 3])
     with torch.no_grad():
         model(input_ids=ids, position_ids=positions, use_cache=False)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.models.varlen import use_varlen_attention
+from resilient_rl.models.varlen_hf import use_varlen_attention
 
 __all__ = ["hf_layers", "load_hf_causal_lm", "load_hf_config", "tiny_llama_config"]
 
@@ -48,7 +48,7 @@ def load_hf_causal_lm(path: str | None = None, hf_config: dict[str, Any] | None 
     a model built from it has random weights drawn from the global torch RNG. ``weights=False``
     builds a model from ``path``'s config without reading its weights (they are about to be
     overwritten). The model's SDPA attention computes packed rows per sequence
-    (:func:`~resilient_rl.models.varlen.use_varlen_attention`). Raises :class:`ConfigError` naming
+    (:func:`~resilient_rl.models.varlen_hf.use_varlen_attention`). Raises :class:`ConfigError` naming
     the path when it does not exist or holds no loadable model.
     """
     if (path is None) == (hf_config is None):

@@ -58,17 +58,11 @@ shape                                  split           right-padded    dense T x
 The dense mask is quickest at these lengths but grows as ``T x T`` (memory and time) with the
 packed length; flex was the slowest way that keeps no score matrix.
 
-Hugging Face models reach this through the attention function registered with transformers'
-``AttentionInterface`` under :data:`HF_ATTENTION` (:func:`use_varlen_attention`). Where transformers
-would detect packed rows (no attention mask, no cache, ``position_ids`` that restart) and its SDPA
-path would build the dense block-diagonal mask, the model's mask function hands every layer the
-rows' layout instead; every other call, an all-ones attention mask included, is the model's usual
-SDPA attention with its usual mask.
+Hugging Face models reach this through :mod:`resilient_rl.models.varlen_hf`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
@@ -77,17 +71,14 @@ import torch
 import torch.nn.functional as F
 
 from resilient_rl.errors import ModelInputError
-from resilient_rl.models.packing import PackedLayout, packed_layout
+from resilient_rl.models.packing import PackedLayout
 
-__all__ = ["BLOCK", "HF_ATTENTION", "choose_backend", "document_block_mask", "use_varlen_attention",
-           "varlen_attention"]
+__all__ = ["BLOCK", "choose_backend", "document_block_mask", "varlen_attention"]
 
 logger = logging.getLogger(__name__)
 
 #: Tokens per block of the flex backend's block mask.
 BLOCK = 128
-#: The name of the packed-aware attention function in transformers' ``AttentionInterface``.
-HF_ATTENTION = "rrl_varlen"
 
 
 @functools.cache
@@ -332,90 +323,3 @@ def document_block_mask(layout: PackedLayout, device: torch.device):
 def _flex(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
     mask = document_block_mask(layout, q.device)
     return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-class _PackedMask:
-    """What :func:`_hf_mask` hands the attention layers of a packed call in place of a mask tensor:
-    the rows' :class:`~resilient_rl.models.packing.PackedLayout`, read once per forward."""
-
-    __slots__ = ("layout",)
-
-    def __init__(self, layout: PackedLayout):
-        self.layout = layout
-
-    def __repr__(self) -> str:
-        return f"PackedMask(lengths={self.layout.lengths})"
-
-
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  **kwargs):
-    """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
-    if isinstance(attention_mask, _PackedMask):
-        out = varlen_attention(query, key, value, attention_mask.layout, scale=scaling, dropout=dropout,
-                               window=sliding_window)
-        return out.transpose(1, 2).contiguous(), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  sliding_window=sliding_window, **kwargs)
-
-
-#: The position ids of the base-model forward in progress when its call is one transformers reads
-#: as packed (no attention mask, no cache), else None; unset outside such a forward.
-_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("rrl_packed_positions")
-
-
-def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: int, **kwargs):
-    """transformers' mask-function contract. Where transformers would detect packed rows (no
-    attention mask, no cache, position ids that restart), the rows' layout in a
-    :class:`_PackedMask`; else (rows of one sequence each included) SDPA's own mask."""
-    positions = _POSITIONS.get(None)
-    if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
-        layout = packed_layout(positions.expand(batch_size, -1))
-        if len(layout.lengths) > batch_size:
-            return _PackedMask(layout)
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(batch_size=batch_size, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
-                     **kwargs)
-
-
-def _track_positions(base: torch.nn.Module) -> None:
-    """Hooks on ``base`` (the module that builds the masks) that expose a packed call's position
-    ids to :func:`_hf_mask` for the length of its forward."""
-    signature = inspect.signature(base.forward)
-    tokens: list = []
-
-    # A compiled forward (the rollout engine's decode step) skips both hooks: they would break its
-    # graph, and its masks then come from transformers as they would without them.
-    def before(module, args, kwargs):
-        if torch.compiler.is_compiling():
-            return
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        cached = bound.get("cache") is not None or bound.get("past_key_values") is not None
-        use_cache = bound.get("use_cache")
-        use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
-        packed = bound.get("attention_mask") is None and not cached and not use_cache
-        tokens.append(_POSITIONS.set(bound.get("position_ids") if packed else None))
-
-    def after(module, args, kwargs, output):
-        if tokens and not torch.compiler.is_compiling():
-            _POSITIONS.reset(tokens.pop())
-
-    base.register_forward_pre_hook(before, with_kwargs=True)
-    base.register_forward_hook(after, with_kwargs=True, always_call=True)
-
-
-def use_varlen_attention(model) -> None:
-    """Switch the Hugging Face ``model`` from SDPA attention to :data:`HF_ATTENTION`, which is the
-    same for every call but a packed one (see the module docs). Models set to another attention
-    implementation keep it."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    AttentionInterface.register(HF_ATTENTION, _hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
-    _track_positions(getattr(model, "base_model", model))
-    model.config._attn_implementation = HF_ATTENTION
