@@ -1,5 +1,5 @@
 """Shared fixtures: one local Ray cluster per test module (``ray.init`` costs seconds here), a one-rank
-process group."""
+process group, a settable clock, the bench scripts as modules."""
 
 from __future__ import annotations
 
@@ -71,6 +71,26 @@ def single_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def clock():
+    """A settable Unix clock, so ages are exact without sleeping."""
+    from resilient_rl.testing.clock import FakeClock
+
+    return FakeClock(1_700_000_000.0)
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The bench scripts as modules (``gpu``, ``train``), importable as they import each other."""
+    from resilient_rl.testing.bench_scripts import BENCH
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gpu
+    import train
+
+    return gpu, train
 
 
 @pytest.fixture(autouse=True)

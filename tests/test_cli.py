@@ -1,31 +1,25 @@
 """The checkpoint commands of the CLI: ``checkpoints list|verify``, ``export`` and ``resume``.
 
-Most checkpoints here are written in-process, without Ray, through the same worker-side code a
+The checkpoints here are written in-process, without Ray, through the same worker-side code a
 Ray actor runs (:class:`RankCheckpointer` around a single-process :class:`PolicyEngine`) and
-committed with :meth:`CheckpointManager.commit`. The ``ray`` tests run the real
-``resilient-rl train`` once to check the export of an FSDP2-sharded (2-rank) actor and ``resume``.
+committed with :meth:`CheckpointManager.commit`. The same commands on a real ``resilient-rl train``
+run (an FSDP2-sharded actor, ``resume``, ``status`` and ``plot``) are tested in test_cli_real_run.py.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage, step_dirname
-from resilient_rl.checkpoint.inspect import inspect_run, locate
-from resilient_rl.cli import main
+from resilient_rl.checkpoint.inspect import locate
 from resilient_rl.errors import ConfigError
-from resilient_rl.events import read_events
 from resilient_rl.models.hf import tiny_llama_config
-from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.run.folder import RunDir
 from resilient_rl.data.tasks import get_task
@@ -34,6 +28,8 @@ from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.fsdp import plan_device
 from resilient_rl.workers.policy import PolicyEngine
+
+from checkpoint_cli import checkpoint_table as _table, load_tiny_export as _load_tiny_export, run_cli as _cli
 
 RUN = "cli-run"
 
@@ -100,24 +96,6 @@ def run_copy(tiny_run, tmp_path):
     """A private copy of the tiny run's checkpoints, free to damage."""
     shutil.copytree(tiny_run["root"], tmp_path / "ckpt")
     return tmp_path / "ckpt"
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(["-q", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _table(out: str) -> dict[int, list[str]]:
-    """{step: columns} of a checkpoints table (columns split on runs of 2+ spaces)."""
-    import re
-
-    rows = {}
-    for line in out.splitlines():
-        cols = re.split(r"\s{2,}", line.strip())
-        if cols[0].isdigit():
-            rows[int(cols[0])] = cols
-    return rows
 
 
 def _flip_byte(path: Path) -> None:
@@ -213,13 +191,6 @@ def test_missing_run_or_step_is_an_error_naming_it(tiny_run, capsys):
 
 
 # ----------------------------------------------------------------------------- export
-def _load_tiny_export(out: Path) -> TinyCausalLM:
-    """The loading recipe the README documents."""
-    model = TinyCausalLM(TinyLMConfig(**json.loads((out / "config.json").read_text())))
-    model.load_state_dict(load_file(str(out / "model.safetensors")))
-    return model.eval()
-
-
 def test_export_tiny_reloads_with_identical_weights(tiny_run, tmp_path, capsys):
     out = tmp_path / "export"
     step_url = tiny_run["run_url"] / step_dirname(2)
@@ -317,85 +288,3 @@ def test_resume_without_a_checkpoint_names_the_run_and_root(tmp_path, capsys):
 def test_resume_refuses_another_resume_mode(tmp_path, capsys):
     code, _, err = _cli(capsys, "resume", "checkpoint.resume=off", f"checkpoint.root={tmp_path}")
     assert code == 2 and "checkpoint.resume=auto" in err
-
-
-# ----------------------------------------------------------------------------- real runs (Ray)
-_TRAIN_ARGS = ["trainer.total_steps=2", "checkpoint.save_every=1", "checkpoint.async_save=false",
-               "data.batch_size=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8", "data.num_prompts=64",
-               "trainer.progress_bar=false", "trainer.run_name=cli-ray",
-               # Sharded, so that export has shards to consolidate (on CPU the default is a replica).
-               "actor.strategy=fsdp", "critic.strategy=fsdp"]
-
-
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resilient_rl.cli", "-q", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A real 2-step run: a 2-rank FSDP2 actor and a critic, saved at steps 1 and 2."""
-    base = tmp_path_factory.mktemp("trained")
-    proc = _run_cli("train", *_TRAIN_ARGS, f"checkpoint.root={base / 'ckpt'}", f"trainer.output_dir={base / 'runs'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return base
-
-
-@pytest.mark.ray
-def test_export_consolidates_the_shards_of_a_real_run(trained, tmp_path, capsys):
-    run_url = trained / "ckpt" / "cli-ray"
-    code, out, err = _cli(capsys, "checkpoints", "verify", str(run_url))
-    assert code == 0, err
-    assert sorted(_table(out)) == [1, 2]
-    out_dir = tmp_path / "export"
-    code, _, err = _cli(capsys, "export", str(run_url), "--out", str(out_dir), "--output-dir", str(trained / "runs"))
-    assert code == 0, err
-    model = _load_tiny_export(out_dir)  # strict load: every key of TinyCausalLM, nothing else
-    exported = load_file(str(out_dir / "model.safetensors"))
-    # Independently of the reader: FSDP2 shards dim 0 by rank, so each weight is its ranks' chunks in order.
-    actor = run_url / step_dirname(2) / "actor"
-    report = inspect_run(locate(str(run_url)), deep=False)
-    assert report.newest_committed().step == 2
-    chunks: dict[str, list[torch.Tensor]] = {}
-    for rank in range(2):
-        with safe_open(str(actor / f"shard_{rank:05d}.safetensors"), "pt") as f:
-            for key in f.keys():
-                if key.startswith("model/"):
-                    chunks.setdefault(key[len("model/"):], []).append(f.get_tensor(key))
-    assert chunks.keys() == exported.keys() == model.state_dict().keys()
-    for key, parts in chunks.items():
-        assert torch.equal(exported[key], torch.cat(parts)), key
-    assert any(len(parts) == 2 for parts in chunks.values())  # really sharded over 2 ranks
-
-
-@pytest.mark.ray
-@pytest.mark.slow  # a second full start of the cluster and roles (about a minute here)
-def test_resume_continues_a_real_run_from_its_latest_checkpoint(trained, tmp_path):
-    shutil.copytree(trained, tmp_path / "run")
-    root, runs = tmp_path / "run" / "ckpt", tmp_path / "run" / "runs"
-    proc = _run_cli("resume", *_TRAIN_ARGS, "trainer.total_steps=3", f"checkpoint.root={root}",
-                    f"trainer.output_dir={runs}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "from its newest checkpoint (step 2" in proc.stderr
-    restored = [e for e in read_events(runs / "cli-ray") if e["event"] == "checkpoint_restored"]
-    assert restored and restored[-1]["step"] == 2
-    assert CheckpointManager(str(root), "cli-ray").latest_step() == 3
-    steps = [json.loads(line)["step"] for line in (runs / "cli-ray" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-
-
-@pytest.mark.ray
-def test_status_and_plot_of_a_real_run(trained, tmp_path, capsys):
-    runs = trained / "runs"
-    code, out, err = _cli(capsys, "status", "cli-ray", "--output-dir", str(runs), "--json")
-    assert code == 0, err
-    status = json.loads(out)
-    assert status["state"] == "finished" and status["step"] == 2 and status["total_steps"] == 2
-    assert status["controller"]["ended_at"] is not None and status["failures"] == []
-    assert status["checkpoint"]["step"] == 2 and status["checkpoint"]["check"] == "ok"
-    assert 0 < status["goodput"] <= 1 and status["useful_s"] > 0
-    assert "not running" in status["metrics"]["note"]  # the targets file goes when the run ends
-    png = tmp_path / "run.png"
-    code, _, err = _cli(capsys, "plot", str(runs / "cli-ray"), "--out", str(png))
-    assert code == 0, err
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -203,8 +203,6 @@ def test_the_logit_chunk_is_the_log_prob_heads():
 def test_the_allocators_account_of_an_update_pass(monkeypatch):
     """On a GPU the update pass reports the allocator's peaks and its cudaMalloc retries during the
     pass beside the plan's peak (CUDA's counters faked here: CPU has none); on CPU, nothing."""
-    import torch
-
     from resilient_rl.workers.allocator import AllocatorWindow
 
     stats = {"num_alloc_retries": 3, "allocated_bytes.all.peak": 10, "reserved_bytes.all.peak": 12}

@@ -1,11 +1,11 @@
 """monitoring/: Prometheus config and alert rules, and the queries of every dashboard.
 
 Checks, from cheapest to strongest: files parse and are wired to each other; every PromQL
-expression names only series that resilient_rl.telemetry exports; promtool accepts the config,
-the rules and every dashboard query, and the alerts fire on the scenarios they are written for;
-a real Prometheus server using this config scrapes a live exporter and answers every query.
-The dashboards themselves (generator, Grafana schema, grid, variables) are checked in
-test_dashboards.py.
+expression names only series that resilient_rl.telemetry exports; a real Prometheus server using
+this config scrapes a live exporter and answers every query. What promtool checks (the config,
+the rules and every dashboard query accepted, the alerts firing on the scenarios they are written
+for) is in test_monitoring_promtool.py. The dashboards themselves (generator, Grafana schema,
+grid, variables) are checked in test_dashboards.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
 from resilient_rl.telemetry import FileSDWriter, MetricsServer
 from resilient_rl.testing.monitoring import (DATASOURCE_UID, MONITORING, RULES, alert_rules, dashboard_queries,
-                                             exported_names, free_port, grafana_to_promql, load_dashboards,
-                                             metric_names, populated_registry)
+                                             exported_names, free_port, grafana_to_promql, metric_names,
+                                             populated_registry)
 from resilient_rl.testing.wait import wait_until
 
 
@@ -101,249 +100,6 @@ def test_alert_rules_have_for_severity_and_annotations():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
         assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
-
-
-# -- promtool ------------------------------------------------------------------------------
-
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not on PATH "
-                                    "(Debian/Ubuntu: apt-get install prometheus)")
-
-
-def promtool(*args: str, cwd: Path | None = None) -> str:
-    proc = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
-    return output
-
-
-@needs_promtool
-def test_promtool_accepts_config_and_rules():
-    assert "SUCCESS" in promtool("check", "config", str(MONITORING / "prometheus.yml"))
-    assert f"SUCCESS: {len(alert_rules())} rules found" in promtool("check", "rules", str(RULES))
-
-
-@needs_promtool
-def test_promtool_accepts_every_dashboard_query(tmp_path):
-    queries = dashboard_queries()
-    rules = {"groups": [{"name": "dashboards", "rules": [
-        {"record": f"rrl_dashboard_query_{i}", "expr": grafana_to_promql(expr)}
-        for i, (_, expr) in enumerate(queries)]}]}
-    path = tmp_path / "dashboard-queries.yml"
-    path.write_text(yaml.safe_dump(rules))
-    assert f"SUCCESS: {len(queries)} rules found" in promtool("check", "rules", str(path))
-
-
-ALERT_TESTS = """
-rule_files: [{rules}]
-evaluation_interval: 1m
-tests:
-  - interval: 1m
-    input_series:
-      - series: 'rrl_worker_up{{instance="c:1", role="actor", rank="1", node="n0"}}'
-        values: '1 1 0x10'
-      - series: 'rrl_worker_up{{instance="c:1", role="actor", rank="0", node="n0"}}'
-        values: '1x30'
-    alert_rule_test:
-      - {{alertname: RRLWorkerDown, eval_time: 3m, exp_alerts: []}}
-      - alertname: RRLWorkerDown
-        eval_time: 5m
-        exp_alerts:
-          - exp_labels: {{severity: critical, instance: "c:1", role: actor, rank: "1", node: n0}}
-            exp_annotations:
-              summary: "Worker actor/1 down on n0"
-              description: "Worker actor rank 1 on node n0 has been down for more than 2 minutes."
-
-  - interval: 1m
-    input_series:
-      # A restart series that first appears inside the window still counts in full.
-      - series: 'rrl_worker_restarts_total{{instance="c:1", role="actor", rank="0", cause="died"}}'
-        values: '_ _ _ 1 2 3 4 5 6 6 6 6'
-      - series: 'rrl_worker_restarts_total{{instance="c:1", role="critic", rank="0", cause="died"}}'
-        values: '0x11'
-    alert_rule_test:
-      - {{alertname: RRLRestartStorm, eval_time: 7m, exp_alerts: []}}
-      - alertname: RRLRestartStorm
-        eval_time: 9m
-        exp_alerts:
-          - exp_labels: {{severity: critical, instance: "c:1"}}
-            exp_annotations:
-              summary: "Restart storm on c:1"
-              description: "6 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
-
-  - interval: 1m
-    input_series:
-      - series: 'rrl_step{{instance="stuck:1"}}'
-        values: '0+1x5 5x40'
-      - series: 'rrl_worker_up{{instance="stuck:1", role="actor", rank="0", node="n0"}}'
-        values: '1x45'
-      - series: 'rrl_step{{instance="busy:1"}}'
-        values: '0+1x45'
-      - series: 'rrl_worker_up{{instance="busy:1", role="actor", rank="0", node="n0"}}'
-        values: '1x45'
-    alert_rule_test:
-      - {{alertname: RRLNoProgress, eval_time: 15m, exp_alerts: []}}
-      - alertname: RRLNoProgress
-        eval_time: 25m
-        exp_alerts:
-          - exp_labels: {{severity: critical, instance: "stuck:1"}}
-            exp_annotations:
-              summary: "No training progress on stuck:1"
-              description: "No training step completed for 15 minutes while workers are up: a hung collective, a stuck rollout or a recovery loop."
-
-  - interval: 1m
-    input_series:
-      - series: 'rrl_checkpoint_age_seconds{{instance="c:1"}}'
-        values: '0+60x60'
-      - series: 'rrl_step{{instance="c:1"}}'
-        values: '0+30x60'
-      - series: 'rrl_checkpoint_last_committed_step{{instance="c:1"}}'
-        values: '0x60'
-    alert_rule_test:
-      - {{alertname: RRLCheckpointTooOld, eval_time: 34m, exp_alerts: []}}
-      - alertname: RRLCheckpointTooOld
-        eval_time: 40m
-        exp_alerts:
-          - exp_labels: {{severity: warning, instance: "c:1"}}
-            exp_annotations:
-              summary: "No checkpoint committed for 30 minutes on c:1"
-              description: "The last committed checkpoint is 40m 0s old. Check checkpoint storage and rrl_checkpoint_save_duration_seconds."
-      - {{alertname: RRLCheckpointTooFarBehind, eval_time: 20m, exp_alerts: []}}
-      - alertname: RRLCheckpointTooFarBehind
-        eval_time: 25m
-        exp_alerts:
-          - exp_labels: {{severity: warning, instance: "c:1"}}
-            exp_annotations:
-              summary: "Last checkpoint is more than 500 steps behind on c:1"
-              description: "750 steps were trained since the last committed checkpoint; a crash now would replay them."
-
-  - interval: 1m
-    input_series:
-      # Exported at 0 from the start (every reason); two saves skipped at 71m and 72m.
-      - series: 'rrl_checkpoint_skipped_total{{instance="c:1", run="r", reason="storage"}}'
-        values: '0x70 1 2 2x80'
-      - series: 'rrl_checkpoint_skipped_total{{instance="c:1", run="r", reason="slow"}}'
-        values: '0x152'
-    alert_rule_test:
-      - {{alertname: RRLCheckpointsSkipped, eval_time: 70m, exp_alerts: []}}
-      - alertname: RRLCheckpointsSkipped
-        eval_time: 75m
-        exp_alerts:
-          - exp_labels: {{severity: warning, instance: "c:1", reason: storage}}
-            exp_annotations:
-              summary: "Checkpoints skipped (storage) on c:1"
-              description: "2 checkpoint save(s) skipped in the last hour (storage). Check the checkpoint storage; the run stops after checkpoint.max_skipped skips in a row, its last committed checkpoint intact."
-      - {{alertname: RRLCheckpointsSkipped, eval_time: 140m, exp_alerts: []}}
-
-  - interval: 1m
-    input_series:
-      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", node="n0", gpu="0", uuid="GPU-a", role="actor", rank="0"}}'
-        values: '0.05x40'
-      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", node="n0", gpu="1", uuid="GPU-b", role="", rank=""}}'
-        values: '0x40'
-      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", node="n0", gpu="2", uuid="GPU-c", role="actor", rank="1"}}'
-        values: '0.9x40'
-      - series: 'rrl_step{{instance="c:1"}}'
-        values: '0+1x40'
-    alert_rule_test:
-      - alertname: RRLGpuUtilizationLow
-        eval_time: 30m
-        exp_alerts:
-          - exp_labels: {{severity: warning, instance: "n0:1", node: n0, gpu: "0", uuid: GPU-a, role: actor, rank: "0"}}
-            exp_annotations:
-              summary: "GPU 0 on n0 under 20% busy while training"
-              description: "GPU 0 (GPU-a, actor rank 0) averaged 5% utilization over 10 minutes while steps are completing: an input, rollout or communication bottleneck."
-
-  - interval: 1m
-    input_series:
-      # A NaN loss skipped at minute 3 (its series appears then); nothing after: the alert
-      # holds for the 30-minute window, then clears.
-      - series: 'rrl_nonfinite_total{{instance="c:1", quantity="loss", action="skipped"}}'
-        values: '_ _ _ 1x40'
-      - series: 'rrl_nonfinite_total{{instance="ok:1", quantity="reward", action="zeroed"}}'
-        values: '0x40'
-    alert_rule_test:
-      - {{alertname: RRLNonFiniteValues, eval_time: 2m, exp_alerts: []}}
-      - alertname: RRLNonFiniteValues
-        eval_time: 4m
-        exp_alerts:
-          - exp_labels: {{severity: warning, instance: "c:1", quantity: loss, action: skipped}}
-            exp_annotations:
-              summary: "Non-finite loss on c:1 (skipped)"
-              description: "1 step(s) met NaN or Inf in loss in the last 30 minutes and the trainer skipped them (trainer.nonfinite). Look at the run's nonfinite events: a diverging learning rate, a reward function returning NaN, or a poisoned checkpoint."
-      - {{alertname: RRLNonFiniteValues, eval_time: 40m, exp_alerts: []}}
-
-  - interval: 1m
-    input_series:
-      # ETTR over the run's life sinks below 70% at minute 10 and stays there.
-      - series: 'rrl_ettr_ratio{{instance="c:1"}}'
-        values: '0.9x9 0.6x80'
-      - series: 'rrl_ettr_ratio{{instance="ok:1"}}'
-        values: '0.95x90'
-    alert_rule_test:
-      - {{alertname: RRLEffectiveTrainingTimeLow, eval_time: 60m, exp_alerts: []}}
-      - alertname: RRLEffectiveTrainingTimeLow
-        eval_time: 75m
-        exp_alerts:
-          - exp_labels: {{severity: warning, instance: "c:1"}}
-            exp_annotations:
-              summary: "Effective training time under 70% on c:1"
-              description: "Over the run's whole life only 60% of wall time went to steps that count. See rrl_lost_seconds_total by cause and rrl_recovery_phase_seconds for where the rest went."
-"""
-
-
-@needs_promtool
-def test_alerts_fire_on_their_scenarios_and_only_then(tmp_path):
-    path = tmp_path / "alerts_test.yml"
-    path.write_text(ALERT_TESTS.format(rules=json.dumps(str(RULES))))
-    assert "SUCCESS" in promtool("test", "rules", str(path))
-
-
-def panel_expr(uid: str, title: str, panel_type: str) -> str:
-    (board,) = [b for b in load_dashboards() if b["uid"] == uid]
-    (panel,) = [p for p in board["panels"] if p["title"] == title and p["type"] == panel_type]
-    (target,) = panel["targets"]
-    return target["expr"]
-
-
-@needs_promtool
-def test_restart_and_worker_down_panels_show_what_happened(tmp_path):
-    # A worker's restart series is first exported at 1, on its first restart; increase()
-    # would count that as 0. The panels count it, and a later one, exactly.
-    restarts = grafana_to_promql(panel_expr("rrl-reliability", "Restarts by worker", "timeseries"))
-    in_range = grafana_to_promql(panel_expr("rrl-reliability", "Restarts (range)", "stat")
-                                 .replace("$__range", "10m"))
-    down = grafana_to_promql(panel_expr("rrl-reliability", "Workers down", "timeseries"))
-    actor1 = '{role="actor", rank="1"}'
-    tests = {"tests": [{
-        "interval": "1m",
-        "input_series": [
-            {"series": 'rrl_worker_restarts_total{run="r", role="actor", rank="1", cause="died"}',
-             "values": "_ _ 1 1 3 3 3"},
-            {"series": 'rrl_worker_restarts_total{run="r", role="critic", rank="0", cause="died"}',
-             "values": "_ _ _ _ _ _ 1"},
-            {"series": 'rrl_worker_up{run="r", role="actor", rank="1", node="n0"}',
-             "values": "1 1 0 1 1 1 1"},
-            {"series": 'rrl_worker_up{run="r", role="actor", rank="0", node="n0"}',
-             "values": "1x6"}],
-        "promql_expr_test": [
-            {"expr": restarts, "eval_time": "2m",
-             "exp_samples": [{"labels": actor1, "value": 1}]},
-            {"expr": restarts, "eval_time": "3m",
-             "exp_samples": [{"labels": actor1, "value": 0}]},
-            {"expr": restarts, "eval_time": "4m",
-             "exp_samples": [{"labels": actor1, "value": 2}]},
-            {"expr": restarts, "eval_time": "6m",
-             "exp_samples": [{"labels": actor1, "value": 0},
-                             {"labels": '{role="critic", rank="0"}', "value": 1}]},
-            {"expr": in_range, "eval_time": "6m", "exp_samples": [{"labels": "{}", "value": 4}]},
-            {"expr": down, "eval_time": "2m", "exp_samples": [
-                {"labels": '{run="r", role="actor", rank="1", node="n0"}', "value": 1}]},
-            {"expr": down, "eval_time": "3m", "exp_samples": []},
-        ]}]}
-    path = tmp_path / "panels_test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    assert "SUCCESS" in promtool("test", "rules", str(path))
 
 
 # -- a real Prometheus server --------------------------------------------------------------

@@ -1,61 +1,25 @@
-"""Telemetry: metrics scraped over HTTP from a live exporter, GPU sampling through a fake NVML,
-process sampling, and the file_sd targets file (the trainer's telemetry hook:
-tests/test_telemetry_hook.py)."""
+"""Telemetry: metrics scraped over HTTP from a live exporter (the server, the trainer's series and
+their checks), and the file_sd targets file. GPU and process sampling and the node exporter are
+tested in tests/test_telemetry_devices.py, the trainer's telemetry hook in
+tests/test_telemetry_hook.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from resilient_rl.errors import TelemetryError
-from resilient_rl.telemetry import (PHASE_LABELS, DeviceMetrics, FileSDWriter, GpuSampler,
-                                    MetricsServer, NodeExporter, ProcessSampler, TrainerMetrics,
-                                    scrape)
-from resilient_rl.telemetry.device import resolve_visible_devices
-from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML, NVMLError_LibraryNotFound
+from resilient_rl.telemetry import PHASE_LABELS, FileSDWriter, MetricsServer, TrainerMetrics
+from resilient_rl.testing.clock import FakeClock
 from resilient_rl.testing.scrape import names, samples, value
 
-UUIDS = ["GPU-11111111-aaaa-0000-0000-000000000000",
-         "GPU-22222222-bbbb-0000-0000-000000000000",
-         "GPU-33333333-cccc-0000-0000-000000000000"]
-
-
-class Clock:
-    """A settable Unix clock, so ages are exact without sleeping."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def trainer(clock: Clock):
+def trainer(clock: FakeClock):
     metrics = TrainerMetrics(run="unit", clock=clock)
     with MetricsServer(metrics.registry) as server:
         yield metrics, server
-
-
-def three_gpus(**overrides) -> FakeNVML:
-    gpus = [FakeGpu(uuid=UUIDS[0], utilization_percent=75, memory_used_bytes=3 * 2**30,
-                    memory_total_bytes=40 * 2**30, power_milliwatts=250_500,
-                    temperature_celsius=61, sm_clock_mhz=1410),
-            FakeGpu(uuid=UUIDS[1], utilization_percent=10),
-            FakeGpu(uuid=UUIDS[2], utilization_percent=99)]
-    for index, fields in overrides.items():
-        for key, val in fields.items():
-            setattr(gpus[int(index[1:])], key, val)
-    return FakeNVML(gpus)
 
 
 # -- exporter ------------------------------------------------------------------------------
@@ -222,122 +186,30 @@ def test_checkpoint_series_and_age(trainer, clock):
     assert value(samples(server.url), "rrl_checkpoint_age_seconds") == 600
 
 
-# -- GPU sampling --------------------------------------------------------------------------
-
-def test_gpu_sampler_reads_fake_nvml_in_base_units(monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    sampler = GpuSampler(nvml=three_gpus())
-    assert sampler.available
-    got = sampler.sample()
-    assert [(s.index, s.uuid) for s in got] == list(enumerate(UUIDS))
-    first = got[0]
-    assert first.utilization_ratio == 0.75
-    assert first.memory_used_bytes == 3 * 2**30
-    assert first.memory_total_bytes == 40 * 2**30
-    assert first.power_watts == pytest.approx(250.5)
-    assert first.temperature_celsius == 61
-    assert first.sm_clock_hertz == 1.41e9
+def test_observe_phase_records_a_known_phase_only(trainer):
+    metrics, server = trainer
+    metrics.observe_phase("checkpoint", 0.25)
+    with pytest.raises(TelemetryError, match="'save'"):
+        metrics.observe_phase("save", 0.1)
+    with pytest.raises(TelemetryError, match="checkpoint"):
+        metrics.observe_phase("checkpoint", -1.0)
+    data = samples(server.url)
+    assert value(data, "rrl_phase_duration_seconds_count", phase="checkpoint") == 1
+    assert value(data, "rrl_phase_duration_seconds_sum", phase="checkpoint") == 0.25
 
 
-@pytest.mark.parametrize("visible, expected", [
-    ("1,0", [UUIDS[1], UUIDS[0]]),
-    (f"{UUIDS[2]},{UUIDS[0]}", [UUIDS[2], UUIDS[0]]),
-    ("GPU-33333333,GPU-11111111", [UUIDS[2], UUIDS[0]]),
-    ("22222222-bbbb", [UUIDS[1]]),
-    ("2,7,0", [UUIDS[2]]),          # CUDA stops at the first invalid entry
-    ("GPU-,1", []),                  # an ambiguous prefix is invalid too
-    ("", []),
-])
-def test_cuda_visible_devices_maps_cuda_index_to_uuid(monkeypatch, visible, expected):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    got = GpuSampler(nvml=three_gpus()).sample()
-    assert [(s.index, s.uuid) for s in got] == list(enumerate(expected))
+def test_useful_time_is_a_running_total_that_rolls_back():
+    from resilient_rl.telemetry.goodput import UsefulTime
 
-
-def test_all_devices_ignores_cuda_visible_devices(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    sampler = GpuSampler(nvml=three_gpus(), all_devices=True)
-    assert sampler.devices == list(enumerate(UUIDS))
-
-
-def test_resolve_visible_devices_counts_a_device_once():
-    assert resolve_visible_devices(["1", UUIDS[1], "0"], UUIDS) == [1, 0]
-
-
-def test_device_metrics_export_gpus_with_assignment_and_omit_unsupported(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    nvml = three_gpus(g0={"unsupported": {"power", "sm_clock"}})
-    devices = DeviceMetrics(node="n0", gpu_sampler=GpuSampler(nvml=nvml))
-    devices.assign_gpus({UUIDS[0].removeprefix("GPU-"): ("actor", 1), UUIDS[1]: ("actor", 0)})
-    with MetricsServer(devices.registry) as server:
-        data = samples(server.url)
-        gpu0 = dict(node="n0", gpu="0", uuid=UUIDS[1], role="actor", rank="0")
-        gpu1 = dict(node="n0", gpu="1", uuid=UUIDS[0], role="actor", rank="1")
-        assert value(data, "rrl_gpu_utilization_ratio", **gpu0) == 0.10
-        assert value(data, "rrl_gpu_utilization_ratio", **gpu1) == 0.75
-        assert value(data, "rrl_gpu_memory_used_bytes", **gpu1) == 3 * 2**30
-        assert value(data, "rrl_gpu_memory_total_bytes", **gpu1) == 40 * 2**30
-        assert value(data, "rrl_gpu_temperature_celsius", **gpu1) == 61
-        assert value(data, "rrl_gpu_power_watts", **gpu0) == 300.0
-        # Not supported on the first NVML device: absent, not zero.
-        assert value(data, "rrl_gpu_power_watts", **gpu1) is None
-        assert value(data, "rrl_gpu_sm_clock_hertz", **gpu1) is None
-        assert len([k for k in data if k[0] == "rrl_gpu_power_watts"]) == 1
-
-        # Readings are taken at scrape time.
-        nvml.gpus[1].utilization_percent = 55
-        assert value(samples(server.url), "rrl_gpu_utilization_ratio", **gpu0) == 0.55
-        # A GPU that falls off the bus loses its readings without breaking the scrape.
-        nvml.gpus[1].lost = True
-        data = samples(server.url)
-        assert value(data, "rrl_gpu_utilization_ratio", **gpu0) is None
-        assert value(data, "rrl_gpu_utilization_ratio", **gpu1) == 0.75
-
-
-def test_without_nvml_no_gpu_series_at_all():
-    # Library present but unusable (no driver): the sampler disables itself.
-    broken = FakeNVML([FakeGpu(uuid=UUIDS[0])], init_error=NVMLError_LibraryNotFound)
-    sampler = GpuSampler(nvml=broken)
-    assert not sampler.available and sampler.sample() == []
-    devices = DeviceMetrics(node="n0", gpu_sampler=sampler,
-                            process_sampler=ProcessSampler({("actor", 0): os.getpid()}))
-    trainer = TrainerMetrics(registry=devices.registry)
-    trainer.observe_step(1, 0.1)
-    with MetricsServer(devices.registry) as server:
-        text = scrape(server.url)
-    assert "rrl_gpu_" not in text
-    assert "rrl_process_resident_memory_bytes" in text
-
-
-def test_real_nvml_absent_on_this_machine_exports_no_gpu_series():
-    sampler = GpuSampler()
-    if sampler.available:
-        pytest.skip("this machine has NVML devices")
-    devices = DeviceMetrics(node="n0", gpu_sampler=sampler)
-    with MetricsServer(devices.registry) as server:
-        assert "rrl_gpu_" not in scrape(server.url)
-
-
-# -- process sampling ----------------------------------------------------------------------
-
-def test_process_sampler_reports_this_process_and_skips_exited_ones():
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    sampler = ProcessSampler({("actor", 0): os.getpid(), ("actor", 1): child.pid})
-    got = sampler.sample()
-    assert [(s.role, s.rank, s.pid) for s in got] == [("actor", 0, os.getpid())]
-    assert got[0].resident_memory_bytes > 0
-    assert got[0].cpu_seconds > 0
-
-    devices = DeviceMetrics(node="n0", gpu_sampler=GpuSampler(nvml=FakeNVML([])),
-                            process_sampler=sampler)
-    devices.set_processes({("rollout", 2): os.getpid()})
-    with MetricsServer(devices.registry) as server:
-        data = samples(server.url)
-    labels = dict(role="rollout", rank="2", node="n0")
-    assert value(data, "rrl_process_resident_memory_bytes", **labels) > 0
-    assert value(data, "rrl_process_cpu_seconds_total", **labels) > 0
-    assert value(data, "rrl_process_cpu_seconds_total", role="actor", rank="0", node="n0") is None
+    u = UsefulTime()
+    for step, seconds in ((1, 1.0), (2, 2.0), (3, 4.0)):
+        u.record(step, seconds)
+    assert u.total == 7.0
+    u.rollback(1)  # a recovery restored step 1: steps 2 and 3 are replayed
+    assert u.total == 1.0
+    u.record(2, 0.5)
+    u.record(2, 0.25)  # recorded again: replaces, never double counts
+    assert u.total == 1.25
 
 
 # -- file_sd -------------------------------------------------------------------------------
@@ -381,58 +253,3 @@ def test_file_sd_writer_rejects_bad_targets(tmp_path, target, labels, match):
 def test_file_sd_path_must_match_prometheus_glob(tmp_path):
     with pytest.raises(TelemetryError, match=r"\.json"):
         FileSDWriter(tmp_path / "targets.yml")
-
-
-def test_gpu_sampler_reuses_a_reading_for_max_age(monkeypatch, clock):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    nvml = three_gpus()
-    sampler = GpuSampler(nvml=nvml, max_age_s=5.0, clock=clock)
-    assert sampler.sample()[0].utilization_ratio == 0.75
-    nvml.gpus[0].utilization_percent = 20
-    clock.now += 4.9
-    assert sampler.sample()[0].utilization_ratio == 0.75
-    clock.now += 0.2
-    assert sampler.sample()[0].utilization_ratio == 0.2
-
-
-# -- node exporter -------------------------------------------------------------------------
-
-def test_node_exporter_serves_processes_and_advertises_its_host():
-    exporter = NodeExporter("n7", bind_address="0.0.0.0", advertise_host="10.1.2.3")
-    target = exporter.start()
-    try:
-        assert target == f"10.1.2.3:{exporter.server.port}"
-        exporter.set_processes({("critic", 1): os.getpid()})
-        data = samples(exporter.server.url)
-        assert value(data, "rrl_process_cpu_seconds_total", role="critic", rank="1", node="n7") > 0
-        busy = NodeExporter("n8", port=exporter.server.port)
-        with pytest.raises(TelemetryError, match=f"port {exporter.server.port} is already in use"):
-            busy.start()
-    finally:
-        exporter.stop()
-
-
-def test_observe_phase_records_a_known_phase_only(trainer):
-    metrics, server = trainer
-    metrics.observe_phase("checkpoint", 0.25)
-    with pytest.raises(TelemetryError, match="'save'"):
-        metrics.observe_phase("save", 0.1)
-    with pytest.raises(TelemetryError, match="checkpoint"):
-        metrics.observe_phase("checkpoint", -1.0)
-    data = samples(server.url)
-    assert value(data, "rrl_phase_duration_seconds_count", phase="checkpoint") == 1
-    assert value(data, "rrl_phase_duration_seconds_sum", phase="checkpoint") == 0.25
-
-
-def test_useful_time_is_a_running_total_that_rolls_back():
-    from resilient_rl.telemetry.goodput import UsefulTime
-
-    u = UsefulTime()
-    for step, seconds in ((1, 1.0), (2, 2.0), (3, 4.0)):
-        u.record(step, seconds)
-    assert u.total == 7.0
-    u.rollback(1)  # a recovery restored step 1: steps 2 and 3 are replayed
-    assert u.total == 1.0
-    u.record(2, 0.5)
-    u.record(2, 0.25)  # recorded again: replaces, never double counts
-    assert u.total == 1.25

@@ -19,7 +19,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Optional
 

@@ -1,0 +1,188 @@
+"""Packed attention's backends (models/varlen.py): which one is chosen where (flash-attn, torch's
+varlen kernel, the per-sequence split), what the flash and torch calls hand their kernels (stand-ins:
+no GPU here), a failing torch kernel leaving the process on split, and the flex path's block mask
+compiled once (the packed models themselves: test_varlen_attention.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from resilient_rl.errors import ModelInputError
+from resilient_rl.models import varlen
+from resilient_rl.models.packing import packed_layout
+from resilient_rl.testing.packed_attention import CPU, LENGTHS, reference_attention as _reference_attention
+
+
+def test_flash_is_chosen_on_cuda_when_importable(monkeypatch):
+    """No GPU here: a stand-in ``flash_attn`` module checks what the flash path hands the kernel."""
+    seen = {}
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size):
+        seen.update(shapes=(q.shape, k.shape), cu=cu_q.tolist(), longest=(max_q, max_k), causal=causal,
+                    window=window_size)
+        assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+        lengths = torch.diff(cu_q).tolist()
+        out = _reference_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   lengths)
+        return out[0].transpose(0, 1)
+
+    varlen._flash_varlen_func.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16) == "split"  # not installed
+    varlen._flash_varlen_func.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    try:
+        assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16) == "flash"
+        assert varlen.choose_backend(torch.device("cuda"), torch.float32) == "split"  # the kernel has no fp32
+        assert varlen.choose_backend(torch.device("cpu"), torch.bfloat16) == "split"
+        positions = torch.cat([torch.arange(n) for n in LENGTHS * 2]).view(2, -1)
+        layout = packed_layout(positions)
+        q, k, v = torch.randn(2, 4, 62, 8), torch.randn(2, 2, 62, 8), torch.randn(2, 2, 62, 8)
+        out = varlen.varlen_attention(q, k, v, layout, backend="flash")
+    finally:
+        varlen._flash_varlen_func.cache_clear()
+    assert seen == {"shapes": ((124, 4, 8), (124, 2, 8)), "cu": layout.cu_seqlens.tolist(), "longest": (30, 30),
+                    "causal": True, "window": (-1, -1)}
+    torch.testing.assert_close(out, varlen.varlen_attention(q, k, v, layout, backend="split"))
+
+
+def _varlen_attn_stand_in(calls: list, gqa_flag: bool = True):
+    """A stand-in for ``torch.nn.attention.varlen.varlen_attn`` (torch 2.13's signature, flash-attn's
+    window: ``(left, 0)`` lets a query see ``left`` keys before it, ``-1`` all of them), computed per
+    sequence with SDPA under an explicit mask."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        calls.append({"shapes": (tuple(query.shape), tuple(key.shape)), "cu": cu_seq_q.tolist(),
+                      "dtype": cu_seq_q.dtype, "longest": (max_q, max_k), "window": window_size, "gqa": enable_gqa})
+        assert torch.equal(cu_seq_q, cu_seq_k) and window_size[1] == 0
+        if not enable_gqa:
+            assert query.shape[1] == key.shape[1]
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        lengths = torch.diff(cu_seq_q).tolist()
+        parts = []
+        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
+            ahead = torch.arange(len(q))[:, None] - torch.arange(len(q))[None, :]
+            seen = (ahead >= 0) & ((ahead <= window_size[0]) if window_size[0] >= 0 else True)
+            parts.append(F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                        attn_mask=seen, scale=scale).transpose(0, 1))
+        return torch.cat(parts)
+
+    if not gqa_flag:  # the signature of a torch whose varlen_attn has no enable_gqa
+        def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                  window_size=(-1, -1)):
+            return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                               window_size=window_size)
+        return older
+    return varlen_attn
+
+
+def test_torch_varlen_is_chosen_on_cuda_without_flash_attn(monkeypatch):
+    """No GPU here (torch's varlen kernels are CUDA-only): a stand-in for torch's ``varlen_attn``
+    checks what the torch path hands it, forward and backward, with grouped heads and a window."""
+    assert varlen._torch_varlen_func() is not None  # this torch's varlen_attn takes window_size
+    assert varlen._torch_varlen_serves(gqa=True, dropout=0.0)  # ... and enable_gqa
+    calls: list = []
+    monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: _varlen_attn_stand_in(calls))
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    cuda = torch.device("cuda")
+    assert varlen.choose_backend(cuda, torch.bfloat16) == "torch"
+    assert varlen.choose_backend(cuda, torch.float16, gqa=True) == "torch"
+    assert varlen.choose_backend(cuda, torch.float32) == "split"  # the kernels have no fp32
+    assert varlen.choose_backend(CPU, torch.bfloat16) == "split"
+    assert varlen.choose_backend(cuda, torch.bfloat16, dropout=0.1) == "split"  # no attention dropout
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: False)  # e.g. compute capability 7.5
+    assert varlen.choose_backend(cuda, torch.bfloat16) == "split"
+
+    positions = torch.cat([torch.arange(n) for n in LENGTHS * 2]).view(2, -1)
+    layout = packed_layout(positions)
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 4, 62, 8), torch.randn(2, 2, 62, 8), torch.randn(2, 2, 62, 8)]
+    for window in (None, 5):
+        outs, grads = [], []
+        for backend in ("torch", "split"):
+            q, k, v = (x.clone().requires_grad_() for x in inputs)
+            out = varlen.varlen_attention(q, k, v, layout, scale=0.3, backend=backend, window=window)
+            out.square().sum().backward()
+            outs.append(out.detach())
+            grads.append([x.grad for x in (q, k, v)])
+        torch.testing.assert_close(outs[0], outs[1])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+    assert [c["window"] for c in calls] == [(-1, 0), (4, 0)]
+    assert calls[0] == {"shapes": ((124, 4, 8), (124, 2, 8)), "cu": layout.cu_seqlens.tolist(), "dtype": torch.int32,
+                        "longest": (30, 30), "window": (-1, 0), "gqa": True}
+
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: _varlen_attn_stand_in(calls, gqa_flag=False))
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    assert varlen.choose_backend(cuda, torch.bfloat16, gqa=False) == "torch"
+    assert varlen.choose_backend(cuda, torch.bfloat16, gqa=True) == "split"  # grouped heads need enable_gqa
+    with pytest.raises(ModelInputError, match="enable_gqa"):
+        varlen.varlen_attention(*inputs, layout, backend="torch")
+    same_heads = torch.randn(2, 4, 62, 8)
+    torch.testing.assert_close(varlen.varlen_attention(inputs[0], same_heads, same_heads, layout, backend="torch"),
+                               varlen.varlen_attention(inputs[0], same_heads, same_heads, layout, backend="split"))
+    assert calls[-1]["gqa"] is False
+
+
+def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, caplog):
+    """The first choice of a backend is logged; a kernel that raises where it was chosen (not asked
+    for by name) is reported once, the call is computed split, and the process chooses split from
+    then on."""
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore detail")
+
+    monkeypatch.setattr(varlen, "_TORCH_VARLEN_FAILED", [])
+    monkeypatch.setattr(varlen, "_ANNOUNCED", set())
+    monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: varlen_attn)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16, gqa=True) == "torch"
+    positions = torch.cat([torch.arange(n) for n in LENGTHS]).view(1, -1)
+    layout = packed_layout(positions)
+    q, k, v = (torch.randn(1, h, 62, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
+    with pytest.raises(RuntimeError, match="Ampere"):  # asked for by name: its error is the caller's
+        varlen.varlen_attention(q, k, v, layout, backend="torch")
+    assert varlen._TORCH_VARLEN_FAILED == []
+    on_a_gpu = varlen.choose_backend
+    monkeypatch.setattr(varlen, "choose_backend",  # the tensors are on the CPU; the choice as on a GPU
+                        lambda device, dtype, gqa, dropout: on_a_gpu(torch.device("cuda"), dtype, gqa, dropout))
+    with caplog.at_level("INFO", logger=varlen.__name__):
+        out = varlen.varlen_attention(q, k, v, layout)
+        varlen.varlen_attention(q, k, v, layout)
+    torch.testing.assert_close(out, varlen.varlen_attention(q, k, v, layout, backend="split"))
+    assert varlen._TORCH_VARLEN_FAILED == ["RuntimeError: FlashAttention only supports Ampere GPUs or newer."]
+    assert [r.getMessage() for r in caplog.records] == [
+        "packed attention: torch's varlen kernel (torch.nn.attention.varlen)",
+        "packed attention: torch's varlen kernel failed (RuntimeError: FlashAttention only supports Ampere GPUs "
+        "or newer.); this process attends per sequence from now on"]
+    assert on_a_gpu(torch.device("cuda"), torch.bfloat16, gqa=True) == "split"
+
+
+def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):
+    """The flex path's block mask is the document-causal mask, and a second length does not
+    recompile. Flex has no backward on the CPU and the CPU compiler is not the GPU's, so this
+    compiles without code generation (``aot_eager``) and runs forward only."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    monkeypatch.setattr(varlen, "_FLEX", [torch.compile(flex_attention, dynamic=True, backend="aot_eager")])
+    counters.clear()
+    for lengths in ([1, 65, 59, 44, 88, 83, 33, 111, 300], [3, 40, 200, 7], [128, 128, 1]):
+        layout = packed_layout(torch.cat([torch.arange(n) for n in lengths])[None])
+        ids, total = layout.sequence_ids, sum(lengths)
+        dense = create_block_mask(lambda b, h, q, kv: (ids[q] == ids[kv]) & (kv <= q), None, None, total, total,
+                                  device="cpu")
+        assert torch.equal(varlen.document_block_mask(layout, CPU).to_dense(), dense.to_dense())
+        q, k, v = torch.randn(1, 4, total, 16), torch.randn(1, 2, total, 16), torch.randn(1, 2, total, 16)
+        torch.testing.assert_close(varlen.varlen_attention(q, k, v, layout, backend="flex"),
+                                   _reference_attention(q, k, v, lengths), rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
