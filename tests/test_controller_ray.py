@@ -87,6 +87,20 @@ class CriticLike(Worker):
         return ("critic", self.rank, os.getpid())
 
 
+@ray.remote
+class SlowToWarm(Worker):
+    """A worker whose warm-up imports (:meth:`~resilient_rl.runtime.worker.RankWorker.warm_imports`)
+    take a while: the process answers at once and is warmed up only after them."""
+
+    def warm_imports(self):
+        time.sleep(0.5)
+        self.warm = True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def is_warm(self):
+        return getattr(self, "warm", False)
+
+
 def proto(n: int) -> DataProto:
     return DataProto.from_dict({"x": torch.arange(n, dtype=torch.float32)},
                                {"uid": np.array([f"u{i}" for i in range(n)], dtype=object)})
@@ -185,6 +199,21 @@ def test_colocated_roles_share_one_process_per_bundle(ray_cluster):
             wg.spawn(prefix_set={"ref"})
     finally:
         wg.shutdown()
+
+
+def test_a_worker_is_warmed_up_only_once_its_own_warm_up_imports_are_done(ray_cluster):
+    single = RayWorkerGroup(RayResourcePool([1], use_gpu=False, name_prefix="warm1", cpus_per_bundle=0.1),
+                            RayClassWithInitArgs(SlowToWarm))
+    colocated = RayWorkerGroup(RayResourcePool([1], use_gpu=False, name_prefix="warm2", cpus_per_bundle=0.1),
+                               create_colocated_worker_cls({"a": RayClassWithInitArgs(SlowToWarm),
+                                                            "b": RayClassWithInitArgs(SlowToWarm)}))
+    try:
+        ray.get([w.warmed_up.remote() for w in single.workers + colocated.workers])
+        roles = colocated.spawn(prefix_set={"a", "b"})
+        assert single.is_warm() == [True] and roles["a"].is_warm() == [True] and roles["b"].is_warm() == [True]
+    finally:
+        single.shutdown()
+        colocated.shutdown()
 
 
 def test_merged_pools_and_all_reduce_after_rendezvous(ray_cluster):

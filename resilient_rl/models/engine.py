@@ -38,6 +38,7 @@ and rows that finished are not sampled once they left the batch. Greedy decoding
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -62,7 +63,7 @@ from resilient_rl.models.sampling import draw_uniform, sample_tokens
 from resilient_rl.models.tiny import TinyCausalLM, attention_mask_4d
 
 __all__ = ["CUDA_ROW_BUCKET", "ENGINES", "compaction_rows", "compiles_decode", "engine_cache", "generate_static",
-           "resolve_engine", "shared_prompt_groups", "static_unsupported_reason"]
+           "import_compiler_code", "resolve_engine", "shared_prompt_groups", "static_unsupported_reason"]
 
 
 #: Values of ``rollout.engine``.
@@ -167,6 +168,26 @@ _CACHES: "weakref.WeakKeyDictionary[nn.Module, EngineCache]" = weakref.WeakKeyDi
 def compiles_decode(compile: bool | None, device: torch.device | str) -> bool:
     """Whether :func:`generate_static` compiles its decode step: ``compile``, or, when None, on CUDA."""
     return torch.device(device).type == "cuda" if compile is None else bool(compile)
+
+
+#: What the first compile or load of the decode step imports (inductor, and the modules its
+#: generated code imports): about a second on a CPU core.
+_COMPILER_MODULES = ("torch._inductor.compile_fx", "torch._inductor.select_algorithm",
+                     "torch._inductor.codegen.wrapper", "torch._inductor.codegen.memory_planning")
+
+
+def import_compiler_code(device: torch.device | str) -> None:
+    """Import what the first compile or load of the decode step on ``device`` will: inductor's
+    modules; on a GPU Triton's kernel launcher too, and on a CPU the probe of the vector
+    instructions inductor's C++ may use (it builds and runs a test program once per process, about
+    1.5 s here). Initialises no device."""
+    kind = torch.device(device).type
+    for name in _COMPILER_MODULES + (("torch._inductor.runtime.triton_heuristics",) if kind == "cuda" else ()):
+        importlib.import_module(name)
+    if kind == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
 
 
 def engine_cache(model: nn.Module, shape: CacheShape, rows: int, columns: int) -> EngineCache:

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from resilient_rl.errors import ConfigError
-from resilient_rl.models.hf import hf_layers, load_hf_causal_lm, load_hf_config
+from resilient_rl.models.hf import hf_layers, import_hf_model_code, load_hf_causal_lm, load_hf_config
 from resilient_rl.models.hf_folder import check_max_seq_len
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
 from resilient_rl.models.value import CausalLMWithValueHead
 
-__all__ = ["build_causal_lm", "build_value_model", "model_vocab_size", "parameters_on_meta", "seeded_init",
-           "tiny_config", "transformer_blocks"]
+__all__ = ["build_causal_lm", "build_value_model", "import_model_code", "model_vocab_size", "parameters_on_meta",
+           "seeded_init", "tiny_config", "transformer_blocks"]
 
 _KINDS = ("tiny", "hf")
 
@@ -77,6 +77,14 @@ def build_causal_lm(model_cfg: Any, vocab_size: int | None, seed: int, empty: bo
         if kind == "tiny":
             return TinyCausalLM(tiny_config(model_cfg, vocab_size))
         return _build_hf(model_cfg, vocab_size, empty)
+
+
+def import_model_code(model_cfg: Any) -> None:
+    """Import what :func:`build_causal_lm` and :func:`build_value_model` will for ``model_cfg``
+    (a Hugging Face model's family code; nothing for the tiny model, which is imported already),
+    without building anything."""
+    if _kind(model_cfg) == "hf":
+        import_hf_model_code(getattr(model_cfg, "path", None), getattr(model_cfg, "hf_config", None))
 
 
 def build_value_model(model_cfg: Any, vocab_size: int | None, seed: int, empty: bool = False) -> CausalLMWithValueHead:

@@ -16,7 +16,7 @@ from torch import nn
 from resilient_rl.errors import ConfigError
 from resilient_rl.models.varlen_hf import use_varlen_attention
 
-__all__ = ["hf_layers", "load_hf_causal_lm", "load_hf_config", "tiny_llama_config"]
+__all__ = ["hf_layers", "import_hf_model_code", "load_hf_causal_lm", "load_hf_config", "tiny_llama_config"]
 
 # Where decoder families keep their block list, tried in order; the first ModuleList found wins.
 _LAYER_PATHS = (
@@ -80,6 +80,19 @@ def load_hf_causal_lm(path: str | None = None, hf_config: dict[str, Any] | None 
                               f"LM: {exc}") from exc
     use_varlen_attention(model)
     return model
+
+
+def import_hf_model_code(path: str | None = None, hf_config: dict[str, Any] | None = None) -> None:
+    """Import what :func:`load_hf_causal_lm` will for the same arguments: transformers, and the
+    modeling module of the model type that ``path``'s config or ``hf_config`` names (transformers
+    imports each model family's code at first use, about a second on a CPU core). Builds nothing."""
+    transformers = _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = load_hf_config(path).model_type if path is not None else dict(hf_config or {}).get("model_type")
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is not None:
+        getattr(transformers, name)
 
 
 def load_hf_config(path: str) -> Any:

@@ -67,6 +67,25 @@ def warm_in_background(fn, name: str) -> None:
     _WARMING[:] = [t for t in _WARMING if t.is_alive()] + [thread]
 
 
+def warm_worker_imports(worker) -> None:
+    """Run ``worker.warm_imports()`` (:meth:`RankWorker.warm_imports`) in the background, after the
+    warm-ups already running (one import at a time: two threads importing the same modules only
+    wait for each other). A failure is logged, never raised: the call that needs the import
+    raises it again, with its own context."""
+    earlier = [t for t in _WARMING if t.is_alive()]
+
+    def imports() -> None:
+        for thread in earlier:
+            thread.join()
+        try:
+            worker.warm_imports()
+        except Exception as exc:  # noqa: BLE001 -- only a head start; the real import reports it
+            logger.debug("warm-up imports of %s failed: %s: %s", type(worker).__name__, type(exc).__name__, exc)
+
+    if callable(getattr(worker, "warm_imports", None)):
+        warm_in_background(imports, "warm-worker-imports")
+
+
 def _without_gc(fn) -> None:
     with _GC_HOLD["lock"]:
         _GC_HOLD["holders"] += 1
@@ -78,6 +97,13 @@ def _without_gc(fn) -> None:
             _GC_HOLD["holders"] -= 1
             if not _GC_HOLD["holders"]:
                 gc.enable()
+
+
+def wait_warm_up() -> None:
+    """Return once this process's background warm-ups are done (a call that imports the same
+    modules then imports none of them concurrently)."""
+    for thread in list(_WARMING):
+        thread.join()
 
 
 def warming() -> bool:
@@ -207,6 +233,12 @@ class RankWorker:
         """``cuda_visible_devices`` is accepted for verl compatibility and not used: Ray assigns a
         worker its devices."""
 
+    def warm_imports(self) -> None:
+        """Imports this worker's first calls will need, run in a background thread once its
+        constructor has returned (:func:`warm_worker_imports`): a process restarted for a rank
+        does them while the controller waits for the others, and a warm spare is ready only once
+        they are done. None here; a subclass names its own."""
+
     @property
     def identity(self) -> RankIdentity:
         """This rank's identity, read from the environment at first use after the group exported
@@ -246,8 +278,7 @@ class RankWorker:
         """The ping reply, once the process's background warm-up (:func:`warm_in_background`) is
         done. A warm spare counts as ready only then: a rank taking over before that waits for
         the import lock inside its first calls (about 0.25 s in the rendezvous here)."""
-        for thread in list(_WARMING):
-            thread.join()
+        wait_warm_up()
         return self.ping()
 
     def health(self) -> WorkerInfo:

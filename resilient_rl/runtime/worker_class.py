@@ -23,7 +23,7 @@ from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.runtime import master_env
 from resilient_rl.runtime.verl_worker import Worker
 from resilient_rl.protocol.utils import tensordict_class
-from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity, warm_in_background
+from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity, warm_in_background, warm_worker_imports
 from resilient_rl.errors import DispatchError
 
 
@@ -60,6 +60,7 @@ def _ranked_remote_class(ray_cls):
                 # rendezvous and no call of the worker holds the interpreter through it.
                 warm_in_background(tensordict_class, "warm-imports")
                 super().__init__(*args, **kwargs)
+                warm_worker_imports(self)
 
             def _rrl_become(self, identity: dict[str, str]) -> None:
                 # The env:// contract (MASTER_ADDR/PORT among it) is in place before the
@@ -159,6 +160,11 @@ def _colocated_base(class_dict: dict[str, RayClassWithInitArgs]) -> type:
             for role, worker in self.worker_dict.items():
                 setattr(self, role, worker)
                 worker.fused_worker_dict = self.worker_dict
+
+        def warm_imports(self) -> None:
+            """Every hosted role's (:meth:`~resilient_rl.runtime.worker.RankWorker.warm_imports`)."""
+            for worker in self.worker_dict.values():
+                getattr(worker, "warm_imports", lambda: None)()
 
         def call_part(self, path: str, *args, **kwargs):
             """A part method of a hosted role (``"{role}.{part}.{method}"``), else of this worker."""

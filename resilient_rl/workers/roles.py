@@ -23,7 +23,7 @@ import torch
 from resilient_rl.workers.determinism import apply_deterministic
 from resilient_rl.runtime.rank_host import host_of
 from resilient_rl.runtime.dispatch import Dispatch, register
-from resilient_rl.runtime.worker import RankWorker
+from resilient_rl.runtime.worker import RankWorker, wait_warm_up
 from resilient_rl.workers.compile_cache import CompileCache
 from resilient_rl.runtime.health import HEALTH_GROUPS
 from resilient_rl.protocol import DataProto
@@ -36,6 +36,8 @@ from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy,
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
+from resilient_rl.models.engine import compiles_decode, import_compiler_code
+from resilient_rl.models.factory import import_model_code
 
 
 #: The run config this process built last: (its plain mapping as JSON, the Config).
@@ -89,6 +91,12 @@ class RoleWorker(RankWorker):
         apply_deterministic(self.cfg.trainer.deterministic)  # before anything here initialises CUDA
         torch.manual_seed(self.cfg.trainer.seed)
 
+    def warm_imports(self) -> None:
+        """Import what this role's first model build will (a Hugging Face model's family code),
+        ahead of it: run in the background once the constructor returns
+        (:mod:`resilient_rl.runtime.worker_class`), so a warm spare is ready only once it is done."""
+        import_model_code(self.cfg.model)
+
     @property
     def plan(self) -> DevicePlan:
         """Where this worker computes, decided at first use (a model build, after the rendezvous
@@ -121,8 +129,10 @@ class RoleWorker(RankWorker):
         FSDP modules hold reference cycles, so an old engine (with its optimizer, device mesh and,
         through them, the destroyed process group's sockets and threads) is freed only by the
         cycle collector: collect now, or every recovery leaves a survivor a few more open files
-        and threads (found by bench/soak.py)."""
+        and threads (found by bench/soak.py). The build then waits for the process's warm-up
+        imports (:meth:`warm_imports`), which are its own: it imports nothing concurrently."""
         self.drop_engine(collect=True)
+        wait_warm_up()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def drop_engine(self, collect: bool = True) -> bool:
@@ -273,6 +283,15 @@ class RolloutWorker(RoleWorker):
         # A replicated (ddp) actor sends its full weights: they arrive as from one rank.
         self.weights = WeightReceiver(lambda: self.engine, lambda: self.rank,
                                       lambda: resolve_strategy(self.cfg.actor.strategy, self.plan.device) == "ddp")
+
+    def warm_imports(self) -> None:
+        """The model's code, and the compiler's where generations compile the decode step."""
+        super().warm_imports()
+        c = self.cfg
+        device = "cuda" if uses_cuda(c.trainer.device) else "cpu"
+        if getattr(c.rollout, "engine", "auto") != "plain" and compiles_decode(getattr(c.rollout, "compile", None),
+                                                                               device):
+            import_compiler_code(device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = True) -> bool:
