@@ -115,15 +115,18 @@ import sys
 from resilient_rl.models.engine import import_compiler_code
 from resilient_rl.models.hf import import_hf_model_code
 import resilient_rl.workers.roles
-mods = ("transformers.models.qwen2.modeling_qwen2", "torch._inductor.compile_fx",
-        "torch._inductor.select_algorithm", "torch._inductor.codegen.wrapper")
+mods = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
+        "torch._inductor.compile_fx", "torch._inductor.select_algorithm", "torch._inductor.codegen.wrapper")
 before = [m in sys.modules for m in mods]
 import_hf_model_code(hf_config={"model_type": "qwen2", "hidden_size": 8})
+import_hf_model_code(path="model")  # a local model folder: its config.json names the family
 import_compiler_code("cpu")
 from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 print(before, [m in sys.modules for m in mods], valid_vec_isa_list.cache_info().currsize)
 """
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["[False,", "False,", "False,", "False]", "[True,", "True,", "True,", "True]", "1"]
+    assert out.stdout.split() == ["[False,"] + ["False,"] * 3 + ["False]", "[True,"] + ["True,"] * 3 + ["True]", "1"]
