@@ -2,8 +2,8 @@
 
 The console keeps the progress bar, a summary every ``trainer.log_every`` steps, warnings and the
 end; the per-step metrics, the routine lines of every checkpoint and lease (taken, released,
-committed, deleted by retention), Ray's start-up notices and everything the workers print go to
-the run's ``train.log``.
+committed, deleted by retention), Ray's start-up notices, everything the workers print and the
+ranks' own log records go to the run's ``train.log``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ def test_train_console_has_a_summary_every_log_every_steps_and_train_log_has_eve
     assert [s.split("step ")[1].split(" ")[0] for s in steps] == ["1", "2", "3", "4"]
     assert all("actor/pg_clipfrac=" in s and "timing/update_actor_s=" in s for s in steps)
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+    # The ranks' own INFO records (runtime/worker_logging.py), forwarded to train.log only.
+    assert "INFO resilient_rl.runtime.worker: rank 0 joined generation 1" in log
+    assert "joined generation" not in console
     routine = ("lease of run", "checkpoint committed", "retention: deleting")
     assert not [line for line in console.splitlines() if any(r in line for r in routine)], console[-3000:]
     for line in routine:

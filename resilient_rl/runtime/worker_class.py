@@ -24,6 +24,7 @@ from resilient_rl.runtime import master_env
 from resilient_rl.runtime.verl_worker import Worker
 from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity, warm_in_background, warm_worker_imports
+from resilient_rl.runtime.worker_logging import forward_package_logs
 from resilient_rl.errors import DispatchError
 
 
@@ -53,6 +54,7 @@ def _ranked_remote_class(ray_cls):
 
         class Ranked(user_cls):  # type: ignore[valid-type, misc]
             def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
+                forward_package_logs()  # the rank's INFO records reach the driver's train.log
                 self._rrl_init_args = (args, kwargs)
                 self._rrl_become(identity)
                 # The first batch's import (tensordict, and with it torch's compiler stack) runs
