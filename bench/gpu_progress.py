@@ -7,6 +7,7 @@ ends with the recovery's summary (:func:`recovery_lines`).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Callable
@@ -14,6 +15,7 @@ from typing import Callable
 from resilient_rl.events.kinds import (Aborted, CheckpointCommitted, DecodeEager, FailureDuringRecovery,
                                        FailureEvent, Recovered, RecoveryStateEntered, SnapshotRestored,
                                        SnapshotUnusable, SpareAdopted, WorkerRestarted)
+from resilient_rl.runtime.worker_output import WORKER_LOG
 from resilient_rl.telemetry import PHASES
 from resilient_rl.trainer.hooks import TrainerHook
 
@@ -22,6 +24,9 @@ PRINTED_EVENTS = (FailureEvent, FailureDuringRecovery, RecoveryStateEntered, Spa
                   SnapshotRestored, SnapshotUnusable, Recovered, Aborted, CheckpointCommitted, DecodeEager)
 #: At most this many characters of an event's fields (a failure's message can be long).
 EVENT_CHARS = 300
+#: The lines of the rank processes' logs printed as they arrive (the packed-attention kernel each
+#: process chose, compiled code loaded from the run's cache, a decode step traced in every process).
+WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:")
 
 
 def stamp(elapsed: float) -> str:
@@ -50,6 +55,19 @@ def event_line(event, elapsed: float) -> str:
     return f"{stamp(elapsed)} {event.kind}: {fields}"
 
 
+class _WorkerLines(logging.Handler):
+    """Hands ``out`` each line the rank processes log that holds one of :data:`WORKER_LINES`."""
+
+    def __init__(self, out: Callable[[str], None]):
+        super().__init__()
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if any(part in line for part in WORKER_LINES):
+            self.out(line)
+
+
 class Progress(TrainerHook):
     """Prints each step's :func:`step_line` once it has ended (at the next step's start, and at
     :meth:`finish`), every event of :data:`PRINTED_EVENTS` as it is written, and, after each step of
@@ -61,11 +79,14 @@ class Progress(TrainerHook):
         self.t0 = clock()
         self.printed: set[int] = set()
         self.unsubscribe: Callable[[], None] | None = None
+        self.worker_lines = _WorkerLines(lambda line: self.out(f"{stamp(self.clock() - self.t0)} {line}"))
 
     def attach(self, run_dir) -> None:
-        """Print ``run_dir``'s events of :data:`PRINTED_EVENTS` from now on."""
+        """Print ``run_dir``'s events of :data:`PRINTED_EVENTS`, and the rank processes' log lines
+        of :data:`WORKER_LINES`, from now on."""
         self.unsubscribe = run_dir.subscribe(lambda ev: self.out(event_line(ev, self.clock() - self.t0)),
                                              *PRINTED_EVENTS)
+        WORKER_LOG.addHandler(self.worker_lines)
 
     def on_step_start(self, trainer, step: int) -> None:
         self.steps(trainer.run_dir.read_metrics())
@@ -74,6 +95,7 @@ class Progress(TrainerHook):
         """The steps not printed yet; stops printing events."""
         if self.unsubscribe is not None:
             self.unsubscribe()
+        WORKER_LOG.removeHandler(self.worker_lines)
         self.steps(run_dir.read_metrics())
 
     def steps(self, rows: list[dict]) -> None:

@@ -167,6 +167,29 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
     assert len(lines) == 9  # nothing new: no step printed twice, no event after finish
 
 
+def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkeypatch):
+    """The packed-attention kernel a rank process chose reaches bench/gpu.py's output (and with it
+    gpu_figures.sh's summary) as it is logged; other worker lines, and lines after the run, do not."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from gpu_progress import Progress
+
+    from resilient_rl.runtime.worker_output import WORKER_LOG
+
+    run_dir = type("D", (), {"subscribe": lambda self, fn, *kinds: (lambda: None),
+                             "read_metrics": lambda self: []})()
+    lines: list[str] = []
+    progress = Progress(2, 3, None, out=lines.append, clock=lambda: 100.0)
+    tag = "(WorkerDict_actor_rollout_ref pid=7, 10.0.0.1)"
+    progress.attach(run_dir)
+    try:
+        WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: torch's varlen kernel")
+        WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.runtime.worker: rank 0 joined generation 1")
+    finally:
+        progress.finish(run_dir)
+    WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: split")
+    assert lines == [f"[    0.0 s] {tag} INFO resilient_rl.models.varlen: packed attention: torch's varlen kernel"]
+
+
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
     dimensions: rollout through the compiled decode step with compaction, rewards, update, weight
