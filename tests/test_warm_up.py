@@ -112,15 +112,19 @@ def test_the_warm_up_imports_a_hf_models_family_code_and_the_compilers(tmp_path)
     the decode step import are imported by the warm-up and not before, and nothing is built."""
     code = """
 import sys
+import torch
 from resilient_rl.models.engine import import_compiler_code
 from resilient_rl.models.hf import import_hf_model_code
 import resilient_rl.workers.roles
 mods = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
-        "torch._inductor.compile_fx", "torch._inductor.select_algorithm", "torch._inductor.codegen.wrapper")
+        "torch._inductor.compile_fx", "torch._inductor.select_algorithm", "torch._inductor.codegen.wrapper",
+        "torch._inductor.runtime.triton_heuristics")
 before = [m in sys.modules for m in mods]
 import_hf_model_code(hf_config={"model_type": "qwen2", "hidden_size": 8})
 import_hf_model_code(path="model")  # a local model folder: its config.json names the family
 import_compiler_code("cpu")
+import_compiler_code("cuda")  # Triton's launcher too; imported without a GPU, and no device initialised
+assert not torch.cuda.is_initialized()
 from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 print(before, [m in sys.modules for m in mods], valid_vec_isa_list.cache_info().currsize)
 """
@@ -129,4 +133,4 @@ print(before, [m in sys.modules for m in mods], valid_vec_isa_list.cache_info().
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["[False,"] + ["False,"] * 3 + ["False]", "[True,"] + ["True,"] * 3 + ["True]", "1"]
+    assert out.stdout.split() == ["[False,"] + ["False,"] * 4 + ["False]", "[True,"] + ["True,"] * 4 + ["True]", "1"]
