@@ -167,12 +167,18 @@ def workload_config(w: Workload, tokenizer: Path, prompt_file: Path) -> dict:
                  "tokenizer": str(tokenizer)},
         "rollout": {"n": w.n, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
         "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
-        # Rows packed without padding in the log-prob, ref and update passes, as verl runs are
-        # (``use_remove_padding``): the rows' lengths vary, and padding would be computed too.
-        "actor": {"ppo_epochs": 1, "mini_batch_size": w.prompts * w.n // 4, "use_kl_loss": True,
-                  "world_size": 1, "packing": True, "optim": {"lr": 1.0e-6}},
+        "actor": actor_section(w),
         "trainer": {"run_name": w.name},  # bench/gpu.py adds trainer.device
     }
+
+
+def actor_section(w: Workload) -> dict:
+    """The actor's config of a run of workload ``w`` (bench/update_mfu.py times its update alone).
+
+    Rows packed without padding in the log-prob, ref and update passes, as verl runs are
+    (``use_remove_padding``): the rows' lengths vary, and padding would be computed too."""
+    return {"ppo_epochs": 1, "mini_batch_size": w.prompts * w.n // 4, "use_kl_loss": True, "world_size": 1,
+            "packing": True, "optim": {"lr": 1.0e-6}}
 
 
 def device_specs(device_name: str) -> tuple[float, float] | None:
