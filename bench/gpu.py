@@ -35,7 +35,8 @@ different lengths), and adds: MFU per phase and per step by the project's and ve
 and the steps it replayed), and the same batch through the rollout engine and HF ``generate``
 (dynamic and static cache) as ratios, with the engine's share of the decode roofline
 (bench/gpu_generation.py). ``--tiny`` runs the same workload at small dimensions, end to end, on
-the CPU when there is no GPU (the decode step compiled as on a GPU, CUDA graphs aside).
+the CPU when there is no GPU (the decode step and the log-prob head compiled as on a GPU, CUDA
+graphs aside).
 
 On a machine without a CUDA device it prints one line saying so and exits 0.
 
@@ -135,8 +136,8 @@ def build_config(args: argparse.Namespace, output_dir: str, device: str):
     defaults = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false", f"trainer.total_steps={total}",
                 f"trainer.device={device}", "actor.world_size=1", f"checkpoint.root={output_dir}/checkpoints",
                 f"checkpoint.save_every={args.warmup + args.steps if args.workload else 0}"]
-    if device == "cpu":
-        defaults.append("rollout.compile=true")  # the decode step compiled as on a GPU
+    if device == "cpu":  # the decode step and the log-prob head's reductions compiled as on a GPU
+        defaults += ["rollout.compile=true", "actor.compile_head=true"]
     return load_config(args.config, defaults + list(args.overrides))
 
 
@@ -274,6 +275,9 @@ def main(argv=None) -> int:
               f"{total['graph_breaks']:.0f} graph breaks, {total['cudagraph_skips']:.0f} CUDA-graph skips, "
               f"{total['compactions'] / len(rows):.1f} compactions per rollout, "
               f"eager fallback: {'yes' if total['eager'] else 'no'}")
+        if any("perf/head_eager" in row for row in rows):
+            eager = any(row["perf/head_eager"] for row in rows if "perf/head_eager" in row)
+            print(f"log-prob head: {'eager after a compiler failure (the log says why)' if eager else 'compiled'}")
     if args.workload:
         from gpu_progress import recovery_lines
 

@@ -14,8 +14,9 @@
 #      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
 #      rollout engine against HF generate with the engine's share of the decode roofline;
 #   2. gsm8k-1.5b: the same but the generation comparison.
-# Before them, bench/sampling.py times the decode step's sampling pass at 512 rows, and
-# bench/varlen.py the packed-attention backends (torch's own varlen kernel among them).
+# Before them, bench/sampling.py times the decode step's sampling pass at 512 rows, bench/varlen.py
+# the packed-attention backends (torch's own varlen kernel among them), and bench/update_mfu.py the
+# first workload's update pass alone at 1 k tokens and more per row, with where the device's time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -39,6 +40,11 @@ timeout -k 10 120 "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$o
 # The ways of packed attention the log-prob and update passes may take (flex compiles, seconds).
 echo "== python bench/varlen.py --device cuda" | tee -a "$out/summary.txt"
 timeout -k 10 120 "$PY" bench/varlen.py --device cuda 2>&1 | grep -vE "^W[0-9]{4}" | tee -a "$out/summary.txt"
+# The update pass alone at the first workload's shape, rows of 512-1,536 tokens: MFU and a profile.
+echo "== python bench/update_mfu.py --workload ${workloads[0]} --repeats 2" | tee -a "$out/summary.txt"
+timeout -k 10 150 "$PY" bench/update_mfu.py --workload "${workloads[0]}" --repeats 2 > "$out/update_mfu.log" 2>&1
+echo "rc=$?" >> "$out/update_mfu.log"
+grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
@@ -48,7 +54,7 @@ run() {  # name, timeout, arguments of bench/gpu.py
     local rc=$?
     # The stamped lines ("[  12.3 s] step 2: ...") are printed as the run goes: a run stopped at its
     # limit still leaves its steps, its recovery events and the figures of its measured steps so far.
-    grep -E "^(workload|  |tokens/s|MFU|decode step|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:|packed attention:" \
+    grep -E "^(workload|  |tokens/s|MFU|decode step|log-prob head|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:|packed attention:" \
         "$out/$name.log" | tee -a "$out/summary.txt"
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }

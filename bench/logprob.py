@@ -5,9 +5,12 @@ For each variant it times the no-grad log-prob pass and a forward + backward of
 ``sum(log_prob) + sum(entropy)`` (the update's shape of work) and, on CUDA, reads the peak of
 allocated memory. Variants: ``full`` (``[B, T, V]`` logits, then log-softmax, as before),
 ``chunked``, ``chunked+ckpt`` (activation checkpointing of every block), ``chunked+packed`` (the
-rows' real tokens in one row, no padding computed) and, with ``--compile``,
-``chunked+compile`` (``torch.compile``'d blocks; its warm-up call compiles). Random weights,
-built from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
+rows' real tokens in one row, no padding computed), ``chunked+head`` (the head's reductions
+compiled, ``actor.compile_head``; its warm-up call compiles) and, with ``--compile``,
+``chunked+compile`` (``torch.compile``'d blocks; its warm-up call compiles). Random weights, built
+from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
+``--shape qwen-vocab`` puts Qwen's 151,936-id vocabulary behind a small body, so that the head
+takes its full-size share of the passes on a CPU.
 
     python bench/logprob.py                                # CPU, tiny shape
     python bench/logprob.py --ragged                       # responses of different lengths
@@ -42,6 +45,9 @@ from resilient_rl.workers.logprob import full_response_logprobs, response_logpro
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=4096),
+    # Qwen's vocabulary behind a small body: the head's share of the passes as at full size, on a CPU.
+    "qwen-vocab": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -117,7 +123,7 @@ def main() -> None:
           f"{real.numel()}), {device}, compute {dtype}, fp32 master weights")
     results, values = {}, {}
     variants = [("full", False, False, False), ("chunked", True, False, False), ("chunked+ckpt", True, True, False),
-                ("chunked+packed", "packed", False, False)]
+                ("chunked+packed", "packed", False, False), ("chunked+head", "head", False, False)]
     if args.compile:
         variants.append(("chunked+compile", True, False, True))
     for name, chunked, ckpt, compiled in variants:
@@ -126,6 +132,9 @@ def main() -> None:
         if chunked == "packed":
             def fn(model, data, device):  # noqa: E731 - the rows' real tokens in one row
                 return response_logprobs(model, data, device, pack=True)
+        elif chunked == "head":
+            def fn(model, data, device):  # noqa: E731 - the head's reductions compiled (warm-up call compiles)
+                return response_logprobs(model, data, device, compile_head=True)
 
         def logprob():
             with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -151,6 +160,8 @@ def main() -> None:
     valid = real[:, args.prompt:].bool()  # response tokens (a padded one's log-prob means nothing)
     packed_diff = (values["chunked+packed"] - values["full"])[valid].abs().max().item()
     print(f"max |packed - full| log-prob: {packed_diff:.3g}")
+    head_diff = (values["chunked+head"] - values["chunked"])[valid].abs().max().item()
+    print(f"max |chunked+head - chunked| log-prob: {head_diff:.3g}")
     diff = (values["chunked"] - values["full"])[valid].abs().max().item()
     print(f"max |chunked - full| log-prob: {diff:.3g} ({'bit-identical' if diff == 0 else 'compute dtype ' + str(dtype)})")
 

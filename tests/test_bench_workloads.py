@@ -192,9 +192,10 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
 
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
-    dimensions: rollout through the compiled decode step with compaction, rewards, update, weight
-    sync, a checkpoint and a recovery from a SIGKILL, with nothing replayed. Its own empty compile
-    cache: the first rollout compiles, and the restarted process loads the kept step instead."""
+    dimensions: rollout through the compiled decode step with compaction, rewards, log-probs and
+    update through the compiled head, weight sync, a checkpoint and a recovery from a SIGKILL, with
+    nothing replayed. Its own empty compile cache: the first rollout compiles, and the restarted
+    process loads the kept step instead."""
     proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2", timeout=900,
                       TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = proc.stdout
@@ -202,6 +203,7 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     assert "1 decode-step compiles" in warmup, warmup
     decode = next(line for line in out.splitlines() if line.startswith("decode step in the measured steps"))
     assert "0 graph breaks" in decode and "eager fallback: no" in decode and " 0.0 compactions" not in decode
+    assert "log-prob head: compiled" in out  # its reductions compiled, as on a GPU, and none fell back
     assert "first checkpoint save" in out
     recovery = next(line for line in out.splitlines() if line.startswith("recovery after a SIGKILL"))
     assert "0 steps replayed" in recovery, recovery

@@ -10,7 +10,7 @@ import torch
 
 from resilient_rl.models.hf import load_hf_causal_lm, tiny_llama_config
 from resilient_rl.models.tiny import TinyCausalLM, TinyLMConfig
-from resilient_rl.workers.logprob import (full_response_logprobs, packed_inputs, response_logprobs,
+from resilient_rl.workers.logprob import (compiles_head, full_response_logprobs, packed_inputs, response_logprobs,
                                          supports_chunked_head)
 
 CPU = torch.device("cpu")
@@ -147,3 +147,117 @@ def test_an_fsdp2_model_returns_no_view_through_the_chunked_head(single_rank_gro
         logp, ent = response_logprobs(model, batch, CPU, chunk_elements=50 * 4, pack=pack)
     (logp.sum() + ent.sum()).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_head_compiles_on_a_gpu_by_default_and_as_set_anywhere():
+    assert compiles_head(None, "cuda:0") and not compiles_head(None, CPU)
+    assert compiles_head(True, "cpu") and not compiles_head(False, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_compiled_head_gives_the_eager_values_and_gradients_compiling_once_per_grad_mode(pack):
+    """The compiled reductions (actor.compile_head) equal the eager ones within float rounding, in
+    the no-grad pass and in the update's forward and backward (chunks recomputed in the backward),
+    and compile one graph for each: the chunks' rows are a symbol, so neither the uneven last chunk
+    nor a batch of other lengths compiles again, and nothing breaks the graph."""
+    from torch._dynamo.utils import counters
+
+    model = _models()["qwen2"]
+    vocab = model.get_output_embeddings().out_features
+    torch._dynamo.reset()
+    counters.clear()
+    shorter = {k: v[:3, 2:] if k != "responses" else v[:3] for k, v in _batch(vocab).items()}
+    for batch in (_batch(vocab), shorter):
+        kw = dict(chunk_elements=vocab * 4, pack=pack)  # several chunks, the last one uneven
+        with torch.no_grad():
+            for a, b in zip(response_logprobs(model, batch, CPU, compile_head=True, **kw),
+                            response_logprobs(model, batch, CPU, **kw)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+        def grads(**extra):
+            model.zero_grad(set_to_none=True)
+            logp, ent = response_logprobs(model, batch, CPU, **kw, **extra)
+            (logp.sum() + 0.3 * ent.sum()).backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        want, got = grads(), grads(compile_head=True)
+        assert want.keys() == got.keys() and want
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # no-grad; forward + backward
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_the_policy_engine_runs_its_passes_through_the_compiled_head_when_set():
+    """actor.compile_head reaches the actor's log-prob pass and its update, and the ref's pass; a
+    process that holds both (the colocated placement) compiles two graphs, not three."""
+    from torch._dynamo.utils import counters
+
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.protocol import DataProto
+    from resilient_rl.workers.fsdp import plan_device
+    from resilient_rl.workers.policy import PolicyEngine
+
+    cfg = load_config(None, ["actor.compile_head=true", "actor.ppo_epochs=1", "actor.mini_batch_size=4",
+                             "model.hidden_size=16", "model.num_layers=1", "model.num_heads=2",
+                             "model.intermediate_size=32"])
+    actor = PolicyEngine(cfg.model, 50, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    ref = PolicyEngine(cfg.model, 50, 0, plan_device("cpu"), trainable=False, compile_head=cfg.actor.compile_head)
+    assert actor.compile_head and ref.compile_head
+    data = DataProto.from_dict({**{k: v[:4] for k, v in _batch(50).items()}, "response_mask": torch.ones(4, R)})
+    torch._dynamo.reset()
+    counters.clear()
+    logp = actor.compute_log_prob(data).batch["log_probs"]
+    torch.testing.assert_close(ref.compute_log_prob(data).batch["log_probs"], logp)  # the same initial weights
+    assert counters["stats"]["unique_graphs"] == 1  # the ref's frozen weights share the actor's no-grad graph
+    data.batch["old_log_probs"], data.batch["advantages"] = logp, torch.randn(4, R)
+    data.meta_info["seed"] = 0
+    assert torch.isfinite(torch.tensor(actor.update(data, step=1)["actor/grad_norm"]))
+    assert counters["stats"]["unique_graphs"] == 2  # the update's forward and backward
+
+
+def test_a_compiler_failure_leaves_the_head_eager_with_one_warning_and_a_metric(monkeypatch, caplog):
+    """The compiled head failing (a compiler error at its first call) costs no step: this process
+    computes the chunk eagerly from then on, warns once, and the update reports perf/head_eager."""
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.protocol import DataProto
+    from resilient_rl.workers import logprob
+    from resilient_rl.workers.fsdp import plan_device
+    from resilient_rl.workers.policy import PolicyEngine
+
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise torch._dynamo.exc.InternalTorchDynamoError("inductor: no kernel for this device")
+
+    monkeypatch.setitem(logprob.HEAD_FAILURE, "reason", None)
+    monkeypatch.setattr(logprob, "_compiled_chunk_stats", lambda: failing)
+    cfg = load_config(None, ["actor.compile_head=true", "actor.ppo_epochs=1", "actor.mini_batch_size=4",
+                             "model.hidden_size=16", "model.num_layers=1", "model.num_heads=2",
+                             "model.intermediate_size=32"])
+    actor = PolicyEngine(cfg.model, 50, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    data = DataProto.from_dict({**{k: v[:4] for k, v in _batch(50).items()}, "response_mask": torch.ones(4, R)})
+    eager = PolicyEngine(cfg.model, 50, 0, plan_device("cpu"), trainable=False).compute_log_prob(data)
+    with caplog.at_level("WARNING", logger="resilient_rl.workers.logprob"):
+        got = actor.compute_log_prob(data)
+        data.batch["old_log_probs"], data.batch["advantages"] = got.batch["log_probs"], torch.randn(4, R)
+        data.meta_info["seed"] = 0
+        metrics = actor.update(data, step=1)
+    assert torch.equal(got.batch["log_probs"], eager.batch["log_probs"])
+    assert len(calls) == 1 and metrics["perf/head_eager"] == 1.0
+    warnings_ = [r for r in caplog.records if "compiled reductions failed" in r.message]
+    assert len(warnings_) == 1 and "InternalTorchDynamoError: inductor: no kernel for this device" in warnings_[0].message
+
+
+def test_out_of_memory_in_the_compiled_head_is_raised_not_taken_for_a_compiler_failure(monkeypatch):
+    from resilient_rl.workers import logprob
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setitem(logprob.HEAD_FAILURE, "reason", None)
+    monkeypatch.setattr(logprob, "_compiled_chunk_stats", lambda: oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        logprob._compiled_or_eager(torch.zeros(2, 4), torch.zeros(3, 4), None, torch.zeros(2, dtype=torch.long))
+    assert logprob.HEAD_FAILURE["reason"] is None

@@ -220,14 +220,17 @@ def test_the_ref_packs_its_rows_as_the_actor_does(monkeypatch):
     assert torch.allclose(lp_packed * resp, lp_padded * resp, atol=1e-5)
 
 
-def test_the_single_process_roles_hand_the_ref_the_actors_packing(tmp_path):
+def test_the_single_process_roles_hand_the_ref_the_actors_packing_and_head_compile(tmp_path):
     from resilient_rl.config.schema import load_config
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer
 
-    for packing in (False, True):
-        cfg = load_config(None, [f"actor.packing={str(packing).lower()}", "trainer.total_steps=1", "data.batch_size=4",
-                                 "actor.mini_batch_size=4", "critic.mini_batch_size=4", "trainer.progress_bar=false",
+    for value in (False, True, None):
+        setting = "null" if value is None else str(value).lower()
+        cfg = load_config(None, [f"actor.packing={str(bool(value)).lower()}", f"actor.compile_head={setting}",
+                                 "trainer.total_steps=1", "data.batch_size=4", "actor.mini_batch_size=4",
+                                 "critic.mini_batch_size=4", "trainer.progress_bar=false",
                                  f"trainer.output_dir={tmp_path}", f"checkpoint.root={tmp_path}/ckpt"])
         roles = LocalRoles(cfg, PPOTrainer(cfg).tokenizer)
-        assert roles.ref.packing is roles.actor.packing is packing
+        assert roles.ref.packing is roles.actor.packing is bool(value)
+        assert roles.ref.compile_head is roles.actor.compile_head is bool(value)  # null: on GPU only

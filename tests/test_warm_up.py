@@ -92,6 +92,12 @@ def test_a_failing_warm_up_is_logged_and_raises_nothing(monkeypatch, caplog):
     ("rollout", [], ["model"]),  # decode compiles by default only on a GPU
     ("rollout", ["rollout.compile=true", "rollout.engine=plain"], ["model"]),
     ("actor", ["rollout.compile=true"], ["model"]),
+    ("actor", ["actor.compile_head=true"], ["model", "compiler cpu"]),  # the log-prob head (null: on a GPU)
+    ("actor", ["actor.compile=true"], ["model", "compiler cpu"]),  # the blocks
+    ("ref", ["actor.compile_head=true"], ["model", "compiler cpu"]),
+    ("ref", ["actor.compile=true"], ["model"]),  # the ref's blocks are never compiled
+    ("critic", ["critic.compile=true", "actor.compile_head=true"], ["model", "compiler cpu"]),
+    ("critic", ["actor.compile_head=true"], ["model"]),  # a value head has no log-prob head
 ])
 def test_a_role_warms_up_what_its_first_build_imports(monkeypatch, role, overrides, expected):
     from resilient_rl.config.schema import load_config

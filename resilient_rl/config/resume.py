@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _LAYOUT = tuple(f"{role}.world_size" for role in ("actor", "critic", "ref", "rollout")) + tuple(
     f"{role}.{key}" for role in ("actor", "critic") for key in (
         "strategy", "reshard_after_forward", "micro_batch_tokens", "activation_checkpointing", "compile")) + (
-    "actor.packing", "ref.reshard_after_forward", "rollout.weight_transfer", "rollout.engine",
+    "actor.packing", "actor.compile_head", "ref.reshard_after_forward", "rollout.weight_transfer", "rollout.engine",
     "rollout.finish_check_every", "rollout.compact_min_fraction", "rollout.cuda_graphs",
     "trainer.device", "trainer.placement", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.role_nnodes",
     "trainer.sharding", "trainer.deterministic")

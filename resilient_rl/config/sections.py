@@ -162,6 +162,10 @@ class ActorConfig(Section):
     activation_checkpointing: bool = False
     #: ``torch.compile`` each transformer block (needs a C++ compiler on CPU; first steps compile).
     compile: bool = False
+    #: Compile the log-prob head's reductions (log-prob and entropy of each chunk of logits) into
+    #: fused kernels, in the actor's passes and the ref's; null: on GPU only. The first log-prob
+    #: pass and the first update of a process compile them (:mod:`resilient_rl.workers.logprob`).
+    compile_head: Optional[bool] = None
     #: Run each (micro-)batch's real tokens end to end in one row, without padding (positions tell
     #: the sequences apart); ``micro_batch_tokens`` then counts real tokens. The actor's log-prob and
     #: update passes and the ref's log-probs; values are computed padded.

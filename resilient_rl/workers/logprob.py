@@ -13,6 +13,14 @@ own forward with its output layer replaced, for that call, by a head that
   pass (``torch.utils.checkpoint``) instead of keeping them: the autograd graph holds the hidden
   states, not the logits (one extra projection of the response positions in the backward pass).
 
+With ``compile_head`` (``actor.compile_head``; null: on a GPU) a chunk's reductions run compiled
+(:func:`_fused_chunk_stats`): eagerly each reduction and each elementwise step of the log-prob and
+the entropy reads and writes the chunk's fp32 logits once more, forward and backward, and these
+passes over the vocabulary can cost more device time than the head's matrix product; inductor fuses
+them into a few kernels that read the logits once or twice. Forward and backward are compiled once
+each per process (the chunk's rows are a symbol), and the values equal the eager ones within float
+rounding.
+
 The forward still goes through ``model(...)``, so FSDP2's hooks gather and free parameters as
 usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
 :func:`~resilient_rl.algos.losses.logprobs_from_logits` and
@@ -31,6 +39,8 @@ scale) take the full-logits path.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -41,7 +51,9 @@ from torch.utils.checkpoint import checkpoint
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
 from resilient_rl.errors import ModelInputError
 
-__all__ = ["full_response_logprobs", "packed_inputs", "response_logprobs", "supports_chunked_head"]
+__all__ = ["compiles_head", "full_response_logprobs", "packed_inputs", "response_logprobs", "supports_chunked_head"]
+
+log = logging.getLogger(__name__)
 
 #: Logits of one chunk: 2^26 fp32 values (256 MiB), e.g. 443 tokens of a 151 k vocabulary.
 _CHUNK_ELEMENTS = 1 << 26
@@ -66,15 +78,59 @@ def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return torch.stack([logprobs_from_logits(logits, labels), entropy_from_logits(logits)], dim=-1)
 
 
+def _fused_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       labels: torch.Tensor) -> torch.Tensor:
+    """:func:`_chunk_stats` as one expression over the chunk's logits, for the compiler: no Python
+    loop over its rows (a symbol), log-prob and entropy from the same shifted logits."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # The row maximum is a constant of both (detached: their gradients stay exact).
+    z = logits - logits.amax(dim=-1, keepdim=True).detach()
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, labels[:, None]).squeeze(-1)
+    return torch.stack([picked - lse, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)], dim=-1)
+
+
+@functools.cache
+def _compiled_chunk_stats():
+    return torch.compile(_fused_chunk_stats, dynamic=True)
+
+
+#: Why this process's head stopped compiling (None while it compiles): see :func:`_compiled_or_eager`.
+HEAD_FAILURE: dict[str, str | None] = {"reason": None}
+
+
+def _compiled_or_eager(*args) -> torch.Tensor:
+    """A chunk's statistics, compiled; after a compiler failure (the backward is compiled with the
+    forward, at the first call) eagerly, for the rest of the process, with one warning: the eager
+    values are as correct. Only the compiler's own errors are caught: an out-of-memory error, and
+    the exception with which a checkpoint's recomputation stops early, pass through."""
+    if HEAD_FAILURE["reason"] is None:
+        try:
+            return _compiled_chunk_stats()(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # inductor's and Triton's errors too
+            HEAD_FAILURE["reason"] = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("the log-prob head's compiled reductions failed (%s); this process computes them "
+                        "eagerly from now on (actor.compile_head=false skips the compile)", HEAD_FAILURE["reason"])
+    return _chunk_stats(*args)
+
+
+def compiles_head(compile_head: bool | None, device: torch.device | str) -> bool:
+    """Whether the chunked head's reductions run compiled: ``compile_head``
+    (``actor.compile_head``), or, when None, on CUDA."""
+    return torch.device(device).type == "cuda" if compile_head is None else bool(compile_head)
+
+
 def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
-                  chunk_elements: int, sources: torch.Tensor | None = None) -> torch.Tensor:
+                  chunk_elements: int, sources: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
     """``[B, R, 2]`` log-probs and entropies of ``labels`` ``[B, R]`` from the last positions of
     ``hidden`` ``[B, T, H]``; with ``sources`` (packed rows), from the flat token ``sources[b, r]``
-    of ``hidden``, or zeros where it is -1 (a response token after the end)."""
+    of ``hidden``, or zeros where it is -1 (a response token after the end). ``compiled``: each
+    chunk's statistics by :func:`_compiled_or_eager`."""
     if sources is not None:
         valid = sources >= 0
         flat = hidden.reshape(-1, hidden.shape[-1])[sources[valid]]
-        stats = _chunked_head(flat[None, :, :], head, labels[valid][None, :], chunk_elements, None) \
+        stats = _chunked_head(flat[None, :, :], head, labels[valid][None, :], chunk_elements, None, compiled) \
             if flat.shape[0] else flat.new_zeros((1, 0, 2), dtype=torch.float32)
         out = stats.new_zeros((*labels.shape, 2))
         out[valid] = stats[0]
@@ -88,10 +144,16 @@ def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
     # recomputing them would add a projection to the backward pass for nothing.
     recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.weight.requires_grad) \
         and flat_h.shape[0] > rows
+    stats = _compiled_or_eager if compiled else _chunk_stats
+    weight, bias = head.weight, head.bias
+    if compiled and not torch.is_grad_enabled():
+        # The compiled code guards on requires_grad even without gradients: the actor's and the
+        # ref's no-grad passes share one graph when neither passes a weight that requires them.
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
     parts = []
     for start in range(0, flat_h.shape[0], rows):
-        args = (flat_h[start:start + rows], head.weight, head.bias, flat_labels[start:start + rows])
-        parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
+        args = (flat_h[start:start + rows], weight, bias, flat_labels[start:start + rows])
+        parts.append(checkpoint(stats, *args, use_reentrant=False) if recompute else stats(*args))
     out = torch.cat(parts) if parts else flat_h.new_zeros((0, 2), dtype=torch.float32)
     # A tensor of its own, not a view of ``out``: it is the model's output, on which FSDP2 hooks
     # its backward (and warns about a view, where an in-place op would lose that hook).
@@ -140,13 +202,14 @@ def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tupl
 
 
 def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elements: int | None = None,
-                      pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      pack: bool = False, compile_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[B, R]`` (fp32) of ``data``'s response tokens (a DataProto or a
     dict with ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``), without
     full-vocabulary logits when the model allows it (:func:`supports_chunked_head`).
 
     ``pack``: the rows' real tokens run as one packed row (:func:`packed_inputs`), so no padding
-    is computed; response tokens under the attention mask (after the end) then get 0."""
+    is computed; response tokens under the attention mask (after the end) then get 0.
+    ``compile_head``: each chunk's reductions compiled (see the module docstring)."""
     if not supports_chunked_head(model):
         if pack:
             raise ModelInputError(f"{type(model).__name__} transforms its logits after the output layer: "
@@ -159,7 +222,7 @@ def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elemen
     inputs, sources = packed_inputs(data, device) if pack else (_model_inputs(data, device), None)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return _chunked_head(hidden, head, labels, chunk_elements, sources)
+        return _chunked_head(hidden, head, labels, chunk_elements, sources, compile_head)
 
     with _head_replaced(head, forward):
         stats = model(**inputs, use_cache=False).logits

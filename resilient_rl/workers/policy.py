@@ -17,7 +17,7 @@ from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
-from resilient_rl.workers.logprob import response_logprobs
+from resilient_rl.workers.logprob import HEAD_FAILURE, compiles_head, response_logprobs
 from resilient_rl.workers.rank_state import RankState
 from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, build_optimizer, build_scheduler, wrap_model
 from resilient_rl.workers.update_loop import run_epochs
@@ -43,12 +43,14 @@ class PolicyEngine:
 
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
-                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0, packing: bool = False):
+                 empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0, packing: bool = False,
+                 compile_head: bool | None = None):
         """``empty``: the weights are allocated, not initialised, for a restore to fill (the
         caller must load the whole state before using the engine). ``colocated`` (the other roles
         sharing this process's device) and ``kv_rows`` (their rollout's cache rows) size
         ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`). ``packing``: for an engine
-        without ``actor_cfg`` (the ref), whether its passes pack rows (``actor.packing``)."""
+        without ``actor_cfg`` (the ref), whether its passes pack rows (``actor.packing``), and
+        ``compile_head`` whether they compile the log-prob head's reductions (``actor.compile_head``)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
@@ -69,6 +71,8 @@ class PolicyEngine:
             device_plan=plan, role_cfg=actor_cfg, seq_len=planned_seq_len(model_cfg, self.model),
             colocated=colocated, kv_rows=kv_rows)
         self.packing = bool(getattr(actor_cfg, "packing", False) if actor_cfg is not None else packing)
+        self.compile_head = compiles_head(actor_cfg.compile_head if actor_cfg is not None else compile_head,
+                                          plan.device)
         self.optimizer = build_optimizer(self.model, actor_cfg.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps) if trainable else None
         # What checkpoints and snapshots of this rank carry (a role registers its own parts here).
@@ -76,7 +80,8 @@ class PolicyEngine:
 
     def _logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
-            return response_logprobs(self.model, batch, self.plan.device, pack=self.packing)
+            return response_logprobs(self.model, batch, self.plan.device, pack=self.packing,
+                                     compile_head=self.compile_head)
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> DataProto:
@@ -104,7 +109,10 @@ class PolicyEngine:
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
                 "advantages"] + (["ref_log_prob"] if self.cfg.use_kl_loss else [])
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step
-        return run_epochs(self, data, keys, seed, "actor", self._accumulate)
+        metrics = run_epochs(self, data, keys, seed, "actor", self._accumulate)
+        if self.compile_head:  # 1 once a compiler failure left the head eager (its warning says why)
+            metrics["perf/head_eager"] = float(HEAD_FAILURE["reason"] is not None)
+        return metrics
 
     def _agreed_counts(self, batches) -> list[int]:
         """Micro-batches per batch, as many on every rank of an FSDP2 group (see

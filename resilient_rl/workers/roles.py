@@ -33,6 +33,7 @@ from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, attach_snapshot_parts
 from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy, uses_cuda
+from resilient_rl.workers.logprob import compiles_head
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
@@ -92,10 +93,19 @@ class RoleWorker(RankWorker):
         torch.manual_seed(self.cfg.trainer.seed)
 
     def warm_imports(self) -> None:
-        """Import what this role's first model build will (a Hugging Face model's family code),
-        ahead of it: run in the background once the constructor returns
+        """Import what this role's first model build and first passes will (a Hugging Face model's
+        family code, and the compiler's where the role compiles code on its device), ahead of
+        them: run in the background once the constructor returns
         (:mod:`resilient_rl.runtime.worker_class`), so a warm spare is ready only once it is done."""
         import_model_code(self.cfg.model)
+        device = "cuda" if uses_cuda(self.cfg.trainer.device) else "cpu"
+        if self.compiles(device):
+            import_compiler_code(device)
+
+    def compiles(self, device: str) -> bool:
+        """Whether this role's passes on ``device`` compile code, as its config says (no model is
+        built yet when the warm-up asks)."""
+        return False
 
     @property
     def plan(self) -> DevicePlan:
@@ -185,6 +195,9 @@ class ActorWorker(TrainableRole):
     role = "actor"
     parts = MappingProxyType({**TrainableRole.parts, "weights": WeightSender})
 
+    def compiles(self, device: str) -> bool:
+        return self.cfg.actor.compile or compiles_head(self.cfg.actor.compile_head, device)
+
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__(config, vocab_size, eos_token_id, pad_token_id)
         self.weights = WeightSender(lambda: self.engine, lambda: self.plan, lambda: self.rank,
@@ -223,6 +236,9 @@ class CriticWorker(TrainableRole):
 
     role = "critic"
 
+    def compiles(self, device: str) -> bool:
+        return self.cfg.critic.compile
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = False) -> bool:
         """As the actor's: ``empty`` when a restore of the whole state follows."""
@@ -254,13 +270,17 @@ class RefWorker(RoleWorker):
 
     role = "ref"
 
+    def compiles(self, device: str) -> bool:
+        return compiles_head(self.cfg.actor.compile_head, device)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = False) -> bool:
         """Always the initial weights (no checkpoint or snapshot holds them): ``empty`` is ignored."""
         c = self.cfg
         self.release_engine()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
-                                   reshard_after_forward=c.ref.reshard_after_forward, packing=c.actor.packing)
+                                   reshard_after_forward=c.ref.reshard_after_forward, packing=c.actor.packing,
+                                   compile_head=c.actor.compile_head)
         return True
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -284,14 +304,10 @@ class RolloutWorker(RoleWorker):
         self.weights = WeightReceiver(lambda: self.engine, lambda: self.rank,
                                       lambda: resolve_strategy(self.cfg.actor.strategy, self.plan.device) == "ddp")
 
-    def warm_imports(self) -> None:
-        """The model's code, and the compiler's where generations compile the decode step."""
-        super().warm_imports()
-        c = self.cfg
-        device = "cuda" if uses_cuda(c.trainer.device) else "cpu"
-        if getattr(c.rollout, "engine", "auto") != "plain" and compiles_decode(getattr(c.rollout, "compile", None),
-                                                                               device):
-            import_compiler_code(device)
+    def compiles(self, device: str) -> bool:
+        """Where generations compile the decode step."""
+        c = self.cfg.rollout
+        return getattr(c, "engine", "auto") != "plain" and compiles_decode(getattr(c, "compile", None), device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, empty: bool = True) -> bool:
