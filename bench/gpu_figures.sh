@@ -40,9 +40,11 @@ timeout -k 10 120 "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$o
 # The ways of packed attention the log-prob and update passes may take (flex compiles, seconds).
 echo "== python bench/varlen.py --device cuda" | tee -a "$out/summary.txt"
 timeout -k 10 120 "$PY" bench/varlen.py --device cuda 2>&1 | grep -vE "^W[0-9]{4}" | tee -a "$out/summary.txt"
-# The update pass alone at the first workload's shape, rows of 512-1,536 tokens: MFU and a profile.
-echo "== python bench/update_mfu.py --workload ${workloads[0]} --repeats 2" | tee -a "$out/summary.txt"
-timeout -k 10 150 "$PY" bench/update_mfu.py --workload "${workloads[0]}" --repeats 2 > "$out/update_mfu.log" 2>&1
+# The update pass alone at the first workload's shape, rows of 512-1,536 tokens: MFU and a profile,
+# and the update with the log-prob head's reductions eager, as before actor.compile_head.
+mfu_args=(--workload "${workloads[0]}" --rows 32 --repeats 2 --variant eager_head=actor.compile_head=false)
+echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
+timeout -k 10 180 "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
 echo "rc=$?" >> "$out/update_mfu.log"
 grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py

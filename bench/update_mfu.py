@@ -19,7 +19,7 @@ it prints a profile of one update:
 Each ``--variant NAME=KEY=VALUE[,KEY=VALUE]`` (a config override, e.g.
 ``ckpt=actor.activation_checkpointing=true``) is timed after the workload's own config in the
 same run, with its ratio to it. Without a GPU, the workload runs at its tiny dimensions on the
-CPU, as a check of the script only.
+CPU (the log-prob head compiled, as on a GPU), as a check of the script only.
 
     python bench/update_mfu.py --workload gsm8k-1.5b --rows 64 --prompt 512 --response 1024
 """
@@ -27,6 +27,7 @@ CPU, as a check of the script only.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -137,7 +138,8 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(section, f)
         f.flush()
-        cfg = load_config(f.name, overrides)
+        # On a CPU the head's reductions compile as on a GPU (their default there); a variant may say otherwise.
+        cfg = load_config(f.name, (["actor.compile_head=true"] if device == "cpu" else []) + overrides)
     plan = plan_device(cfg.trainer.device, cfg.model.dtype)
     # Beside the ref and the rollout's cache, as the workload's colocated actor is planned.
     return PolicyEngine(cfg.model, w.tokenizer_vocab, cfg.trainer.seed, plan, actor_cfg=cfg.actor, total_steps=100,
@@ -183,6 +185,10 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
     out["update"] = timed(lambda: engine.update(data, next(step)), args.repeats)
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     out["lengths"] = batch["attention_mask"].sum(-1).tolist()
+    from resilient_rl.workers.logprob import HEAD_FAILURE
+
+    out["head"] = "eager" if not engine.compile_head else \
+        "compiled" if HEAD_FAILURE["reason"] is None else f"eager after a compiler failure: {HEAD_FAILURE['reason']}"
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -191,6 +197,11 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
             engine.update(data, next(step))
             synchronize()
         out["profile"] = device_split(prof.key_averages(), cuda)
+    # The next variant is planned for a device this one no longer holds anything of.
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -239,7 +250,7 @@ def main(argv=None) -> int:
                                  for c in ("project", "verl")) if specs else "n/a (peak unknown)"
             ratio = f", {secs / base:.2f}x the workload's" if label != "workload" else ""
             peak = f", peak {run['peak_gib']:.1f} GiB allocated" if training and cuda else ""
-            print(f"{label} {pass_name}: {1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
+            print(f"{label} {pass_name} (head {run['head']}): {1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
                   f"MFU (project / verl) {figures}{peak}{ratio}", flush=True)
     if "profile" in runs["workload"]:
         kinds, kernels, busy = runs["workload"]["profile"]

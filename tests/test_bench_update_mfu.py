@@ -103,12 +103,17 @@ def test_a_variant_without_an_override_is_refused_with_its_form(update_mfu):
         ("ckpt", ["actor.compile=true", "actor.packing=false"])
 
 
-def test_the_update_pass_runs_tiny_on_cpu_with_a_variant_and_its_profile():
+def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile():
+    """As bench/gpu_figures.sh runs it (the head compiled, as on a GPU, against eager), and a variant
+    of two overrides."""
     out = run_on_cpu("update_mfu.py", "--workload", "gsm8k-0.5b", "--rows", "16", "--repeats", "1",
-                     "--variant", "ckpt=actor.activation_checkpointing=true", timeout=300).stdout
+                     "--variant", "eager_head=actor.compile_head=false",
+                     "--variant", "ckpt=actor.activation_checkpointing=true,actor.compile_head=false",
+                     timeout=300).stdout
     assert "gsm8k-0.5b-tiny on CPU: update of 16 rows" in out
-    assert out.count("actor micro_batch_tokens=auto ->") == 2  # the memory plan, as a run prints it
+    assert out.count("actor micro_batch_tokens=auto ->") == 3  # the memory plan, as a run prints it
     assert "(checkpointed)" in out.split("== variant ckpt")[1]
-    assert "workload log-prob:" in out and "workload update:" in out
-    assert "ckpt update:" in out and "x the workload's" in out
+    assert "workload log-prob (head compiled):" in out and "workload update (head compiled):" in out
+    assert "eager_head update (head eager):" in out and "ckpt update (head eager):" in out
+    assert "x the workload's" in out
     assert "device time by kind of work" in out and "matrix products" in out and "idle (launches" in out
