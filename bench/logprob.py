@@ -10,7 +10,8 @@ compiled, ``actor.compile_head``; its warm-up call compiles) and, with ``--compi
 ``chunked+compile`` (``torch.compile``'d blocks; its warm-up call compiles). Random weights, built
 from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
 ``--shape qwen-vocab`` puts Qwen's 151,936-id vocabulary behind a small body, so that the head
-takes its full-size share of the passes on a CPU.
+takes its full-size share of the passes on a CPU. ``--head-rows N`` times one chunk of N rows of
+the head alone instead, forward and backward: eager, compiled, and its matrix product alone.
 
     python bench/logprob.py                                # CPU, tiny shape
     python bench/logprob.py --ragged                       # responses of different lengths
@@ -101,6 +102,36 @@ def measure(fn, device: torch.device, repeats: int) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
+def head_alone(shape: str, rows: int, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+    """One chunk of the head, forward and backward: its statistics eager, compiled, and the matrix
+    product alone (what the statistics add beyond it is their own cost)."""
+    from resilient_rl.workers.logprob import _chunk_stats, _fused_chunk_stats
+
+    vocab, hidden_size = SHAPES[shape]["vocab_size"], SHAPES[shape]["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=g).to(device).requires_grad_(True)
+    weight = (0.02 * torch.randn(vocab, hidden_size, generator=g)).to(device).requires_grad_(True)
+    labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    compiled = torch.compile(_fused_chunk_stats, dynamic=True)
+
+    def backward_of(fn):
+        def run():
+            hidden.grad = weight.grad = None
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                out = fn()
+            out.float().sum().backward()
+        return run
+
+    cases = {"eager": backward_of(lambda: _chunk_stats(hidden, weight, None, labels)),
+             "compiled": backward_of(lambda: compiled(hidden, weight, None, labels)),
+             "matrix product alone": backward_of(lambda: torch.nn.functional.linear(hidden, weight))}
+    times = {name: measure(fn, device, repeats)[0] for name, fn in cases.items()}
+    base = times["matrix product alone"]
+    print(f"one chunk of the head: {rows} rows x {vocab} ids, hidden {hidden_size}, forward + backward, {device}")
+    for name, t in times.items():
+        print(f"  {name:<22} {t:8.4f} s   beyond the matrix product: {t - base:8.4f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -111,10 +142,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also a variant with torch.compile'd blocks")
     ap.add_argument("--ragged", action="store_true", help="responses that end at different lengths")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--head-rows", type=int, default=0,
+                    help="time one chunk of this many rows of the head alone (eager, compiled) and stop")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # model.dtype=auto
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")) if device.type == "cpu" else torch.get_num_threads())
+    if args.head_rows:
+        head_alone(args.shape, args.head_rows, device, dtype, args.repeats)
+        return
     data = batch(SHAPES[args.shape]["vocab_size"], args.batch, args.prompt, args.response, device, args.ragged)
     real = data["attention_mask"].cpu()
     print(f"shape {args.shape} ({SHAPES[args.shape]['num_hidden_layers']} layers, vocab "

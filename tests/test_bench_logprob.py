@@ -20,5 +20,18 @@ def test_logprob_bench_runs_on_cpu_and_reports_equal_log_probs():
                            "--response", "8", "--repeats", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert [line.split()[0] for line in lines[2:6]] == ["full", "chunked", "chunked+ckpt", "chunked+packed"]
+    assert [line.split()[0] for line in lines[2:7]] == ["full", "chunked", "chunked+ckpt", "chunked+packed",
+                                                        "chunked+head"]
+    assert any(line.startswith("max |chunked+head - chunked| log-prob: ") for line in lines)
     assert lines[-1] == "max |chunked - full| log-prob: 0 (bit-identical)"
+
+
+@pytest.mark.slow  # a fresh interpreter that compiles
+def test_the_head_alone_is_timed_eager_compiled_and_as_its_matrix_product():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "logprob.py"), "--head-rows", "16", "--repeats", "1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "one chunk of the head: 16 rows x 4096 ids, hidden 64, forward + backward, cpu"
+    assert [line.split("  ")[1].strip() for line in lines[1:]] == ["eager", "compiled", "matrix product alone"]

@@ -261,3 +261,36 @@ def test_out_of_memory_in_the_compiled_head_is_raised_not_taken_for_a_compiler_f
     with pytest.raises(torch.OutOfMemoryError):
         logprob._compiled_or_eager(torch.zeros(2, 4), torch.zeros(3, 4), None, torch.zeros(2, dtype=torch.long))
     assert logprob.HEAD_FAILURE["reason"] is None
+
+
+def test_the_compiled_heads_gradient_is_elementwise_with_no_scatter():
+    """The graphs the compiler gets (AOT autograd's forward and backward): the chosen logit is a
+    masked sum, so its gradient fuses with the softmax's; a gather's would scatter into a zeroed
+    [rows, vocab] tensor (atomic adds on a GPU). The chosen log-prob equals the gather's exactly."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    from resilient_rl.workers.logprob import _chunk_stats, _fused_chunk_stats
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    compiled = torch.compile(_fused_chunk_stats, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
+                             dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 8, generator=g, requires_grad=True)
+    weight = torch.randn(20, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 20, (6,), generator=g)
+    out = compiled(hidden, weight, None, labels)
+    out.sum().backward()
+    assert len(graphs) == 2  # forward, backward
+    ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [op for op in ops if "scatter" in op or "gather" in op or "index" in op], ops
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(hidden, weight)
+        z = logits - logits.amax(-1, keepdim=True)
+        assert torch.equal(out[:, 0].detach(), z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
+        torch.testing.assert_close(out.detach(), _chunk_stats(hidden, weight, None, labels))

@@ -81,13 +81,19 @@ def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def _fused_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        labels: torch.Tensor) -> torch.Tensor:
     """:func:`_chunk_stats` as one expression over the chunk's logits, for the compiler: no Python
-    loop over its rows (a symbol), log-prob and entropy from the same shifted logits."""
+    loop over its rows (a symbol), log-prob and entropy from the same shifted logits.
+
+    The chosen logit is a masked sum, not a gather: its gradient is then one more term of the
+    elementwise gradient the compiler fuses, where a gather's is a scatter into a zeroed
+    ``[rows, vocab]`` tensor (one more pass over it, by atomic adds on a GPU). The sum adds zeros
+    to the one chosen value, so it equals the gather exactly."""
     logits = F.linear(hidden, weight, bias)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     # The row maximum is a constant of both (detached: their gradients stay exact).
     z = logits - logits.amax(dim=-1, keepdim=True).detach()
     lse = torch.logsumexp(z, dim=-1)
-    picked = z.gather(-1, labels[:, None]).squeeze(-1)
+    ids = torch.arange(z.shape[-1], device=z.device)
+    picked = torch.where(ids == labels[:, None], z, 0.0).sum(dim=-1)
     return torch.stack([picked - lse, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)], dim=-1)
 
 
