@@ -17,9 +17,9 @@ With ``compile_head`` (``actor.compile_head``; null: on a GPU) a chunk's reducti
 (:func:`_fused_chunk_stats`): eagerly each reduction and each elementwise step of the log-prob and
 the entropy reads and writes the chunk's fp32 logits once more, forward and backward, and these
 passes over the vocabulary can cost more device time than the head's matrix product; inductor fuses
-them into a few kernels that read the logits once or twice. Forward and backward are compiled once
-each per process (the chunk's rows are a symbol), and the values equal the eager ones within float
-rounding.
+them into a few kernels that read the logits once or twice. A process compiles two graphs, one
+for the no-grad passes and one for the update's forward with its backward (the chunk's rows are a
+symbol), and the values equal the eager ones within float rounding.
 
 The forward still goes through ``model(...)``, so FSDP2's hooks gather and free parameters as
 usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
