@@ -105,14 +105,14 @@ def measure(fn, device: torch.device, repeats: int) -> tuple[float, float]:
 def head_alone(shape: str, rows: int, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
     """One chunk of the head, forward and backward: its statistics eager, compiled, and the matrix
     product alone (what the statistics add beyond it is their own cost)."""
-    from resilient_rl.workers.logprob import _chunk_stats, _fused_chunk_stats
+    from resilient_rl.workers.logprob import _chunk_stats, _compiled_chunk_stats
 
     vocab, hidden_size = SHAPES[shape]["vocab_size"], SHAPES[shape]["hidden_size"]
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(rows, hidden_size, generator=g).to(device).requires_grad_(True)
     weight = (0.02 * torch.randn(vocab, hidden_size, generator=g)).to(device).requires_grad_(True)
     labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
-    compiled = torch.compile(_fused_chunk_stats, dynamic=True)
+    compiled = _compiled_chunk_stats()  # as actor.compile_head runs it
 
     def backward_of(fn):
         def run():

@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from decode_bench import synchronize  # noqa: E402
 from gpu_workloads import (WORKLOADS, Workload, actor_section, device_specs, flop_params, mfu,  # noqa: E402
                            pass_flops)
 
@@ -144,11 +145,6 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
     # Beside the ref and the rollout's cache, as the workload's colocated actor is planned.
     return PolicyEngine(cfg.model, w.tokenizer_vocab, cfg.trainer.seed, plan, actor_cfg=cfg.actor, total_steps=100,
                         colocated=("ref", "rollout"), kv_rows=w.prompts * w.n)
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def timed(fn, repeats: int) -> list[float]:
