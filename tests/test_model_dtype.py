@@ -59,6 +59,20 @@ def test_dtype_is_validated_and_named():
         plan_device("cpu", "fp16")
 
 
+def test_a_cuda_plan_keeps_attention_off_cudnn(monkeypatch):
+    """No GPU here: torch.cuda answers as on one. A CUDA plan turns off SDPA's cuDNN kernels, whose
+    backward failed in a 1.5 B update on an H200; a CPU plan leaves the setting alone."""
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(on))
+    calls: list = []
+    plan_device("cpu", "auto")
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    plan = plan_device("cuda", "auto")
+    assert calls == [False] and plan.device == torch.device("cuda", 0) and plan.param_dtype == torch.bfloat16
+
+
 def test_auto_is_fp32_on_cpu_and_bfloat16_mixes():
     auto = plan_device("cpu", "auto")
     assert (auto.param_dtype, auto.reduce_dtype, auto.mixed_precision) == (torch.float32, torch.float32, False)

@@ -76,7 +76,8 @@ def plan_device(device: str = "auto", dtype: str = "auto", sharding: str = "full
     CUDA when the GPU supports it and float32 otherwise (CPU runs stay bit-reproducible).
     Gradients are reduced in float32 and the master weights stay float32 in every case.
     ``sharding`` (``trainer.sharding``): ``full`` or ``hybrid`` (HSDP across nodes).
-    On CUDA it initialises CUDA on the current device."""
+    On CUDA it initialises CUDA on the current device and turns off cuDNN's attention kernels
+    (:func:`exclude_cudnn_attention`)."""
     _check_device(device)
     if dtype not in MODEL_DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
@@ -86,6 +87,7 @@ def plan_device(device: str = "auto", dtype: str = "auto", sharding: str = "full
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
         dev = torch.device("cuda", torch.cuda.current_device())
+        exclude_cudnn_attention()
         bf16 = torch.cuda.is_bf16_supported()
         if dtype == "bfloat16" and not bf16:
             raise ConfigError(f"model.dtype=bfloat16 but {torch.cuda.get_device_name(dev)} has no bf16 support; "
@@ -94,6 +96,14 @@ def plan_device(device: str = "auto", dtype: str = "auto", sharding: str = "full
                           sharding)
     return DevicePlan(torch.device("cpu"), torch.bfloat16 if dtype == "bfloat16" else torch.float32, torch.float32,
                       sharding)
+
+
+def exclude_cudnn_attention() -> None:
+    """Keep ``scaled_dot_product_attention`` off cuDNN's fused kernels in this process: flash,
+    memory-efficient and math remain. On an H200 (torch 2.11+cu130, cuDNN 9) the cuDNN backward
+    failed inside a 1.5 B update (``mha_graph.execute(...).is_good()``); pytorch/pytorch#190321
+    and #134001 report the same failure, and this setting as the way out of it."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def has_meta_parameters(model: nn.Module) -> bool:
