@@ -87,14 +87,13 @@ def test_torch_varlen_is_chosen_on_cuda_without_flash_attn(monkeypatch):
     """No GPU here (torch's varlen kernels are CUDA-only): a stand-in for torch's ``varlen_attn``
     checks what the torch path hands it, forward and backward, with grouped heads and a window."""
     assert varlen._torch_varlen_func() is not None  # this torch's varlen_attn takes window_size
-    assert varlen._torch_varlen_serves(gqa=True, dropout=0.0)  # ... and enable_gqa
     calls: list = []
     monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
     monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: _varlen_attn_stand_in(calls))
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
     cuda = torch.device("cuda")
     assert varlen.choose_backend(cuda, torch.bfloat16) == "torch"
-    assert varlen.choose_backend(cuda, torch.float16, gqa=True) == "torch"
+    assert varlen.choose_backend(cuda, torch.float16) == "torch"
     assert varlen.choose_backend(cuda, torch.float32) == "split"  # the kernels have no fp32
     assert varlen.choose_backend(CPU, torch.bfloat16) == "split"
     assert varlen.choose_backend(cuda, torch.bfloat16, dropout=0.1) == "split"  # no attention dropout
@@ -120,16 +119,23 @@ def test_torch_varlen_is_chosen_on_cuda_without_flash_attn(monkeypatch):
     assert calls[0] == {"shapes": ((124, 4, 8), (124, 2, 8)), "cu": layout.cu_seqlens.tolist(), "dtype": torch.int32,
                         "longest": (30, 30), "window": (-1, 0), "gqa": True}
 
+    # torch 2.11's varlen_attn has no enable_gqa: the grouped heads are repeated to the query heads first.
     monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: _varlen_attn_stand_in(calls, gqa_flag=False))
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
-    assert varlen.choose_backend(cuda, torch.bfloat16, gqa=False) == "torch"
-    assert varlen.choose_backend(cuda, torch.bfloat16, gqa=True) == "split"  # grouped heads need enable_gqa
-    with pytest.raises(ModelInputError, match="enable_gqa"):
-        varlen.varlen_attention(*inputs, layout, backend="torch")
-    same_heads = torch.randn(2, 4, 62, 8)
-    torch.testing.assert_close(varlen.varlen_attention(inputs[0], same_heads, same_heads, layout, backend="torch"),
-                               varlen.varlen_attention(inputs[0], same_heads, same_heads, layout, backend="split"))
-    assert calls[-1]["gqa"] is False
+    assert varlen.choose_backend(cuda, torch.bfloat16) == "torch"
+    outs, grads = [], []
+    for backend in ("torch", "split"):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        out = varlen.varlen_attention(q, k, v, layout, scale=0.3, backend=backend)
+        (out * torch.arange(8.0)).sum().backward()  # unequal weights: a wrong head pairing shows in every grad
+        outs.append(out.detach())
+        grads.append([x.grad for x in (q, k, v)])
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    assert calls[-1]["shapes"] == ((124, 4, 8), (124, 4, 8)) and calls[-1]["gqa"] is False
+    with pytest.raises(ModelInputError, match="dropout"):
+        varlen.varlen_attention(*inputs, layout, backend="torch", dropout=0.1)
 
 
 def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, caplog):
@@ -145,7 +151,7 @@ def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, 
     monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
     monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: varlen_attn)
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
-    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16, gqa=True) == "torch"
+    assert varlen.choose_backend(torch.device("cuda"), torch.bfloat16) == "torch"
     positions = torch.cat([torch.arange(n) for n in LENGTHS]).view(1, -1)
     layout = packed_layout(positions)
     q, k, v = (torch.randn(1, h, 62, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
@@ -154,7 +160,7 @@ def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, 
     assert varlen._TORCH_VARLEN_FAILED == []
     on_a_gpu = varlen.choose_backend
     monkeypatch.setattr(varlen, "choose_backend",  # the tensors are on the CPU; the choice as on a GPU
-                        lambda device, dtype, gqa, dropout: on_a_gpu(torch.device("cuda"), dtype, gqa, dropout))
+                        lambda device, dtype, dropout: on_a_gpu(torch.device("cuda"), dtype, dropout))
     with caplog.at_level("INFO", logger=varlen.__name__):
         out = varlen.varlen_attention(q, k, v, layout)
         varlen.varlen_attention(q, k, v, layout)
@@ -164,7 +170,7 @@ def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, 
         "packed attention: torch's varlen kernel (torch.nn.attention.varlen)",
         "packed attention: torch's varlen kernel failed (RuntimeError: FlashAttention only supports Ampere GPUs "
         "or newer.); this process attends per sequence from now on"]
-    assert on_a_gpu(torch.device("cuda"), torch.bfloat16, gqa=True) == "split"
+    assert on_a_gpu(torch.device("cuda"), torch.bfloat16) == "split"
 
 
 def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):

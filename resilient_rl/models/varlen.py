@@ -11,9 +11,12 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
   (``torch.nn.attention.varlen``: the FlashAttention-2 kernels built into torch's CUDA build), for
   CUDA tensors in fp16/bf16 on a device of compute capability 8.0 or newer where flash-attn is not
   installed, so a cluster without flash-attn's wheels gets one kernel per packed batch too. It needs
-  a torch whose ``varlen_attn`` takes the causal mask as ``window_size`` (2.11 and newer) and, for
-  grouped key/value heads, ``enable_gqa``; it has no attention dropout (a call with dropout, or
-  grouped heads on a torch without ``enable_gqa``, takes ``"split"``). Where the kernel raises
+  a torch whose ``varlen_attn`` takes the causal mask as ``window_size`` (2.11 and newer); it has
+  no attention dropout (a call with dropout takes ``"split"``). Grouped key/value heads go to the
+  kernel as they are where it takes ``enable_gqa``, else (torch 2.11) repeated to the query heads
+  first: one copy of the keys and values, a few percent of the attention's own time, where
+  ``"split"`` costs one kernel per sequence (on an H200, 96 sequences of 128-512 tokens took
+  15.9 ms forward and backward split, against 3.2 ms padded to the longest). Where the kernel raises
   (a shape or device it does not take), the process logs why once and takes ``"split"`` from then.
 - ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
@@ -57,6 +60,19 @@ shape                                  split           right-padded    dense T x
 
 The dense mask is quickest at these lengths but grows as ``T x T`` (memory and time) with the
 packed length; flex was the slowest way that keeps no score matrix.
+
+``"torch"`` on the same H200 and torch (its ``varlen_attn`` has no ``enable_gqa``, so the grouped
+heads were repeated), in the same run as the others, forward and backward (best of 10):
+
+=====================================  =========  ============  ==========  =========
+shape                                  split      right-padded  flex        torch
+=====================================  =========  ============  ==========  =========
+12 sequences of 113..349 (T=2706)      1.96 ms    2.14 ms       3.55 ms     1.53 ms
+96 sequences of 128..512 (T=32369)     15.36 ms   3.16 ms       4.19 ms     1.86 ms
+=====================================  =========  ============  ==========  =========
+
+The second shape is a micro-batch of the 0.5 B workload: there the split takes 8 times the
+varlen kernel's time, one kernel launch per sequence and layer.
 
 Hugging Face models reach this through :mod:`resilient_rl.models.varlen_hf`.
 """
@@ -107,11 +123,9 @@ def _takes_gqa(kernel) -> bool:
     return "enable_gqa" in inspect.signature(kernel).parameters
 
 
-def _torch_varlen_serves(gqa: bool, dropout: float) -> bool:
-    """Whether torch's ``varlen_attn`` can take a call with grouped key/value heads (``gqa``) and
-    attention ``dropout``: it has no dropout, and grouped heads need its ``enable_gqa``."""
-    kernel = _torch_varlen_func()
-    return kernel is not None and not dropout and (not gqa or _takes_gqa(kernel))
+def _torch_varlen_serves(dropout: float) -> bool:
+    """Whether torch's ``varlen_attn`` can take a call with attention ``dropout``: it has none."""
+    return _torch_varlen_func() is not None and not dropout
 
 
 #: Why torch's varlen kernel failed in this process, once it has: packed attention then runs split.
@@ -130,14 +144,14 @@ def _flash_capable(index: int | None) -> bool:
     return bool(available) and torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype, gqa: bool = False, dropout: float = 0.0) -> str:
-    """``"flash"``, ``"torch"`` or ``"split"`` for tensors on ``device`` in ``dtype``, with grouped
-    key/value heads (``gqa``) and attention ``dropout`` (see the module docs)."""
+def choose_backend(device: torch.device, dtype: torch.dtype, dropout: float = 0.0) -> str:
+    """``"flash"``, ``"torch"`` or ``"split"`` for tensors on ``device`` in ``dtype``, with attention
+    ``dropout`` (see the module docs)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return "split"
     if _flash_varlen_func() is not None:
         return "flash"
-    if _torch_varlen_serves(gqa, dropout) and not _TORCH_VARLEN_FAILED and _flash_capable(device.index):
+    if _torch_varlen_serves(dropout) and not _TORCH_VARLEN_FAILED and _flash_capable(device.index):
         return "torch"
     return "split"
 
@@ -178,9 +192,8 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
     if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
-    gqa = heads != k.shape[1]
     chosen = backend is None
-    backend = backend or choose_backend(q.device, q.dtype, gqa, dropout)
+    backend = backend or choose_backend(q.device, q.dtype, dropout)
     if chosen and backend not in _ANNOUNCED:
         _ANNOUNCED.add(backend)
         logger.info("packed attention: %s", _BACKEND_NAMES.get(backend, backend))
@@ -189,10 +202,10 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
     if backend == "flash":
         return _flash(q, k, v, layout, scale, dropout, window)
     if backend == "torch":
-        if not _torch_varlen_serves(gqa, dropout):
+        if not _torch_varlen_serves(dropout):
             raise ModelInputError(f"packed attention on the torch backend needs torch's varlen_attn with "
-                                  f"window_size{' and enable_gqa' if gqa else ''} (torch {torch.__version__}) "
-                                  f"and takes no attention dropout (got {dropout})")
+                                  f"window_size (torch {torch.__version__}) and takes no attention dropout "
+                                  f"(got {dropout})")
         try:
             return _torch_varlen(q, k, v, layout, scale, window)
         except RuntimeError as exc:  # e.g. a head size or device its kernels do not take
@@ -267,10 +280,16 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
 
 def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None) -> torch.Tensor:
     cu, longest = _cu_seqlens(layout, q.device)
-    grouped = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    kernel = _torch_varlen_func()
+    grouped = {}
+    if q.shape[1] != k.shape[1]:
+        if _takes_gqa(kernel):
+            grouped = {"enable_gqa": True}
+        else:  # query head i reads key/value head i // groups, as the models' repeat_kv lays them out
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     # (-1, 0) is causal; (w, 0) a causal window of w keys before the query, as flash-attn counts it.
-    out = _torch_varlen_func()(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest,
-                               scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
+    out = kernel(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest,
+                 scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
     return _head_major(out, q)
 
 
