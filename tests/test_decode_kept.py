@@ -5,6 +5,7 @@ step is tested in test_compile_cache.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 from types import SimpleNamespace
@@ -158,6 +159,20 @@ def test_loading_rebuilds_each_mode_under_its_settings_and_adds_nothing_from_a_f
     assert seen == [(b"graphs", True), (b"plain", False), (b"plain 2", False)]
     assert not torch._inductor.config.triton.cudagraphs  # only while loading
     assert [len(decode_kept.kept_steps("k", mode).steps) for mode in ("reduce-overhead", None)] == [1, 2]
+
+
+def test_a_torch_whose_compiled_functions_have_no_aot_compile_cannot_keep_the_step(monkeypatch):
+    """torch 2.11: the modules are there, the compiled function's method is not."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: functools.wraps(fn)(lambda *a: real(fn, **kw)(*a)))
+    decode_kept.unkeepable.cache_clear()
+    try:
+        assert "has no ahead-of-time compile" in decode_kept.unkeepable()
+        monkeypatch.undo()
+        decode_kept.unkeepable.cache_clear()
+        assert decode_kept.unkeepable() is None  # this torch (2.13) has it
+    finally:
+        decode_kept.unkeepable.cache_clear()
 
 
 def test_a_torch_without_the_ahead_of_time_compile_compiles_the_step_as_before(monkeypatch, caplog):

@@ -151,13 +151,21 @@ class KeptSteps:
 @functools.cache
 def unkeepable() -> str | None:
     """Why this torch cannot keep the step (None: it can): it lacks the ahead-of-time compile or
-    its loader (``torch.compiler.load_compiled_function``), as torch releases before them do."""
+    its loader (``torch.compiler.load_compiled_function``), as torch releases before them do.
+    torch 2.11 has both modules, but the function ``torch.compile`` returns has no
+    ``aot_compile`` yet (seen on an H200): that is asked of a compiled function, which compiles
+    nothing until called."""
     import importlib.util
 
     if importlib.util.find_spec("torch._dynamo.aot_compile") is None or \
-            not hasattr(torch.compiler, "load_compiled_function"):
+            not hasattr(torch.compiler, "load_compiled_function") or \
+            not hasattr(torch.compile(_identity, fullgraph=True), "aot_compile"):
         return f"torch {torch.__version__} has no ahead-of-time compile to keep the step with"
     return None
+
+
+def _identity(x):
+    return x
 
 
 def kept_steps(key: str, mode: str | None) -> KeptSteps:
