@@ -9,14 +9,17 @@
 # WORKLOAD: gsm8k-0.5b and/or gsm8k-1.5b (default: both, in that order), e.g. one per call where a
 # call's time is limited. The first rollout of each compiles the decode step for each of its batch
 # sizes (bench/decode_compile.py measures that cost), so each workload has 300 s
-# (RRL_FIGURE_TIMEOUT=SECONDS changes that).
+# (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
+# each part's limit is cut to what is left of it, and the workloads share what the parts before
+# them left.
 #   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
 #      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
 #      rollout engine against HF generate with the engine's share of the decode roofline;
 #   2. gsm8k-1.5b: the same but the generation comparison.
 # Before them, bench/sampling.py times the decode step's sampling pass at 512 rows, bench/varlen.py
 # the packed-attention backends (torch's own varlen kernel among them), and bench/update_mfu.py the
-# first workload's update pass alone at 1 k tokens and more per row, with where the device's time goes.
+# update pass of 1.5 B alone (the size of the update target) at 1 k tokens and more per row, with
+# where the device's time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -34,17 +37,27 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 "$PY" -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" | tee -a "$out/gpu.txt"
 status=0
 limit="${RRL_FIGURE_TIMEOUT:-300}"
+budget="${RRL_FIGURES_BUDGET:-0}"
+within() {  # a part's limit in seconds, cut to what is left of the budget (SIGKILL comes 20 s after the limit)
+    local want=$1 share=${2:-1}
+    if [ "$budget" -gt 0 ]; then
+        local left=$(( (budget - SECONDS - 25) / share ))
+        [ "$left" -lt "$want" ] && want=$left
+        [ "$want" -lt 5 ] && want=5
+    fi
+    echo "$want"
+}
 # The decode step's sampling pass at the workloads' shape (two small compiles, seconds).
 echo "== python bench/sampling.py --rows 512" | tee -a "$out/summary.txt"
-timeout -k 10 120 "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$out/summary.txt"
+timeout -k 10 "$(within 120)" "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$out/summary.txt"
 # The ways of packed attention the log-prob and update passes may take (flex compiles, seconds).
 echo "== python bench/varlen.py --device cuda" | tee -a "$out/summary.txt"
-timeout -k 10 120 "$PY" bench/varlen.py --device cuda 2>&1 | grep -vE "^W[0-9]{4}" | tee -a "$out/summary.txt"
-# The update pass alone at the first workload's shape, rows of 512-1,536 tokens: MFU and a profile,
-# and the update with the log-prob head's reductions eager, as before actor.compile_head.
-mfu_args=(--workload "${workloads[0]}" --rows 32 --repeats 2 --variant eager_head=actor.compile_head=false)
+timeout -k 10 "$(within 120)" "$PY" bench/varlen.py --device cuda 2>&1 | grep -vE "^W[0-9]{4}" | tee -a "$out/summary.txt"
+# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, and the update with
+# the log-prob head's reductions eager, as before actor.compile_head.
+mfu_args=(--workload gsm8k-1.5b --rows 32 --repeats 2 --variant eager_head=actor.compile_head=false)
 echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
-timeout -k 10 180 "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
+timeout -k 10 "$(within 180)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
 echo "rc=$?" >> "$out/update_mfu.log"
 grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
@@ -61,10 +74,13 @@ run() {  # name, timeout, arguments of bench/gpu.py
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
 }
+left=${#workloads[@]}
 for w in "${workloads[@]}"; do
+    wlimit=$(within "$limit" "$left")
+    left=$((left - 1))
     case "$w" in
-        gsm8k-0.5b) run "$w" "$limit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
-        gsm8k-1.5b) run "$w" "$limit" --workload "$w" --warmup 1 --steps 2 --skip-generation ;;
+        gsm8k-0.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
+        gsm8k-1.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --skip-generation ;;
         *) echo "gpu_figures.sh: unknown workload $w (gsm8k-0.5b, gsm8k-1.5b)" >&2; status=2 ;;
     esac
 done

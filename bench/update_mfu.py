@@ -147,16 +147,19 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
                         colocated=("ref", "rollout"), kv_rows=w.prompts * w.n)
 
 
-def timed(fn, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn`` (after one untimed call)."""
+def timed(fn, repeats: int, last: dict | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (after one untimed call); ``last`` gets what
+    the last call returned, under ``"result"``."""
     fn()
     times = []
     for _ in range(repeats):
         synchronize()
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         synchronize()
         times.append(time.perf_counter() - t0)
+    if last is not None:
+        last["result"] = result
     return times
 
 
@@ -178,7 +181,10 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
     out = {"log_prob": timed(lambda: engine.compute_log_prob(data), args.repeats)}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    out["update"] = timed(lambda: engine.update(data, next(step)), args.repeats)
+    last: dict = {}
+    out["update"] = timed(lambda: engine.update(data, next(step)), args.repeats, last)
+    out["metrics"] = {k: last["result"][k] for k in ("actor/pg_loss", "actor/grad_norm", "actor/nonfinite_skipped")
+                      if k in last["result"]}
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     out["lengths"] = batch["attention_mask"].sum(-1).tolist()
     from resilient_rl.workers.logprob import HEAD_FAILURE
@@ -248,6 +254,8 @@ def main(argv=None) -> int:
             peak = f", peak {run['peak_gib']:.1f} GiB allocated" if training and cuda else ""
             print(f"{label} {pass_name} (head {run['head']}): {1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
                   f"MFU (project / verl) {figures}{peak}{ratio}", flush=True)
+        # A non-finite gradient skips the optimizer's step: such an update is not the one to time.
+        print(f"{label} last update: " + ", ".join(f"{k} {v:.4g}" for k, v in run["metrics"].items()), flush=True)
     if "profile" in runs["workload"]:
         kinds, kernels, busy = runs["workload"]["profile"]
         print("\n".join(profile_lines(kinds, kernels, busy, base)))

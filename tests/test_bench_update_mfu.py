@@ -116,4 +116,5 @@ def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile():
     assert "workload log-prob (head compiled):" in out and "workload update (head compiled):" in out
     assert "eager_head update (head eager):" in out and "ckpt update (head eager):" in out
     assert "x the workload's" in out
+    assert "workload last update: actor/pg_loss" in out and "actor/nonfinite_skipped 0\n" in out
     assert "device time by kind of work" in out and "matrix products" in out and "idle (launches" in out
