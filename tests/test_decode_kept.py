@@ -5,7 +5,6 @@ step is tested in test_compile_cache.py."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import pickle
 from types import SimpleNamespace
@@ -161,20 +160,6 @@ def test_loading_rebuilds_each_mode_under_its_settings_and_adds_nothing_from_a_f
     assert [len(decode_kept.kept_steps("k", mode).steps) for mode in ("reduce-overhead", None)] == [1, 2]
 
 
-def test_a_torch_whose_compiled_functions_have_no_aot_compile_cannot_keep_the_step(monkeypatch):
-    """torch 2.11: the modules are there, the compiled function's method is not."""
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: functools.wraps(fn)(lambda *a: real(fn, **kw)(*a)))
-    decode_kept.unkeepable.cache_clear()
-    try:
-        assert "has no ahead-of-time compile" in decode_kept.unkeepable()
-        monkeypatch.undo()
-        decode_kept.unkeepable.cache_clear()
-        assert decode_kept.unkeepable() is None  # this torch (2.13) has it
-    finally:
-        decode_kept.unkeepable.cache_clear()
-
-
 def test_a_torch_without_the_ahead_of_time_compile_compiles_the_step_as_before(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="resilient_rl.models.decode_step")
     monkeypatch.delattr(torch.compiler, "load_compiled_function")
@@ -189,3 +174,20 @@ def test_a_torch_without_the_ahead_of_time_compile_compiles_the_step_as_before(m
     assert "has no ahead-of-time compile" in DecodeStep.kept_failure and "traced in every new process" in caplog.text
     assert not decode_kept.kept_steps(step_key(model), None).steps
     assert torch.equal(out.sequences, run(model, compile=False).sequences)
+
+
+def test_a_torch_that_leaves_the_ahead_of_time_compile_off_still_keeps_the_step(monkeypatch):
+    """torch 2.11: ``torch.compile`` returned a function without ``aot_compile``, its switch off by
+    default. The step switches it on while it compiles and rebuilds kept versions."""
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    model = llama(1)
+    out = run(model, compile=True)
+    assert out.engine_stats["kept"] and out.engine_stats["compiles"] == 1, out.engine_stats
+    assert torch.equal(out.sequences, run(model, compile=False).sequences)
+    data, _ = save_kept(step_key(model))
+    monkeypatch.setattr(decode_kept, "_KEPT", {})  # as a new process
+    assert load_kept(data, step_key(model), decode) == 1
+    loaded = run(model, compile=True)
+    assert loaded.engine_stats["compiles"] == 0 and loaded.engine_stats["kept"]
+    assert torch.equal(loaded.sequences, out.sequences)
+    assert torch._dynamo.config.enable_aot_compile is False  # only while compiling and loading

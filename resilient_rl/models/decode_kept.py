@@ -120,7 +120,8 @@ class KeptSteps:
                                f"(at most {KEPT_LIMIT}); another one was asked for")
         mark(args)
         options = {**_mode_options(self.mode), "guard_filter_fn": portable_guards}
-        fn = torch.compile(step, fullgraph=True, dynamic=None, options=options).aot_compile((args, {}))
+        with _aot_enabled():
+            fn = torch.compile(step, fullgraph=True, dynamic=None, options=options).aot_compile((args, {}))
         fn.disable_guard_check()  # find() checked them
         self.steps.append(fn)
         self._last = fn
@@ -134,7 +135,7 @@ class KeptSteps:
         """The versions of ``step`` that ``state`` (from :meth:`state`) holds, rebuilt but not yet
         held (:meth:`add` holds them)."""
         # Inductor applies its settings (CUDA graphs) when it rebuilds the compiled code.
-        with torch._inductor.config.patch(_mode_options(self.mode)):
+        with torch._inductor.config.patch(_mode_options(self.mode)), _aot_enabled():
             rebuilt = [torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=step.__globals__)
                        for blob in state["steps"]]
         for fn in rebuilt:
@@ -151,21 +152,23 @@ class KeptSteps:
 @functools.cache
 def unkeepable() -> str | None:
     """Why this torch cannot keep the step (None: it can): it lacks the ahead-of-time compile or
-    its loader (``torch.compiler.load_compiled_function``), as torch releases before them do.
-    torch 2.11 has both modules, but the function ``torch.compile`` returns has no
-    ``aot_compile`` yet (seen on an H200): that is asked of a compiled function, which compiles
-    nothing until called."""
+    its loader (``torch.compiler.load_compiled_function``), or the switch that gives compiled
+    functions their ``aot_compile`` (``torch._dynamo.config.enable_aot_compile``), as torch
+    releases before them do."""
     import importlib.util
 
     if importlib.util.find_spec("torch._dynamo.aot_compile") is None or \
             not hasattr(torch.compiler, "load_compiled_function") or \
-            not hasattr(torch.compile(_identity, fullgraph=True), "aot_compile"):
+            not hasattr(torch._dynamo.config, "enable_aot_compile"):
         return f"torch {torch.__version__} has no ahead-of-time compile to keep the step with"
     return None
 
 
-def _identity(x):
-    return x
+def _aot_enabled():
+    """``torch.compile`` gives the function it returns an ``aot_compile`` only while
+    ``torch._dynamo.config.enable_aot_compile`` is set: the default from torch 2.13 on; in torch
+    2.11 (seen on an H200) the function had none."""
+    return torch._dynamo.config.patch(enable_aot_compile=True)
 
 
 def kept_steps(key: str, mode: str | None) -> KeptSteps:
