@@ -107,6 +107,7 @@ def _fit(cfg) -> int:
             return EXIT_INTERRUPTED
         except Preempted as exc:
             print(f"resilient-rl: {exc}", file=sys.stderr)
+            trainer.preemption.exit_if_stuck(EXIT_PREEMPTED)  # Ray's cluster may go down during the shutdown
             return EXIT_PREEMPTED
         except RRLError:
             print(f"resilient-rl: the full log, with the workers' output, is in {log_path}", file=sys.stderr)
@@ -116,6 +117,7 @@ def _fit(cfg) -> int:
             trainer.preemption.restore()
             disconnect(owned)
             trainer.preemption.ignore_after_shutdown()
+            trainer.preemption.shutdown_ended()
     print(f"run folder: {trainer.run_dir.path}")
     if not history:
         print(f"nothing to train: the run is at step {trainer.step} of trainer.total_steps={cfg.trainer.total_steps}")

@@ -187,3 +187,26 @@ def test_the_controller_record_says_preempted(tmp_path):
             raise Preempted("preempted by SIGTERM after step 7", signal_name="SIGTERM", step=7, committed=7)
     record = json.loads((tmp_path / "controller.json").read_text())
     assert record["state"] == "preempted" and record["end_step"] == 7 and "SIGTERM" in record["reason"]
+
+
+@pytest.mark.parametrize("ends", [False, True])
+def test_a_shutdown_stuck_after_a_preemption_still_exits_with_its_code(ends):
+    """A shutdown blocked in a call into Ray's control plane, gone with the job (Ray would end the
+    process 60 s later with exit code 1): the watchdog exits with the preemption's code instead,
+    its output flushed; a shutdown that ends in time cancels it, and the process ends as it would."""
+    import subprocess
+    import sys
+
+    child = ("import sys, time\n"
+             "from resilient_rl.trainer.preemption import Preemption\n"
+             "p = Preemption()\n"
+             "p.exit_if_stuck(143, within_s=0.5)\n"
+             "print('recorded', flush=False)\n"
+             + ("p.shutdown_ended()\ntime.sleep(1.0)\n" if ends else "time.sleep(60)\n"))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "recorded\n"
+    if ends:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode == 143, done.stderr  # (its sleep would outlast the timeout above)
+        assert "did not end within 0.5 s" in done.stderr and "exiting with 143" in done.stderr

@@ -21,15 +21,20 @@ Ray's cluster can also be gone with no signal (its head node lost): :func:`stop_
 
 A signal arriving while the run is already stopping is noted in the log and changes nothing, up
 to the process's exit: the durable save goes on until its grace period ends (the scheduler's
-SIGKILL bounds it anyway), and the shutdown after it is not cut short.
+SIGKILL bounds it anyway), and the shutdown after it is not cut short by a signal. It is bounded
+in time instead (:data:`SHUTDOWN_WITHIN_S`, :meth:`Preemption.exit_if_stuck`): Ray's control
+plane can go down halfway through it, and the process still exits 143.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
+from typing import Callable
 
 from resilient_rl.errors import Preempted, RecoveryError, RRLError
 
@@ -37,6 +42,13 @@ logger = logging.getLogger(__name__)
 
 #: The signals that mean "the machine is being taken back" (SIGUSR1: Slurm's early warning).
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+#: How long the shutdown after a preemption may take before the process exits without finishing
+#: it. A preemption with no warning signals Ray's processes too, in no set order: the shutdown can
+#: find Ray's control plane answering and lose it halfway, and a call into it then blocks until
+#: Ray ends the process, 60 s later with exit code 1 (its ``gcs_rpc_server_reconnect_timeout_s``).
+#: Everything durable is written and recorded before the shutdown starts.
+SHUTDOWN_WITHIN_S = 30.0
 
 
 class Preemption:
@@ -46,6 +58,7 @@ class Preemption:
         self.signal_name: str | None = None
         self.received_at: float | None = None  # monotonic
         self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
@@ -85,6 +98,33 @@ class Preemption:
             else:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+
+    def exit_if_stuck(self, code: int, within_s: float = SHUTDOWN_WITHIN_S,
+                      exit: Callable[[int], None] = os._exit) -> threading.Timer:
+        """Exit the process with ``code`` if the shutdown it is about to run (workers, node memory,
+        Ray's connection, the interpreter's exit) has not ended ``within_s`` from now: a watchdog
+        thread, cancelled by :meth:`shutdown_ended`. Call it once the run's end is recorded."""
+        def stuck() -> None:
+            logger.warning("the shutdown after the preemption did not end within %g s (Ray's cluster went down "
+                           "with the job, it seems): exiting with %d, the run's end already recorded",
+                           within_s, code)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            exit(code)
+
+        self._watchdog = threading.Timer(within_s, stuck)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        return self._watchdog
+
+    def shutdown_ended(self) -> None:
+        """The shutdown :meth:`exit_if_stuck` watches ended (in a process that goes on, a test's)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def ignore_after_shutdown(self) -> None:
         """``ray.shutdown`` puts the default SIGTERM action back below Python (``signal.getsignal``
