@@ -178,16 +178,18 @@ def test_a_torch_without_the_ahead_of_time_compile_compiles_the_step_as_before(m
 
 def test_a_torch_that_leaves_the_ahead_of_time_compile_off_still_keeps_the_step(monkeypatch):
     """torch 2.11: ``torch.compile`` returned a function without ``aot_compile``, its switch off by
-    default. The step switches it on while it compiles and rebuilds kept versions."""
-    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    default. The step switches it on while it compiles and rebuilds kept versions. (The switch is
+    set through the config's own patch: pytest's monkeypatch would delete the key on undo.)"""
     model = llama(1)
-    out = run(model, compile=True)
-    assert out.engine_stats["kept"] and out.engine_stats["compiles"] == 1, out.engine_stats
-    assert torch.equal(out.sequences, run(model, compile=False).sequences)
-    data, _ = save_kept(step_key(model))
-    monkeypatch.setattr(decode_kept, "_KEPT", {})  # as a new process
-    assert load_kept(data, step_key(model), decode) == 1
-    loaded = run(model, compile=True)
-    assert loaded.engine_stats["compiles"] == 0 and loaded.engine_stats["kept"]
-    assert torch.equal(loaded.sequences, out.sequences)
-    assert torch._dynamo.config.enable_aot_compile is False  # only while compiling and loading
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        out = run(model, compile=True)
+        assert out.engine_stats["kept"] and out.engine_stats["compiles"] == 1, out.engine_stats
+        assert torch.equal(out.sequences, run(model, compile=False).sequences)
+        data, _ = save_kept(step_key(model))
+        monkeypatch.setattr(decode_kept, "_KEPT", {})  # as a new process
+        assert load_kept(data, step_key(model), decode) == 1
+        loaded = run(model, compile=True)
+        assert loaded.engine_stats["compiles"] == 0 and loaded.engine_stats["kept"]
+        assert torch.equal(loaded.sequences, out.sequences)
+        assert torch._dynamo.config.enable_aot_compile is False  # only while compiling and loading
+    assert torch._dynamo.config.enable_aot_compile is True
