@@ -34,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
 
 from resilient_rl.errors import Preempted, RecoveryError, RRLError
 
@@ -99,11 +98,10 @@ class Preemption:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
-    def exit_if_stuck(self, code: int, within_s: float = SHUTDOWN_WITHIN_S,
-                      exit: Callable[[int], None] = os._exit) -> threading.Timer:
+    def exit_if_stuck(self, code: int, within_s: float = SHUTDOWN_WITHIN_S) -> None:
         """Exit the process with ``code`` if the shutdown it is about to run (workers, node memory,
-        Ray's connection, the interpreter's exit) has not ended ``within_s`` from now: a watchdog
-        thread, cancelled by :meth:`shutdown_ended`. Call it once the run's end is recorded."""
+        Ray's connection) has not ended ``within_s`` from now: a watchdog thread, cancelled by
+        :meth:`shutdown_ended`. Call it once the run's end is recorded."""
         def stuck() -> None:
             logger.warning("the shutdown after the preemption did not end within %g s (Ray's cluster went down "
                            "with the job, it seems): exiting with %d, the run's end already recorded",
@@ -113,12 +111,11 @@ class Preemption:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            exit(code)
+            os._exit(code)
 
         self._watchdog = threading.Timer(within_s, stuck)
         self._watchdog.daemon = True
         self._watchdog.start()
-        return self._watchdog
 
     def shutdown_ended(self) -> None:
         """The shutdown :meth:`exit_if_stuck` watches ended (in a process that goes on, a test's)."""
