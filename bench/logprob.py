@@ -10,8 +10,10 @@ compiled, ``actor.compile_head``; its warm-up call compiles) and, with ``--compi
 ``chunked+compile`` (``torch.compile``'d blocks; its warm-up call compiles). Random weights, built
 from the config; nothing is downloaded. Prints each figure and its ratio to ``full``.
 ``--shape qwen-vocab`` puts Qwen's 151,936-id vocabulary behind a small body, so that the head
-takes its full-size share of the passes on a CPU. ``--head-rows N`` times one chunk of N rows of
-the head alone instead, forward and backward: eager, compiled, and its matrix product alone.
+takes its full-size share of the passes on a CPU. ``--head-rows N`` times the head alone instead
+over ``--head-chunks K`` chunks of N rows (default 1), forward and backward: the chunked head eager
+and compiled, each chunk as its own ``F.linear`` (before it), and the matrix products alone;
+``--bf16`` computes in bf16 under autocast on a CPU, as a GPU does.
 
     python bench/logprob.py                                # CPU, tiny shape
     python bench/logprob.py --ragged                       # responses of different lengths
@@ -102,17 +104,32 @@ def measure(fn, device: torch.device, repeats: int) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
-def head_alone(shape: str, rows: int, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
-    """One chunk of the head, forward and backward: its statistics eager, compiled, and the matrix
-    product alone (what the statistics add beyond it is their own cost)."""
-    from resilient_rl.workers.logprob import _chunk_stats, _compiled_chunk_stats
+def head_alone(shape: str, rows: int, chunks: int, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+    """The head alone over ``chunks`` chunks of ``rows`` rows, forward and backward: the chunked
+    head (resilient_rl/workers/chunked_head.py) eager and compiled; before it, each chunk as its own
+    ``F.linear`` and statistics, recomputed in the backward (under autocast, each chunk's product
+    casts the fp32 weight again and sends the weight its own gradient); and the products alone."""
+    from torch.utils.checkpoint import checkpoint
+
+    from resilient_rl.testing.op_writes import writes_of_size
+    from resilient_rl.workers.chunked_head import chunked_head_stats, fused_logit_stats, logit_stats
 
     vocab, hidden_size = SHAPES[shape]["vocab_size"], SHAPES[shape]["hidden_size"]
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(rows, hidden_size, generator=g).to(device).requires_grad_(True)
+    hidden = torch.randn(rows * chunks, hidden_size, generator=g).to(device).requires_grad_(True)
     weight = (0.02 * torch.randn(vocab, hidden_size, generator=g)).to(device).requires_grad_(True)
-    labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
-    compiled = _compiled_chunk_stats()  # as actor.compile_head runs it
+    labels = torch.randint(0, vocab, (rows * chunks,), generator=g).to(device)
+    spans = [(s, s + rows) for s in range(0, rows * chunks, rows)]
+
+    def stats_of(h, w, y):
+        return logit_stats(torch.nn.functional.linear(h, w), y)
+
+    compiled_stats_of = torch.compile(lambda h, w, y: fused_logit_stats(torch.nn.functional.linear(h, w), y),
+                                      dynamic=True)
+
+    def per_chunk(fn):
+        return lambda: torch.cat([checkpoint(fn, hidden[s:e], weight, labels[s:e], use_reentrant=False)
+                                  if chunks > 1 else fn(hidden[s:e], weight, labels[s:e]) for s, e in spans])
 
     def backward_of(fn):
         def run():
@@ -122,14 +139,27 @@ def head_alone(shape: str, rows: int, device: torch.device, dtype: torch.dtype, 
             out.float().sum().backward()
         return run
 
-    cases = {"eager": backward_of(lambda: _chunk_stats(hidden, weight, None, labels)),
-             "compiled": backward_of(lambda: compiled(hidden, weight, None, labels)),
-             "matrix product alone": backward_of(lambda: torch.nn.functional.linear(hidden, weight))}
+    cases = {"per-chunk F.linear": backward_of(per_chunk(stats_of)),
+             "per-chunk, compiled": backward_of(per_chunk(compiled_stats_of)),
+             "chunked head, eager": backward_of(lambda: chunked_head_stats(hidden, weight, None, labels, rows)),
+             "chunked head, compiled": backward_of(lambda: chunked_head_stats(hidden, weight, None, labels, rows,
+                                                                              compiled=True)),
+             "matrix products alone": backward_of(
+                 lambda: torch.cat([torch.nn.functional.linear(hidden[s:e], weight) for s, e in spans]))}
     times = {name: measure(fn, device, repeats)[0] for name, fn in cases.items()}
-    base = times["matrix product alone"]
-    print(f"one chunk of the head: {rows} rows x {vocab} ids, hidden {hidden_size}, forward + backward, {device}")
+    base, before = times["matrix products alone"], times["per-chunk F.linear"]
+    print(f"the head: {chunks} chunk(s) of {rows} rows x {vocab} ids, hidden {hidden_size}, forward + backward, "
+          f"{device}, compute {dtype}, fp32 weight")
     for name, t in times.items():
-        print(f"  {name:<22} {t:8.4f} s   beyond the matrix product: {t - base:8.4f} s")
+        print(f"  {name:<24} {t:8.4f} s   {t / before:5.2f}x per-chunk F.linear   beyond the products: "
+              f"{t - base:8.4f} s")
+    # What each way writes at the weight's size (casts, gradients, their sums), eagerly: the
+    # memory traffic that the matrix products' own output does not explain.
+    for name in ("per-chunk F.linear", "chunked head, eager"):
+        writes = writes_of_size(cases[name], weight.numel())
+        total = sum(size for _, size in writes.values())
+        print(f"  weight-sized writes, {name}: {total / 2**20:.0f} MiB ("
+              + ", ".join(f"{op} {n}x" for op, (n, _) in sorted(writes.items())) + ")")
 
 
 def main() -> None:
@@ -143,13 +173,15 @@ def main() -> None:
     ap.add_argument("--ragged", action="store_true", help="responses that end at different lengths")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--head-rows", type=int, default=0,
-                    help="time one chunk of this many rows of the head alone (eager, compiled) and stop")
+                    help="time chunks of this many rows of the head alone (eager, compiled) and stop")
+    ap.add_argument("--head-chunks", type=int, default=1, help="chunks of --head-rows rows (default: 1)")
+    ap.add_argument("--bf16", action="store_true", help="compute in bf16 under autocast on the CPU too")
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # model.dtype=auto
+    dtype = torch.bfloat16 if device.type == "cuda" or args.bf16 else torch.float32  # model.dtype=auto
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")) if device.type == "cpu" else torch.get_num_threads())
     if args.head_rows:
-        head_alone(args.shape, args.head_rows, device, dtype, args.repeats)
+        head_alone(args.shape, args.head_rows, args.head_chunks, device, dtype, args.repeats)
         return
     data = batch(SHAPES[args.shape]["vocab_size"], args.batch, args.prompt, args.response, device, args.ragged)
     real = data["attention_mask"].cpu()

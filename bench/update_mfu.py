@@ -187,7 +187,7 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
                       if k in last["result"]}
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     out["lengths"] = batch["attention_mask"].sum(-1).tolist()
-    from resilient_rl.workers.logprob import HEAD_FAILURE
+    from resilient_rl.workers.chunked_head import HEAD_FAILURE
 
     out["head"] = "eager" if not engine.compile_head else \
         "compiled" if HEAD_FAILURE["reason"] is None else f"eager after a compiler failure: {HEAD_FAILURE['reason']}"

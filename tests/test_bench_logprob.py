@@ -27,11 +27,17 @@ def test_logprob_bench_runs_on_cpu_and_reports_equal_log_probs():
 
 
 @pytest.mark.slow  # a fresh interpreter that compiles
-def test_the_head_alone_is_timed_eager_compiled_and_as_its_matrix_product():
+def test_the_head_alone_is_timed_eager_compiled_per_chunk_and_as_its_matrix_products():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "logprob.py"), "--head-rows", "16", "--repeats", "1"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "logprob.py"), "--head-rows", "16", "--head-chunks",
+                           "3", "--bf16", "--repeats", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "one chunk of the head: 16 rows x 4096 ids, hidden 64, forward + backward, cpu"
-    assert [line.split("  ")[1].strip() for line in lines[1:]] == ["eager", "compiled", "matrix product alone"]
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("W")]  # the compiler's warnings
+    assert lines[0] == ("the head: 3 chunk(s) of 16 rows x 4096 ids, hidden 64, forward + backward, cpu, "
+                        "compute torch.bfloat16, fp32 weight")
+    assert [line.split("  ")[1].strip() for line in lines[1:6]] == [
+        "per-chunk F.linear", "per-chunk, compiled", "chunked head, eager", "chunked head, compiled",
+        "matrix products alone"]
+    # The weight's casts: one per chunk of the backward before, one a pass now.
+    assert lines[6].startswith("  weight-sized writes, per-chunk F.linear: ") and "_to_copy 2x" not in lines[6]
+    assert lines[7].startswith("  weight-sized writes, chunked head, eager: ") and "_to_copy 2x" in lines[7]

@@ -155,11 +155,12 @@ def test_the_head_compiles_on_a_gpu_by_default_and_as_set_anywhere():
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_the_compiled_head_gives_the_eager_values_and_gradients_compiling_once_per_grad_mode(pack):
+def test_the_compiled_head_gives_the_eager_values_and_gradients_compiling_two_graphs(pack):
     """The compiled reductions (actor.compile_head) equal the eager ones within float rounding, in
     the no-grad pass and in the update's forward and backward (chunks recomputed in the backward),
-    and compile one graph for each: the chunks' rows are a symbol, so neither the uneven last chunk
-    nor a batch of other lengths compiles again, and nothing breaks the graph."""
+    and compile one graph for the statistics and one for their gradient: the chunks' rows are a
+    symbol, so neither the uneven last chunk nor a batch of other lengths compiles again, and
+    nothing breaks the graph."""
     from torch._dynamo.utils import counters
 
     model = _models()["qwen2"]
@@ -184,7 +185,7 @@ def test_the_compiled_head_gives_the_eager_values_and_gradients_compiling_once_p
         assert want.keys() == got.keys() and want
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # no-grad; forward + backward
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # statistics; their gradient
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
@@ -213,7 +214,7 @@ def test_the_policy_engine_runs_its_passes_through_the_compiled_head_when_set():
     data.batch["old_log_probs"], data.batch["advantages"] = logp, torch.randn(4, R)
     data.meta_info["seed"] = 0
     assert torch.isfinite(torch.tensor(actor.update(data, step=1)["actor/grad_norm"]))
-    assert counters["stats"]["unique_graphs"] == 2  # the update's forward and backward
+    assert counters["stats"]["unique_graphs"] == 2  # the update's gradient; its forward is the no-grad graph
 
 
 def test_a_compiler_failure_leaves_the_head_eager_with_one_warning_and_a_metric(monkeypatch, caplog):
@@ -221,7 +222,7 @@ def test_a_compiler_failure_leaves_the_head_eager_with_one_warning_and_a_metric(
     computes the chunk eagerly from then on, warns once, and the update reports perf/head_eager."""
     from resilient_rl.config.schema import load_config
     from resilient_rl.protocol import DataProto
-    from resilient_rl.workers import logprob
+    from resilient_rl.workers import chunked_head
     from resilient_rl.workers.fsdp import plan_device
     from resilient_rl.workers.policy import PolicyEngine
 
@@ -231,15 +232,15 @@ def test_a_compiler_failure_leaves_the_head_eager_with_one_warning_and_a_metric(
         calls.append(1)
         raise torch._dynamo.exc.InternalTorchDynamoError("inductor: no kernel for this device")
 
-    monkeypatch.setitem(logprob.HEAD_FAILURE, "reason", None)
-    monkeypatch.setattr(logprob, "_compiled_chunk_stats", lambda: failing)
+    monkeypatch.setitem(chunked_head.HEAD_FAILURE, "reason", None)
+    monkeypatch.setattr(chunked_head, "_compiled", lambda fn: failing)
     cfg = load_config(None, ["actor.compile_head=true", "actor.ppo_epochs=1", "actor.mini_batch_size=4",
                              "model.hidden_size=16", "model.num_layers=1", "model.num_heads=2",
                              "model.intermediate_size=32"])
     actor = PolicyEngine(cfg.model, 50, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
     data = DataProto.from_dict({**{k: v[:4] for k, v in _batch(50).items()}, "response_mask": torch.ones(4, R)})
     eager = PolicyEngine(cfg.model, 50, 0, plan_device("cpu"), trainable=False).compute_log_prob(data)
-    with caplog.at_level("WARNING", logger="resilient_rl.workers.logprob"):
+    with caplog.at_level("WARNING", logger="resilient_rl.workers.chunked_head"):
         got = actor.compute_log_prob(data)
         data.batch["old_log_probs"], data.batch["advantages"] = got.batch["log_probs"], torch.randn(4, R)
         data.meta_info["seed"] = 0
@@ -251,26 +252,28 @@ def test_a_compiler_failure_leaves_the_head_eager_with_one_warning_and_a_metric(
 
 
 def test_out_of_memory_in_the_compiled_head_is_raised_not_taken_for_a_compiler_failure(monkeypatch):
-    from resilient_rl.workers import logprob
+    from resilient_rl.workers import chunked_head
 
     def oom(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setitem(logprob.HEAD_FAILURE, "reason", None)
-    monkeypatch.setattr(logprob, "_compiled_chunk_stats", lambda: oom)
+    monkeypatch.setitem(chunked_head.HEAD_FAILURE, "reason", None)
+    monkeypatch.setattr(chunked_head, "_compiled", lambda fn: oom)
     with pytest.raises(torch.OutOfMemoryError):
-        logprob._compiled_or_eager(torch.zeros(2, 4), torch.zeros(3, 4), None, torch.zeros(2, dtype=torch.long))
-    assert logprob.HEAD_FAILURE["reason"] is None
+        chunked_head._run(chunked_head.fused_logit_stats, chunked_head.logit_stats, True, torch.zeros(2, 3),
+                          torch.zeros(2, dtype=torch.long))
+    assert chunked_head.HEAD_FAILURE["reason"] is None
 
 
 def test_the_compiled_heads_gradient_is_elementwise_with_no_scatter():
-    """The graphs the compiler gets (AOT autograd's forward and backward): the chosen logit is a
-    masked sum, so its gradient fuses with the softmax's; a gather's would scatter into a zeroed
-    [rows, vocab] tensor (atomic adds on a GPU). The chosen log-prob equals the gather's exactly."""
+    """The graphs the compiler gets: the chosen logit is a masked sum and its gradient a masked
+    term, so both fuse with the softmax's passes; a gather's gradient would scatter into a zeroed
+    [rows, vocab] tensor (atomic adds on a GPU). The chosen log-prob equals the gather's exactly,
+    and the closed-form gradient equals autograd's through the reference arithmetic."""
     from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
 
-    from resilient_rl.workers.logprob import _chunk_stats, _fused_chunk_stats
+    from resilient_rl.workers.chunked_head import fused_logit_stats, logit_grad, logit_stats
 
     graphs = []
 
@@ -278,19 +281,61 @@ def test_the_compiled_heads_gradient_is_elementwise_with_no_scatter():
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    compiled = torch.compile(_fused_chunk_stats, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
-                             dynamic=True)
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(6, 8, generator=g, requires_grad=True)
-    weight = torch.randn(20, 8, generator=g, requires_grad=True)
+    logits = torch.randn(6, 20, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 20, (6,), generator=g)
-    out = compiled(hidden, weight, None, labels)
-    out.sum().backward()
-    assert len(graphs) == 2  # forward, backward
+    upstream = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    stats = torch.compile(fused_logit_stats, backend=backend, dynamic=True)(logits, labels)
+    grad = torch.compile(logit_grad, backend=backend, dynamic=True)(logits, labels, upstream)
+    assert len(graphs) == 2  # the statistics, the gradient: neither has a backward graph
     ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert not [op for op in ops if "scatter" in op or "gather" in op or "index" in op], ops
-    with torch.no_grad():
-        logits = torch.nn.functional.linear(hidden, weight)
-        z = logits - logits.amax(-1, keepdim=True)
-        assert torch.equal(out[:, 0].detach(), z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
-        torch.testing.assert_close(out.detach(), _chunk_stats(hidden, weight, None, labels))
+    z = logits - logits.amax(-1, keepdim=True)
+    assert torch.equal(stats[:, 0], z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
+    leaf = logits.clone().requires_grad_(True)
+    want, = torch.autograd.grad(logit_stats(leaf, labels), leaf, upstream)
+    torch.testing.assert_close(stats, logit_stats(logits, labels))
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunks", [3, 40])
+def test_mixed_precision_casts_the_head_weight_once_a_pass_and_sums_its_gradient_in_fp32(chunks):
+    """Under bf16 autocast with the fp32 weight of a replica, the update's head casts the weight to
+    bf16 once in its forward and once in its backward, however many chunks; the chunks' weight
+    gradients are summed into one fp32 tensor, which autograd receives once (no bf16 gradient, no
+    fp32 copy of one per chunk). The statistics equal autocast's per-chunk F.linear's exactly; the
+    gradients are within bf16 rounding of an fp64 computation, and over many chunks the weight's
+    is closer to it than the sum of per-chunk bf16 gradients that autocast's F.linear gives."""
+    from resilient_rl.testing.op_writes import writes_of_size
+    from resilient_rl.workers.chunked_head import chunked_head_stats, logit_stats
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, width = 4, 64, 16
+    hidden = torch.randn(rows * chunks - 1, width, generator=g, requires_grad=True)
+    weight = (0.3 * torch.randn(vocab, width, generator=g)).requires_grad_(True)
+    labels = torch.randint(0, vocab, (hidden.shape[0],), generator=g)
+    upstream = torch.randn(hidden.shape[0], 2, generator=g)
+
+    def grads(fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn()
+        out.backward(upstream)
+        return out.detach(), [hidden.grad, weight.grad]
+
+    ops = writes_of_size(lambda: grads(lambda: chunked_head_stats(hidden, weight, None, labels, rows)),
+                         weight.numel())
+    assert ops["_to_copy"][0] == 2, ops  # one bf16 copy in the forward, one in the backward
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    stats, got = grads(lambda: chunked_head_stats(hidden, weight, None, labels, rows))
+    per_chunk, old = grads(lambda: torch.cat([
+        logit_stats(torch.nn.functional.linear(hidden[s:s + rows], weight), labels[s:s + rows])
+        for s in range(0, hidden.shape[0], rows)]))
+    assert torch.equal(stats, per_chunk)
+    exact = [hidden.detach().bfloat16().double().requires_grad_(), weight.detach().bfloat16().double().requires_grad_()]
+    logit_stats(exact[0] @ exact[1].t(), labels).backward(upstream.double())
+    errors = [[(x.double() - t.grad).abs().max() / t.grad.abs().max() for x, t in zip(xs, exact)] for xs in (got, old)]
+    assert max(errors[0]) < 0.02, errors
+    if chunks == 40:
+        assert errors[0][1] < errors[1][1], errors  # the weight's: one fp32 sum against 40 bf16 terms

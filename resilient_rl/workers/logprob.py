@@ -9,17 +9,19 @@ own forward with its output layer replaced, for that call, by a head that
   positions never reach the vocabulary projection;
 - projects them ``_CHUNK_ELEMENTS`` logits at a time and reduces each chunk at once to the
   chosen token's log-prob and the entropy (fp32), so at most one chunk of logits exists;
-- with gradients enabled and more than one chunk, recomputes each chunk's logits in the backward
-  pass (``torch.utils.checkpoint``) instead of keeping them: the autograd graph holds the hidden
-  states, not the logits (one extra projection of the response positions in the backward pass).
+- with gradients, recomputes each chunk's logits in the backward pass instead of keeping them:
+  the autograd graph holds the hidden states, not the logits (one extra projection of the
+  response positions in the backward pass), and the chunks' weight gradients are summed in fp32
+  in one buffer, the weight cast to the compute dtype once per pass
+  (:mod:`resilient_rl.workers.chunked_head`).
 
-With ``compile_head`` (``actor.compile_head``; null: on a GPU) a chunk's reductions run compiled
-(:func:`_fused_chunk_stats`): eagerly each reduction and each elementwise step of the log-prob and
+With ``compile_head`` (``actor.compile_head``; null: on a GPU) a chunk's reductions and their
+gradient run compiled: eagerly each reduction and each elementwise step of the log-prob and
 the entropy reads and writes the chunk's fp32 logits once more, forward and backward, and these
 passes over the vocabulary can cost more device time than the head's matrix product; inductor fuses
-them into a few kernels that read the logits once or twice. A process compiles two graphs, one
-for the no-grad passes and one for the update's forward with its backward (the chunk's rows are a
-symbol), and the values equal the eager ones within float rounding.
+them into a few kernels that read the logits once or twice. A process compiles two graphs, the
+statistics and their gradient (the chunk's rows are a symbol), and the values equal the eager
+ones within float rounding.
 
 The forward still goes through ``model(...)``, so FSDP2's hooks gather and free parameters as
 usual and the head computes inside the unsharded window. Per row the arithmetic is the one of
@@ -28,10 +30,10 @@ usual and the head computes inside the unsharded window. Per row the arithmetic 
 product runs on a chunk's rows instead of all of them, and the BLAS library may block a product
 of another shape differently, so the results equal the full-logits path's within float rounding
 (often bit for bit; tests/test_chunked_logprob.py checks 1e-6), and a run with the same chunk
-size is bit-reproducible with itself. Gradients
-are the same terms summed in another order (the full path's head gradient also sums the zero rows
-of the prompt positions), equal within float rounding (rtol 1e-5): weights after an update differ
-from the full path's in the last bits, and a run stays bit-reproducible with itself.
+size is bit-reproducible with itself. Gradients are the same terms, the logits' in closed form
+and summed in another order (the full path's head gradient also sums the zero rows of the prompt
+positions), equal within float rounding (rtol 1e-5): weights after an update differ from the full
+path's in the last bits, and a run stays bit-reproducible with itself.
 Models that post-process logits after the head (Gemma's final soft-capping, Cohere's logit
 scale) take the full-logits path.
 """
@@ -39,21 +41,16 @@ scale) take the full-logits path.
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
 from resilient_rl.errors import ModelInputError
+from resilient_rl.workers.chunked_head import chunked_head_stats
 
 __all__ = ["compiles_head", "full_response_logprobs", "packed_inputs", "response_logprobs", "supports_chunked_head"]
-
-log = logging.getLogger(__name__)
 
 #: Logits of one chunk: 2^26 fp32 values (256 MiB), e.g. 443 tokens of a 151 k vocabulary.
 _CHUNK_ELEMENTS = 1 << 26
@@ -71,56 +68,6 @@ def supports_chunked_head(model: nn.Module) -> bool:
     return not any(getattr(config, name, None) not in (None, 1, 1.0) for name in _POST_HEAD)
 
 
-def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 labels: torch.Tensor) -> torch.Tensor:
-    """``[n, 2]``: log-prob of ``labels`` and entropy, from ``hidden`` ``[n, H]``."""
-    logits = F.linear(hidden, weight, bias)
-    return torch.stack([logprobs_from_logits(logits, labels), entropy_from_logits(logits)], dim=-1)
-
-
-def _fused_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       labels: torch.Tensor) -> torch.Tensor:
-    """:func:`_chunk_stats` as one expression over the chunk's logits, for the compiler: no Python
-    loop over its rows (a symbol), log-prob and entropy from the same shifted logits.
-
-    The chosen logit is a masked sum, not a gather: its gradient is then one more term of the
-    elementwise gradient the compiler fuses, where a gather's is a scatter into a zeroed
-    ``[rows, vocab]`` tensor (one more pass over it, by atomic adds on a GPU). The sum adds zeros
-    to the one chosen value, so it equals the gather exactly."""
-    logits = F.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    # The row maximum is a constant of both (detached: their gradients stay exact).
-    z = logits - logits.amax(dim=-1, keepdim=True).detach()
-    lse = torch.logsumexp(z, dim=-1)
-    ids = torch.arange(z.shape[-1], device=z.device)
-    picked = torch.where(ids == labels[:, None], z, 0.0).sum(dim=-1)
-    return torch.stack([picked - lse, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)], dim=-1)
-
-
-@functools.cache
-def _compiled_chunk_stats():
-    return torch.compile(_fused_chunk_stats, dynamic=True)
-
-
-#: Why this process's head stopped compiling (None while it compiles): see :func:`_compiled_or_eager`.
-HEAD_FAILURE: dict[str, str | None] = {"reason": None}
-
-
-def _compiled_or_eager(*args) -> torch.Tensor:
-    """A chunk's statistics, compiled; after a compiler failure (the backward is compiled with the
-    forward, at the first call) eagerly, for the rest of the process, with one warning: the eager
-    values are as correct. Only the compiler's own errors are caught: an out-of-memory error, and
-    the exception with which a checkpoint's recomputation stops early, pass through."""
-    if HEAD_FAILURE["reason"] is None:
-        try:
-            return _compiled_chunk_stats()(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # inductor's and Triton's errors too
-            HEAD_FAILURE["reason"] = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("the log-prob head's compiled reductions failed (%s); this process computes them "
-                        "eagerly from now on (actor.compile_head=false skips the compile)", HEAD_FAILURE["reason"])
-    return _chunk_stats(*args)
-
-
 def compiles_head(compile_head: bool | None, device: torch.device | str) -> bool:
     """Whether the chunked head's reductions run compiled: ``compile_head``
     (``actor.compile_head``), or, when None, on CUDA."""
@@ -131,8 +78,8 @@ def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
                   chunk_elements: int, sources: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
     """``[B, R, 2]`` log-probs and entropies of ``labels`` ``[B, R]`` from the last positions of
     ``hidden`` ``[B, T, H]``; with ``sources`` (packed rows), from the flat token ``sources[b, r]``
-    of ``hidden``, or zeros where it is -1 (a response token after the end). ``compiled``: each
-    chunk's statistics by :func:`_compiled_or_eager`."""
+    of ``hidden``, or zeros where it is -1 (a response token after the end). ``compiled``: the
+    chunks' reductions compiled (:func:`~resilient_rl.workers.chunked_head.chunked_head_stats`)."""
     if sources is not None:
         valid = sources >= 0
         flat = hidden.reshape(-1, hidden.shape[-1])[sources[valid]]
@@ -144,23 +91,8 @@ def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
     resp_len = labels.shape[1]
     # A packed row's hidden states arrive already gathered: one position per label.
     h = hidden[:, -resp_len - 1:-1] if hidden.shape[1] > resp_len else hidden
-    flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     rows = max(1, chunk_elements // head.out_features)
-    # One chunk holds all the logits: keeping them costs no more than the chunk budget, and
-    # recomputing them would add a projection to the backward pass for nothing.
-    recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.weight.requires_grad) \
-        and flat_h.shape[0] > rows
-    stats = _compiled_or_eager if compiled else _chunk_stats
-    weight, bias = head.weight, head.bias
-    if compiled and not torch.is_grad_enabled():
-        # The compiled code guards on requires_grad even without gradients: the actor's and the
-        # ref's no-grad passes share one graph when neither passes a weight that requires them.
-        weight, bias = weight.detach(), None if bias is None else bias.detach()
-    parts = []
-    for start in range(0, flat_h.shape[0], rows):
-        args = (flat_h[start:start + rows], weight, bias, flat_labels[start:start + rows])
-        parts.append(checkpoint(stats, *args, use_reentrant=False) if recompute else stats(*args))
-    out = torch.cat(parts) if parts else flat_h.new_zeros((0, 2), dtype=torch.float32)
+    out = chunked_head_stats(h.reshape(-1, h.shape[-1]), head.weight, head.bias, labels.reshape(-1), rows, compiled)
     # A tensor of its own, not a view of ``out``: it is the model's output, on which FSDP2 hooks
     # its backward (and warns about a view, where an in-place op would lose that hook).
     return out.reshape(*labels.shape, 2).clone()

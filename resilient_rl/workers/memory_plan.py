@@ -22,9 +22,11 @@ For Qwen2.5 shapes under bf16 autocast (r=4, c=2, K/V expanded) that is 30 h + 8
 117,808 bytes (115.0 KiB); under FSDP2's bf16 parameters (r=2) 26 h + 8 i + 4 heads. With
 activation checkpointing a layer keeps only its input (``r h``) and one layer's activations exist
 again during its recomputation. Per token, outside the layers: the embedding output and the final
-norm. Logits: the chunked head (:mod:`resilient_rl.workers.logprob`) holds one chunk of
-``CHUNK_ELEMENTS`` logits at a time (bf16 logits, their fp32 copy, log-softmax, softmax):
-a fixed term; a model that needs full logits keeps ``vocab x (c + 12)`` bytes per token.
+norm. Logits: the chunked head (:mod:`resilient_rl.workers.chunked_head`) holds one chunk of
+``CHUNK_ELEMENTS`` logits at a time (the compute-dtype logits and, eagerly, three fp32 tensors
+of the statistics or of their gradient) and, in the backward pass, the fp32 sum of its weight's
+gradient (``4 vocab h``): fixed terms; a model that needs full logits keeps ``vocab x (c + 12)``
+bytes per token.
 
 Besides activations, a rank holds its share of the training state (fp32 master weights,
 fp32 gradients, AdamW's two fp32 moments: 16 bytes per parameter, over the FSDP shard group, all
@@ -171,7 +173,7 @@ class MemoryPlan:
         chosen = "null (one forward per mini-batch)" if self.tokens is None else f"{self.tokens} tokens"
         text = (f"{self.role} micro_batch_tokens=auto -> {chosen} ({self.device_bytes / GIB:.1f} GiB {self.device}, "
                 f"{self.state_bytes / GIB:.2f} GiB states, {self.weight_bytes / GIB:.2f} GiB working weights, "
-                f"{self.other_bytes / GIB:.2f} GiB other roles, {self.logit_bytes / GIB:.2f} GiB logits, "
+                f"{self.other_bytes / GIB:.2f} GiB other roles, {self.logit_bytes / GIB:.2f} GiB log-prob head, "
                 f"{self.layer_token_bytes / 1000:.1f} KB/token/layer"
                 f"{' (checkpointed)' if self.checkpointing else ''}, {self.token_bytes / 1e6:.2f} MB/token, "
                 f"mini-batch {self.mini_batch_tokens} tokens; peak {self.peak_bytes / GIB:.1f} GiB of a "
@@ -226,7 +228,8 @@ def plan(shape: ModelShape, *, role: str, device_bytes: int, device: str, prec: 
     mb_tokens = mini_batch_rows * seq_len
     if not shape.value_head:
         if chunked_logits:  # one chunk at a time, no larger than the mini-batch's logits
-            logits = min(CHUNK_ELEMENTS, mb_tokens * shape.vocab) * (c + 4 * LOGIT_FP32_COPIES)
+            logits = min(CHUNK_ELEMENTS, mb_tokens * shape.vocab) * (c + 4 * LOGIT_FP32_COPIES) \
+                + 4 * shape.vocab * shape.hidden
         else:
             token_bytes += shape.vocab * (c + 4 * LOGIT_FP32_COPIES)
     fixed = states + other_bytes + weights + logits

@@ -17,7 +17,8 @@ from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
-from resilient_rl.workers.logprob import HEAD_FAILURE, compiles_head, response_logprobs
+from resilient_rl.workers.chunked_head import HEAD_FAILURE
+from resilient_rl.workers.logprob import compiles_head, response_logprobs
 from resilient_rl.workers.rank_state import RankState
 from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, build_optimizer, build_scheduler, wrap_model
 from resilient_rl.workers.update_loop import run_epochs
