@@ -14,9 +14,10 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
   a torch whose ``varlen_attn`` takes the causal mask as ``window_size`` (2.11 and newer); it has
   no attention dropout (a call with dropout takes ``"split"``). Grouped key/value heads go to the
   kernel as they are where it takes ``enable_gqa``, else (torch 2.11) repeated to the query heads
-  first, one copy of the keys and values, where ``"split"`` costs one kernel per sequence (on an
-  H200, 96 sequences of 128-512 tokens took 15.36 ms forward and backward split, against 1.86 ms
-  through this kernel with the heads repeated: the table below). Where the kernel raises
+  in the copy that lays the tokens out for the kernel, where ``"split"`` costs one kernel per
+  sequence (on an H200, 96 sequences of 128-512 tokens took 15.36 ms forward and backward split,
+  against 1.86 ms through this kernel with the heads repeated, then in a copy of their own: the
+  table below). Where the kernel raises
   (a shape or device it does not take), the process logs why once and takes ``"split"`` from then.
 - ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
@@ -250,10 +251,15 @@ def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
     return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
 
 
-def _token_major(x: torch.Tensor) -> torch.Tensor:
-    """``[B, h, T, D]`` -> ``[B*T, h, D]``: the layout of the varlen kernels."""
+def _token_major(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """``[B, h, T, D]`` -> ``[B*T, h * repeat, D]``: the layout of the varlen kernels, each head
+    ``repeat`` times in a row (head ``i`` of the result is head ``i // repeat`` of ``x``, as the
+    models' ``repeat_kv`` lays grouped key/value heads out), in the one copy the layout makes."""
     batch, heads, seq, dim = x.shape
-    return x.transpose(1, 2).reshape(batch * seq, heads, dim)
+    x = x.transpose(1, 2)
+    if repeat > 1:
+        x = x[:, :, :, None, :].expand(batch, seq, heads, repeat, dim)
+    return x.reshape(batch * seq, heads * repeat, dim)
 
 
 def _head_major(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -281,14 +287,14 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
 def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None) -> torch.Tensor:
     cu, longest = _cu_seqlens(layout, q.device)
     kernel = _torch_varlen_func()
-    grouped = {}
+    grouped, repeat = {}, 1
     if q.shape[1] != k.shape[1]:
         if _takes_gqa(kernel):
             grouped = {"enable_gqa": True}
-        else:  # query head i reads key/value head i // groups, as the models' repeat_kv lays them out
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        else:  # query head i reads key/value head i // repeat
+            repeat = q.shape[1] // k.shape[1]
     # (-1, 0) is causal; (w, 0) a causal window of w keys before the query, as flash-attn counts it.
-    out = kernel(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest,
+    out = kernel(_token_major(q), _token_major(k, repeat), _token_major(v, repeat), cu, cu, longest, longest,
                  scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
     return _head_major(out, q)
 
