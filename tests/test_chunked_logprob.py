@@ -269,11 +269,12 @@ def test_the_compiled_heads_gradient_is_elementwise_with_no_scatter():
     """The graphs the compiler gets: the chosen logit is a masked sum and its gradient a masked
     term, so both fuse with the softmax's passes; a gather's gradient would scatter into a zeroed
     [rows, vocab] tensor (atomic adds on a GPU). The chosen log-prob equals the gather's exactly,
-    and the closed-form gradient equals autograd's through the reference arithmetic."""
+    and the closed-form gradient (one pass over the logits, given the forward's values) equals
+    autograd's through the reference arithmetic."""
     from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
 
-    from resilient_rl.workers.chunked_head import fused_logit_stats, logit_grad, logit_stats
+    from resilient_rl.workers.chunked_head import _row_terms, fused_logit_stats, logit_grad, logit_stats
 
     graphs = []
 
@@ -287,10 +288,13 @@ def test_the_compiled_heads_gradient_is_elementwise_with_no_scatter():
     labels = torch.randint(0, 20, (6,), generator=g)
     upstream = torch.randn(6, 2, generator=g, dtype=torch.float64)
     stats = torch.compile(fused_logit_stats, backend=backend, dynamic=True)(logits, labels)
-    grad = torch.compile(logit_grad, backend=backend, dynamic=True)(logits, labels, upstream)
+    grad = torch.compile(logit_grad, backend=backend, dynamic=True)(logits, labels, upstream,
+                                                                     *_row_terms(logits, labels, stats))
     assert len(graphs) == 2  # the statistics, the gradient: neither has a backward graph
     ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert not [op for op in ops if "scatter" in op or "gather" in op or "index" in op], ops
+    # The gradient is one pass over the logits: no reduction along the vocabulary.
+    assert not [op for op in (str(n.target) for n in graphs[1].graph.nodes) if "sum" in op or "max" in op], ops
     z = logits - logits.amax(-1, keepdim=True)
     assert torch.equal(stats[:, 0], z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
     leaf = logits.clone().requires_grad_(True)
@@ -325,7 +329,7 @@ def test_mixed_precision_casts_the_head_weight_once_a_pass_and_sums_its_gradient
         return out.detach(), [hidden.grad, weight.grad]
 
     ops = writes_of_size(lambda: grads(lambda: chunked_head_stats(hidden, weight, None, labels, rows)),
-                         weight.numel())
+                         weight.numel(), torch.bfloat16)
     assert ops["_to_copy"][0] == 2, ops  # one bf16 copy in the forward, one in the backward
     assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
     stats, got = grads(lambda: chunked_head_stats(hidden, weight, None, labels, rows))

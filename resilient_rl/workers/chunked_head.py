@@ -3,9 +3,11 @@
 
 :func:`chunked_head_stats` projects each chunk and reduces it at once to ``[rows, 2]`` (fp32). With
 gradients it is one autograd function over all chunks (:class:`_ChunkedHead`): its forward keeps
-no logits, and its backward recomputes each chunk's logits, takes their gradient in closed form
-(:func:`logit_grad`) and from it the chunk's share of the hidden states' gradient and of the
-weight's. In mixed precision:
+no logits (but where one chunk holds them all), and its backward recomputes each chunk's logits,
+takes their gradient in closed form (:func:`logit_grad`: one pass over the logits, the rows'
+log-sum-exp and mean logit recovered from the forward's log-prob and entropy and the chosen logit)
+and from it the chunk's share of the hidden states' gradient and of the weight's. In mixed
+precision:
 
 - the weight is cast to the compute dtype (autocast's, else its own) once per forward and once per
   backward, not once per chunk: under autocast, a per-chunk ``F.linear`` with its own recomputation
@@ -20,8 +22,9 @@ weight's. In mixed precision:
 - the hidden states' gradient is written chunk by chunk into one tensor of their dtype.
 
 The closed form, with ``p = softmax(z)`` and ``E[z] = sum(p * z)`` over the vocabulary:
-``d log p[y] / dz = onehot(y) - p`` and ``d entropy / dz = -p * (z - E[z])``. The values equal
-autograd's through :func:`logit_stats` within float rounding (tests/test_chunked_logprob.py).
+``d log p[y] / dz = onehot(y) - p`` and ``d entropy / dz = -p * (z - E[z])``; the forward gave
+``log p[y] = z[y] - lse`` and ``entropy = lse - E[z]``. The values equal autograd's through
+:func:`logit_stats` within float rounding (tests/test_chunked_logprob.py).
 
 With ``compiled`` (``actor.compile_head``; see :mod:`resilient_rl.workers.logprob`) the statistics
 (:func:`fused_logit_stats`) and the gradient run compiled: each is one expression over the chunk's
@@ -65,21 +68,31 @@ def fused_logit_stats(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     lse = torch.logsumexp(z, dim=-1)
     ids = torch.arange(z.shape[-1], device=z.device)
     picked = torch.where(ids == labels[:, None], z, 0.0).sum(dim=-1)
-    return torch.stack([picked - lse, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)], dim=-1)
+    # The softmax's mean of z, with the softmax computed where it is read: nothing vocabulary-wide is written.
+    return torch.stack([picked - lse, lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1)], dim=-1)
 
 
-def logit_grad(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def logit_grad(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
+               mean: torch.Tensor) -> torch.Tensor:
     """The gradient of :func:`logit_stats` with respect to ``logits`` ``[n, V]``, given ``grad``
-    ``[n, 2]`` (of the log-prob and of the entropy), in ``logits``' dtype, computed in fp32 (at
-    least): ``g_lp * (onehot - p) - g_ent * p * (z - E[z])``."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    z = z - z.amax(dim=-1, keepdim=True)
-    p = torch.exp(z - torch.logsumexp(z, dim=-1, keepdim=True))
-    mean_z = (p * z).sum(dim=-1, keepdim=True)
-    g = grad.to(z.dtype)
+    ``[n, 2]`` (of the log-prob and of the entropy) and the rows' ``lse`` (log-sum-exp of the
+    logits) and ``mean`` (the mean logit under the softmax), in ``logits``' dtype, computed in fp32
+    (at least): ``g_lp * (onehot - p) - g_ent * p * (logits - mean)``, ``p = exp(logits - lse)``.
+    One pass over the logits: the rows' reductions come from the forward's values (:func:`_row_terms`)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    p = torch.exp(x - lse[:, None])
+    g = grad.to(x.dtype)
     g_lp, g_ent = g[:, :1], g[:, 1:]
-    ids = torch.arange(z.shape[-1], device=z.device)
-    return (torch.where(ids == labels[:, None], g_lp, 0.0) - p * (g_lp + g_ent * (z - mean_z))).to(logits.dtype)
+    ids = torch.arange(x.shape[-1], device=x.device)
+    return (torch.where(ids == labels[:, None], g_lp, 0.0) - p * (g_lp + g_ent * (x - mean[:, None]))).to(logits.dtype)
+
+
+def _row_terms(logits: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lse`` and ``mean`` of :func:`logit_grad` from the forward's ``stats`` (log-prob, entropy)
+    and the chosen logits: ``log p[y] = logit[y] - lse`` and ``entropy = lse - mean``."""
+    picked = logits.gather(-1, labels[:, None]).squeeze(-1).to(stats.dtype)
+    lse = picked - stats[:, 0]
+    return lse, lse - stats[:, 1]
 
 
 @functools.cache
@@ -109,21 +122,26 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``acc + dlogits.T @ hidden`` into the fp32 (or wider) ``acc``. Where the inputs are narrower,
-    ``addmm`` with ``out_dtype`` adds the product in fp32 in its epilogue (CUDA has it); where that
-    fails (the CPU, or a torch without it), once per process, the product is added to ``acc`` after it."""
-    if dlogits.dtype == acc.dtype:
-        return acc.addmm_(dlogits.t(), hidden)
+def _accumulate(acc: torch.Tensor | None, dlogits: torch.Tensor, hidden: torch.Tensor,
+                acc_dtype: torch.dtype) -> torch.Tensor:
+    """``acc + dlogits.T @ hidden`` (``acc`` None: the product alone) in ``acc_dtype``, fp32 or wider.
+    Where the inputs are narrower, ``mm``/``addmm`` with ``out_dtype`` compute and add in fp32 in
+    the product's epilogue (CUDA has them); where that fails (the CPU, or a torch without it), once
+    per process, the narrower product is widened and added after it."""
+    if dlogits.dtype == acc_dtype:
+        return dlogits.t() @ hidden if acc is None else acc.addmm_(dlogits.t(), hidden)
     if not _FUSED_ADD_FAILED:
         try:
-            return torch.addmm(acc, dlogits.t(), hidden, out_dtype=acc.dtype)
+            if acc is None:
+                return torch.mm(dlogits.t(), hidden, out_dtype=acc_dtype)
+            return torch.addmm(acc, dlogits.t(), hidden, out_dtype=acc_dtype)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError, NotImplementedError) as exc:  # e.g. no such kernel on the CPU
             _FUSED_ADD_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             log.info("the log-prob head adds its weight gradient after the product (%s)", _FUSED_ADD_FAILED[0])
-    return acc.add_(dlogits.t() @ hidden)
+    product = dlogits.t() @ hidden
+    return product.to(acc_dtype) if acc is None else acc.add_(product)
 
 
 def _chunks(total: int, rows: int):
@@ -136,14 +154,20 @@ def _own(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-def _stats(hidden, weight, bias, labels, rows: int, compiled: bool) -> torch.Tensor:
-    """The forward over all chunks, no autograd (see the module docs)."""
+def _stats(hidden, weight, bias, labels, rows: int, compiled: bool, kept: list | None = None) -> torch.Tensor:
+    """The forward over all chunks, no autograd (see the module docs). ``kept``: receives the
+    logits where they are one chunk, so that a backward need not project them again."""
     dtype = _compute_dtype(hidden, weight)
+    spans = _chunks(hidden.shape[0], rows)
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        parts = [_run(fused_logit_stats, logit_stats, compiled, F.linear(hidden[s:e].to(dtype), w, b),
-                      _own(labels[s:e])) for s, e in _chunks(hidden.shape[0], rows)]
+        parts = []
+        for s, e in spans:
+            logits = F.linear(hidden[s:e].to(dtype), w, b)
+            parts.append(_run(fused_logit_stats, logit_stats, compiled, logits, _own(labels[s:e])))
+            if kept is not None and len(spans) == 1:
+                kept.append(logits)
     return torch.cat(parts) if parts else hidden.new_zeros((0, 2), dtype=torch.float32)
 
 
@@ -154,31 +178,38 @@ class _ChunkedHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, rows: int, compiled: bool):
         ctx.dtype = _compute_dtype(hidden, weight)
         ctx.rows, ctx.compiled = rows, compiled
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        return _stats(hidden, weight, bias, labels, rows, compiled)
+        kept: list[torch.Tensor] = []
+        out = _stats(hidden, weight, bias, labels, rows, compiled, kept)
+        ctx.save_for_backward(hidden, weight, bias, labels, out, *kept)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        hidden, weight, bias, labels = ctx.saved_tensors
+        hidden, weight, bias, labels, out, *kept = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         dtype, acc_dtype = ctx.dtype, torch.promote_types(ctx.dtype, torch.float32)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+        grad_weight = None  # the first chunk's product, then the sum
         grad_bias = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
             for s, e in _chunks(hidden.shape[0], ctx.rows):
                 h = hidden[s:e].to(dtype)
-                dlogits = _run(logit_grad, logit_grad, ctx.compiled, F.linear(h, w, b), _own(labels[s:e]),
-                                _own(grad[s:e]))
+                logits = kept[0] if kept else F.linear(h, w, b)
+                chunk_labels = _own(labels[s:e])
+                lse, mean = _row_terms(logits, chunk_labels, out[s:e])
+                dlogits = _run(logit_grad, logit_grad, ctx.compiled, logits, chunk_labels, _own(grad[s:e]), lse, mean)
+                del logits
                 if need_hidden:
                     grad_hidden[s:e] = dlogits @ w
                 if need_weight:
-                    grad_weight = _accumulate(grad_weight, dlogits, h)
+                    grad_weight = _accumulate(grad_weight, dlogits, h, acc_dtype)
                 if need_bias:
                     grad_bias += dlogits.sum(dim=0, dtype=acc_dtype)
+        if need_weight and grad_weight is None:  # no rows
+            grad_weight = torch.zeros_like(weight)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 
