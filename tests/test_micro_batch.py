@@ -234,3 +234,45 @@ def test_the_single_process_roles_hand_the_ref_the_actors_packing_and_head_compi
         roles = LocalRoles(cfg, PPOTrainer(cfg).tokenizer)
         assert roles.ref.packing is roles.actor.packing is bool(value)
         assert roles.ref.compile_head is roles.actor.compile_head is bool(value)  # null: on GPU only
+
+
+def test_compiled_blocks_compile_once_per_grad_mode_across_packed_layouts(monkeypatch):
+    """``actor.compile`` with packed rows (a Qwen2 model, as the GPU workloads run it): micro-batches
+    of other lengths and other sequence layouts reuse the compiled frames, one set for the no-grad
+    passes and one for the update's; the only graph breaks are at the packed attention, which runs
+    outside the graph. (aot_eager: what dynamo traces and guards is the same as inductor's.)"""
+    from torch._dynamo.utils import counters
+
+    from resilient_rl.models.hf import load_hf_causal_lm
+    from resilient_rl.workers.block_options import apply_block_options
+    from resilient_rl.workers.logprob import response_logprobs
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, *a, **k: compile_module(self, *a, **{**k, "backend": "aot_eager"}))
+    torch.manual_seed(0)
+    model = load_hf_causal_lm(hf_config={
+        "model_type": "qwen2", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
+        "tie_word_embeddings": True})
+    apply_block_options(model, compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    frames = []
+    for i, (rows, prompt, resp) in enumerate([(4, 16, 24), (5, 20, 30), (3, 12, 40), (6, 16, 16)]):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(3, 300, (rows, prompt + resp), generator=g)
+        mask = torch.ones_like(ids)
+        for r in range(rows):  # left padding and early ends of varied length
+            mask[r, :int(torch.randint(0, prompt // 2, (), generator=g))] = 0
+            mask[r, prompt + int(torch.randint(1, resp, (), generator=g)):] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                 "responses": ids[:, prompt:]}
+        with torch.no_grad():
+            response_logprobs(model, batch, torch.device("cpu"), pack=True)
+        logp, ent = response_logprobs(model, batch, torch.device("cpu"), pack=True)
+        (logp.sum() + ent.sum()).backward()
+        frames.append(counters["stats"]["unique_graphs"])
+    assert frames[0] > 0 and frames == [frames[0]] * len(frames), frames
+    breaks = " ".join(counters["graph_break"])
+    assert "_attention" in breaks and all("disable" in reason for reason in counters["graph_break"]), breaks
