@@ -25,8 +25,8 @@ again during its recomputation. Per token, outside the layers: the embedding out
 norm. Logits: the chunked head (:mod:`resilient_rl.workers.chunked_head`) holds one chunk of
 ``CHUNK_ELEMENTS`` logits at a time (the compute-dtype logits and, eagerly, three fp32 tensors
 of the statistics or of their gradient) and, in the backward pass, the fp32 sum of its weight's
-gradient (``4 vocab h``): fixed terms; a model that needs full logits keeps ``vocab x (c + 12)``
-bytes per token.
+gradient, twice while a chunk's product is added into a new sum (``8 vocab h``): fixed terms; a
+model that needs full logits keeps ``vocab x (c + 12)`` bytes per token.
 
 Besides activations, a rank holds its share of the training state (fp32 master weights,
 fp32 gradients, AdamW's two fp32 moments: 16 bytes per parameter, over the FSDP shard group, all
@@ -229,7 +229,7 @@ def plan(shape: ModelShape, *, role: str, device_bytes: int, device: str, prec: 
     if not shape.value_head:
         if chunked_logits:  # one chunk at a time, no larger than the mini-batch's logits
             logits = min(CHUNK_ELEMENTS, mb_tokens * shape.vocab) * (c + 4 * LOGIT_FP32_COPIES) \
-                + 4 * shape.vocab * shape.hidden
+                + 8 * shape.vocab * shape.hidden
         else:
             token_bytes += shape.vocab * (c + 4 * LOGIT_FP32_COPIES)
     fixed = states + other_bytes + weights + logits
