@@ -147,10 +147,10 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
                         colocated=("ref", "rollout"), kv_rows=w.prompts * w.n)
 
 
-def timed(fn, repeats: int, last: dict | None = None) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn`` (after one untimed call); ``last`` gets what
-    the last call returned, under ``"result"``."""
-    fn()
+def timed(fn, repeats: int) -> tuple[list[float], object]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (after one untimed call), and what the last
+    call returned."""
+    result = fn()
     times = []
     for _ in range(repeats):
         synchronize()
@@ -158,9 +158,7 @@ def timed(fn, repeats: int, last: dict | None = None) -> list[float]:
         result = fn()
         synchronize()
         times.append(time.perf_counter() - t0)
-    if last is not None:
-        last["result"] = result
-    return times
+    return times, result
 
 
 def measure(w: Workload, args, device: str, overrides: list[str], profile: bool) -> dict:
@@ -178,13 +176,12 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
     data.batch["advantages"] = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     data.meta_info["seed"] = 0
     step = iter(range(1, 10_000))
-    out = {"log_prob": timed(lambda: engine.compute_log_prob(data), args.repeats)}
+    out = {"log_prob": timed(lambda: engine.compute_log_prob(data), args.repeats)[0]}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    last: dict = {}
-    out["update"] = timed(lambda: engine.update(data, next(step)), args.repeats, last)
-    out["metrics"] = {k: last["result"][k] for k in ("actor/pg_loss", "actor/grad_norm", "actor/nonfinite_skipped")
-                      if k in last["result"]}
+    out["update"], metrics = timed(lambda: engine.update(data, next(step)), args.repeats)
+    out["metrics"] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm", "actor/nonfinite_skipped")
+                      if k in metrics}
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     out["lengths"] = batch["attention_mask"].sum(-1).tolist()
     from resilient_rl.workers.chunked_head import HEAD_FAILURE
