@@ -19,7 +19,7 @@
 # Before them, bench/sampling.py times the decode step's sampling pass at 512 rows, bench/varlen.py
 # the packed-attention backends (torch's own varlen kernel among them), and bench/update_mfu.py the
 # update pass of 1.5 B alone (the size of the update target) at 1 k tokens and more per row, with
-# where the device's time goes.
+# where the device's time goes, and bench/logprob.py the log-prob head of 1.5 B alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -63,6 +63,13 @@ echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
 timeout -k 10 "$(within 240)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
 echo "rc=$?" >> "$out/update_mfu.log"
 grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
+# The log-prob head of 1.5 B alone over 16 chunks of 443 rows (the chunk of a 151,936-id
+# vocabulary), forward and backward: the chunked head against each chunk as its own F.linear, in
+# the same run (docs/performance.md, "The head's weight in mixed precision").
+head_args=(--shape qwen2.5-1.5b --head-rows 443 --head-chunks 16 --repeats 5)
+echo "== python bench/logprob.py ${head_args[*]}" | tee -a "$out/summary.txt"
+timeout -k 10 "$(within 90)" "$PY" bench/logprob.py "${head_args[@]}" 2>&1 | grep -vE "^(W[0-9]{4}|USDT)" \
+    | tail -8 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
