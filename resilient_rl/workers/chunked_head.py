@@ -14,9 +14,9 @@ precision:
   cast the fp32 weight again for every chunk of the backward (the tied 151,936 x 1,536 head of
   Qwen2.5-1.5B: 0.9 GB of fp32 read and 0.5 GB of bf16 written each time, about 80 chunks a
   1.5 B update);
-- the chunks' weight gradients are summed in fp32 into one buffer (where the device has it, the
-  product adds into that buffer itself: ``addmm`` with ``out_dtype``), and autograd receives one
-  gradient for the weight per pass in the weight's dtype. Per-chunk gradients instead each
+- the chunks' weight gradients are summed in fp32 into one buffer (where the device has them,
+  ``mm`` and ``addmm`` with ``out_dtype`` write the first product and add each later one in fp32
+  themselves), and autograd receives one gradient for the weight per pass in the weight's dtype. Per-chunk gradients instead each
   reached the fp32 weight through the cast's backward: a bf16 gradient, its fp32 copy and an fp32
   add of the whole weight, for every chunk;
 - the hidden states' gradient is written chunk by chunk into one tensor of their dtype.
