@@ -16,10 +16,13 @@ precision:
   1.5 B update);
 - the chunks' weight gradients are summed in fp32 into one buffer (where the device has them,
   ``mm`` and ``addmm`` with ``out_dtype`` write the first product and add each later one in fp32
-  themselves), and autograd receives one gradient for the weight per pass in the weight's dtype. Per-chunk gradients instead each
-  reached the fp32 weight through the cast's backward: a bf16 gradient, its fp32 copy and an fp32
-  add of the whole weight, for every chunk;
-- the hidden states' gradient is written chunk by chunk into one tensor of their dtype.
+  themselves), and autograd receives one gradient for the weight per pass in the weight's dtype.
+  Per-chunk gradients instead each reached the fp32 weight through the cast's backward: a bf16
+  gradient, its fp32 copy and an fp32 add of the whole weight, for every chunk;
+- the hidden states' gradient is written chunk by chunk into one tensor of their dtype;
+- eagerly, a chunk's gradient keeps at most three fp32 ``[rows, vocab]`` tensors alive beside its
+  logits (the memory plan's chunk term: :mod:`resilient_rl.workers.memory_plan`), and no chunk's
+  logits or gradient outlive it.
 
 The closed form, with ``p = softmax(z)`` and ``E[z] = sum(p * z)`` over the vocabulary:
 ``d log p[y] / dz = onehot(y) - p`` and ``d entropy / dz = -p * (z - E[z])``; the forward gave
@@ -80,11 +83,17 @@ def logit_grad(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor, l
     (at least): ``g_lp * (onehot - p) - g_ent * p * (logits - mean)``, ``p = exp(logits - lse)``.
     One pass over the logits: the rows' reductions come from the forward's values (:func:`_row_terms`)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    p = torch.exp(x - lse[:, None])
     g = grad.to(x.dtype)
     g_lp, g_ent = g[:, :1], g[:, 1:]
-    ids = torch.arange(x.shape[-1], device=x.device)
-    return (torch.where(ids == labels[:, None], g_lp, 0.0) - p * (g_lp + g_ent * (x - mean[:, None]))).to(logits.dtype)
+    # In place and freed as soon as read, so that eagerly at most three fp32 [n, V] tensors live
+    # at once (the memory plan's chunk term); compiled, all of it is one pass.
+    p = (x - lse[:, None]).exp_()
+    d = x - mean[:, None]
+    del x
+    d.mul_(g_ent).add_(g_lp).mul_(p)
+    del p
+    ids = torch.arange(d.shape[-1], device=d.device)
+    return d.neg_().add_(torch.where(ids == labels[:, None], g_lp, 0.0)).to(logits.dtype)
 
 
 def _row_terms(logits: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +177,7 @@ def _stats(hidden, weight, bias, labels, rows: int, compiled: bool, kept: list |
             parts.append(_run(fused_logit_stats, logit_stats, compiled, logits, _own(labels[s:e])))
             if kept is not None and len(spans) == 1:
                 kept.append(logits)
+            del logits  # not alive beside the next chunk's
     return torch.cat(parts) if parts else hidden.new_zeros((0, 2), dtype=torch.float32)
 
 
@@ -208,6 +218,7 @@ class _ChunkedHead(torch.autograd.Function):
                     grad_weight = _accumulate(grad_weight, dlogits, h, acc_dtype)
                 if need_bias:
                     grad_bias += dlogits.sum(dim=0, dtype=acc_dtype)
+                del dlogits  # not alive beside the next chunk's logits
         if need_weight and grad_weight is None:  # no rows
             grad_weight = torch.zeros_like(weight)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
