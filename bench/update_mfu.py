@@ -231,16 +231,18 @@ def main(argv=None) -> int:
     specs = device_specs(name) if cuda else None
     print(f"{w.name} on {name}: update of {args.rows} rows, prompts {args.prompt // 2}-{args.prompt} + responses "
           f"{args.response // 2}-{args.response} tokens, {w.layers} layers", flush=True)
-    runs = {"workload": measure(w, args, "cuda" if cuda else "cpu", [], not args.no_profile)}
-    for variant, overrides in args.variant:
-        print(f"== variant {variant}: {' '.join(overrides)}", flush=True)
-        runs[variant] = measure(w, args, "cuda" if cuda else "cpu", overrides, False)
-    base = statistics.median(runs["workload"]["update"])
-    lengths = runs["workload"]["lengths"]
-    print(f"  {sum(lengths)} tokens, {statistics.fmean(lengths):.0f} per row; N = "
-          f"{flop_params(w.hf_config, 'project') / 1e6:.4g} M (project) / {flop_params(w.hf_config, 'verl') / 1e6:.4g}"
-          " M (verl); FLOPs 6·N·s + 12·L·H·D·s² per sequence (training), a third of it forward")
-    for label, run in runs.items():
+    # Each run's lines are printed as soon as it is measured: a run stopped at its limit keeps them.
+    base, lengths = None, None
+    for label, overrides in [("workload", [])] + args.variant:
+        if label != "workload":
+            print(f"== variant {label}: {' '.join(overrides)}", flush=True)
+        run = measure(w, args, "cuda" if cuda else "cpu", overrides, label == "workload" and not args.no_profile)
+        if base is None:
+            base, lengths = statistics.median(run["update"]), run["lengths"]
+            print(f"  {sum(lengths)} tokens, {statistics.fmean(lengths):.0f} per row; N = "
+                  f"{flop_params(w.hf_config, 'project') / 1e6:.4g} M (project) / "
+                  f"{flop_params(w.hf_config, 'verl') / 1e6:.4g} M (verl); FLOPs 6·N·s + 12·L·H·D·s² per sequence "
+                  "(training), a third of it forward")
         for pass_name, training in (("log-prob", False), ("update", True)):
             if label != "workload" and not training:
                 continue
@@ -253,9 +255,9 @@ def main(argv=None) -> int:
                   f"MFU (project / verl) {figures}{peak}{ratio}", flush=True)
         # A non-finite gradient skips the optimizer's step: such an update is not the one to time.
         print(f"{label} last update: " + ", ".join(f"{k} {v:.4g}" for k, v in run["metrics"].items()), flush=True)
-    if "profile" in runs["workload"]:
-        kinds, kernels, busy = runs["workload"]["profile"]
-        print("\n".join(profile_lines(kinds, kernels, busy, base)))
+        if "profile" in run:
+            kinds, kernels, busy = run["profile"]
+            print("\n".join(profile_lines(kinds, kernels, busy, base)), flush=True)
     return 0
 
 
