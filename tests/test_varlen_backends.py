@@ -5,6 +5,7 @@ compiled once (the packed models themselves: test_varlen_attention.py)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -192,3 +193,49 @@ def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):
         torch.testing.assert_close(varlen.varlen_attention(q, k, v, layout, backend="flex"),
                                    _reference_attention(q, k, v, lengths), rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_under_autocast_the_varlen_kernel_takes_the_packed_model_in_autocasts_dtype(monkeypatch):
+    """A replica computes under bf16 autocast over fp32 weights, and a Hugging Face model's query
+    and key then leave the rotary embedding in fp32 (bf16 projection times fp32 cos/sin). The
+    backend is chosen, and the kernel fed, in the dtype SDPA would compute in under autocast: bf16,
+    so a GPU takes the varlen kernel, not one SDPA call per sequence."""
+    from resilient_rl.models.hf import load_hf_causal_lm
+
+    calls: list = []
+    stand_in = _varlen_attn_stand_in(calls, gqa_flag=False)  # torch 2.11's signature: heads repeated
+
+    def recording(query, key, value, *args, **kwargs):
+        calls.append({"dtypes": (query.dtype, key.dtype, value.dtype)})
+        return stand_in(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: recording)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    on_a_gpu = varlen.choose_backend
+    chosen: list = []
+    monkeypatch.setattr(varlen, "choose_backend",  # the tensors are on the CPU; the choice as on a GPU
+                        lambda device, dtype, dropout: chosen.append(dtype) or on_a_gpu(torch.device("cuda"), dtype,
+                                                                                          dropout))
+    torch.manual_seed(0)
+    model = load_hf_causal_lm(hf_config={
+        "model_type": "qwen2", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "tie_word_embeddings": False})
+    ids = torch.randint(0, 97, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    logits.float().square().mean().backward()
+    assert chosen == [torch.bfloat16] * 2  # one packed call per layer
+    assert [c["dtypes"] for c in calls if "dtypes" in c] == [(torch.bfloat16,) * 3] * 2
+    assert all(p.grad is not None for p in model.parameters())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same model and rows, one SDPA call per sequence
+        split = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits
+                           for a, b in zip([0, *itertools.accumulate(LENGTHS)][:-1], itertools.accumulate(LENGTHS))], 1)
+    split.float().square().mean().backward()
+    torch.testing.assert_close(logits.float(), split.float(), rtol=0.02, atol=0.02)
+    for name, p in model.named_parameters():
+        scale = float(p.grad.abs().max())
+        torch.testing.assert_close(grads[name], p.grad, rtol=0.05, atol=0.05 * max(scale, 1e-3), msg=name)

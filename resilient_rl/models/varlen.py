@@ -17,7 +17,9 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
   in the copy that lays the tokens out for the kernel, where ``"split"`` costs one kernel per
   sequence (on an H200, 96 sequences of 128-512 tokens took 15.36 ms forward and backward split,
   against 1.86 ms through this kernel with the heads repeated, then in a copy of their own: the
-  table below). Where the kernel raises
+  table below). Under autocast the choice and the kernel's inputs take autocast's dtype, as
+  ``scaled_dot_product_attention`` would (:func:`compute_dtype`): a Hugging Face model's query and
+  key leave the rotary embedding in fp32 there. Where the kernel raises
   (a shape or device it does not take), the process logs why once and takes ``"split"`` from then.
 - ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
@@ -90,7 +92,7 @@ import torch.nn.functional as F
 from resilient_rl.errors import ModelInputError
 from resilient_rl.models.packing import PackedLayout
 
-__all__ = ["BLOCK", "choose_backend", "document_block_mask", "varlen_attention"]
+__all__ = ["BLOCK", "choose_backend", "compute_dtype", "document_block_mask", "varlen_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,21 +196,22 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
     chosen = backend is None
-    backend = backend or choose_backend(q.device, q.dtype, dropout)
+    dtype = compute_dtype(q)
+    backend = backend or choose_backend(q.device, dtype, dropout)
     if chosen and backend not in _ANNOUNCED:
         _ANNOUNCED.add(backend)
         logger.info("packed attention: %s", _BACKEND_NAMES.get(backend, backend))
     if window is not None and window >= max(layout.lengths, default=0):
         window = None  # no sequence reaches past it
     if backend == "flash":
-        return _flash(q, k, v, layout, scale, dropout, window)
+        return _flash(q, k, v, layout, scale, dropout, window, dtype)
     if backend == "torch":
         if not _torch_varlen_serves(dropout):
             raise ModelInputError(f"packed attention on the torch backend needs torch's varlen_attn with "
                                   f"window_size (torch {torch.__version__}) and takes no attention dropout "
                                   f"(got {dropout})")
         try:
-            return _torch_varlen(q, k, v, layout, scale, window)
+            return _torch_varlen(q, k, v, layout, scale, window, dtype)
         except RuntimeError as exc:  # e.g. a head size or device its kernels do not take
             if not chosen:
                 raise
@@ -251,15 +254,32 @@ def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
     return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
 
 
-def _token_major(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-    """``[B, h, T, D]`` -> ``[B*T, h * repeat, D]``: the layout of the varlen kernels, each head
-    ``repeat`` times in a row (head ``i`` of the result is head ``i // repeat`` of ``x``, as the
-    models' ``repeat_kv`` lays grouped key/value heads out), in the one copy the layout makes."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes ``x`` in: autocast's where it is on for ``x``'s device (as
+    ``scaled_dot_product_attention`` would cast it), else ``x``'s own. Under autocast over fp32
+    weights a Hugging Face model's query and key come out of the rotary embedding in fp32 (the
+    half-precision projection times fp32 ``cos``/``sin``), though the attention computes in bf16."""
+    kind = x.device.type
+    if x.dtype.is_floating_point and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _token_major(x: torch.Tensor, repeat: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[B, h, T, D]`` -> ``[B*T, h * repeat, D]`` in ``dtype`` (default ``x``'s): the layout of the
+    varlen kernels, each head ``repeat`` times in a row (head ``i`` of the result is head
+    ``i // repeat`` of ``x``, as the models' ``repeat_kv`` lays grouped key/value heads out), in the
+    one copy the layout makes (none where ``x`` is laid out so already, in ``dtype``)."""
     batch, heads, seq, dim = x.shape
     x = x.transpose(1, 2)
+    dtype = dtype or x.dtype
+    if repeat == 1 and dtype == x.dtype:
+        return x.reshape(batch * seq, heads, dim)
     if repeat > 1:
         x = x[:, :, :, None, :].expand(batch, seq, heads, repeat, dim)
-    return x.reshape(batch * seq, heads * repeat, dim)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    out.copy_(x)  # the layout, the repeated heads and the cast in one pass
+    return out.view(batch * seq, heads * repeat, dim)
 
 
 def _head_major(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -273,18 +293,21 @@ def _cu_seqlens(layout: PackedLayout, device: torch.device) -> tuple[torch.Tenso
     return layout.cu_seqlens.to(device=device, dtype=torch.int32), max(layout.lengths, default=0)
 
 
-def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None) -> torch.Tensor:
+def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     kernel = _flash_varlen_func()
     if kernel is None:
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
     cu, longest = _cu_seqlens(layout, q.device)
     # flash-attn's window counts the keys on each side of the query, the query not included.
-    out = kernel(_token_major(q), _token_major(k), _token_major(v), cu, cu, longest, longest, dropout_p=dropout,
+    out = kernel(_token_major(q, dtype=dtype), _token_major(k, dtype=dtype), _token_major(v, dtype=dtype), cu, cu,
+                 longest, longest, dropout_p=dropout,
                  softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
     return _head_major(out, q)
 
 
-def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None) -> torch.Tensor:
+def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     cu, longest = _cu_seqlens(layout, q.device)
     kernel = _torch_varlen_func()
     grouped, repeat = {}, 1
@@ -294,7 +317,8 @@ def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: in
         else:  # query head i reads key/value head i // repeat
             repeat = q.shape[1] // k.shape[1]
     # (-1, 0) is causal; (w, 0) a causal window of w keys before the query, as flash-attn counts it.
-    out = kernel(_token_major(q), _token_major(k, repeat), _token_major(v, repeat), cu, cu, longest, longest,
+    out = kernel(_token_major(q, dtype=dtype), _token_major(k, repeat, dtype), _token_major(v, repeat, dtype), cu, cu,
+                 longest, longest,
                  scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
     return _head_major(out, q)
 
