@@ -13,12 +13,15 @@ import signal
 
 import pytest
 import ray
+import torch
 
 from resilient_rl.config.schema import load_config
 from resilient_rl.runtime import devices
 from resilient_rl.runtime.devices import DevicesUnavailable, take_devices
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.spares import SparePool
+from resilient_rl.runtime.worker import cuda_device_index
+from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
 from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup
 from resilient_rl.errors import ConfigError
 from resilient_rl.testing.wait import wait_until
@@ -45,9 +48,43 @@ def test_take_devices_refuses_another_node_or_an_initialised_driver(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(DevicesUnavailable, match="on node n2, this process runs on node n1"):
         take_devices("GPU-bbbb", "n2", "n1", driver_initialized=lambda: False)
-    with pytest.raises(DevicesUnavailable, match="already initialised .* on CUDA_VISIBLE_DEVICES=0"):
+    # CUDA initialised here on device 0 only (no CUDA in this torch: it lists no device at all).
+    with pytest.raises(DevicesUnavailable, match="already initialised .* on CUDA_VISIBLE_DEVICES=0, which does not"):
         take_devices("GPU-bbbb", "n1", "n1", driver_initialized=lambda: True)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0", "a refusal changes nothing"
+
+
+def test_a_spare_whose_driver_is_initialised_computes_on_the_rank_s_gpus_by_uuid(monkeypatch, caplog):
+    """A library's start-up question to CUDA initialised the spare's driver with every GPU of the
+    node visible (CUDA_VISIBLE_DEVICES unset): it computes on the dead rank's GPU through that
+    GPU's index in its own CUDA order (here not NVML's), found by UUID, and says so in its pings."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices, "_TAKEN", {})
+    nvml = FakeNVML([FakeGpu(uuid=f"GPU-{c * 4}") for c in "abc"])  # NVML's order: a, b, c
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)  # no CUDA in this torch
+    monkeypatch.setattr(devices._nvml_lookup, "cuda_device_uuids", lambda: ["GPU-cccc", "GPU-aaaa", "GPU-bbbb"])
+    with_nvml = lambda value: devices.cuda_indices_of(value, nvml=nvml)  # noqa: E731
+    assert with_nvml("1") == [2] and with_nvml("GPU-aaaa,2") == [1, 0]
+    monkeypatch.setattr(devices._nvml_lookup, "cuda_device_uuids", lambda: ["GPU-cccc"])
+    with pytest.raises(DevicesUnavailable, match="does not show it 1"):  # CUDA sees only c here
+        take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=with_nvml)
+    assert devices.visible_devices() is None and devices.taken_cuda_indices() is None, "a refusal changes nothing"
+    monkeypatch.setattr(devices._nvml_lookup, "cuda_device_uuids", lambda: ["GPU-cccc", "GPU-aaaa", "GPU-bbbb"])
+    take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=with_nvml)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ, "CUDA read the variable already: it is left alone"
+    assert devices.visible_devices() == "1" and devices.taken_cuda_indices() == [2]
+    assert cuda_device_index(0) == 2, "the rendezvous selects the rank's GPU"
+    take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=lambda value: None)  # its own now
+
+    # Which start-up work initialised the driver is logged, once.
+    monkeypatch.setattr(devices, "_NOTED", [])
+    monkeypatch.setattr(devices, "cuda_driver_initialized", lambda: True)
+    with caplog.at_level("INFO", logger=devices.__name__):
+        devices.note_driver_initialised("the start-up work 'warm-imports'", before=True)  # it was before
+        devices.note_driver_initialised("the start-up work 'warm-imports'", before=False)
+        devices.note_driver_initialised("the start-up work 'warm-worker-imports'", before=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the start-up work 'warm-imports' initialised the CUDA driver in this process (CUDA_VISIBLE_DEVICES=None)"]
 
 
 def test_the_driver_probe_initialises_nothing():

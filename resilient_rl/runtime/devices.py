@@ -14,10 +14,14 @@ group and telemetry run unchanged. The dead process's memory on those GPUs is re
 driver when the process exits. Ray does not reset the variable between an actor's calls.
 
 CUDA reads ``CUDA_VISIBLE_DEVICES`` once, when the driver is initialised in the process; after
-that, changing it has no effect and a spare would compute on the wrong device. So a spare refuses
-(:class:`DevicesUnavailable`) when its driver is already initialised on other devices, and when
-the rank's devices are on another node; the controller then tries the next spare, or waits for
-Ray's restart of the rank.
+that, changing it has no effect. A library that asks CUDA anything during the spare's start-up
+imports (``torch.cuda.is_available()`` does, unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) has
+initialised it with the variable unset: every GPU of the node visible. Such a spare still takes
+the rank: it computes on the rank's devices through their indices in its own enumeration, matched
+by UUID (:func:`taken_cuda_indices`, which the rendezvous selects the rank's device from). It
+refuses (:class:`DevicesUnavailable`) when it does not see the rank's devices at all, and when they
+are on another node; the controller then tries the next spare, or waits for Ray's restart of the
+rank. Which warm-up initialised the driver is logged (:func:`note_driver_initialised`).
 """
 
 from __future__ import annotations
@@ -44,10 +48,27 @@ class DevicesUnavailable(RuntimeError):
     """This process cannot compute on the devices it was asked to take."""
 
 
+#: The devices a spare took after CUDA had read ``CUDA_VISIBLE_DEVICES`` in its process: the
+#: dead rank's value (``"devices"``) and their CUDA indices here (``"indices"``); see take_devices.
+_TAKEN: dict[str, Any] = {}
+_NOTED: list[str] = []  # see note_driver_initialised
+
+
 def visible_devices() -> str | None:
-    """This process's ``CUDA_VISIBLE_DEVICES`` as Ray (or the user) set it; None when unset."""
+    """The devices this process computes on, as a ``CUDA_VISIBLE_DEVICES`` value: the variable as
+    Ray (or the user) set it, or the dead rank's value that a spare took (:func:`take_devices`);
+    None when unset."""
+    if "devices" in _TAKEN:
+        return _TAKEN["devices"]
     value = env.get("CUDA_VISIBLE_DEVICES")
     return None if value is None else value.strip()
+
+
+def taken_cuda_indices() -> list[int] | None:
+    """The CUDA indices, in this process's own enumeration, of the devices it took from a dead
+    rank after its driver was initialised (:func:`take_devices`); None otherwise (the rank's
+    devices are then what the process sees, from index 0)."""
+    return _TAKEN.get("indices")
 
 
 def cuda_driver_initialized() -> bool:
@@ -66,21 +87,61 @@ def cuda_driver_initialized() -> bool:
 
 
 def take_devices(devices: str | None, node_id: str | None, own_node_id: str,
-                 driver_initialized=cuda_driver_initialized) -> None:
+                 driver_initialized=cuda_driver_initialized, cuda_indices=None) -> None:
     """Make this process compute on ``devices`` (a dead rank's ``CUDA_VISIBLE_DEVICES`` value) of
-    node ``node_id``. Nothing to do when the rank had no GPU (None) or this process already sees
-    exactly those devices. Raises :class:`DevicesUnavailable` when the devices are on another node
-    than this process (``own_node_id``) or when CUDA is already initialised here on other devices."""
+    node ``node_id``. Nothing to do when the rank had no GPU (None) or this process already
+    computes on exactly those devices. Before CUDA is initialised here, the variable is set to
+    ``devices``; after, the process keeps what CUDA sees and computes on the rank's devices by their
+    indices among them (``cuda_indices(devices)``, default :func:`cuda_indices_of`). Raises
+    :class:`DevicesUnavailable`, changing nothing, when the devices are on another node than this
+    process (``own_node_id``) or CUDA is initialised here without them."""
     if devices is None or visible_devices() == devices:
         return
     if node_id is not None and node_id != own_node_id:
         raise DevicesUnavailable(f"the rank's GPUs (CUDA_VISIBLE_DEVICES={devices}) are on node {node_id}, "
                                  f"this process runs on node {own_node_id}")
-    if driver_initialized():
+    if not driver_initialized():
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        logger.info("this process computes on CUDA_VISIBLE_DEVICES=%s from now on", devices)
+        return
+    indices = (cuda_indices or cuda_indices_of)(devices)
+    if not indices:
         raise DevicesUnavailable(f"CUDA is already initialised in this process on CUDA_VISIBLE_DEVICES="
-                                 f"{visible_devices()}; it cannot compute on {devices} instead")
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    logger.info("this process computes on CUDA_VISIBLE_DEVICES=%s from now on", devices)
+                                 f"{env.get('CUDA_VISIBLE_DEVICES')}, which does not show it {devices}")
+    _TAKEN.update(devices=devices, indices=list(indices))
+    logger.info("this process computes on CUDA_VISIBLE_DEVICES=%s from now on: CUDA devices %s of its own, "
+                "its driver having been initialised before", devices, indices)
+
+
+def cuda_indices_of(devices: str, nvml: Any | None = None) -> list[int] | None:
+    """The indices, among this process's CUDA devices, of the node's devices that ``devices`` (a
+    ``CUDA_VISIBLE_DEVICES`` value as Ray sets it: integers are NVML's indices, or UUIDs) names,
+    matched by UUID; None where this process does not see them all, or NVML cannot tell. For a
+    process whose CUDA driver is initialised already (torch's own CUDA state is then set up too)."""
+    import torch
+
+    try:
+        torch.cuda.init()
+    except (AssertionError, RuntimeError) as exc:  # a torch without CUDA, or no device after all
+        logger.debug("CUDA cannot list this process's devices: %s", exc)
+        return None
+    mine = _nvml_lookup.cuda_device_uuids() or []
+    every = _nvml_uuids(nvml)
+    wanted = [every[i] for i in resolve_visible_devices([e.strip() for e in devices.split(",") if e.strip()], every)]
+    if not wanted or any(uuid not in mine for uuid in wanted):
+        return None
+    return [mine.index(uuid) for uuid in wanted]
+
+
+def note_driver_initialised(what: str, before: bool) -> None:
+    """Log (once per process) that ``what`` initialised the CUDA driver, which was not (``before``)
+    when it began: a warm spare then computes on a dead rank's GPUs through its own enumeration
+    (:func:`take_devices`), and the log says which start-up work fixed that enumeration."""
+    if before or _NOTED or not cuda_driver_initialized():
+        return
+    _NOTED.append(what)
+    logger.info("%s initialised the CUDA driver in this process (CUDA_VISIBLE_DEVICES=%s)", what,
+                env.get("CUDA_VISIBLE_DEVICES"))
 
 
 # ---------------------------------------------------------------------------- device identity
@@ -105,28 +166,35 @@ def visible_gpu_uuids(nvml: Any | None = None) -> tuple[str, ...]:
     with _VISIBLE_LOCK:
         if key in _VISIBLE_CACHE:
             return _VISIBLE_CACHE[key]
-        module = nvml if nvml is not None else _load_pynvml()
-        uuids: tuple[str, ...] = ()
-        if module is not None:
-            try:
-                module.nvmlInit()
-            except module.NVMLError as exc:
-                logger.debug("NVML is unavailable (%s): this process reports no GPU", exc)
-            else:
-                try:
-                    every = [_as_str(module.nvmlDeviceGetUUID(module.nvmlDeviceGetHandleByIndex(i)))
-                             for i in range(module.nvmlDeviceGetCount())]
-                    uuids = tuple(every[i] for i in resolve_visible_devices(entries, every, cuda_uuids))
-                except module.NVMLError as exc:
-                    logger.warning("NVML cannot list the GPUs (%s): this process reports no GPU", exc)
-                finally:
-                    try:
-                        module.nvmlShutdown()
-                    except module.NVMLError:
-                        pass
+        every = _nvml_uuids(nvml)
+        uuids = tuple(every[i] for i in resolve_visible_devices(entries, every, cuda_uuids)) if every else ()
         if nvml is None:  # a test double may change between calls; the real driver does not
             _VISIBLE_CACHE[key] = uuids
         return uuids
+
+
+def _nvml_uuids(nvml: Any | None = None) -> list[str]:
+    """The node's GPU UUIDs by NVML index; empty without NVML, a driver or a GPU.
+    ``nvml``: a ``pynvml``-like module (a test double); None imports ``pynvml``."""
+    module = nvml if nvml is not None else _load_pynvml()
+    if module is None:
+        return []
+    try:
+        module.nvmlInit()
+    except module.NVMLError as exc:
+        logger.debug("NVML is unavailable (%s): this process reports no GPU", exc)
+        return []
+    try:
+        return [_as_str(module.nvmlDeviceGetUUID(module.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(module.nvmlDeviceGetCount())]
+    except module.NVMLError as exc:
+        logger.warning("NVML cannot list the GPUs (%s): this process reports no GPU", exc)
+        return []
+    finally:
+        try:
+            module.nvmlShutdown()
+        except module.NVMLError:
+            pass
 
 
 @dataclass(frozen=True)
