@@ -24,6 +24,7 @@ verl's ``perf/throughput``. ``--tiny`` runs the same workload at small dimension
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -273,7 +274,7 @@ def workload_lines(w: Workload, summary: dict, rows: list[dict], peak: float | N
         value = " / ".join(f"{100 * mfu(per_phase[c][key], secs, peak, gpus):.1f}%" for c in per_phase) \
             if peak else "n/a (peak unknown)"
         lines.append(f"  {name} MFU (project / verl): {value} ({1e3 * secs:.0f} ms per step)")
-    lines += allocator_lines(rows)
+    lines += allocator_lines(rows) + gradient_lines(rows)
     if peak:
         ran = [k for k in per_phase["project"] if phase.get(k, 0.0) > 0]
         whole = " / ".join(f"{100 * mfu(sum(per_phase[c][k] for k in ran), summary['step_s'], peak, gpus):.1f}%"
@@ -302,4 +303,21 @@ def allocator_lines(rows: list[dict]) -> list[str]:
         retries = statistics.fmean(r.get(f"perf/{role}_alloc_retries", 0.0) for r in measured)
         lines.append(f"  {role} update allocator: peak {gib('peak_bytes'):.1f} GiB allocated, "
                      f"{gib('reserved_peak_bytes'):.1f} GiB reserved ({planned}); {retries:.1f} cudaMalloc retries per step")
+    return lines
+
+
+def gradient_lines(rows: list[dict]) -> list[str]:
+    """Whether each trained role's gradients were finite in the measured steps: the mini-batches
+    whose optimizer step was skipped for a non-finite gradient (``<role>/nonfinite_skipped``) and
+    the median gradient norm, one line per role."""
+    lines = []
+    for role in ("actor", "critic"):
+        norms = [r[f"{role}/grad_norm"] for r in rows if f"{role}/grad_norm" in r]
+        if not norms:
+            continue
+        skipped = sum(r.get(f"{role}/nonfinite_skipped", 0.0) for r in rows)
+        finite = [n for n in norms if math.isfinite(n)]
+        median = f"{statistics.median(finite):.4g}" if finite else "none finite"
+        lines.append(f"  {role} gradients: {skipped:.0f} non-finite mini-batches skipped in {len(norms)} steps; "
+                     f"grad norm median {median}")
     return lines

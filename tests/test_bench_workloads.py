@@ -244,6 +244,10 @@ def test_workload_and_generation_report_lines(workloads):
             for r, p, retries in zip(rows, (61.0, 63.5), (0.0, 3.0))]
     assert wl.allocator_lines(rows) == ["  actor update allocator: peak 63.5 GiB allocated, 65.5 GiB reserved "
                                         "(60.0 GiB planned); 1.5 cudaMalloc retries per step"]
+    assert wl.gradient_lines([{"actor/grad_norm": 3.0, "actor/nonfinite_skipped": 0.0},
+                              {"actor/grad_norm": float("nan"), "actor/nonfinite_skipped": 2.0},
+                              {"actor/grad_norm": 1.0}]) == [
+        "  actor gradients: 2 non-finite mini-batches skipped in 3 steps; grad norm median 2"]
     seconds = {"engine": 2.0, "hf_dynamic": 8.0, "hf_static": 5.0, "param_bytes": 1e9}
     glines = gen.generation_lines(w, seconds, "NVIDIA H200")
     assert "4.00x faster" in glines[2] and "2.50x faster" in glines[3]
