@@ -105,6 +105,26 @@ def test_a_role_worker_decides_its_device_at_first_use(tmp_path):
     assert worker.plan.device.type == "cpu" and worker.plan is worker.plan
 
 
+def test_a_role_build_says_how_long_it_took_and_waited_for_the_start_up_imports(monkeypatch, caplog):
+    """A recovery's rejoin is mostly the rebuild of the restarted ranks' roles: each build logs its
+    time, and the part of it spent waiting for the process's start-up imports."""
+    import types
+    from resilient_rl.config.schema import config_to_dict
+    from resilient_rl.workers import roles
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    clock = [100.0]  # the build's own clock: only the wait for the start-up imports moves it
+    monkeypatch.setattr(roles, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(roles, "wait_warm_up", lambda: clock.__setitem__(0, clock[0] + 4.5))
+    cfg = load_config(None, ["trainer.device=cpu"])
+    actor = ActorWorker.__ray_actor_class__(config_to_dict(cfg), 16, 1, 0)
+    with caplog.at_level("INFO", logger=roles.__name__):
+        assert actor.init_model(empty=True) is True
+    assert [r.getMessage() for r in caplog.records if r.name == roles.__name__] == [
+        "actor rank 0 built empty in 4.50 s (4.50 s of it waiting for the start-up imports)"]
+
+
 # ---------------------------------------------------------------------------- spares on Ray
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import logging
+import time
 from types import MappingProxyType
 from typing import Any
 
@@ -39,6 +41,8 @@ from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
 from resilient_rl.models.engine import compiles_decode, import_compiler_code
 from resilient_rl.models.factory import import_model_code
+
+logger = logging.getLogger(__name__)
 
 
 #: The run config this process built last: (its plain mapping as JSON, the Config).
@@ -141,8 +145,20 @@ class RoleWorker(RankWorker):
         cycle collector: collect now, or every recovery leaves a survivor a few more open files
         and threads (found by bench/soak.py). The build then waits for the process's warm-up
         imports (:meth:`warm_imports`), which are its own: it imports nothing concurrently."""
+        started = time.perf_counter()
         self.drop_engine(collect=True)
+        waiting = time.perf_counter()
         wait_warm_up()
+        self._build_times = (started, time.perf_counter() - waiting)
+
+    def built(self, empty: bool) -> bool:
+        """Log how long this build took since :meth:`release_engine` (and how much of it waited for
+        the process's start-up imports): a restarted or adopted rank's rebuild is most of a
+        recovery's rejoin. True, the answer of ``init_model``."""
+        started, imports_s = getattr(self, "_build_times", (time.perf_counter(), 0.0))
+        logger.info("%s rank %d built %sin %.2f s (%.2f s of it waiting for the start-up imports)", self.role,
+                    self.rank, "empty " if empty else "", time.perf_counter() - started, imports_s)
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def drop_engine(self, collect: bool = True) -> bool:
@@ -216,7 +232,7 @@ class ActorWorker(TrainableRole):
                                    reshard_after_forward=c.actor.reshard_after_forward, empty=empty,
                                    colocated=colocated, kv_rows=kv_rows)
         self.checkpointer.prepare_staging()  # the first save then stalls no longer than later ones
-        return True
+        return self.built(empty)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -251,7 +267,7 @@ class CriticWorker(TrainableRole):
                                   total_steps=c.trainer.total_steps, empty=empty, colocated=colocated,
                                   kv_rows=kv_rows)
         self.checkpointer.prepare_staging()
-        return True
+        return self.built(empty)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -281,7 +297,7 @@ class RefWorker(RoleWorker):
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
                                    reshard_after_forward=c.ref.reshard_after_forward, packing=c.actor.packing,
                                    compile_head=c.actor.compile_head)
-        return True
+        return self.built(False)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -322,7 +338,7 @@ class RolloutWorker(RoleWorker):
                                                                c.checkpoint.storage_options))
         # A colocated actor writes its weights straight into these parameters (workers/weight_sync.py).
         self.weights.receive_into(self.engine.model)
-        return True
+        return self.built(empty)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
