@@ -18,6 +18,7 @@ A way that cannot run prints why (flex has no backward on the CPU: its ``fwd+bwd
 
     python bench/varlen.py
     python bench/varlen.py --device cuda --repeat 20
+    python bench/varlen.py --device cuda --shapes qwen-0.5b-micro-batch --ways split,padded,flash,torch
 """
 
 from __future__ import annotations
@@ -97,15 +98,30 @@ def _best(fn, repeat: int) -> float:
     return best * 1e3
 
 
+def _names(text: str | None, known: dict, option: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The names ``text`` lists (all of ``known`` when None); an unknown one is a usage error."""
+    names = list(known) if text is None else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        parser.error(f"{option}: unknown {', '.join(unknown) or 'empty list'} (known here: {', '.join(known)})")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: every one here)")
+    parser.add_argument("--ways", default=None, help=f"comma-separated ways (default: all of {', '.join(WAYS)})")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, {dtype}")
     shapes = {**SHAPES, **(GPU_SHAPES if device.type == "cuda" else {})}
+    shapes = {name: shapes[name] for name in _names(args.shapes, shapes, "--shapes", parser)}
+    ways = {name: WAYS[name] for name in _names(args.ways, WAYS, "--ways", parser)}
+    if "split" not in ways:
+        ways = {"split": WAYS["split"], **ways}  # every way is compared against it
     for name, (lengths, heads, kv_heads, dim) in shapes.items():
         total = sum(lengths)
         layout = packed_layout(torch.cat([torch.arange(n) for n in lengths])[None].to(device))
@@ -114,7 +130,7 @@ def main() -> None:
                    for h in (heads, kv_heads, kv_heads))
         print(f"{name}: {len(lengths)} sequences, T={total}, {heads} heads over {kv_heads}, D={dim}")
         reference = WAYS["split"](q.detach(), k.detach(), v.detach(), layout)
-        for way, fn in WAYS.items():
+        for way, fn in ways.items():
             try:
                 with torch.no_grad():
                     start = time.perf_counter()

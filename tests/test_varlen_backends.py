@@ -239,3 +239,14 @@ def test_under_autocast_the_varlen_kernel_takes_the_packed_model_in_autocasts_dt
     for name, p in model.named_parameters():
         scale = float(p.grad.abs().max())
         torch.testing.assert_close(grads[name], p.grad, rtol=0.05, atol=0.05 * max(scale, 1e-3), msg=name)
+
+
+def test_the_bench_times_the_shapes_and_ways_it_is_asked_for():
+    """bench/varlen.py as bench/gpu_figures.sh runs it: only the named shapes and ways, the split
+    (every way's reference) always among them; an unknown name is a usage error."""
+    from resilient_rl.testing.bench_scripts import run_on_cpu
+
+    out = run_on_cpu("varlen.py", "--shapes", "tiny", "--ways", "padded", "--repeat", "1").stdout
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["tiny:", "split", "padded"]
+    with pytest.raises(AssertionError, match="--ways: unknown sideways"):
+        run_on_cpu("varlen.py", "--ways", "sideways")  # its stderr is the failed assertion's message
