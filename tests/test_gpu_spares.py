@@ -76,7 +76,8 @@ def test_a_spare_whose_driver_is_initialised_computes_on_the_rank_s_gpus_by_uuid
     assert cuda_device_index(0) == 2, "the rendezvous selects the rank's GPU"
     take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=lambda value: None)  # its own now
 
-    # Which start-up work initialised the driver is logged, once.
+    # Which start-up work initialised the driver of a process not yet given devices is logged, once.
+    monkeypatch.setattr(devices, "_TAKEN", {})
     monkeypatch.setattr(devices, "_NOTED", [])
     monkeypatch.setattr(devices, "cuda_driver_initialized", lambda: True)
     with caplog.at_level("INFO", logger=devices.__name__):
@@ -85,6 +86,12 @@ def test_a_spare_whose_driver_is_initialised_computes_on_the_rank_s_gpus_by_uuid
         devices.note_driver_initialised("the start-up work 'warm-worker-imports'", before=False)
     assert [r.getMessage() for r in caplog.records] == [
         "the start-up work 'warm-imports' initialised the CUDA driver in this process (CUDA_VISIBLE_DEVICES=None)"]
+    monkeypatch.setattr(devices, "_NOTED", [])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a rank: its rendezvous initialises CUDA beside its start-up work
+    caplog.clear()
+    with caplog.at_level("INFO", logger=devices.__name__):
+        devices.note_driver_initialised("the start-up work 'warm-imports'", before=False)
+    assert caplog.records == []
 
 
 def test_the_driver_probe_initialises_nothing():

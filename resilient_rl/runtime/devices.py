@@ -135,9 +135,11 @@ def cuda_indices_of(devices: str, nvml: Any | None = None) -> list[int] | None:
 
 def note_driver_initialised(what: str, before: bool) -> None:
     """Log (once per process) that ``what`` initialised the CUDA driver, which was not (``before``)
-    when it began: a warm spare then computes on a dead rank's GPUs through its own enumeration
-    (:func:`take_devices`), and the log says which start-up work fixed that enumeration."""
-    if before or _NOTED or not cuda_driver_initialized():
+    when it began, in a process not yet given devices (a warm spare: a rank's start-up work runs
+    beside its rendezvous, which initialises CUDA on the rank's GPUs). Such a spare then computes on
+    a dead rank's GPUs through its own enumeration (:func:`take_devices`), and the log says which
+    start-up work fixed that enumeration."""
+    if before or _NOTED or visible_devices() is not None or not cuda_driver_initialized():
         return
     _NOTED.append(what)
     logger.info("%s initialised the CUDA driver in this process (CUDA_VISIBLE_DEVICES=%s)", what,
