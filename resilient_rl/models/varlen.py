@@ -300,9 +300,9 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
     cu, longest = _cu_seqlens(layout, q.device)
     # flash-attn's window counts the keys on each side of the query, the query not included.
-    out = kernel(_token_major(q, dtype=dtype), _token_major(k, dtype=dtype), _token_major(v, dtype=dtype), cu, cu,
-                 longest, longest, dropout_p=dropout,
-                 softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
+    q_, k_, v_ = (_token_major(x, dtype=dtype) for x in (q, k, v))
+    out = kernel(q_, k_, v_, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale, causal=True,
+                 window_size=(-1, -1) if window is None else (window - 1, 0))
     return _head_major(out, q)
 
 
@@ -317,9 +317,9 @@ def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: in
         else:  # query head i reads key/value head i // repeat
             repeat = q.shape[1] // k.shape[1]
     # (-1, 0) is causal; (w, 0) a causal window of w keys before the query, as flash-attn counts it.
-    out = kernel(_token_major(q, dtype=dtype), _token_major(k, repeat, dtype), _token_major(v, repeat, dtype), cu, cu,
-                 longest, longest,
-                 scale=scale, window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
+    q_, k_, v_ = _token_major(q, dtype=dtype), _token_major(k, repeat, dtype), _token_major(v, repeat, dtype)
+    out = kernel(q_, k_, v_, cu, cu, longest, longest, scale=scale,
+                 window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
     return _head_major(out, q)
 
 
