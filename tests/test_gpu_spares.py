@@ -80,6 +80,7 @@ def test_a_spare_whose_driver_is_initialised_computes_on_the_rank_s_gpus_by_uuid
     monkeypatch.setattr(devices, "_TAKEN", {})
     monkeypatch.setattr(devices, "_NOTED", [])
     monkeypatch.setattr(devices, "cuda_driver_initialized", lambda: True)
+    caplog.clear()  # the hand-over above logs too where another test left the package's logger at INFO
     with caplog.at_level("INFO", logger=devices.__name__):
         devices.note_driver_initialised("the start-up work 'warm-imports'", before=True)  # it was before
         devices.note_driver_initialised("the start-up work 'warm-imports'", before=False)
