@@ -20,8 +20,9 @@
 # the packed-attention backends at a 0.5 B micro-batch (torch's own varlen kernel among them), and
 # bench/update_mfu.py the update pass of 1.5 B alone (the size of the update target) at 1 k tokens
 # and more per row, with where the device's time goes, and bench/logprob.py the log-prob head of
-# 1.5 B alone. On an H200 (2026-11-30) the install and these parts took 23 s and about 3 minutes,
-# the 0.5 B workload about 5 minutes with its generation comparison.
+# 1.5 B alone. On an H200 (2026-11-30) the install took 23 s, these parts about 3 minutes (with
+# every packed-attention shape and one update variant more than now), and the 0.5 B workload about
+# 5 minutes with its generation comparison.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
