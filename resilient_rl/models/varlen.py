@@ -18,9 +18,10 @@ the rows' :class:`~resilient_rl.models.packing.PackedLayout`. :func:`choose_back
   sequence (on an H200, 96 sequences of 128-512 tokens took 15.36 ms forward and backward split,
   against 1.86 ms through this kernel with the heads repeated, then in a copy of their own: the
   table below). Under autocast the choice and the kernel's inputs take autocast's dtype, as
-  ``scaled_dot_product_attention`` would (:func:`compute_dtype`): a Hugging Face model's query and
-  key leave the rotary embedding in fp32 there. Where the kernel raises
-  (a shape or device it does not take), the process logs why once and takes ``"split"`` from then.
+  ``scaled_dot_product_attention`` would (:func:`~resilient_rl.models.precision.compute_dtype`):
+  a Hugging Face model's query and key leave the rotary embedding in fp32 there. Where the kernel
+  raises (a shape or device it does not take), the process logs why once and takes ``"split"``
+  from then.
 - ``"flex"``: chosen by name only. ``flex_attention``, compiled once per process with dynamic
   shapes (a new packed length does not recompile), under a document-causal ``BlockMask`` built
   from the sequence boundaries at block granularity: blocks outside every sequence's causal
@@ -91,8 +92,9 @@ import torch.nn.functional as F
 
 from resilient_rl.errors import ModelInputError
 from resilient_rl.models.packing import PackedLayout
+from resilient_rl.models.precision import compute_dtype
 
-__all__ = ["BLOCK", "choose_backend", "compute_dtype", "document_block_mask", "varlen_attention"]
+__all__ = ["BLOCK", "choose_backend", "document_block_mask", "varlen_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -252,17 +254,6 @@ def _split(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
         parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=(ahead >= 0) & (ahead < window),
                                                     dropout_p=dropout, scale=scale, enable_gqa=gqa))
     return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes ``x`` in: autocast's where it is on for ``x``'s device (as
-    ``scaled_dot_product_attention`` would cast it), else ``x``'s own. Under autocast over fp32
-    weights a Hugging Face model's query and key come out of the rotary embedding in fp32 (the
-    half-precision projection times fp32 ``cos``/``sin``), though the attention computes in bf16."""
-    kind = x.device.type
-    if x.dtype.is_floating_point and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
 
 
 def _token_major(x: torch.Tensor, repeat: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:

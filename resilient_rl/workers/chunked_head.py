@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
+from resilient_rl.models.precision import compute_dtype
 
 __all__ = ["HEAD_FAILURE", "chunked_head_stats", "fused_logit_stats", "logit_grad", "logit_stats"]
 
@@ -123,14 +124,6 @@ def _run(fn, eager, compiled: bool, *args) -> torch.Tensor:
     return eager(*args)
 
 
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype ``F.linear(hidden, weight)`` computes in: autocast's where it is on, else the weight's."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device) and weight.dtype.is_floating_point:
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
-
-
 def _accumulate(acc: torch.Tensor | None, dlogits: torch.Tensor, hidden: torch.Tensor,
                 acc_dtype: torch.dtype) -> torch.Tensor:
     """``acc + dlogits.T @ hidden`` (``acc`` None: the product alone) in ``acc_dtype``, fp32 or wider.
@@ -166,7 +159,7 @@ def _own(x: torch.Tensor) -> torch.Tensor:
 def _stats(hidden, weight, bias, labels, rows: int, compiled: bool, kept: list | None = None) -> torch.Tensor:
     """The forward over all chunks, no autograd (see the module docs). ``kept``: receives the
     logits where they are one chunk, so that a backward need not project them again."""
-    dtype = _compute_dtype(hidden, weight)
+    dtype = compute_dtype(weight)
     spans = _chunks(hidden.shape[0], rows)
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
@@ -186,7 +179,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows: int, compiled: bool):
-        ctx.dtype = _compute_dtype(hidden, weight)
+        ctx.dtype = compute_dtype(weight)
         ctx.rows, ctx.compiled = rows, compiled
         kept: list[torch.Tensor] = []
         out = _stats(hidden, weight, bias, labels, rows, compiled, kept)
