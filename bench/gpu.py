@@ -34,7 +34,7 @@ different lengths), and adds: MFU per phase and per step by the project's and ve
 ``perf/throughput``, one SIGKILL of the actor worker after the measured steps (the recovery's time
 and the steps it replayed), and the same batch through the rollout engine and HF ``generate``
 (dynamic and static cache) as ratios, with the engine's share of the decode roofline
-(bench/gpu_generation.py). ``--tiny`` runs the same workload at small dimensions, end to end, on
+(bench/gpu_generation.py; the run's rollout model, whose kept decode step the engine loads). ``--tiny`` runs the same workload at small dimensions, end to end, on
 the CPU when there is no GPU (the decode step and the log-prob head compiled as on a GPU, CUDA
 graphs aside).
 
@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from gpu_generation import PATHS as GENERATION_PATHS
 from gpu_report import format_report, matmul_params, peak_flops, utilization_summary
 from gpu_workloads import WORKLOADS, prepare_data, workload_config, workload_lines
 
@@ -114,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a real-shaped GRPO workload instead of --config (bench/gpu_workloads.py)")
     p.add_argument("--skip-generation", action="store_true",
                    help="with --workload: skip the engine vs HF generate comparison")
-    p.add_argument("--generation-paths", default="engine,hf_dynamic,hf_static",
+    p.add_argument("--generation-paths", default=",".join(GENERATION_PATHS),
                    help="with --workload: the generation paths compared (default: all three)")
     p.add_argument("--tiny", action="store_true",
                    help="with --workload: the same workload at small dimensions (on the CPU without a GPU)")
@@ -126,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.tiny and not args.workload:
         p.error("--tiny needs --workload")
+    unknown = set(args.generation_paths.split(",")) - set(GENERATION_PATHS)
+    if unknown:
+        p.error(f"--generation-paths: unknown {', '.join(sorted(unknown))} (known: {', '.join(GENERATION_PATHS)})")
     return args
 
 
@@ -231,7 +235,8 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
     return {"cfg": cfg, "rows": rows, "readings": measure.sampling.readings if measure.sampling else [],
             "stalls": measure.stalls, "n_params": count_params(cfg, vocab),
             "recovered": [e for e in trainer.run_dir.read_events() if e.get("event") == "recovered"],
-            "history": history, "warm": [r for r in history if r["step"] < measure.first], "figures": figures}
+            "history": history, "warm": [r for r in history if r["step"] < measure.first], "figures": figures,
+            "vocab": vocab}
 
 
 def main(argv=None) -> int:
@@ -245,12 +250,19 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("resilient_rl.runtime.pool.ray_roles").setLevel(logging.INFO)  # the memory plan's line
+    logging.getLogger("resilient_rl.workers.compile_cache").setLevel(logging.INFO)  # what the comparison loaded
     name = torch.cuda.get_device_name(0) if cuda else "CPU"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
         if args.workload:
             args.config = prepare_workload(args.workload, tmp, args.tiny)
         r = run(args, tmp, device, peak)
+        generation = None
+        if args.workload and not args.skip_generation:  # while the run's folder (its kept decode step) is there
+            from gpu_generation import compare_generation
+
+            generation = compare_generation(workload(args.workload, args.tiny), r["cfg"], r["vocab"],
+                                            tuple(args.generation_paths.split(",")))
     cfg, rows = r["cfg"], r["rows"]
     nbytes = next((row["perf/weight_sync_bytes"] for row in rows if "perf/weight_sync_bytes" in row), None)
     # Timed after the workers are gone, so the copy has the device to itself: the floor.
@@ -284,11 +296,10 @@ def main(argv=None) -> int:
         print("\n".join(r["figures"](rows)))  # the workload's figures, as printed during the run
 
         print("\n".join(recovery_lines(r["recovered"], r["history"], rows)))
-        if not args.skip_generation and cuda:
-            from gpu_generation import compare_generation, generation_lines
+        if generation is not None:
+            from gpu_generation import generation_lines
 
-            w, paths = workload(args.workload, args.tiny), tuple(args.generation_paths.split(","))
-            print("\n".join(generation_lines(w, compare_generation(w, paths=paths), name)))
+            print("\n".join(generation_lines(workload(args.workload, args.tiny), generation, name)))
     return 0
 
 

@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# Every GPU figure of the project in one command, on one GPU (not yet timed to the end on an H100:
-# the first rollouts compile the decode step; see docs/performance.md):
+# Every figure of the GPU targets in one command, on one GPU:
 #
 #   bash bench/gpu_figures.sh [--wheelhouse DIR] [OUT [WORKLOAD ...]]
 #
 # With --wheelhouse, first installs the project from DIR with no package index
 # (`./install.sh --wheelhouse DIR`). Logs and a summary go to OUT (default: ./gpu-figures).
-# WORKLOAD: gsm8k-0.5b and/or gsm8k-1.5b (default: both, in that order), e.g. one per call where a
-# call's time is limited. The first rollout of each compiles the decode step for each of its batch
-# sizes (bench/decode_compile.py measures that cost), so each workload has 300 s
+# WORKLOAD: gsm8k-0.5b and/or gsm8k-1.5b (default: both, in that order). The first rollout of each
+# compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
 # (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
-# each part's limit is cut to what is left of it, and the workloads share what the parts before
+# each part's limit is cut to what is left of it, and the workloads share what the part before
 # them left.
+#   0. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
+#      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes;
 #   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
-#      tokens/s/GPU, decode compiles and graph breaks, one actor SIGKILL's recovery time, and the
-#      rollout engine against HF generate with the engine's share of the decode roofline;
+#      tokens/s/GPU, whether the gradients were finite, decode compiles and graph breaks, the packed
+#      attention each rank took, one actor SIGKILL's recovery time (its phases, and each role's
+#      rebuild), then the rollout engine against HF generate (dynamic cache) on the run's rollout
+#      model, with the engine's share of the decode roofline: the engine loads the run's kept
+#      decode step, so the comparison compiles nothing;
 #   2. gsm8k-1.5b: the same but the generation comparison.
-# Before them, bench/sampling.py times the decode step's sampling pass at 512 rows, bench/varlen.py
-# the packed-attention backends at a 0.5 B micro-batch (torch's own varlen kernel among them), and
-# bench/update_mfu.py the update pass of 1.5 B alone (the size of the update target) at 1 k tokens
-# and more per row, with where the device's time goes, and bench/logprob.py the log-prob head of
-# 1.5 B alone. On an H200 (2026-11-30) the install took 23 s, these parts about 3 minutes (with
-# every packed-attention shape and one update variant more than now), and the 0.5 B workload about
-# 5 minutes with its generation comparison.
+# The components have their own commands, each measured on an H200 (docs/performance.md):
+# `python bench/sampling.py --rows 512` (the decode step's sampling pass), `python bench/varlen.py
+# --device cuda` (the packed-attention backends), `python bench/logprob.py --shape qwen2.5-1.5b
+# --head-rows 443 --head-chunks 16` (the log-prob head) and `python bench/decode_profile.py
+# --workload gsm8k-0.5b --rows 512` (the decode step's kernels). On an H200 (2026-11-30) the
+# install took 23 s and the 0.5 B workload about 5 minutes with a comparison that compiled the
+# decode step again and timed HF's dynamic cache twice (121 s of it; neither is done now).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheelhouse" ]; then
@@ -50,31 +53,14 @@ within() {  # a part's limit in seconds, cut to what is left of the budget (SIGK
     fi
     echo "$want"
 }
-# The decode step's sampling pass at the workloads' shape (two small compiles, seconds).
-echo "== python bench/sampling.py --rows 512" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 120)" "$PY" bench/sampling.py --rows 512 2>&1 | tail -4 | tee -a "$out/summary.txt"
-# The ways of packed attention the log-prob and update passes may take, at a 0.5 B micro-batch
-# (flex, nested and the dense mask, slower there and seconds to set up, are left to a plain
-# `python bench/varlen.py --device cuda`).
-varlen_args=(--device cuda --shapes qwen-0.5b-micro-batch --ways split,padded,flash,torch)
-echo "== python bench/varlen.py ${varlen_args[*]}" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 60)" "$PY" bench/varlen.py "${varlen_args[@]}" 2>&1 | grep -vE "^W[0-9]{4}" \
-    | tee -a "$out/summary.txt"
 # The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile. (Its variants, the
 # log-prob head eager or every block compiled, were taken on an H200 and are slower: 1.39x and
 # 1.30x; docs/performance.md. `--variant NAME=KEY=VALUE` times one again.)
 mfu_args=(--workload gsm8k-1.5b --rows 32 --repeats 2)
 echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 150)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
+timeout -k 10 "$(within 130)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
 echo "rc=$?" >> "$out/update_mfu.log"
 grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
-# The log-prob head of 1.5 B alone over 16 chunks of 443 rows (the chunk of a 151,936-id
-# vocabulary), forward and backward: the chunked head against each chunk as its own F.linear, in
-# the same run (docs/performance.md, "The head's weight in mixed precision").
-head_args=(--shape qwen2.5-1.5b --head-rows 443 --head-chunks 16 --repeats 5)
-echo "== python bench/logprob.py ${head_args[*]}" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 90)" "$PY" bench/logprob.py "${head_args[@]}" 2>&1 | grep -vE "^(W[0-9]{4}|USDT)" \
-    | tail -8 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2

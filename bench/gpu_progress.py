@@ -25,8 +25,9 @@ PRINTED_EVENTS = (FailureEvent, FailureDuringRecovery, RecoveryStateEntered, Spa
 #: At most this many characters of an event's fields (a failure's message can be long).
 EVENT_CHARS = 300
 #: The lines of the rank processes' logs printed as they arrive (the packed-attention kernel each
-#: process chose, compiled code loaded from the run's cache, a decode step traced in every process).
-WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:")
+#: process chose, compiled code loaded from the run's cache, a decode step traced in every process,
+#: each role's build and its wait for the start-up imports: most of a recovery's rejoin).
+WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:", "of it waiting for the start-up imports")
 
 
 def stamp(elapsed: float) -> str:

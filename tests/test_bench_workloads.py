@@ -168,8 +168,9 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
 
 
 def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkeypatch):
-    """The packed-attention kernel a rank process chose reaches bench/gpu.py's output (and with it
-    gpu_figures.sh's summary) as it is logged; other worker lines, and lines after the run, do not."""
+    """The packed-attention kernel a rank process chose, and a role's build time, reach
+    bench/gpu.py's output (and with it gpu_figures.sh's summary) as they are logged; other worker
+    lines, and lines after the run, do not."""
     monkeypatch.syspath_prepend(str(BENCH))
     from gpu_progress import Progress
 
@@ -184,18 +185,22 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
     try:
         WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: torch's varlen kernel")
         WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.runtime.worker: rank 0 joined generation 1")
+        WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.workers.roles: actor rank 0 built empty in 2.10 s (1.50 s "
+                        "of it waiting for the start-up imports)")
     finally:
         progress.finish(run_dir)
     WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: split")
-    assert lines == [f"[    0.0 s] {tag} INFO resilient_rl.models.varlen: packed attention: torch's varlen kernel"]
+    assert lines == [f"[    0.0 s] {tag} INFO resilient_rl.models.varlen: packed attention: torch's varlen kernel",
+                     f"[    0.0 s] {tag} INFO resilient_rl.workers.roles: actor rank 0 built empty in 2.10 s (1.50 s "
+                     "of it waiting for the start-up imports)"]
 
 
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     """``bench/gpu.py --workload gsm8k-0.5b --tiny`` without a GPU: the GPU code path at small
     dimensions: rollout through the compiled decode step with compaction, rewards, log-probs and
     update through the compiled head, weight sync, a checkpoint and a recovery from a SIGKILL, with
-    nothing replayed. Its own empty compile cache: the first rollout compiles, and the restarted
-    process loads the kept step instead."""
+    nothing replayed, then the engine against HF generate. Its own empty compile cache: the first
+    rollout compiles, and the restarted process and the comparison load the kept step instead."""
     proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2", timeout=900,
                       TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = proc.stdout
@@ -216,6 +221,10 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     assert any(line.startswith("recovered: failed_step=5") for line in stamped)
     assert "figures of measured steps 2..3 so far:" in stamped
     assert "each once: True" in out and "whole-step MFU" not in out  # no peak is known for a CPU
+    # The engine against HF generate on the run's rollout model: the engine ran the decode step the
+    # run kept, so the comparison compiled nothing.
+    assert "  engine warm-up " in out and ", 0 decode-step compiles (the run's kept step)" in out
+    assert "engine is " in out and "x faster" in out and "decode roofline: n/a" in out
 
 
 def test_workload_and_generation_report_lines(workloads):
