@@ -292,3 +292,10 @@ def test_compile_cache_bench_loads_the_kept_step_with_no_compile():
     lines = run_on_cpu("compile_cache.py", "--layers", "1").stdout.strip().splitlines()
     assert "compiles 1, kept step True" in lines[1]
     assert all("compiles 0, kept step True" in line for line in lines[2:4]), lines
+
+
+def test_snapshot_checksum_bench_times_both_checksums_on_one_buffer():
+    lines = run_on_cpu("snapshot_checksum.py", "--gib", "0.2", "--repeats", "1").stdout.strip().splitlines()
+    assert lines[0].startswith("checksum of 0.21 GB, median of 1:")
+    assert lines[1].split()[:3] == ["one", "piece,", "one"] and lines[1].endswith("1.00x")
+    assert lines[2].lstrip().startswith("pieces of 64 MiB,") and lines[2].endswith("x")

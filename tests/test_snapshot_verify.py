@@ -13,6 +13,7 @@ import stat
 import numpy as np
 import torch
 
+from resilient_rl.workers.snapshots import meta
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles, node_path
 
 from test_snapshot_copy import Rank, assert_same, mlp
@@ -51,7 +52,7 @@ def test_a_damaged_own_or_handed_over_copy_is_refused():
     rank = Rank(mlp)
     rank.train(0)
     copy = rank.snapshot(1)["roles"]["actor"]  # taken, sealed and published
-    assert copy["checksum"].startswith("xxh3_64:")
+    assert copy["checksum"].startswith("xxh3_64_pieces:")
     other = Rank(mlp)
     other.train(3)
     before = other.fingerprint()
@@ -80,7 +81,7 @@ def test_a_copy_its_process_left_unsealed_is_loaded_from_node_memory_as_written(
     fresh = Rank(mlp)
     assert fresh.snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) == "unsealed"
     assert_same(fresh.fingerprint(), rank.fingerprint())
-    assert "no xxh3_64 checksum" in rank.snapshot_restorer.load_snapshot(1)["corrupt"]
+    assert "no xxh3_64_pieces checksum" in rank.snapshot_restorer.load_snapshot(1)["corrupt"]
     files = NodeFiles(node_path(run_dir), "actor", 0)
     files.invalidate(files.find(2, 1, "1.1")[0])  # what a take does before writing a slot again
     assert Rank(mlp).snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) is False
@@ -211,3 +212,25 @@ def test_a_copy_left_under_another_clusters_node_id_is_found_only_when_asked_for
     assert fresh.snapshot_restorer.node_copy_here(1, anywhere) and not fresh.snapshot_restorer.node_copy_here(2, anywhere)
     assert fresh.snapshot_restorer.load_snapshot(1, anywhere) is True
     assert_same(fresh.fingerprint(), rank.fingerprint())
+
+
+def test_the_checksum_hashes_pieces_on_threads_and_its_value_does_not_depend_on_them(monkeypatch):
+    """The checksum is xxh3 over pieces, hashed on several threads: the same value on one thread
+    or many, a flipped byte seen in any piece (the last one short), and a checksum of the whole
+    bytes in one piece, as copies were sealed before, still checked."""
+    monkeypatch.setattr(meta, "PIECE", 1000)
+    data = np.random.default_rng(0).integers(0, 256, 4500, dtype=np.uint8)
+    monkeypatch.setattr(meta, "THREADS", 1)
+    one = meta.checksum(data)
+    monkeypatch.setattr(meta, "THREADS", 3)
+    assert meta.checksum(data) == one and one.startswith("xxh3_64_pieces:")
+    assert meta.checksum(data, 4000) != one  # the first 4,000 bytes only
+    for offset in (0, 999, 1000, 4499):
+        bad = data.copy()
+        bad[offset] ^= 1
+        assert "does not match" in meta.verify({"checksum": one, "data": bad, "bytes": 4500}), offset
+    assert meta.verify({"checksum": one, "data": data, "bytes": 4500}) is None
+    whole = meta.checksum(data, algorithm=meta.WHOLE)
+    assert whole.startswith("xxh3_64:") and meta.verify({"checksum": whole, "data": data, "bytes": 4500}) is None
+    assert "does not match" in meta.verify({"checksum": whole, "data": data[::-1].copy(), "bytes": 4500})
+    assert meta.verify({"checksum": "md5:00", "data": data, "bytes": 4500}) == "no xxh3_64_pieces checksum (got 'md5:00')"

@@ -10,15 +10,21 @@ written as JSON through the same structure-preserving flattening a checkpoint's 
 small tensors of the plain parts (the RNG state) as base64 with their dtype and shape. Loading it can build only dicts, lists, tuples, numbers and
 strings.
 
-The checksum (:func:`checksum`, xxHash3 64-bit of the packed bytes, about 15 GB/s on one core) is
-computed on the worker's "snapshot" thread after the copy, off the step's path, and checked
-before any copy is written into a rank's tensors: a torn or flipped copy is never restored.
+The checksum (:func:`checksum`) is computed on the worker's "snapshot" thread after the copy, off
+the step's path, and checked before any copy is written into a rank's tensors: a torn or flipped
+copy is never restored. It is xxHash3 64-bit over pieces of :data:`PIECE` bytes, hashed on up to
+:data:`THREADS` threads (xxhash releases the GIL), then over the pieces' digests: the check is on
+a recovery's path, and one core hashes about 12 GB/s, 0.5 s for a 0.5 B actor's 6.5 GB and 1.6 s
+for a 1.5 B actor's 18.6 GB. The value does not depend on the number of threads. A checksum of the
+whole bytes in one piece (``xxh3_64``, written before) is still checked.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,28 +35,57 @@ from resilient_rl.checkpoint.state_tree import flatten_state, unflatten_state
 from resilient_rl.errors import CheckpointError
 
 #: Name of the checksum algorithm, stored with each checksum (a reader refuses one it does not know).
-ALGORITHM = "xxh3_64"
+ALGORITHM = "xxh3_64_pieces"
+#: The checksum of the whole bytes in one piece, written before :data:`ALGORITHM`: still checked.
+WHOLE = "xxh3_64"
+#: Bytes of one piece of the checksum (part of the algorithm: changing it changes every value).
+PIECE = 64 << 20
+#: Threads that hash pieces at once, at most.
+THREADS = min(8, os.cpu_count() or 1)
+
+_POOL: list[ThreadPoolExecutor] = []
 
 
-def checksum(data: np.ndarray | memoryview, nbytes: int | None = None) -> str:
-    """``"xxh3_64:<hex>"`` of the first ``nbytes`` bytes of ``data`` (all of it by default)."""
+def _view(data: np.ndarray | memoryview, nbytes: int | None) -> memoryview:
     view = memoryview(np.ascontiguousarray(np.asarray(data, dtype=np.uint8).reshape(-1))).cast("B")
-    if nbytes is not None:
-        view = view[:nbytes]
-    return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(view)}"
+    return view if nbytes is None else view[:nbytes]
+
+
+def _pieces_digest(view: memoryview) -> str:
+    """xxh3_64 over the little-endian xxh3_64 digests of ``view``'s pieces of :data:`PIECE` bytes."""
+    pieces = [view[start:start + PIECE] for start in range(0, len(view), PIECE)] or [view]
+    if len(pieces) == 1 or THREADS == 1:
+        digests = [xxhash.xxh3_64_intdigest(piece) for piece in pieces]
+    else:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(THREADS, thread_name_prefix="checksum"))
+        digests = list(_POOL[0].map(xxhash.xxh3_64_intdigest, pieces))
+    return xxhash.xxh3_64_hexdigest(np.asarray(digests, dtype="<u8").tobytes())
+
+
+def checksum(data: np.ndarray | memoryview, nbytes: int | None = None, algorithm: str = ALGORITHM) -> str:
+    """``"<algorithm>:<hex>"`` of the first ``nbytes`` bytes of ``data`` (all of it by default):
+    :data:`ALGORITHM` (the pieces), or :data:`WHOLE` (the bytes in one piece)."""
+    view = _view(data, nbytes)
+    if algorithm == WHOLE:
+        return f"{WHOLE}:{xxhash.xxh3_64_hexdigest(view)}"
+    if algorithm != ALGORITHM:
+        raise ValueError(f"unknown snapshot checksum algorithm {algorithm!r} (known: {ALGORITHM}, {WHOLE})")
+    return f"{ALGORITHM}:{_pieces_digest(view)}"
 
 
 def verify(snap: dict) -> str | None:
     """Why the packed data of ``snap`` (a snapshot dict with its ``data``) cannot be trusted, or
     None when its checksum matches. A snapshot without a checksum is not trusted either."""
     want = snap.get("checksum")
-    if not isinstance(want, str) or not want.startswith(ALGORITHM + ":"):
+    algorithm = want.split(":", 1)[0] if isinstance(want, str) and ":" in want else None
+    if algorithm not in (ALGORITHM, WHOLE):
         return f"no {ALGORITHM} checksum (got {want!r})"
     data = snap.get("data")
     nbytes = int(snap.get("bytes", 0))
     if data is None or np.asarray(data).nbytes < nbytes:
         return f"data is shorter than its {nbytes} bytes"
-    got = checksum(data, nbytes)
+    got = checksum(data, nbytes, algorithm)
     return None if got == want else f"checksum {got} does not match the recorded {want}"
 
 
