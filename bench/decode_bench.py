@@ -33,13 +33,19 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def decode_model(config: dict) -> torch.nn.Module:
-    """The model of ``config`` with random weights (seed 0) on :func:`device`, bf16 on a GPU, in eval mode."""
+def decode_model(config: dict, fused: bool = True) -> torch.nn.Module:
+    """The model of ``config`` with random weights (seed 0) on :func:`device`, bf16 on a GPU, in
+    eval mode, its projections fused as a rollout's are (``fused``; see
+    ``resilient_rl/models/fused_projections.py``)."""
+    from resilient_rl.models.fused_projections import fuse_projections
     from resilient_rl.models.hf import load_hf_causal_lm
 
     torch.manual_seed(0)
     cuda = device() == "cuda"
-    return load_hf_causal_lm(hf_config=config).to(device=device(), dtype=torch.bfloat16 if cuda else None).eval()
+    model = load_hf_causal_lm(hf_config=config).to(device=device(), dtype=torch.bfloat16 if cuda else None).eval()
+    if fused:
+        fuse_projections(model)
+    return model
 
 
 def synchronize() -> None:

@@ -219,6 +219,9 @@ def test_decode_profile_bench_times_each_way_and_prints_the_profile():
     compiled = next(line for line in out.splitlines() if "compiled, no CUDA graphs" in line)
     assert "ms per decode step" in eager and "0 compiles" in eager
     assert "1 compiles" in compiled and "eager fallback: None" in compiled, compiled
+    unfused = next(line for line in out.splitlines() if "compiled, unfused" in line)
+    assert "1 compiles" in unfused and "eager fallback: None" in unfused, unfused
+    assert "projections fused / unfused, compiled: " in out
     assert "Self CPU" in out  # the profiler's table
 
 

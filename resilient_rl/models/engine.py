@@ -25,6 +25,10 @@ from the plain mode's in how it gets there:
   few fixed sizes (:func:`~resilient_rl.models.decode_step.row_buckets`) that holds the unfinished
   rows, when that drops at least ``compact_min_fraction`` of it: one compile serves every bucket
   (the batch is a symbol of the compiled step), with one CUDA graph per bucket and span.
+- **Fewer, larger products.** A rollout model's query, key and value projections run as one
+  matrix product, and its MLP's gate and up projections as another
+  (:mod:`resilient_rl.models.fused_projections`, for the Llama family): four products a layer
+  instead of seven.
 - **Compiled step.** With ``compile`` (default: on a CUDA device) the decode step runs through
   ``torch.compile``; on CUDA with ``cuda_graphs`` it is captured in a CUDA graph per bucket and
   span (:mod:`resilient_rl.models.decode_step`, which also counts compiles and graph breaks).
@@ -50,6 +54,7 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.models.cache_attention import BLOCK, EngineStep, engine_attention
 from resilient_rl.models.decode_kept import step_key
 from resilient_rl.models.decode_step import DecodeStep, row_buckets
+from resilient_rl.models.fused_projections import refuse
 from resilient_rl.models.generation import (
     GenerationOutput,
     _eos_tensor,
@@ -232,6 +237,7 @@ def generate_static(
     reason = static_unsupported_reason(model)
     if reason is not None:
         raise ConfigError(f"rollout.engine='static' cannot run this model: {reason}")
+    refuse(model)  # fused projections cut off from their parameters (replaced, or copied by a .to) fused again
     tiny = isinstance(model, TinyCausalLM)
     forward, shape_of, limit_of = (_tiny_forward, _tiny_shape, _tiny_limit) if tiny else \
         (_hf_forward, _hf_shape, _hf_limit)

@@ -24,6 +24,7 @@ import torch
 from resilient_rl.errors import WorkerError
 from resilient_rl.models.engine import compiles_decode, generate_static, resolve_engine
 from resilient_rl.models.factory import build_causal_lm
+from resilient_rl.models.fused_projections import fuse_projections
 from resilient_rl.models.generation import generate
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.compile_cache import CompileCache
@@ -57,6 +58,7 @@ class RolloutEngine:
         self.model = to_device(build_causal_lm(model_cfg, vocab_size, seed, empty=empty), plan.device)
         if plan.mixed_precision:
             self.model = self.model.to(plan.param_dtype)
+        fuse_projections(self.model)  # one product for q, k, v and one for gate, up (models/fused_projections.py)
         self.model.requires_grad_(False)
         self.model.train(False)
         self.eos_token_id = eos_token_id
