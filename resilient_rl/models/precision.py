@@ -1,18 +1,59 @@
-"""The dtype an operator computes a tensor in under autocast."""
+"""The dtype an operator computes a tensor in under autocast, and activations handed on in it.
+
+A replica (one rank, or no FSDP) keeps fp32 weights and computes under bf16 autocast. Its residual
+stream stays fp32, and so do the outputs of a Hugging Face model's RMS norms and rotary embedding,
+though every consumer of the norms' outputs is a matrix product that casts its input to bf16 (each
+of them casting it again: five casts a layer for q, k, v, gate and up), and the rotary embedding's
+fp32 ``cos``/``sin`` turn the bf16 query and key into fp32 tensors for the whole rotary arithmetic
+(which the attention then casts back). :func:`hand_on_in_autocast_dtype` makes those outputs
+autocast's dtype where they are made, as FSDP2's mixed precision has them: the products compute on
+the same bf16 values, the rotary arithmetic and what it saves for the backward are half as wide,
+and the casts happen once. Measured with a dispatch-mode count of one forward and backward (a
+2-layer Qwen2 at the 1.5 B layer shape, 512 tokens, checkpointed): activation bytes written outside
+the products fell from 1,441 KB to 1,249 KB a token (docs/performance.md).
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["compute_dtype"]
+__all__ = ["compute_dtype", "hand_on_in_autocast_dtype"]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matrix product or attention computes floating-point ``x`` in: autocast's where
     it is on for ``x``'s device, else ``x``'s own. Under autocast over fp32 weights a Hugging Face
     model's query and key come out of the rotary embedding in fp32 (the half-precision projection
-    times fp32 ``cos``/``sin``), and the head's weight stays fp32, though both compute in bf16."""
+    times fp32 ``cos``/``sin``) unless :func:`hand_on_in_autocast_dtype` hooks the model, and the
+    head's weight stays fp32, though both compute in bf16."""
     kind = x.device.type
     if x.dtype.is_floating_point and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype
+
+
+def _in_autocast_dtype(module: nn.Module, args, output):
+    """A forward hook: ``output`` (a tensor or a tuple of them) in autocast's dtype where autocast
+    is on for its device and it is wider; else unchanged."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    first = outputs[0]
+    if not isinstance(first, torch.Tensor) or not torch.is_autocast_enabled(first.device.type):
+        return output
+    dtype = torch.get_autocast_dtype(first.device.type)
+    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.element_size() > torch.empty((), dtype=dtype).element_size() else t for t in outputs)
+    return cast if isinstance(output, tuple) else cast[0]
+
+
+def hand_on_in_autocast_dtype(model: nn.Module) -> int:
+    """Hook ``model``'s RMS norms and rotary embeddings (by class name: ``...RMSNorm``,
+    ``...RotaryEmbedding``) so that, under autocast, their outputs leave in autocast's dtype (see
+    the module docs); outside autocast nothing changes. How many modules were hooked."""
+    hooked = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm") or name.endswith("RotaryEmbedding"):
+            module.register_forward_hook(_in_autocast_dtype)
+            hooked += 1
+    return hooked

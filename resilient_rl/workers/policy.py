@@ -14,6 +14,7 @@ from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import ppo_policy_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
+from resilient_rl.models.precision import hand_on_in_autocast_dtype
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
@@ -66,6 +67,8 @@ class PolicyEngine:
         self.model = wrap_model(model, plan, strategy, reshard_after_forward=reshard_after_forward)
         self.model.train(False)
         self._autocast = plan.autocast_enabled(self.model)
+        if self._autocast:  # norms and rotary embeddings hand on bf16, as FSDP2's mixed precision does
+            hand_on_in_autocast_dtype(self.model)
         # A scoring-only engine (the ref) keeps one forward per batch, as before ``auto`` existed.
         self.micro_batch_tokens, self.memory_plan = memory_plan.resolve(
             getattr(actor_cfg, "micro_batch_tokens", None) if trainable else None, role="actor", model=self.model,

@@ -6,6 +6,7 @@ import torch
 
 from resilient_rl.algos.losses import value_loss
 from resilient_rl.models.factory import build_value_model
+from resilient_rl.models.precision import hand_on_in_autocast_dtype
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
@@ -42,6 +43,8 @@ class ValueEngine:
             seq_len=planned_seq_len(model_cfg, self.model), colocated=colocated, kv_rows=kv_rows)
         self.model.train(False)
         self._autocast = plan.autocast_enabled(self.model)
+        if self._autocast:  # norms and rotary embeddings hand on bf16, as FSDP2's mixed precision does
+            hand_on_in_autocast_dtype(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
         # What checkpoints and snapshots of this rank carry (a role registers its own parts here).
