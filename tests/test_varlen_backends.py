@@ -226,7 +226,7 @@ def test_under_autocast_the_varlen_kernel_takes_the_packed_model_in_autocasts_dt
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     logits.float().square().mean().backward()
-    assert chosen == [torch.bfloat16] * 2  # one packed call per layer
+    assert chosen == [torch.bfloat16]  # once for the packed forward, which both layers then take
     assert [c["dtypes"] for c in calls if "dtypes" in c] == [(torch.bfloat16,) * 3] * 2
     assert all(p.grad is not None for p in model.parameters())
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -250,3 +250,116 @@ def test_the_bench_times_the_shapes_and_ways_it_is_asked_for():
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["tiny:", "split", "padded"]
     with pytest.raises(AssertionError, match="--ways: unknown sideways"):
         run_on_cpu("varlen.py", "--ways", "sideways")  # its stderr is the failed assertion's message
+
+
+def _traceable_varlen_kernel():
+    """A stand-in for torch's ``varlen_attn`` that the compiler traces as it does torch's: a custom
+    operator with a fake and an autograd formula (computed per sequence with SDPA on the CPU)."""
+    import torch.library
+
+    def attend(q, k, v, cu, scale):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        lengths = torch.diff(cu).tolist()
+        return torch.cat([F.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1),
+                                                         is_causal=True, scale=scale).transpose(0, 1)
+                          for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+
+    if not hasattr(torch.ops.rrl_test, "varlen"):
+        @torch.library.custom_op("rrl_test::varlen", mutates_args=())
+        def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+                   scale: float | None) -> torch.Tensor:
+            return attend(q, k, v, cu, scale)
+
+        @torch.library.custom_op("rrl_test::varlen_backward", mutates_args=())
+        def varlen_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                            scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            # Causal attention's gradient per sequence, in fp32 (autograd does not run inside an operator).
+            groups = q.shape[1] // k.shape[1]
+            s = q.shape[-1] ** -0.5 if scale is None else scale
+            dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                qs, go = q[a:b].float().transpose(0, 1), grad[a:b].float().transpose(0, 1)  # [h, n, D]
+                ks, vs = (t[a:b].float().transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))
+                causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+                p = torch.softmax((qs @ ks.transpose(1, 2) * s).masked_fill(~causal, float("-inf")), -1)
+                dp = go @ vs.transpose(1, 2)
+                ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+                dq[a:b] = (ds @ ks * s).transpose(0, 1)
+                dk[a:b] = (ds.transpose(1, 2) @ qs * s).unflatten(0, (-1, groups)).sum(1).transpose(0, 1)
+                dv[a:b] = (p.transpose(1, 2) @ go).unflatten(0, (-1, groups)).sum(1).transpose(0, 1)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+        varlen.register_fake(lambda q, k, v, cu, longest, scale: torch.empty_like(q))
+        varlen_backward.register_fake(lambda grad, q, k, v, cu, scale: (torch.empty_like(q), torch.empty_like(k),
+                                                                         torch.empty_like(v)))
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_backward(*inputs[:4])
+            ctx.scale = inputs[5]
+
+        def backward(ctx, grad):
+            q, k, v, cu = ctx.saved_tensors
+            return (*torch.ops.rrl_test.varlen_backward(grad, q, k, v, cu, ctx.scale), None, None, None)
+
+        varlen.register_autograd(backward, setup_context=setup)
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False):
+        return torch.ops.rrl_test.varlen(query, key, value, cu_seq_q, max_q, scale)
+
+    return varlen_attn
+
+
+def test_compiled_blocks_run_the_varlen_kernel_inside_their_graph(monkeypatch):
+    """``actor.compile`` on a GPU with a varlen kernel (here a traceable stand-in, chosen as on a
+    GPU): the packed forward's kernel is decided before the blocks run, so each block stays one
+    graph across micro-batches of other layouts, with no graph break (the split backend breaks
+    each block at its attention), and computes what the eager model does."""
+    from torch._dynamo.utils import counters
+
+    from resilient_rl.models.hf import load_hf_causal_lm
+    from resilient_rl.workers.block_options import apply_block_options
+    from resilient_rl.workers.logprob import response_logprobs
+
+    monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", _traceable_varlen_kernel)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    on_a_gpu = varlen.choose_backend
+    monkeypatch.setattr(varlen, "choose_backend", lambda device, dtype, dropout: on_a_gpu(torch.device("cuda"),
+                                                                                           dtype, dropout))
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, *a, **k: compile_module(self, *a, **{**k, "backend": "aot_eager"}))
+    config = {"model_type": "qwen2", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": 128, "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    eager = load_hf_causal_lm(hf_config=config)
+    model = load_hf_causal_lm(hf_config=config)
+    model.load_state_dict(eager.state_dict())
+    apply_block_options(model, compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    frames = []
+    for i, (rows, prompt, resp) in enumerate([(4, 16, 24), (5, 20, 30), (3, 12, 40)]):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(3, 97, (rows, prompt + resp), generator=g)
+        mask = torch.ones_like(ids)
+        for r in range(rows):
+            mask[r, :int(torch.randint(0, prompt // 2, (), generator=g))] = 0
+            mask[r, prompt + int(torch.randint(1, resp, (), generator=g)):] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                 "responses": ids[:, prompt:]}
+        out = {}
+        for name, m in (("compiled", model), ("eager", eager)):
+            m.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, ent = response_logprobs(m, batch, torch.device("cpu"), pack=True)
+            (logp.sum() + ent.sum()).backward()
+            out[name] = (logp.detach(), m.model.layers[0].self_attn.q_proj.weight.grad.clone())
+        frames.append(counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=0.02, atol=0.02)
+        torch.testing.assert_close(out["compiled"][1], out["eager"][1], rtol=0.05, atol=0.05)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert frames[0] > 0 and frames == [frames[0]] * len(frames), frames

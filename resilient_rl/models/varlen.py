@@ -78,6 +78,10 @@ shape                                  split      right-padded  flex        torc
 The second shape is a micro-batch of the 0.5 B workload: there the split takes 8 times the
 varlen kernel's time, one kernel launch per sequence and layer.
 
+Compiled blocks (``actor.compile``) keep the varlen kernels inside their graphs: a packed
+forward's kernel is decided before the blocks run (:func:`plan_kernel`), and both kernels are
+custom operators; only the split breaks a compiled block at its attention.
+
 Hugging Face models reach this through :mod:`resilient_rl.models.varlen_hf`.
 """
 
@@ -86,6 +90,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +100,7 @@ from resilient_rl.errors import ModelInputError
 from resilient_rl.models.packing import PackedLayout
 from resilient_rl.models.precision import compute_dtype
 
-__all__ = ["BLOCK", "choose_backend", "document_block_mask", "varlen_attention"]
+__all__ = ["BLOCK", "KernelPlan", "choose_backend", "document_block_mask", "plan_kernel", "varlen_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +169,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, dropout: float = 0.
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                      scale: float | None = None, backend: str | None = None, dropout: float = 0.0,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, plan: KernelPlan | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence of ``layout``; returns ``[B, heads, T, D]``.
 
     ``dropout``: attention dropout probability. ``window``: a sliding window, each query seeing
@@ -171,12 +177,52 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     than the window, each with its own ``L x L`` band. The flex backend has neither and raises
     :class:`ModelInputError` when asked. ``backend`` overrides :func:`choose_backend`.
 
-    Inside a compiled region this runs outside the graph (the sequence lengths are host values,
-    which a graph would specialise on); the flex backend compiles its own call.
+    Inside a compiled region (``actor.compile``: every block compiled) a call with a
+    :class:`KernelPlan` (``plan``, made by :func:`plan_kernel` before the blocks run) and no dropout
+    runs its varlen kernel inside the graph: the kernels are custom operators, the sequence
+    starts a tensor and the longest a symbol, so each block stays one graph. Any other call runs
+    outside the graph (the split's sequence lengths are host values, which a graph would
+    specialise on); the flex backend compiles its own call.
     """
     if torch.compiler.is_compiling():
-        return _outside_graph()(q, k, v, layout, scale, backend, dropout, window)
-    return _attention(q, k, v, layout, scale, backend, dropout, window)
+        if plan is not None and backend is None and not dropout:
+            return _planned(q, k, v, plan, scale, window)
+        return _outside_graph()(q, k, v, layout, scale, backend, dropout, window, plan)
+    return _attention(q, k, v, layout, scale, backend, dropout, window, plan)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelPlan:
+    """A packed forward's varlen kernel, decided before its compiled blocks run: the backend
+    (``"flash"`` or ``"torch"``), the dtype it computes in, the sequences' starts on the device,
+    the longest sequence, the kernel, and whether it reads grouped key/value heads as they are."""
+
+    backend: str
+    dtype: torch.dtype
+    cu_seqlens: torch.Tensor
+    longest: int
+    kernel: Callable
+    gqa: bool
+
+
+def plan_kernel(layout: PackedLayout, device: torch.device, dtype: torch.dtype | None) -> KernelPlan | None:
+    """The :class:`KernelPlan` of a packed forward on ``device`` computing in ``dtype``, or None
+    where no varlen kernel serves it (the split then runs outside the graph)."""
+    backend = choose_backend(device, dtype, 0.0) if dtype is not None else "split"
+    if backend not in ("flash", "torch"):
+        return None
+    kernel = _flash_varlen_func() if backend == "flash" else _torch_varlen_func()
+    cu, longest = _cu_seqlens(layout, device)
+    return KernelPlan(backend, dtype, cu, longest, kernel, backend == "flash" or _takes_gqa(kernel))
+
+
+def _planned(q, k, v, plan: KernelPlan, scale: float | None, window: int | None) -> torch.Tensor:
+    """:func:`varlen_attention` through ``plan``'s kernel: nothing here reads a host value."""
+    if window is not None and window >= plan.longest:
+        window = None  # no sequence reaches past it
+    if plan.backend == "flash":
+        return _flash_call(q, k, v, plan.kernel, plan.cu_seqlens, plan.longest, scale, 0.0, window, plan.dtype)
+    return _torch_varlen_call(q, k, v, plan.kernel, plan.gqa, plan.cu_seqlens, plan.longest, scale, window, plan.dtype)
 
 
 _OUTSIDE_GRAPH: list = []
@@ -192,13 +238,15 @@ def _outside_graph():
 
 
 def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str | None, dropout: float,
-               window: int | None) -> torch.Tensor:
+               window: int | None, plan: KernelPlan | None = None) -> torch.Tensor:
     batch, heads, seq, dim = q.shape
     if (batch, seq) != (layout.batch, layout.seq) or k.shape[2] != seq or heads % k.shape[1]:
         raise ModelInputError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit "
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
     chosen = backend is None
     dtype = compute_dtype(q)
+    if chosen and plan is not None and not dropout and plan.dtype == dtype and not _TORCH_VARLEN_FAILED:
+        backend = plan.backend  # the forward's choice (plan_kernel), made once for its layers
     backend = backend or choose_backend(q.device, dtype, dropout)
     if chosen and backend not in _ANNOUNCED:
         _ANNOUNCED.add(backend)
@@ -289,7 +337,11 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
     kernel = _flash_varlen_func()
     if kernel is None:
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
-    cu, longest = _cu_seqlens(layout, q.device)
+    return _flash_call(q, k, v, kernel, *_cu_seqlens(layout, q.device), scale, dropout, window, dtype)
+
+
+def _flash_call(q, k, v, kernel, cu: torch.Tensor, longest: int, scale: float | None, dropout: float,
+                window: int | None, dtype: torch.dtype | None) -> torch.Tensor:
     # flash-attn's window counts the keys on each side of the query, the query not included.
     q_, k_, v_ = (_token_major(x, dtype=dtype) for x in (q, k, v))
     out = kernel(q_, k_, v_, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale, causal=True,
@@ -299,11 +351,16 @@ def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, w
 
 def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    cu, longest = _cu_seqlens(layout, q.device)
     kernel = _torch_varlen_func()
+    return _torch_varlen_call(q, k, v, kernel, _takes_gqa(kernel), *_cu_seqlens(layout, q.device), scale, window,
+                              dtype)
+
+
+def _torch_varlen_call(q, k, v, kernel, takes_gqa: bool, cu: torch.Tensor, longest: int, scale: float | None,
+                       window: int | None, dtype: torch.dtype | None) -> torch.Tensor:
     grouped, repeat = {}, 1
     if q.shape[1] != k.shape[1]:
-        if _takes_gqa(kernel):
+        if takes_gqa:
             grouped = {"enable_gqa": True}
         else:  # query head i reads key/value head i // repeat
             repeat = q.shape[1] // k.shape[1]

@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from resilient_rl.models.packing import PackedLayout, packed_layout
-from resilient_rl.models.varlen import varlen_attention
+from resilient_rl.models.varlen import KernelPlan, plan_kernel, varlen_attention
 
 __all__ = ["HF_ATTENTION", "use_varlen_attention"]
 
@@ -28,10 +28,10 @@ class _PackedMask:
     """What :func:`_hf_mask` hands the attention layers of a packed call in place of a mask tensor:
     the rows' :class:`~resilient_rl.models.packing.PackedLayout`, read once per forward."""
 
-    __slots__ = ("layout",)
+    __slots__ = ("layout", "plan")
 
-    def __init__(self, layout: PackedLayout):
-        self.layout = layout
+    def __init__(self, layout: PackedLayout, plan: KernelPlan | None = None):
+        self.layout, self.plan = layout, plan
 
     def __repr__(self) -> str:
         return f"PackedMask(lengths={self.layout.lengths})"
@@ -42,7 +42,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """transformers' attention-function contract (outputs ``[B, T, heads, D]``, no weights)."""
     if isinstance(attention_mask, _PackedMask):
         out = varlen_attention(query, key, value, attention_mask.layout, scale=scaling, dropout=dropout,
-                               window=sliding_window)
+                               window=sliding_window, plan=attention_mask.plan)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -63,7 +63,10 @@ def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: 
     if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
         layout = packed_layout(positions.expand(batch_size, -1))
         if len(layout.lengths) > batch_size:
-            return _PackedMask(layout)
+            # The kernel of compiled blocks, decided here, outside them: autocast's dtype, else the inputs'.
+            kind = positions.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else kwargs.get("dtype")
+            return _PackedMask(layout, plan_kernel(layout, positions.device, dtype))
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(batch_size=batch_size, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
