@@ -11,7 +11,8 @@
 # each part's limit is cut to what is left of it, and the workloads share what the part before
 # them left.
 #   0. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
-#      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes;
+#      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes, and the
+#      same with every block compiled;
 #   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
 #      tokens/s/GPU, whether the gradients were finite, decode compiles and graph breaks, the packed
 #      attention each rank took, one actor SIGKILL's recovery time (its phases, and each role's
@@ -53,12 +54,13 @@ within() {  # a part's limit in seconds, cut to what is left of the budget (SIGK
     fi
     echo "$want"
 }
-# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile. (Its variants, the
-# log-prob head eager or every block compiled, were taken on an H200 and are slower: 1.39x and
-# 1.30x; docs/performance.md. `--variant NAME=KEY=VALUE` times one again.)
-mfu_args=(--workload gsm8k-1.5b --rows 32 --repeats 2)
+# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with every
+# block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
+# graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
+# slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again.
+mfu_args=(--workload gsm8k-1.5b --rows 32 --repeats 2 --variant compiled_blocks=actor.compile=true)
 echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 130)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
+timeout -k 10 "$(within 200)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
 echo "rc=$?" >> "$out/update_mfu.log"
 grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
