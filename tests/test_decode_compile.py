@@ -14,6 +14,8 @@ from resilient_rl.models.decode_step import DecodeStep
 from resilient_rl.models.engine import generate_static
 from resilient_rl.models.hf import load_hf_causal_lm
 
+from decode_graphs import recorded_decode_graphs
+
 HEADS, KV_HEADS, LAYERS = 4, 2, 2
 CONFIG = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": LAYERS,
           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "intermediate_size": 128,
@@ -24,20 +26,9 @@ CONFIG = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "num_hidde
 def compiled_rollouts():
     """Two rollouts with compaction through the compiled step, the graphs the compiler was given,
     and the same rollouts eager."""
-    from torch._inductor.compile_fx import compile_fx
-
     torch.manual_seed(0)
     model = load_hf_causal_lm(hf_config=CONFIG).eval()
-    graphs = []
-
-    def recording_inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
-    saved = DecodeStep.backend, dict(DecodeStep._compiled), DecodeStep.failure
-    DecodeStep.backend, DecodeStep._compiled, DecodeStep.failure = recording_inductor, {}, None
-    torch._dynamo.reset()
-    try:
+    with recorded_decode_graphs() as graphs:
         gen = torch.Generator().manual_seed(3)
         ids = torch.randint(1, 64, (4, 10), generator=gen)
         mask = torch.ones_like(ids)
@@ -54,8 +45,6 @@ def compiled_rollouts():
                  for s in (1, 2)]
         eager += [generate_static(model, ids, mask, compile=False, generator=torch.Generator().manual_seed(s), **args)
                   for s in (1, 2)]
-    finally:
-        DecodeStep.backend, DecodeStep._compiled, DecodeStep.failure = saved
     return runs[1:] + runs[:1], eager[1:] + eager[:1], graphs
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient_rl.models.decode_step import DecodeStep
 from resilient_rl.models.engine import generate_static
 from resilient_rl.models.fused_projections import fuse_projections, fused_modules, refuse
 from resilient_rl.models.hf import load_hf_causal_lm
+
+from decode_graphs import recorded_decode_graphs
 
 LAYERS = 2
 
@@ -101,24 +102,11 @@ def test_the_compiled_decode_step_makes_four_products_a_layer_not_seven():
     """The compiler's own graph of the decode step: per layer one product for query, key and
     value, one for gate and up, the output and down projections, and the head: ``4 * LAYERS + 1``
     linear maps against ``7 * LAYERS + 1`` for the model unfused; and no graph break."""
-    from torch._inductor.compile_fx import compile_fx
-
     def linear_maps(model) -> tuple[int, dict]:
-        graphs = []
-
-        def recording(gm, example_inputs):
-            graphs.append(gm)
-            return compile_fx(gm, example_inputs)
-
-        saved = DecodeStep.backend, dict(DecodeStep._compiled), DecodeStep.failure
-        DecodeStep.backend, DecodeStep._compiled, DecodeStep.failure = recording, {}, None
-        torch._dynamo.reset()
-        try:
+        with recorded_decode_graphs() as graphs:
             ids, mask = prompts()
             stats = generate_static(model, ids, mask, max_new_tokens=6, temperature=1.0, compile=True,
                                     generator=torch.Generator().manual_seed(0)).engine_stats
-        finally:
-            DecodeStep.backend, DecodeStep._compiled, DecodeStep.failure = saved
         assert len(graphs) == 1, stats
         return sum(1 for n in graphs[0].graph.nodes if n.op == "call_function"
                    and n.target is torch._C._nn.linear), stats
