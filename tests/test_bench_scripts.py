@@ -302,3 +302,12 @@ def test_snapshot_checksum_bench_times_both_checksums_on_one_buffer():
     assert lines[0].startswith("checksum of 0.21 GB, median of 1:")
     assert lines[1].split()[:3] == ["one", "piece,", "one"] and lines[1].endswith("1.00x")
     assert lines[2].lstrip().startswith("pieces of 64 MiB,") and lines[2].endswith("x")
+
+
+def test_activation_bytes_bench_counts_both_ways_in_one_run():
+    lines = run_on_cpu("activation_bytes.py", "--workload", "gsm8k-0.5b", "--layers", "1", "--vocab", "512",
+                       "--rows", "4", "--prompt", "16", "--response", "32").stdout.strip().splitlines()
+    before, after, ratio = lines[-3:]
+    assert before.startswith("norms and rotary fp32 (before): ") and after.startswith("norms and rotary bf16: ")
+    assert "KB a token written outside the products" in after and "_to_copy" in before
+    assert ratio.startswith("ratio: ") and float(ratio.split()[1].rstrip("x")) < 1.0
