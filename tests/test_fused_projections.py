@@ -87,6 +87,12 @@ def test_a_parameter_cut_off_from_the_fused_weight_is_fused_again():
         fused.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(plain.model.layers[1].mlp.up_proj.weight.clone())
     assert torch.equal(greedy(fused), greedy(plain))  # generate_static fused again first
     assert refuse(fused) == 0 and all(m.rrl_fused_weight.dtype == torch.float64 for m in fused_modules(fused))
+    # A projection that is no longer a plain linear map: that module goes back to the model's own forward.
+    mlp = fused.model.layers[0].mlp
+    mlp.gate_proj = torch.nn.Sequential(mlp.gate_proj)
+    plain.model.layers[0].mlp.gate_proj = torch.nn.Sequential(plain.model.layers[0].mlp.gate_proj)
+    assert refuse(fused) == 0 and type(mlp) is type(plain.model.layers[0].mlp) and not hasattr(mlp, "rrl_fused_weight")
+    assert torch.equal(greedy(fused), greedy(plain))
 
 
 def test_models_of_other_classes_are_left_as_they_are():

@@ -32,13 +32,13 @@ from torch import nn
 
 __all__ = ["ATTENTION", "MLP", "fuse_projections", "fused_modules", "refuse"]
 
-#: Attention classes whose forward :func:`_attention_forward` reproduces (projections, rotary
+#: Attention classes whose forward :class:`_FusedAttention` reproduces (projections, rotary
 #: embedding, the attention function, the output projection).
 ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
 #: MLP classes computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
 MLP = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP", "Qwen3MLP"})
 
-#: The projections fused per kind of module, and the forward that uses them.
+#: The projections fused per kind of module.
 _GROUPS = {"attention": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 _FUSED = "_rrl_fused"
 
@@ -81,8 +81,7 @@ def _fuse(module: nn.Module, kind: str) -> bool:
     module.register_buffer("rrl_fused_weight", weight, persistent=False)
     module.register_buffer("rrl_fused_bias", bias, persistent=False)
     setattr(module, _FUSED, sizes)
-    if not hasattr(type(module), "_rrl_base"):
-        module.__class__ = _fused_class(type(module))
+    module.__class__ = _fused_class(type(module))
     return True
 
 
@@ -115,9 +114,16 @@ def refuse(model: nn.Module) -> int:
             and (bias is None or lin.bias.data_ptr() == bias[s:s + 1].data_ptr())
             for lin, s in zip(linears, starts))
         if not intact:
-            delattr(module, _FUSED)
+            _unfuse(module)
             again += _fuse(module, kind)
     return again
+
+
+def _unfuse(module: nn.Module) -> None:
+    """``module`` as it was before :func:`_fuse`: its own class and forward, no fused weight."""
+    module.__class__ = type(module)._rrl_cls
+    for name in ("rrl_fused_weight", "rrl_fused_bias", _FUSED):
+        delattr(module, name)
 
 
 class _FusedMLP:
@@ -160,7 +166,7 @@ def _fused_class(cls: type) -> type:
     name = _PREFIX + cls.__module__.replace(".", "_") + "__" + cls.__name__
     if name not in globals():
         mixin = _FusedAttention if cls.__name__ in ATTENTION else _FusedMLP
-        fused = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name,
+        fused = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name, "_rrl_cls": cls,
                                           "_rrl_base": (cls.__module__, cls.__name__)})
         globals()[name] = fused
     return globals()[name]
