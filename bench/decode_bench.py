@@ -33,10 +33,10 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def decode_model(config: dict, fused: bool = True) -> torch.nn.Module:
+def decode_model(config: dict, fused: bool = False) -> torch.nn.Module:
     """The model of ``config`` with random weights (seed 0) on :func:`device`, bf16 on a GPU, in
-    eval mode, its projections fused as a rollout's are (``fused``; see
-    ``resilient_rl/models/fused_projections.py``)."""
+    eval mode; with ``fused``, its projections fused as a rollout's are
+    (``resilient_rl/models/fused_projections.py``; bench/decode_profile.py times both)."""
     from resilient_rl.models.fused_projections import fuse_projections
     from resilient_rl.models.hf import load_hf_causal_lm
 

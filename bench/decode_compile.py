@@ -31,12 +31,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--backend", default="inductor", help="torch.compile back end (default: inductor)")
+    p.add_argument("--fused", action="store_true", help="the projections fused, as a rollout model's are")
     args = p.parse_args(argv)
 
     from resilient_rl.models.decode_step import DecodeStep
     from resilient_rl.models.engine import generate_static
 
-    model = decode_model(small_qwen2(args.layers, args.hidden, args.heads, args.kv_heads, args.vocab))
+    model = decode_model(small_qwen2(args.layers, args.hidden, args.heads, args.kv_heads, args.vocab), args.fused)
     DecodeStep.backend = args.backend
     ids = torch.randint(8, args.vocab, (args.rows, 32), device=device())
     mask = torch.ones_like(ids)

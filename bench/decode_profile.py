@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     cuda = device() == "cuda"
     w = WORKLOADS[args.workload] if cuda else WORKLOADS[args.workload].tiny()
-    models = {True: decode_model(w.hf_config), False: decode_model(w.hf_config, fused=False)}
+    models = {True: decode_model(w.hf_config, fused=True), False: decode_model(w.hf_config)}
     ids = torch.randint(8, w.tokenizer_vocab, (args.rows, w.prompt_len), device=device())
     mask = torch.ones_like(ids)
 
