@@ -26,8 +26,10 @@ PRINTED_EVENTS = (FailureEvent, FailureDuringRecovery, RecoveryStateEntered, Spa
 EVENT_CHARS = 300
 #: The lines of the rank processes' logs printed as they arrive (the packed-attention kernel each
 #: process chose, compiled code loaded from the run's cache, a decode step traced in every process,
-#: each role's build and its wait for the start-up imports: most of a recovery's rejoin).
-WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:", "of it waiting for the start-up imports")
+#: each role's build and its wait for the start-up imports: most of a recovery's rejoin, and each
+#: rank's restore of a snapshot, its check and its writing: the restore phase).
+WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:", "of it waiting for the start-up imports",
+                "GB: checked in")
 
 
 def stamp(elapsed: float) -> str:

@@ -168,7 +168,7 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
 
 
 def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkeypatch):
-    """The packed-attention kernel a rank process chose, and a role's build time, reach
+    """The packed-attention kernel a rank process chose, a role's build time and a rank's restore, reach
     bench/gpu.py's output (and with it gpu_figures.sh's summary) as they are logged; other worker
     lines, and lines after the run, do not."""
     monkeypatch.syspath_prepend(str(BENCH))
@@ -187,12 +187,16 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
         WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.runtime.worker: rank 0 joined generation 1")
         WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.workers.roles: actor rank 0 built empty in 2.10 s (1.50 s "
                         "of it waiting for the start-up imports)")
+        WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.workers.snapshots.restore: actor rank 0: restored step 4 "
+                        "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s")
     finally:
         progress.finish(run_dir)
     WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: split")
     assert lines == [f"[    0.0 s] {tag} INFO resilient_rl.models.varlen: packed attention: torch's varlen kernel",
                      f"[    0.0 s] {tag} INFO resilient_rl.workers.roles: actor rank 0 built empty in 2.10 s (1.50 s "
-                     "of it waiting for the start-up imports)"]
+                     "of it waiting for the start-up imports)",
+                     f"[    0.0 s] {tag} INFO resilient_rl.workers.snapshots.restore: actor rank 0: restored step 4 "
+                     "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s"]
 
 
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):

@@ -234,3 +234,22 @@ def test_the_checksum_hashes_pieces_on_threads_and_its_value_does_not_depend_on_
     assert whole.startswith("xxh3_64:") and meta.verify({"checksum": whole, "data": data, "bytes": 4500}) is None
     assert "does not match" in meta.verify({"checksum": whole, "data": data[::-1].copy(), "bytes": 4500})
     assert meta.verify({"checksum": "md5:00", "data": data, "bytes": 4500}) == "no xxh3_64_pieces checksum (got 'md5:00')"
+
+
+def test_a_restore_logs_how_long_its_check_and_its_writing_took(tmp_path, caplog):
+    """The restore phase of a recovery is each rank's check and writing of its copy: the rank logs
+    both, so that a run shows which of them its restore time went to."""
+    import logging
+
+    run_dir = str(tmp_path / "resilient-rl-run1")
+    rank = Rank(mlp)
+    rank.train(0)
+    take(rank, 1, run_dir, "1.1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="resilient_rl.workers.snapshots.restore"):
+        assert Rank(mlp).snapshot_restorer.load_snapshot(1, NodeCopy(run_dir, "1.1")) is True
+        assert rank.snapshot_restorer.load_snapshot(1) is True
+    lines = [r.getMessage() for r in caplog.records if "GB: checked in" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("actor rank 0: restored step 1 from its node copy, ") and ", written in " in lines[0]
+    assert lines[1].startswith("actor rank 0: restored step 1 from its own copy, ")
