@@ -80,13 +80,22 @@ def test_weight_syncs_write_the_fused_weight_through_the_parameters():
 
 def test_a_parameter_cut_off_from_the_fused_weight_is_fused_again():
     """A ``.to`` that copies the parameters (or a parameter replaced) leaves the fused weight
-    behind; the next generation finds it by data pointer and fuses again."""
+    behind; the next generation finds it by data pointer and fuses again, keeping the parameter
+    objects, so that what holds them (a colocated sink) still writes into the fused weight."""
     plain, fused = pair()
     plain, fused = plain.to(torch.float64), fused.to(torch.float64)
+    held = dict(fused.named_parameters())  # as the sink pairs them
     with torch.no_grad():
         fused.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(plain.model.layers[1].mlp.up_proj.weight.clone())
     assert torch.equal(greedy(fused), greedy(plain))  # generate_static fused again first
     assert refuse(fused) == 0 and all(m.rrl_fused_weight.dtype == torch.float64 for m in fused_modules(fused))
+    replaced = "model.layers.1.mlp.up_proj.weight"
+    assert all(p is held[n] for n, p in fused.named_parameters() if n != replaced)
+    with torch.no_grad():  # a sync through the held objects reaches the fused weights
+        for name, p in plain.named_parameters():
+            p.mul_(1.5)
+            (held[name] if name != replaced else dict(fused.named_parameters())[name]).copy_(p)
+    assert refuse(fused) == 0 and torch.equal(greedy(fused), greedy(plain))
     # A projection that is no longer a plain linear map: that module goes back to the model's own forward.
     mlp = fused.model.layers[0].mlp
     mlp.gate_proj = torch.nn.Sequential(mlp.gate_proj)

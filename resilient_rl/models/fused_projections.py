@@ -73,9 +73,11 @@ def _fuse(module: nn.Module, kind: str) -> bool:
     sizes = [lin.out_features for lin in linears]
     start = 0
     for lin, size in zip(linears, sizes):
-        lin.weight = nn.Parameter(weight[start:start + size], requires_grad=lin.weight.requires_grad)
+        # The same parameter objects, now viewing the fused weight: whatever holds them (the
+        # colocated actor's sink pairs its parameters with them once) writes into it.
+        lin.weight.data = weight[start:start + size]
         if bias is not None:
-            lin.bias = nn.Parameter(bias[start:start + size], requires_grad=lin.bias.requires_grad)
+            lin.bias.data = bias[start:start + size]
         start += size
     # Buffers (not saved with the model's state): the graph of a compiled step takes them as inputs.
     module.register_buffer("rrl_fused_weight", weight, persistent=False)
