@@ -34,9 +34,9 @@ different lengths), and adds: MFU per phase and per step by the project's and ve
 ``perf/throughput``, one SIGKILL of the actor worker after the measured steps (the recovery's time
 and the steps it replayed), and the same batch through the rollout engine and HF ``generate``
 (dynamic and static cache) as ratios, with the engine's share of the decode roofline
-(bench/gpu_generation.py; the run's rollout model, whose kept decode step the engine loads). ``--tiny`` runs the same workload at small dimensions, end to end, on
-the CPU when there is no GPU (the decode step and the log-prob head compiled as on a GPU, CUDA
-graphs aside).
+(bench/gpu_generation.py; the run's rollout model, whose kept decode step the engine loads).
+``--tiny`` runs the same workload at small dimensions, end to end, on the CPU when there is no GPU
+(the decode step and the log-prob head compiled as on a GPU, CUDA graphs aside).
 
 On a machine without a CUDA device it prints one line saying so and exits 0.
 

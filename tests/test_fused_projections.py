@@ -58,7 +58,7 @@ def test_a_fused_model_computes_what_the_model_does_with_the_same_parameters(mod
     assert torch.equal(greedy(fused), greedy(plain))  # the engine's calls: attention fused too
     attention = fused.model.layers[0].self_attn
     assert attention.q_proj.weight.data_ptr() == attention.rrl_fused_weight.data_ptr()
-    assert type(attention).__name__.endswith("Attention") and isinstance(attention, type(plain.model.layers[0].self_attn))
+    assert isinstance(attention, type(plain.model.layers[0].self_attn))  # the model's class, fused
 
 
 def test_weight_syncs_write_the_fused_weight_through_the_parameters():
