@@ -88,6 +88,7 @@ def _fit(cfg) -> int:
 
     from resilient_rl.run.info import reward_summary
     from resilient_rl.trainer.ppo import PPOTrainer
+    from resilient_rl.trainer.preemption import end_while_stuck
     from resilient_rl.run.log import RunLog
 
     trainer = PPOTrainer(cfg)
@@ -99,7 +100,10 @@ def _fit(cfg) -> int:
         raise
     with RunLog(log_path):  # Ray's start-up notices and the workers' output land here, off the console
         owned = connect(cfg.ray)
-        trainer.preemption.install()  # after ray.init, whose SIGTERM handler would exit at once
+        # After ray.init, whose SIGTERM handler would exit at once. A signal that lands while the
+        # main thread is stuck in a call into Ray's control plane (gone with the job) ends the
+        # run from another thread.
+        trainer.preemption.install(when_stuck=lambda: end_while_stuck(trainer), exit_code=EXIT_PREEMPTED)
         try:
             history = trainer.fit()
         except KeyboardInterrupt:

@@ -210,3 +210,51 @@ def test_a_shutdown_stuck_after_a_preemption_still_exits_with_its_code(ends):
     else:
         assert done.returncode == 143, done.stderr  # (its sleep would outlast the timeout above)
         assert "did not end within 0.5 s" in done.stderr and "exiting with 143" in done.stderr
+
+
+_STUCK_CHILD = """
+import ctypes, signal, sys, time
+from resilient_rl.trainer.preemption import Preemption
+p = Preemption(noted_within_s=0.5)
+p.install(when_stuck=lambda: f"ended from the watch, the run's end recorded ({p.signal_name})", exit_code=143)
+print("ready", flush=True)
+if sys.argv[1] == "stuck":
+    # A native call that does not return on the signal, as one into Ray's control plane once it
+    # is gone: the main thread blocks the signal, which goes to another thread, and sleeps in C.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    ctypes.CDLL(None).sleep(60)
+else:
+    while not p.requested:
+        time.sleep(0.01)
+    time.sleep(1.0)  # past noted_within_s: the watch must not end a run whose main thread acted
+    print("acted on", p.signal_name, flush=True)
+"""
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_signal_the_main_thread_cannot_act_on_still_ends_the_run_as_preempted(tmp_path, stuck):
+    """The signal lands while the main thread is in a native call that does not return on it (a
+    call into Ray's control plane gone with the job blocks until Ray ends the process, 60 s later
+    with exit code 1): the watching thread ends the run and exits 143 within ``noted_within_s``,
+    the main thread's stack in the log. A main thread that acts on the signal is left to it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "controller.py"
+    script.write_text(_STUCK_CHILD)
+    child = subprocess.Popen([sys.executable, str(script), "stuck" if stuck else "responsive"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    if stuck:
+        assert child.returncode == 143, err
+        assert "resilient-rl: ended from the watch, the run's end recorded (SIGTERM)" in err
+        assert "did not act on it within 0.5 s" in err and "CDLL(None).sleep(60)" in err  # where it is stuck
+    else:
+        assert child.returncode == 0 and out == "acted on SIGTERM\n", err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ CONTROLLER_NAME = "controller.json"
 STATES = ("running", "finished", "failed", "interrupted", "preempted")
 # A pid whose process started later than the record's own start time (plus clock slack) was reused.
 _CREATE_TIME_SLACK_S = 2.0
+# A run's end is marked once, by the main thread or by the thread that ends a stuck one.
+_ENDING = threading.Lock()
 
 
 @dataclass
@@ -58,10 +61,16 @@ class ControllerRecord:
         tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
         os.replace(tmp, path)
 
-    def end(self, run_path: str | os.PathLike[str], state: str, step: int, reason: str | None = None) -> None:
-        """Mark the run's ``fit`` as over in ``state`` at ``step``."""
-        self.state, self.end_step, self.reason, self.ended_at = state, step, reason, time.time()
-        self.write(run_path)
+    def end(self, run_path: str | os.PathLike[str], state: str, step: int, reason: str | None = None) -> bool:
+        """Mark the run's ``fit`` as over in ``state`` at ``step``; once: False (and nothing
+        written) when it is marked already, by another thread ending a stuck main thread's run
+        (:mod:`resilient_rl.trainer.signal_watch`) whose main thread then got out."""
+        with _ENDING:
+            if self.state != "running":
+                return False
+            self.state, self.end_step, self.reason, self.ended_at = state, step, reason, time.time()
+            self.write(run_path)
+            return True
 
 
 def read_controller_record(run_path: str | os.PathLike[str]) -> ControllerRecord | None:

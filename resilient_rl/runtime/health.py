@@ -17,15 +17,18 @@ import time
 from typing import Callable
 
 import ray
-from ray.exceptions import RayActorError
-
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
+from resilient_rl.runtime import deadline_call
 from resilient_rl.process_state import process_alive
 from resilient_rl.runtime.worker_group_spares import rehome
 
 logger = logging.getLogger(__name__)
+
+#: How long a probe waits for a read from Ray's control plane before it takes "no answer" (a
+#: control plane gone with the job would block it for a minute: :mod:`.deadline_call`).
+READ_WITHIN_S = 2.0
 
 #: The concurrency groups such classes declare: ``@ray.remote(concurrency_groups=HEALTH_GROUPS)``:
 #: "health" for health calls, "snapshot" for keeping the ring neighbours' snapshot copies (a call
@@ -67,11 +70,13 @@ def kill_process(pid: int, node_id: str) -> None:
 
 def node_answers(node_id: str, timeout_s: float = 1.0) -> bool:
     """Whether node ``node_id``'s raylet accepts a connection now: False for a node Ray lists as
-    dead or not at all, or whose raylet refuses or does not answer within ``timeout_s``.
+    dead or not at all, or whose raylet refuses or does not answer within ``timeout_s``, and when
+    Ray's control plane does not answer within :data:`READ_WITHIN_S`.
 
     Ray marks a lost node dead only after its health checks fail for seconds; its raylet's port
     tells at once (a killed raylet refuses the connection; a machine that went away does not answer)."""
-    record = next((n for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    nodes = deadline_call.within("nodes", ray.nodes, READ_WITHIN_S, otherwise=[])
+    record = next((n for n in nodes if n.get("NodeID") == node_id), None)
     if record is None or not record.get("Alive"):
         return False
     try:
@@ -110,7 +115,8 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
 def _actor_record(actor) -> dict:
     """The GCS's record of ``actor`` (state, pid, restarts); empty when it cannot be read."""
     try:
-        return ray._private.state.actors(actor._actor_id.hex()) or {}
+        return deadline_call.within("actor-record", lambda: ray._private.state.actors(actor._actor_id.hex()),
+                                    READ_WITHIN_S, otherwise={}) or {}
     except Exception:  # the GCS may be briefly unreachable: nothing known
         return {}
 

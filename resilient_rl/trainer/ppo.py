@@ -24,7 +24,7 @@ from resilient_rl.models.hf_folder import check_max_seq_len, model_eos_token_ids
 from resilient_rl.runtime import cluster
 from resilient_rl.runtime.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
-from resilient_rl.run.record import controller_session
+from resilient_rl.run.record import ControllerRecord, controller_session
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
@@ -112,6 +112,7 @@ class PPOTrainer:
         self.roles: WorkerPool | None = None
         self.history: deque[dict] = deque(maxlen=HISTORY_WINDOW)  # the newest rows
         self.trackers = None  # the trainer.loggers backends, open while fit() runs
+        self.controller_record: ControllerRecord | None = None  # controller.json, while fit() runs
         self.telemetry = (TelemetryHook(cfg, self.run_dir, self.run_dir.subscribe) if cfg.telemetry.enabled
                           else None)
         self.ckpt = CheckpointCoordinator(cfg, on_event=self.run_dir.event, metrics=self.telemetry)
@@ -264,7 +265,8 @@ class PPOTrainer:
             if not ray_gone:
                 self.roles.shutdown()
             self.roles = None
-        if self.snapshots is not None and self._claimed and not ray_gone:  # a refused controller's key is the live run's
+        # (A refused controller's key is the live run's.)
+        if self.snapshots is not None and self._claimed and not ray_gone:
             self.snapshots.close()
         self.claim_.release()
         self._claimed = False
@@ -339,6 +341,7 @@ class PPOTrainer:
             self.trackers = build_trackers(self.cfg, self.run_dir)
             try:
                 with controller_session(self.run_dir.path, lambda: self.step) as record:
+                    self.controller_record = record  # for end_while_stuck
                     self.start_roles()
                     record.start_step = self.step
                     record.write(self.run_dir.path)

@@ -24,18 +24,23 @@ to the process's exit: the durable save goes on until its grace period ends (the
 SIGKILL bounds it anyway), and the shutdown after it is not cut short by a signal. It is bounded
 in time instead (:data:`SHUTDOWN_WITHIN_S`, :meth:`Preemption.exit_if_stuck`): Ray's control
 plane can go down halfway through it, and the process still exits 143.
+
+The signal can also land while the main thread is in a call that does not return on it, one into
+Ray's control plane as it goes down: its handler cannot run, and Ray would end the process a
+minute later with exit code 1. A thread sees the signal anyway (:mod:`.signal_watch`): past
+:data:`NOTED_WITHIN_S` it ends the run as preempted itself (:func:`end_while_stuck`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 import threading
 import time
+from typing import Callable
 
 from resilient_rl.errors import Preempted, RecoveryError, RRLError
+from resilient_rl.trainer.signal_watch import SignalWatch, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +54,23 @@ SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasa
 #: Everything durable is written and recorded before the shutdown starts.
 SHUTDOWN_WITHIN_S = 30.0
 
+#: How long a preemption signal may wait for the main thread to act on it before the run is ended
+#: from another thread (:mod:`.signal_watch`). The main thread acts on it within milliseconds
+#: unless it is in a call that does not return on a signal; Ray ends a process whose control plane
+#: is gone after 60 s, and a scheduler's grace period before its SIGKILL is often 30 s.
+NOTED_WITHIN_S = 5.0
+
 
 class Preemption:
     """Notes a preemption signal for the fit loop to act on at its next safe point."""
 
-    def __init__(self) -> None:
+    def __init__(self, noted_within_s: float = NOTED_WITHIN_S) -> None:
         self.signal_name: str | None = None
         self.received_at: float | None = None  # monotonic
+        self.noted_within_s = noted_within_s
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
+        self._watch: SignalWatch | None = None
 
     @property
     def requested(self) -> bool:
@@ -65,6 +78,8 @@ class Preemption:
 
     def request(self, signal_name: str) -> None:
         """Ask the run to stop at its next safe point (what the signal handler does)."""
+        if self._watch is not None:
+            self._watch.handled()
         if self.signal_name is not None:
             logger.warning("%s received while already stopping for %s: ignored (the run is making its last step "
                            "durable or shutting down)", signal_name, self.signal_name)
@@ -76,13 +91,25 @@ class Preemption:
     def _handle(self, signum: int, _frame) -> None:
         self.request(signal.Signals(signum).name)
 
-    def install(self) -> bool:
+    def install(self, when_stuck: Callable[[], str] | None = None, exit_code: int = 143) -> bool:
         """Handle :data:`SIGNALS` from now on (call it after ``ray.init``, whose own SIGTERM handler
-        exits at once); False where signals cannot be handled (not the main thread)."""
+        exits at once); False where signals cannot be handled (not the main thread).
+
+        With ``when_stuck``, a signal the main thread has not acted on within ``noted_within_s``
+        (it is in a call that does not return on one) is noted from another thread, then
+        ``when_stuck()`` records the run's end and returns the line to print, and the process
+        exits with ``exit_code``."""
         if threading.current_thread() is not threading.main_thread():
             return False
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if when_stuck is not None:
+            def end(name: str) -> str:
+                self.signal_name, self.received_at = self.signal_name or name, self.received_at or time.monotonic()
+                return when_stuck()
+
+            self._watch = SignalWatch(SIGNALS, end, exit_code, self.noted_within_s)
+            self._watch.start()
         return True
 
     def restore(self) -> None:
@@ -91,6 +118,9 @@ class Preemption:
         SIGUSR1 then finds the run shutting down, and must not turn a clean stop into a death by
         signal. (Python puts the default action back for its own handlers as the interpreter
         exits, not for an ignored signal.)"""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         for sig, previous in self._previous.items():
             if self.requested:
                 signal.signal(sig, signal.SIG_IGN)
@@ -106,12 +136,7 @@ class Preemption:
             logger.warning("the shutdown after the preemption did not end within %g s (Ray's cluster went down "
                            "with the job, it seems): exiting with %d, the run's end already recorded",
                            within_s, code)
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(code)
+            exit_now(code)
 
         self._watchdog = threading.Timer(within_s, stuck)
         self._watchdog.daemon = True
@@ -179,6 +204,23 @@ def stop_recovering(trainer) -> None:
         logger.warning("%s received while recovering step %d: the workers stopped with the preemption; not "
                        "recovering", trainer.preemption.signal_name, trainer.step + 1)
         _stop_without_workers(trainer, f"while recovering step {trainer.step + 1}")
+
+
+def end_while_stuck(trainer) -> str:
+    """The end of a run whose main thread is stuck in a call that does not return on the
+    preemption signal (:mod:`.signal_watch`; Ray's control plane went down with the job): from
+    the watching thread, as :func:`stop_recovering` would have ended it (a save in flight
+    abandoned, the newest snapshot left in node memory), ``controller.json`` marked preempted and
+    the run's leases released. Returns the line the CLI prints before it exits 143."""
+    preemption = trainer.preemption
+    _, where = _without_workers(trainer, reason="preempted")
+    message = (f"preempted by {preemption.signal_name} after step {trainer.step}, the controller stuck in a call that "
+               f"does not return on a signal: {where}")
+    record = trainer.controller_record
+    if record is not None:
+        record.end(trainer.run_dir.path, "preempted", trainer.step, message)
+    trainer.claim_.release()
+    return message
 
 
 def stop_after_lost_cluster(trainer, exc: BaseException, waited_s: float) -> None:
