@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from resilient_rl.errors import ModelInputError
-from resilient_rl.models import varlen
+from resilient_rl.models import varlen, varlen_flex, varlen_hf
 from resilient_rl.models.packing import packed_layout
 from resilient_rl.testing.packed_attention import CPU, LENGTHS, reference_attention as _reference_attention
 
@@ -181,7 +181,7 @@ def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    monkeypatch.setattr(varlen, "_FLEX", [torch.compile(flex_attention, dynamic=True, backend="aot_eager")])
+    monkeypatch.setattr(varlen_flex, "_FLEX", [torch.compile(flex_attention, dynamic=True, backend="aot_eager")])
     counters.clear()
     for lengths in ([1, 65, 59, 44, 88, 83, 33, 111, 300], [3, 40, 200, 7], [128, 128, 1]):
         layout = packed_layout(torch.cat([torch.arange(n) for n in lengths])[None])
@@ -328,6 +328,9 @@ def test_compiled_blocks_run_the_varlen_kernel_inside_their_graph(monkeypatch):
     on_a_gpu = varlen.choose_backend
     monkeypatch.setattr(varlen, "choose_backend", lambda device, dtype, dropout: on_a_gpu(torch.device("cuda"),
                                                                                            dtype, dropout))
+    starts, plans = [], []  # the sequence starts go to the device once a forward, in its plan
+    for module, name, calls in ((varlen, "_cu_seqlens", starts), (varlen_hf, "plan_kernel", plans)):
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _calls=calls: _calls.append(1) or _f(*a))
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, *a, **k: compile_module(self, *a, **{**k, "backend": "aot_eager"}))
@@ -363,3 +366,4 @@ def test_compiled_blocks_run_the_varlen_kernel_inside_their_graph(monkeypatch):
         torch.testing.assert_close(out["compiled"][1], out["eager"][1], rtol=0.05, atol=0.05)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert frames[0] > 0 and frames == [frames[0]] * len(frames), frames
+    assert plans and len(starts) == len(plans)  # none per layer, eager or compiled

@@ -27,10 +27,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     model's query and key come out of the rotary embedding in fp32 (the half-precision projection
     times fp32 ``cos``/``sin``) unless :func:`hand_on_in_autocast_dtype` hooks the model, and the
     head's weight stays fp32, though both compute in bf16."""
-    kind = x.device.type
-    if x.dtype.is_floating_point and torch.is_autocast_enabled(kind):
+    return compute_dtype_on(x.device.type, x.dtype)
+
+
+def compute_dtype_on(kind: str, dtype: torch.dtype | None) -> torch.dtype | None:
+    """:func:`compute_dtype` of inputs in ``dtype`` (None: not known) on device type ``kind``."""
+    if (dtype is None or dtype.is_floating_point) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
-    return x.dtype
+    return dtype
 
 
 def _in_autocast_dtype(module: nn.Module, args, output):

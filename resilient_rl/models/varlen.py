@@ -99,14 +99,11 @@ import torch.nn.functional as F
 from resilient_rl.errors import ModelInputError
 from resilient_rl.models.packing import PackedLayout
 from resilient_rl.models.precision import compute_dtype
+from resilient_rl.models.varlen_flex import BLOCK, document_block_mask, flex_packed_attention
 
 __all__ = ["BLOCK", "KernelPlan", "choose_backend", "document_block_mask", "plan_kernel", "varlen_attention"]
 
 logger = logging.getLogger(__name__)
-
-#: Tokens per block of the flex backend's block mask.
-BLOCK = 128
-
 
 @functools.cache
 def _flash_varlen_func():
@@ -218,11 +215,15 @@ def plan_kernel(layout: PackedLayout, device: torch.device, dtype: torch.dtype |
 
 def _planned(q, k, v, plan: KernelPlan, scale: float | None, window: int | None) -> torch.Tensor:
     """:func:`varlen_attention` through ``plan``'s kernel: nothing here reads a host value."""
-    if window is not None and window >= plan.longest:
-        window = None  # no sequence reaches past it
+    window = _reaching(window, plan.longest)
     if plan.backend == "flash":
         return _flash_call(q, k, v, plan.kernel, plan.cu_seqlens, plan.longest, scale, 0.0, window, plan.dtype)
     return _torch_varlen_call(q, k, v, plan.kernel, plan.gqa, plan.cu_seqlens, plan.longest, scale, window, plan.dtype)
+
+
+def _reaching(window: int | None, longest: int) -> int | None:
+    """``window``, or None where no sequence reaches past it (up to ``longest`` tokens)."""
+    return None if window is not None and window >= longest else window
 
 
 _OUTSIDE_GRAPH: list = []
@@ -245,23 +246,26 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
                               f"rows [{layout.batch}, {layout.seq}] with heads a multiple of key/value heads")
     chosen = backend is None
     dtype = compute_dtype(q)
-    if chosen and plan is not None and not dropout and plan.dtype == dtype and not _TORCH_VARLEN_FAILED:
+    if plan is not None and (plan.cu_seqlens.device != q.device or plan.dtype != dtype):
+        plan = None  # made for another call
+    if chosen and plan is not None and not dropout and not _TORCH_VARLEN_FAILED:
         backend = plan.backend  # the forward's choice (plan_kernel), made once for its layers
     backend = backend or choose_backend(q.device, dtype, dropout)
     if chosen and backend not in _ANNOUNCED:
         _ANNOUNCED.add(backend)
         logger.info("packed attention: %s", _BACKEND_NAMES.get(backend, backend))
-    if window is not None and window >= max(layout.lengths, default=0):
-        window = None  # no sequence reaches past it
+    window = _reaching(window, max(layout.lengths, default=0))
+    if backend in ("flash", "torch"):  # the sequence starts on the device: once a forward (its plan)
+        starts = (plan.cu_seqlens, plan.longest) if plan is not None else _cu_seqlens(layout, q.device)
     if backend == "flash":
-        return _flash(q, k, v, layout, scale, dropout, window, dtype)
+        return _flash(q, k, v, starts, scale, dropout, window, dtype)
     if backend == "torch":
         if not _torch_varlen_serves(dropout):
             raise ModelInputError(f"packed attention on the torch backend needs torch's varlen_attn with "
                                   f"window_size (torch {torch.__version__}) and takes no attention dropout "
                                   f"(got {dropout})")
         try:
-            return _torch_varlen(q, k, v, layout, scale, window, dtype)
+            return _torch_varlen(q, k, v, starts, scale, window, dtype)
         except RuntimeError as exc:  # e.g. a head size or device its kernels do not take
             if not chosen:
                 raise
@@ -275,7 +279,7 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
             raise ModelInputError(f"packed attention on the flex backend has no attention dropout (got "
                                   f"{dropout}) and no sliding window (got {window}, sequences up to "
                                   f"{max(layout.lengths)} tokens)")
-        out = _flex(_tokens(q), _tokens(k), _tokens(v), layout, scale)
+        out = flex_packed_attention(_tokens(q), _tokens(k), _tokens(v), layout, scale)
     elif backend == "split":
         out = _split(_tokens(q), _tokens(k), _tokens(v), layout, scale, dropout, window)
     else:
@@ -332,12 +336,12 @@ def _cu_seqlens(layout: PackedLayout, device: torch.device) -> tuple[torch.Tenso
     return layout.cu_seqlens.to(device=device, dtype=torch.int32), max(layout.lengths, default=0)
 
 
-def _flash(q, k, v, layout: PackedLayout, scale: float | None, dropout: float, window: int | None,
+def _flash(q, k, v, starts: tuple[torch.Tensor, int], scale: float | None, dropout: float, window: int | None,
            dtype: torch.dtype | None = None) -> torch.Tensor:
     kernel = _flash_varlen_func()
     if kernel is None:
         raise ModelInputError("the flash packed-attention backend needs flash-attn (pip install flash-attn)")
-    return _flash_call(q, k, v, kernel, *_cu_seqlens(layout, q.device), scale, dropout, window, dtype)
+    return _flash_call(q, k, v, kernel, *starts, scale, dropout, window, dtype)
 
 
 def _flash_call(q, k, v, kernel, cu: torch.Tensor, longest: int, scale: float | None, dropout: float,
@@ -349,11 +353,10 @@ def _flash_call(q, k, v, kernel, cu: torch.Tensor, longest: int, scale: float | 
     return _head_major(out, q)
 
 
-def _torch_varlen(q, k, v, layout: PackedLayout, scale: float | None, window: int | None,
+def _torch_varlen(q, k, v, starts: tuple[torch.Tensor, int], scale: float | None, window: int | None,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     kernel = _torch_varlen_func()
-    return _torch_varlen_call(q, k, v, kernel, _takes_gqa(kernel), *_cu_seqlens(layout, q.device), scale, window,
-                              dtype)
+    return _torch_varlen_call(q, k, v, kernel, _takes_gqa(kernel), *starts, scale, window, dtype)
 
 
 def _torch_varlen_call(q, k, v, kernel, takes_gqa: bool, cu: torch.Tensor, longest: int, scale: float | None,
@@ -369,54 +372,3 @@ def _torch_varlen_call(q, k, v, kernel, takes_gqa: bool, cu: torch.Tensor, longe
     out = kernel(q_, k_, v_, cu, cu, longest, longest, scale=scale,
                  window_size=(-1, 0) if window is None else (window - 1, 0), **grouped)
     return _head_major(out, q)
-
-
-_FLEX: list = []
-
-
-def _compiled_flex():
-    """``flex_attention`` compiled once per process; without compiling it would materialise the scores."""
-    if not _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX.append(torch.compile(flex_attention, dynamic=True))
-    return _FLEX[0]
-
-
-def document_block_mask(layout: PackedLayout, device: torch.device):
-    """The document-causal ``BlockMask`` of ``layout``'s tokens end to end (``[1, 1, N, N]``),
-    built from each block's first and last sequence, never from an ``N x N`` mask."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    ids = layout.sequence_ids.to(device)
-    total = ids.numel()
-    blocks = -(-total // BLOCK)
-    begin = torch.arange(blocks, device=device) * BLOCK
-    first = ids[begin]
-    last = ids[(begin + BLOCK).clamp(max=total) - 1]
-    q_block = torch.arange(blocks, device=device)[:, None]
-    kv_block = torch.arange(blocks, device=device)[None, :]
-    # Sequence ids never decrease along the tokens: an earlier key block shares a sequence with
-    # a query block exactly when its last sequence is the query block's first.
-    visited = (kv_block <= q_block) & (last[None, :] >= first[:, None])
-    # Both blocks inside one sequence and the key block strictly earlier: every pair attends.
-    full = (kv_block < q_block) & (first[None, :] == last[:, None])
-    partial = visited & ~full
-
-    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        count = dense.sum(-1, dtype=torch.int32)
-        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return count[None, None].contiguous(), indices[None, None].contiguous()
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
-
-    kv_count, kv_indices = ordered(partial)
-    full_count, full_indices = ordered(full)
-    return BlockMask.from_kv_blocks(kv_count, kv_indices, full_count, full_indices, BLOCK_SIZE=BLOCK,
-                                    mask_mod=document_causal, seq_lengths=(total, total))
-
-
-def _flex(q, k, v, layout: PackedLayout, scale: float | None) -> torch.Tensor:
-    mask = document_block_mask(layout, q.device)
-    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

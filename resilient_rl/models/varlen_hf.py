@@ -15,6 +15,7 @@ import inspect
 
 import torch
 
+from resilient_rl.models.precision import compute_dtype_on
 from resilient_rl.models.packing import PackedLayout, packed_layout
 from resilient_rl.models.varlen import KernelPlan, plan_kernel, varlen_attention
 
@@ -63,9 +64,8 @@ def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: 
     if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
         layout = packed_layout(positions.expand(batch_size, -1))
         if len(layout.lengths) > batch_size:
-            # The kernel of compiled blocks, decided here, outside them: autocast's dtype, else the inputs'.
-            kind = positions.device.type
-            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else kwargs.get("dtype")
+            # The kernel of compiled blocks, decided here, outside them.
+            dtype = compute_dtype_on(positions.device.type, kwargs.get("dtype"))
             return _PackedMask(layout, plan_kernel(layout, positions.device, dtype))
     from transformers.masking_utils import sdpa_mask
 
