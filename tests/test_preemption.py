@@ -215,35 +215,45 @@ def test_a_shutdown_stuck_after_a_preemption_still_exits_with_its_code(ends):
 _STUCK_CHILD = """
 import ctypes, signal, sys, time
 from resilient_rl.trainer.preemption import Preemption
-p = Preemption(noted_within_s=0.5)
+from resilient_rl.trainer.signal_watch import POKE
+p = Preemption(answer_within_s=1.0)
 p.install(when_stuck=lambda: f"ended from the watch, the run's end recorded ({p.signal_name})", exit_code=143)
-print("ready", flush=True)
-if sys.argv[1] == "stuck":
-    # A native call that does not return on the signal, as one into Ray's control plane once it
-    # is gone: the main thread blocks the signal, which goes to another thread, and sleeps in C.
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+
+
+def stuck():
+    # A native call that does not return on a signal, as one into Ray's control plane once it is
+    # gone: the main thread blocks the signals (the process's go to another thread, the watch's
+    # poke stays pending) and sleeps in C.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, POKE])
     ctypes.CDLL(None).sleep(60)
-else:
-    while not p.requested:
-        time.sleep(0.01)
-    time.sleep(1.0)  # past noted_within_s: the watch must not end a run whose main thread acted
-    print("acted on", p.signal_name, flush=True)
+
+
+print("ready", flush=True)
+if sys.argv[1] == "stuck":  # the signal lands during the call (or just before it)
+    stuck()
+while not p.requested:
+    time.sleep(0.01)
+if sys.argv[1] == "acted, then stuck":  # the handler ran, then the call blocked before the end was recorded
+    stuck()
+time.sleep(3.0)  # past answer_within_s, answering the pokes: the watch must not end this run
+print("acted on", p.signal_name, flush=True)
 """
 
 
-@pytest.mark.parametrize("stuck", [True, False])
-def test_a_signal_the_main_thread_cannot_act_on_still_ends_the_run_as_preempted(tmp_path, stuck):
+@pytest.mark.parametrize("when", ["stuck", "acted, then stuck", "responsive"])
+def test_a_signal_the_main_thread_cannot_act_on_still_ends_the_run_as_preempted(tmp_path, when):
     """The signal lands while the main thread is in a native call that does not return on it (a
     call into Ray's control plane gone with the job blocks until Ray ends the process, 60 s later
-    with exit code 1): the watching thread ends the run and exits 143 within ``noted_within_s``,
-    the main thread's stack in the log. A main thread that acts on the signal is left to it."""
+    with exit code 1), or the main thread acts on it and then enters such a call: the watching
+    thread ends the run and exits 143, the main thread's stack in the log. A main thread that
+    keeps acting on signals is left to end the run itself."""
     import subprocess
     import sys
 
     script = tmp_path / "controller.py"
     script.write_text(_STUCK_CHILD)
-    child = subprocess.Popen([sys.executable, str(script), "stuck" if stuck else "responsive"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, str(script), when], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
     try:
         assert child.stdout.readline() == "ready\n"
         child.send_signal(signal.SIGTERM)
@@ -252,9 +262,10 @@ def test_a_signal_the_main_thread_cannot_act_on_still_ends_the_run_as_preempted(
         if child.poll() is None:
             child.kill()
             child.wait()
-    if stuck:
-        assert child.returncode == 143, err
-        assert "resilient-rl: ended from the watch, the run's end recorded (SIGTERM)" in err
-        assert "did not act on it within 0.5 s" in err and "CDLL(None).sleep(60)" in err  # where it is stuck
-    else:
+    if when == "responsive":
         assert child.returncode == 0 and out == "acted on SIGTERM\n", err
+        return
+    assert child.returncode == 143, err
+    assert "resilient-rl: ended from the watch, the run's end recorded (SIGTERM)" in err
+    assert "the main thread stopped acting on signals (1 s without an answer)" in err
+    assert "ctypes.CDLL(None).sleep(60)" in err and "in stuck" in err  # where it is stuck

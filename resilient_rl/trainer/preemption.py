@@ -27,8 +27,10 @@ plane can go down halfway through it, and the process still exits 143.
 
 The signal can also land while the main thread is in a call that does not return on it, one into
 Ray's control plane as it goes down: its handler cannot run, and Ray would end the process a
-minute later with exit code 1. A thread sees the signal anyway (:mod:`.signal_watch`): past
-:data:`NOTED_WITHIN_S` it ends the run as preempted itself (:func:`end_while_stuck`).
+minute later with exit code 1. Or it lands just before the main thread enters such a call. A
+thread sees the signal anyway (:mod:`.signal_watch`) and asks the main thread to act on a signal
+every few seconds until the run's end is recorded: past :data:`ANSWER_WITHIN_S` without an answer
+it ends the run as preempted itself (:func:`end_while_stuck`).
 """
 
 from __future__ import annotations
@@ -54,20 +56,20 @@ SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasa
 #: Everything durable is written and recorded before the shutdown starts.
 SHUTDOWN_WITHIN_S = 30.0
 
-#: How long a preemption signal may wait for the main thread to act on it before the run is ended
-#: from another thread (:mod:`.signal_watch`). The main thread acts on it within milliseconds
-#: unless it is in a call that does not return on a signal; Ray ends a process whose control plane
-#: is gone after 60 s, and a scheduler's grace period before its SIGKILL is often 30 s.
-NOTED_WITHIN_S = 5.0
+#: After a preemption signal, how long the main thread may go without acting on a signal before
+#: the run is ended from another thread (:mod:`.signal_watch`). It acts within milliseconds unless
+#: it is in a call that does not return on one; Ray ends a process whose control plane is gone
+#: after 60 s, and a scheduler's grace period before its SIGKILL is often 30 s.
+ANSWER_WITHIN_S = 5.0
 
 
 class Preemption:
     """Notes a preemption signal for the fit loop to act on at its next safe point."""
 
-    def __init__(self, noted_within_s: float = NOTED_WITHIN_S) -> None:
+    def __init__(self, answer_within_s: float = ANSWER_WITHIN_S) -> None:
         self.signal_name: str | None = None
         self.received_at: float | None = None  # monotonic
-        self.noted_within_s = noted_within_s
+        self.answer_within_s = answer_within_s
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
         self._watch: SignalWatch | None = None
@@ -95,8 +97,9 @@ class Preemption:
         """Handle :data:`SIGNALS` from now on (call it after ``ray.init``, whose own SIGTERM handler
         exits at once); False where signals cannot be handled (not the main thread).
 
-        With ``when_stuck``, a signal the main thread has not acted on within ``noted_within_s``
-        (it is in a call that does not return on one) is noted from another thread, then
+        With ``when_stuck``, once a signal arrived the main thread must act on signals until
+        :meth:`exit_if_stuck` (the run's end recorded): where it goes ``answer_within_s`` without
+        (it is in a call that does not return on one), the signal is noted from another thread,
         ``when_stuck()`` records the run's end and returns the line to print, and the process
         exits with ``exit_code``."""
         if threading.current_thread() is not threading.main_thread():
@@ -108,7 +111,7 @@ class Preemption:
                 self.signal_name, self.received_at = self.signal_name or name, self.received_at or time.monotonic()
                 return when_stuck()
 
-            self._watch = SignalWatch(SIGNALS, end, exit_code, self.noted_within_s)
+            self._watch = SignalWatch(SIGNALS, end, exit_code, self.answer_within_s)
             self._watch.start()
         return True
 
@@ -138,6 +141,8 @@ class Preemption:
                            within_s, code)
             exit_now(code)
 
+        if self._watch is not None:
+            self._watch.ended()  # the end is recorded: the shutdown is bounded by this timer instead
         self._watchdog = threading.Timer(within_s, stuck)
         self._watchdog.daemon = True
         self._watchdog.start()
