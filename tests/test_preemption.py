@@ -13,8 +13,8 @@ import pytest
 from resilient_rl import cli
 from resilient_rl.errors import Preempted, RecoveryError, WorkerDiedError
 from resilient_rl.run.record import controller_session
-from resilient_rl.trainer.preemption import (Preemption, stop_after_lost_cluster, stop_after_lost_workers,
-                                             stop_for_preemption, stop_recovering)
+from resilient_rl.trainer.preemption import (Preemption, end_while_stuck, stop_after_lost_cluster,
+                                             stop_after_lost_workers, stop_for_preemption, stop_recovering)
 
 
 def test_a_signal_is_noted_not_acted_on_and_the_handlers_are_given_back():
@@ -187,6 +187,44 @@ def test_the_controller_record_says_preempted(tmp_path):
             raise Preempted("preempted by SIGTERM after step 7", signal_name="SIGTERM", step=7, committed=7)
     record = json.loads((tmp_path / "controller.json").read_text())
     assert record["state"] == "preempted" and record["end_step"] == 7 and "SIGTERM" in record["reason"]
+
+
+def test_a_run_ended_from_the_watch_is_recorded_preempted_once_with_its_leases_released(tmp_path):
+    """What the signal watch runs when the main thread is stuck: the save in flight abandoned, the
+    newest snapshot left in node memory, ``controller.json`` preempted with where the run
+    continues, the leases released. The record is marked once: the main thread, should it get out
+    of its call and fail, does not overwrite it."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    class Claim:
+        released = 0
+
+        def release(self):
+            self.released += 1
+
+    trainer = _Trainer(3, _Checkpoints(2, pending={"step": 3}))
+    trainer.snapshots, trainer.claim_ = _Keeper(3), Claim()
+    trainer.run_dir = SimpleNamespace(path=Path(tmp_path))
+    with pytest.raises(Preempted):
+        with controller_session(tmp_path, lambda: trainer.step) as record:
+            trainer.controller_record = record
+            line = end_while_stuck(trainer)
+            raise Preempted("the main thread's own end, later", signal_name="SIGTERM", step=3, committed=2)
+    assert line == ("preempted by SIGTERM after step 3, the controller stuck in a call that does not return on a "
+                    "signal: the last committed checkpoint is step 2; the same command continues from it (step 3 "
+                    "is run again); the newest in-memory snapshot (step 3) is left in node memory, where the next "
+                    "run continues from it if it starts on the same nodes")
+    assert trainer.ckpt.abandoned == [(3, "preempted")] and trainer.claim_.released == 1
+    saved = json.loads((tmp_path / "controller.json").read_text())
+    assert saved["state"] == "preempted" and saved["end_step"] == 3 and saved["reason"] == line
+    assert not record.end(tmp_path, "failed", 3, "RecoveryError: ...")  # marked once
+    assert json.loads((tmp_path / "controller.json").read_text()) == saved
+    # The other order: the run failed and its end was recorded, then its shutdown got stuck.
+    trainer.controller_record.state = "failed"
+    assert end_while_stuck(trainer) == ("SIGTERM received after the run ended (failed, recorded in controller.json), "
+                                        "the controller stuck in a call that does not return on a signal: exiting")
+    assert trainer.claim_.released == 2
 
 
 @pytest.mark.parametrize("ends", [False, True])

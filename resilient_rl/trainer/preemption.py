@@ -216,12 +216,18 @@ def end_while_stuck(trainer) -> str:
     preemption signal (:mod:`.signal_watch`; Ray's control plane went down with the job): from
     the watching thread, as :func:`stop_recovering` would have ended it (a save in flight
     abandoned, the newest snapshot left in node memory), ``controller.json`` marked preempted and
-    the run's leases released. Returns the line the CLI prints before it exits 143."""
-    preemption = trainer.preemption
+    the run's leases released. Returns the line the CLI prints before it exits 143.
+
+    Where the main thread recorded the run's end first (it got stuck in the shutdown after a
+    failure), that record stands, and the line says so."""
+    name, record = trainer.preemption.signal_name, trainer.controller_record
+    if record is not None and record.state != "running":
+        trainer.claim_.release()
+        return (f"{name} received after the run ended ({record.state}, recorded in controller.json), the controller "
+                "stuck in a call that does not return on a signal: exiting")
     _, where = _without_workers(trainer, reason="preempted")
-    message = (f"preempted by {preemption.signal_name} after step {trainer.step}, the controller stuck in a call that "
-               f"does not return on a signal: {where}")
-    record = trainer.controller_record
+    message = (f"preempted by {name} after step {trainer.step}, the controller stuck in a call that does not return "
+               f"on a signal: {where}")
     if record is not None:
         record.end(trainer.run_dir.path, "preempted", trainer.step, message)
     trainer.claim_.release()
