@@ -311,3 +311,12 @@ def test_activation_bytes_bench_counts_both_ways_in_one_run():
     assert before.startswith("norms and rotary fp32 (before): ") and after.startswith("norms and rotary bf16: ")
     assert "KB a token written outside the products" in after and "_to_copy" in before
     assert ratio.startswith("ratio: ") and float(ratio.split()[1].rstrip("x")) < 1.0
+
+
+@pytest.mark.slow  # the same stuck controller runs in the default set: chaos/test_stuck_controller.py
+@pytest.mark.ray
+def test_stuck_controller_bench_prints_each_order_ended_by_the_watch():
+    out = run_on_cpu("stuck_controller.py", "--no-baseline", timeout=300).stdout.splitlines()
+    assert out[0].split() == ["case", "watch", "handlers", "alone", "ratio"]
+    assert [line.split(" s, exit ")[1].split()[0] for line in out[1:]] == ["143", "143"]
+    assert [line[:27].strip() for line in out[1:]] == ["sent", "acted on"]

@@ -29,7 +29,7 @@ The signal can also land while the main thread is in a call that does not return
 Ray's control plane as it goes down: its handler cannot run, and Ray would end the process a
 minute later with exit code 1. Or it lands just before the main thread enters such a call. A
 thread sees the signal anyway (:mod:`.signal_watch`) and asks the main thread to act on a signal
-every few seconds until the run's end is recorded: past :data:`ANSWER_WITHIN_S` without an answer
+every second until the run's end is recorded: past :data:`ANSWER_WITHIN_S` without an answer
 it ends the run as preempted itself (:func:`end_while_stuck`).
 """
 

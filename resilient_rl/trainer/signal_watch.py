@@ -9,8 +9,8 @@ until Ray ends the process, 60 s later with exit code 1 and nothing recorded. Ra
 :class:`SignalWatch` is told of every signal at the C level, through Python's wakeup fd
 (:func:`signal.set_wakeup_fd`), in a thread of its own. Once a watched signal arrived, the main
 thread must keep acting on signals until the run's end is recorded: on that one, then on a
-signal the watch sends it every few seconds (:data:`POKE`; a wait in ``ray.get``, a sleep or a
-lock answers at once). Where it does not, the watch calls ``when_stuck(name)`` with the main
+signal the watch sends it every second (:data:`POKE`; a wait in ``ray.get``, a sleep or a lock
+answers at once). Where it does not, the watch calls ``when_stuck(name)`` with the main
 thread's stack logged, and exits the process with the code it was given.
 """
 
@@ -52,15 +52,16 @@ def main_thread_stack() -> str:
 
 
 #: What the watch sends the main thread to ask whether it still acts on signals (its default
-#: action is to ignore it; its handler only counts the answer).
+#: action is to ignore it; its handler only counts the answer), and how often.
 POKE = signal.SIGURG
+POKE_EVERY_S = 1.0
 
 
 class SignalWatch:
     """Watches ``signals`` from :meth:`start` to :meth:`stop`. Once one arrived, the main thread
-    must act on it (:meth:`handled`) within ``within_s``, and then answer a :data:`POKE` within
-    ``within_s`` every ``within_s`` until the run's end is recorded (:meth:`ended`): where it does
-    not, ``when_stuck(name)`` ends the run and returns the line to print before the process exits
+    must act on it (:meth:`handled`) within ``within_s``, and then answer a :data:`POKE` (every
+    :data:`POKE_EVERY_S`) within ``within_s`` until the run's end is recorded (:meth:`ended`):
+    where it does not, ``when_stuck(name)`` ends the run and returns the line to print before the process exits
     with ``code``. The pokes cover the main thread that acted on the signal and then entered a call
     that does not return on one, before it could record the end."""
 
@@ -113,7 +114,7 @@ class SignalWatch:
             return
         main, seen = threading.main_thread().ident, 0  # the signal's own handler is the first answer
         while self._answered(seen):
-            if self._ended.wait(self.within_s):
+            if self._ended.wait(min(POKE_EVERY_S, self.within_s)):
                 return
             seen = self.answers
             try:
