@@ -105,6 +105,7 @@ __all__ = ["BLOCK", "KernelPlan", "choose_backend", "document_block_mask", "plan
 
 logger = logging.getLogger(__name__)
 
+
 @functools.cache
 def _flash_varlen_func():
     """flash-attn's ``flash_attn_varlen_func``, or None when flash-attn is not installed."""

@@ -20,8 +20,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
-from resilient_rl.runtime import deadline_call
 from resilient_rl.process_state import process_alive
+from resilient_rl.runtime import deadline_call
 from resilient_rl.runtime.worker_group_spares import rehome
 
 logger = logging.getLogger(__name__)

@@ -60,10 +60,10 @@ POKE_EVERY_S = 1.0
 class SignalWatch:
     """Watches ``signals`` from :meth:`start` to :meth:`stop`. Once one arrived, the main thread
     must act on it (:meth:`handled`) within ``within_s``, and then answer a :data:`POKE` (every
-    :data:`POKE_EVERY_S`) within ``within_s`` until the run's end is recorded (:meth:`ended`):
-    where it does not, ``when_stuck(name)`` ends the run and returns the line to print before the process exits
-    with ``code``. The pokes cover the main thread that acted on the signal and then entered a call
-    that does not return on one, before it could record the end."""
+    :data:`POKE_EVERY_S`) within ``within_s`` until the run's end is recorded (:meth:`ended`).
+    Where it does not, ``when_stuck(name)`` ends the run and returns the line to print before the
+    process exits with ``code``. The pokes cover the main thread that acted on the signal and then
+    entered a call that does not return on one, before it could record the end."""
 
     def __init__(self, signals: tuple[int, ...], when_stuck: Callable[[str], str], code: int,
                  within_s: float) -> None:
