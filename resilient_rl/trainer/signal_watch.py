@@ -80,16 +80,14 @@ class SignalWatch:
         """Watch from now on; call it from the main thread, with the signals' Python handlers set."""
         reader, writer = socket.socketpair()
         writer.setblocking(False)  # the C-level handler must never block
-        self._previous_poke = signal.signal(POKE, self._answer)
+        self._previous_poke = signal.signal(POKE, self.handled)
         self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self._sockets = (reader, writer)
         threading.Thread(target=self._watch, args=(reader,), name="rrl-signal-watch", daemon=True).start()
 
-    def handled(self) -> None:
-        """The main thread acted on a watched signal (its handler ran)."""
-        self.answers += 1
-
-    def _answer(self, _signum, _frame) -> None:
+    def handled(self, *_signal) -> None:
+        """The main thread acted on a watched signal (its handler ran), or answered a poke (this is
+        the poke's handler)."""
         self.answers += 1
 
     def ended(self) -> None:
