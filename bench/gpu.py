@@ -28,7 +28,8 @@ attention mask; attention-score FLOPs and padding are left out, so this is a low
     update_critic  6·N·T · critic.ppo_epochs
 
 ``--workload gsm8k-1.5b`` / ``gsm8k-0.5b`` (bench/gpu_workloads.py) replaces the config with a GRPO
-run on Qwen2.5-1.5B / 0.5B shapes (random weights, a BPE tokenizer trained on the workload's text)
+run on Qwen2.5-1.5B / 0.5B shapes (random weights, kept as a model folder that the run loads as a real run
+loads its pretrained model; a BPE tokenizer trained on the workload's text)
 over 64 GSM8K-like prompts of 128 to 256 tokens x 8 samples, up to 512 new tokens (rows end at
 different lengths), and adds: MFU per phase and per step by the project's and verl's counts, verl's
 ``perf/throughput``, one SIGKILL of the actor worker after the measured steps (the recovery's time
@@ -47,12 +48,15 @@ On a machine without a CUDA device it prints one line saying so and exits 0.
     python bench/gpu.py --peak-tflops 756 checkpoint.save_every=3    # H100 PCIe; checkpoint stalls
     python bench/gpu.py --workload gsm8k-1.5b --warmup 1 --steps 3
     python bench/gpu.py --workload gsm8k-0.5b --tiny                # any machine: the same path, small
+    python bench/gpu.py --workload gsm8k-0.5b --short --warmup 1 --steps 1 --skip-generation
+                                                                    # the real model, 4 short rows: minutes on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 import threading
@@ -117,16 +121,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --workload: skip the engine vs HF generate comparison")
     p.add_argument("--generation-paths", default=",".join(GENERATION_PATHS),
                    help="with --workload: the generation paths compared (default: all three)")
-    p.add_argument("--tiny", action="store_true",
-                   help="with --workload: the same workload at small dimensions (on the CPU without a GPU)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_const", dest="size", const="tiny",
+                      help="with --workload: the same workload at small dimensions (on the CPU without a GPU)")
+    size.add_argument("--short", action="store_const", dest="size", const="short",
+                      help="with --workload: the workload's model on 2 prompts x 2 samples of 48 + 8 tokens (on the "
+                           "CPU without a GPU): what scales with the model, as the roles' builds and a recovery")
+    p.add_argument("--models", default=str(Path(tempfile.gettempdir()) / f"rrl-bench-models-{os.getuid()}"),
+                   help="with --workload: where the workloads' model folders are kept between runs "
+                        "(default: %(default)s)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.batch_size=64")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.copy_repeats < 1 or args.sample_interval <= 0:
         p.error("--steps and --copy-repeats must be >= 1, --warmup >= 0, --sample-interval > 0")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
-    if args.tiny and not args.workload:
-        p.error("--tiny needs --workload")
+    if args.size and not args.workload:
+        p.error(f"--{args.size} needs --workload")
     unknown = set(args.generation_paths.split(",")) - set(GENERATION_PATHS)
     if unknown:
         p.error(f"--generation-paths: unknown {', '.join(sorted(unknown))} (known: {', '.join(GENERATION_PATHS)})")
@@ -149,22 +160,22 @@ def count_params(cfg, vocab_size: int) -> int:
     """Matmul parameters of the actor, built on the meta device (no memory, no weights read)."""
     from resilient_rl.models.factory import build_causal_lm, model_vocab_size
 
-    with torch.device("meta"):
-        model = build_causal_lm(cfg.model, model_vocab_size(cfg.model, vocab_size), cfg.trainer.seed)
+    model = build_causal_lm(cfg.model, model_vocab_size(cfg.model, vocab_size), cfg.trainer.seed, empty=True)
     return matmul_params(model)
 
 
-def workload(name: str, tiny: bool = False):
-    """Workload ``name`` (bench/gpu_workloads.py), at its small dimensions with ``tiny``."""
-    return WORKLOADS[name].tiny() if tiny else WORKLOADS[name]
+def workload(name: str, size: str | None = None):
+    """Workload ``name`` (bench/gpu_workloads.py), or its ``tiny`` or ``short`` form."""
+    return getattr(WORKLOADS[name], size)() if size else WORKLOADS[name]
 
 
-def prepare_workload(name: str, tmp: str, tiny: bool = False) -> str:
-    """Write workload ``name``'s tokenizer, prompt file and config into ``tmp``; returns the config's path."""
-    w = workload(name, tiny)
+def prepare_workload(name: str, tmp: str, models: str, size: str | None = None) -> str:
+    """Write workload ``name``'s tokenizer, prompt file and config into ``tmp``, and its model's
+    folder under ``models`` unless kept there already; returns the config's path."""
+    w = workload(name, size)
     tokenizer, prompts = prepare_data(w, Path(tmp), 4 * w.prompts)
     path = Path(tmp) / f"{w.name}.yaml"
-    path.write_text(yaml.safe_dump(workload_config(w, tokenizer, prompts)))
+    path.write_text(yaml.safe_dump(workload_config(w, tokenizer, prompts, Path(models))))
     return str(path)
 
 
@@ -210,7 +221,7 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
     if args.workload:
         from train import summarize
 
-        w = workload(args.workload, args.tiny)
+        w = workload(args.workload, args.size)
         figures = lambda rows: workload_lines(w, summarize(rows), rows, peak, gpus_used(cfg),  # noqa: E731
                                               cfg.actor.ppo_epochs)
     progress = Progress(measure.first, measure.last, figures, out=lambda line: print(line, flush=True))
@@ -242,7 +253,7 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
+    if not cuda and not args.size:
         print(NO_GPU)
         return 0
     device = "cuda" if cuda else "cpu"
@@ -255,13 +266,13 @@ def main(argv=None) -> int:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-gpu-") as tmp:
         if args.workload:
-            args.config = prepare_workload(args.workload, tmp, args.tiny)
+            args.config = prepare_workload(args.workload, tmp, args.models, args.size)
         r = run(args, tmp, device, peak)
         generation = None
         if args.workload and not args.skip_generation:  # while the run's folder (its kept decode step) is there
             from gpu_generation import compare_generation
 
-            generation = compare_generation(workload(args.workload, args.tiny), r["cfg"], r["vocab"],
+            generation = compare_generation(workload(args.workload, args.size), r["cfg"], r["vocab"],
                                             tuple(args.generation_paths.split(",")))
     cfg, rows = r["cfg"], r["rows"]
     nbytes = next((row["perf/weight_sync_bytes"] for row in rows if "perf/weight_sync_bytes" in row), None)
@@ -299,7 +310,7 @@ def main(argv=None) -> int:
         if generation is not None:
             from gpu_generation import generation_lines
 
-            print("\n".join(generation_lines(workload(args.workload, args.tiny), generation, name)))
+            print("\n".join(generation_lines(workload(args.workload, args.size), generation, name)))
     return 0
 
 

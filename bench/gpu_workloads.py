@@ -23,11 +23,14 @@ verl's ``perf/throughput``. ``--tiny`` runs the same workload at small dimension
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
+import shutil
 import statistics
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 #: Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s), matched in order against the CUDA device
@@ -86,6 +89,15 @@ class Workload:
         config = qwen2_config(64, 2, 4, 2, 128, vocab=2048)
         return Workload(f"{self.name}-tiny", config, prompts=4, n=4, prompt_len=40, max_new_tokens=24,
                         tokenizer_vocab=1024, mean_response=self.mean_response)
+
+
+    def short(self) -> "Workload":
+        """The same model on a short batch (2 prompts x 2 samples, 48 + 8 tokens): what scales with
+        the model (the roles' builds, a checkpoint, a recovery's rejoin and restore) at full size,
+        in minutes on a CPU. Most rows run to the 8 tokens: their stop ids are few enough for the
+        workload's tokenizer."""
+        return replace(self, name=f"{self.name}-short", prompts=2, n=2, prompt_len=48, max_new_tokens=8,
+                       mean_response=40.0)
 
 
 def qwen2_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 151936) -> dict:
@@ -153,8 +165,9 @@ def prepare_data(w: Workload, folder: Path, count: int, seed: int = 0) -> tuple[
     return tok_dir, path
 
 
-def workload_config(w: Workload, tokenizer: Path, prompt_file: Path) -> dict:
-    """The config (a YAML-able dict) of a GRPO run of workload ``w`` on one device."""
+def workload_config(w: Workload, tokenizer: Path, prompt_file: Path, models: Path) -> dict:
+    """The config (a YAML-able dict) of a GRPO run of workload ``w`` on one device, whose model is
+    the folder :func:`model_folder` keeps under ``models``."""
     from transformers import AutoTokenizer
 
     ids = len(AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True))
@@ -162,7 +175,7 @@ def workload_config(w: Workload, tokenizer: Path, prompt_file: Path) -> dict:
         raise ValueError(f"workload {w.name}: its tokenizer has {ids} ids, too few for {w.stop_ids()} stop ids")
     stops = random.Random(1).sample(range(8, ids), w.stop_ids())
     return {
-        "model": {"kind": "hf", "hf_config": {**w.hf_config, "eos_token_id": stops},
+        "model": {"kind": "hf", "path": str(model_folder(w, stops, models)),
                   "max_seq_len": w.prompt_len + w.max_new_tokens + 8},
         "data": {"task": "jsonl", "path": str(prompt_file), "reward_fn": "gsm8k", "batch_size": w.prompts,
                  "tokenizer": str(tokenizer)},
@@ -171,6 +184,48 @@ def workload_config(w: Workload, tokenizer: Path, prompt_file: Path) -> dict:
         "actor": actor_section(w),
         "trainer": {"run_name": w.name},  # bench/gpu.py adds trainer.device
     }
+
+
+def model_config(w: Workload, stops: list[int]) -> dict:
+    """The ``config.json`` of workload ``w``'s model, whose ``stops`` end a response."""
+    return {**w.hf_config, "eos_token_id": stops}
+
+
+def model_folder(w: Workload, stops: list[int], models: Path, seed: int = 0) -> Path:
+    """Workload ``w``'s model as a local Hugging Face folder, which the run loads (``model.path``)
+    as a real run loads its pretrained model: random weights drawn from ``seed`` once, saved in
+    bf16 as Qwen's own folders are, and kept under ``models`` by a digest of the config and seed.
+
+    Built from ``model.hf_config`` instead, every build of the model draws its random weights
+    again on the CPU: the actor's and the ref's at start, and the ref's in every process that
+    replaces a killed one (5.5 s of a 0.5 B recovery's 8.6 s rejoin on a 2-core CPU), a cost a
+    run from a pretrained model does not have. The folder appears whole or not at all: it is
+    written under a temporary name and renamed."""
+    import torch
+
+    from resilient_rl.models.hf import load_hf_causal_lm
+
+    config = model_config(w, stops)
+    digest = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:16]
+    folder = models / f"{w.name}-{digest}"
+    if folder.is_dir():
+        return folder
+    models.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=models))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = load_hf_causal_lm(hf_config=config)
+        model.to(torch.bfloat16).save_pretrained(partial)
+        del model
+        try:
+            partial.rename(folder)
+        except OSError:  # another process kept the same folder first
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 def actor_section(w: Workload) -> dict:

@@ -4,6 +4,9 @@ with a recovery. Figures are made up; nothing here times anything."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 
 from resilient_rl.testing.bench_scripts import BENCH, run_on_cpu
@@ -68,22 +71,31 @@ def test_decode_roofline_matches_the_published_anchors(workloads):
     assert wl.verl_throughput(tokens=6000, step_seconds=2.0, gpus=2) == 1500
 
 
-def test_workload_config_loads_and_its_data_fits_its_tokenizer_and_reward(workloads, tmp_path, bench):
+def test_workload_config_loads_and_its_data_fits_its_tokenizer_and_reward(workloads, tmp_path, bench, monkeypatch):
     """The workload starts: its answers carry the gsm8k '#### n' line, every prompt encodes with its
     own tokenizer (chat template applied) within prompt_len tokens and lengths vary, and its stop
-    ids are ids of that tokenizer."""
+    ids are ids of that tokenizer and its model's."""
     wl, _ = workloads
     gpu, _ = bench
     from resilient_rl.config.schema import load_config
     from resilient_rl.data.rewards import gsm8k_reference
     from resilient_rl.data.tasks import read_jsonl
     from resilient_rl.data.tokenizer import build_tokenizer
+    from resilient_rl.models.hf import load_hf_config
     from resilient_rl.models.hf_folder import model_eos_token_ids
 
-    path = gpu.prepare_workload("gsm8k-0.5b", str(tmp_path))
+    def config_only(w, stops, models):  # the folder without the 0.5 B weights (see the next test)
+        folder = models / w.name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(wl.model_config(w, stops)))
+        return folder
+
+    monkeypatch.setattr(wl, "model_folder", config_only)
+    path = gpu.prepare_workload("gsm8k-0.5b", str(tmp_path), str(tmp_path / "models"))
     cfg = load_config(path, [f"trainer.output_dir={tmp_path}"])
     w = wl.WORKLOADS["gsm8k-0.5b"]
-    assert cfg.model.kind == "hf" and cfg.model.hf_config["hidden_size"] == 896
+    model = load_hf_config(cfg.model.path)
+    assert cfg.model.kind == "hf" and cfg.model.path == str(tmp_path / "models" / w.name) and model.hidden_size == 896
     assert (cfg.data.batch_size, cfg.rollout.n, cfg.rollout.max_new_tokens) == (64, 8, 512)
     assert cfg.actor.packing  # rows without padding, as verl runs (use_remove_padding)
     tokenizer = build_tokenizer(cfg.data)
@@ -92,13 +104,50 @@ def test_workload_config_loads_and_its_data_fits_its_tokenizer_and_reward(worklo
     assert len(samples) == 256 and max(lengths) <= w.prompt_len and min(lengths) < 0.75 * w.prompt_len
     assert all(gsm8k_reference(s.answer) > 0 for s in samples)
     stops = model_eos_token_ids(cfg.model)
-    assert len(stops) == w.stop_ids() and max(stops) < tokenizer.vocab_size <= cfg.model.hf_config["vocab_size"]
+    assert len(stops) == w.stop_ids() and max(stops) < tokenizer.vocab_size <= model.vocab_size
+    # The short form (the same model on four short rows) has stop ids enough for the same tokenizer.
+    assert w.short().stop_ids() <= tokenizer.vocab_size - 8 and w.short().hf_config == w.hf_config
     args = gpu.parse_args(["--workload", "gsm8k-1.5b", "--skip-generation"])
-    assert args.workload == "gsm8k-1.5b" and args.skip_generation
+    assert args.workload == "gsm8k-1.5b" and args.skip_generation and args.size is None
+    assert gpu.parse_args(["--workload", "gsm8k-0.5b", "--short"]).size == "short"
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--workload", "gsm8k-0.5b", "--short", "--tiny"])
     with pytest.raises(SystemExit):
         gpu.parse_args(["--workload", "gsm8k-70b"])
     with pytest.raises(SystemExit):
         gpu.parse_args(["--tiny"])
+
+
+def test_workload_model_folder_is_drawn_once_and_loads_as_a_pretrained_model(workloads, tmp_path, monkeypatch):
+    """The run loads the workload's model from a folder, as a run loads its pretrained model: the
+    random weights are drawn and saved (bf16, as Qwen's folders) once per config and seed, and every
+    later build reads them; the folder appears whole, under a name of its own for other stops."""
+    import torch
+
+    import resilient_rl.models.hf as hf
+    from resilient_rl.models.hf_folder import model_eos_token_ids
+
+    wl, _ = workloads
+    w = wl.WORKLOADS["gsm8k-0.5b"].tiny()
+    folder = wl.model_folder(w, [9, 10], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no partial folder left
+    model = hf.load_hf_causal_lm(path=str(folder))
+    assert model.config.hidden_size == w.hf_config["hidden_size"]
+    assert model_eos_token_ids(SimpleNamespace(kind="hf", path=str(folder), hf_config=None)) == [9, 10]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drawn = hf.load_hf_causal_lm(hf_config=wl.model_config(w, [9, 10]))
+    for (name, kept), fresh in zip(model.state_dict().items(), drawn.state_dict().values()):
+        assert torch.equal(kept, fresh.to(torch.bfloat16).float()), name
+
+    def no_second_draw(**kwargs):
+        raise AssertionError("the kept folder was drawn again")
+
+    monkeypatch.setattr(hf, "load_hf_causal_lm", no_second_draw)
+    assert wl.model_folder(w, [9, 10], tmp_path) == folder
+    with pytest.raises(AssertionError, match="drawn again"):
+        wl.model_folder(w, [9, 11], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
 
 
 def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkeypatch):
@@ -205,7 +254,8 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     update through the compiled head, weight sync, a checkpoint and a recovery from a SIGKILL, with
     nothing replayed, then the engine against HF generate. Its own empty compile cache: the first
     rollout compiles, and the restarted process and the comparison load the kept step instead."""
-    proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2", timeout=900,
+    proc = run_on_cpu("gpu.py", "--workload", "gsm8k-0.5b", "--tiny", "--warmup", "1", "--steps", "2",
+                      "--models", str(tmp_path / "models"), timeout=900,
                       TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = proc.stdout
     warmup = next(line for line in out.splitlines() if line.startswith("warm-up step 1:"))
