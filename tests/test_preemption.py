@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -225,6 +227,65 @@ def test_a_run_ended_from_the_watch_is_recorded_preempted_once_with_its_leases_r
     assert end_while_stuck(trainer) == ("SIGTERM received after the run ended (failed, recorded in controller.json), "
                                         "the controller stuck in a call that does not return on a signal: exiting")
     assert trainer.claim_.released == 2
+
+
+class _Tracker:
+    """A tracker whose close may hang (its network gone with the job) until ``release`` is set."""
+
+    def __init__(self, hangs=False):
+        self.closed, self.release = 0, threading.Event()
+        if not hangs:
+            self.release.set()
+
+    def log_metrics(self, step, row):
+        pass
+
+    def log_event(self, step, kind, fields):
+        pass
+
+    def close(self):
+        self.release.wait(30)
+        self.closed += 1
+
+
+class _Telemetry:
+    stopped = 0
+
+    def stop(self):
+        self.stopped += 1
+
+
+@pytest.mark.parametrize("hangs", [False, True])
+def test_a_run_ended_from_the_watch_closes_its_trackers_and_exporter_once_within_a_deadline(tmp_path, monkeypatch,
+                                                                                          hangs):
+    """The watch's end closes what the main thread's end would have: the trackers (wandb and
+    MLflow then show the run ended, with its last rows) and the metrics exporter. A tracker that
+    hangs does not hold the exit past ``CLOSE_WITHIN_S``. Closing the trackers again (the main
+    thread got out of its call after all) closes none twice."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from resilient_rl.telemetry.trackers import TrackerSet
+    from resilient_rl.trainer import preemption
+
+    monkeypatch.setattr(preemption, "CLOSE_WITHIN_S", 0.2)
+    trainer = _Trainer(3, _Checkpoints(3))
+    trainer.snapshots, trainer.claim_ = None, SimpleNamespace(release=lambda: None)
+    trainer.run_dir = SimpleNamespace(path=Path(tmp_path))
+    tracker = _Tracker(hangs)
+    trainer.trackers, trainer.telemetry = TrackerSet([tracker]), _Telemetry()
+    with controller_session(tmp_path, lambda: trainer.step) as record:
+        trainer.controller_record = record
+        end_while_stuck(trainer)
+        assert json.loads((tmp_path / "controller.json").read_text())["state"] == "preempted"
+        assert (tracker.closed, trainer.telemetry.stopped) == ((0, 0) if hangs else (1, 1))
+        tracker.release.set()  # the hung close ends after the deadline: it closed the tracker, no one else will
+        trainer.trackers.close()
+    for _ in range(100):
+        if tracker.closed:
+            break
+        time.sleep(0.05)
+    assert tracker.closed == 1
 
 
 @pytest.mark.parametrize("ends", [False, True])

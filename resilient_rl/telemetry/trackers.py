@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any, Callable, Protocol
 
 from resilient_rl.errors import ConfigError
@@ -233,6 +234,7 @@ class TrackerSet:
         self.trackers = list(trackers)
         self.last_step = 0
         self._unsubscribe: Callable[[], None] | None = None
+        self._closing = threading.Lock()
 
     def log_metrics(self, step: int, row: dict[str, Any]) -> None:
         """Send ``row`` to every tracker, and all its metrics as one line to ``train.log``."""
@@ -257,15 +259,18 @@ class TrackerSet:
         return self
 
     def close(self) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
-        for t in self.trackers:
+        """Close every tracker once, also where two threads close the set (the signal watch's end
+        of a stuck run, and the main thread getting out of its call)."""
+        with self._closing:
+            unsubscribe, self._unsubscribe = self._unsubscribe, None
+            trackers, self.trackers = self.trackers, []
+        if unsubscribe is not None:
+            unsubscribe()
+        for t in trackers:
             try:
                 t.close()
             except Exception:
                 logger.exception("tracker %s did not close cleanly", type(t).__name__)
-        self.trackers = []
 
 
 def validate_loggers(names: list[str]) -> None:

@@ -42,6 +42,7 @@ import time
 from typing import Callable
 
 from resilient_rl.errors import Preempted, RecoveryError, RRLError
+from resilient_rl.runtime.deadline_call import within
 from resilient_rl.trainer.signal_watch import SignalWatch, exit_now
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ SHUTDOWN_WITHIN_S = 30.0
 #: it is in a call that does not return on one; Ray ends a process whose control plane is gone
 #: after 60 s, and a scheduler's grace period before its SIGKILL is often 30 s.
 ANSWER_WITHIN_S = 5.0
+#: How long :func:`end_while_stuck` waits for the run's trackers (wandb, MLflow: network calls that
+#: may hang once the job's network is gone) and its metrics exporter to close before the exit.
+CLOSE_WITHIN_S = 5.0
 
 
 class Preemption:
@@ -215,8 +219,9 @@ def end_while_stuck(trainer) -> str:
     """The end of a run whose main thread is stuck in a call that does not return on the
     preemption signal (:mod:`.signal_watch`; Ray's control plane went down with the job): from
     the watching thread, as :func:`stop_recovering` would have ended it (a save in flight
-    abandoned, the newest snapshot left in node memory), ``controller.json`` marked preempted and
-    the run's leases released. Returns the line the CLI prints before it exits 143.
+    abandoned, the newest snapshot left in node memory), ``controller.json`` marked preempted, the
+    run's leases released, then its trackers and metrics exporter closed (:func:`_close_outputs`).
+    Returns the line the CLI prints before it exits 143.
 
     Where the main thread recorded the run's end first (it got stuck in the shutdown after a
     failure), that record stands, and the line says so."""
@@ -231,7 +236,27 @@ def end_while_stuck(trainer) -> str:
     if record is not None:
         record.end(trainer.run_dir.path, "preempted", trainer.step, message)
     trainer.claim_.release()
+    _close_outputs(trainer)
     return message
+
+
+def _close_outputs(trainer) -> None:
+    """Close what ``fit`` and ``shutdown`` would have closed on the way out, within
+    :data:`CLOSE_WITHIN_S`: the trackers (their last rows and events, the run ended, not left
+    running for wandb to call crashed) and the metrics exporter (its time ledger written, its
+    Prometheus targets file removed). Past the deadline the process exits all the same."""
+    trackers, telemetry = getattr(trainer, "trackers", None), getattr(trainer, "telemetry", None)
+
+    def close() -> bool:
+        if trackers is not None:
+            trackers.close()
+        if telemetry is not None:
+            telemetry.stop()
+        return True
+
+    if not within("run outputs", close, CLOSE_WITHIN_S, otherwise=False):
+        logger.warning("the run's trackers and metrics exporter did not close within %.0f s: exiting without them",
+                       CLOSE_WITHIN_S)
 
 
 def stop_after_lost_cluster(trainer, exc: BaseException, waited_s: float) -> None:
