@@ -1,8 +1,9 @@
 """Real-shaped workloads for bench/gpu.py (``--workload gsm8k-1.5b | gsm8k-0.5b``) and their figures.
 
-Everything here is pure (no GPU, no timing) so it is tested on CPU: the workload's data, tokenizer
-and config, FLOP counts, the decode roofline, peak FLOP/s and memory bandwidth by device name, and
-verl's ``perf/throughput``. ``--tiny`` runs the same workload at small dimensions.
+Everything here is pure (no GPU, no timing) so it is tested on CPU: the workload's data, tokenizer,
+model folder and config, FLOP counts, the decode roofline, peak FLOP/s and memory bandwidth by device
+name, and verl's ``perf/throughput``. ``--tiny`` runs the same workload at small dimensions, ``--short``
+its model on a few short rows.
 
 - **Model FLOPs**, two counts, both printed with their formula. Per token of a sequence of ``s``
   tokens, a training pass (forward + backward) costs ``6·N + 12·L·H·D·s`` and a forward pass a
@@ -89,7 +90,6 @@ class Workload:
         config = qwen2_config(64, 2, 4, 2, 128, vocab=2048)
         return Workload(f"{self.name}-tiny", config, prompts=4, n=4, prompt_len=40, max_new_tokens=24,
                         tokenizer_vocab=1024, mean_response=self.mean_response)
-
 
     def short(self) -> "Workload":
         """The same model on a short batch (2 prompts x 2 samples, 48 + 8 tokens): what scales with
