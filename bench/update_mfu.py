@@ -4,7 +4,8 @@ verl's) and where the device's time goes.
 The trainer's own engine (``resilient_rl/workers/policy.py``) as a one-rank actor of the workload
 runs it: fp32 master weights under bf16 autocast on a GPU, the workload's actor config (packed
 rows, the chunked log-prob head, AdamW) and ``micro_batch_tokens=auto`` planned beside the
-workload's ref and rollout, as in ``bench/gpu.py``. The rows hold random tokens, and their prompts
+workload's ref and rollout, as in ``bench/gpu.py``. Its weights are random, drawn on the device
+(:func:`random_weights`). The rows hold random tokens, and their prompts
 and responses vary in length (from half of ``--prompt`` and ``--response`` to all of it), as a
 rollout's do. One update is one optimizer step over one mini-batch of all the rows.
 
@@ -143,8 +144,26 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
         cfg = load_config(f.name, (["actor.compile_head=true"] if device == "cpu" else []) + overrides)
     plan = plan_device(cfg.trainer.device, cfg.model.dtype)
     # Beside the ref and the rollout's cache, as the workload's colocated actor is planned.
-    return PolicyEngine(cfg.model, w.tokenizer_vocab, cfg.trainer.seed, plan, actor_cfg=cfg.actor, total_steps=100,
-                        colocated=("ref", "rollout"), kv_rows=w.prompts * w.n)
+    engine = PolicyEngine(cfg.model, w.tokenizer_vocab, cfg.trainer.seed, plan, actor_cfg=cfg.actor, total_steps=100,
+                          colocated=("ref", "rollout"), kv_rows=w.prompts * w.n, empty=True)
+    random_weights(engine.model, cfg.trainer.seed)
+    return engine
+
+
+def random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Weights as a freshly initialised Qwen2 has them (matrices and embeddings normal with std
+    0.02, norms 1, biases 0), drawn where the model is, into a model built empty. Building it with
+    its weights draws them on the host CPU instead, each twice (torch's initialisation, then
+    Hugging Face's): 20 s for 1.5 B on a 2-core CPU, once per variant."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
 
 
 def timed(fn, repeats: int) -> tuple[list[float], object]:
