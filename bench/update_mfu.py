@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from decode_bench import synchronize  # noqa: E402
 from gpu_workloads import (WORKLOADS, Workload, actor_section, device_specs, flop_params, mfu,  # noqa: E402
-                           pass_flops)
+                           pass_flops, random_weights)
 
 #: Kinds of device work, by the name of the operator that launched it (``aten::`` left out),
 #: matched in this order; what matches none is "elementwise and reductions".
@@ -148,22 +148,6 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
                           colocated=("ref", "rollout"), kv_rows=w.prompts * w.n, empty=True)
     random_weights(engine.model, cfg.trainer.seed)
     return engine
-
-
-def random_weights(model: torch.nn.Module, seed: int) -> None:
-    """Weights as a freshly initialised Qwen2 has them (matrices and embeddings normal with std
-    0.02, norms 1, biases 0), drawn where the model is, into a model built empty. Building it with
-    its weights draws them on the host CPU instead, each twice (torch's initialisation, then
-    Hugging Face's): 20 s for 1.5 B on a 2-core CPU, once per variant."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
 
 
 def timed(fn, repeats: int) -> tuple[list[float], object]:

@@ -134,11 +134,12 @@ def test_workload_model_folder_is_drawn_once_and_loads_as_a_pretrained_model(wor
     model = hf.load_hf_causal_lm(path=str(folder))
     assert model.config.hidden_size == w.hf_config["hidden_size"]
     assert model_eos_token_ids(SimpleNamespace(kind="hf", path=str(folder), hf_config=None)) == [9, 10]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drawn = hf.load_hf_causal_lm(hf_config=wl.model_config(w, [9, 10]))
+    drawn = hf.load_hf_causal_lm(hf_config=wl.model_config(w, [9, 10]))
+    wl.random_weights(drawn, 0)
     for (name, kept), fresh in zip(model.state_dict().items(), drawn.state_dict().values()):
         assert torch.equal(kept, fresh.to(torch.bfloat16).float()), name
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
 
     def no_second_draw(**kwargs):
         raise AssertionError("the kept folder was drawn again")
