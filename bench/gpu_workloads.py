@@ -199,7 +199,7 @@ def model_folder(w: Workload, stops: list[int], models: Path, seed: int = 0) -> 
 
     Built from ``model.hf_config`` instead, every build of the model draws its random weights
     again on the CPU: the actor's and the ref's at start, and the ref's in every process that
-    replaces a killed one (5.5 s of a 0.5 B recovery's 8.6 s rejoin on a 2-core CPU), a cost a
+    replaces a killed one (the ref's 6.6 s of a 0.5 B recovery's 8.6 s rejoin on a 2-core CPU), a cost a
     run from a pretrained model does not have. The folder appears whole or not at all: it is
     written under a temporary name and renamed."""
     import torch
