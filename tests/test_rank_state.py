@@ -34,10 +34,10 @@ class Rank:
 
     role, rank, world_size = "actor", 0, 1
 
-    def __init__(self):
+    def __init__(self, form: str = "fused"):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{form: True})
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.visits = Visits()
@@ -114,3 +114,31 @@ def test_a_part_name_is_taken_once():
     with pytest.raises(ValueError, match="'model'"):
         state.register("model", Visits())
     assert state.rank_local() == ("rng",)
+
+
+def test_a_checkpoint_of_the_other_adamw_form_loads_into_the_form_the_optimizer_was_built_with(tmp_path):
+    """A checkpoint carries its AdamW form (fused or foreach) in its parameter groups; a rank built
+    with the other form loads it and keeps its own, with each step count where its form reads it,
+    and goes on as the rank that wrote it does, within fp32 rounding."""
+    from resilient_rl.config.schema import OptimConfig
+    from resilient_rl.workers.optimizer import build_optimizer
+
+    assert build_optimizer(torch.nn.Linear(2, 2), OptimConfig()).defaults["fused"] is True  # the CPU has the kernel
+    for saved_form, loaded_form in (("foreach", "fused"), ("fused", "foreach")):
+        writer = Rank(saved_form)
+        writer.train(0)
+        writer.train(1)
+        records = writer.checkpointer.save_checkpoint(str(tmp_path / saved_form), None, "step_2/actor", False)
+        reader = Rank(loaded_form)
+        reader.train(0)  # moments to load into
+        assert reader.checkpointer.load_checkpoint(str(tmp_path / saved_form), None, "step_2/actor", records, 1)
+        opt = reader.engine.optimizer
+        assert all(g[loaded_form] is True and not g["fused" if loaded_form == "foreach" else "foreach"]
+                   for g in opt.param_groups)
+        for p in reader.engine.model.parameters():
+            step = opt.state[p]["step"]
+            assert step.dtype == torch.float32 and float(step) == 2.0
+        writer.train(2)
+        reader.train(2)
+        for a, b in zip(writer.engine.model.parameters(), reader.engine.model.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -108,7 +108,7 @@ def test_a_loaded_schedule_keeps_this_runs_learning_rate():
     one gets exactly the saved rate (a resumed run stays bit-identical)."""
     from resilient_rl.config.schema import OptimConfig
     from resilient_rl.workers.rank_state import load_schedule
-    from resilient_rl.workers.fsdp import build_optimizer, build_scheduler
+    from resilient_rl.workers.optimizer import build_optimizer, build_scheduler
 
     def engine(lr: float):
         model = torch.nn.Linear(2, 2)

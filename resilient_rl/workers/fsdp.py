@@ -1,4 +1,6 @@
-"""FSDP2 wrapping, device and precision choice, optimizers and LR schedules.
+"""FSDP2 wrapping, device and precision choice, gradient reduction and clipping.
+
+The optimizer and its learning-rate schedule are :mod:`resilient_rl.workers.optimizer`'s.
 
 On CUDA, ``fully_shard`` is applied to every transformer block, then to the root, as the FSDP2 docs
 recommend: each block's parameters are gathered (and prefetched by NCCL while the previous block
@@ -18,7 +20,6 @@ node), so parameters are gathered over the node's fast links and only gradients 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -267,38 +268,6 @@ def reshard(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, from an OptimConfig."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    # foreach: one multi-tensor kernel per update instead of one (DTensor-dispatched) op per parameter.
-    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay, foreach=True)
-
-
-def lr_lambda(optim_cfg, total_steps: int):
-    """Linear warm-up, then constant, cosine or linear decay to ``min_lr_ratio`` of the peak."""
-    warmup = optim_cfg.warmup_steps
-    floor = optim_cfg.min_lr_ratio
-    schedule = optim_cfg.schedule
-
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant" or total_steps <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        if schedule == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        return floor + (1 - floor) * (1 - progress)
-
-    return f
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int):
-    """A LambdaLR stepped once per training step (its state is just the step count)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
-
-
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip gradients across all shards; returns the total norm before clipping (a 0-dim tensor, so
     that reading it does not force a device sync per mini-batch)."""
@@ -320,19 +289,6 @@ def update_is_finite(grad_norm: torch.Tensor) -> bool:
     loss with finite gradients (``inf * 0`` in a masked term) changes no weight and is flagged from
     the step's metrics by the controller."""
     return bool(torch.isfinite(grad_norm))
-
-
-def step_scheduler(scheduler, applied: int) -> None:
-    """One LR-schedule step per training step, even when every update of the step was skipped
-    (the schedule stays a function of the step; torch's order warning does not apply then)."""
-    if applied:
-        scheduler.step()
-        return
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
-        scheduler.step()
 
 
 def full_state_dict(model: nn.Module, all_ranks: bool = True) -> dict[str, torch.Tensor]:

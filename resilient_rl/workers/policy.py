@@ -21,7 +21,8 @@ from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.chunked_head import HEAD_FAILURE
 from resilient_rl.workers.logprob import compiles_head, response_logprobs
 from resilient_rl.workers.rank_state import RankState
-from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, build_optimizer, build_scheduler, wrap_model
+from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, wrap_model
+from resilient_rl.workers.optimizer import build_optimizer, build_scheduler
 from resilient_rl.workers.update_loop import run_epochs
 
 

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from resilient_rl.workers.optimizer import keep_built_form
 from resilient_rl.workers.snapshots.buffers import named_tensors
 
 #: The names of the tensor parts (a plain part may not take them).
@@ -129,6 +130,7 @@ class RankState:
         e = self.engine
         set_model_state_dict(e.model, loaded["model"])
         set_optimizer_state_dict(e.model, e.optimizer, loaded["optim"])
+        keep_built_form(e.optimizer)  # a checkpoint of the other AdamW form (fused, foreach) carries its own
         for name, part in self.parts.items():
             if same_world_size or not part.rank_local:
                 part.stateful.load_state_dict(loaded[name])

@@ -19,8 +19,8 @@ from resilient_rl.errors import CollectiveError
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime import progress
 from resilient_rl.workers.allocator import AllocatorWindow
-from resilient_rl.workers.fsdp import (all_reduce_gradients, clip_grad_norm, global_token_counts, step_scheduler,
-                                       update_is_finite)
+from resilient_rl.workers.fsdp import all_reduce_gradients, clip_grad_norm, global_token_counts, update_is_finite
+from resilient_rl.workers.optimizer import step_scheduler
 
 #: ``accumulate(mini_batch, response_mask, tokens, sequences, world, n_parts)``: forward and
 #: backward of one mini-batch; its loss terms as ``(metric name, value)``.

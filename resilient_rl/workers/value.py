@@ -10,7 +10,8 @@ from resilient_rl.models.precision import hand_on_in_autocast_dtype
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
 from resilient_rl.workers.block_options import apply_block_options
-from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, build_optimizer, build_scheduler, wrap_model
+from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, wrap_model
+from resilient_rl.workers.optimizer import build_optimizer, build_scheduler
 from resilient_rl.workers.policy import planned_seq_len
 from resilient_rl.workers.update_loop import run_epochs
 from resilient_rl.workers.rank_state import RankState

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from resilient_rl.workers.optimizer import keep_built_form
 from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.buffers import Layout, copy_in
 
@@ -65,4 +66,5 @@ def restore_state(engine, snap: dict, tensors: Callable[[], list]) -> None:
     for key, value in extra["optim_scalars"].items():
         index, name = key.split("/", 1)
         e.optimizer.state[params[int(index)]][name] = copy.deepcopy(value)
+    keep_built_form(e.optimizer)
     states_of(e).load_plain_state(extra["states"])
