@@ -12,7 +12,8 @@
 # them left.
 #   0. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes, and the
-#      same with every block compiled;
+#      same with every block compiled; then bench/snapshot_restore.py: a restore's writing of the
+#      0.5 B actor's state from pageable memory, directly and through page-locked staging buffers;
 #   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
 #      tokens/s/GPU, whether the gradients were finite, decode compiles and graph breaks, the packed
 #      attention each rank took, one actor SIGKILL's recovery time (its phases, and each role's
@@ -63,6 +64,13 @@ echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
 timeout -k 10 "$(within 200)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
 echo "rc=$?" >> "$out/update_mfu.log"
 grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
+# A restore's writing of the 0.5 B actor's state (6 GB) from pageable memory, as a rank that replaces a
+# killed one reads its node copy: directly, through two page-locked buffers (what a restore does now),
+# and from page-locked memory.
+echo "== python bench/snapshot_restore.py --device cuda" | tee -a "$out/summary.txt"
+timeout -k 10 "$(within 90)" "$PY" bench/snapshot_restore.py --device cuda > "$out/snapshot_restore.log" 2>&1
+echo "rc=$?" >> "$out/snapshot_restore.log"
+tail -6 "$out/snapshot_restore.log" | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2

@@ -304,6 +304,21 @@ def test_snapshot_checksum_bench_times_both_checksums_on_one_buffer():
     assert lines[2].lstrip().startswith("pieces of 64 MiB,") and lines[2].endswith("x")
 
 
+def test_optimizer_bench_times_both_adamw_forms_in_turn_and_compares_their_weights():
+    lines = run_on_cpu("optimizer.py", "--tiny", "--repeat", "1").stdout.strip().splitlines()
+    assert lines[0].startswith("AdamW over 26 tensors,") and "(gsm8k-0.5b-tiny, 2 blocks), cpu" in lines[0]
+    assert lines[1].split()[0] == "foreach" and lines[1].endswith("1.00x")
+    assert lines[2].split()[0] == "fused" and lines[2].endswith("x")
+    assert float(lines[3].rsplit(": ", 1)[1]) < 1e-6  # the same update within fp32 rounding
+
+
+def test_snapshot_restore_bench_writes_the_state_both_ways_bit_for_bit():
+    lines = run_on_cpu("snapshot_restore.py", "--tiny", "--repeat", "1").stdout.strip().splitlines()
+    assert "(104 tensors: gsm8k-0.5b-tiny, 2 blocks" in lines[0] and "into cpu tensors" in lines[0]
+    assert [line.split()[0] for line in lines[1:3]] == ["direct", "staged"] and lines[1].endswith("1.00x")
+    assert lines[3].endswith("bit for bit: True")
+
+
 def test_activation_bytes_bench_counts_both_ways_in_one_run():
     lines = run_on_cpu("activation_bytes.py", "--workload", "gsm8k-0.5b", "--layers", "1", "--vocab", "512",
                        "--rows", "4", "--prompt", "16", "--response", "32").stdout.strip().splitlines()

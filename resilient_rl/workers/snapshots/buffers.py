@@ -19,7 +19,8 @@ object store, no pickling of tensors) and hands it to a reader as a zero-copy vi
 
 :func:`copy_in` writes a packed copy back into the same tensors in place (``copy_``), after
 checking that the layout matches name by name (a :class:`ValueError` names the first path that
-differs).
+differs); a pageable copy into GPU tensors goes through two small page-locked buffers
+(:mod:`resilient_rl.workers.snapshots.staged`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from resilient_rl.runtime import progress
 from resilient_rl.workers.snapshots import node_memory
+from resilient_rl.workers.snapshots.staged import staged_copy, wants_staging
 from resilient_rl.workers.fsdp import reshard
 
 #: Alignment of every tensor in a packed buffer (bytes): any dtype can be viewed at any offset.
@@ -304,14 +306,22 @@ def as_tensor(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(data, dtype=np.uint8).reshape(-1))
 
 
-def copy_in(layout: Layout, data: np.ndarray, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Write the packed ``data`` into ``tensors`` in place, after :meth:`Layout.check_against`."""
+def copy_in(layout: Layout, data: np.ndarray, tensors: list[tuple[str, torch.Tensor]],
+            staged: bool | None = None) -> None:
+    """Write the packed ``data`` into ``tensors`` in place, after :meth:`Layout.check_against`.
+
+    ``staged``: through two page-locked buffers (:mod:`resilient_rl.workers.snapshots.staged`);
+    None: where a tensor is on a GPU and ``data`` is pageable."""
     layout.check_against(tensors)
     if data.nbytes < layout.total:
         raise ValueError(f"snapshot data has {data.nbytes} bytes, its layout needs {layout.total}")
-    src = layout.views(as_tensor(data))
+    flat = as_tensor(data)
     by_name = {n: t for n, t in tensors}
     dst = [by_name[e.name] for e in layout.entries]
+    if staged if staged is not None else wants_staging(flat, dst):
+        staged_copy(flat, [e.offset for e in layout.entries], dst)
+        return
+    src = layout.views(flat)
     with torch.no_grad():
         for r in _chunks(layout, len(dst)):
             _copy(dst[r.start:r.stop], src[r.start:r.stop], non_blocking=False)
