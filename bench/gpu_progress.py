@@ -38,7 +38,8 @@ def stamp(elapsed: float) -> str:
 
 def step_line(row: dict, elapsed: float) -> str:
     """One finished step's metrics row: its time, the phases that took 0.05 s or more, tokens and
-    the decode step's compiles and compactions."""
+    the decode step's compiles and compactions, and the engine's prefill and decode loop (seconds,
+    steps, time a step)."""
     phases = ", ".join(f"{p} {row[f'timing/{p}_s']:.1f}" for p in PHASES if row.get(f"timing/{p}_s", 0.0) >= 0.05)
     step_s = row.get("timing/step_s", 0.0)
     tokens = row.get("tokens", 0)
@@ -47,6 +48,10 @@ def step_line(row: dict, elapsed: float) -> str:
     if "perf/decode_compiles" in row:
         decode = (f"; decode step: {row['perf/decode_compiles']:.0f} compiles, "
                   f"{row.get('perf/decode_compactions', 0.0):.0f} compactions")
+        if row.get("perf/decode_steps"):  # the engine's own time: the rest of gen is outside it
+            decode += (f", prefill {row.get('perf/decode_prefill_s', 0.0):.2f} s, {row['perf/decode_steps']:.0f} "
+                       f"steps in {row.get('perf/decode_loop_s', 0.0):.2f} s "
+                       f"({1e3 * row.get('perf/decode_loop_s', 0.0) / row['perf/decode_steps']:.2f} ms a step)")
     return f"{stamp(elapsed)} step {row['step']}: {step_s:.1f} s ({phases}); {tokens:.0f} tokens{rate}{decode}"
 
 

@@ -189,14 +189,15 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
     trainer = type("T", (), {"run_dir": run_dir})()
     row = lambda step: {"step": step, "timing/step_s": 4.0, "timing/gen_s": 3.0, "timing/ref_s": 0.01,  # noqa: E731
                         "tokens": 800, "perf/decode_compiles": 1.0 if step == 1 else 0.0,
-                        "perf/decode_compactions": 2.0}
+                        "perf/decode_compactions": 2.0, "perf/decode_steps": 100.0, "perf/decode_prefill_s": 0.25,
+                        "perf/decode_loop_s": 2.5}
     progress.on_step_start(trainer, 1)
     assert lines == []
     run_dir.rows.append(row(1))
     now[0] = 112.5
     progress.on_step_start(trainer, 2)
     assert lines == ["[   12.5 s] step 1: 4.0 s (gen 3.0); 800 tokens, 200 tokens/s; "
-                     "decode step: 1 compiles, 2 compactions"]
+                     "decode step: 1 compiles, 2 compactions, prefill 0.25 s, 100 steps in 2.50 s (25.00 ms a step)"]
     assert figures_of == []  # a warm-up step: no figures
     run_dir.rows.append(row(2))
     progress.on_step_start(trainer, 3)

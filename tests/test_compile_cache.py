@@ -46,7 +46,8 @@ for compile in (True, False):
     runs[compile] = engine.generate_sequences(prompts, rank=rank)
 metrics = runs[True].meta_info["metrics"]
 print(json.dumps({"compiles": metrics["perf/decode_compiles"], "kept": metrics["perf/decode_kept"],
-                  "cudagraph_skips": metrics["perf/decode_cudagraph_skips"],
+                  "cudagraph_skips": metrics["perf/decode_cudagraph_skips"], "decode_steps": metrics["perf/decode_steps"],
+                  "timed": metrics["perf/decode_prefill_s"] > 0 and metrics["perf/decode_loop_s"] > 0,
                   "inductor": dict(counters["inductor"]),
                   "same_as_eager": runs[True].batch["responses"].tolist() == runs[False].batch["responses"].tolist()}))
 """
@@ -77,6 +78,7 @@ def first(tmp_path_factory):
 def test_the_first_rollout_process_compiles_and_keeps_the_traced_step_for_the_run(first):
     root, run, node = first  # its local cache was empty, as a process on another node finds its own
     assert run["compiles"] >= 1 and run["same_as_eager"] and run["cudagraph_skips"] == 0  # none asked for on CPU
+    assert 1 <= run["decode_steps"] <= 5 and run["timed"]  # the engine's prefill and loop, each timed
     steps = [name for name in kept_files(root) if name.startswith(f"{device_tag('cpu')}.decode-")]
     assert len(steps) == 1 and (root / "run" / CompileCache.FOLDER / steps[0]).stat().st_size > 10_000
     assert (node / "resilient_rl" / steps[0]).read_bytes() == kept_files(root)[steps[0]]  # the node's copy

@@ -57,6 +57,7 @@ def test_one_compile_for_every_batch_bucket_and_span_and_no_graph_break(compiled
     # once for both its spans, and the others compile nothing for their buckets (a single row,
     # which the compiler specialises, may add one).
     assert long["compiles"] == 1 and long["steps"] == 149 and long["buckets"] == [16], long
+    assert long["prefill_s"] > 0 and long["loop_s"] > 0  # the engine's two parts, each timed
     seen = set(first["buckets"]) | set(second["buckets"])
     assert first["compiles"] + second["compiles"] == (1 in seen), (first, second)
     assert len(graphs) == long["compiles"] + first["compiles"] + second["compiles"]

@@ -67,7 +67,7 @@ def decode(forward: Callable, model, keys, values, tokens, position, column, key
 class DecodeStats:
     """Counters of one generation: decode steps run, batch sizes used, compactions, and the
     compiler's work during it (graphs compiled, graph breaks, graphs inductor ran without the CUDA
-    graphs asked for), plus the eager fallback if any."""
+    graphs asked for), plus the eager fallback if any, and the seconds of its two parts."""
 
     compiled: bool = False
     steps: int = 0
@@ -81,6 +81,11 @@ class DecodeStats:
     eager_fallback: str | None = None
     #: Whether the compiled step ran a version kept for other processes (see :mod:`.decode_kept`).
     kept: bool = False
+    #: Seconds of the prompts' forward (prefill) and of the decode loop after it, each ended by a
+    #: device synchronisation: the loop's seconds over ``steps`` is the step's time in place, its
+    #: host work between the compiled steps included.
+    prefill_s: float = 0.0
+    loop_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

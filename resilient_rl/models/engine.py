@@ -43,6 +43,7 @@ and rows that finished are not sampled once they left the batch. Greedy decoding
 from __future__ import annotations
 
 import importlib
+import time
 import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -261,6 +262,7 @@ def generate_static(
     buckets = row_buckets(batch, CUDA_ROW_BUCKET if on_cuda and batch >= CUDA_ROW_BUCKET else 1)
     cache = engine_cache(model, shape_of(model), batch, -(-total_len // BLOCK) * BLOCK)
 
+    started = time.perf_counter()
     group, first = shared_prompt_groups(input_ids, prompt_mask)
     cache.rows = int(first.shape[0])
     keys, values = cache.views()
@@ -273,11 +275,21 @@ def generate_static(
             logits = logits.index_select(0, group)
         decoder = _EngineDecoder(step_fn, forward, model, cache, prompt_mask, temperature, top_p, generator,
                                  compact_min_fraction, buckets)
-        responses, response_mask = decode_loop(
-            decoder.step, sample_tokens(logits, temperature, top_p, generator).to(input_ids.dtype),
-            response_pos[:, :1], max_new_tokens, eos_ids, pad_token_id, check_every, decoder.compact)
+        first_tokens = sample_tokens(logits, temperature, top_p, generator).to(input_ids.dtype)
+        step_fn.stats.prefill_s = _synchronized_since(started, device)
+        started = time.perf_counter()
+        responses, response_mask = decode_loop(decoder.step, first_tokens, response_pos[:, :1], max_new_tokens, eos_ids,
+                                               pad_token_id, check_every, decoder.compact)
+        step_fn.stats.loop_s = _synchronized_since(started, device)
     return generation_output(input_ids, attention_mask, prompt_pos, response_pos, responses, response_mask,
                              step_fn.finish())
+
+
+def _synchronized_since(started: float, device: torch.device) -> float:
+    """Seconds since ``started`` (``time.perf_counter``), once ``device`` has done its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 class _EngineDecoder:

@@ -124,7 +124,10 @@ class RolloutEngine:
                                "perf/decode_cudagraph_skips": float(stats["cudagraph_skips"]),
                                "perf/decode_compactions": float(stats["compactions"]),
                                "perf/decode_eager": float(stats["eager_fallback"] is not None),
-                               "perf/decode_kept": float(stats["kept"])}
+                               "perf/decode_kept": float(stats["kept"]),
+                               "perf/decode_steps": float(stats["steps"]),
+                               "perf/decode_prefill_s": float(stats["prefill_s"]),
+                               "perf/decode_loop_s": float(stats["loop_s"])}
             if stats["eager_fallback"] is not None:
                 meta["decode_eager_reason"] = stats["eager_fallback"]
         return DataProto.from_dict({
