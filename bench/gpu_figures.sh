@@ -5,8 +5,9 @@
 #
 # With --wheelhouse, first installs the project from DIR with no package index
 # (`./install.sh --wheelhouse DIR`). Logs and a summary go to OUT (default: ./gpu-figures).
-# WORKLOAD: gsm8k-0.5b and/or gsm8k-1.5b (default: both, in that order). The first rollout of each
-# compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
+# WORKLOAD: gsm8k-1.5b and/or gsm8k-0.5b (default: both, in that order: the 1.5 B run alone takes
+# every figure still open, so a call whose budget ends during the 0.5 B run has them all). The first
+# rollout of each compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
 # (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
 # each part's limit is cut to what is left of it, and the workloads share what the part before
 # them left.
@@ -14,13 +15,14 @@
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes, and the
 #      same with every block compiled; then bench/snapshot_restore.py: a restore's writing of the
 #      0.5 B actor's state from pageable memory, directly and through page-locked staging buffers;
-#   1. gsm8k-0.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
-#      tokens/s/GPU, whether the gradients were finite, decode compiles and graph breaks, the packed
-#      attention each rank took, one actor SIGKILL's recovery time (its phases, and each role's
-#      rebuild), then the rollout engine against HF generate (dynamic cache) on the run's rollout
-#      model, with the engine's share of the decode roofline: the engine loads the run's kept
-#      decode step, so the comparison compiles nothing;
-#   2. gsm8k-1.5b: the same but the generation comparison.
+#   1. gsm8k-1.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
+#      tokens/s/GPU, whether the gradients were finite, decode compiles and graph breaks, the
+#      engine's prefill and decode-loop time in each step, the packed attention each rank took, one
+#      actor SIGKILL's recovery time (its phases, and each role's rebuild), then the rollout
+#      engine alone on the run's rollout model, with its share of the decode roofline: the engine
+#      loads the run's kept decode step, so it compiles nothing;
+#   2. gsm8k-0.5b: the same, with the engine against HF generate (dynamic cache; 9.66x on an H200,
+#      2026-11-30) on the same batch.
 # The components have their own commands, each measured on an H200 (docs/performance.md):
 # `python bench/sampling.py --rows 512` (the decode step's sampling pass), `python bench/varlen.py
 # --device cuda` (the packed-attention backends), `python bench/logprob.py --shape qwen2.5-1.5b
@@ -37,7 +39,7 @@ fi
 out="${1:-${OUT:-gpu-figures}}"
 [ $# -gt 0 ] && shift
 workloads=("$@")
-[ ${#workloads[@]} -gt 0 ] || workloads=(gsm8k-0.5b gsm8k-1.5b)
+[ ${#workloads[@]} -gt 0 ] || workloads=(gsm8k-1.5b gsm8k-0.5b)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY="$(command -v python || command -v python3)"
@@ -91,7 +93,7 @@ for w in "${workloads[@]}"; do
     left=$((left - 1))
     case "$w" in
         gsm8k-0.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
-        gsm8k-1.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --skip-generation ;;
+        gsm8k-1.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine ;;
         *) echo "gpu_figures.sh: unknown workload $w (gsm8k-0.5b, gsm8k-1.5b)" >&2; status=2 ;;
     esac
 done
