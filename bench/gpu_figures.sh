@@ -9,8 +9,8 @@
 # every figure still open, so a call whose budget ends during the 0.5 B run has them all). The first
 # rollout of each compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
 # (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
-# each part's limit is cut to what is left of it, and the workloads share what the part before
-# them left.
+# each part's limit is cut to what is left of it, the workloads' in their order (the first takes
+# up to its whole limit of what is left).
 #   0. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes, and the
 #      same with every block compiled; then bench/snapshot_restore.py: a restore's writing of the
@@ -49,9 +49,9 @@ status=0
 limit="${RRL_FIGURE_TIMEOUT:-300}"
 budget="${RRL_FIGURES_BUDGET:-0}"
 within() {  # a part's limit in seconds, cut to what is left of the budget (SIGKILL comes 20 s after the limit)
-    local want=$1 share=${2:-1}
+    local want=$1
     if [ "$budget" -gt 0 ]; then
-        local left=$(( (budget - SECONDS - 25) / share ))
+        local left=$(( budget - SECONDS - 25 ))
         [ "$left" -lt "$want" ] && want=$left
         [ "$want" -lt 5 ] && want=5
     fi
@@ -87,10 +87,8 @@ run() {  # name, timeout, arguments of bench/gpu.py
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
 }
-left=${#workloads[@]}
 for w in "${workloads[@]}"; do
-    wlimit=$(within "$limit" "$left")
-    left=$((left - 1))
+    wlimit=$(within "$limit")
     case "$w" in
         gsm8k-0.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
         gsm8k-1.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine ;;

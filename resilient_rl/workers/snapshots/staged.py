@@ -10,9 +10,9 @@ tensor: the H200's SIGKILL recovery wrote 6.47 GB that way in about 2.2 s, about
 :func:`staged_copy` sends the packed bytes through two page-locked buffers of
 :data:`STAGE_BYTES` in turn. The host copies one window of the packed buffer into one of them (one
 contiguous memory copy), then queues the device's copies of every tensor's bytes that lie in the
-window, asynchronously; the host fills the other buffer while the device reads the first. Only
-``2 * STAGE_BYTES`` are locked (torch's caching host allocator keeps them for the next restore),
-and no tensor is split or copied twice.
+window, asynchronously (a tensor larger than a window is written in pieces, one per window); the
+host fills the other buffer while the device reads the first. Every byte crosses once, and only
+``2 * STAGE_BYTES`` are locked (torch's caching host allocator keeps them for the next restore).
 
 The same code runs with destinations on the host, where nothing is locked and each copy is
 synchronous: that is how the tests run it.
