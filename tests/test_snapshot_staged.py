@@ -43,9 +43,11 @@ def test_every_tensor_comes_back_bit_for_bit_whatever_the_window(stage_bytes):
     want = state()
     layout, data = packed(want)
     dst = [torch.zeros_like(t) if t.dtype != torch.bool else torch.zeros(t.shape, dtype=torch.bool) for _, t in want]
+    dst[0] = torch.nn.Parameter(dst[0])  # a restore writes the model's parameters in place
     staged_copy(torch.from_numpy(data), [e.offset for e in layout.entries], dst, stage_bytes=stage_bytes)
     for (name, t), got in zip(want, dst):
         assert got.dtype == t.dtype and torch.equal(got, t), name
+    assert dst[0].requires_grad and dst[0].grad_fn is None
 
 
 def test_a_destination_that_is_not_contiguous_is_written_too():

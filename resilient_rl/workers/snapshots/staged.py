@@ -56,8 +56,8 @@ def staged_copy(flat: torch.Tensor, offsets: Sequence[int], dst: Sequence[torch.
     if len(cuda) > 1:
         raise ValueError(f"staged copy: destinations on {len(cuda)} devices ({', '.join(map(str, cuda))})")
     pin = bool(cuda) if pin is None else pin
-    staged = [(o, _bytes_of(t)) for o, t in zip(offsets, dst) if t.is_contiguous()]
     with torch.no_grad():
+        staged = [(o, _bytes_of(t)) for o, t in zip(offsets, dst) if t.is_contiguous()]
         for o, t in zip(offsets, dst):
             if not t.is_contiguous():
                 n = t.numel() * t.element_size()
