@@ -38,6 +38,7 @@ from gpu_workloads import WORKLOADS  # noqa: E402
 from optimizer import parameter_shapes  # noqa: E402
 
 from resilient_rl.workers.snapshots.buffers import Layout, copy_in  # noqa: E402
+from resilient_rl.workers.snapshots.staged import bytes_of  # noqa: E402
 
 
 def rank_state(shapes, device: str) -> list[tuple[str, torch.Tensor]]:
@@ -48,10 +49,6 @@ def rank_state(shapes, device: str) -> list[tuple[str, torch.Tensor]]:
         out += [(f"model/p{i}", p), (f"optim/p{i}/exp_avg", torch.empty_like(p)),
                 (f"optim/p{i}/exp_avg_sq", torch.empty_like(p)), (f"optim/p{i}/step", torch.zeros((), device=device))]
     return out
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
 
 
 def best_of(fn, repeat: int) -> float:
@@ -95,7 +92,7 @@ def main(argv=None) -> int:
             best[name] = min(best.get(name, float("inf")), best_of(fn, args.repeat))
     copy_in(layout, data, tensors, staged=True)
     check = Layout.of(tensors).views(torch.from_numpy(data))
-    same = all(torch.equal(_bytes(a), _bytes(t.cpu())) for a, (_, t) in zip(check, tensors))  # random bytes: NaNs
+    same = all(torch.equal(bytes_of(a), bytes_of(t.cpu())) for a, (_, t) in zip(check, tensors))  # random bytes: NaNs
     for name, seconds in best.items():
         print(f"  {name:<7} {seconds:8.3f} s  {gb / seconds:6.1f} GB/s  {seconds / best['direct']:.2f}x")
     print(f"  the staged copy wrote every tensor bit for bit: {same}")

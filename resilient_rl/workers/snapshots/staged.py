@@ -27,7 +27,7 @@ import torch
 
 from resilient_rl.runtime import progress
 
-__all__ = ["STAGE_BYTES", "staged_copy", "wants_staging"]
+__all__ = ["STAGE_BYTES", "bytes_of", "staged_copy", "wants_staging"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def staged_copy(flat: torch.Tensor, offsets: Sequence[int], dst: Sequence[torch.
         raise ValueError(f"staged copy: destinations on {len(cuda)} devices ({', '.join(map(str, cuda))})")
     pin = bool(cuda) if pin is None else pin
     with torch.no_grad():
-        staged = [(o, _bytes_of(t)) for o, t in zip(offsets, dst) if t.is_contiguous()]
+        staged = [(o, bytes_of(t)) for o, t in zip(offsets, dst) if t.is_contiguous()]
         for o, t in zip(offsets, dst):
             if not t.is_contiguous():
                 n = t.numel() * t.element_size()
@@ -66,7 +66,7 @@ def staged_copy(flat: torch.Tensor, offsets: Sequence[int], dst: Sequence[torch.
             _through_stages(flat, staged, stage_bytes or STAGE_BYTES, pin, cuda[0] if cuda else None)
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The bytes of the contiguous tensor ``t`` as a flat uint8 view (a 0-dim tensor's too)."""
     return t.reshape(-1).view(torch.uint8)
 
