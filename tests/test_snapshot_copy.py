@@ -118,6 +118,21 @@ def test_copy_into_a_fresh_rank_whose_optimizer_has_no_state():
     roundtrip(rank, fresh, via_pickle=True)
 
 
+@pytest.mark.parametrize("form", ["foreach", "fused"])
+def test_a_handed_over_copy_written_through_the_staging_buffers_restores_the_rank(monkeypatch, form):
+    """The staged path (a pageable copy into GPU tensors) in a whole restore, forced here with host
+    tensors and small windows: model, optimizer (either AdamW form), schedule and RNG come back
+    bit for bit and the rank trains on as the one that took the copy."""
+    monkeypatch.setattr(snapshot_buffers, "wants_staging", lambda flat, dst: True)
+    monkeypatch.setattr("resilient_rl.workers.snapshots.staged.STAGE_BYTES", 96)
+    rank, fresh = Rank(mlp), Rank(mlp)
+    for r in (rank, fresh):
+        e = r.engine
+        e.optimizer = torch.optim.AdamW(e.model.parameters(), lr=1e-2, weight_decay=0.1, **{form: True})
+        e.scheduler = torch.optim.lr_scheduler.LambdaLR(e.optimizer, lambda s: 1.0 / (1 + s))
+    roundtrip(rank, fresh, via_pickle=True)
+
+
 def test_snapshot_before_the_optimizer_had_state_clears_it():
     rank = Rank(mlp)
     snap = rank.snapshot(0)["roles"]["actor"]
