@@ -319,6 +319,13 @@ def test_snapshot_restore_bench_writes_the_state_both_ways_bit_for_bit():
     assert lines[3].endswith("bit for bit: True")
 
 
+def test_rollout_build_bench_times_both_ways_in_fresh_processes():
+    lines = run_on_cpu("rollout_build.py", "--tiny", "--repeats", "1").stdout.strip().splitlines()
+    assert lines[0] == "an empty rollout of gsm8k-0.5b-tiny on this CPU, fresh processes, median of 1:"
+    assert "fused weights copied (before)" in lines[1] and "fused weights allocated (now)" in lines[2]
+    assert lines[3].startswith("  ratio: ") and lines[3].endswith("x")
+
+
 def test_activation_bytes_bench_counts_both_ways_in_one_run():
     lines = run_on_cpu("activation_bytes.py", "--workload", "gsm8k-0.5b", "--layers", "1", "--vocab", "512",
                        "--rows", "4", "--prompt", "16", "--response", "32").stdout.strip().splitlines()

@@ -46,6 +46,27 @@ def greedy(model, **kw):
     return generate_static(model, ids, mask, max_new_tokens=12, temperature=0.0, **kw).responses
 
 
+def test_a_model_built_empty_is_fused_without_a_copy_and_a_sync_then_writes_its_fused_weights():
+    """``copy=False`` (a rollout built empty): the fused weights are allocated, not copied from
+    weights never written; the first sync writes them through the projections' views."""
+    from resilient_rl.models.factory import parameters_on_meta
+    from resilient_rl.workers.fsdp import materialize
+
+    plain, _ = pair()
+    with parameters_on_meta():
+        empty = load_hf_causal_lm(hf_config=config())
+    empty = materialize(empty, torch.device("cpu")).eval()
+    assert fuse_projections(empty, copy=False) == 2 * LAYERS
+    for module in fused_modules(empty):
+        names = ("q_proj", "k_proj", "v_proj") if hasattr(module, "q_proj") else ("gate_proj", "up_proj")
+        linears = [getattr(module, n) for n in names]
+        assert module.rrl_fused_weight.shape[0] == sum(lin.out_features for lin in linears)
+        assert linears[0].weight.data_ptr() == module.rrl_fused_weight.data_ptr()
+    empty.load_state_dict(plain.state_dict())  # what the rollout's load_weights does
+    assert refuse(empty) == 0  # the views hold: nothing fused again
+    assert torch.equal(greedy(empty), greedy(plain))
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_a_fused_model_computes_what_the_model_does_with_the_same_parameters(model_type):
     plain, fused = pair(model_type)

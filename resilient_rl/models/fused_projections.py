@@ -62,14 +62,15 @@ def _kind(module: nn.Module) -> str | None:
     return "attention" if name in ATTENTION else "mlp" if name in MLP else None
 
 
-def _fuse(module: nn.Module, kind: str) -> bool:
-    """Give ``module`` its fused weight (and bias), the projections' parameters views into it."""
+def _fuse(module: nn.Module, kind: str, copy: bool = True) -> bool:
+    """Give ``module`` its fused weight (and bias), the projections' parameters views into it;
+    ``copy``: holding the projections' values (else allocated only)."""
     linears = _linears(module, _GROUPS[kind])
     if linears is None:
         return False
     with torch.no_grad():
-        weight = torch.cat([lin.weight for lin in linears])
-        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        weight = _joined([lin.weight for lin in linears], copy)
+        bias = None if linears[0].bias is None else _joined([lin.bias for lin in linears], copy)
     sizes = [lin.out_features for lin in linears]
     start = 0
     for lin, size in zip(linears, sizes):
@@ -87,11 +88,22 @@ def _fuse(module: nn.Module, kind: str) -> bool:
     return True
 
 
-def fuse_projections(model: nn.Module) -> int:
+def _joined(tensors: list[torch.Tensor], copy: bool) -> torch.Tensor:
+    """``tensors`` end to end along their first dimension: copied, or a new uninitialised tensor
+    of that shape."""
+    if copy:
+        return torch.cat(tensors)
+    first = tensors[0]
+    return torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), dtype=first.dtype, device=first.device)
+
+
+def fuse_projections(model: nn.Module, copy: bool = True) -> int:
     """Fuse the projections of every module of ``model`` of a known class (see the module docs);
     how many modules were fused. Call it after the model has its final device and dtype (a
-    ``.to`` that copies the parameters cuts the views; :func:`refuse` then repairs them)."""
-    return sum(_fuse(module, kind) for module in model.modules()
+    ``.to`` that copies the parameters cuts the views; :func:`refuse` then repairs them).
+    ``copy=False``: the fused weights are allocated, not copied from the projections', for a model
+    built empty whose weights the next sync writes (a copy would read memory never written)."""
+    return sum(_fuse(module, kind, copy) for module in model.modules()
                if (kind := _kind(module)) is not None and not hasattr(module, _FUSED))
 
 

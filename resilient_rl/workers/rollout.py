@@ -58,7 +58,9 @@ class RolloutEngine:
         self.model = to_device(build_causal_lm(model_cfg, vocab_size, seed, empty=empty), plan.device)
         if plan.mixed_precision:
             self.model = self.model.to(plan.param_dtype)
-        fuse_projections(self.model)  # one product for q, k, v and one for gate, up (models/fused_projections.py)
+        # One product for q, k, v and one for gate, up (models/fused_projections.py); built empty,
+        # nothing to copy into the fused weights before the first sync writes them.
+        fuse_projections(self.model, copy=not empty)
         self.model.requires_grad_(False)
         self.model.train(False)
         self.eos_token_id = eos_token_id
