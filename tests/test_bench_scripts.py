@@ -326,6 +326,15 @@ def test_rollout_build_bench_times_both_ways_in_fresh_processes():
     assert lines[3].startswith("  ratio: ") and lines[3].endswith("x")
 
 
+def test_rms_norm_bench_times_both_norms_and_finds_them_equal_on_a_cpu():
+    lines = run_on_cpu("rms_norm.py", "--tokens", "64", "--repeat", "1").stdout.strip().splitlines()
+    assert lines[0].startswith("RMS norm of 64 tokens x 1536 (gsm8k-1.5b)") and lines[0].endswith("cpu, best of 1")
+    assert lines[1].endswith("1.00x") and "F.rms_norm" in lines[2]
+    assert lines[3].startswith("  hf: 22 operators") and lines[4].startswith("  torch: 22 operators")  # decomposed
+    assert lines[5] == ("  largest difference: output 0.00e+00, input gradient 0.00e+00, "
+                        "weight gradient 0.00e+00 (relative)")
+
+
 def test_activation_bytes_bench_counts_both_ways_in_one_run():
     lines = run_on_cpu("activation_bytes.py", "--workload", "gsm8k-0.5b", "--layers", "1", "--vocab", "512",
                        "--rows", "4", "--prompt", "16", "--response", "32").stdout.strip().splitlines()
