@@ -54,6 +54,18 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def best_of(fn, repeat: int) -> float:
+    """The fewest seconds of ``repeat`` calls of ``fn``, each timed from and to an idle device."""
+    best = float("inf")
+    for _ in range(repeat):
+        synchronize()
+        t0 = time.perf_counter()
+        fn()
+        synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def run_fresh(code: str, *args, cache: str) -> dict:
     """``python -c code args...`` with ``TORCHINDUCTOR_CACHE_DIR=cache``; ``code`` can import this
     module. Returns the dict it printed as JSON on its last line, with the whole process's seconds

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from decode_bench import synchronize  # noqa: E402
+from decode_bench import best_of  # noqa: E402
 from gpu_workloads import WORKLOADS  # noqa: E402
 
 
@@ -44,14 +43,7 @@ def timed_steps(kind: str, shapes, device: str, repeat: int) -> tuple[float, lis
         p.grad = torch.randn(p.shape, generator=g, device=device) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **{kind: True})
     opt.step()
-    best = float("inf")
-    for _ in range(repeat):
-        synchronize()
-        t0 = time.perf_counter()
-        opt.step()
-        synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best, [p.detach() for p in params]
+    return best_of(opt.step, repeat), [p.detach() for p in params]
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from decode_bench import synchronize  # noqa: E402
+from decode_bench import best_of  # noqa: E402
 from gpu_workloads import WORKLOADS  # noqa: E402
 
 
@@ -69,17 +68,6 @@ def dispatched(fn) -> list[str]:
     with Ops() as ops:
         fn()
     return ops.names
-
-
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        synchronize()
-        t0 = time.perf_counter()
-        fn()
-        synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from decode_bench import synchronize  # noqa: E402
+from decode_bench import best_of  # noqa: E402
 from gpu_workloads import WORKLOADS  # noqa: E402
 from optimizer import parameter_shapes  # noqa: E402
 
@@ -49,17 +48,6 @@ def rank_state(shapes, device: str) -> list[tuple[str, torch.Tensor]]:
         out += [(f"model/p{i}", p), (f"optim/p{i}/exp_avg", torch.empty_like(p)),
                 (f"optim/p{i}/exp_avg_sq", torch.empty_like(p)), (f"optim/p{i}/step", torch.zeros((), device=device))]
     return out
-
-
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        synchronize()
-        t0 = time.perf_counter()
-        fn()
-        synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv=None) -> int:
