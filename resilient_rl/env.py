@@ -24,6 +24,20 @@ def cuda_visible_devices() -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+#: The variables torch's caching allocator reads its settings from, the first one set winning.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def alloc_conf() -> tuple[str, str] | None:
+    """The caching allocator's settings as the user gave them: ``(variable, value)`` of the first
+    of :data:`ALLOC_CONF_VARS` that is set and not empty; None when none is."""
+    for name in ALLOC_CONF_VARS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
 def ray_address() -> str | None:
     """``RAY_ADDRESS``: an existing cluster to join, if the user set one."""
     return os.environ.get("RAY_ADDRESS") or None

@@ -240,6 +240,8 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
                         "of it waiting for the start-up imports)")
         WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.workers.snapshots.restore: actor rank 0: restored step 4 "
                         "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s")
+        WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.workers.allocator: the CUDA caching allocator grows its "
+                        "segments in place")
     finally:
         progress.finish(run_dir)
     WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: split")
@@ -247,7 +249,9 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
                      f"[    0.0 s] {tag} INFO resilient_rl.workers.roles: actor rank 0 built empty in 2.10 s (1.50 s "
                      "of it waiting for the start-up imports)",
                      f"[    0.0 s] {tag} INFO resilient_rl.workers.snapshots.restore: actor rank 0: restored step 4 "
-                     "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s"]
+                     "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s",
+                     f"[    0.0 s] {tag} INFO resilient_rl.workers.allocator: the CUDA caching allocator grows its "
+                     "segments in place"]
 
 
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):

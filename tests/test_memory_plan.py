@@ -217,3 +217,45 @@ def test_the_allocators_account_of_an_update_pass(monkeypatch):
         "perf/actor_alloc_retries": 2.0, "perf/actor_planned_peak_bytes": 68.0 * 2**30}
     assert "perf/critic_planned_peak_bytes" not in window.metrics("critic")
     assert AllocatorWindow(torch.device("cpu")).metrics("actor", 1) == {}
+
+
+@pytest.mark.parametrize("given, sets, grows", [
+    ({}, True, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, True, True),  # other settings: kept, and set beside
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, False, False),  # the user's choice stands
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8, expandable_segments:True"}, False, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, False, False),  # not the caching allocator
+    ({"PYTORCH_ALLOC_CONF": "  ", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:false"}, False, False),
+])
+def test_a_gpu_worker_lets_the_allocator_grow_its_segments_unless_the_environment_says(monkeypatch, given, sets,
+                                                                                         grows):
+    """torch's setter faked (a CPU build has no CUDA allocator to change): the setting is applied
+    once per process, and never over the environment's own choice of segments or backend."""
+    from resilient_rl import env
+    from resilient_rl.workers import allocator
+
+    for name in env.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(allocator, "_DECIDED", [])
+    applied: list[str] = []
+    assert allocator.grow_segments_in_place(applied.append) is grows
+    assert allocator.grow_segments_in_place(applied.append) is grows  # once per process
+    assert applied == (["expandable_segments:True"] if sets else [])
+
+
+def test_an_allocator_that_refuses_the_setting_keeps_its_own(monkeypatch, caplog):
+    from resilient_rl import env
+    from resilient_rl.workers import allocator
+
+    for name in env.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(allocator, "_DECIDED", [])
+
+    def refuse(setting):
+        raise RuntimeError("Unrecognized key 'expandable_segments'")
+
+    assert allocator.grow_segments_in_place(refuse) is False
+    assert "could not be set to grow its segments in place (RuntimeError: Unrecognized key" in caplog.text
+    assert callable(allocator._torch_setter())  # this torch has the call the default setter makes

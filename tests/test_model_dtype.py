@@ -59,10 +59,14 @@ def test_dtype_is_validated_and_named():
         plan_device("cpu", "fp16")
 
 
-def test_a_cuda_plan_keeps_attention_off_cudnn(monkeypatch):
+def test_a_cuda_plan_keeps_attention_off_cudnn_and_lets_the_allocator_grow_its_segments(monkeypatch):
     """No GPU here: torch.cuda answers as on one. A CUDA plan turns off SDPA's cuDNN kernels, whose
-    backward failed in a 1.5 B update on an H200; a CPU plan leaves the setting alone."""
+    backward failed in a 1.5 B update on an H200, and lets the caching allocator grow its segments
+    in place; a CPU plan leaves both alone."""
+    from resilient_rl.workers import fsdp
+
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(on))
+    monkeypatch.setattr(fsdp, "grow_segments_in_place", lambda: calls.append("expandable"))
     calls: list = []
     plan_device("cpu", "auto")
     assert calls == []
@@ -70,7 +74,8 @@ def test_a_cuda_plan_keeps_attention_off_cudnn(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     plan = plan_device("cuda", "auto")
-    assert calls == [False] and plan.device == torch.device("cuda", 0) and plan.param_dtype == torch.bfloat16
+    assert calls == [False, "expandable"] and plan.device == torch.device("cuda", 0)
+    assert plan.param_dtype == torch.bfloat16
 
 
 def test_auto_is_fp32_on_cpu_and_bfloat16_mixes():

@@ -30,6 +30,7 @@ from resilient_rl import env
 from resilient_rl.config.sections import MODEL_DTYPES, STRATEGIES
 from resilient_rl.errors import ConfigError
 from resilient_rl.runtime import leave_collective
+from resilient_rl.workers.allocator import grow_segments_in_place
 from resilient_rl.models.factory import transformer_blocks
 from resilient_rl.workers.shm_reduce import ReducerCache
 
@@ -77,8 +78,9 @@ def plan_device(device: str = "auto", dtype: str = "auto", sharding: str = "full
     CUDA when the GPU supports it and float32 otherwise (CPU runs stay bit-reproducible).
     Gradients are reduced in float32 and the master weights stay float32 in every case.
     ``sharding`` (``trainer.sharding``): ``full`` or ``hybrid`` (HSDP across nodes).
-    On CUDA it initialises CUDA on the current device and turns off cuDNN's attention kernels
-    (:func:`exclude_cudnn_attention`)."""
+    On CUDA it initialises CUDA on the current device, turns off cuDNN's attention kernels
+    (:func:`exclude_cudnn_attention`) and lets the caching allocator grow its segments in place
+    (:func:`resilient_rl.workers.allocator.grow_segments_in_place`)."""
     _check_device(device)
     if dtype not in MODEL_DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
@@ -89,6 +91,7 @@ def plan_device(device: str = "auto", dtype: str = "auto", sharding: str = "full
             raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
         dev = torch.device("cuda", torch.cuda.current_device())
         exclude_cudnn_attention()
+        grow_segments_in_place()
         bf16 = torch.cuda.is_bf16_supported()
         if dtype == "bfloat16" and not bf16:
             raise ConfigError(f"model.dtype=bfloat16 but {torch.cuda.get_device_name(dev)} has no bf16 support; "
