@@ -109,6 +109,14 @@ class CollectiveError(WorkerError):
     default_cause = Cause.COLLECTIVE
 
 
+class DeviceMemoryError(WorkerError):
+    """A worker's pass ran out of device memory. Not retried (the same pass needs the same memory
+    again): the message names the pass, what the device held, and the config keys that make the
+    pass need less; the last checkpoint stays the run's, to resume with them changed."""
+
+    default_cause = Cause.EXCEPTION
+
+
 class CheckpointError(RRLError):
     """A checkpoint cannot be written, found or read."""
 

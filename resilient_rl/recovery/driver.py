@@ -118,7 +118,8 @@ class Aborting:
         self.ctx.emit("aborted", reason=a.reason, role=a.failure.role, rank=a.failure.rank, last_committed_step=last)
         self.sm.to(S.FAILED)
         error = type(a.abort_error) if a.abort_error is not None else RecoveryError
-        raise error(f"giving up: {a.reason}; the last committed checkpoint is step {last}")
+        committed = "no checkpoint was committed" if last is None else f"the last committed checkpoint is step {last}"
+        raise error(f"giving up: {a.reason}; {committed}")
 
 
 class Recovery:

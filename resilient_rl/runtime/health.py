@@ -19,7 +19,7 @@ from typing import Callable
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from resilient_rl.errors import CollectiveError, WorkerDiedError, WorkerError
+from resilient_rl.errors import CollectiveError, DeviceMemoryError, WorkerDiedError, WorkerError
 from resilient_rl.process_state import process_alive
 from resilient_rl.runtime import deadline_call
 from resilient_rl.runtime.worker_group_spares import rehome
@@ -108,6 +108,8 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, CollectiveError):  # typed in the worker (runtime.leave_collective)
             return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
+        if isinstance(cause, DeviceMemoryError):  # typed in the worker (workers.allocator.out_of_memory)
+            return DeviceMemoryError(f"{where} {cause}", role=group, rank=rank)
         return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
 

@@ -36,6 +36,7 @@ from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, attach_snapshot_parts
 from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.logprob import compiles_head
+from resilient_rl.workers.out_of_memory import names_memory_keys
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
 from resilient_rl.workers.value import ValueEngine
@@ -235,11 +236,13 @@ class ActorWorker(TrainableRole):
         return self.built(empty)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @names_memory_keys
     def compute_log_prob(self, data: DataProto) -> DataProto:
         out = self.engine.compute_log_prob(data)
         return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropys"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @names_memory_keys
     def update_actor(self, data: DataProto) -> dict:
         metrics = self.engine.update(data, int(data.meta_info["step"]))
         self.checkpointer.prepare_staging()  # the optimizer's buffers, once it has state
@@ -270,10 +273,12 @@ class CriticWorker(TrainableRole):
         return self.built(empty)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @names_memory_keys
     def compute_values(self, data: DataProto) -> DataProto:
         return self.engine.compute_values(data)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @names_memory_keys
     def update_critic(self, data: DataProto) -> dict:
         metrics = self.engine.update(data, int(data.meta_info["step"]))
         self.checkpointer.prepare_staging()
@@ -300,6 +305,7 @@ class RefWorker(RoleWorker):
         return self.built(False)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @names_memory_keys
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         out = self.engine.compute_log_prob(data)
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
@@ -341,6 +347,7 @@ class RolloutWorker(RoleWorker):
         return self.built(empty)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @names_memory_keys
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.engine.generate_sequences(prompts, self.rank)
 

@@ -1,0 +1,92 @@
+"""A role's pass that runs out of device memory stops the run with what to change.
+
+``torch.OutOfMemoryError`` says how much the allocator asked for and held, not which setting of
+the run made the pass that large. A pass of a role worker decorated with :func:`names_memory_keys`
+raises :class:`~resilient_rl.errors.DeviceMemoryError` instead: the pass, the device's memory at
+the failure as torch's allocator counts it, the config keys that make that pass need less
+(:func:`keys_for`, with the value the run used), then torch's own message. The error is not
+retried, since the same pass needs the same memory again; the run stops with its last checkpoint,
+which a resume with the keys changed continues (each key named first is one a resume may change,
+:data:`resilient_rl.config.resume.RESUME_MAY_CHANGE`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from resilient_rl.errors import DeviceMemoryError
+
+GIB = 2**30
+
+
+def names_memory_keys(method):
+    """Decorate a role worker's pass (``self.cfg``, ``self.role``, ``self.engine``): running out of
+    device memory raises :class:`DeviceMemoryError` (see the module's docs) from torch's error."""
+
+    @functools.wraps(method)
+    def pass_(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            raise device_memory_error(exc, method.__name__, self.role, self.cfg, getattr(self, "engine", None)) \
+                from exc
+
+    return pass_
+
+
+def device_memory_error(exc: BaseException, call: str, role: str, cfg, engine) -> DeviceMemoryError:
+    """The error of ``role``'s pass ``call`` that ran out of device memory with ``exc``."""
+    message = str(exc).strip()
+    return DeviceMemoryError(f"ran out of GPU memory in {call}{_held(engine)}. To need less: "
+                             f"{keys_for(role, call, cfg, engine)}. torch: {message}", role=role)
+
+
+def keys_for(role: str, call: str, cfg, engine) -> str:
+    """The config keys that lower the memory of ``role``'s pass ``call``, with the values the run
+    used: first those a resume may change, then those only a new run may (they shape the data)."""
+    colocated = cfg.trainer.placement == "colocated"
+    rows = f"{cfg.data.batch_size} x {cfg.rollout.n} rows"
+    new_run: list[str] = []
+    if role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        tokens = getattr(engine, "micro_batch_tokens", None)
+        planned = getattr(engine, "memory_plan", None) is not None
+        if tokens is None:
+            keys = [f"{role}.micro_batch_tokens (now unset: a whole mini-batch in one pass)"]
+        else:
+            keys = [f"{role}.micro_batch_tokens below {tokens}" + (" (micro_batch_tokens=auto chose it)" if planned
+                                                                     else "")]
+        if call.startswith("update") and not section.activation_checkpointing:
+            keys.append(f"{role}.activation_checkpointing=true")
+    elif role == "ref":  # a rank's share of the batch in one pass, with the model's full weights
+        keys = [] if cfg.ref.reshard_after_forward else ["ref.reshard_after_forward=true"]
+        if not colocated:
+            keys.append(f"ref.world_size (its ranks share the {rows})")
+        new_run = ["data.batch_size", "rollout.n"]
+    else:  # the rollout: its KV cache holds a rank's rows to the longest prompt and response
+        keys = [] if colocated else [f"rollout.world_size (its ranks share the {rows} of the KV cache)"]
+        new_run = ["data.batch_size", "rollout.n", f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens})"]
+    if colocated:
+        keys.append("trainer.placement=split (every role now shares this GPU)")
+    text = ", ".join(keys)
+    if new_run:
+        text += ("; " if keys else "") + f"in a new run, {', '.join(new_run)}"
+    return text
+
+
+def _held(engine) -> str:
+    """``; torch held A GiB allocated, R GiB reserved of the device's T GiB`` on the engine's
+    CUDA device; empty elsewhere, or where CUDA cannot say."""
+    device = getattr(getattr(engine, "plan", None), "device", None)
+    if device is None or device.type != "cuda":
+        return ""
+    try:
+        stats = torch.cuda.memory_stats(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    except (RuntimeError, AssertionError):
+        return ""
+    return (f"; torch held {stats.get('allocated_bytes.all.current', 0) / GIB:.1f} GiB allocated, "
+            f"{stats.get('reserved_bytes.all.current', 0) / GIB:.1f} GiB reserved of the device's "
+            f"{total / GIB:.1f} GiB")
