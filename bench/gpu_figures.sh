@@ -9,21 +9,22 @@
 # every figure still open, so a call whose budget ends during the 0.5 B run has them all). The first
 # rollout of each compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
 # (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
-# each part's limit is cut to what is left of it, the workloads' in their order (the first takes
-# up to its whole limit of what is left).
-#   0. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
+# each part's limit is cut to what is left of it (a part takes up to its whole limit of what is
+# left). In this order:
+#   1. the first workload (gsm8k-1.5b by default): update, log-prob and whole-step MFU (the
+#      project's count and verl's), end-to-end tokens/s/GPU, whether the gradients were finite,
+#      decode compiles and graph breaks, the engine's prefill and decode-loop time in each step, the
+#      packed attention each rank took, one actor SIGKILL's recovery time (its phases, and each
+#      role's rebuild), then the rollout engine alone on the run's rollout model, with its share of
+#      the decode roofline: the engine loads the run's kept decode step, so it compiles nothing;
+#   2. bench/snapshot_restore.py: a restore's writing of the 0.5 B actor's state from pageable
+#      memory, directly and through page-locked staging buffers; bench/rms_norm.py: the trained
+#      models' RMS norm, Hugging Face's against F.rms_norm;
+#   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes, and the
-#      same with every block compiled; then bench/snapshot_restore.py: a restore's writing of the
-#      0.5 B actor's state from pageable memory, directly and through page-locked staging buffers;
-#      then bench/rms_norm.py: the trained models' RMS norm, Hugging Face's against F.rms_norm;
-#   1. gsm8k-1.5b: update, log-prob and whole-step MFU (the project's count and verl's), end-to-end
-#      tokens/s/GPU, whether the gradients were finite, decode compiles and graph breaks, the
-#      engine's prefill and decode-loop time in each step, the packed attention each rank took, one
-#      actor SIGKILL's recovery time (its phases, and each role's rebuild), then the rollout
-#      engine alone on the run's rollout model, with its share of the decode roofline: the engine
-#      loads the run's kept decode step, so it compiles nothing;
-#   2. gsm8k-0.5b: the same, with the engine against HF generate (dynamic cache; 9.66x on an H200,
-#      2026-11-30) on the same batch.
+#      same with every block compiled;
+#   4. the other workloads: gsm8k-0.5b is the same as 1, with the engine against HF generate
+#      (dynamic cache; 9.66x on an H200, 2026-11-30) on the same batch.
 # The components have their own commands, each measured on an H200 (docs/performance.md):
 # `python bench/sampling.py --rows 512` (the decode step's sampling pass), `python bench/varlen.py
 # --device cuda` (the packed-attention backends), `python bench/logprob.py --shape qwen2.5-1.5b
@@ -58,29 +59,6 @@ within() {  # a part's limit in seconds, cut to what is left of the budget (SIGK
     fi
     echo "$want"
 }
-# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with every
-# block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
-# graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
-# slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again.
-mfu_args=(--workload gsm8k-1.5b --rows 32 --repeats 2 --variant compiled_blocks=actor.compile=true)
-echo "== python bench/update_mfu.py ${mfu_args[*]}" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 200)" "$PY" bench/update_mfu.py "${mfu_args[@]}" > "$out/update_mfu.log" 2>&1
-echo "rc=$?" >> "$out/update_mfu.log"
-grep -vE "^(W[0-9]{4}|USDT)" "$out/update_mfu.log" | tail -40 | tee -a "$out/summary.txt"
-# A restore's writing of the 0.5 B actor's state (6 GB) from pageable memory, as a rank that replaces a
-# killed one reads its node copy: directly, through two page-locked buffers (what a restore does now),
-# and from page-locked memory.
-echo "== python bench/snapshot_restore.py --device cuda" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 90)" "$PY" bench/snapshot_restore.py --device cuda > "$out/snapshot_restore.log" 2>&1
-echo "rc=$?" >> "$out/snapshot_restore.log"
-tail -6 "$out/snapshot_restore.log" | tee -a "$out/summary.txt"
-# The trained models' RMS norm at a 1.5 B micro-batch, Hugging Face's module against F.rms_norm (one
-# fused kernel each way on CUDA): about 220 of the 445 KB a token and layer the update writes outside
-# its products are the norms' fp32 intermediates (bench/activation_bytes.py).
-echo "== python bench/rms_norm.py --device cuda" | tee -a "$out/summary.txt"
-timeout -k 10 "$(within 60)" "$PY" bench/rms_norm.py --device cuda > "$out/rms_norm.log" 2>&1
-echo "rc=$?" >> "$out/rms_norm.log"
-tail -6 "$out/rms_norm.log" | tee -a "$out/summary.txt"
 run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
@@ -95,12 +73,41 @@ run() {  # name, timeout, arguments of bench/gpu.py
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
 }
-for w in "${workloads[@]}"; do
+workload() {  # one workload of bench/gpu.py, its limit cut to what is left of the budget
+    local w=$1 wlimit
     wlimit=$(within "$limit")
     case "$w" in
         gsm8k-0.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine,hf_dynamic ;;
         gsm8k-1.5b) run "$w" "$wlimit" --workload "$w" --warmup 1 --steps 2 --generation-paths engine ;;
         *) echo "gpu_figures.sh: unknown workload $w (gsm8k-0.5b, gsm8k-1.5b)" >&2; status=2 ;;
     esac
+}
+part() {  # name, limit in seconds, lines of its log for the summary, then the script and its arguments
+    local name=$1 want=$2 lines=$3
+    shift 3
+    echo "== python $*" | tee -a "$out/summary.txt"
+    timeout -k 10 "$(within "$want")" "$PY" "$@" > "$out/$name.log" 2>&1
+    echo "rc=$?" >> "$out/$name.log"
+    grep -vE "^(W[0-9]{4}|USDT)" "$out/$name.log" | tail -"$lines" | tee -a "$out/summary.txt"
+}
+# The first workload first: alone it takes every figure still open.
+workload "${workloads[0]}"
+# A restore's writing of the 0.5 B actor's state (6 GB) from pageable memory, as a rank that replaces a
+# killed one reads its node copy: directly, through two page-locked buffers (what a restore does now),
+# and from page-locked memory.
+part snapshot_restore 60 6 bench/snapshot_restore.py --device cuda
+# The trained models' RMS norm at a 1.5 B micro-batch, Hugging Face's module against F.rms_norm (one
+# fused kernel each way on CUDA): about 220 of the 445 KB a token and layer the update writes outside
+# its products are the norms' fp32 intermediates (bench/activation_bytes.py).
+part rms_norm 45 6 bench/rms_norm.py --device cuda
+# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with every
+# block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
+# graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
+# slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again. It prints its figures
+# as it goes: a limit that ends it during the variant leaves the workload's own.
+part update_mfu 200 40 bench/update_mfu.py --workload gsm8k-1.5b --rows 32 --repeats 2 \
+    --variant compiled_blocks=actor.compile=true
+for w in "${workloads[@]:1}"; do
+    workload "$w"
 done
 exit $status
