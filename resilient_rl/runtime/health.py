@@ -108,7 +108,7 @@ def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, CollectiveError):  # typed in the worker (runtime.leave_collective)
             return CollectiveError(f"{where}: collective failed: {cause}", role=group, rank=rank, cause="collective")
-        if isinstance(cause, DeviceMemoryError):  # typed in the worker (workers.allocator.out_of_memory)
+        if isinstance(cause, DeviceMemoryError):  # typed in the worker (workers.out_of_memory)
             return DeviceMemoryError(f"{where} {cause}", role=group, rank=rank)
         return WorkerError(f"{where} raised {type(cause).__name__}: {cause}", role=group, rank=rank, cause="exception")
     return WorkerError(f"{where}: {exc}", role=group, rank=rank, cause="unknown")
