@@ -273,6 +273,26 @@ def test_a_failing_compiled_step_falls_back_to_eager_and_says_so(monkeypatch, ca
     assert not again.engine_stats["compiled"] and again.engine_stats["eager_fallback"]
 
 
+def test_a_compiled_step_out_of_device_memory_raises_and_stays_compiled(monkeypatch, tiny):
+    """Running out of memory is not a compiler failure: neither the kept nor the compiled step is
+    dropped for it, and the error reaches the rollout's pass (which names the keys to change)."""
+    import resilient_rl.models.decode_step as decode_step
+
+    def out_of_memory(fn, **kwargs):
+        def step(*args):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return step
+
+    monkeypatch.setattr(decode_step.torch, "compile", out_of_memory)
+    monkeypatch.setattr(DecodeStep, "_compiled", {})
+    monkeypatch.setattr(DecodeStep, "failure", None)
+    monkeypatch.setattr(DecodeStep, "kept_failure", "not kept in this test")
+    ids, mask = prompts()
+    with pytest.raises(torch.OutOfMemoryError):
+        generate_static(tiny, ids, mask, max_new_tokens=5, temperature=0.0, compile=True)
+    assert DecodeStep.failure is None and DecodeStep.kept_failure == "not kept in this test"
+
+
 def test_decode_step_is_compiled_once_per_process(monkeypatch):
     import resilient_rl.models.decode_step as decode_step
 

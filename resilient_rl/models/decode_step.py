@@ -18,7 +18,9 @@ With the inductor back end the step is compiled ahead of time and kept
 What compiling costs is counted, not assumed: :class:`DecodeStats` reads the compiler's own
 counters (graphs compiled, graph breaks) around a generation. A compiled step that raises is an
 event, not a silent slowdown: the process then decodes eagerly (the same results, the same
-kernels as uncompiled) and every later generation reports ``eager_fallback`` with the reason.
+kernels as uncompiled) and every later generation reports ``eager_fallback`` with the reason. An
+out of memory error is not a compiler failure: it reaches the rollout's pass, which says what to
+change (:mod:`resilient_rl.workers.out_of_memory`), and the step stays compiled.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ class DecodeStep:
         logits. (Where the step compiled as before fails, :meth:`__call__` decodes eagerly.)"""
         try:
             return self._run(args)
+        except torch.OutOfMemoryError:  # the device's, not the kept version's: any version needs the memory
+            raise
         except Exception as exc:  # noqa: BLE001 -- the step compiled as before is as correct
             if not self._keeps():
                 raise
@@ -198,6 +202,8 @@ class DecodeStep:
             return decode(*args)
         try:
             return self._compiled_step(args)
+        except torch.OutOfMemoryError:  # not a compiler failure: the run learns what to change
+            raise
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step is correct too
             DecodeStep.failure = f"{type(exc).__name__}: {exc}"[:500]
             log.warning("rollout engine: the compiled decode step failed (%s); this process decodes eagerly "
