@@ -174,6 +174,27 @@ def test_a_failing_torch_varlen_kernel_leaves_the_process_on_split(monkeypatch, 
     assert on_a_gpu(torch.device("cuda"), torch.bfloat16) == "split"
 
 
+def test_a_torch_varlen_kernel_out_of_device_memory_raises_and_stays_chosen(monkeypatch):
+    """Running out of memory is not a kernel the device cannot run: the error reaches the pass
+    (which names the keys to change), and the process keeps the varlen kernel."""
+    def varlen_attn(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(varlen, "_TORCH_VARLEN_FAILED", [])
+    monkeypatch.setattr(varlen, "_ANNOUNCED", set())
+    monkeypatch.setattr(varlen, "_flash_varlen_func", lambda: None)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: varlen_attn)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    on_a_gpu = varlen.choose_backend
+    monkeypatch.setattr(varlen, "choose_backend",  # the tensors are on the CPU; the choice as on a GPU
+                        lambda device, dtype, dropout: on_a_gpu(torch.device("cuda"), dtype, dropout))
+    layout = packed_layout(torch.cat([torch.arange(n) for n in LENGTHS]).view(1, -1))
+    q, k, v = (torch.randn(1, h, 62, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
+    with pytest.raises(torch.OutOfMemoryError):
+        varlen.varlen_attention(q, k, v, layout)
+    assert varlen._TORCH_VARLEN_FAILED == [] and on_a_gpu(torch.device("cuda"), torch.bfloat16) == "torch"
+
+
 def test_flex_block_mask_and_forward_without_recompiling(monkeypatch):
     """The flex path's block mask is the document-causal mask, and a second length does not
     recompile. Flex has no backward on the CPU and the CPU compiler is not the GPU's, so this

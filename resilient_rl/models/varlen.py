@@ -267,6 +267,8 @@ def _attention(q, k, v, layout: PackedLayout, scale: float | None, backend: str 
                                   f"(got {dropout})")
         try:
             return _torch_varlen(q, k, v, starts, scale, window, dtype)
+        except torch.OutOfMemoryError:  # the device's memory, not the kernel: every way needs it
+            raise
         except RuntimeError as exc:  # e.g. a head size or device its kernels do not take
             if not chosen:
                 raise
