@@ -59,10 +59,40 @@ def test_each_role_names_the_keys_of_its_pass():
         "ref.reshard_after_forward=true, ref.world_size (its ranks share the ")
 
 
+def test_a_model_that_does_not_fit_names_more_ranks_or_sharding():
+    colocated = _worker("actor", "actor.world_size=2", engine=False)
+    assert keys_for("actor", "init_model", colocated.cfg, None) == (
+        "actor.world_size (now 2; every role's ranks), trainer.placement=split (every role now shares this GPU)")
+    split = _worker("critic", "trainer.placement=split", "critic.strategy=ddp", engine=False)
+    assert keys_for("critic", "init_model", split.cfg, None) == (
+        "critic.world_size (now 1), critic.strategy=fsdp (ddp keeps the whole state on every rank)")
+    rollout = _worker("rollout", "trainer.placement=split", engine=False)
+    assert keys_for("rollout", "init_model", rollout.cfg, None) == (  # whole weights on every rank
+        "a GPU with more memory (no key of the run changes this pass's)")
+
+
+def test_the_device_memory_torch_held_is_in_the_message(monkeypatch):
+    from resilient_rl.workers import out_of_memory
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"allocated_bytes.all.current": 70 * gib,
+                                                                    "reserved_bytes.all.current": 77 * gib})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        total_memory=int(79.2 * gib)))
+    worker = _worker("actor", tokens=4096)
+    error = out_of_memory.device_memory_error(torch.OutOfMemoryError(CUDA_MESSAGE), "update_actor", "actor",
+                                              worker.cfg, worker.engine, torch.device("cuda", 0))
+    assert str(error).startswith("ran out of GPU memory in update_actor; torch held 70.0 GiB allocated, 77.0 GiB "
+                                 "reserved of the device's 79.2 GiB. To need less: actor.micro_batch_tokens below 4096")
+    assert out_of_memory._held(torch.device("cpu")) == "" and out_of_memory._held(None) == ""
+
+
 def test_the_keys_named_first_are_ones_a_resume_may_change():
     from resilient_rl.config.resume import may_change_on_resume
 
     for role, call, overrides in [("actor", "update_actor", ()), ("critic", "update_critic", ()),
+                                  ("actor", "init_model", ()), ("ref", "init_model", ("trainer.placement=split",)),
+                                  ("critic", "init_model", ("trainer.placement=split", "critic.strategy=ddp")),
                                   ("ref", "compute_ref_log_prob", ("trainer.placement=split",)),
                                   ("rollout", "generate_sequences", ("trainer.placement=split",))]:
         worker = _worker(role, *overrides, tokens=1024)

@@ -4,7 +4,8 @@
 the run made the pass that large. A pass of a role worker decorated with :func:`names_memory_keys`
 raises :class:`~resilient_rl.errors.DeviceMemoryError` instead: the pass, the device's memory at
 the failure as torch's allocator counts it, the config keys that make that pass need less
-(:func:`keys_for`, with the value the run used), then torch's own message. The error is not
+(:func:`keys_for`, with the value the run used; for a model build, ``init_model``, the ranks and
+sharding that let the model and its training state fit), then torch's own message. The error is not
 retried, since the same pass needs the same memory again; the run stops with its last checkpoint,
 which a resume with the keys changed continues (each key named first is one a resume may change,
 :data:`resilient_rl.config.resume.RESUME_MAY_CHANGE`).
@@ -30,16 +31,19 @@ def names_memory_keys(method):
         try:
             return method(self, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            raise device_memory_error(exc, method.__name__, self.role, self.cfg, getattr(self, "engine", None)) \
-                from exc
+            engine = getattr(self, "engine", None)
+            plan = getattr(engine, "plan", None) or getattr(self, "_plan", None)  # a build has no engine yet
+            raise device_memory_error(exc, method.__name__, self.role, self.cfg, engine,
+                                      getattr(plan, "device", None)) from exc
 
     return pass_
 
 
-def device_memory_error(exc: BaseException, call: str, role: str, cfg, engine) -> DeviceMemoryError:
-    """The error of ``role``'s pass ``call`` that ran out of device memory with ``exc``."""
+def device_memory_error(exc: BaseException, call: str, role: str, cfg, engine,
+                        device: torch.device | None = None) -> DeviceMemoryError:
+    """The error of ``role``'s pass ``call`` that ran out of memory on ``device`` with ``exc``."""
     message = str(exc).strip()
-    return DeviceMemoryError(f"ran out of GPU memory in {call}{_held(engine)}. To need less: "
+    return DeviceMemoryError(f"ran out of GPU memory in {call}{_held(device)}. To need less: "
                              f"{keys_for(role, call, cfg, engine)}. torch: {message}", role=role)
 
 
@@ -49,7 +53,9 @@ def keys_for(role: str, call: str, cfg, engine) -> str:
     colocated = cfg.trainer.placement == "colocated"
     rows = f"{cfg.data.batch_size} x {cfg.rollout.n} rows"
     new_run: list[str] = []
-    if role in ("actor", "critic"):
+    if call == "init_model":  # the model, and a trained role's optimizer state, do not fit
+        keys = _build_keys(role, cfg, colocated)
+    elif role in ("actor", "critic"):
         section = getattr(cfg, role)
         tokens = getattr(engine, "micro_batch_tokens", None)
         planned = getattr(engine, "memory_plan", None) is not None
@@ -70,16 +76,30 @@ def keys_for(role: str, call: str, cfg, engine) -> str:
         new_run = ["data.batch_size", "rollout.n", f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens})"]
     if colocated:
         keys.append("trainer.placement=split (every role now shares this GPU)")
-    text = ", ".join(keys)
+    text = ", ".join(keys) or ("" if new_run else "a GPU with more memory (no key of the run changes this pass's)")
     if new_run:
         text += ("; " if keys else "") + f"in a new run, {', '.join(new_run)}"
     return text
 
 
-def _held(engine) -> str:
-    """``; torch held A GiB allocated, R GiB reserved of the device's T GiB`` on the engine's
-    CUDA device; empty elsewhere, or where CUDA cannot say."""
-    device = getattr(getattr(engine, "plan", None), "device", None)
+def _build_keys(role: str, cfg, colocated: bool) -> list[str]:
+    """What lets ``role``'s model (and training state) fit: more ranks to shard it over (FSDP2; in
+    the colocated placement the actor's world size is every role's), sharded rather than replicated.
+    The rollout holds whole weights on every rank: only the placement helps it."""
+    keys = []
+    if colocated:
+        keys.append(f"actor.world_size (now {cfg.actor.world_size}; every role's ranks)")
+    elif role != "rollout":
+        ranks = getattr(cfg, role).world_size
+        keys.append(f"{role}.world_size (now {1 if ranks is None else ranks})")  # unset: 1 when split
+    if role in ("actor", "critic") and getattr(cfg, role).strategy == "ddp":
+        keys.append(f"{role}.strategy=fsdp (ddp keeps the whole state on every rank)")
+    return keys
+
+
+def _held(device: torch.device | None) -> str:
+    """``; torch held A GiB allocated, R GiB reserved of the device's T GiB`` on a CUDA
+    ``device``; empty elsewhere, or where CUDA cannot say."""
     if device is None or device.type != "cuda":
         return ""
     try:

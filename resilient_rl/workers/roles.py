@@ -221,6 +221,7 @@ class ActorWorker(TrainableRole):
                                     lambda: getattr(host_of(self).parts("weights").get("rollout"), "sink", None))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @names_memory_keys
     def init_model(self, empty: bool = False) -> bool:
         """Build the model with its initial weights, or ``empty`` (allocated on the device, not
         initialised) when a restore of the whole state follows."""
@@ -259,6 +260,7 @@ class CriticWorker(TrainableRole):
         return self.cfg.critic.compile
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @names_memory_keys
     def init_model(self, empty: bool = False) -> bool:
         """As the actor's: ``empty`` when a restore of the whole state follows."""
         c = self.cfg
@@ -295,6 +297,7 @@ class RefWorker(RoleWorker):
         return compiles_head(self.cfg.actor.compile_head, device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @names_memory_keys
     def init_model(self, empty: bool = False) -> bool:
         """Always the initial weights (no checkpoint or snapshot holds them): ``empty`` is ignored."""
         c = self.cfg
@@ -332,6 +335,7 @@ class RolloutWorker(RoleWorker):
         return getattr(c, "engine", "auto") != "plain" and compiles_decode(getattr(c, "compile", None), device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @names_memory_keys
     def init_model(self, empty: bool = True) -> bool:
         """Built empty unless asked otherwise: its weights are always the actor's, which the
         controller syncs after every (re)build before the next generation (it refuses to
