@@ -31,9 +31,8 @@ def names_memory_keys(method):
         try:
             return method(self, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            engine = getattr(self, "engine", None)
-            plan = getattr(engine, "plan", None) or getattr(self, "_plan", None)  # a build has no engine yet
-            raise device_memory_error(exc, method.__name__, self.role, self.cfg, engine,
+            plan = getattr(self, "_plan", None)  # the worker's device plan, which its engines are built with
+            raise device_memory_error(exc, method.__name__, self.role, self.cfg, getattr(self, "engine", None),
                                       getattr(plan, "device", None)) from exc
 
     return pass_
