@@ -15,7 +15,12 @@ it prints a profile of one update:
   the rest);
 - the share of the update's wall time in which the device computed nothing (time spent
   launching, synchronising and in Python);
-- the longest kernels.
+- the longest kernels;
+- where the device idled: by the phase of the update the host was in, the longest gaps with the
+  operator that ended each, and the host calls that waited for the device (``bench/device_idle.py``).
+
+On a GPU the update's line also gives what the caching allocator reserved at its peak and how
+often it had to free its cache and retry ``cudaMalloc`` (each retry a device synchronisation).
 
 Each ``--variant NAME=KEY=VALUE[,KEY=VALUE]`` (a config override, e.g.
 ``ckpt=actor.activation_checkpointing=true``) is timed after the workload's own config in the
@@ -41,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from decode_bench import synchronize  # noqa: E402
+from device_idle import idle_lines  # noqa: E402
 from gpu_workloads import (WORKLOADS, Workload, actor_section, device_specs, flop_params, mfu,  # noqa: E402
                            pass_flops, random_weights)
 
@@ -78,7 +84,8 @@ def device_split(events, cuda: bool) -> tuple[dict[str, float], list[tuple[str, 
     ops: list[tuple[str, float]] = []
     for e in events:
         own = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
-        if e.device_type == DeviceType.CPU and own > 0:
+        # A record_function range (the trainer's phases) is not an operator: its own CPU time is Python.
+        if e.device_type == DeviceType.CPU and own > 0 and not getattr(e, "is_user_annotation", False):
             kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + own
             ops.append((e.key, own))
     if cuda:
@@ -185,6 +192,9 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
     out["update"], metrics = timed(lambda: engine.update(data, next(step)), args.repeats)
     out["metrics"] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm", "actor/nonfinite_skipped")
                       if k in metrics}
+    # On a GPU, what the caching allocator reserved and how often it freed its cache to retry.
+    out["allocator"] = {k: metrics[k] for k in ("perf/actor_reserved_peak_bytes", "perf/actor_alloc_retries")
+                        if k in metrics}
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     out["lengths"] = batch["attention_mask"].sum(-1).tolist()
     from resilient_rl.workers.chunked_head import HEAD_FAILURE
@@ -199,6 +209,7 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
             engine.update(data, next(step))
             synchronize()
         out["profile"] = device_split(prof.key_averages(), cuda)
+        out["idle"] = idle_lines(prof.events(), cuda)
     # The next variant is planned for a device this one no longer holds anything of.
     del engine
     gc.collect()
@@ -254,13 +265,16 @@ def main(argv=None) -> int:
                                  for c in ("project", "verl")) if specs else "n/a (peak unknown)"
             ratio = f", {secs / base:.2f}x the workload's" if label != "workload" else ""
             peak = f", peak {run['peak_gib']:.1f} GiB allocated" if training and cuda else ""
+            if training and run["allocator"]:
+                peak += (f", {run['allocator']['perf/actor_reserved_peak_bytes'] / 2**30:.1f} GiB reserved, "
+                         f"{run['allocator']['perf/actor_alloc_retries']:.0f} cudaMalloc retries")
             print(f"{label} {pass_name} (head {run['head']}): {1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
                   f"MFU (project / verl) {figures}{peak}{ratio}", flush=True)
         # A non-finite gradient skips the optimizer's step: such an update is not the one to time.
         print(f"{label} last update: " + ", ".join(f"{k} {v:.4g}" for k, v in run["metrics"].items()), flush=True)
         if "profile" in run:
             kinds, kernels, busy = run["profile"]
-            print("\n".join(profile_lines(kinds, kernels, busy, base)), flush=True)
+            print("\n".join(profile_lines(kinds, kernels, busy, base) + run["idle"]), flush=True)
     return 0
 
 

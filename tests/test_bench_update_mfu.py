@@ -118,3 +118,11 @@ def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile():
     assert "x the workload's" in out
     assert "workload last update: actor/pg_loss" in out and "actor/nonfinite_skipped 0\n" in out
     assert "device time by kind of work" in out and "matrix products" in out and "idle (launches" in out
+    # Where the host left the device idle, by the trainer's own phases of the update.
+    idle = out.split("idle by phase (the host ran no operator")[1].split("longest 6 gaps:")[0]
+    for phase in ("actor.prepare", "actor.forward", "logprob.pack", "logprob.head", "actor.loss", "actor.backward",
+                  "actor.clip", "actor.optimizer", "actor.metrics"):
+        assert f"\n    {phase} " in idle, phase
+    # A record_function range is not an operator: never a kind of work nor a kernel of its own.
+    profile = out.split("device time by kind of work")[1].split("idle by phase")[0]
+    assert "actor.forward" not in profile and "actor.backward" not in profile

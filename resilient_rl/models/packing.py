@@ -6,15 +6,27 @@ a position that does not follow the previous one by 1 starts a new sequence, and
 token of every row. Attention is causal within a sequence and never crosses into another, so each
 sequence computes what it would alone, with no padding; :mod:`resilient_rl.models.varlen` computes
 it from the :class:`PackedLayout` of the rows, without a ``T x T`` mask.
+
+Finding the layout reads the sequence lengths back to the host. Where the positions were on the
+host first (a worker's batch always is), the caller lays the rows out there and moves the layout
+with the tokens (:meth:`PackedLayout.map_tensors`), then runs the forward under :func:`given_layout`: the
+model's mask code takes that layout for those positions (:func:`layout_of`) and reads nothing back
+from the device, which on a GPU would wait for all the work queued before it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PackedLayout", "packed_layout"]
+__all__ = ["PackedLayout", "given_layout", "layout_of", "packed_layout"]
+
+#: ``(positions, layout)`` of the packed forward in progress whose layout the caller found first.
+_GIVEN: contextvars.ContextVar = contextvars.ContextVar("rrl_given_layout", default=None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +46,11 @@ class PackedLayout:
     cu_seqlens: torch.Tensor
     sequence_ids: torch.Tensor
 
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PackedLayout":
+        """The same layout with ``fn`` of each of its tensors (moved to a device, say); the
+        lengths stay on the host."""
+        return replace(self, cu_seqlens=fn(self.cu_seqlens), sequence_ids=fn(self.sequence_ids))
+
 
 def packed_layout(position_ids: torch.Tensor) -> PackedLayout:
     """The :class:`PackedLayout` of packed rows given their ``position_ids`` ``[B, T]``.
@@ -52,3 +69,22 @@ def packed_layout(position_ids: torch.Tensor) -> PackedLayout:
     cu_seqlens = torch.cat([first, first.new_tensor([flat.numel()])]).to(torch.int32)
     lengths = tuple(torch.diff(cu_seqlens).tolist())
     return PackedLayout(batch, seq, lengths, cu_seqlens, sequence_ids)
+
+
+@contextlib.contextmanager
+def given_layout(position_ids: torch.Tensor, layout: PackedLayout) -> Iterator[None]:
+    """Within this block, :func:`layout_of` of this very ``position_ids`` tensor is ``layout``."""
+    token = _GIVEN.set((position_ids, layout))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
+
+
+def layout_of(position_ids: torch.Tensor) -> PackedLayout:
+    """The layout of packed rows with ``position_ids``: the one given for this tensor
+    (:func:`given_layout`), else :func:`packed_layout` (one read back from its device)."""
+    given = _GIVEN.get()
+    if given is not None and given[0] is position_ids:
+        return given[1]
+    return packed_layout(position_ids)

@@ -20,7 +20,7 @@ from torch import nn
 from resilient_rl.errors import ConfigError, ModelInputError
 from resilient_rl.models.cache_attention import cache_attention
 from resilient_rl.models.generation import compute_position_ids
-from resilient_rl.models.packing import PackedLayout, packed_layout
+from resilient_rl.models.packing import PackedLayout, layout_of
 from resilient_rl.models.varlen import varlen_attention
 
 __all__ = ["CausalLMOutput", "KVCache", "TinyCausalLM", "TinyLMConfig"]
@@ -212,7 +212,7 @@ class TinyCausalLM(nn.Module):
                               "raise model.max_seq_len to cover prompt + response length")
 
         if packed:  # sequences laid end to end, told apart by their positions (models/packing.py)
-            mask = packed_layout(position_ids)
+            mask = layout_of(position_ids)
         else:
             mask = attention_mask_4d(attention_mask, past_len, seq)
         x = self.embed_tokens(input_ids) + self.embed_positions(position_ids)

@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from resilient_rl.models.precision import compute_dtype_on
-from resilient_rl.models.packing import PackedLayout, packed_layout
+from resilient_rl.models.packing import PackedLayout, layout_of, packed_layout
 from resilient_rl.models.varlen import KernelPlan, plan_kernel, varlen_attention
 
 __all__ = ["HF_ATTENTION", "use_varlen_attention"]
@@ -62,7 +62,8 @@ def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: 
     :class:`_PackedMask`; else (rows of one sequence each included) SDPA's own mask."""
     positions = _POSITIONS.get(None)
     if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
-        layout = packed_layout(positions.expand(batch_size, -1))
+        layout = layout_of(positions) if positions.shape[0] == batch_size else \
+            packed_layout(positions.expand(batch_size, -1))
         if len(layout.lengths) > batch_size:
             # The kernel of compiled blocks, decided here, outside them.
             dtype = compute_dtype_on(positions.device.type, kwargs.get("dtype"))

@@ -41,16 +41,22 @@ scale) take the full-logits path.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
 from resilient_rl.errors import ModelInputError
+from resilient_rl.models.packing import PackedLayout, given_layout, packed_layout
 from resilient_rl.workers.chunked_head import chunked_head_stats
+from resilient_rl.workers.host_to_device import to_device
 
-__all__ = ["compiles_head", "full_response_logprobs", "packed_inputs", "response_logprobs", "supports_chunked_head"]
+__all__ = ["PackedRows", "compiles_head", "full_response_logprobs", "packed_inputs", "response_logprobs",
+           "supports_chunked_head"]
 
 #: Logits of one chunk: 2^26 fp32 values (256 MiB), e.g. 443 tokens of a 151 k vocabulary.
 _CHUNK_ELEMENTS = 1 << 26
@@ -75,19 +81,18 @@ def compiles_head(compile_head: bool | None, device: torch.device | str) -> bool
 
 
 def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
-                  chunk_elements: int, sources: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
+                  chunk_elements: int, packed: PackedRows | None = None, compiled: bool = False) -> torch.Tensor:
     """``[B, R, 2]`` log-probs and entropies of ``labels`` ``[B, R]`` from the last positions of
-    ``hidden`` ``[B, T, H]``; with ``sources`` (packed rows), from the flat token ``sources[b, r]``
-    of ``hidden``, or zeros where it is -1 (a response token after the end). ``compiled``: the
-    chunks' reductions compiled (:func:`~resilient_rl.workers.chunked_head.chunked_head_stats`)."""
-    if sources is not None:
-        valid = sources >= 0
-        flat = hidden.reshape(-1, hidden.shape[-1])[sources[valid]]
-        stats = _chunked_head(flat[None, :, :], head, labels[valid][None, :], chunk_elements, None, compiled) \
+    ``hidden`` ``[B, T, H]``; for packed rows (``packed``), from the flat tokens that predict each
+    response token, and zeros where a response token is padding. ``compiled``: the chunks'
+    reductions compiled (:func:`~resilient_rl.workers.chunked_head.chunked_head_stats`)."""
+    if packed is not None:
+        # Integer indices found on the host: neither these nor their gradients read the device back.
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.sources)
+        picked = labels[packed.targets]
+        stats = _chunked_head(flat[None, :, :], head, picked[None, :], chunk_elements, None, compiled) \
             if flat.shape[0] else flat.new_zeros((1, 0, 2), dtype=torch.float32)
-        out = stats.new_zeros((*labels.shape, 2))
-        out[valid] = stats[0]
-        return out
+        return stats.new_zeros((*labels.shape, 2)).index_put(packed.targets, stats[0])
     resp_len = labels.shape[1]
     # A packed row's hidden states arrive already gathered: one position per label.
     h = hidden[:, -resp_len - 1:-1] if hidden.shape[1] > resp_len else hidden
@@ -111,23 +116,40 @@ def _head_replaced(head: nn.Module, forward) -> Iterator[None]:
 
 def _model_inputs(data, device: torch.device) -> dict[str, torch.Tensor]:
     b = data.batch if hasattr(data, "batch") else data
-    return dict(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
-                position_ids=b["position_ids"].to(device))
+    return {k: to_device(b[k], device) for k in ("input_ids", "attention_mask", "position_ids")}
 
 
-def packed_inputs(data, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+@dataclass(frozen=True)
+class PackedRows:
+    """Where the response tokens of packed rows come from, on the device: ``targets``, the (row,
+    column) of each response token that some token predicts, and ``sources``, the packed index of
+    that token; ``layout``, the packed row's :class:`~resilient_rl.models.packing.PackedLayout`."""
+
+    targets: tuple[torch.Tensor, torch.Tensor]
+    sources: torch.Tensor
+    layout: PackedLayout
+
+
+def packed_inputs(data, device: torch.device) -> tuple[dict[str, torch.Tensor], PackedRows]:
     """The batch's real tokens (attention mask 1) end to end in one row, without padding
-    (:mod:`resilient_rl.models.packing`), and ``sources`` ``[B, R]``: the packed index of the token
-    that predicts each response token, -1 where that response token is padding."""
+    (:mod:`resilient_rl.models.packing`), and their :class:`PackedRows`.
+
+    Laid out where the batch is (a worker's batch is on the host: selecting tokens by a mask reads
+    the mask's count back, a wait on the device's queue were it there), then moved to ``device``
+    without a wait (:func:`~resilient_rl.workers.host_to_device.to_device`)."""
     b = data.batch if hasattr(data, "batch") else data
-    mask = b["attention_mask"].to(device).bool()
+    mask = b["attention_mask"].bool()
     resp_len = b["responses"].shape[1]
     index = mask.reshape(-1).cumsum(0).reshape(mask.shape) - 1  # packed index of each real token
-    predicted = mask[:, -resp_len:]
-    sources = torch.where(predicted & mask[:, -resp_len - 1:-1], index[:, -resp_len - 1:-1], -1)
-    inputs = dict(input_ids=b["input_ids"].to(device)[mask][None], attention_mask=None,
-                  position_ids=b["position_ids"].to(device)[mask][None])
-    return inputs, sources
+    predicted = mask[:, -resp_len:] & mask[:, -resp_len - 1:-1]
+    positions = b["position_ids"][mask.to(b["position_ids"].device)][None]
+    layout = packed_layout(positions)
+    move = functools.partial(to_device, device=device)
+    rows = PackedRows(tuple(move(t) for t in predicted.nonzero(as_tuple=True)),
+                      move(index[:, -resp_len - 1:-1][predicted]), layout.map_tensors(move))
+    inputs = dict(input_ids=move(b["input_ids"][mask.to(b["input_ids"].device)][None]), attention_mask=None,
+                  position_ids=move(positions))
+    return inputs, rows
 
 
 def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,14 +176,18 @@ def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elemen
                                   "packed sequences need the chunked head (set packing to false)")
         return full_response_logprobs(model, data, device)
     b = data.batch if hasattr(data, "batch") else data
-    labels = b["responses"].to(device)
+    labels = to_device(b["responses"], device)
     head = model.get_output_embeddings()
     chunk_elements = _CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
-    inputs, sources = packed_inputs(data, device) if pack else (_model_inputs(data, device), None)
+    with record_function("logprob.pack" if pack else "logprob.inputs"):
+        inputs, rows = packed_inputs(data, device) if pack else (_model_inputs(data, device), None)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return _chunked_head(hidden, head, labels, chunk_elements, sources, compile_head)
+        with record_function("logprob.head"):
+            return _chunked_head(hidden, head, labels, chunk_elements, rows, compile_head)
 
-    with _head_replaced(head, forward):
+    # Packed: the model's mask code takes the layout found on the host (models/packing.py).
+    given = given_layout(inputs["position_ids"], rows.layout) if rows is not None else contextlib.nullcontext()
+    with _head_replaced(head, forward), given:
         stats = model(**inputs, use_cache=False).logits
     return stats[..., 0], stats[..., 1]

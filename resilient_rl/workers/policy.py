@@ -9,6 +9,7 @@ concatenated batch (FSDP2 averages gradients over ranks, hence the ``world_size`
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import ppo_policy_loss
@@ -22,6 +23,7 @@ from resilient_rl.workers.chunked_head import HEAD_FAILURE
 from resilient_rl.workers.logprob import compiles_head, response_logprobs
 from resilient_rl.workers.rank_state import RankState
 from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, wrap_model
+from resilient_rl.workers.host_to_device import to_device
 from resilient_rl.workers.optimizer import build_optimizer, build_scheduler
 from resilient_rl.workers.update_loop import run_epochs
 
@@ -132,33 +134,25 @@ class PolicyEngine:
         """Forward and backward of one mini-batch, in at least ``n_parts`` micro-batches; returns the
         mini-batch's loss terms (each micro-batch's weighted by its share of the mini-batch)."""
         cfg = self.cfg
-        dev = self.plan.device
         mb_tokens, mb_seqs = mask.sum().clamp(min=1.0), mask.bool().any(dim=-1).sum().clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
         for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, self.packing, n_parts):
-            m = part["response_mask"].to(dev).float()
-            logp, ent = self._logprobs(part)
-            # A local mean times world * (local units / global units) is this rank's share of the
-            # global mean (FSDP averages gradients over ranks): units are tokens for token means,
-            # sequences with a valid token for the policy loss's sequence means.
-            scale = world * m.sum() / tokens
-            pg = ppo_policy_loss(part["old_log_probs"].to(dev), logp, part["advantages"].to(dev), m,
-                                 clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
-            loss = pg["pg_loss"]
-            entropy = (ent * m).sum() / m.sum().clamp(min=1.0)
-            if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * entropy
-            kl_loss = None
-            if cfg.use_kl_loss:
-                kl = kl_penalty(logp, part["ref_log_prob"].to(dev), cfg.kl_loss_type)
-                kl_loss = (kl * m).sum() / m.sum().clamp(min=1.0)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-            seq_share = m.bool().any(dim=-1).sum() / mb_seqs
-            if cfg.loss_agg_mode == "token-mean":
-                (loss * scale).backward()
-            else:
-                seq_scale = world * m.bool().any(dim=-1).sum() / seqs
-                (pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale).backward()
+            with record_function("actor.forward"):
+                logp, ent = self._logprobs(part)
+            with record_function("actor.loss"):
+                loss, pg, entropy, kl_loss, m = self._loss(part, logp, ent)
+                # A local mean times world * (local units / global units) is this rank's share of the
+                # global mean (FSDP averages gradients over ranks): units are tokens for token means,
+                # sequences with a valid token for the policy loss's sequence means.
+                scale = world * m.sum() / tokens
+                seq_share = m.bool().any(dim=-1).sum() / mb_seqs
+                if cfg.loss_agg_mode == "token-mean":
+                    scaled = loss * scale
+                else:
+                    seq_scale = world * m.bool().any(dim=-1).sum() / seqs
+                    scaled = pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale
+            with record_function("actor.backward"):
+                scaled.backward()
             # Metrics of the mini-batch: token-weighted means, the policy loss's sequence means
             # weighted by sequences (equal to the unsplit mini-batch's values).
             tok_share = m.sum() / mb_tokens
@@ -170,3 +164,21 @@ class PolicyEngine:
             for k, v, share in terms:
                 sums[k] = sums.get(k, 0.0) + v * share
         return list(sums.items())
+
+    def _loss(self, part: dict, logp: torch.Tensor, ent: torch.Tensor):
+        """The PPO loss of one micro-batch: ``(loss, policy-loss terms, entropy, KL loss or None,
+        response mask)``, each a token (or sequence) mean over the micro-batch."""
+        cfg, dev = self.cfg, self.plan.device
+        m = to_device(part["response_mask"], dev).float()
+        pg = ppo_policy_loss(to_device(part["old_log_probs"], dev), logp, to_device(part["advantages"], dev), m,
+                             clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
+        loss = pg["pg_loss"]
+        entropy = (ent * m).sum() / m.sum().clamp(min=1.0)
+        if cfg.entropy_coeff:
+            loss = loss - cfg.entropy_coeff * entropy
+        kl_loss = None
+        if cfg.use_kl_loss:
+            kl = kl_penalty(logp, to_device(part["ref_log_prob"], dev), cfg.kl_loss_type)
+            kl_loss = (kl * m).sum() / m.sum().clamp(min=1.0)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+        return loss, pg, entropy, kl_loss, m

@@ -14,12 +14,14 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from resilient_rl.errors import CollectiveError
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime import progress
 from resilient_rl.workers.allocator import AllocatorWindow
 from resilient_rl.workers.fsdp import all_reduce_gradients, clip_grad_norm, global_token_counts, update_is_finite
+from resilient_rl.workers.host_to_device import to_device
 from resilient_rl.workers.optimizer import step_scheduler
 
 #: ``accumulate(mini_batch, response_mask, tokens, sequences, world, n_parts)``: forward and
@@ -55,35 +57,41 @@ def run_epochs(engine, data: DataProto, keys: list[str], seed: int, prefix: str,
     applied mini-batches, with ``<prefix>/grad_norm``, ``<prefix>/lr``, and on a GPU the
     allocator's account of the pass (:mod:`resilient_rl.workers.allocator`)."""
     cfg, model, optimizer = engine.cfg, engine.model, engine.optimizer
-    allocator = AllocatorWindow(engine.plan.device)
-    world = dp_world_size()
-    local_mb = max(1, cfg.mini_batch_size // world)
-    model.train(True)
+    # The phases are record_function ranges: a profile of the pass shows them (bench/device_idle.py).
+    with record_function(f"{prefix}.prepare"):
+        allocator = AllocatorWindow(engine.plan.device)
+        world = dp_world_size()
+        local_mb = max(1, cfg.mini_batch_size // world)
+        model.train(True)
+        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
+        masks = [to_device(mb.batch["response_mask"], engine.plan.device).float() for mb in mini_batches]
+        counts = global_token_counts(masks).clamp(min=1.0)
+        parts = engine._agreed_counts([mb.batch for mb in mini_batches])
     sums: dict[str, float] = {}
     n_updates = skipped = 0
-    mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
-    masks = [mb.batch["response_mask"].to(engine.plan.device).float() for mb in mini_batches]
-    counts = global_token_counts(masks).clamp(min=1.0)
-    parts = engine._agreed_counts([mb.batch for mb in mini_batches])
     for mb, mask, (tokens, seqs), n_parts in zip(mini_batches, masks, counts, parts):
         progress.advance("mini-batch")
         terms = accumulate(mb, mask, tokens, seqs, world, n_parts)
-        all_reduce_gradients(model)
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        if not update_is_finite(grad_norm):
+        with record_function(f"{prefix}.clip"):
+            all_reduce_gradients(model)
+            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+            finite = update_is_finite(grad_norm)
+        with record_function(f"{prefix}.optimizer"):
+            if finite:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if not finite:
             skipped += 1
             continue
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         n_updates += 1
         for k, v in terms + [(f"{prefix}/grad_norm", grad_norm)]:
             sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
-    step_scheduler(engine.scheduler, n_updates)
-    model.train(False)
-    metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
-    metrics[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
-    metrics[f"{prefix}/nonfinite_skipped"] = float(skipped)
-    planned = getattr(engine, "memory_plan", None)
-    metrics.update(allocator.metrics(prefix, planned.peak_bytes if planned is not None else None))
+    with record_function(f"{prefix}.metrics"):
+        step_scheduler(engine.scheduler, n_updates)
+        model.train(False)
+        metrics = {k: float(v) / max(1, n_updates) for k, v in sums.items()}
+        metrics[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
+        metrics[f"{prefix}/nonfinite_skipped"] = float(skipped)
+        planned = getattr(engine, "memory_plan", None)
+        metrics.update(allocator.metrics(prefix, planned.peak_bytes if planned is not None else None))
     return metrics

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from resilient_rl.algos.losses import value_loss
 from resilient_rl.models.factory import build_value_model
 from resilient_rl.models.precision import hand_on_in_autocast_dtype
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
+from resilient_rl.workers.host_to_device import to_device
 from resilient_rl.workers.block_options import apply_block_options
 from resilient_rl.workers.fsdp import DevicePlan, agreed_counts, wrap_model
 from resilient_rl.workers.optimizer import build_optimizer, build_scheduler
@@ -22,8 +24,7 @@ def response_values(model, data, device: torch.device) -> torch.Tensor:
     DataProto or a dict of its tensors."""
     b = data.batch if hasattr(data, "batch") else data
     resp_len = b["responses"].shape[1]
-    values = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
-                   position_ids=b["position_ids"].to(device))
+    values = model(**{k: to_device(b[k], device) for k in ("input_ids", "attention_mask", "position_ids")})
     return values[:, -resp_len - 1:-1].float()
 
 
@@ -87,11 +88,14 @@ class ValueEngine:
         mb_tokens = mask.sum().clamp(min=1.0)
         sums: dict[str, torch.Tensor] = {}
         for part in micro_batch.split(dict(mb.batch.items()), self.micro_batch_tokens, at_least=n_parts):
-            m = part["response_mask"].to(dev).float()
-            vpreds = self._values(part)
-            vf_loss, vf_clipfrac = value_loss(vpreds, part["values"].to(dev), part["returns"].to(dev), m,
-                                              self.cfg.cliprange_value)
-            (vf_loss * (world * m.sum() / tokens)).backward()
+            with record_function("critic.forward"):
+                vpreds = self._values(part)
+            with record_function("critic.loss"):
+                m = to_device(part["response_mask"], dev).float()
+                values, returns = (to_device(part[k], dev) for k in ("values", "returns"))
+                vf_loss, vf_clipfrac = value_loss(vpreds, values, returns, m, self.cfg.cliprange_value)
+            with record_function("critic.backward"):
+                (vf_loss * (world * m.sum() / tokens)).backward()
             share = m.sum() / mb_tokens
             for k, v in (("critic/vf_loss", vf_loss.detach()), ("critic/vf_clipfrac", vf_clipfrac),
                          ("critic/vpred_mean", (vpreds.detach() * m).sum() / m.sum().clamp(min=1.0))):
