@@ -106,9 +106,11 @@ class PolicyEngine:
         for part in parts:
             progress.advance("micro-batch")
             logp, ent = self._logprobs(part)
-            logps.append(logp.cpu())
-            ents.append(ent.cpu())
-        return DataProto.from_dict({"log_probs": torch.cat(logps), "entropys": torch.cat(ents)})
+            logps.append(logp)
+            ents.append(ent)
+        # Read back once, after every micro-batch was launched: one read per micro-batch waited for
+        # its forward, and the device then idled while the host packed the next one.
+        return DataProto.from_dict({"log_probs": torch.cat(logps).cpu(), "entropys": torch.cat(ents).cpu()})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
         """PPO epochs over mini-batches of ``data`` (this rank's share); one scheduler step

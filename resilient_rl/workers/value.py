@@ -62,8 +62,8 @@ class ValueEngine:
         of ``critic.micro_batch_tokens`` tokens."""
         batch = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
         parts = micro_batch.split(batch, self.micro_batch_tokens, at_least=self._agreed_counts([batch])[0])
-        values = [self._values(part).cpu() for part in parts]
-        return DataProto.from_dict({"values": torch.cat(values) * data.batch["response_mask"]})
+        values = torch.cat([self._values(part) for part in parts]).cpu()  # read back once (see the policy's)
+        return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 
     def update(self, data: DataProto, step: int) -> dict[str, float]:
         """Value-loss epochs over mini-batches of ``data``; one scheduler step
