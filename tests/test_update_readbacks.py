@@ -1,10 +1,10 @@
-"""A packed update reads nothing back from its device but the one value Hugging Face's mask code
-reads per forward: the rows are laid out on the host and moved without a wait
-(resilient_rl/workers/host_to_device.py), the model's mask code takes that layout
-(resilient_rl/models/packing.py:given_layout), and the log-prob head gathers and scatters by
-integer indices. On a GPU each read-back waits for all the work queued before it, then the device
-idles until the host has launched again. Counted here from a profile of the trainer's own update on
-the CPU, by the phase of the update the operator ran in (bench/device_idle.py)."""
+"""A packed update reads nothing back from its device in its forward, loss and backward passes:
+the rows are laid out on the host and moved without a wait (resilient_rl/workers/host_to_device.py),
+the model takes that layout with an all-ones mask (resilient_rl/models/varlen_hf.py: transformers'
+packed-rows check, which reads the positions back, does not run), and the log-prob head gathers and
+scatters by integer indices. On a GPU each read-back waits for all the work queued before it, then
+the device idles until the host has launched again. Counted here from a profile of the trainer's
+own update on the CPU, by the phase of the update the operator ran in (bench/device_idle.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def _engine_and_batch(tmp_path):
     g = torch.Generator().manual_seed(0)
     rows, prompt, response = 8, 12, 24
     cols = torch.arange(prompt + response)
-    p_len, r_len = torch.randint(4, prompt + 1, (rows,), generator=g), torch.randint(6, response + 1, (rows,), generator=g)
+    p_len = torch.randint(4, prompt + 1, (rows,), generator=g)
+    r_len = torch.randint(6, response + 1, (rows,), generator=g)
     mask = ((cols >= prompt - p_len[:, None]) & (cols < prompt + r_len[:, None])).long()
     ids = torch.randint(1, 128, (rows, prompt + response), generator=g) * mask
     data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
@@ -60,7 +61,7 @@ def _engine_and_batch(tmp_path):
     return engine, data
 
 
-def test_a_packed_update_reads_back_only_hugging_faces_packed_check(tmp_path, device_idle):
+def test_a_packed_update_reads_nothing_back_in_its_forward_loss_and_backward(tmp_path, device_idle):
     engine, data = _engine_and_batch(tmp_path)
     engine.update(data, 1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -68,21 +69,11 @@ def test_a_packed_update_reads_back_only_hugging_faces_packed_check(tmp_path, de
     assert metrics["actor/nonfinite_skipped"] == 0
     events = list(prof.events())
     phases = device_idle.phase_ranges(events)
-    forwards = sum(1 for *_, name in phases if name == "actor.forward")
-    assert forwards >= 2  # micro-batches
+    assert sum(1 for *_, name in phases if name == "actor.forward") >= 2  # micro-batches
     by_phase = collections.Counter()
     for e in events:
         if e.name in READBACKS:
-            parents = []
-            p = e.cpu_parent
-            while p is not None:
-                parents.append(p.name)
-                p = p.cpu_parent
-            phase = device_idle.innermost(phases, (e.time_range.start + e.time_range.end) / 2)
-            if phase == "actor.forward" and "aten::is_nonzero" in parents:
-                phase = "transformers"  # its `(packed_sequence_mask[:, -1] == 0).all()`
-            by_phase[phase] += 1
-    assert by_phase["transformers"] == forwards, by_phase
+            by_phase[device_idle.innermost(phases, (e.time_range.start + e.time_range.end) / 2)] += 1
     assert not {p: n for p, n in by_phase.items() if p in ON_DEVICE}, by_phase
     assert by_phase["logprob.pack"] > 0  # the layout, found on the host's tensors
     # One read-back per mini-batch beside them: whether its gradient norm is finite (all ranks step or skip).

@@ -230,3 +230,43 @@ def test_compiled_blocks_keep_one_graph_across_packings():
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs == graphs[:1] * 3
     assert not counters["recompiles"]
+
+
+def _mistral_window() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return load_hf_causal_lm(hf_config={
+        "model_type": "mistral", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": 8})
+
+
+@pytest.mark.parametrize("rows", [3, 1])
+@pytest.mark.parametrize("build", [_qwen2, _gpt2, _mistral_window])
+def test_packed_log_probs_with_the_layout_found_on_the_host_equal_the_padded_rows(build, rows, monkeypatch):
+    """The packed log-prob pass finds the rows' layout on the host and hands transformers an
+    all-ones mask with it (no packed-rows check on the device): the values of the padded rows, a
+    sliding window kept (sequences of up to 30 tokens, window 8), and a micro-batch of one row."""
+    from transformers import masking_utils
+
+    from resilient_rl.models import packing
+
+    model = build()
+    gen = torch.Generator().manual_seed(5)
+    prompt, response = 10, 20
+    ids = torch.randint(1, VOCAB, (rows, prompt + response), generator=gen)
+    mask = torch.ones_like(ids)
+    for r, (p, n) in enumerate([(3, 20), (0, 7), (6, 12)][:rows]):
+        mask[r, :p] = 0
+        mask[r, prompt + n:] = 0
+    batch = {"input_ids": ids * mask, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+             "responses": (ids * mask)[:, prompt:]}
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch, CPU)
+        # Neither the model's mask code nor transformers' packed-rows check looks at the positions.
+        found = []
+        monkeypatch.setattr(packing, "packed_layout", lambda positions: found.append(positions) or 1 / 0)
+        monkeypatch.setattr(varlen_hf, "packed_layout", packing.packed_layout)
+        monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: found.append(p) or 1 / 0)
+        packed, _ = response_logprobs(model, batch, CPU, pack=True)
+    assert not found
+    valid = mask[:, prompt:].bool() & mask[:, prompt - 1:-1].bool()
+    torch.testing.assert_close(packed[valid], padded[valid], rtol=1e-5, atol=1e-5)

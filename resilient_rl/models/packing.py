@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PackedLayout", "given_layout", "layout_of", "packed_layout"]
+__all__ = ["PackedLayout", "given_layout", "given_layout_of", "layout_of", "packed_layout"]
 
 #: ``(positions, layout)`` of the packed forward in progress whose layout the caller found first.
 _GIVEN: contextvars.ContextVar = contextvars.ContextVar("rrl_given_layout", default=None)
@@ -81,10 +81,14 @@ def given_layout(position_ids: torch.Tensor, layout: PackedLayout) -> Iterator[N
         _GIVEN.reset(token)
 
 
+def given_layout_of(position_ids: torch.Tensor) -> PackedLayout | None:
+    """The layout given for this very ``position_ids`` tensor (:func:`given_layout`), else None."""
+    given = _GIVEN.get()
+    return given[1] if given is not None and given[0] is position_ids else None
+
+
 def layout_of(position_ids: torch.Tensor) -> PackedLayout:
     """The layout of packed rows with ``position_ids``: the one given for this tensor
     (:func:`given_layout`), else :func:`packed_layout` (one read back from its device)."""
-    given = _GIVEN.get()
-    if given is not None and given[0] is position_ids:
-        return given[1]
-    return packed_layout(position_ids)
+    given = given_layout_of(position_ids)
+    return given if given is not None else packed_layout(position_ids)

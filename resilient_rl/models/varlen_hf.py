@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from resilient_rl.models.precision import compute_dtype_on
-from resilient_rl.models.packing import PackedLayout, layout_of, packed_layout
+from resilient_rl.models.packing import PackedLayout, given_layout_of, layout_of, packed_layout
 from resilient_rl.models.varlen import KernelPlan, plan_kernel, varlen_attention
 
 __all__ = ["HF_ATTENTION", "use_varlen_attention"]
@@ -54,30 +54,45 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
 #: The position ids of the base-model forward in progress when its call is one transformers reads
 #: as packed (no attention mask, no cache), else None; unset outside such a forward.
 _POSITIONS: contextvars.ContextVar = contextvars.ContextVar("rrl_packed_positions")
+#: The layout the caller found on the host for the packed base-model forward in progress, else None.
+_HOST_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("rrl_given_packed_layout")
 
 
 def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: int, **kwargs):
     """transformers' mask-function contract. Where transformers would detect packed rows (no
-    attention mask, no cache, position ids that restart), the rows' layout in a
+    attention mask, no cache, position ids that restart), or the all-ones mask of packed rows
+    whose layout was found on the host (:func:`_track_positions`), the rows' layout in a
     :class:`_PackedMask`; else (rows of one sequence each included) SDPA's own mask."""
+    host = _HOST_LAYOUT.get(None)
+    if host is not None and (batch_size, q_length, kv_length) == (host.batch, host.seq, host.seq):
+        return _packed_mask(host, host.cu_seqlens.device, kwargs.get("dtype"))  # one sequence a row too
     positions = _POSITIONS.get(None)
     if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
         layout = layout_of(positions) if positions.shape[0] == batch_size else \
             packed_layout(positions.expand(batch_size, -1))
-        if len(layout.lengths) > batch_size:
-            # The kernel of compiled blocks, decided here, outside them.
-            dtype = compute_dtype_on(positions.device.type, kwargs.get("dtype"))
-            return _PackedMask(layout, plan_kernel(layout, positions.device, dtype))
+        if len(layout.lengths) > batch_size:  # else one sequence a row: SDPA's own causal attention
+            return _packed_mask(layout, positions.device, kwargs.get("dtype"))
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(batch_size=batch_size, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
                      **kwargs)
 
 
+def _packed_mask(layout: PackedLayout, device: torch.device, dtype: torch.dtype | None) -> _PackedMask:
+    """The :class:`_PackedMask` of packed rows of ``layout`` whose activations are in ``dtype``."""
+    # The kernel of compiled blocks, decided here, outside them.
+    return _PackedMask(layout, plan_kernel(layout, device, compute_dtype_on(device.type, dtype)))
+
+
 def _track_positions(base: torch.nn.Module) -> None:
     """Hooks on ``base`` (the module that builds the masks) that expose a packed call's position
-    ids to :func:`_hf_mask` for the length of its forward."""
+    ids to :func:`_hf_mask` for the length of its forward. Where the caller found their layout on
+    the host (:func:`~resilient_rl.models.packing.given_layout`), they hand transformers an
+    all-ones attention mask instead of none, so that its mask code skips its own packed-rows check
+    (which reads the positions back from the device), and :func:`_hf_mask` that layout."""
     signature = inspect.signature(base.forward)
+    mask_at = list(signature.parameters).index("attention_mask") if "attention_mask" in signature.parameters \
+        else None
     tokens: list = []
 
     # A compiled forward (the rollout engine's decode step) skips both hooks: they would break its
@@ -90,11 +105,21 @@ def _track_positions(base: torch.nn.Module) -> None:
         use_cache = bound.get("use_cache")
         use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
         packed = bound.get("attention_mask") is None and not cached and not use_cache
-        tokens.append(_POSITIONS.set(bound.get("position_ids") if packed else None))
+        positions = bound.get("position_ids") if packed else None
+        layout = given_layout_of(positions) if positions is not None and mask_at is not None else None
+        tokens.append((_POSITIONS.set(positions), _HOST_LAYOUT.set(layout)))
+        if layout is None:
+            return None
+        ones = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        if mask_at < len(args):
+            return (*args[:mask_at], ones, *args[mask_at + 1:]), kwargs
+        return args, {**kwargs, "attention_mask": ones}
 
     def after(module, args, kwargs, output):
         if tokens and not torch.compiler.is_compiling():
-            _POSITIONS.reset(tokens.pop())
+            positions, given = tokens.pop()
+            _HOST_LAYOUT.reset(given)
+            _POSITIONS.reset(positions)
 
     base.register_forward_pre_hook(before, with_kwargs=True)
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
