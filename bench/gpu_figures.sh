@@ -21,8 +21,9 @@
 #      memory, directly and through page-locked staging buffers; bench/rms_norm.py: the trained
 #      models' RMS norm, Hugging Face's against F.rms_norm;
 #   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
-#      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes, and the
-#      same with every block compiled;
+#      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes (by kind of
+#      work, the heaviest copies and elementwise operators at their shapes, the idle time by phase
+#      of the update; its trace in OUT/update_trace.json.gz), and the same with every block compiled;
 #   4. the other workloads: gsm8k-0.5b is the same as 1, with the engine against HF generate
 #      (dynamic cache; 9.66x on an H200, 2026-11-30) on the same batch.
 # The components have their own commands, each measured on an H200 (docs/performance.md):
@@ -105,8 +106,8 @@ part rms_norm 45 6 bench/rms_norm.py --device cuda
 # graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
 # slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again. It prints its figures
 # as it goes: a limit that ends it during the variant leaves the workload's own.
-part update_mfu 200 40 bench/update_mfu.py --workload gsm8k-1.5b --rows 32 --repeats 2 \
-    --variant compiled_blocks=actor.compile=true
+part update_mfu 200 75 bench/update_mfu.py --workload gsm8k-1.5b --rows 32 --repeats 2 \
+    --trace "$out/update_trace.json.gz" --variant compiled_blocks=actor.compile=true
 for w in "${workloads[@]:1}"; do
     workload "$w"
 done

@@ -16,8 +16,11 @@ it prints a profile of one update:
 - the share of the update's wall time in which the device computed nothing (time spent
   launching, synchronising and in Python);
 - the longest kernels;
+- the heaviest copies and casts, and elementwise operators, each at its input shapes;
 - where the device idled: by the phase of the update the host was in, the longest gaps with the
   operator that ended each, and the host calls that waited for the device (``bench/device_idle.py``).
+``--trace PATH`` also writes the profiled update's trace (Chrome's JSON; gzipped where PATH ends in
+``.gz``), so that it can be read again without a GPU.
 
 On a GPU the update's line also gives what the caching allocator reserved at its peak and how
 often it had to free its cache and retry ``cudaMalloc`` (each retry a device synchronisation).
@@ -96,6 +99,26 @@ def device_split(events, cuda: bool) -> tuple[dict[str, float], list[tuple[str, 
                if e.device_type == DeviceType.CUDA and e.key not in cpu_names and e.self_device_time_total > 0]
     ops.sort(key=lambda kv: -kv[1])
     return kinds, ops, sum(s for _, s in ops)
+
+
+def heaviest_by_shape(events, cuda: bool, kinds=("copies and casts", OTHER), top: int = 5) -> list[str]:
+    """For each of ``kinds``, the operators (at one set of input shapes each: a profile's
+    averages grouped by input shape) that took the most device time, with their calls."""
+    from torch.autograd import DeviceType
+
+    rows: dict[str, list] = {}
+    for e in events:
+        own = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+        if e.device_type == DeviceType.CPU and own > 0 and not getattr(e, "is_user_annotation", False) \
+                and kind_of(e.key) in kinds:
+            rows.setdefault(kind_of(e.key), []).append((own, e.key, e.input_shapes, e.count))
+    lines = []
+    for kind in kinds:
+        lines.append(f"  heaviest {kind}, by input shapes:")
+        for own, key, shapes, count in sorted(rows.get(kind, []), key=lambda r: -r[0])[:top]:
+            shown = ", ".join(str(list(s)) for s in shapes if s) or "-"
+            lines.append(f"    {1e3 * own:9.1f} ms  {count:5d} calls  {key.split('::', 1)[-1]} {shown[:90]}")
+    return lines
 
 
 def profile_lines(kinds: dict[str, float], kernels: list[tuple[str, float]], busy: float, wall: float,
@@ -205,11 +228,16 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
         cuda = torch.cuda.is_available()
-        with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                           record_shapes=True) as prof:
             engine.update(data, next(step))
             synchronize()
         out["profile"] = device_split(prof.key_averages(), cuda)
-        out["idle"] = idle_lines(prof.events(), cuda)
+        out["idle"] = heaviest_by_shape(prof.key_averages(group_by_input_shape=True), cuda) + \
+            idle_lines(prof.events(), cuda)
+        if args.trace:  # for chrome://tracing or Perfetto; a name ending in .gz is compressed
+            prof.export_chrome_trace(args.trace)
+            out["idle"].append(f"  trace of the profiled update: {args.trace}")
     # The next variant is planned for a device this one no longer holds anything of.
     del engine
     gc.collect()
@@ -235,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], type=parse_variant,
                    help="NAME=KEY=VALUE[,KEY=VALUE]: also time the update with these config overrides")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--trace", help="write the profiled update's trace here (Chrome JSON; .gz: compressed)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()

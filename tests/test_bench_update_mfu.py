@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -103,11 +105,33 @@ def test_a_variant_without_an_override_is_refused_with_its_form(update_mfu):
         ("ckpt", ["actor.compile=true", "actor.packing=false"])
 
 
-def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile():
+def test_the_heaviest_operators_of_a_kind_are_listed_at_their_shapes(update_mfu):
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+
+    def op(key, device_us, shapes, count=1, annotation=False):
+        return SimpleNamespace(key=key, device_type=cpu, self_cpu_time_total=0.0, self_device_time_total=device_us,
+                               input_shapes=shapes, count=count, is_user_annotation=annotation)
+
+    events = [op("aten::copy_", 4000, [[8, 1536], [8, 1536]], 56), op("aten::copy_", 9000, [[8, 256], [8, 256]], 28),
+              op("aten::_to_copy", 1000, [[1536, 1536]], 4), op("aten::mul", 3000, [[8, 1536], []], 112),
+              op("aten::mm", 50000, [[8, 1536], [1536, 1536]]), op("actor.forward", 7000, [], annotation=True),
+              SimpleNamespace(key="copy_kernel", device_type=cuda, self_cpu_time_total=0.0,
+                              self_device_time_total=13000, input_shapes=[], count=84)]
+    lines = update_mfu.heaviest_by_shape(events, cuda=True, top=2)
+    assert [line.split() for line in lines] == [
+        ["heaviest", "copies", "and", "casts,", "by", "input", "shapes:"],
+        ["9.0", "ms", "28", "calls", "copy_", "[8,", "256],", "[8,", "256]"],
+        ["4.0", "ms", "56", "calls", "copy_", "[8,", "1536],", "[8,", "1536]"],
+        ["heaviest", "elementwise", "and", "reductions,", "by", "input", "shapes:"],
+        ["3.0", "ms", "112", "calls", "mul", "[8,", "1536]"]]
+
+
+def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile(tmp_path):
     """As bench/gpu_figures.sh runs it (the head compiled, as on a GPU, against eager), and a variant
     of two overrides."""
+    trace = tmp_path / "update_trace.json.gz"
     out = run_on_cpu("update_mfu.py", "--workload", "gsm8k-0.5b", "--rows", "16", "--repeats", "1",
-                     "--variant", "eager_head=actor.compile_head=false",
+                     "--trace", str(trace), "--variant", "eager_head=actor.compile_head=false",
                      "--variant", "ckpt=actor.activation_checkpointing=true,actor.compile_head=false",
                      timeout=300).stdout
     assert "gsm8k-0.5b-tiny on CPU: update of 16 rows" in out
@@ -123,6 +147,9 @@ def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile():
     for phase in ("actor.prepare", "actor.forward", "logprob.pack", "logprob.head", "actor.loss", "actor.backward",
                   "actor.clip", "actor.optimizer", "actor.metrics"):
         assert f"\n    {phase} " in idle, phase
+    assert "heaviest copies and casts, by input shapes:" in out and "heaviest elementwise and reductions" in out
+    assert f"trace of the profiled update: {trace}" in out
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     # A record_function range is not an operator: never a kind of work nor a kernel of its own.
     profile = out.split("device time by kind of work")[1].split("idle by phase")[0]
     assert "actor.forward" not in profile and "actor.backward" not in profile
