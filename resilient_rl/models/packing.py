@@ -9,9 +9,10 @@ it from the :class:`PackedLayout` of the rows, without a ``T x T`` mask.
 
 Finding the layout reads the sequence lengths back to the host. Where the positions were on the
 host first (a worker's batch always is), the caller lays the rows out there and moves the layout
-with the tokens (:meth:`PackedLayout.map_tensors`), then runs the forward under :func:`given_layout`: the
-model's mask code takes that layout for those positions (:func:`layout_of`) and reads nothing back
-from the device, which on a GPU would wait for all the work queued before it.
+with the tokens (:meth:`PackedLayout.map_tensors`), then runs the forward under
+:func:`given_layout`: the model's mask code takes that layout for those positions
+(:func:`given_layout_of`, :func:`layout_of`) and reads nothing back from the device, which on a
+GPU would wait for all the work queued before it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from resilient_rl.models.precision import compute_dtype_on
-from resilient_rl.models.packing import PackedLayout, given_layout_of, layout_of, packed_layout
+from resilient_rl.models.packing import PackedLayout, given_layout_of, packed_layout
 from resilient_rl.models.varlen import KernelPlan, plan_kernel, varlen_attention
 
 __all__ = ["HF_ATTENTION", "use_varlen_attention"]
@@ -68,8 +68,7 @@ def _hf_mask(*, batch_size: int, attention_mask=None, q_length: int, kv_length: 
         return _packed_mask(host, host.cu_seqlens.device, kwargs.get("dtype"))  # one sequence a row too
     positions = _POSITIONS.get(None)
     if attention_mask is None and positions is not None and q_length == kv_length == positions.shape[-1]:
-        layout = layout_of(positions) if positions.shape[0] == batch_size else \
-            packed_layout(positions.expand(batch_size, -1))
+        layout = packed_layout(positions.expand(batch_size, -1))
         if len(layout.lengths) > batch_size:  # else one sequence a row: SDPA's own causal attention
             return _packed_mask(layout, positions.device, kwargs.get("dtype"))
     from transformers.masking_utils import sdpa_mask
