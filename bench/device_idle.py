@@ -132,7 +132,7 @@ def idle_lines(events, cuda: bool, top: int = 6) -> list[str]:
     lines = [f"  idle by phase ({what}: {total / 1e3:.1f} ms in {len(holes)} gaps of a "
              f"{(window[1] - window[0]) / 1e3:.1f} ms profile):"]
     for name, (micros, n) in sorted(by_phase.items(), key=lambda kv: -kv[1][0]):
-        lines.append(f"    {name:<28} {micros / 1e3:9.1f} ms  {n:6d} gaps")
+        lines.append(f"    {name:<36} {micros / 1e3:9.1f} ms  {n:6d} gaps")
     starts = sorted(kernels, key=lambda k: k.time_range.start)
     first_after = {}
     for gap in sorted(holes, key=lambda g: g[0] - g[1])[:top]:
