@@ -76,6 +76,17 @@ def kind_of(op: str) -> str:
     return next((kind for kind, matches in KINDS if matches(name)), OTHER)
 
 
+def operator_seconds(e, cuda: bool) -> float:
+    """Seconds of device time (on a CPU: of its own CPU time) of a profile's operator event; 0 for
+    a device event, and for a record_function range (the trainer's phases), which is not an
+    operator: its own CPU time is Python."""
+    from torch.autograd import DeviceType
+
+    if e.device_type != DeviceType.CPU or getattr(e, "is_user_annotation", False):
+        return 0.0
+    return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+
+
 def device_split(events, cuda: bool) -> tuple[dict[str, float], list[tuple[str, float]], float]:
     """From a profile's averaged events: seconds of device time by kind (each operator's own
     kernels, so nothing is counted twice), the longest kernels (seconds), and the device's busy
@@ -86,9 +97,8 @@ def device_split(events, cuda: bool) -> tuple[dict[str, float], list[tuple[str, 
     kinds: dict[str, float] = {}
     ops: list[tuple[str, float]] = []
     for e in events:
-        own = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
-        # A record_function range (the trainer's phases) is not an operator: its own CPU time is Python.
-        if e.device_type == DeviceType.CPU and own > 0 and not getattr(e, "is_user_annotation", False):
+        own = operator_seconds(e, cuda)
+        if own > 0:
             kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + own
             ops.append((e.key, own))
     if cuda:
@@ -104,13 +114,10 @@ def device_split(events, cuda: bool) -> tuple[dict[str, float], list[tuple[str, 
 def heaviest_by_shape(events, cuda: bool, kinds=("copies and casts", OTHER), top: int = 5) -> list[str]:
     """For each of ``kinds``, the operators (at one set of input shapes each: a profile's
     averages grouped by input shape) that took the most device time, with their calls."""
-    from torch.autograd import DeviceType
-
     rows: dict[str, list] = {}
     for e in events:
-        own = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
-        if e.device_type == DeviceType.CPU and own > 0 and not getattr(e, "is_user_annotation", False) \
-                and kind_of(e.key) in kinds:
+        own = operator_seconds(e, cuda)
+        if own > 0 and kind_of(e.key) in kinds:
             rows.setdefault(kind_of(e.key), []).append((own, e.key, e.input_shapes, e.count))
     lines = []
     for kind in kinds:
