@@ -29,7 +29,7 @@ EVENT_CHARS = 300
 #: each role's build and its wait for the start-up imports: most of a recovery's rejoin, and each
 #: rank's restore of a snapshot, its check and its writing: the restore phase).
 WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:", "of it waiting for the start-up imports",
-                "GB: checked in", "the CUDA caching allocator")
+                "GB: checked in", "the CUDA caching allocator", "held outside this process")
 
 
 def stamp(elapsed: float) -> str:

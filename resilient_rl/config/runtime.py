@@ -224,7 +224,8 @@ class RecoveryConfig(Section):
     rendezvous_timeout_s: float = 60.0
     #: Process-group timeout of every collective.
     collective_timeout_s: float = 60.0
-    #: How long recovery waits for a dead rank's new process.
+    #: How long recovery waits for a dead rank's new process (and that process's model build for
+    #: the GPU memory the dead one still held).
     restart_timeout_s: float = 120.0
     #: How long a placement group may take to be placed at start.
     placement_timeout_s: float = 60.0

@@ -6,9 +6,10 @@ raises :class:`~resilient_rl.errors.DeviceMemoryError` instead: the pass, the de
 the failure as torch's allocator counts it, the config keys that make that pass need less
 (:func:`keys_for`, with the value the run used; for a model build, ``init_model``, the ranks and
 sharding that let the model and its training state fit), then torch's own message. The error is not
-retried, since the same pass needs the same memory again; the run stops with its last checkpoint,
-which a resume with the keys changed continues (each key named first is one a resume may change,
-:data:`resilient_rl.config.resume.RESUME_MAY_CHANGE`).
+retried, since the same pass needs the same memory again (a model build that finds the GPU held by
+another process waits for that memory first: :mod:`resilient_rl.workers.held_memory`); the run
+stops with its last checkpoint, which a resume with the keys changed continues (each key named
+first is one a resume may change, :data:`resilient_rl.config.resume.RESUME_MAY_CHANGE`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import functools
 import torch
 
 from resilient_rl.errors import DeviceMemoryError
+from resilient_rl.workers import held_memory
+from resilient_rl.workers.held_memory import GIB
 
-GIB = 2**30
 
 
 def names_memory_keys(method):
@@ -98,7 +100,8 @@ def _build_keys(role: str, cfg, colocated: bool) -> list[str]:
 
 def _held(device: torch.device | None) -> str:
     """``; torch held A GiB allocated, R GiB reserved of the device's T GiB`` on a CUDA
-    ``device``; empty elsewhere, or where CUDA cannot say."""
+    ``device``, with what other processes held where that is more than a CUDA context
+    (:mod:`resilient_rl.workers.held_memory`); empty elsewhere, or where CUDA cannot say."""
     if device is None or device.type != "cuda":
         return ""
     try:
@@ -106,6 +109,9 @@ def _held(device: torch.device | None) -> str:
         total = torch.cuda.get_device_properties(device).total_memory
     except (RuntimeError, AssertionError):
         return ""
+    memory = held_memory.device_memory(device)  # looked up at each call: a test fakes the device
+    outside = "" if memory is None or memory.outside < held_memory.OUTSIDE_FLOOR else \
+        f", and {memory.outside / GIB:.1f} GiB was held outside this process (another process on this GPU)"
     return (f"; torch held {stats.get('allocated_bytes.all.current', 0) / GIB:.1f} GiB allocated, "
             f"{stats.get('reserved_bytes.all.current', 0) / GIB:.1f} GiB reserved of the device's "
-            f"{total / GIB:.1f} GiB")
+            f"{total / GIB:.1f} GiB{outside}")

@@ -36,6 +36,7 @@ from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, attach_snapshot_parts
 from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.logprob import compiles_head
+from resilient_rl.workers.held_memory import builds_when_memory_frees
 from resilient_rl.workers.out_of_memory import names_memory_keys
 from resilient_rl.workers.policy import PolicyEngine
 from resilient_rl.workers.rollout import RolloutEngine
@@ -222,6 +223,7 @@ class ActorWorker(TrainableRole):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @names_memory_keys
+    @builds_when_memory_frees
     def init_model(self, empty: bool = False) -> bool:
         """Build the model with its initial weights, or ``empty`` (allocated on the device, not
         initialised) when a restore of the whole state follows."""
@@ -261,6 +263,7 @@ class CriticWorker(TrainableRole):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @names_memory_keys
+    @builds_when_memory_frees
     def init_model(self, empty: bool = False) -> bool:
         """As the actor's: ``empty`` when a restore of the whole state follows."""
         c = self.cfg
@@ -298,6 +301,7 @@ class RefWorker(RoleWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @names_memory_keys
+    @builds_when_memory_frees
     def init_model(self, empty: bool = False) -> bool:
         """Always the initial weights (no checkpoint or snapshot holds them): ``empty`` is ignored."""
         c = self.cfg
@@ -336,6 +340,7 @@ class RolloutWorker(RoleWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @names_memory_keys
+    @builds_when_memory_frees
     def init_model(self, empty: bool = True) -> bool:
         """Built empty unless asked otherwise: its weights are always the actor's, which the
         controller syncs after every (re)build before the next generation (it refuses to

@@ -1,0 +1,141 @@
+"""A model build that finds the GPU still held by another process (a rank's dead process whose
+memory the driver has not released yet) waits for the memory and builds again
+(resilient_rl.workers.held_memory). No GPU here: the device's memory readings are faked; the
+build's own error is torch's."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import types
+import weakref
+
+import pytest
+import torch
+
+from resilient_rl.testing.held_memory import CUDA_MESSAGE
+from resilient_rl.workers import held_memory
+from resilient_rl.workers.held_memory import GIB, DeviceMemory, builds_when_memory_frees, device_memory
+
+TOTAL = 80 * GIB
+
+
+class _Readings:
+    """The device's memory as the driver would report it: ``held`` bytes outside this process for
+    the first ``reads_held`` readings, then ``after``."""
+
+    def __init__(self, held: int, reads_held: int = 10**9, after: int = GIB // 2):
+        self.held, self.reads_held, self.after, self.reads = held, reads_held, after, 0
+
+    def __call__(self, device):
+        assert device is not None and device.type == "cuda"
+        self.reads += 1
+        outside = self.held if self.reads <= self.reads_held else self.after
+        return DeviceMemory(free=TOTAL - outside - 3 * GIB, total=TOTAL, reserved=3 * GIB)
+
+
+class _Worker:
+    """A role worker's build as ``init_model`` is: it raises torch's error while ``refuse()``."""
+
+    role, rank = "actor", 1
+
+    def __init__(self, refuse, timeout_s: float = 30.0):
+        self.cfg = types.SimpleNamespace(recovery=types.SimpleNamespace(restart_timeout_s=timeout_s))
+        self._plan = types.SimpleNamespace(device=torch.device("cuda", 0))
+        self.refuse, self.calls = refuse, 0
+
+    @builds_when_memory_frees
+    def init_model(self, empty: bool = False) -> bool:
+        self.calls += 1
+        if self.refuse(self):
+            raise torch.OutOfMemoryError(CUDA_MESSAGE)
+        return True
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch):
+    monkeypatch.setattr(held_memory, "POLL_S", 0.001)
+
+
+def test_a_build_refused_while_another_process_holds_the_gpu_waits_for_it_and_builds_again(monkeypatch, caplog):
+    readings = _Readings(held=76 * GIB, reads_held=5)
+    monkeypatch.setattr(held_memory, "device_memory", readings)
+    worker = _Worker(refuse=lambda w: readings.reads <= readings.reads_held)
+    with caplog.at_level(logging.WARNING, logger=held_memory.__name__):
+        assert worker.init_model(empty=True) is True
+    assert worker.calls == 2
+    assert readings.reads > readings.reads_held + 1  # it waited for the release, and for it to settle
+    text = caplog.text
+    assert "actor rank 1 ran out of GPU memory in init_model with 76.0 GiB of the device's 80.0 GiB held outside " \
+           "this process" in text
+    assert "actor rank 1 built after waiting" in text
+
+
+def test_a_build_the_device_cannot_hold_is_not_retried(monkeypatch):
+    monkeypatch.setattr(held_memory, "device_memory", _Readings(held=GIB // 2))  # the context only: ours
+    worker = _Worker(refuse=lambda w: True)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        worker.init_model()
+    assert worker.calls == 1
+
+
+def test_memory_that_never_comes_free_ends_the_wait_at_the_restart_timeout(monkeypatch):
+    readings = _Readings(held=76 * GIB)
+    monkeypatch.setattr(held_memory, "device_memory", readings)
+    worker = _Worker(refuse=lambda w: True, timeout_s=0.5)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        worker.init_model()
+    assert worker.calls == 2  # the build, then once more after the wait ran out
+    assert readings.reads > 2
+
+
+def test_off_a_gpu_a_build_out_of_memory_raises_at_once():
+    assert device_memory(torch.device("cpu")) is None and device_memory(None) is None
+    worker = _Worker(refuse=lambda w: True)
+    worker._plan = types.SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(torch.OutOfMemoryError):
+        worker.init_model()
+    assert worker.calls == 1
+
+
+def test_what_the_failed_build_allocated_is_freed_before_the_next_one(monkeypatch):
+    readings = _Readings(held=76 * GIB, reads_held=3)
+    monkeypatch.setattr(held_memory, "device_memory", readings)
+    left: list[weakref.ref] = []
+
+    class Part:  # a module of a half-built model: FSDP modules hold reference cycles
+        def __init__(self):
+            self.me = self
+
+    def refuse(worker):
+        if left:
+            assert left[0]() is None, "the failed build's modules are still alive"
+            return False
+        part = Part()
+        left.append(weakref.ref(part))
+        return True
+
+    gc.disable()  # only the wait's own collection may free the cycle
+    try:
+        assert _Worker(refuse=refuse).init_model() is True
+    finally:
+        gc.enable()
+
+
+def test_an_error_that_stops_the_run_says_how_much_another_process_held(monkeypatch):
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.workers import out_of_memory
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"allocated_bytes.all.current": GIB,
+                                                                    "reserved_bytes.all.current": 3 * GIB})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=TOTAL))
+    monkeypatch.setattr(held_memory, "device_memory", _Readings(held=76 * GIB))
+    error = out_of_memory.device_memory_error(torch.OutOfMemoryError(CUDA_MESSAGE), "init_model", "actor",
+                                              load_config(None, []), None, torch.device("cuda", 0))
+    assert str(error).startswith("ran out of GPU memory in init_model; torch held 1.0 GiB allocated, 3.0 GiB reserved "
+                                 "of the device's 80.0 GiB, and 76.0 GiB was held outside this process (another "
+                                 "process on this GPU). To need less: ")
+    monkeypatch.setattr(held_memory, "device_memory", _Readings(held=GIB // 2))  # a CUDA context: not named
+    error = out_of_memory.device_memory_error(torch.OutOfMemoryError(CUDA_MESSAGE), "init_model", "actor",
+                                              load_config(None, []), None, torch.device("cuda", 0))
+    assert "held outside" not in str(error)
