@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 
+from resilient_rl.testing.clock import FakeClock
 from resilient_rl.testing.held_memory import CUDA_MESSAGE
 from resilient_rl.workers import held_memory
 from resilient_rl.workers.held_memory import GIB, DeviceMemory, builds_when_memory_frees, device_memory
@@ -53,8 +54,11 @@ class _Worker:
 
 
 @pytest.fixture(autouse=True)
-def quick_polls(monkeypatch):
-    monkeypatch.setattr(held_memory, "POLL_S", 0.001)
+def clock(monkeypatch):
+    """The waits' clock: time moves only when the wait sleeps, so deadlines are exact."""
+    fake = FakeClock()
+    monkeypatch.setattr(held_memory, "time", types.SimpleNamespace(monotonic=fake, sleep=fake.sleep))
+    return fake
 
 
 def test_a_build_refused_while_another_process_holds_the_gpu_waits_for_it_and_builds_again(monkeypatch, caplog):
@@ -79,14 +83,16 @@ def test_a_build_the_device_cannot_hold_is_not_retried(monkeypatch):
     assert worker.calls == 1
 
 
-def test_memory_that_never_comes_free_ends_the_wait_at_the_restart_timeout(monkeypatch):
+def test_memory_that_never_comes_free_ends_the_wait_at_the_restart_timeout(monkeypatch, clock):
     readings = _Readings(held=76 * GIB)
     monkeypatch.setattr(held_memory, "device_memory", readings)
-    worker = _Worker(refuse=lambda w: True, timeout_s=0.5)
+    worker = _Worker(refuse=lambda w: True, timeout_s=30.0)
+    started = clock()
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
         worker.init_model()
     assert worker.calls == 2  # the build, then once more after the wait ran out
-    assert readings.reads > 2
+    assert clock() - started == pytest.approx(30.0)
+    assert readings.reads == 2 + round(30.0 / held_memory.POLL_S)  # one at each failure, one at each poll
 
 
 def test_off_a_gpu_a_build_out_of_memory_raises_at_once():
