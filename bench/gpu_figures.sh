@@ -17,7 +17,9 @@
 #      packed attention each rank took, one actor SIGKILL's recovery time (its phases, and each
 #      role's rebuild), then the rollout engine alone on the run's rollout model, with its share of
 #      the decode roofline: the engine loads the run's kept decode step, so it compiles nothing;
-#   2. bench/snapshot_restore.py: a restore's writing of the 0.5 B actor's state from pageable
+#   2. bench/gpu_release.py: how long a SIGKILLed process's 32 GiB stay held on the GPU after its
+#      reap (a spare's build waits for them), against the process freeing them itself;
+#      bench/snapshot_restore.py: a restore's writing of the 0.5 B actor's state from pageable
 #      memory, directly and through page-locked staging buffers; bench/rms_norm.py: the trained
 #      models' RMS norm, Hugging Face's against F.rms_norm;
 #   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
@@ -93,6 +95,9 @@ part() {  # name, limit in seconds, lines of its log for the summary, then the s
 }
 # The first workload first: alone it takes every figure still open.
 workload "${workloads[0]}"
+# How long a killed process's GPU memory stays held after the process is reaped: the window in which a
+# warm spare's first build finds the dead rank's GPU still full (resilient_rl/workers/held_memory.py).
+part gpu_release 40 3 bench/gpu_release.py --gib 32 --repeats 2
 # A restore's writing of the 0.5 B actor's state (6 GB) from pageable memory, as a rank that replaces a
 # killed one reads its node copy: directly, through two page-locked buffers (what a restore does now),
 # and from page-locked memory.

@@ -351,3 +351,12 @@ def test_stuck_controller_bench_prints_each_order_ended_by_the_watch():
     assert out[0].split() == ["case", "watch", "handlers", "alone", "ratio"]
     assert [line.split(" s, exit ")[1].split()[0] for line in out[1:]] == ["143", "143"]
     assert [line[:27].strip() for line in out[1:]] == ["sent", "acted on"]
+
+
+def test_gpu_release_bench_times_a_killed_process_and_one_that_frees_itself_on_host_memory():
+    lines = run_on_cpu("gpu_release.py", "--gib", "0.5", "--repeats", "2").stdout.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"repeat {i + 1}: killed with 0.5 GiB held: reaped after ")
+                                   for i, line in enumerate(lines[:2])), lines
+    assert "freed by itself after" in lines[0]
+    assert lines[2].startswith("host memory, 0.5 GiB, medians of 2: a killed process's memory free after ")
+    assert lines[2].endswith("x")
