@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from resilient_rl.runtime import progress
+
 __all__ = ["DeviceMemory", "OUTSIDE_FLOOR", "builds_when_memory_frees", "device_memory"]
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ def wait_for_release(device: torch.device, outside: int, deadline: float) -> boo
     last = None
     while time.monotonic() < deadline:
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        progress.advance("held memory")  # waiting is progress: the rank is not hung
         held = device_memory(device)
         if held is None:
             return False
