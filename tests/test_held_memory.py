@@ -72,7 +72,7 @@ def test_a_build_refused_while_another_process_holds_the_gpu_waits_for_it_and_bu
     text = caplog.text
     assert "actor rank 1 ran out of GPU memory in init_model with 76.0 GiB of the device's 80.0 GiB held outside " \
            "this process" in text
-    assert "actor rank 1 built after waiting" in text
+    assert "actor rank 1 finished init_model after waiting" in text
 
 
 def test_a_build_the_device_cannot_hold_is_not_retried(monkeypatch):
@@ -145,3 +145,69 @@ def test_an_error_that_stops_the_run_says_how_much_another_process_held(monkeypa
     error = out_of_memory.device_memory_error(torch.OutOfMemoryError(CUDA_MESSAGE), "init_model", "actor",
                                               load_config(None, []), None, torch.device("cuda", 0))
     assert "held outside" not in str(error)
+
+
+def _half_made_once(module, monkeypatch):
+    """``module``'s ``get_optimizer_state_dict`` (which makes a fresh optimizer's state) runs out of
+    memory once, leaving one parameter's state unmade, as a restore on a held GPU would."""
+    real, failed = module.get_optimizer_state_dict, []
+
+    def half_made(model, optimizer, *args, **kwargs):
+        out = real(model, optimizer, *args, **kwargs)
+        if not failed:
+            failed.append(True)
+            optimizer.state.pop(next(iter(optimizer.state)))
+            raise torch.OutOfMemoryError(CUDA_MESSAGE)
+        return out
+
+    monkeypatch.setattr(module, "get_optimizer_state_dict", half_made)
+    return failed
+
+
+def _rank_on_a_held_gpu(monkeypatch):
+    """A rebuilt rank (its optimizer has no state yet) on a GPU another process holds a while."""
+    from test_rank_state import Rank
+
+    monkeypatch.setattr(held_memory, "device_memory", _Readings(held=76 * GIB, reads_held=3))
+    rank = Rank()
+    rank.engine.plan = types.SimpleNamespace(device=torch.device("cuda", 0))
+    rank.checkpointer.held_wait_s = 30.0
+    return rank
+
+
+def _optimizer_tensors(rank) -> list[torch.Tensor]:
+    state = rank.engine.optimizer.state_dict()["state"]
+    return [t for i in sorted(state) for _, t in sorted(state[i].items())]
+
+
+def test_a_snapshot_restore_that_runs_out_on_a_held_gpu_starts_again_once_it_is_free(monkeypatch):
+    from test_rank_state import Rank, same
+
+    from resilient_rl.workers.snapshots import state as snapshot_state
+
+    rank = Rank()
+    rank.train(0)
+    rank.snapshots.take_snapshot(1)
+    _, taken = rank.snapshots.publish_snapshot(1)
+    fresh = _rank_on_a_held_gpu(monkeypatch)
+    failed = _half_made_once(snapshot_state, monkeypatch)
+    assert fresh.snapshot_restorer.load_snapshot(1, taken) is True
+    assert failed  # the first attempt ran out; the second made the whole state again
+    assert same(fresh.fingerprint(), rank.fingerprint())
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(fresh), _optimizer_tensors(rank), strict=True))
+
+
+def test_a_checkpoint_load_that_runs_out_on_a_held_gpu_starts_again_once_it_is_free(monkeypatch, tmp_path):
+    from test_rank_state import Rank, same
+
+    from resilient_rl.workers import rank_state
+
+    rank = Rank()
+    rank.train(0)
+    records = rank.checkpointer.save_checkpoint(str(tmp_path), None, "step_1/actor", False)
+    fresh = _rank_on_a_held_gpu(monkeypatch)
+    failed = _half_made_once(rank_state, monkeypatch)
+    assert fresh.checkpointer.load_checkpoint(str(tmp_path), None, "step_1/actor", records, 1) is True
+    assert failed
+    assert same(fresh.fingerprint()[:3], rank.fingerprint()[:3])  # the RNG is not in a checkpoint of one rank
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(fresh), _optimizer_tensors(rank), strict=True))

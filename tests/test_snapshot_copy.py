@@ -32,7 +32,7 @@ class Rank:
         self.role = role
         self.engine = SimpleNamespace(model=model, optimizer=opt, scheduler=sched)
         self.resets = 0
-        self.checkpointer = self  # what a restore asks of the rank's checkpointer: reset, re-stage
+        self.checkpointer = self  # what a restore asks of the rank's checkpointer: reset, load, re-stage
         attach_snapshot_parts(self, lambda: states_of(self.engine), lambda: (self.rank, self.world_size), self)
 
     def snapshot(self, step: int, roles=None) -> dict:
@@ -45,6 +45,9 @@ class Rank:
 
     def prepare_staging(self):
         return False
+
+    def while_held(self, attempt, states, what):
+        attempt()  # no GPU another process could hold
 
     def train(self, seed: int) -> torch.Tensor:
         e = self.engine

@@ -24,6 +24,7 @@ from resilient_rl.checkpoint import AsyncShardWriter, FileRecord, Storage, load_
 from resilient_rl.checkpoint.retry import is_outage
 from resilient_rl.errors import CheckpointFormatError, StorageError
 from resilient_rl.runtime.dispatch import Dispatch, register
+from resilient_rl.workers.held_memory import forget_optimizer_state, retry_while_held
 from resilient_rl.workers.rank_state import RankState
 
 
@@ -72,11 +73,13 @@ class RankCheckpointer:
     recovery). ``place``: the rank's (rank, world size, process-group generation) now (a warm
     spare takes a rank, a rejoin starts a generation). ``label`` names the writer's thread.
     ``staging``: whether saves are asynchronous and periodic, so that their host buffers are
-    allocated ahead of the first (:meth:`prepare_staging`)."""
+    allocated ahead of the first (:meth:`prepare_staging`). ``held_wait_s``: how long a load that
+    runs out of GPU memory another process holds waits for it (:meth:`while_held`; None: not at all)."""
 
     def __init__(self, states: Callable[[], RankState | None], place: Callable[[], tuple[int, int, int | None]],
-                 label: str, staging: bool) -> None:
+                 label: str, staging: bool, held_wait_s: float | None = None) -> None:
         self._states, self._place, self.label, self.staging = states, place, label, staging
+        self.held_wait_s = held_wait_s
         self._writer: AsyncShardWriter | None = None
         self._storages: dict = {}
         self._staging_prepared: frozenset = frozenset()  # parts of the state whose buffers are allocated
@@ -180,10 +183,26 @@ class RankCheckpointer:
         storage = self._storage(root, storage_options)
         records = [FileRecord.from_json(f) for f in files]
         states, (rank, world_size, _) = self._states(), self._place()
-        loaded = load_shard_into(states.checkpoint_state(), storage, rel_dir, records, verify=True, rank=rank)
-        try:
-            states.load_checkpoint_state(loaded, same_world_size=saved_world_size == world_size)
-        except KeyError as exc:
-            raise CheckpointFormatError(f"{rel_dir}: {exc.args[0]}") from exc
+
+        def load() -> None:
+            loaded = load_shard_into(states.checkpoint_state(), storage, rel_dir, records, verify=True, rank=rank)
+            try:
+                states.load_checkpoint_state(loaded, same_world_size=saved_world_size == world_size)
+            except KeyError as exc:
+                raise CheckpointFormatError(f"{rel_dir}: {exc.args[0]}") from exc
+
+        self.while_held(load, states, "its checkpoint load")
         self.prepare_staging()
         return True
+
+    def while_held(self, attempt: Callable[[], None], states: RankState, what: str) -> None:
+        """``attempt()``, a load of the rank's whole state (``what``); where it runs out of GPU
+        memory another process still holds (the process this one replaced), the optimizer state it
+        left half made is dropped and it runs again once that memory is free, within
+        :attr:`held_wait_s` (:func:`~resilient_rl.workers.held_memory.retry_while_held`)."""
+        if self.held_wait_s is None:
+            attempt()
+            return
+        engine = states.engine
+        retry_while_held(attempt, lambda: getattr(getattr(engine, "plan", None), "device", None), self.held_wait_s,
+                         f"{self.label} rank {self._place()[0]}", what, undo=lambda: forget_optimizer_state(engine))

@@ -201,7 +201,8 @@ class TrainableRole(RoleWorker):
         self.engine = None
         states = lambda: None if self.engine is None else states_of(self.engine)  # noqa: E731
         self.checkpointer = RankCheckpointer(states, lambda: (self.rank, self.world_size, self.generation),
-                                             self.role, staging=c.async_save and c.save_every > 0)
+                                             self.role, staging=c.async_save and c.save_every > 0,
+                                             held_wait_s=self.cfg.recovery.restart_timeout_s)
         attach_snapshot_parts(self, states, lambda: (self.rank, self.world_size), self.checkpointer)
 
 

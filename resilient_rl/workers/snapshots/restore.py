@@ -99,7 +99,8 @@ class SnapshotRestorer:
     part of a stateful role worker (:mod:`resilient_rl.runtime.parts`). The rank's own copies are
     its :class:`~resilient_rl.workers.snapshots.take.RankSnapshots`' (``snapshots``); a load keeps
     the copy it loaded as the rank's own. ``checkpointer``'s staging is reset before and prepared
-    after a load (a checkpoint save stages from the state loaded)."""
+    after a load (a checkpoint save stages from the state loaded), and the copy is written through
+    its ``while_held`` (a write that finds the GPU held by the process this one replaced waits for it)."""
 
     def __init__(self, snapshots, checkpointer) -> None:
         self.snapshots = snapshots
@@ -196,7 +197,8 @@ class SnapshotRestorer:
         long its check (since ``started``) and its writing took: a recovery's restore phase is
         these two, on every rank at once."""
         checked = time.perf_counter()
-        self.restore_snapshot_state(snap)
+        self.checkpointer.while_held(lambda: self.restore_snapshot_state(snap), self.snapshots.states(),
+                                     "its snapshot restore")
         logger.info("%s rank %d: restored step %d from its %s copy, %.2f GB: checked in %.2f s, written in %.2f s",
                     self.snapshots.role, self.rank, step, where, int(snap.get("bytes", 0)) / 1e9, checked - started,
                     time.perf_counter() - checked)
