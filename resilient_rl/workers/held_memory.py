@@ -165,7 +165,7 @@ def wait_for_release(device: torch.device, outside: int, deadline: float) -> boo
 
 
 def _free_cached(device: torch.device | None) -> None:
-    """Free what a failed build left: its reference cycles (FSDP modules hold some), then the
+    """Free what a failed attempt left: its reference cycles (FSDP modules hold some), then the
     blocks the caching allocator keeps, so that the next reading counts only other processes."""
     gc.collect()
     if device is not None and device.type == "cuda":

@@ -6,9 +6,9 @@ raises :class:`~resilient_rl.errors.DeviceMemoryError` instead: the pass, the de
 the failure as torch's allocator counts it, the config keys that make that pass need less
 (:func:`keys_for`, with the value the run used; for a model build, ``init_model``, the ranks and
 sharding that let the model and its training state fit), then torch's own message. The error is not
-retried, since the same pass needs the same memory again (a model build that finds the GPU held by
-another process waits for that memory first: :mod:`resilient_rl.workers.held_memory`); the run
-stops with its last checkpoint, which a resume with the keys changed continues (each key named
+retried, since the same pass needs the same memory again (a model build or a restore that finds the
+GPU held by another process waits for that memory first: :mod:`resilient_rl.workers.held_memory`);
+the run stops with its last checkpoint, which a resume with the keys changed continues (each key named
 first is one a resume may change, :data:`resilient_rl.config.resume.RESUME_MAY_CHANGE`).
 """
 
@@ -21,7 +21,6 @@ import torch
 from resilient_rl.errors import DeviceMemoryError
 from resilient_rl.workers import held_memory
 from resilient_rl.workers.held_memory import GIB
-
 
 
 def names_memory_keys(method):
