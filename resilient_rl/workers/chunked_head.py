@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from resilient_rl.algos.losses import entropy_from_logits, logprobs_from_logits
+from resilient_rl.models.compile_fallback import compiled_or_eager
 from resilient_rl.models.precision import compute_dtype
 
 __all__ = ["HEAD_FAILURE", "chunked_head_stats", "fused_logit_stats", "logit_grad", "logit_stats"]
@@ -111,17 +112,12 @@ def _compiled(fn):
 
 
 def _run(fn, eager, compiled: bool, *args) -> torch.Tensor:
-    """``fn(*args)`` compiled when ``compiled``; after a compiler failure (at a graph's first call)
-    ``eager(*args)`` for the rest of the process, with one warning: the eager values are as
-    correct. Only the compiler's own errors are caught: an out-of-memory error passes through."""
-    if compiled and HEAD_FAILURE["reason"] is None:
-        try:
-            return _compiled(fn)(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # inductor's and Triton's errors too
-            HEAD_FAILURE["reason"] = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("the log-prob head's compiled reductions failed (%s); this process computes them "
-                        "eagerly from now on (actor.compile_head=false skips the compile)", HEAD_FAILURE["reason"])
-    return eager(*args)
+    """``fn(*args)`` compiled when ``compiled``; after a compiler failure ``eager(*args)`` for the
+    rest of the process, with one warning (:func:`~resilient_rl.models.compile_fallback.compiled_or_eager`)."""
+    if not compiled:
+        return eager(*args)
+    return compiled_or_eager(HEAD_FAILURE, log, "the log-prob head's compiled reductions", "actor.compile_head",
+                             _compiled(fn), eager, *args)
 
 
 def _accumulate(acc: torch.Tensor | None, dlogits: torch.Tensor, hidden: torch.Tensor,
