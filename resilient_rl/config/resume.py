@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 #: recomputation, compilation, packing) change no tensor that is saved.
 _LAYOUT = tuple(f"{role}.world_size" for role in ("actor", "critic", "ref", "rollout")) + tuple(
     f"{role}.{key}" for role in ("actor", "critic") for key in (
-        "strategy", "reshard_after_forward", "micro_batch_tokens", "activation_checkpointing", "compile")) + (
+        "strategy", "reshard_after_forward", "micro_batch_tokens", "activation_checkpointing", "compile",
+        "compile_elementwise")) + (
     "actor.packing", "actor.compile_head", "ref.reshard_after_forward", "rollout.weight_transfer", "rollout.engine",
     "rollout.finish_check_every", "rollout.compact_min_fraction", "rollout.cuda_graphs",
     "trainer.device", "trainer.placement", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.role_nnodes",

@@ -166,6 +166,11 @@ class ActorConfig(Section):
     #: fused kernels, in the actor's passes and the ref's; null: on GPU only. The first log-prob
     #: pass and the first update of a process compile them (:mod:`resilient_rl.workers.logprob`).
     compile_head: Optional[bool] = None
+    #: Compile the elementwise work between each block's matrix products (the RMS norms and the
+    #: SwiGLU) into fused kernels, in the actor's passes and the ref's; null: on GPU only, and not
+    #: with ``compile`` (the compiled blocks hold them). The first passes of a process compile them
+    #: (:mod:`resilient_rl.models.fused_elementwise`).
+    compile_elementwise: Optional[bool] = None
     #: Run each (micro-)batch's real tokens end to end in one row, without padding (positions tell
     #: the sequences apart); ``micro_batch_tokens`` then counts real tokens. The actor's log-prob and
     #: update passes and the ref's log-probs; values are computed padded.
@@ -217,6 +222,8 @@ class CriticConfig(Section):
     activation_checkpointing: bool = False
     #: As ``actor.compile``.
     compile: bool = False
+    #: As ``actor.compile_elementwise``, for the value passes.
+    compile_elementwise: Optional[bool] = None
 
     def validate(self) -> None:
         _micro_batch_tokens(self.micro_batch_tokens)

@@ -21,7 +21,10 @@ For Qwen2.5 shapes under bf16 autocast (r=4, c=2, K/V expanded) that is 30 h + 8
 0.5 B (h 896, i 4864, 14 heads): 65,848 bytes (64.3 KiB); 1.5 B (h 1536, i 8960, 12 heads):
 117,808 bytes (115.0 KiB); under FSDP2's bf16 parameters (r=2) 26 h + 8 i + 4 heads. With
 activation checkpointing a layer keeps only its input (``r h``) and one layer's activations exist
-again during its recomputation. Per token, outside the layers: the embedding output and the final
+again during its recomputation. Compiled norms and SwiGLU (``compile_elementwise``,
+:mod:`resilient_rl.models.fused_elementwise`) keep about ``8 h + c i`` less (the norms' fp32
+copies and SiLU(gate)); the plan counts the eager bytes, since a compiler failure at run time
+leaves a process eager. Per token, outside the layers: the embedding output and the final
 norm. Logits: the chunked head (:mod:`resilient_rl.workers.chunked_head`) holds one chunk of
 ``CHUNK_ELEMENTS`` logits at a time (the compute-dtype logits and, eagerly, three fp32 tensors
 of the statistics or of their gradient) and, in the backward pass, the fp32 sum of its weight's

@@ -15,6 +15,8 @@ from resilient_rl.algos.kl import kl_penalty
 from resilient_rl.algos.losses import ppo_policy_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
+from resilient_rl.models.fused_elementwise import ELEMENTWISE_FAILURE, compiles_elementwise
+from resilient_rl.models.fused_elementwise import compile_elementwise as compile_elementwise_of
 from resilient_rl.models.precision import hand_on_in_autocast_dtype
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
@@ -49,13 +51,14 @@ class PolicyEngine:
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
                  empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0, packing: bool = False,
-                 compile_head: bool | None = None):
+                 compile_head: bool | None = None, compile_elementwise: bool | None = None):
         """``empty``: the weights are allocated, not initialised, for a restore to fill (the
         caller must load the whole state before using the engine). ``colocated`` (the other roles
         sharing this process's device) and ``kv_rows`` (their rollout's cache rows) size
         ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`). ``packing``: for an engine
         without ``actor_cfg`` (the ref), whether its passes pack rows (``actor.packing``), and
-        ``compile_head`` whether they compile the log-prob head's reductions (``actor.compile_head``)."""
+        ``compile_head`` and ``compile_elementwise`` whether they compile the log-prob head's reductions
+        and the norms and SwiGLU (``actor.compile_head``, ``actor.compile_elementwise``)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
@@ -72,6 +75,11 @@ class PolicyEngine:
         self._autocast = plan.autocast_enabled(self.model)
         if self._autocast:  # norms and rotary embeddings hand on bf16, as FSDP2's mixed precision does
             hand_on_in_autocast_dtype(self.model)
+        # Not with compiled blocks, which hold the norms and SwiGLU already.
+        self.compile_elementwise = not getattr(actor_cfg, "compile", False) and compiles_elementwise(
+            actor_cfg.compile_elementwise if actor_cfg is not None else compile_elementwise, plan.device)
+        if self.compile_elementwise:
+            compile_elementwise_of(self.model)
         # A scoring-only engine (the ref) keeps one forward per batch, as before ``auto`` existed.
         self.micro_batch_tokens, self.memory_plan = memory_plan.resolve(
             getattr(actor_cfg, "micro_batch_tokens", None) if trainable else None, role="actor", model=self.model,
@@ -121,6 +129,8 @@ class PolicyEngine:
         metrics = run_epochs(self, data, keys, seed, "actor", self._accumulate)
         if self.compile_head:  # 1 once a compiler failure left the head eager (its warning says why)
             metrics["perf/head_eager"] = float(HEAD_FAILURE["reason"] is not None)
+        if self.compile_elementwise:  # the same for the norms and SwiGLU
+            metrics["perf/actor_elementwise_eager"] = float(ELEMENTWISE_FAILURE["reason"] is not None)
         return metrics
 
     def _agreed_counts(self, batches) -> list[int]:

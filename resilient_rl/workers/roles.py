@@ -36,6 +36,7 @@ from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.snapshots.parts import SNAPSHOT_PARTS, attach_snapshot_parts
 from resilient_rl.workers.fsdp import DevicePlan, plan_device, resolve_strategy, uses_cuda
 from resilient_rl.workers.logprob import compiles_head
+from resilient_rl.models.fused_elementwise import compiles_elementwise
 from resilient_rl.workers.held_memory import builds_when_memory_frees
 from resilient_rl.workers.out_of_memory import names_memory_keys
 from resilient_rl.workers.policy import PolicyEngine
@@ -215,7 +216,8 @@ class ActorWorker(TrainableRole):
     parts = MappingProxyType({**TrainableRole.parts, "weights": WeightSender})
 
     def compiles(self, device: str) -> bool:
-        return self.cfg.actor.compile or compiles_head(self.cfg.actor.compile_head, device)
+        a = self.cfg.actor
+        return a.compile or compiles_head(a.compile_head, device) or compiles_elementwise(a.compile_elementwise, device)
 
     def __init__(self, config: dict, vocab_size: int, eos_token_id: int, pad_token_id: int):
         super().__init__(config, vocab_size, eos_token_id, pad_token_id)
@@ -260,7 +262,7 @@ class CriticWorker(TrainableRole):
     role = "critic"
 
     def compiles(self, device: str) -> bool:
-        return self.cfg.critic.compile
+        return self.cfg.critic.compile or compiles_elementwise(self.cfg.critic.compile_elementwise, device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @names_memory_keys
@@ -298,7 +300,8 @@ class RefWorker(RoleWorker):
     role = "ref"
 
     def compiles(self, device: str) -> bool:
-        return compiles_head(self.cfg.actor.compile_head, device)
+        a = self.cfg.actor
+        return compiles_head(a.compile_head, device) or compiles_elementwise(a.compile_elementwise, device)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @names_memory_keys
@@ -309,7 +312,7 @@ class RefWorker(RoleWorker):
         self.release_engine()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
                                    reshard_after_forward=c.ref.reshard_after_forward, packing=c.actor.packing,
-                                   compile_head=c.actor.compile_head)
+                                   compile_head=c.actor.compile_head, compile_elementwise=c.actor.compile_elementwise)
         return self.built(False)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -7,6 +7,7 @@ from torch.profiler import record_function
 
 from resilient_rl.algos.losses import value_loss
 from resilient_rl.models.factory import build_value_model
+from resilient_rl.models.fused_elementwise import ELEMENTWISE_FAILURE, compile_elementwise, compiles_elementwise
 from resilient_rl.models.precision import hand_on_in_autocast_dtype
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers import memory_plan, micro_batch
@@ -47,6 +48,10 @@ class ValueEngine:
         self._autocast = plan.autocast_enabled(self.model)
         if self._autocast:  # norms and rotary embeddings hand on bf16, as FSDP2's mixed precision does
             hand_on_in_autocast_dtype(self.model)
+        self.compile_elementwise = not critic_cfg.compile and compiles_elementwise(critic_cfg.compile_elementwise,
+                                                                                  plan.device)
+        if self.compile_elementwise:
+            compile_elementwise(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
         # What checkpoints and snapshots of this rank carry (a role registers its own parts here).
@@ -70,8 +75,11 @@ class ValueEngine:
         (:func:`~resilient_rl.workers.update_loop.run_epochs`, ``critic/*`` metrics)."""
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns"]
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
-        return run_epochs(self, data, keys, seed, "critic",
-                          lambda mb, mask, tokens, _seqs, world, n: self._accumulate(mb, mask, tokens, world, n))
+        metrics = run_epochs(self, data, keys, seed, "critic",
+                             lambda mb, mask, tokens, _seqs, world, n: self._accumulate(mb, mask, tokens, world, n))
+        if self.compile_elementwise:  # 1 once a compiler failure left the norms and SwiGLU eager
+            metrics["perf/critic_elementwise_eager"] = float(ELEMENTWISE_FAILURE["reason"] is not None)
+        return metrics
 
     def _agreed_counts(self, batches) -> list[int]:
         """As :meth:`~resilient_rl.workers.policy.PolicyEngine._agreed_counts` (values run padded)."""
