@@ -20,8 +20,8 @@
 #   2. bench/gpu_release.py: how long a SIGKILLed process's 32 GiB stay held on the GPU after its
 #      reap (a spare's build waits for them), against the process freeing them itself;
 #      bench/snapshot_restore.py: a restore's writing of the 0.5 B actor's state from pageable
-#      memory, directly and through page-locked staging buffers; bench/rms_norm.py: the trained
-#      models' RMS norm, Hugging Face's against F.rms_norm;
+#      memory, directly and through page-locked staging buffers; bench/fused_elementwise.py: a
+#      block's norms and SwiGLU, eager against compiled;
 #   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes (by kind of
 #      work, the heaviest copies and elementwise operators at their shapes, the idle time by phase
@@ -71,7 +71,7 @@ run() {  # name, timeout, arguments of bench/gpu.py
     local rc=$?
     # The stamped lines ("[  12.3 s] step 2: ...") are printed as the run goes: a run stopped at its
     # limit still leaves its steps, its recovery events and the figures of its measured steps so far.
-    grep -E "^(workload|  |tokens/s|MFU|decode step|log-prob head|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:|packed attention:" \
+    grep -E "^(workload|  |tokens/s|MFU|decode step|log-prob head|(actor|critic)'s norms|recovery|steps in|generation|GPU [0-9]|first checkpoint|warm-up|\[ *[0-9.]+ s\])|memory plan:|packed attention:" \
         "$out/$name.log" | tee -a "$out/summary.txt"
     echo "rc=$rc" | tee -a "$out/summary.txt"
     [ $rc = 0 ] || { status=1; tail -30 "$out/$name.log"; }
@@ -102,17 +102,18 @@ part gpu_release 40 3 bench/gpu_release.py --gib 32 --repeats 2
 # killed one reads its node copy: directly, through two page-locked buffers (what a restore does now),
 # and from page-locked memory.
 part snapshot_restore 60 6 bench/snapshot_restore.py --device cuda
-# The trained models' RMS norm at a 1.5 B micro-batch, Hugging Face's module against F.rms_norm (one
-# fused kernel each way on CUDA): about 220 of the 445 KB a token and layer the update writes outside
-# its products are the norms' fp32 intermediates (bench/activation_bytes.py).
-part rms_norm 45 6 bench/rms_norm.py --device cuda
+# A block's norms and SwiGLU at a 1.5 B micro-batch, eager (Hugging Face's module, F.rms_norm) against
+# compiled (the default on a GPU): about 220 of the 445 KB a token and layer the eager update wrote
+# outside its products were the norms' fp32 intermediates (bench/activation_bytes.py).
+part fused_elementwise 60 12 bench/fused_elementwise.py --device cuda
 # The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with every
 # block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
 # graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
 # slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again. It prints its figures
 # as it goes: a limit that ends it during the variant leaves the workload's own.
 part update_mfu 200 75 bench/update_mfu.py --workload gsm8k-1.5b --rows 32 --repeats 2 \
-    --trace "$out/update_trace.json.gz" --variant compiled_blocks=actor.compile=true
+    --trace "$out/update_trace.json.gz" --variant eager_elementwise=actor.compile_elementwise=false \
+    --variant compiled_blocks=actor.compile=true
 for w in "${workloads[@]:1}"; do
     workload "$w"
 done

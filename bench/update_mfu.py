@@ -28,7 +28,7 @@ often it had to free its cache and retry ``cudaMalloc`` (each retry a device syn
 Each ``--variant NAME=KEY=VALUE[,KEY=VALUE]`` (a config override, e.g.
 ``ckpt=actor.activation_checkpointing=true``) is timed after the workload's own config in the
 same run, with its ratio to it. Without a GPU, the workload runs at its tiny dimensions on the
-CPU (the log-prob head compiled, as on a GPU), as a check of the script only.
+CPU (the log-prob head, the norms and the SwiGLU compiled, as on a GPU), as a check of the script only.
 
     python bench/update_mfu.py --workload gsm8k-1.5b --rows 64 --prompt 512 --response 1024
 """
@@ -177,8 +177,10 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(section, f)
         f.flush()
-        # On a CPU the head's reductions compile as on a GPU (their default there); a variant may say otherwise.
-        cfg = load_config(f.name, (["actor.compile_head=true"] if device == "cpu" else []) + overrides)
+        # On a CPU the head's reductions, the norms and the SwiGLU compile as on a GPU (their default there); a
+        # variant may say otherwise.
+        as_on_gpu = ["actor.compile_head=true", "actor.compile_elementwise=true"] if device == "cpu" else []
+        cfg = load_config(f.name, as_on_gpu + overrides)
     plan = plan_device(cfg.trainer.device, cfg.model.dtype)
     # Beside the ref and the rollout's cache, as the workload's colocated actor is planned.
     engine = PolicyEngine(cfg.model, w.tokenizer_vocab, cfg.trainer.seed, plan, actor_cfg=cfg.actor, total_steps=100,
@@ -227,10 +229,13 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
                         if k in metrics}
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     out["lengths"] = batch["attention_mask"].sum(-1).tolist()
+    from resilient_rl.models.fused_elementwise import ELEMENTWISE_FAILURE
     from resilient_rl.workers.chunked_head import HEAD_FAILURE
 
     out["head"] = "eager" if not engine.compile_head else \
         "compiled" if HEAD_FAILURE["reason"] is None else f"eager after a compiler failure: {HEAD_FAILURE['reason']}"
+    out["elementwise"] = "eager" if not engine.compile_elementwise else "compiled" \
+        if ELEMENTWISE_FAILURE["reason"] is None else f"eager after a compiler failure: {ELEMENTWISE_FAILURE['reason']}"
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -304,7 +309,8 @@ def main(argv=None) -> int:
             if training and run["allocator"]:
                 peak += (f", {run['allocator']['perf/actor_reserved_peak_bytes'] / 2**30:.1f} GiB reserved, "
                          f"{run['allocator']['perf/actor_alloc_retries']:.0f} cudaMalloc retries")
-            print(f"{label} {pass_name} (head {run['head']}): {1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
+            print(f"{label} {pass_name} (head {run['head']}, norms and SwiGLU {run['elementwise']}): "
+                  f"{1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
                   f"MFU (project / verl) {figures}{peak}{ratio}", flush=True)
         # A non-finite gradient skips the optimizer's step: such an update is not the one to time.
         print(f"{label} last update: " + ", ".join(f"{k} {v:.4g}" for k, v in run["metrics"].items()), flush=True)

@@ -326,13 +326,16 @@ def test_rollout_build_bench_times_both_ways_in_fresh_processes():
     assert lines[3].startswith("  ratio: ") and lines[3].endswith("x")
 
 
-def test_rms_norm_bench_times_both_norms_and_finds_them_equal_on_a_cpu():
-    lines = run_on_cpu("rms_norm.py", "--tokens", "64", "--repeat", "1").stdout.strip().splitlines()
-    assert lines[0].startswith("RMS norm of 64 tokens x 1536 (gsm8k-1.5b)") and lines[0].endswith("cpu, best of 1")
-    assert lines[1].endswith("1.00x") and "F.rms_norm" in lines[2]
-    assert lines[3].startswith("  hf: 22 operators") and lines[4].startswith("  torch: 22 operators")  # decomposed
-    assert lines[5] == ("  largest difference: output 0.00e+00, input gradient 0.00e+00, "
-                        "weight gradient 0.00e+00 (relative)")
+def test_fused_elementwise_bench_times_each_way_and_counts_what_autograd_keeps():
+    out = run_on_cpu("fused_elementwise.py", "--tokens", "64", "--repeat", "1").stdout.strip().splitlines()
+    assert out[0].startswith("elementwise work of a gsm8k-1.5b block, 64 tokens, cpu")
+    assert out[1] == "  RMS norm (hidden 1536, fp32 in, bf16 out)" and out[2].split()[5] == "1.00x"
+    kept = {line.split("  ")[2].strip(): float(line.split("kept")[1].split()[0]) for line in out[2:5]}
+    # The module keeps its input, its fp32 normalised copy and a scale a token; compiled, the input and the scale.
+    assert kept == {"Hugging Face's module": 12.29, "F.rms_norm": 12.29, "compiled": 6.15}
+    assert out[7] == "  SwiGLU (intermediate 8960, bf16)"
+    assert [float(line.split("kept")[1].split()[0]) for line in out[8:10]] == [53.76, 35.84]  # gate, up (, silu)
+    assert out[-1].startswith("  a block's two norms and SwiGLU: eager ") and out[-1].endswith("x)")
 
 
 def test_activation_bytes_bench_counts_both_ways_in_one_run():
