@@ -25,7 +25,8 @@
 #   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes (by kind of
 #      work, the heaviest copies and elementwise operators at their shapes, the idle time by phase
-#      of the update; its trace in OUT/update_trace.json.gz), and the same with every block compiled;
+#      of the update; its trace in OUT/update_trace.json.gz), then the same with the norms and SwiGLU
+#      eager (compiled by default on a GPU) and with every block compiled;
 #   4. the other workloads: gsm8k-0.5b is the same as 1, with the engine against HF generate
 #      (dynamic cache; 9.66x on an H200, 2026-11-30) on the same batch.
 # The components have their own commands, each measured on an H200 (docs/performance.md):
@@ -106,7 +107,8 @@ part snapshot_restore 60 6 bench/snapshot_restore.py --device cuda
 # compiled (the default on a GPU): about 220 of the 445 KB a token and layer the eager update wrote
 # outside its products were the norms' fp32 intermediates (bench/activation_bytes.py).
 part fused_elementwise 60 12 bench/fused_elementwise.py --device cuda
-# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with every
+# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with the norms and
+# SwiGLU eager (what the compiled ones save on the whole update), then with every
 # block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
 # graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
 # slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again. It prints its figures
