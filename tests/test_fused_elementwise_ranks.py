@@ -5,21 +5,13 @@ eager model's logits and gets its gradients, the norms' weights among them, with
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from resilient_rl.testing.ranks import run_ranks
+from test_tied_fsdp_ranks import QWEN2_TIED as QWEN2, VOCAB  # the tied Qwen2 FSDP2 shards there too
 
-VOCAB = 64
-QWEN2 = SimpleNamespace(kind="hf", path=None, hf_config={
-    "model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
-    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-    "tie_word_embeddings": True,
-})
 #: Gradients compared: a norm's weight, an MLP projection's, and the final norm's.
 GRADS = ("model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate_proj.weight", "model.norm.weight")
 
