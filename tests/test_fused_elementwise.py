@@ -45,6 +45,7 @@ def _loss_and_grads(model, ids: torch.Tensor, autocast: bool):
 def test_they_compile_on_a_gpu_by_default_and_as_set_anywhere():
     assert compiles_elementwise(None, "cuda:0") and not compiles_elementwise(None, "cpu")
     assert compiles_elementwise(True, torch.device("cpu")) and not compiles_elementwise(False, "cuda")
+    assert not compiles_elementwise(True, "cpu", blocks=True) and not compiles_elementwise(None, "cuda", blocks=True)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -45,10 +45,11 @@ NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNo
 ELEMENTWISE_FAILURE: dict[str, str | None] = {"reason": None}
 
 
-def compiles_elementwise(setting: bool | None, device: torch.device | str) -> bool:
+def compiles_elementwise(setting: bool | None, device: torch.device | str, blocks: bool = False) -> bool:
     """Whether a role's norms and SwiGLU run compiled: ``setting`` (``<role>.compile_elementwise``),
-    or, when None, on CUDA."""
-    return torch.device(device).type == "cuda" if setting is None else bool(setting)
+    or, when None, on CUDA; never where ``blocks`` (``<role>.compile``) compiles the blocks that
+    hold them."""
+    return not blocks and (torch.device(device).type == "cuda" if setting is None else bool(setting))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:

@@ -75,9 +75,9 @@ class PolicyEngine:
         self._autocast = plan.autocast_enabled(self.model)
         if self._autocast:  # norms and rotary embeddings hand on bf16, as FSDP2's mixed precision does
             hand_on_in_autocast_dtype(self.model)
-        # Not with compiled blocks, which hold the norms and SwiGLU already.
-        self.compile_elementwise = not getattr(actor_cfg, "compile", False) and compiles_elementwise(
-            actor_cfg.compile_elementwise if actor_cfg is not None else compile_elementwise, plan.device)
+        self.compile_elementwise = compiles_elementwise(
+            actor_cfg.compile_elementwise if actor_cfg is not None else compile_elementwise, plan.device,
+            blocks=getattr(actor_cfg, "compile", False))
         if self.compile_elementwise:
             compile_elementwise_of(self.model)
         # A scoring-only engine (the ref) keeps one forward per batch, as before ``auto`` existed.

@@ -48,8 +48,8 @@ class ValueEngine:
         self._autocast = plan.autocast_enabled(self.model)
         if self._autocast:  # norms and rotary embeddings hand on bf16, as FSDP2's mixed precision does
             hand_on_in_autocast_dtype(self.model)
-        self.compile_elementwise = not critic_cfg.compile and compiles_elementwise(critic_cfg.compile_elementwise,
-                                                                                  plan.device)
+        self.compile_elementwise = compiles_elementwise(critic_cfg.compile_elementwise, plan.device,
+                                                        blocks=critic_cfg.compile)
         if self.compile_elementwise:
             compile_elementwise(self.model)
         self.optimizer = build_optimizer(self.model, critic_cfg.optim)
