@@ -300,15 +300,13 @@ def main(argv=None) -> int:
               f"{total['graph_breaks']:.0f} graph breaks, {total['cudagraph_skips']:.0f} CUDA-graph skips, "
               f"{total['compactions'] / len(rows):.1f} compactions per rollout, "
               f"eager fallback: {'yes' if total['eager'] else 'no'}")
-        if any("perf/head_eager" in row for row in rows):
-            eager = any(row["perf/head_eager"] for row in rows if "perf/head_eager" in row)
-            print(f"log-prob head: {'eager after a compiler failure (the log says why)' if eager else 'compiled'}")
-        for role in ("actor", "critic"):
-            key = f"perf/{role}_elementwise_eager"
+        compiled_pieces = (("perf/head_eager", "log-prob head"),
+                           ("perf/actor_elementwise_eager", "actor's norms and SwiGLU"),
+                           ("perf/critic_elementwise_eager", "critic's norms and SwiGLU"))
+        for key, what in compiled_pieces:
             if any(key in row for row in rows):
                 eager = any(row[key] for row in rows if key in row)
-                print(f"{role}'s norms and SwiGLU: "
-                      f"{'eager after a compiler failure (the log says why)' if eager else 'compiled'}")
+                print(f"{what}: {'eager after a compiler failure (the log says why)' if eager else 'compiled'}")
     if args.workload:
         from gpu_progress import recovery_lines
 

@@ -189,6 +189,13 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
     return engine
 
 
+def compiled_state(compiles: bool, failure: dict) -> str:
+    """Whether a compiled piece ran compiled: ``compiles`` as set, ``failure`` its process-wide record."""
+    if not compiles:
+        return "eager"
+    return "compiled" if failure["reason"] is None else f"eager after a compiler failure: {failure['reason']}"
+
+
 def timed(fn, repeats: int) -> tuple[list[float], object]:
     """Seconds of each of ``repeats`` calls of ``fn`` (after one untimed call), and what the last
     call returned."""
@@ -232,10 +239,8 @@ def measure(w: Workload, args, device: str, overrides: list[str], profile: bool)
     from resilient_rl.models.fused_elementwise import ELEMENTWISE_FAILURE
     from resilient_rl.workers.chunked_head import HEAD_FAILURE
 
-    out["head"] = "eager" if not engine.compile_head else \
-        "compiled" if HEAD_FAILURE["reason"] is None else f"eager after a compiler failure: {HEAD_FAILURE['reason']}"
-    out["elementwise"] = "eager" if not engine.compile_elementwise else "compiled" \
-        if ELEMENTWISE_FAILURE["reason"] is None else f"eager after a compiler failure: {ELEMENTWISE_FAILURE['reason']}"
+    out["head"] = compiled_state(engine.compile_head, HEAD_FAILURE)
+    out["elementwise"] = compiled_state(engine.compile_elementwise, ELEMENTWISE_FAILURE)
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
