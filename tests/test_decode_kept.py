@@ -29,7 +29,9 @@ def llama(seed: int, hidden: int = 32):
 
 @pytest.fixture(autouse=True)
 def fresh_process_state(monkeypatch):
-    """No kept versions held yet and no failure seen, as in a new process."""
+    """No kept versions held yet, no failure seen and nothing compiled, as in a new process (a
+    decode step another test compiled would be one more version to the compiler's cache)."""
+    torch._dynamo.reset()
     monkeypatch.setattr(decode_kept, "_KEPT", {})
     monkeypatch.setattr(DecodeStep, "kept_failure", None)
     monkeypatch.setattr(DecodeStep, "failure", None)
