@@ -4,12 +4,14 @@ on a GPU by default).
 
 Per block: two RMS norms, each on a micro-batch of the residual stream as a replica's update has
 it (fp32 under bf16 autocast: ``--tokens`` x the workload's hidden size, fp32 weight, output in
-bf16), and one SwiGLU (``silu(gate) * up``, bf16, ``--tokens`` x the intermediate size). The norm's
+bf16), the rotary embedding of query and key (bf16, laid out as the projections hand them on; Hugging
+Face's ``apply_rotary_pos_emb`` against the function a compiled attention calls), and one SwiGLU
+(``silu(gate) * up``, bf16, ``--tokens`` x the intermediate size). The norm's
 eager ways are Hugging Face's module and ``F.rms_norm`` (on CUDA one fused kernel each way where
 the input and weight dtypes match; on a CPU it decomposes). For each way: the best time of
 ``--repeat`` (the ways alternate, two rounds), its ratio to the eager module, the operators it
 dispatches (eager ways) and the bytes a token autograd keeps for the backward; then the largest
-differences against the module, and one block's two norms and SwiGLU summed.
+differences against the module, and one block's two norms, rotary embedding and SwiGLU summed.
 
     python bench/fused_elementwise.py --device cuda
     python bench/fused_elementwise.py --tokens 2048
@@ -30,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from decode_bench import best_of  # noqa: E402
 from gpu_workloads import WORKLOADS  # noqa: E402
 
-from resilient_rl.models.fused_elementwise import _run, compile_elementwise, silu_mul  # noqa: E402
+from resilient_rl.models.fused_elementwise import (_compiled_rotary, _run, _token_dims_any_size,  # noqa: E402
+                                                   compile_elementwise, silu_mul)
 
 
 def norm_modules(hidden: int, eps: float, device: str):
@@ -46,16 +49,18 @@ def norm_modules(hidden: int, eps: float, device: str):
     return eager.to(device), fused.to(device)
 
 
-def forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor, params=()) -> tuple[torch.Tensor, ...]:
-    """Output and gradients of the inputs and ``params`` of ``fn`` under bf16 autocast, its output
-    in bf16 as the replica hands it on."""
+def forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor | tuple, params=()) -> tuple[torch.Tensor, ...]:
+    """Outputs and gradients of the inputs and ``params`` of ``fn`` under bf16 autocast, its outputs
+    in bf16 as the replica hands them on (``grad``: one per output)."""
+    grads = grad if isinstance(grad, tuple) else (grad,)
     inputs = [t.detach().requires_grad_() for t in inputs]
     for p in params:
         p.grad = None
-    with torch.autocast(grad.device.type, dtype=torch.bfloat16):
-        out = fn(*inputs).to(torch.bfloat16)
-    out.backward(grad)
-    return (out, *(t.grad for t in inputs), *(p.grad for p in params))
+    with torch.autocast(grads[0].device.type, dtype=torch.bfloat16):
+        out = fn(*inputs)
+        outs = [o.to(torch.bfloat16) for o in (out if isinstance(out, tuple) else (out,))]
+    torch.autograd.backward(outs, grads)
+    return (*outs, *(t.grad for t in inputs), *(p.grad for p in params))
 
 
 def dispatched(fn) -> int:
@@ -80,7 +85,7 @@ def kept_bytes(fn, inputs: list[torch.Tensor], tokens: int) -> int:
     storages: dict[int, int] = {}
 
     def pack(t):
-        if t.dim() and t.shape[0] == tokens:
+        if tokens in t.shape:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
@@ -91,7 +96,7 @@ def kept_bytes(fn, inputs: list[torch.Tensor], tokens: int) -> int:
     return sum(storages.values())
 
 
-def compare(title: str, ways: dict, inputs: list[torch.Tensor], grad: torch.Tensor, params: dict, repeat: int,
+def compare(title: str, ways: dict, inputs: list[torch.Tensor], grad: torch.Tensor | tuple, params: dict, repeat: int,
             tokens: int) -> dict[str, float]:
     """Print one part's lines; the best seconds of each way."""
     best: dict[str, float] = {}
@@ -116,6 +121,36 @@ def compare(title: str, ways: dict, inputs: list[torch.Tensor], grad: torch.Tens
     return best
 
 
+def compiled_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU as a compiled MLP runs it."""
+    _token_dims_any_size(gate)
+    _token_dims_any_size(up)
+    return _run(silu_mul, gate, up)
+
+
+def compare_rotary(hf: dict, tokens: int, device: str, g: torch.Generator, repeat: int) -> dict[str, float]:
+    """The rotary embedding of one packed micro-batch's query and key, as the attention has them:
+    ``[1, heads, tokens, head_dim]`` views of the projections' ``[1, tokens, heads * head_dim]``,
+    with bf16 ``cos`` and ``sin`` (the replica's, :mod:`resilient_rl.models.precision`)."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    apply = getattr(apply_rotary_pos_emb, "rrl_original", apply_rotary_pos_emb)
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    dim = hf["hidden_size"] // heads
+
+    def laid_out(n: int) -> torch.Tensor:
+        return torch.randn(1, tokens, n * dim, generator=g, device=device).to(torch.bfloat16).view(
+            1, tokens, n, dim).transpose(1, 2)
+
+    q, k = laid_out(heads), laid_out(kv_heads)
+    angles = torch.rand(1, tokens, dim, generator=g, device=device) * 6.3
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    grads = (laid_out(heads), laid_out(kv_heads))
+    return compare(f"rotary embedding ({heads} query and {kv_heads} key heads of {dim}, bf16)",
+                   {"Hugging Face's function": lambda a, b: apply(a, b, cos, sin),
+                    "compiled": lambda a, b: _compiled_rotary(a, b, cos, sin)}, [q, k], grads, {}, repeat, tokens)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsm8k-1.5b")
@@ -136,15 +171,16 @@ def main(argv=None) -> int:
                     "compiled": fused}, [x], grad,
                    {"Hugging Face's module": [eager.weight], "F.rms_norm": [eager.weight], "compiled": [fused.weight]},
                    args.repeat, t)
+    rotary = compare_rotary(hf, t, args.device, g, args.repeat)
     gate, up = (torch.randn(t, inter, generator=g, device=args.device).to(torch.bfloat16) for _ in range(2))
     grad = torch.randn(t, inter, generator=g, device=args.device).to(torch.bfloat16)
     swiglu = compare(f"SwiGLU (intermediate {inter}, bf16)",
-                     {"eager": lambda a, b: F.silu(a) * b, "compiled": lambda a, b: _run(silu_mul, a, b)},
-                     [gate, up], grad, {}, args.repeat, t)
-    before = 2 * norm["Hugging Face's module"] + swiglu["eager"]
-    after = 2 * norm["compiled"] + swiglu["compiled"]
-    print(f"  a block's two norms and SwiGLU: eager {1e3 * before:.3f} ms, compiled {1e3 * after:.3f} ms "
-          f"({after / before:.2f}x)")
+                     {"eager": lambda a, b: F.silu(a) * b, "compiled": compiled_swiglu}, [gate, up], grad, {},
+                     args.repeat, t)
+    before = 2 * norm["Hugging Face's module"] + rotary["Hugging Face's function"] + swiglu["eager"]
+    after = 2 * norm["compiled"] + rotary["compiled"] + swiglu["compiled"]
+    print(f"  a block's two norms, rotary embedding and SwiGLU: eager {1e3 * before:.3f} ms, compiled "
+          f"{1e3 * after:.3f} ms ({after / before:.2f}x)")
     return 0
 
 

@@ -37,8 +37,8 @@ and the steps it replayed), and the same batch through the rollout engine and HF
 (dynamic and static cache) as ratios, with the engine's share of the decode roofline
 (bench/gpu_generation.py; the run's rollout model, whose kept decode step the engine loads).
 ``--tiny`` runs the same workload at small dimensions, end to end, on the CPU when there is no GPU
-(the decode step, the log-prob head, the norms and the SwiGLU compiled as on a GPU, CUDA graphs
-aside).
+(the decode step, the log-prob head, the norms, rotary embedding and SwiGLU compiled as on a GPU,
+CUDA graphs aside).
 
 On a machine without a CUDA device it prints one line saying so and exits 0.
 
@@ -152,7 +152,7 @@ def build_config(args: argparse.Namespace, output_dir: str, device: str):
     defaults = [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false", f"trainer.total_steps={total}",
                 f"trainer.device={device}", "actor.world_size=1", f"checkpoint.root={output_dir}/checkpoints",
                 f"checkpoint.save_every={args.warmup + args.steps if args.workload else 0}"]
-    if device == "cpu":  # the decode step, the log-prob head's reductions, the norms and SwiGLU compiled as on a GPU
+    if device == "cpu":  # the decode step, the log-prob head, the norms, rotary and SwiGLU compiled as on a GPU
         defaults += ["rollout.compile=true", "actor.compile_head=true", "actor.compile_elementwise=true",
                      "critic.compile_elementwise=true"]
     return load_config(args.config, defaults + list(args.overrides))
@@ -301,8 +301,8 @@ def main(argv=None) -> int:
               f"{total['compactions'] / len(rows):.1f} compactions per rollout, "
               f"eager fallback: {'yes' if total['eager'] else 'no'}")
         compiled_pieces = (("perf/head_eager", "log-prob head"),
-                           ("perf/actor_elementwise_eager", "actor's norms and SwiGLU"),
-                           ("perf/critic_elementwise_eager", "critic's norms and SwiGLU"))
+                           ("perf/actor_elementwise_eager", "actor's norms, rotary and SwiGLU"),
+                           ("perf/critic_elementwise_eager", "critic's norms, rotary and SwiGLU"))
         for key, what in compiled_pieces:
             if any(key in row for row in rows):
                 eager = any(row[key] for row in rows if key in row)

@@ -21,11 +21,11 @@
 #      reap (a spare's build waits for them), against the process freeing them itself;
 #      bench/snapshot_restore.py: a restore's writing of the 0.5 B actor's state from pageable
 #      memory, directly and through page-locked staging buffers; bench/fused_elementwise.py: a
-#      block's norms and SwiGLU, eager against compiled;
+#      block's norms, rotary embedding and SwiGLU, eager against compiled;
 #   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes (by kind of
 #      work, the heaviest copies and elementwise operators at their shapes, the idle time by phase
-#      of the update; its trace in OUT/update_trace.json.gz), then the same with the norms and SwiGLU
+#      of the update; its trace in OUT/update_trace.json.gz), then the same with the norms, rotary and SwiGLU
 #      eager (compiled by default on a GPU) and with every block compiled;
 #   4. the other workloads: gsm8k-0.5b is the same as 1, with the engine against HF generate
 #      (dynamic cache; 9.66x on an H200, 2026-11-30) on the same batch.
@@ -103,7 +103,7 @@ part gpu_release 40 3 bench/gpu_release.py --gib 32 --repeats 2
 # killed one reads its node copy: directly, through two page-locked buffers (what a restore does now),
 # and from page-locked memory.
 part snapshot_restore 60 6 bench/snapshot_restore.py --device cuda
-# A block's norms and SwiGLU at a 1.5 B micro-batch, eager (Hugging Face's module, F.rms_norm) against
+# A block's norms, rotary embedding and SwiGLU at a 1.5 B micro-batch, eager (Hugging Face's module, F.rms_norm) against
 # compiled (the default on a GPU): about 220 of the 445 KB a token and layer the eager update wrote
 # outside its products were the norms' fp32 intermediates (bench/activation_bytes.py).
 part fused_elementwise 60 12 bench/fused_elementwise.py --device cuda

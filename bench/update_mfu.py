@@ -28,7 +28,8 @@ often it had to free its cache and retry ``cudaMalloc`` (each retry a device syn
 Each ``--variant NAME=KEY=VALUE[,KEY=VALUE]`` (a config override, e.g.
 ``ckpt=actor.activation_checkpointing=true``) is timed after the workload's own config in the
 same run, with its ratio to it. Without a GPU, the workload runs at its tiny dimensions on the
-CPU (the log-prob head, the norms and the SwiGLU compiled, as on a GPU), as a check of the script only.
+CPU (the log-prob head, the norms, rotary embedding and SwiGLU compiled, as on a GPU), as a check
+of the script only.
 
     python bench/update_mfu.py --workload gsm8k-1.5b --rows 64 --prompt 512 --response 1024
 """
@@ -177,8 +178,8 @@ def build_engine(w: Workload, rows: int, seq: int, device: str, overrides: list[
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(section, f)
         f.flush()
-        # On a CPU the head's reductions, the norms and the SwiGLU compile as on a GPU (their default there); a
-        # variant may say otherwise.
+        # On a CPU the head's reductions, the norms, rotary embedding and SwiGLU compile as on a GPU
+        # (their default there); a variant may say otherwise.
         as_on_gpu = ["actor.compile_head=true", "actor.compile_elementwise=true"] if device == "cpu" else []
         cfg = load_config(f.name, as_on_gpu + overrides)
     plan = plan_device(cfg.trainer.device, cfg.model.dtype)
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
             if training and run["allocator"]:
                 peak += (f", {run['allocator']['perf/actor_reserved_peak_bytes'] / 2**30:.1f} GiB reserved, "
                          f"{run['allocator']['perf/actor_alloc_retries']:.0f} cudaMalloc retries")
-            print(f"{label} {pass_name} (head {run['head']}, norms and SwiGLU {run['elementwise']}): "
+            print(f"{label} {pass_name} (head {run['head']}, norms, rotary and SwiGLU {run['elementwise']}): "
                   f"{1e3 * secs:.0f} ms, {sum(lengths) / secs:.0f} tokens/s, "
                   f"MFU (project / verl) {figures}{peak}{ratio}", flush=True)
         # A non-finite gradient skips the optimizer's step: such an update is not the one to time.

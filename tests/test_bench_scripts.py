@@ -333,9 +333,12 @@ def test_fused_elementwise_bench_times_each_way_and_counts_what_autograd_keeps()
     kept = {line.split("  ")[2].strip(): float(line.split("kept")[1].split()[0]) for line in out[2:5]}
     # The module keeps its input, its fp32 normalised copy and a scale a token; compiled, the input and the scale.
     assert kept == {"Hugging Face's module": 12.29, "F.rms_norm": 12.29, "compiled": 6.15}
-    assert out[7] == "  SwiGLU (intermediate 8960, bf16)"
-    assert [float(line.split("kept")[1].split()[0]) for line in out[8:10]] == [53.76, 35.84]  # gate, up (, silu)
-    assert out[-1].startswith("  a block's two norms and SwiGLU: eager ") and out[-1].endswith("x)")
+    assert out[7] == "  rotary embedding (12 query and 2 key heads of 128, bf16)"
+    # Both keep cos and sin (bf16, 128 a token each), the compiled one sin with its first half negated.
+    assert [float(line.split("kept")[1].split()[0]) for line in out[8:10]] == [0.51, 0.51]
+    assert out[11] == "  SwiGLU (intermediate 8960, bf16)"
+    assert [float(line.split("kept")[1].split()[0]) for line in out[12:14]] == [53.76, 35.84]  # gate, up (, silu)
+    assert out[-1].startswith("  a block's two norms, rotary embedding and SwiGLU: eager ") and out[-1].endswith("x)")
 
 
 def test_activation_bytes_bench_counts_both_ways_in_one_run():

@@ -137,10 +137,10 @@ def test_the_update_pass_runs_tiny_on_cpu_with_variants_and_its_profile(tmp_path
     assert "gsm8k-0.5b-tiny on CPU: update of 16 rows" in out
     assert out.count("actor micro_batch_tokens=auto ->") == 3  # the memory plan, as a run prints it
     assert "(checkpointed)" in out.split("== variant ckpt")[1]
-    assert "workload log-prob (head compiled, norms and SwiGLU compiled):" in out
-    assert "workload update (head compiled, norms and SwiGLU compiled):" in out
-    assert "eager_head update (head eager, norms and SwiGLU compiled):" in out
-    assert "ckpt update (head eager, norms and SwiGLU compiled):" in out
+    assert "workload log-prob (head compiled, norms, rotary and SwiGLU compiled):" in out
+    assert "workload update (head compiled, norms, rotary and SwiGLU compiled):" in out
+    assert "eager_head update (head eager, norms, rotary and SwiGLU compiled):" in out
+    assert "ckpt update (head eager, norms, rotary and SwiGLU compiled):" in out
     assert "x the workload's" in out
     assert "workload last update: actor/pg_loss" in out and "actor/nonfinite_skipped 0\n" in out
     assert "device time by kind of work" in out and "matrix products" in out and "idle (launches" in out

@@ -269,7 +269,7 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     decode = next(line for line in out.splitlines() if line.startswith("decode step in the measured steps"))
     assert "0 graph breaks" in decode and "eager fallback: no" in decode and " 0.0 compactions" not in decode
     assert "log-prob head: compiled" in out  # its reductions compiled, as on a GPU, and none fell back
-    assert "actor's norms and SwiGLU: compiled" in out  # the same for the elementwise work between the products
+    assert "actor's norms, rotary and SwiGLU: compiled" in out  # the same for the elementwise work between the products
     assert "first checkpoint save" in out
     recovery = next(line for line in out.splitlines() if line.startswith("recovery after a SIGKILL"))
     assert "0 steps replayed" in recovery, recovery

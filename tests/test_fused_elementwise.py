@@ -1,7 +1,8 @@
-"""The norms and SwiGLU of a trained Llama-family model compiled into fused kernels
-(resilient_rl/models/fused_elementwise.py): the eager values within float rounding, a few graphs
-per process whatever the token count, fewer activation bytes kept for the backward, and the
-engines' switch (``<role>.compile_elementwise``) with its eager fallback."""
+"""The norms, rotary embedding and SwiGLU of a trained Llama-family model compiled into fused
+kernels (resilient_rl/models/fused_elementwise.py): the eager values within float rounding, a few
+graphs per process whatever the token count, fewer activation bytes kept for the backward, other
+models of the class left as they are, and the engines' switch (``<role>.compile_elementwise``) with
+its eager fallback."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _model(name: str, fused: bool):
     hand_on_in_autocast_dtype(model)  # as a replica under autocast is hooked
     if fused:
         layers = CONFIGS[name]["num_hidden_layers"]
-        assert compile_elementwise(model) == 2 * layers + 1 + layers  # two norms a layer, the final one; the MLPs
+        # two norms a layer and the final one; the MLPs; the attention modules (their rotary embedding)
+        assert compile_elementwise(model) == 2 * layers + 1 + layers + layers
     return model
 
 
@@ -49,7 +51,7 @@ def test_they_compile_on_a_gpu_by_default_and_as_set_anywhere():
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_compiled_norms_and_swiglu_give_the_eager_loss_and_gradients_in_one_graph_each(name):
+def test_the_compiled_norms_rotary_and_swiglu_give_the_eager_loss_and_gradients_in_one_graph_each(name):
     """Under bf16 autocast (the replica on a GPU) and in fp32, over batches of other sizes: the
     eager module's loss and gradients within rounding, one graph per function and autocast state
     (the token count is a symbol), no graph break."""
@@ -63,9 +65,79 @@ def test_the_compiled_norms_and_swiglu_give_the_eager_loss_and_gradients_in_one_
             torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
             for n, g in want[1].items():
                 torch.testing.assert_close(got[1][n], g, rtol=10 * rtol, atol=atol, msg=n)
-    # rms_norm and silu_mul, each with autocast on and off; a one-row batch is no new graph
-    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    # rms_norm, rotary and silu_mul, each with autocast on and off; a one-row batch is no new graph
+    assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_rotary_embedding_is_hugging_faces(dtype):
+    """Query and key as the projections lay them out (and one that is not), ``cos``/``sin`` per row
+    or shared by the rows: the values and gradients of the module's own function."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    compile_elementwise(_model("qwen2", False))  # installs the module's dispatcher
+    own = modeling_qwen2.apply_rotary_pos_emb.rrl_original
+    gen = torch.Generator().manual_seed(0)
+    for rows, tokens, cos_rows, laid_out in ((2, 7, 2, True), (3, 5, 1, True), (1, 9, 1, False)):
+        def qk(heads: int) -> torch.Tensor:
+            if laid_out:  # [rows, heads, tokens, dim] as a view of the projection's [rows, tokens, heads * dim]
+                return torch.randn(rows, tokens, heads * 8, generator=gen).view(rows, tokens, heads, 8).transpose(1, 2)
+            return torch.randn(rows, heads, tokens, 8, generator=gen)
+
+        q, k = qk(4).to(dtype), qk(2).to(dtype)
+        angles = torch.rand(cos_rows, tokens, 4, generator=gen) * 6
+        cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+        grads = [torch.randn(q.shape, generator=gen).to(dtype), torch.randn(k.shape, generator=gen).to(dtype)]
+        outs = []
+        for fn in (own, fused_elementwise._compiled_rotary):
+            a, b = q.detach().requires_grad_(), k.detach().requires_grad_()
+            got = fn(a, b, cos, sin)
+            torch.autograd.backward(got, grads)
+            outs.append((*got, a.grad, b.grad))
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+        for got, want in zip(outs[1], outs[0]):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            torch.testing.assert_close(got, want, **tol)
+
+
+def test_other_models_of_the_class_and_compiled_code_use_the_modules_own_rotary(monkeypatch):
+    """The dispatcher the class's modeling module now holds runs the compiled rotary embedding only
+    inside an attention of a model :func:`compile_elementwise` replaced: a rollout model of the same
+    class in the process computes with the module's own function, and its compiled decode step
+    traces that function (no graph break) and samples what it samples eagerly."""
+    from resilient_rl.models.engine import generate_static
+
+    calls = []
+    compiled_rotary = fused_elementwise._compiled_rotary
+    monkeypatch.setattr(fused_elementwise, "_compiled_rotary", lambda *a: calls.append(1) or compiled_rotary(*a))
+    fused, rollout = _model("qwen2", True), _model("qwen2", False).eval()
+    ids = _ids(2, 12)
+    rollout(input_ids=ids, use_cache=False)
+    assert not calls
+    fused(input_ids=ids, use_cache=False)
+    assert len(calls) == QWEN2["num_hidden_layers"]
+    mask = torch.ones_like(ids)
+    runs = [generate_static(rollout, ids, mask, max_new_tokens=6, compile=compile,
+                            generator=torch.Generator().manual_seed(1)) for compile in (True, False)]
+    assert runs[0].engine_stats["compiled"] and runs[0].engine_stats["graph_breaks"] == 0, runs[0].engine_stats
+    assert torch.equal(runs[0].responses, runs[1].responses)
+    assert len(calls) == QWEN2["num_hidden_layers"]
+
+
+def test_checkpointed_blocks_recompute_through_the_compiled_functions():
+    """Activation checkpointing runs a block's forward again in the backward, through the compiled
+    norms, rotary embedding and SwiGLU: the gradients of the model without checkpointing."""
+    from resilient_rl.workers.block_options import apply_block_options, checkpointed_blocks
+
+    plain, checkpointed = _model("qwen2", True), _model("qwen2", True)
+    apply_block_options(checkpointed, activation_checkpointing=True)
+    assert checkpointed_blocks(checkpointed) == QWEN2["num_hidden_layers"]
+    ids = _ids(2, 20)
+    want, got = _loss_and_grads(plain, ids, True), _loss_and_grads(checkpointed, ids, True)
+    torch.testing.assert_close(got[0], want[0])
+    for n, g in want[1].items():
+        torch.testing.assert_close(got[1][n], g, msg=n)
 
 
 def test_the_norms_hand_on_autocasts_dtype_and_keep_their_dtype_outside_it():
@@ -175,7 +247,7 @@ def test_a_compiler_failure_leaves_them_eager_with_one_warning_and_a_metric(monk
         metrics = actor.update(data, step=1)
     assert torch.equal(got.batch["log_probs"], plain.compute_log_prob(data).batch["log_probs"])
     assert len(calls) == 1 and metrics["perf/actor_elementwise_eager"] == 1.0
-    warned = [r for r in caplog.records if "compiled norms and SwiGLU failed" in r.message]
+    warned = [r for r in caplog.records if "compiled norms, rotary embedding and SwiGLU failed" in r.message]
     assert len(warned) == 1 and "InternalTorchDynamoError: inductor: no kernel for this device" in warned[0].message
 
 

@@ -1,4 +1,4 @@
-"""The compiled norms and SwiGLU (resilient_rl/models/fused_elementwise.py) on a model sharded by
+"""The compiled norms, rotary embedding and SwiGLU (resilient_rl/models/fused_elementwise.py) on a model sharded by
 FSDP2 over 2 gloo ranks, as multi-GPU runs shard the trained roles: in fp32 and with FSDP2's
 bf16 parameters (the norms' input and weight then both bf16), each rank computes the unsharded
 eager model's logits and gets its gradients, the norms' weights among them, within rounding."""
@@ -58,7 +58,8 @@ def test_fsdp2_ranks_compute_the_eager_logits_and_gradients_through_the_compiled
     params = dict(ref.named_parameters())
     for rank in range(2):
         replaced, rank_logits, grads = got[rank]
-        assert replaced == 2 * 2 + 1 + 2, f"rank {rank}: {replaced}"  # two norms a layer, the final one; the MLPs
+        # two norms a layer, the final one; the MLPs; the attention modules
+        assert replaced == 2 * 2 + 1 + 2 + 2, f"rank {rank}: {replaced}"
         torch.testing.assert_close(torch.tensor(rank_logits), logits.detach(), rtol=tol, atol=tol)
         assert sorted(grads) == sorted(GRADS)
         for name in GRADS:  # same batch on both ranks: the averaged gradient is the unsharded one

@@ -98,7 +98,7 @@ def test_a_failing_warm_up_is_logged_and_raises_nothing(monkeypatch, caplog):
     ("ref", ["actor.compile=true"], ["model"]),  # the ref's blocks are never compiled
     ("critic", ["critic.compile=true", "actor.compile_head=true"], ["model", "compiler cpu"]),
     ("critic", ["actor.compile_head=true"], ["model"]),  # a value head has no log-prob head
-    ("actor", ["actor.compile_elementwise=true"], ["model", "compiler cpu"]),  # the norms and SwiGLU
+    ("actor", ["actor.compile_elementwise=true"], ["model", "compiler cpu"]),  # the norms, rotary and SwiGLU
     ("ref", ["actor.compile_elementwise=true"], ["model", "compiler cpu"]),
     ("critic", ["critic.compile_elementwise=true"], ["model", "compiler cpu"]),
     ("critic", ["actor.compile_elementwise=true"], ["model"]),  # the critic's own key

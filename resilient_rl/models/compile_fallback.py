@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-__all__ = ["compiled_or_eager"]
+__all__ = ["allow_recompiles", "compiled_or_eager"]
 
 
 def compiled_or_eager(failure: dict[str, str | None], log: logging.Logger, what: str, setting: str, compiled, eager,
@@ -24,3 +24,13 @@ def compiled_or_eager(failure: dict[str, str | None], log: logging.Logger, what:
             log.warning("%s failed (%s); this process runs them eagerly from now on (%s=false skips the compile)",
                         what, failure["reason"], setting)
     return eager(*args)
+
+
+def allow_recompiles(count: int) -> None:
+    """Let the compiler keep ``count`` versions of each compiled function (its default is 8) before
+    it gives up and runs the function eagerly, which it does without an error: a silent slowdown."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), count))
+            return

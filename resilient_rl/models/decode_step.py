@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from resilient_rl.models.cache_attention import EngineStep
+from resilient_rl.models.compile_fallback import allow_recompiles
 from resilient_rl.models.decode_kept import kept_steps, unkeepable
 from resilient_rl.models.sampling import pick_tokens
 
@@ -187,7 +188,7 @@ class DecodeStep:
     def _function(self) -> Callable:
         key = str(self.mode)
         if key not in DecodeStep._compiled:
-            _allow_recompiles(BUCKET_LEVELS * 4)
+            allow_recompiles(BUCKET_LEVELS * 4)
             mode = {"mode": self.mode} if DecodeStep.backend == "inductor" else {}
             # dynamic=None: only the dimensions marked in __call__ (the batch) are symbols.
             DecodeStep._compiled[key] = torch.compile(decode, backend=DecodeStep.backend, dynamic=None, **mode)
@@ -233,13 +234,3 @@ def _mark_dynamic(args) -> None:
     for t in (*keys, *values):
         torch._dynamo.maybe_mark_dynamic(t, 2)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
-
-
-def _allow_recompiles(count: int) -> None:
-    """Let the compiler keep ``count`` versions of the step (one per bucket and cache length)
-    before it gives up and runs it eagerly (its default is 8)."""
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), count))
-            return

@@ -58,7 +58,7 @@ class PolicyEngine:
         ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`). ``packing``: for an engine
         without ``actor_cfg`` (the ref), whether its passes pack rows (``actor.packing``), and
         ``compile_head`` and ``compile_elementwise`` whether they compile the log-prob head's reductions
-        and the norms and SwiGLU (``actor.compile_head``, ``actor.compile_elementwise``)."""
+        and the norms, rotary embedding and SwiGLU (``actor.compile_head``, ``actor.compile_elementwise``)."""
         self.plan = plan
         self.cfg = actor_cfg
         self.trainable = trainable
@@ -129,7 +129,7 @@ class PolicyEngine:
         metrics = run_epochs(self, data, keys, seed, "actor", self._accumulate)
         if self.compile_head:  # 1 once a compiler failure left the head eager (its warning says why)
             metrics["perf/head_eager"] = float(HEAD_FAILURE["reason"] is not None)
-        if self.compile_elementwise:  # the same for the norms and SwiGLU
+        if self.compile_elementwise:  # the same for the norms, rotary and SwiGLU
             metrics["perf/actor_elementwise_eager"] = float(ELEMENTWISE_FAILURE["reason"] is not None)
         return metrics
 

@@ -77,7 +77,7 @@ class ValueEngine:
         seed = int(data.meta_info.get("seed", 0)) * 1_000_003 + step + 7
         metrics = run_epochs(self, data, keys, seed, "critic",
                              lambda mb, mask, tokens, _seqs, world, n: self._accumulate(mb, mask, tokens, world, n))
-        if self.compile_elementwise:  # 1 once a compiler failure left the norms and SwiGLU eager
+        if self.compile_elementwise:  # 1 once a compiler failure left the norms, rotary and SwiGLU eager
             metrics["perf/critic_elementwise_eager"] = float(ELEMENTWISE_FAILURE["reason"] is not None)
         return metrics
 
