@@ -1,5 +1,6 @@
 """A compiled function that falls back to its eager form for the rest of the process when the
-compiler fails, so that a compiler error costs no step: the eager values are as correct."""
+compiler fails, so that a compiler error costs no step: the eager values are as correct; and how
+many versions of a compiled function the compiler keeps before it would run it eagerly unasked."""
 
 from __future__ import annotations
 
