@@ -146,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         kills.append(killed(device, args.gib, args.timeout))
         selves.append(freed_itself(device, args.gib, args.timeout))
         k = kills[-1]
-        print(f"repeat {i + 1}: killed with {k['held'] / GIB:.1f} GiB held: reaped after {k['reaped'] * 1e3:.1f} ms "
+        # The child allocates --gib; what the free memory moved by is a measurement, which other
+        # processes allocating or freeing at the same time move too.
+        print(f"repeat {i + 1}: killed holding {args.gib:g} GiB ({k['held'] / GIB:.1f} GiB measured): reaped after "
+              f"{k['reaped'] * 1e3:.1f} ms "
               f"({k['still_held_at_reap'] / GIB:.1f} GiB still held then), free after {k['freed'] * 1e3:.1f} ms; "
               f"freed by itself after {selves[-1]['freed'] * 1e3:.1f} ms", flush=True)
     kill_s = statistics.median(k["freed"] for k in kills)
