@@ -167,8 +167,8 @@ class ActorConfig(Section):
     #: pass and the first update of a process compile them (:mod:`resilient_rl.workers.logprob`).
     compile_head: Optional[bool] = None
     #: Compile the elementwise work between each block's matrix products (the RMS norms, the rotary
-    #: embedding and the SwiGLU) into fused kernels, in the actor's passes and the ref's; null: on GPU only, and not
-    #: with ``compile`` (the compiled blocks hold them). The first passes of a process compile them
+    #: embedding and the SwiGLU) into fused kernels, in the actor's passes and the ref's; null: on
+    #: GPU only, and not with ``compile`` (the compiled blocks hold them). The first passes of a process compile them
     #: (:mod:`resilient_rl.models.fused_elementwise`).
     compile_elementwise: Optional[bool] = None
     #: Run each (micro-)batch's real tokens end to end in one row, without padding (positions tell
