@@ -13,23 +13,29 @@ import time
 from typing import Callable
 
 from resilient_rl.events.kinds import (Aborted, CheckpointCommitted, DecodeEager, FailureDuringRecovery,
-                                       FailureEvent, Recovered, RecoveryStateEntered, SnapshotRestored,
-                                       SnapshotUnusable, SpareAdopted, WorkerRestarted)
+                                       FailureEvent, KillHung, KillUnresponsive, LeaveCollectives, Recovered,
+                                       RecoveryStateEntered, SnapshotRestored, SnapshotUnusable, SpareAdopted,
+                                       WorkerRestarted)
 from resilient_rl.runtime.worker_output import WORKER_LOG
 from resilient_rl.telemetry import PHASES
 from resilient_rl.trainer.hooks import TrainerHook
 
-#: The events printed as they happen: a recovery's course, a checkpoint's commit, the decode step's fallback.
-PRINTED_EVENTS = (FailureEvent, FailureDuringRecovery, RecoveryStateEntered, SpareAdopted, WorkerRestarted,
-                  SnapshotRestored, SnapshotUnusable, Recovered, Aborted, CheckpointCommitted, DecodeEager)
+#: The events printed as they happen: a recovery's course (within its restart phase too: a rank
+#: killed for not answering its probe, survivors told to leave their collectives, the hand-over to
+#: a spare), a checkpoint's commit, the decode step's fallback.
+PRINTED_EVENTS = (FailureEvent, FailureDuringRecovery, RecoveryStateEntered, KillUnresponsive, KillHung,
+                  LeaveCollectives, SpareAdopted, WorkerRestarted, SnapshotRestored, SnapshotUnusable, Recovered,
+                  Aborted, CheckpointCommitted, DecodeEager)
 #: At most this many characters of an event's fields (a failure's message can be long).
 EVENT_CHARS = 300
 #: The lines of the rank processes' logs printed as they arrive (the packed-attention kernel each
 #: process chose, compiled code loaded from the run's cache, a decode step traced in every process,
-#: each role's build and its wait for the start-up imports: most of a recovery's rejoin, and each
-#: rank's restore of a snapshot, its check and its writing: the restore phase).
+#: each role's build and its wait for the start-up imports: most of a recovery's rejoin, each
+#: rank's restore of a snapshot, its check and its writing: the restore phase, and a spare's
+#: taking of a rank, in parts: the end of the restart phase).
 WORKER_LINES = ("packed attention:", "compile cache:", "rollout engine:", "of it waiting for the start-up imports",
-                "GB: checked in", "the CUDA caching allocator", "held outside this process")
+                "GB: checked in", "the CUDA caching allocator", "held outside this process",
+                "a warm spare took its place in")
 
 
 def stamp(elapsed: float) -> str:

@@ -157,7 +157,7 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
     monkeypatch.syspath_prepend(str(BENCH))
     from gpu_progress import Progress
 
-    from resilient_rl.events.kinds import FailureEvent, Recovered
+    from resilient_rl.events.kinds import FailureEvent, KillUnresponsive, Recovered, SpareAdopted
 
     class RunDir:
         rows: list[dict] = []
@@ -206,22 +206,27 @@ def test_progress_prints_each_step_once_its_events_and_the_figures_so_far(monkey
     run_dir.publish(FailureEvent(time=0.0, step=3, role="actor", rank=0, cause="died", message="x" * 1000))
     assert lines[4].startswith("[   12.5 s] failure: step=3 role=actor rank=0 cause=died message=xxx")
     assert lines[4].endswith(" ...") and len(lines[4]) < 400
+    now[0] = 114.5  # within the restart phase: the probe's kill, then the hand-over to a spare
+    run_dir.publish(KillUnresponsive(time=0.0, group="g", rank=0, pid=7, node="n"))
+    run_dir.publish(SpareAdopted(time=0.0, group="g", rank=0, role="actor"))
+    assert lines[5:7] == ["[   14.5 s] kill_unresponsive: group=g rank=0 pid=7 node=n",
+                          "[   14.5 s] spare_adopted: group=g rank=0 role=actor"]
     run_dir.rows.append(row(3))
     run_dir.publish(Recovered(time=0.0, failed_step=3, restored_step=2, steps_replayed=0, duration_s=1.25,
                               restarted=[["g", 0]], generation=1))
-    assert lines[5].startswith("[   12.5 s] recovered: failed_step=3 restored_step=2 steps_replayed=0 duration_s=1.25")
+    assert lines[7].startswith("[   14.5 s] recovered: failed_step=3 restored_step=2 steps_replayed=0 duration_s=1.25")
     progress.finish(run_dir)
-    assert lines[6].startswith("[   12.5 s] step 3: ") and figures_of == [[2], [2, 3]]
+    assert lines[8].startswith("[   14.5 s] step 3: ") and figures_of == [[2], [2, 3]]
     run_dir.publish(Recovered(time=0.0, failed_step=4, restored_step=3, steps_replayed=0, duration_s=1.0,
                               restarted=[], generation=2))
     progress.steps(run_dir.rows)
-    assert len(lines) == 9  # nothing new: no step printed twice, no event after finish
+    assert len(lines) == 11  # nothing new: no step printed twice, no event after finish
 
 
 def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkeypatch):
-    """The packed-attention kernel a rank process chose, a role's build time and a rank's restore, reach
-    bench/gpu.py's output (and with it gpu_figures.sh's summary) as they are logged; other worker
-    lines, and lines after the run, do not."""
+    """The packed-attention kernel a rank process chose, a role's build time, a rank's restore and a
+    spare's taking of a rank reach bench/gpu.py's output (and with it gpu_figures.sh's summary) as
+    they are logged; other worker lines, and lines after the run, do not."""
     monkeypatch.syspath_prepend(str(BENCH))
     from gpu_progress import Progress
 
@@ -242,6 +247,9 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
                         "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s")
         WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.workers.allocator: the CUDA caching allocator grows its "
                         "segments in place")
+        WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.runtime.worker_class: rank 0: a warm spare took its place "
+                        "in 0.90 s (the rank's devices 0.00 s, the worker's constructor 0.30 s, its first health "
+                        "reply 0.60 s)")
     finally:
         progress.finish(run_dir)
     WORKER_LOG.info("%s %s", tag, "INFO resilient_rl.models.varlen: packed attention: split")
@@ -251,7 +259,10 @@ def test_progress_prints_the_ranks_lines_that_say_which_kernels_they_took(monkey
                      f"[    0.0 s] {tag} INFO resilient_rl.workers.snapshots.restore: actor rank 0: restored step 4 "
                      "from its node copy, 6.47 GB: checked in 0.45 s, written in 1.50 s",
                      f"[    0.0 s] {tag} INFO resilient_rl.workers.allocator: the CUDA caching allocator grows its "
-                     "segments in place"]
+                     "segments in place",
+                     f"[    0.0 s] {tag} INFO resilient_rl.runtime.worker_class: rank 0: a warm spare took its place "
+                     "in 0.90 s (the rank's devices 0.00 s, the worker's constructor 0.30 s, its first health "
+                     "reply 0.60 s)"]
 
 
 def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
@@ -279,6 +290,9 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     stamped = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[")]
     assert [line.split(":")[0] for line in stamped if line.startswith("step ")] == [f"step {i}" for i in range(1, 6)]
     assert any(line.startswith("failure: step=5") for line in stamped)
+    # The default run keeps one warm spare here; its taking of the rank is shown in parts.
+    assert any(line.startswith("spare_adopted: ") for line in stamped)
+    assert any("a warm spare took its place in " in line for line in stamped)
     assert any(line.startswith("recovered: failed_step=5") for line in stamped)
     assert "figures of measured steps 2..3 so far:" in stamped
     assert "each once: True" in out and "whole-step MFU" not in out  # no peak is known for a CPU

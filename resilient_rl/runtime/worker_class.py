@@ -11,6 +11,8 @@ roles in one process, each role's methods named ``{role}_{method}``.
 from __future__ import annotations
 
 import inspect
+import logging
+import time
 import weakref
 from typing import Any
 
@@ -26,6 +28,8 @@ from resilient_rl.protocol.utils import tensordict_class
 from resilient_rl.runtime.worker import RankWorker, _node_ip, export_identity, warm_in_background, warm_worker_imports
 from resilient_rl.runtime.worker_logging import forward_package_logs
 from resilient_rl.errors import DispatchError
+
+logger = logging.getLogger(__name__)
 
 
 def _actor_class(ray_cls) -> type:
@@ -80,12 +84,21 @@ def _ranked_remote_class(ray_cls):
                 ``node_id``; :func:`~resilient_rl.runtime.devices.take_devices` raises
                 DevicesUnavailable, changing nothing, where this process cannot), export the
                 identity and run the worker's constructor again under it. A spare never served a
-                rank before (it is a fresh process), so nothing of an earlier rank is left."""
+                rank before (it is a fresh process), so nothing of an earlier rank is left.
+                Logs how long each part took (a recovery's hand-over waits for all of them)."""
+                start = time.perf_counter()
                 take_devices(devices, node_id, self.identity.node_id)
+                took = time.perf_counter()
                 args, kwargs = self._rrl_init_args
                 self._rrl_become(identity)
                 user_cls.__init__(self, *args, **kwargs)
-                return self.ping()
+                built = time.perf_counter()
+                info = self.ping()
+                done = time.perf_counter()
+                logger.info("rank %s: a warm spare took its place in %.2f s (the rank's devices %.2f s, the worker's "
+                            "constructor %.2f s, its first health reply %.2f s)", identity.get("RANK"),
+                            done - start, took - start, built - took, done - built)
+                return info
 
         Ranked.__name__ = user_cls.__name__
         Ranked.__qualname__ = f"Ranked({user_cls.__qualname__})"
