@@ -217,6 +217,11 @@ class NonFiniteError(RRLError):
     step and the quantities."""
 
 
+class GradientError(RRLError):
+    """An update's backward gave the model's parameters gradients but none to the parameters its
+    optimizer steps (a sharding wrapper whose hooks did not run): the run would train nothing."""
+
+
 class UserCodeError(RRLError):
     """Code the user supplied (``data.reward_fn``) raised. The message names the setting and the
     function and carries the function's own traceback; the project's frames are left out, and

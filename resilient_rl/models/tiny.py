@@ -63,6 +63,13 @@ class CausalLMOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
+# A pytree node, as Hugging Face registers its ModelOutput: code that finds a module's output
+# tensors by flattening it sees the logits. FSDP2 of torch 2.11 and older registers a sharded root's
+# backward hook that way; with the output a leaf the hook never ran, so the gradients never reached
+# the shards the optimizer steps, and a sharded run on CPU (root-only FSDP2) trained nothing.
+torch.export.register_dataclass(CausalLMOutput, serialized_type_name=f"{__name__}.CausalLMOutput")
+
+
 class TinyAttention(nn.Module):
     """Multi-head causal self-attention over ``scaled_dot_product_attention`` with a KV cache."""
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from resilient_rl import env
 from resilient_rl.config.sections import MODEL_DTYPES, STRATEGIES
-from resilient_rl.errors import ConfigError
+from resilient_rl.errors import ConfigError, GradientError
 from resilient_rl.runtime import leave_collective
 from resilient_rl.workers.allocator import grow_segments_in_place
 from resilient_rl.models.factory import transformer_blocks
@@ -281,6 +281,25 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
+
+
+def check_gradients_reach(model: nn.Module, optimizer: torch.optim.Optimizer, role: str) -> None:
+    """Raise :class:`~resilient_rl.errors.GradientError` where the backward gave ``model``'s
+    registered parameters gradients and none to the ones ``optimizer`` steps.
+
+    FSDP2 registers the gathered parameters for the forward and moves their gradients to the
+    shards in its backward hooks; where those hooks do not run (torch 2.11's FSDP2 finds a root's
+    output tensors by pytree, and missed those of an unregistered output class), the shards get no
+    gradient and every optimizer step changes nothing, silently. Cheap: the first stepped
+    parameter with a gradient ends the search."""
+    if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        return
+    reached = sum(1 for p in model.parameters() if p.grad is not None)
+    if reached:
+        raise GradientError(f"{role} update: the backward gave {reached} parameters of {type(model).__name__} "
+                            "gradients, but none reached the parameters the optimizer steps: the update would "
+                            f"change nothing (torch {torch.__version__}; a model output the sharding wrapper "
+                            "cannot see into keeps its backward hooks from running)")
 
 
 def update_is_finite(grad_norm: torch.Tensor) -> bool:

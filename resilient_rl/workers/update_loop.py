@@ -20,7 +20,8 @@ from resilient_rl.errors import CollectiveError
 from resilient_rl.protocol import DataProto
 from resilient_rl.runtime import progress
 from resilient_rl.workers.allocator import AllocatorWindow
-from resilient_rl.workers.fsdp import all_reduce_gradients, clip_grad_norm, global_token_counts, update_is_finite
+from resilient_rl.workers.fsdp import (all_reduce_gradients, check_gradients_reach, clip_grad_norm, global_token_counts,
+                                       update_is_finite)
 from resilient_rl.workers.host_to_device import to_device
 from resilient_rl.workers.optimizer import step_scheduler
 
@@ -73,6 +74,7 @@ def run_epochs(engine, data: DataProto, keys: list[str], seed: int, prefix: str,
         progress.advance("mini-batch")
         terms = accumulate(mb, mask, tokens, seqs, world, n_parts)
         with record_function(f"{prefix}.clip"):
+            check_gradients_reach(model, optimizer, prefix)
             all_reduce_gradients(model)
             grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
             finite = update_is_finite(grad_norm)
