@@ -3,16 +3,18 @@
 A warm spare takes a dead rank's GPU as soon as the controller hears of the death, and its first
 model build can find the dead process's memory still held (``resilient_rl/workers/held_memory.py``
 then waits for it). This measures that window. A child process allocates ``--gib`` GiB on the
-device and is SIGKILLed; this process (its own context on the same device) reads the device's free
-memory every millisecond and prints when the child was reaped (its exit status readable: by then
-Ray has seen its sockets close) and when its memory came free. The baseline, in the same run: a
-child that frees the same memory itself (``torch.cuda.empty_cache``) when asked.
+device and is SIGKILLed; this process (its own context on the same device) reads the memory in use
+every millisecond and prints when the child was reaped (its exit status readable: by then Ray has
+seen its sockets close) and when its memory came free. The baseline, in the same run: a child that
+frees the same memory itself (``torch.cuda.empty_cache``) when asked.
 
     python bench/gpu_release.py --gib 32 --repeats 3
-    python bench/gpu_release.py --device cpu --gib 2   # host memory: the kernel's commit count
+    python bench/gpu_release.py --device cpu --gib 2   # host memory: the child's resident set
 
-On a CPU (``--device cpu``, the default where there is no GPU) the same path runs on host memory,
-which the kernel also releases as the process exits.
+On a GPU the reading is the device's memory in use, which is the child's alone where the bench has
+the device to itself. On a CPU (``--device cpu``, the default where there is no GPU) the same path
+runs on host memory, and the reading is the child's own resident set: the host's free memory moves
+with every other process on the machine, by more than the child holds.
 """
 
 from __future__ import annotations
@@ -27,21 +29,29 @@ import time
 
 GIB = 2**30
 
-#: The share of the child's memory that must be free again to count as released (other processes
-#: on the machine move the free memory a little meanwhile).
+#: The share of the child's memory that must be free again to count as released (on a GPU, other
+#: processes on the device move the reading a little meanwhile).
 RELEASED = 0.9
 
 
-def free_bytes(device: str) -> int:
-    """Free memory of ``device`` (``cuda``: the driver's count; ``cpu``: the host's commit headroom,
-    ``CommitLimit - Committed_AS``, which moves by exactly what processes map, not with the page cache)."""
+def used_bytes(device: str, pid: int) -> int:
+    """Memory in use that the child ``pid`` holds: ``cuda``, the device's in use by the driver's count
+    (all of it, the child's where the bench has the device to itself); ``cpu``, the child's resident
+    set, 0 once it has exited (the kernel drops an exiting process's memory before it can be reaped,
+    and a zombie's status has no ``VmRSS``)."""
     if device == "cuda":
         import torch
 
-        return int(torch.cuda.mem_get_info()[0])
-    with open("/proc/meminfo") as f:
-        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return fields["CommitLimit"] - fields["Committed_AS"]
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
 
 
 def child(device: str, gib: float) -> None:
@@ -68,24 +78,24 @@ def child(device: str, gib: float) -> None:
 
 
 def _start(device: str, gib: float) -> tuple[subprocess.Popen, int, int]:
-    """A child holding ``gib`` GiB on ``device``, with the free memory before and after its
+    """A child holding ``gib`` GiB on ``device``, with the memory in use before and after its
     allocation (its interpreter, imports and context are in both)."""
     proc = subprocess.Popen([sys.executable, __file__, "--child", "--device", device, "--gib", str(gib)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() == "started":
-        before = free_bytes(device)
+        before = used_bytes(device, proc.pid)
         proc.stdin.write("allocate\n")
         proc.stdin.flush()
         if proc.stdout.readline().strip() == "ready":
-            return proc, before, free_bytes(device)
+            return proc, before, used_bytes(device, proc.pid)
     proc.kill()
     raise RuntimeError("the child process did not allocate its memory")
 
 
-def _until_free(device: str, target: int, started: float, timeout_s: float) -> float:
-    """Seconds from ``started`` until ``device``'s free memory reaches ``target``."""
+def _until_free(device: str, pid: int, target: int, started: float, timeout_s: float) -> float:
+    """Seconds from ``started`` until the memory in use falls to ``target``."""
     while time.perf_counter() - started < timeout_s:
-        if free_bytes(device) >= target:
+        if used_bytes(device, pid) <= target:
             return time.perf_counter() - started
         time.sleep(0.001)
     raise TimeoutError(f"the memory did not come free within {timeout_s:g} s")
@@ -95,14 +105,14 @@ def killed(device: str, gib: float, timeout_s: float) -> dict[str, float]:
     """One child SIGKILLed while it holds ``gib`` GiB: when it was reaped, when its memory was free,
     and how much was free at the reap."""
     proc, before, at_ready = _start(device, gib)
-    held = before - at_ready
+    held = at_ready - before
     started = time.perf_counter()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     reaped = time.perf_counter() - started
-    free_at_reap = free_bytes(device)
-    freed = _until_free(device, at_ready + int(RELEASED * held), started, timeout_s)
-    return {"reaped": reaped, "freed": freed, "held": held, "still_held_at_reap": max(0, held - (free_at_reap - at_ready))}
+    in_use_at_reap = used_bytes(device, proc.pid)
+    freed = _until_free(device, proc.pid, at_ready - int(RELEASED * held), started, timeout_s)
+    return {"reaped": reaped, "freed": freed, "held": held, "still_held_at_reap": max(0, in_use_at_reap - before)}
 
 
 def freed_itself(device: str, gib: float, timeout_s: float) -> dict[str, float]:
@@ -111,7 +121,7 @@ def freed_itself(device: str, gib: float, timeout_s: float) -> dict[str, float]:
     started = time.perf_counter()
     proc.stdin.write("free\n")
     proc.stdin.flush()
-    freed = _until_free(device, at_ready + int(RELEASED * (before - at_ready)), started, timeout_s)
+    freed = _until_free(device, proc.pid, at_ready - int(RELEASED * (at_ready - before)), started, timeout_s)
     proc.stdin.write("done\n")
     proc.stdin.flush()
     proc.wait()
@@ -146,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         kills.append(killed(device, args.gib, args.timeout))
         selves.append(freed_itself(device, args.gib, args.timeout))
         k = kills[-1]
-        # The child allocates --gib; what the free memory moved by is a measurement, which other
-        # processes allocating or freeing at the same time move too.
+        # The child allocates --gib; what the reading moved by is a measurement (on a GPU, other
+        # processes on the device move it too).
         print(f"repeat {i + 1}: killed holding {args.gib:g} GiB ({k['held'] / GIB:.1f} GiB measured): reaped after "
               f"{k['reaped'] * 1e3:.1f} ms "
               f"({k['still_held_at_reap'] / GIB:.1f} GiB still held then), free after {k['freed'] * 1e3:.1f} ms; "
