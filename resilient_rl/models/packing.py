@@ -30,7 +30,7 @@ __all__ = ["PackedLayout", "given_layout", "given_layout_of", "layout_of", "pack
 _GIVEN: contextvars.ContextVar = contextvars.ContextVar("rrl_given_layout", default=None)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class PackedLayout:
     """Where the sequences of packed rows ``[batch, seq]`` lie once the rows are laid end to end
     (``batch * seq`` tokens, row after row).
@@ -39,6 +39,10 @@ class PackedLayout:
     int32 ``[N+1]`` offsets of the sequences (0, then the running sum of ``lengths``).
     ``sequence_ids``: int32 ``[batch * seq]``, the index of each token's sequence. Both tensors are
     on the positions' device.
+
+    Not changed once made, though not a frozen dataclass: the compiler of torch 2.11 (and older)
+    reads every field of a frozen dataclass that a compiled block is handed, and so guards on the
+    number of sequences; a compiled block then compiled again for each packing.
     """
 
     batch: int

@@ -101,7 +101,8 @@ from resilient_rl.models.packing import PackedLayout
 from resilient_rl.models.precision import compute_dtype
 from resilient_rl.models.varlen_flex import BLOCK, document_block_mask, flex_packed_attention
 
-__all__ = ["BLOCK", "KernelPlan", "choose_backend", "document_block_mask", "plan_kernel", "varlen_attention"]
+__all__ = ["BLOCK", "KernelPlan", "choose_backend", "document_block_mask", "outside_graph", "plan_kernel",
+           "varlen_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if torch.compiler.is_compiling():
         if plan is not None and backend is None and not dropout:
             return _planned(q, k, v, plan, scale, window)
-        return _outside_graph()(q, k, v, layout, scale, backend, dropout, window, plan)
+        return outside_graph()(q, k, v, layout, scale, backend, dropout, window, plan)
     return _attention(q, k, v, layout, scale, backend, dropout, window, plan)
 
 
@@ -230,10 +231,12 @@ def _reaching(window: int | None, longest: int) -> int | None:
 _OUTSIDE_GRAPH: list = []
 
 
-def _outside_graph():
-    """:func:`_attention` marked to run outside a compiled graph. Made at the first compiled call:
-    marking it at import would import the compiler (``torch._dynamo``, about as much CPU time as
-    torch itself) into every process, where a restarted rank's start-up pays for it."""
+def outside_graph():
+    """:func:`_attention` marked to run outside a compiled graph. Not made at import: marking it
+    would import the compiler (``torch._dynamo``, about as much CPU time as torch itself) into every
+    process, where a restarted rank's start-up pays for it. Whatever compiles blocks makes it first
+    (:func:`~resilient_rl.workers.block_options.apply_block_options`): made inside a compiled call,
+    torch 2.11's compiler breaks that graph at the ``disable`` call and at the append."""
     if not _OUTSIDE_GRAPH:
         _OUTSIDE_GRAPH.append(torch.compiler.disable(_attention))
     return _OUTSIDE_GRAPH[0]

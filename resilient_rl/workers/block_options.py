@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from resilient_rl.models.factory import transformer_blocks
+from resilient_rl.models.varlen import outside_graph
 
 __all__ = ["apply_block_options", "checkpointed_blocks"]
 
@@ -46,6 +47,8 @@ def apply_block_options(model: nn.Module, activation_checkpointing: bool = False
     """Apply the options to every block of ``model`` in place; returns ``model``."""
     if not (activation_checkpointing or compile):
         return model
+    if compile:
+        outside_graph()  # the packed attention the compiled blocks call where no varlen kernel serves
     for block in transformer_blocks(model):
         if activation_checkpointing and not getattr(block.__dict__.get("forward"), "__rrl_checkpointed__", False):
             block.forward = _checkpointed(block.forward)
