@@ -49,7 +49,7 @@ def used_bytes(device: str, pid: int) -> int:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
+    except FileNotFoundError:  # reaped
         pass
     return 0
 
@@ -103,7 +103,7 @@ def _until_free(device: str, pid: int, target: int, started: float, timeout_s: f
 
 def killed(device: str, gib: float, timeout_s: float) -> dict[str, float]:
     """One child SIGKILLed while it holds ``gib`` GiB: when it was reaped, when its memory was free,
-    and how much was free at the reap."""
+    and how much of it was still held at the reap."""
     proc, before, at_ready = _start(device, gib)
     held = at_ready - before
     started = time.perf_counter()
