@@ -28,10 +28,10 @@ def add_cpu_torch(folder: Path) -> None:
     """This torch's CPU build and its own requirements, as install.sh takes them (the CPU index
     first, then the configured one)."""
     want = f"torch=={torch.__version__.split('+')[0]}"
-    pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", folder]
-    try:
-        run(pip + ["--timeout", "20", "--retries", "1", "--index-url", CPU_INDEX, want])
-    except AssertionError:
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(folder)]
+    cpu = subprocess.run(pip + ["--timeout", "20", "--retries", "1", "--index-url", CPU_INDEX, want],
+                         capture_output=True, timeout=900)
+    if cpu.returncode != 0:
         run(pip + [want])
 
 
