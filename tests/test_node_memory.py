@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from resilient_rl.workers.snapshots import node_memory
+from resilient_rl.workers.snapshots import node_memory, page_lock
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles, node_path
 from resilient_rl.workers.snapshots.node_sweep import STALE_S, sweep_runs
 
@@ -128,26 +128,65 @@ def test_run_directories_of_owners_that_cannot_be_checked_are_swept_once_stale_u
 
 
 class FakeCudart:
+    """torch's runtime binding and the CUDA runtime behind it: a failed call also becomes the
+    thread's last error, which stays until ``cudaGetLastError`` reads it."""
+
     def __init__(self, code=0):
-        self.code, self.registered = code, []
+        self.code, self.registered, self.last_error = code, [], 0
 
     def cudaHostRegister(self, ptr, size, flags):
+        if self.code:
+            self.last_error = self.code
+            return self.code
         self.registered.append((ptr, size, flags))
-        return self.code
+        return 0
 
     def cudaHostUnregister(self, ptr):
+        if not any(r[0] == ptr for r in self.registered):
+            self.last_error = 713  # cudaErrorHostMemoryNotRegistered
+            return 713
         self.registered = [r for r in self.registered if r[0] != ptr]
         return 0
+
+    def cudaGetLastError(self):
+        code, self.last_error = self.last_error, 0
+        return code
 
 
 def test_node_buffers_are_page_locked_for_device_copies(tmp_path):
     files = NodeFiles(str(tmp_path / "resilient-rl-r" / "n0"), "actor", 0)
     buf = files.map(0, 4096)
     ok = FakeCudart()
-    assert node_memory.pin(buf, ok) is True and ok.registered == [(buf.data_ptr(), 4096, 0)]
-    node_memory.unpin(buf, ok)
-    assert ok.registered == []
-    assert node_memory.pin(buf, FakeCudart(code=712)) is False  # refused: pageable, still correct
+    assert page_lock.pin(buf, ok, [ok]) is True and ok.registered == [(buf.data_ptr(), 4096, 0)]
+    page_lock.unpin(buf, ok, [ok])
+    assert ok.registered == [] and ok.last_error == 0
+
+
+def test_a_refused_page_lock_leaves_no_cuda_error_behind(tmp_path):
+    """CUDA keeps a failed call's error until it is read, and torch reads it after its next
+    kernel launch: a refusal left pending would fail the next step's first kernel."""
+    buf = NodeFiles(str(tmp_path / "resilient-rl-r" / "n0"), "actor", 0).map(0, 4096)
+    refused = FakeCudart(code=712)  # cudaErrorHostMemoryAlreadyRegistered
+    other = FakeCudart()
+    other.last_error = 2  # a second runtime library of the process: its error is consumed too
+    assert page_lock.pin(buf, refused, [refused, other]) is False  # pageable, still correct
+    assert refused.last_error == 0 and other.last_error == 0
+    page_lock.unpin(buf, refused, [refused])  # never registered: refused too, and consumed
+    assert refused.last_error == 0
+
+
+def test_the_cuda_runtimes_of_the_process_are_found_in_its_maps():
+    maps = "\n".join([
+        "7f00-7f10 r-xp 00000000 08:01 11 /venv/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+        "7f10-7f20 r--p 00010000 08:01 11 /venv/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+        "7f20-7f30 r-xp 00000000 08:01 12 /venv/site-packages/torch/lib/libcudart-9335f6a2.so.12 (deleted)",
+        "7f30-7f40 r-xp 00000000 08:01 13 /venv/site-packages/nvidia/cudnn/lib/libcudnn.so.9",
+        "7f40-7f50 rw-p 00000000 00:00 0 ",
+        "7f50-7f60 rw-p 00000000 00:00 0 [heap]",
+    ])
+    assert page_lock.runtime_paths(maps) == ["/venv/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+                                             "/venv/site-packages/torch/lib/libcudart-9335f6a2.so.12"]
+    assert page_lock.drain() == []  # this process maps none, or none holds an error
 
 
 def test_a_new_controller_of_the_run_removes_its_predecessors_node_memory(tmp_path):
@@ -219,3 +258,19 @@ def test_a_refused_page_lock_keeps_the_pageable_buffer(monkeypatch):
     buf = ring.buffer(0, 1000, pin=True)
     assert buf.numel() == 1000
     assert ring.buffer(0, 1000, pin=True) is buf  # not reallocated at every snapshot
+
+
+def test_a_ring_whose_page_lock_is_refused_keeps_its_pageable_buffer_and_no_cuda_error(tmp_path, monkeypatch):
+    from resilient_rl.workers.snapshots.buffers import HostRing
+
+    cudart = FakeCudart(code=2)  # cudaErrorMemoryAllocation: more than the node lets it lock
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(page_lock, "loaded_runtimes", lambda: [cudart])
+    for files in (None, NodeFiles(str(tmp_path / "resilient-rl-r-c" / "n0"), "actor", 0)):
+        ring = HostRing(1, files)
+        buf = ring.buffer(0, 4096, pin=True)
+        assert cudart.last_error == 0 and cudart.registered == []
+        cudart.code = 0  # not asked again: the slot keeps its pageable buffer
+        assert ring.buffer(0, 4096, pin=True) is buf and cudart.registered == []
+        ring.release()
+        cudart.code = 2

@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from resilient_rl.runtime import progress
-from resilient_rl.workers.snapshots import node_memory
+from resilient_rl.workers.snapshots import page_lock
 from resilient_rl.workers.snapshots.staged import staged_copy, wants_staging
 from resilient_rl.workers.fsdp import reshard
 
@@ -195,13 +195,9 @@ def pinned_host_buffer(nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | 
     """
     array = np.empty(nbytes, dtype=np.uint8)
     buf = torch.from_numpy(array)  # the tensor (and every view of it) keeps ``array`` alive
-    if not node_memory.pin(buf):
+    if not page_lock.pin(buf):
         return buf, None
-    return buf, weakref.finalize(array, _unregister, torch.cuda.cudart(), buf.data_ptr())
-
-
-def _unregister(cudart: Any, ptr: int) -> None:
-    cudart.cudaHostUnregister(ptr)
+    return buf, weakref.finalize(array, page_lock.unregister, buf.data_ptr(), torch.cuda.cudart())
 
 
 class HostRing:
@@ -233,7 +229,7 @@ class HostRing:
                 buf = torch.empty(nbytes, dtype=torch.uint8)
             else:
                 buf = self.files.map(slot, nbytes)
-                self._pinned[slot] = pin and node_memory.pin(buf)
+                self._pinned[slot] = pin and page_lock.pin(buf)
             self._pin_refused[slot] = pin and not self._pinned[slot]
             self.buffers[slot] = buf
         return buf
@@ -252,7 +248,7 @@ class HostRing:
     def forget(self, slot: int) -> None:
         """Give ``slot`` a new buffer at its next use (whoever still reads the old one keeps it)."""
         if self._pinned[slot] and self.files is not None:
-            node_memory.unpin(self.buffers[slot])
+            page_lock.unpin(self.buffers[slot])
         unlock, self._unlock[slot] = self._unlock[slot], None
         if unlock is not None:
             unlock()

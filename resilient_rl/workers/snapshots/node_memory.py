@@ -308,22 +308,3 @@ class NodeFiles:
         """Whether slot ``slot`` still holds snapshot ``snap_id`` (checked after reading it)."""
         meta = self._meta(slot)
         return meta is not None and meta.get("id") == snap_id
-
-
-def pin(t: torch.Tensor, cudart: Any = None) -> bool:
-    """Page-lock ``t``'s memory for asynchronous device-to-host copies (``cudaHostRegister``);
-    False when CUDA refuses (the copies then go to pageable memory: correct, not overlapped)."""
-    if not t.numel():
-        return False
-    cudart = cudart if cudart is not None else torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(getattr(err, "value", err)) != 0:
-        logger.warning("cudaHostRegister of %d bytes of snapshot host memory failed (%s): copies "
-                       "from the GPU into it are not asynchronous", t.numel(), err)
-        return False
-    return True
-
-
-def unpin(t: torch.Tensor, cudart: Any = None) -> None:
-    cudart = cudart if cudart is not None else torch.cuda.cudart()
-    cudart.cudaHostUnregister(t.data_ptr())
