@@ -70,9 +70,13 @@ def test_a_spare_whose_driver_is_initialised_computes_on_the_rank_s_gpus_by_uuid
         take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=with_nvml)
     assert devices.visible_devices() is None and devices.taken_cuda_indices() is None, "a refusal changes nothing"
     monkeypatch.setattr(devices._nvml_lookup, "cuda_device_uuids", lambda: ["GPU-cccc", "GPU-aaaa", "GPU-bbbb"])
-    take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=with_nvml)
+    current = []
+    take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=with_nvml, set_device=current.append)
     assert "CUDA_VISIBLE_DEVICES" not in os.environ, "CUDA read the variable already: it is left alone"
     assert devices.visible_devices() == "1" and devices.taken_cuda_indices() == [2]
+    # Made current at once: a split rollout rank builds its model without a rendezvous, on CUDA's
+    # current device, which would otherwise stay device 0 (another rank's GPU).
+    assert current == [2]
     assert cuda_device_index(0) == 2, "the rendezvous selects the rank's GPU"
     take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=lambda value: None)  # its own now
 

@@ -18,7 +18,8 @@ that, changing it has no effect. A library that asks CUDA anything during the sp
 imports (``torch.cuda.is_available()`` does, unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) has
 initialised it with the variable unset: every GPU of the node visible. Such a spare still takes
 the rank: it computes on the rank's devices through their indices in its own enumeration, matched
-by UUID (:func:`taken_cuda_indices`, which the rendezvous selects the rank's device from). It
+by UUID (:func:`taken_cuda_indices`), the rank's one made CUDA's current device as it takes them
+(its model may be built before any rendezvous selects the device, or without one). It
 refuses (:class:`DevicesUnavailable`) when it does not see the rank's devices at all, and when they
 are on another node; the controller then tries the next spare, or waits for Ray's restart of the
 rank. Which warm-up initialised the driver is logged (:func:`note_driver_initialised`).
@@ -71,6 +72,13 @@ def taken_cuda_indices() -> list[int] | None:
     return _TAKEN.get("indices")
 
 
+def taken_device_index(local_rank: int) -> int | None:
+    """The CUDA index that rank ``local_rank`` computes on among the devices this process took
+    after its driver was initialised (one per local rank); None when it took none that way."""
+    taken = taken_cuda_indices()
+    return taken[local_rank % len(taken)] if taken else None
+
+
 def cuda_driver_initialized() -> bool:
     """Whether the CUDA driver has been initialised in this process (``cuInit`` ran: CUDA has read
     ``CUDA_VISIBLE_DEVICES`` for good). Asked of the driver itself, which answers
@@ -86,13 +94,16 @@ def cuda_driver_initialized() -> bool:
     return False
 
 
-def take_devices(devices: str | None, node_id: str | None, own_node_id: str,
-                 driver_initialized=cuda_driver_initialized, cuda_indices=None) -> None:
+def take_devices(devices: str | None, node_id: str | None, own_node_id: str, local_rank: int = 0,
+                 driver_initialized=cuda_driver_initialized, cuda_indices=None, set_device=None) -> None:
     """Make this process compute on ``devices`` (a dead rank's ``CUDA_VISIBLE_DEVICES`` value) of
     node ``node_id``. Nothing to do when the rank had no GPU (None) or this process already
     computes on exactly those devices. Before CUDA is initialised here, the variable is set to
     ``devices``; after, the process keeps what CUDA sees and computes on the rank's devices by their
-    indices among them (``cuda_indices(devices)``, default :func:`cuda_indices_of`). Raises
+    indices among them (``cuda_indices(devices)``, default :func:`cuda_indices_of`), the one of
+    ``local_rank`` made CUDA's current device at once (``set_device``, default torch's): a rank
+    that builds its model before any rendezvous (a split rollout never joins one) builds it on
+    CUDA's current device, which is otherwise device 0, another rank's. Raises
     :class:`DevicesUnavailable`, changing nothing, when the devices are on another node than this
     process (``own_node_id``) or CUDA is initialised here without them."""
     if devices is None or visible_devices() == devices:
@@ -109,6 +120,11 @@ def take_devices(devices: str | None, node_id: str | None, own_node_id: str,
         raise DevicesUnavailable(f"CUDA is already initialised in this process on CUDA_VISIBLE_DEVICES="
                                  f"{env.get('CUDA_VISIBLE_DEVICES')}, which does not show it {devices}")
     _TAKEN.update(devices=devices, indices=list(indices))
+    if set_device is None:
+        import torch
+
+        set_device = torch.cuda.set_device
+    set_device(taken_device_index(local_rank))
     logger.info("this process computes on CUDA_VISIBLE_DEVICES=%s from now on: CUDA devices %s of its own, "
                 "its driver having been initialised before", devices, indices)
 

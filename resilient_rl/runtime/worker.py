@@ -38,7 +38,7 @@ from resilient_rl.runtime.master_env import free_port
 from resilient_rl.runtime.dispatch import Dispatch, Execute, register
 from resilient_rl.errors import CollectiveError
 from resilient_rl.runtime.devices import (cuda_driver_initialized, device_report, note_driver_initialised,
-                                          taken_cuda_indices, visible_devices)
+                                          taken_device_index, visible_devices)
 
 logger = logging.getLogger(__name__)
 
@@ -179,11 +179,9 @@ def default_backend() -> str:
 
 def cuda_device_index(local_rank: int) -> int:
     """The CUDA device a rank computes on: one per local rank among its devices (those visible,
-    or those a warm spare took after its driver was initialised: :func:`taken_cuda_indices`)."""
-    taken = taken_cuda_indices()
-    if taken:
-        return taken[local_rank % len(taken)]
-    return local_rank % torch.cuda.device_count()
+    or those a warm spare took after its driver was initialised: :func:`taken_device_index`)."""
+    taken = taken_device_index(local_rank)
+    return taken if taken is not None else local_rank % torch.cuda.device_count()
 
 
 def compute_cuda_device() -> int | None:

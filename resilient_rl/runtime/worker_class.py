@@ -87,7 +87,7 @@ def _ranked_remote_class(ray_cls):
                 rank before (it is a fresh process), so nothing of an earlier rank is left.
                 Logs how long each part took (a recovery's hand-over waits for all of them)."""
                 start = time.perf_counter()
-                take_devices(devices, node_id, self.identity.node_id)
+                take_devices(devices, node_id, self.identity.node_id, int(identity.get("LOCAL_RANK", 0)))
                 took = time.perf_counter()
                 args, kwargs = self._rrl_init_args
                 self._rrl_become(identity)
