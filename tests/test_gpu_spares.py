@@ -28,7 +28,7 @@ from resilient_rl.testing.wait import wait_until
 from resilient_rl.workers.fsdp import uses_cuda
 from resilient_rl.workers.roles import ActorWorker
 from resilient_rl.runtime import health
-from resilient_rl.runtime.worker_group_spares import reidentify
+from resilient_rl.runtime.worker_group_spares import OVERRIDE_ON_ZERO, reidentify
 from test_controller_ray import EchoWorker
 
 
@@ -141,9 +141,11 @@ def test_a_role_build_says_how_long_it_took_and_waited_for_the_start_up_imports(
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    """A local Ray cluster with 2 logical GPUs (no CUDA): shut down after the module."""
+    """A local Ray cluster with 2 logical GPUs (no CUDA): shut down after the module. Its worker
+    processes given no GPU get ``CUDA_VISIBLE_DEVICES=""``, as older Ray releases give them by default."""
     ray.init(address="local", num_cpus=16, num_gpus=2, include_dashboard=False, namespace="rrl-gpu-spares",
-             object_store_memory=128 * 1024**2, log_to_driver=False, configure_logging=False)
+             object_store_memory=128 * 1024**2, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {OVERRIDE_ON_ZERO: "1"}})
     try:
         yield ray
     finally:
@@ -165,7 +167,8 @@ def test_a_gpu_spare_starts_with_every_gpu_taken_and_takes_the_dead_rank_s_gpu(g
         wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
         assert ray.available_resources().get("GPU", 0) == 0, "the spare reserves no GPU"
         spare = ray.get(pool._spares[0].handle.ping.remote())
-        assert spare.node_id == before[1].node_id and spare.devices != before[1].devices
+        assert spare.node_id == before[1].node_id
+        assert spare.devices is None, "the spare sees every GPU of its node, not none (CUDA_VISIBLE_DEVICES unset)"
 
         os.kill(before[1].pid, signal.SIGKILL)
         info = pool.adopt(1)

@@ -15,6 +15,9 @@ from resilient_rl.runtime import master_env
 
 logger = logging.getLogger("resilient_rl.runtime.worker_group")
 
+#: Ray's switch for setting a process's visible-devices variables when it is given no accelerator.
+OVERRIDE_ON_ZERO = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+
 
 def start_spare(group, name: str, turn: int):
     """Start one more process of ``group``'s class outside its placement groups, with the restart
@@ -29,6 +32,12 @@ def start_spare(group, name: str, turn: int):
     if options.get("num_gpus") and nodes:
         options["num_gpus"] = 0
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[turn % len(nodes)], soft=False)
+        # Older Ray releases set CUDA_VISIBLE_DEVICES="" in a process given no GPU unless told not
+        # to: the spare would see no GPU, decide at start that it computes on the CPU, and CUDA,
+        # once anything asked it, would list no device for good. Its variable stays unset instead.
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), OVERRIDE_ON_ZERO: "0"}
+        options["runtime_env"] = runtime_env
     # A spare reads rank 0's master address; it publishes one only once it takes rank 0.
     identity = {k: v for k, v in group.ranks.identities[0].items() if k != master_env.PUBLISH}
     return group.ray_cls_with_init(options, identity)
