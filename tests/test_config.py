@@ -125,12 +125,18 @@ def test_direct_construction_validates_and_widens_ints():
     (["actor.mini_batch_size=128"], r"actor\.mini_batch_size=128.*= 64"),
     (["data.task=jsonl"], r"data\.path"),
     (["data.task=jsonl", "data.path=x.jsonl"], r"data\.reward_fn"),
-    (["trainer.device=cuda"], r"trainer\.device='cuda'.*CUDA"),
     (["data.task=add", "data.max_digits=6"], r"rollout\.max_new_tokens=4.*>= 7"),
 ])
 def test_cross_field_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=overrides)
+
+
+def test_a_gpu_run_s_config_reads_on_a_machine_without_one():
+    """The controller may run on a Ray head without a GPU, and a warm spare sees none until it
+    takes a rank's: whether the cluster has GPUs is checked against the cluster
+    (``tests/test_node_layout.py``), not where the config is read."""
+    assert load_config(overrides=["trainer.device=cuda"]).trainer.device == "cuda"
 
 
 def test_grpo_turns_critic_off_and_ignores_critic_world_size():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resilient_rl.config.schema import load_config
+from resilient_rl.config.section import ConfigFieldError
 from resilient_rl.config.node_layout import (RoleLayout, check_cluster_fits, config_layouts, network_runtime_env,
                                              role_layout)
 from resilient_rl.errors import ConfigError, ResourceError
@@ -72,6 +73,10 @@ def test_cluster_that_can_never_host_the_layout_is_refused():
     with pytest.raises(ResourceError, match="only 1 alive node"):
         check_cluster_fits(two_by_two, [node(gpu=8), node(gpu=1)], use_gpu=True, cpus_per_rank=0.1)
     check_cluster_fits(two_by_two, [node(gpu=2), node(gpu=8)], use_gpu=True, cpus_per_rank=0.1)
+    # trainer.device=cuda on a cluster without any GPU is refused naming the key, before any actor starts.
+    with pytest.raises(ConfigFieldError, match=r"trainer\.device='cuda': no alive node of the Ray cluster has a GPU"):
+        check_cluster_fits([RoleLayout("main", (2,))], [node(), node(gpu=8, alive=False)], use_gpu=True,
+                           cpus_per_rank=0.1)
     # One node of CPU ranks is the resource pool's own check (the totals).
     check_cluster_fits([RoleLayout("main", (4,))], [node(cpu=0.1)], use_gpu=False, cpus_per_rank=0.1)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from resilient_rl.config.section import ConfigFieldError
 from resilient_rl.errors import ConfigError, ResourceError
 
 
@@ -77,6 +78,12 @@ def check_cluster_fits(layouts: list[RoleLayout], nodes: list[dict], use_gpu: bo
     Only what can never fit is refused; resources held by other jobs are the placement timeout's
     business."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if use_gpu and not any(r.get("GPU", 0) for r in alive):
+        # Only trainer.device=cuda asks for GPUs of a cluster that has none (auto would not). It is
+        # checked here, against the cluster, not where the config is read: the controller may run
+        # on a node without a GPU (a Ray head), and so does a warm spare before it takes a GPU.
+        raise ConfigFieldError("trainer.device", "cuda", "no alive node of the Ray cluster has a GPU "
+                               "(use 'auto' or 'cpu')")
     for layout in layouts:
         if layout.nnodes == 1 and not use_gpu:
             continue  # the resource pool's own total check covers one node of CPU bundles

@@ -121,13 +121,6 @@ class Config(Section):
             longest = self.data.max_digits + (1 if self.data.task == "add" else 0)
             require(self.rollout.max_new_tokens >= longest, "rollout.max_new_tokens", self.rollout.max_new_tokens,
                      f"must be >= {longest}, the longest answer of data.task={self.data.task!r}")
-        if self.trainer.device == "cuda":
-            import torch  # only here: importing torch is slow and most configs never need it
-
-            # Counted through NVML until CUDA is initialised: validating a worker's config must
-            # not initialise CUDA in it (see resilient_rl.runtime.devices).
-            require(torch.cuda.device_count() > 0, "trainer.device", self.trainer.device,
-                     "CUDA is not available to torch on this machine (use 'auto' or 'cpu')")
 
     def _check_reward(self) -> None:
         """A file of prompts is scored by exactly one of data.reward_fn and
