@@ -33,3 +33,38 @@ def test_teardown_aborts_nccl_groups_and_destroys_gloo_ones(monkeypatch, backend
     monkeypatch.setattr(worker.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
     worker.destroy_process_group()
     assert calls == expected
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ({}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}),  # the user's choice
+    ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": None}),  # its older name
+])
+def test_a_gpu_group_is_created_with_nccl_errors_raised_not_ending_the_process(monkeypatch, preset, expected):
+    """torch's default watchdog mode ends a process whose NCCL collective failed or timed out:
+    a survivor of a dead peer would die instead of raising and rejoining, as it does on gloo.
+    The variable must be set before torch builds the group, which reads it then."""
+    import os
+    import types
+
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in preset.items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen["backend"] = backend
+        seen["env"] = {name: os.environ.get(name) for name in expected}
+
+    monkeypatch.setattr(worker.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(worker.torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(worker, "cuda_device_index", lambda local_rank: 0)
+    monkeypatch.setattr(worker.rendezvous, "join_store", lambda *a, **k: object())
+    monkeypatch.setattr(worker.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(worker.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(worker, "export_identity", lambda identity: None)
+    monkeypatch.setattr(worker, "_PG_STATE", dict(worker._PG_STATE, generation=None, cuda_device=None))
+    rank = types.SimpleNamespace(rank=0, world_size=1, identity=types.SimpleNamespace(local_rank=0))
+    assert worker.RankWorker.rendezvous(rank, 1, "127.0.0.1", 1, backend="nccl") == 1
+    assert seen == {"backend": "cpu:gloo,cuda:nccl", "env": expected}

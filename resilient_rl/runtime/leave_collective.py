@@ -136,6 +136,24 @@ def owned() -> int:
         return len(_OWNED & set(_socket_fds()))
 
 
+#: How ProcessGroupNCCL's watchdog meets a collective's error or timeout: ``2`` aborts the
+#: communicators (every pending NCCL call then ends with an error) and leaves the process alone.
+#: torch's default, ``3``, ends the process from the watchdog thread instead: a survivor of a dead
+#: peer (across nodes NCCL sees the peer's sockets close) or a rank left waiting past
+#: ``recovery.collective_timeout_s`` would die rather than raise, as it does on gloo, and cost a
+#: restart. Both names torch reads are honoured where a user has set one.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+_NCCL_ERROR_HANDLING_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def survive_nccl_errors() -> None:
+    """Called before this process creates an NCCL group (torch reads the variable then): its
+    collectives' errors and timeouts raise in the process instead of ending it
+    (:data:`NCCL_ERROR_HANDLING`), unless the user chose otherwise."""
+    if not any(name in os.environ for name in _NCCL_ERROR_HANDLING_NAMES):
+        os.environ.update(NCCL_ERROR_HANDLING)
+
+
 def uses_nccl(backend: str) -> bool:
     """Whether a process group's backend string has NCCL in it.
 

@@ -326,6 +326,7 @@ class RankWorker:
             if backend == "nccl" and torch.cuda.is_available():
                 _PG_STATE["cuda_device"] = cuda_device_index(self.identity.local_rank)
                 torch.cuda.set_device(_PG_STATE["cuda_device"])
+                leave_collective.survive_nccl_errors()
                 # CPU-side collectives (checkpoint metadata, object gathers) ride on gloo next to nccl.
                 backend = "cpu:gloo,cuda:nccl"
             # Every rank is in the store before torch builds the group: a rendezvous whose peer

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient_rl.runtime import rendezvous
+from resilient_rl.runtime import leave_collective, rendezvous
 from resilient_rl.errors import CollectiveError
 from resilient_rl.workers import weight_sync
 from resilient_rl.workers.fsdp import is_fsdp
@@ -47,6 +47,7 @@ def join(generation: int, addr: str, port: int, rank: int, size: int, backend: s
         store = rendezvous.join_store(generation, addr, port, rank, size, timeout_s)
         prefixed = dist.PrefixStore(f"rrl-weights/{generation}", store)
         if backend == "nccl":
+            leave_collective.survive_nccl_errors()
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
