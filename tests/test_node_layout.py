@@ -130,3 +130,33 @@ def test_pool_of_several_nodes_places_each_group_off_the_others_nodes(monkeypatc
     fake.created.clear()
     rp.RayResourcePool([1, 1], name_prefix="q", use_gpu=False).get_placement_groups()
     assert [c[2] for c in fake.created] == [None, None]
+
+
+@pytest.mark.parametrize("old_ray, why", [
+    ("ignores", r"it placed group 1 on node\(s\) \['n1'\] that its label selector excludes"),
+    ("lacks", r"its placement groups take no label selector"),
+])
+def test_a_ray_that_cannot_keep_groups_on_distinct_nodes_is_refused_leaving_no_group(monkeypatch, old_ray, why):
+    """Ray took placement-group label selectors in one release and honoured them in a later one:
+    before, the keyword is unknown; between, it is accepted and the groups may share a node, which
+    HSDP's mesh by node and the snapshot ring by node would silently get wrong."""
+    import resilient_rl.runtime.resource_pool as rp
+
+    fake = FakePlacement(["n1", "n2"])
+
+    def placement_group(bundles, strategy, name, lifetime=None, **selector):
+        if old_ray == "lacks" and selector:
+            raise TypeError("placement_group() got an unexpected keyword argument 'bundle_label_selector'")
+        return fake.placement_group(bundles, strategy, name, lifetime)  # the selector unread
+
+    monkeypatch.setattr(rp, "placement_group", placement_group)
+    monkeypatch.setattr(rp, "placement_group_table", fake.table)
+    monkeypatch.setattr(rp, "remove_placement_group", fake.removed.append)
+    monkeypatch.setattr(rp.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    monkeypatch.setattr(rp.ray, "cluster_resources", lambda: {"CPU": 24})
+    pool = rp.RayResourcePool([2, 2], name_prefix="p", use_gpu=False, cpus_per_bundle=0.1, distinct_nodes=True)
+    with pytest.raises(ResourceError, match=r"pool 'p' needs its 2 placement groups on distinct nodes, which Ray "
+                                            r"[\d.]+\S* cannot do: " + why):
+        pool.get_placement_groups()
+    assert len(fake.removed) == len(fake.created) == (2 if old_ray == "ignores" else 0), \
+        "every group created is removed again"

@@ -158,11 +158,26 @@ class RayResourcePool:
         for i, n in enumerate(self._store):
             selector = [{NODE_ID_LABEL: f"!in({','.join(used)})"}] * n if used else None
             self._excluded[i] = set(used)
-            pgs.append(placement_group([self.bundle() for _ in range(n)], strategy=strategy, name=f"{name}_pg{i}",
-                                       lifetime=lifetime, bundle_label_selector=selector))
+            try:
+                pgs.append(placement_group([self.bundle() for _ in range(n)], strategy=strategy,
+                                           name=f"{name}_pg{i}", lifetime=lifetime, bundle_label_selector=selector))
+            except TypeError as exc:  # a Ray without label selectors on placement groups
+                self._refuse_distinct(pgs, f"its placement groups take no label selector ({exc})")
             self._wait_placed(pgs[-1:], pgs, deadline, f" on a node other than those of its first {i} group(s)")
-            used += sorted(set(placement_group_table(pgs[-1]).get("bundles_to_node_id", {}).values()))
+            placed = set(placement_group_table(pgs[-1]).get("bundles_to_node_id", {}).values())
+            if placed & set(used):  # accepted, not honoured: the groups would share a node
+                self._refuse_distinct(pgs, f"it placed group {i} on node(s) {sorted(placed & set(used))} that "
+                                           "its label selector excludes")
+            used += sorted(placed)
         return pgs
+
+    def _refuse_distinct(self, created: list[PlacementGroup], why: str) -> None:
+        """Remove ``created`` and raise: this Ray cannot keep the pool's groups on distinct nodes."""
+        for pg in created:
+            remove_placement_group(pg)
+        raise ResourceError(f"pool {self.name_prefix!r} needs its {len(self._store)} placement groups on distinct "
+                            f"nodes, which Ray {ray.__version__} cannot do: {why}; use a Ray release whose "
+                            "placement groups honour bundle_label_selector")
 
     def _wait_placed(self, waiting: list[PlacementGroup], created: list[PlacementGroup], deadline: float,
                      where: str = "") -> None:
