@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -72,6 +73,8 @@ from gpu_workloads import WORKLOADS, prepare_data, workload_config, workload_lin
 
 NO_GPU = ("bench/gpu.py: no CUDA device visible to torch on this machine; nothing to measure "
           "(bench/train.py runs on CPU)")
+#: The exit status of a run its time limit stopped (as ``timeout`` reports one it ended).
+TIMED_OUT = 124
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "resilient_rl" / "configs" / "grpo_add.yaml"
 def gpus_used(cfg) -> int:
     """GPUs the Ray trainer takes: one pool of actor.world_size colocated, else one pool per role."""
@@ -208,6 +211,22 @@ class _Measure:
         self.first, self.last = first, last
 
 
+class TimeUp(BaseException):
+    """SIGTERM: the run's time limit (``timeout`` in bench/gpu_figures.sh, whose SIGKILL follows 20 s
+    later). A BaseException, as KeyboardInterrupt is: no handler of the trainer's takes it for a
+    worker's failure."""
+
+
+def stop_at_sigterm() -> None:
+    """From now on (after ``ray.init``, whose own handler exits at once and loses every figure not
+    yet printed), SIGTERM stops the run where it is: its steps so far are reported."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the shutdown and the report must finish
+        raise TimeUp()
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> dict:
     """Train ``--warmup`` + ``--steps`` (+ a recovery) steps through the trainer's own loop, printing
     each step and recovery event as it happens (bench/gpu_progress.py); returns what
@@ -228,13 +247,22 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
                                               cfg.actor.ppo_epochs)
     progress = Progress(measure.first, measure.last, figures, out=lambda line: print(line, flush=True))
     owned = connect(cfg.ray)
-    trainer = None
+    stop_at_sigterm()
+    trainer, stopped = None, False
     try:
-        trainer = PPOTrainer(cfg, hooks=measure.hooks + [progress])
-        progress.attach(trainer.run_dir)
-        trainer.run_dir.subscribe(lambda ev: measure.stalls.append((ev.step, ev.stall_s))
-                                  if ev.kind == "checkpoint_started" else None)
-        trainer.fit()
+        try:
+            trainer = PPOTrainer(cfg, hooks=measure.hooks + [progress])
+            progress.attach(trainer.run_dir)
+            trainer.run_dir.subscribe(lambda ev: measure.stalls.append((ev.step, ev.stall_s))
+                                      if ev.kind == "checkpoint_started" else None)
+            trainer.fit()
+        except TimeUp:
+            stopped = True
+            done = trainer.step if trainer is not None else 0
+            print(f"\nstopped by the time limit (SIGTERM) after step {done}: the figures below are of the steps "
+                  "done", flush=True)
+            if trainer is None:
+                raise
         vocab = trainer.tokenizer.vocab_size
     finally:
         if measure.sampling is not None and measure.sampling._thread.is_alive():
@@ -249,7 +277,7 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
             "stalls": measure.stalls, "n_params": count_params(cfg, vocab),
             "recovered": [e for e in trainer.run_dir.read_events() if e.get("event") == "recovered"],
             "history": history, "warm": [r for r in history if r["step"] < measure.first], "figures": figures,
-            "vocab": vocab}
+            "vocab": vocab, "stopped": stopped}
 
 
 def main(argv=None) -> int:
@@ -271,7 +299,7 @@ def main(argv=None) -> int:
             args.config = prepare_workload(args.workload, tmp, args.models, args.size)
         r = run(args, tmp, device, peak)
         generation = None
-        if args.workload and not args.skip_generation:  # while the run's folder (its kept decode step) is there
+        if args.workload and not args.skip_generation and not r["stopped"]:  # while the run's folder (its kept decode step) is there
             from gpu_generation import compare_generation
 
             generation = compare_generation(workload(args.workload, args.size), r["cfg"], r["vocab"],
@@ -284,6 +312,9 @@ def main(argv=None) -> int:
     print(f"\nconfig {args.config}: {cfg.trainer.placement}, model {m.kind} hidden={m.hidden_size} "
           f"layers={m.num_layers}; batch {cfg.data.batch_size} prompts x n={cfg.rollout.n}, "
           f"{cfg.rollout.max_new_tokens} new tokens; ppo_epochs={cfg.actor.ppo_epochs}; {args.warmup} warm-up steps")
+    if not rows:
+        print("no measured step was done")
+        return TIMED_OUT if r["stopped"] else 1
     lines = format_report(rows, n_params=r["n_params"], ppo_epochs=cfg.actor.ppo_epochs,
                           need_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
                           critic_epochs=cfg.critic.ppo_epochs if cfg.critic.enabled else None,
@@ -317,7 +348,7 @@ def main(argv=None) -> int:
             from gpu_generation import generation_lines
 
             print("\n".join(generation_lines(workload(args.workload, args.size), generation, name)))
-    return 0
+    return TIMED_OUT if r["stopped"] else 0
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 #
 # With --wheelhouse, first installs the project from DIR with no package index
 # (`./install.sh --wheelhouse DIR`). Logs and a summary go to OUT (default: ./gpu-figures).
-# WORKLOAD: gsm8k-1.5b and/or gsm8k-0.5b (default: both, in that order: the 1.5 B run alone takes
-# every figure still open, so a call whose budget ends during the 0.5 B run has them all). The first
+# WORKLOAD: gsm8k-1.5b and/or gsm8k-0.5b (default: both, in that order: the 1.5 B run and the update
+# pass after it take every figure still open, so a call whose budget ends later has them all). The first
 # rollout of each compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
 # (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
 # each part's limit is cut to what is left of it (a part takes up to its whole limit of what is
@@ -17,16 +17,16 @@
 #      packed attention each rank took, one actor SIGKILL's recovery time (its phases, and each
 #      role's rebuild), then the rollout engine alone on the run's rollout model, with its share of
 #      the decode roofline: the engine loads the run's kept decode step, so it compiles nothing;
-#   2. bench/gpu_release.py: how long a SIGKILLed process's 32 GiB stay held on the GPU after its
-#      reap (a spare's build waits for them), against the process freeing them itself;
-#      bench/snapshot_restore.py: a restore's writing of the 0.5 B actor's state from pageable
-#      memory, directly and through page-locked staging buffers; bench/fused_elementwise.py: a
-#      block's norms, rotary embedding and SwiGLU, eager against compiled;
-#   3. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
+#   2. bench/update_mfu.py: the update pass of 1.5 B alone (the size of the update target) on rows
 #      of 512 to 1,536 tokens: its MFU by both counts and where the device's time goes (by kind of
 #      work, the heaviest copies and elementwise operators at their shapes, the idle time by phase
 #      of the update; its trace in OUT/update_trace.json.gz), then the same with the norms, rotary and SwiGLU
 #      eager (compiled by default on a GPU) and with every block compiled;
+#   3. what no target needs, with what is left: bench/gpu_release.py: how long a SIGKILLed
+#      process's 32 GiB stay held on the GPU after its reap (a spare's build waits for them), against
+#      the process freeing them itself; bench/snapshot_restore.py: a restore's writing of the 0.5 B
+#      actor's state from pageable memory, directly and through page-locked staging buffers;
+#      bench/fused_elementwise.py: a block's norms, rotary embedding and SwiGLU, eager against compiled;
 #   4. the other workloads: gsm8k-0.5b is the same as 1, with the engine against HF generate
 #      (dynamic cache; 9.66x on an H200, 2026-11-30) on the same batch.
 # The components have their own commands, each measured on an H200 (docs/performance.md):
@@ -67,7 +67,8 @@ run() {  # name, timeout, arguments of bench/gpu.py
     local name=$1 limit=$2
     shift 2
     echo "== $name: python bench/gpu.py $*" | tee -a "$out/summary.txt"
-    # SIGTERM first (the trainer stops at a step boundary), SIGKILL 20 s later: a run never outlasts its limit much.
+    # SIGTERM first (the run stops where it is and reports its steps so far, rc 124), SIGKILL 20 s
+    # later: a run never outlasts its limit much.
     timeout -k 20 "$limit" "$PY" bench/gpu.py "$@" > "$out/$name.log" 2>&1
     local rc=$?
     # The stamped lines ("[  12.3 s] step 2: ...") are printed as the run goes: a run stopped at its
@@ -94,8 +95,17 @@ part() {  # name, limit in seconds, lines of its log for the summary, then the s
     echo "rc=$?" >> "$out/$name.log"
     grep -vE "^(W[0-9]{4}|USDT)" "$out/$name.log" | tail -"$lines" | tee -a "$out/summary.txt"
 }
-# The first workload first: alone it takes every figure still open.
+# The first workload first: alone it takes every figure still open but the update pass's MFU, next.
 workload "${workloads[0]}"
+# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with the norms and
+# SwiGLU eager (what the compiled ones save on the whole update), then with every
+# block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
+# graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
+# slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again. It prints its figures
+# as it goes: a limit that ends it during the variant leaves the workload's own.
+part update_mfu 200 75 bench/update_mfu.py --workload gsm8k-1.5b --rows 32 --repeats 2 \
+    --trace "$out/update_trace.json.gz" --variant eager_elementwise=actor.compile_elementwise=false \
+    --variant compiled_blocks=actor.compile=true
 # How long a killed process's GPU memory stays held after the process is reaped: the window in which a
 # warm spare's first build finds the dead rank's GPU still full (resilient_rl/workers/held_memory.py).
 part gpu_release 40 3 bench/gpu_release.py --gib 32 --repeats 2
@@ -106,16 +116,7 @@ part snapshot_restore 60 6 bench/snapshot_restore.py --device cuda
 # A block's norms, rotary embedding and SwiGLU at a 1.5 B micro-batch, eager (Hugging Face's module, F.rms_norm) against
 # compiled (the default on a GPU): about 220 of the 445 KB a token and layer the eager update wrote
 # outside its products were the norms' fp32 intermediates (bench/activation_bytes.py).
-part fused_elementwise 60 12 bench/fused_elementwise.py --device cuda
-# The update pass of 1.5 B alone, rows of 512-1,536 tokens: MFU and a profile, then with the norms and
-# SwiGLU eager (what the compiled ones save on the whole update), then with every
-# block compiled (on an H200 1.30x slower while each block broke at its packed attention; now one
-# graph a block, where inductor can fuse the elementwise third). The eager head variant was 1.39x
-# slower (docs/performance.md); `--variant NAME=KEY=VALUE` times one again. It prints its figures
-# as it goes: a limit that ends it during the variant leaves the workload's own.
-part update_mfu 200 75 bench/update_mfu.py --workload gsm8k-1.5b --rows 32 --repeats 2 \
-    --trace "$out/update_trace.json.gz" --variant eager_elementwise=actor.compile_elementwise=false \
-    --variant compiled_blocks=actor.compile=true
+part fused_elementwise 60 18 bench/fused_elementwise.py --device cuda
 for w in "${workloads[@]:1}"; do
     workload "$w"
 done

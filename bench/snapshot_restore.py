@@ -36,7 +36,7 @@ from decode_bench import best_of  # noqa: E402
 from gpu_workloads import WORKLOADS  # noqa: E402
 from optimizer import parameter_shapes  # noqa: E402
 
-from resilient_rl.workers.snapshots.buffers import Layout, copy_in  # noqa: E402
+from resilient_rl.workers.snapshots.buffers import Layout, copy_in, pinned_host_buffer  # noqa: E402
 from resilient_rl.workers.snapshots.staged import bytes_of  # noqa: E402
 
 
@@ -63,16 +63,22 @@ def main(argv=None) -> int:
     layers = args.layers or (hf["num_hidden_layers"] if args.device.startswith("cuda") else 2)
     tensors = rank_state(parameter_shapes(hf, layers), args.device)
     layout = Layout.of(tensors)
-    data = np.empty(layout.total, dtype=np.uint8)
-    torch.from_numpy(data).random_(0, 256, generator=torch.Generator().manual_seed(0))  # every page touched
+    # Random bytes, every page touched; drawn as int64 (8 bytes a draw: ~9x faster than bytes).
+    words = np.empty(-(-layout.total // 8), dtype=np.int64)
+    torch.from_numpy(words).random_(generator=torch.Generator().manual_seed(0))
+    data = words.view(np.uint8)[:layout.total]
     gb = layout.total / 1e9
     print(f"restore of {gb:.2f} GB ({len(tensors)} tensors: {w.name}, {layers} blocks, fp32 weights, "
           f"AdamW state) into {args.device} tensors, best of {args.repeat}")
     ways = {"direct": lambda: copy_in(layout, data, tensors, staged=False),
             "staged": lambda: copy_in(layout, data, tensors, staged=True)}
     if args.device.startswith("cuda"):
-        pinned = torch.empty(layout.total, dtype=torch.uint8, pin_memory=True)
+        # Page-locked at its exact size as a rank's ring is (pinned_host_buffer: torch's pinned
+        # allocator would round 5.9 GB up to 8 GiB).
+        pinned, unlock = pinned_host_buffer(layout.total)
         pinned.copy_(torch.from_numpy(data))
+        if unlock is None:
+            print("  (CUDA refused to page-lock the buffer: the pinned way reads pageable memory)")
         ways["pinned"] = lambda: copy_in(layout, pinned.numpy(), tensors, staged=False)
     best: dict[str, float] = {}
     for _ in range(2):  # in turn, so that a noisy neighbour slows every way

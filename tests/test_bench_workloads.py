@@ -302,6 +302,42 @@ def test_gpu_workload_runs_end_to_end_tiny_on_cpu(tmp_path):
     assert "engine is " in out and "x faster" in out and "decode roofline: n/a" in out
 
 
+def test_a_workload_stopped_by_its_time_limit_still_reports_the_steps_it_did(tmp_path):
+    """bench/gpu_figures.sh ends a run at its limit with SIGTERM (SIGKILL 20 s later). Ray's own
+    handler would exit at once, losing every figure printed only at the end: the run stops where it
+    is instead, and reports its measured steps so far."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from resilient_rl.testing.bench_scripts import REPO
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.Popen([sys.executable, str(BENCH / "gpu.py"), "--workload", "gsm8k-0.5b", "--tiny", "--warmup",
+                             "1", "--steps", "3", "--skip-generation", "--models", str(tmp_path / "models")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[") and "] step 2:" in line:  # the first measured step is done
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 124, out[-3000:]
+    stopped = next(line for line in out.splitlines() if line.startswith("stopped by the time limit"))
+    done = int(stopped.split("after step ")[1].split(":")[0])
+    assert done >= 2, stopped
+    assert f"{done - 1} measured steps on 1 x CPU" in out, out[-3000:]
+    assert "figures of measured steps 2.." in out and "tokens/s/GPU" in out
+
+
 def test_workload_and_generation_report_lines(workloads):
     wl, gen = workloads
     w = wl.WORKLOADS["gsm8k-0.5b"]

@@ -72,19 +72,20 @@ def test_every_command_it_runs_is_accepted_by_its_script(tmp_path, monkeypatch):
     assert versions[0] == "-c" and "import torch, transformers, ray" in versions[1]
     # Every bench runs under a limit (its SIGKILL follows), with the same arguments.
     assert [c[4:] for c in calls["timeout"]] == benches
-    # The 1.5 B workload first (alone it takes every figure still open), the 0.5 B one last.
-    assert [c[0] for c in benches] == ["bench/gpu.py", "bench/gpu_release.py", "bench/snapshot_restore.py",
-                                       "bench/fused_elementwise.py", "bench/update_mfu.py", "bench/gpu.py"]
+    # The figures still open first: the 1.5 B workload, then the 1.5 B update pass; what no target
+    # needs after them, with what is left of a budget; the 0.5 B workload last.
+    assert [c[0] for c in benches] == ["bench/gpu.py", "bench/update_mfu.py", "bench/gpu_release.py",
+                                       "bench/snapshot_restore.py", "bench/fused_elementwise.py", "bench/gpu.py"]
     parsed = [parse(c[0], c[1:], monkeypatch) for c in benches]
-    assert [parsed[0].workload, parsed[-1].workload] == ["gsm8k-1.5b", "gsm8k-0.5b"]
+    assert [parsed[0].workload, parsed[1].workload, parsed[-1].workload] == ["gsm8k-1.5b"] * 2 + ["gsm8k-0.5b"]
     assert parsed[0].size is None and parsed[-1].size is None  # the real shapes, not --tiny
     assert "hf_dynamic" in parsed[-1].generation_paths.split(",")  # the engine against HF generate
-    assert parsed[2].device == parsed[3].device == "cuda"
-    assert [name for name, _ in parsed[4].variant] == ["eager_elementwise", "compiled_blocks"]
-    assert parsed[4].trace == str(tmp_path / "out" / "update_trace.json.gz")
+    assert parsed[3].device == parsed[4].device == "cuda"
+    assert [name for name, _ in parsed[1].variant] == ["eager_elementwise", "compiled_blocks"]
+    assert parsed[1].trace == str(tmp_path / "out" / "update_trace.json.gz")
     summary = (tmp_path / "out" / "summary.txt").read_text()
     # The summary names each command before its lines and ends each with its exit status.
-    assert [line for line in summary.splitlines() if line.startswith("== ")][1] == \
+    assert [line for line in summary.splitlines() if line.startswith("== ")][2] == \
         "== python bench/gpu_release.py --gib 32 --repeats 2"
     assert summary.count("\n== ") + 1 == summary.count("rc=0") == len(benches)
 
@@ -97,7 +98,8 @@ def test_a_budget_cuts_each_limit_to_what_is_left_of_it(tmp_path):
     assert len(limits) == 5
     # 25 s of the budget are kept for the last SIGKILL; no limit is under 5 s.
     assert all(5 <= limit <= budget - 25 for limit in limits), limits
-    assert limits[1] == 40  # the first short part is not cut while the budget has room for it
+    assert limits[1] == budget - 25  # the update pass's 200 s cut to the budget
+    assert limits[2] == 40  # a short part is not cut while the budget has room for it
 
 
 def test_an_unknown_workload_is_named_and_fails(tmp_path):
