@@ -20,6 +20,7 @@ from resilient_rl.runtime import devices
 from resilient_rl.runtime.devices import DevicesUnavailable, take_devices
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.spares import SparePool
+from resilient_rl.runtime import worker
 from resilient_rl.runtime.worker import cuda_device_index
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
 from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup
@@ -78,6 +79,10 @@ def test_a_spare_whose_driver_is_initialised_computes_on_the_rank_s_gpus_by_uuid
     # current device, which would otherwise stay device 0 (another rank's GPU).
     assert current == [2]
     assert cuda_device_index(0) == 2, "the rendezvous selects the rank's GPU"
+    # Health replies (from another thread, whose CUDA current device is its own) name that GPU too.
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setitem(worker._PG_STATE, "cuda_device", None)
+    assert worker.compute_cuda_device() == 2
     take_devices("1", "n1", "n1", driver_initialized=lambda: True, cuda_indices=lambda value: None)  # its own now
 
     # Which start-up work initialised the driver of a process not yet given devices is logged, once.

@@ -130,3 +130,18 @@ def test_buckets_pack_and_unpack_uneven_shards_of_every_rank(world):
         bucket.unpack(recv, out)
     for name in full:
         assert torch.equal(out[name], full[name]), name
+
+
+def test_the_actor_s_digest_in_the_rollout_s_dtype_is_the_rollout_s_copy_s():
+    """On a GPU the actor keeps fp32 master weights and the rollout computes in bf16: a sync that
+    arrived gives the rollout the actor's weights rounded to bf16, and the two digests must agree."""
+    from resilient_rl.workers.weight_sync import digest
+
+    torch.manual_seed(0)
+    actor = {"w": torch.randn(4, 8), "b": torch.randn(8)}
+    rollout = {k: v.to(torch.bfloat16) for k, v in actor.items()}
+    assert digest(actor, torch.bfloat16) == digest(rollout)
+    assert digest(actor) != digest(rollout)  # fp32 against its bf16 copy: not the same weights
+    assert digest(actor, torch.float32) == digest(actor)
+    rollout["b"][0] += 1
+    assert digest(actor, torch.bfloat16) != digest(rollout)

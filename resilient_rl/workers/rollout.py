@@ -29,6 +29,7 @@ from resilient_rl.models.generation import generate
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.compile_cache import CompileCache
 from resilient_rl.workers.fsdp import DevicePlan, to_device
+from resilient_rl.workers.weight_sync import digest
 
 #: The weights version of a rollout built empty, before it received any weights.
 NO_WEIGHTS = -1
@@ -38,8 +39,8 @@ def sampling_seed(seed: int, step: int, rank: int, stream: str | None = None) ->
     """A 63-bit seed that is a pure function of its inputs; ``stream`` names a stream apart from
     the training step's (a validation pass samples from its own, leaving the step's untouched)."""
     key = f"{seed}:{step}:{rank}" + (f":{stream}" if stream else "")
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    hashed = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(hashed[:8], "little") & ((1 << 63) - 1)
 
 
 class RolloutEngine:
@@ -82,11 +83,7 @@ class RolloutEngine:
 
     def weights_digest(self) -> str:
         """sha256 over the parameters (to check that a sync really arrived)."""
-        h = hashlib.sha256()
-        for k, v in sorted(self.model.state_dict().items()):
-            h.update(k.encode())
-            h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return digest(self.model.state_dict())
 
     def compiles(self) -> bool:
         """Whether generations compile the decode step (``rollout.compile``; unset: on a GPU)."""

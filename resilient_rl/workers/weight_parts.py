@@ -11,7 +11,6 @@ rank's device plan and its rank.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any, Callable
 
@@ -20,16 +19,8 @@ import torch
 from resilient_rl.errors import WorkerError
 from resilient_rl.runtime.dispatch import Dispatch, register
 from resilient_rl.workers import weight_channel, weight_sync
+from resilient_rl.workers.weight_sync import digest
 from resilient_rl.workers.fsdp import DevicePlan, full_state_dict
-
-
-def digest(state: dict[str, torch.Tensor]) -> str:
-    """sha256 of a full state dict, name by name (equal weights, equal digest, on any placement)."""
-    h = hashlib.sha256()
-    for k, v in sorted(state.items()):
-        h.update(k.encode())
-        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class WeightSender:
@@ -90,9 +81,11 @@ class WeightSender:
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_digest(self) -> str | None:
-        """sha256 of the gathered weights on rank 0 (a collective: every rank must call it)."""
+        """sha256 of the gathered weights on rank 0 (a collective: every rank must call it), in the
+        dtype the rollout holds them in (the compute dtype: bf16 on a GPU, where the actor's master
+        weights stay fp32), so that a sync that arrived has the rollout's digest."""
         state = full_state_dict(self.engine().model, all_ranks=False)
-        return digest(state) if self.rank == 0 else None
+        return digest(state, self.plan().param_dtype) if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_weights(self) -> dict | None:

@@ -22,6 +22,7 @@ names, so a stale or missing sync is an error, never a silent stale generation.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -269,3 +270,14 @@ class Sink:
         if held != int(version):
             raise WorkerError(f"weight sync: this process holds version {held}, asked for {version}",
                               role="rollout", cause="stale_weights")
+
+
+def digest(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+    """sha256 of a full state dict, name by name, each tensor rounded to ``dtype`` first (equal
+    weights, equal digest, on any placement: an fp32 actor's weights cast to the rollout's bf16
+    have the digest of the rollout's copy)."""
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().to(dtype or v.dtype).float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
