@@ -82,3 +82,49 @@ def test_without_leaving_a_survivor_waits_for_its_live_peers():
     """The premise: with the cascade off, some survivor is still blocked when ``hold_s`` ends."""
     results = _run(cascade=False, hold_s=3.0)
     assert not all(results[rank][0] for rank in range(WORLD - 1)), results
+
+
+def _channel_rank(rank: int, port: int, out, ready, done) -> None:
+    """A weight channel of two ranks (actor rank 0, one rollout rank); the rollout rank waits in a
+    bucket's broadcast, and actor rank 0 leaves its collectives, as it does when told to or when its
+    own group's collective failed mid-sync, then stays alive (as a Ray worker does) for a while."""
+    import os
+    import time
+
+    import torch
+
+    from resilient_rl.runtime import leave_collective
+    from resilient_rl.workers import weight_channel
+
+    torch.set_num_threads(1)
+    weight_channel.join(1, "127.0.0.1", port, rank, 2, "gloo", timeout_s=600.0)  # a wait no test outlasts
+    if rank == 1:
+        ready.set()
+        try:
+            weight_channel._broadcast(torch.empty(1 << 10))
+            error = None
+        except Exception as exc:  # noqa: BLE001 -- the channel ended
+            error = type(exc).__name__
+        done.set()
+        out.put((rank, error))
+    else:
+        ready.wait(60)
+        time.sleep(0.5)  # the rollout rank inside its broadcast
+        closed = leave_collective.leave_collectives("a peer of the actor died")
+        out.put((rank, closed, done.wait(30)))  # whether the rollout rank raised while this one lived
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_leaving_ends_the_weight_channel_s_waits_too():
+    """The channel between actor rank 0 and the rollout is a group of its own: a process leaving
+    its collectives ends it too, so the other side of a sync raises at once instead of waiting out
+    the channel's timeout (NCCL channels are aborted the same way)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = run_ranks(_channel_rank, 2, args=(ctx.Event(), ctx.Event()), timeout_s=120)
+    closed, raised_while_alive = results[0]
+    assert closed >= 1, "actor rank 0 shut the channel's connections down"
+    assert raised_while_alive and results[1] == ("CollectiveError",), results

@@ -68,3 +68,19 @@ def test_a_gpu_group_is_created_with_nccl_errors_raised_not_ending_the_process(m
     rank = types.SimpleNamespace(rank=0, world_size=1, identity=types.SimpleNamespace(local_rank=0))
     assert worker.RankWorker.rendezvous(rank, 1, "127.0.0.1", 1, backend="nccl") == 1
     assert seen == {"backend": "cpu:gloo,cuda:nccl", "env": expected}
+
+
+def test_leaving_aborts_the_nccl_groups_outside_the_default_one():
+    """The weight channel's NCCL communicator is not torch's default group: leaving aborts it by
+    the abort it registered when it was built, until it is gone."""
+    from resilient_rl.runtime import leave_collective
+
+    calls = []
+    leave_collective.abort_on_leave("weight channel", lambda: calls.append("abort"))
+    try:
+        leave_collective.leave_collectives("a peer died")
+        assert calls == ["abort"]
+    finally:
+        leave_collective.abort_on_leave("weight channel", None)
+    leave_collective.leave_collectives("again")
+    assert calls == ["abort"]

@@ -38,7 +38,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed
 
@@ -175,6 +175,21 @@ def abort_nccl() -> bool:
     return True
 
 
+#: NCCL groups of this process outside torch's default one (the weight channel) -> their abort.
+_ABORTS: dict[str, Callable[[], None]] = {}
+
+
+def abort_on_leave(name: str, abort: Callable[[], None] | None) -> None:
+    """Have :func:`leave_collectives` also call ``abort`` for the NCCL group ``name`` that is not
+    torch's default group (None: the group is gone). ``abort`` runs on whichever thread leaves,
+    while a call may be blocked in the group: it must take no lock that call holds."""
+    with _LOCK:
+        if abort is None:
+            _ABORTS.pop(name, None)
+        else:
+            _ABORTS[name] = abort
+
+
 def leave_collectives(reason: str = "") -> int:
     """End every collective this process is in, and the peers' waits on it: abort NCCL
     communicators, shut down the groups' sockets. Returns the number of sockets shut down.
@@ -183,6 +198,13 @@ def leave_collectives(reason: str = "") -> int:
         abort_nccl()
     except Exception as exc:  # noqa: BLE001 -- a half-gone group: the sockets below still close
         logger.warning("aborting the NCCL communicator raised %s", exc)
+    with _LOCK:
+        aborts = list(_ABORTS.items())
+    for name, abort in aborts:
+        try:
+            abort()
+        except Exception as exc:  # noqa: BLE001 -- the others, and the sockets, still end
+            logger.warning("aborting the %s raised %s", name, exc)
     fds = _socket_fds()
     with _LOCK:
         targets = [fds[i] for i in _OWNED if i in fds]

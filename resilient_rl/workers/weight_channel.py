@@ -46,13 +46,17 @@ def join(generation: int, addr: str, port: int, rank: int, size: int, backend: s
         # way gets the rendezvous called off (RayRoles.rendezvous) instead of a wait in torch.
         store = rendezvous.join_store(generation, addr, port, rank, size, timeout_s)
         prefixed = dist.PrefixStore(f"rrl-weights/{generation}", store)
-        if backend == "nccl":
-            leave_collective.survive_nccl_errors()
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-        else:
-            pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        # The channel is one of this process's collectives: leaving them (told to, or after one
+        # failed) ends its waits too, so the other side of a sync does not wait out its timeout.
+        with leave_collective.recording():  # gloo's connections, shut down on leaving
+            if backend == "nccl":
+                leave_collective.survive_nccl_errors()
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+                leave_collective.abort_on_leave("weight channel", pg.abort)
+            else:
+                pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         _STATE.update(pg=pg, generation=generation, store=store)
         logger.info("joined weight channel generation %d as rank %d of %d (%s)", generation, rank, size, backend)
         return generation
@@ -65,6 +69,7 @@ def close() -> None:
 
 
 def _close_locked() -> None:
+    leave_collective.abort_on_leave("weight channel", None)
     pg = _STATE["pg"]
     if pg is not None:
         for name in ("abort", "shutdown"):
