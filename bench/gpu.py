@@ -20,7 +20,8 @@ Model FLOPs of one step (N = parameters used in matrix products: every weight ex
 tables, so a tied LM head counts once; T = prompt + response tokens of the step, from the
 attention mask; attention-score FLOPs and padding are left out, so this is a lower bound)::
 
-    gen            2·N·T                      prompt prefill + one decode per generated token (KV cache)
+    gen            2·N·T_gen                  each prompt's prefill once (its rollout.n samples share it)
+                                              + one decode per generated token (KV cache)
     ref            2·N·T                      when the KL term needs the reference policy
     old_log_prob   2·N·T
     values         2·N·T                      PPO critic (its backbone counted as N)
@@ -319,7 +320,8 @@ def main(argv=None) -> int:
                           need_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
                           critic_epochs=cfg.critic.ppo_epochs if cfg.critic.enabled else None,
                           device_name=name, peak=peak, n_gpus=gpus_used(cfg),
-                          util=utilization_summary(r["readings"]), copy_s=copy_s, stalls=r["stalls"])
+                          util=utilization_summary(r["readings"]), copy_s=copy_s, stalls=r["stalls"],
+                          prompts=cfg.data.batch_size, samples=cfg.rollout.n)
     print("\n".join(lines))
     for row in r["warm"]:
         print(f"warm-up step {row['step']}: {row['timing/step_s']:.1f} s (generation {row.get('timing/gen_s', 0):.1f} s, "

@@ -30,16 +30,29 @@ def matmul_params(model: nn.Module) -> int:
 
 
 def step_flops(n_params: int, tokens: float, *, ppo_epochs: int, need_ref: bool,
-               critic_epochs: int | None = None) -> dict[str, float]:
-    """Model FLOPs of one step per phase (see the module docstring); ``critic_epochs`` None: no critic."""
+               critic_epochs: int | None = None, gen_tokens: float | None = None) -> dict[str, float]:
+    """Model FLOPs of one step per phase (see the module docstring); ``critic_epochs`` None: no
+    critic; ``gen_tokens``: the tokens the generation computes (default ``tokens``)."""
     fwd = 2.0 * n_params * tokens
-    flops = {"gen": fwd, "old_log_prob": fwd, "update_actor": 3.0 * fwd * ppo_epochs}
+    gen = 2.0 * n_params * (tokens if gen_tokens is None else gen_tokens)
+    flops = {"gen": gen, "old_log_prob": fwd, "update_actor": 3.0 * fwd * ppo_epochs}
     if need_ref:
         flops["ref"] = fwd
     if critic_epochs is not None:
         flops["values"] = fwd
         flops["update_critic"] = 3.0 * fwd * critic_epochs
     return flops
+
+
+def generated_tokens(rows: list[dict], tokens: float, prompts: int | None, samples: int) -> float | None:
+    """Tokens the generation computes per step of ``prompts`` x ``samples`` rows: every response
+    token, and each prompt's tokens once (a prompt's samples share its prefill), from the rows'
+    mean response length; None where that is not known (then every row's prompt is counted)."""
+    lengths = [r["response_length/mean"] for r in rows if "response_length/mean" in r]
+    if not prompts or samples <= 1 or len(lengths) != len(rows):
+        return None
+    response = prompts * samples * statistics.fmean(lengths)
+    return response + (tokens - response) / samples
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -78,13 +91,18 @@ def utilization_summary(readings: list[list]) -> dict[int, dict]:
 
 def format_report(rows: list[dict], *, n_params: int, ppo_epochs: int, need_ref: bool,
                   critic_epochs: int | None, device_name: str, peak: float | None, n_gpus: int,
-                  util: dict[int, dict], copy_s: float | None, stalls: list[tuple[int, float]]) -> list[str]:
-    """The printed figures, as lines, from the measured steps' metrics rows and the side measurements."""
+                  util: dict[int, dict], copy_s: float | None, stalls: list[tuple[int, float]],
+                  prompts: int | None = None, samples: int = 1) -> list[str]:
+    """The printed figures, as lines, from the measured steps' metrics rows and the side measurements.
+    ``prompts`` (``data.batch_size``) x ``samples`` (``rollout.n``) rows a step: a prompt's samples
+    share its one prefill."""
     from train import summarize  # bench/train.py (an importer puts bench/ on sys.path)
 
     s = summarize(rows)
     tokens = s["tokens_per_step"]
-    flops = step_flops(n_params, tokens, ppo_epochs=ppo_epochs, need_ref=need_ref, critic_epochs=critic_epochs)
+    gen_tokens = generated_tokens(rows, tokens, prompts, samples)
+    flops = step_flops(n_params, tokens, ppo_epochs=ppo_epochs, need_ref=need_ref, critic_epochs=critic_epochs,
+                       gen_tokens=gen_tokens)
     total_flops = sum(flops.values())
     lines = [f"{len(rows)} measured steps on {n_gpus} x {device_name}; model {n_params / 1e6:.1f} M matmul params; "
              f"{tokens:.0f} tokens/step",
@@ -97,10 +115,13 @@ def format_report(rows: list[dict], *, n_params: int, ppo_epochs: int, need_ref:
         secs = s["phase_s"][phase]
         rate = si(flops[phase] / secs, "FLOP/s") if phase in flops and secs > 0 else ""
         lines.append(f"  {phase:<14}{share:6.1f}% ({1e3 * secs:9.1f} ms)  {rate:>14}".rstrip())
-    lines.append("model FLOPs/step = 2NT x (gen + old_log_prob" + (" + ref" if need_ref else "")
-                 + (" + values" if critic_epochs is not None else "") + f") + 6NT x {ppo_epochs} epochs"
+    lines.append("model FLOPs/step = 2NT x (old_log_prob" + (" + ref" if need_ref else "")
+                 + (" + values" if critic_epochs is not None else "") + ") + 2NT_gen"
+                 + f" + 6NT x {ppo_epochs} epochs"
                  + (f" + 6NT x {critic_epochs} critic epochs" if critic_epochs is not None else "")
-                 + f" = {si(total_flops, 'FLOP')}")
+                 + f" = {si(total_flops, 'FLOP')}"
+                 + ("" if gen_tokens is None else f" (T_gen = {gen_tokens:.0f}: every response token and each "
+                    f"prompt once, its {samples} samples sharing its prefill)"))
     achieved = total_flops / s["step_s"]
     if peak:
         lines.append(f"MFU: {100 * achieved / (peak * n_gpus):.2f}% ({si(achieved, 'FLOP/s')} over "

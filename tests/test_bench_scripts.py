@@ -120,6 +120,25 @@ def test_format_report_mfu_weight_sync_and_stalls(report):
     assert "40.0%" in gen and "5.0 TFLOP/s" in gen  # 2e12 FLOP in 0.4 s
 
 
+def test_format_report_counts_each_prompt_s_prefill_once_in_the_generation(report):
+    """A prompt's samples share one prefill: with 2 prompts x 4 samples of 100 response tokens in a
+    step of 1000 tokens (200 of them prompt tokens, 25 a row), the generation computes the 800
+    response tokens and 50 prompt tokens, not 1000."""
+    rows = [dict(r, **{"response_length/mean": 100.0}) for r in _rows()]
+    n = 10**9
+    kwargs = dict(n_params=n, ppo_epochs=2, need_ref=True, critic_epochs=None, device_name="NVIDIA H100 80GB HBM3",
+                  peak=100e12, n_gpus=1, util={}, copy_s=None, stalls=[])
+    lines = report.format_report(rows, prompts=2, samples=4, **kwargs)
+    gen = next(line for line in lines if line.strip().startswith("gen"))
+    assert "4.2 TFLOP/s" in gen, gen  # 2 x 1e9 x 850 FLOP in 0.4 s
+    formula = next(line for line in lines if line.startswith("model FLOPs/step"))
+    assert "T_gen = 850" in formula and "its 4 samples sharing its prefill" in formula
+    assert "= 17.7 TFLOP" in formula  # (2 + 2 + 12) x 1e12 + 2 x 1e9 x 850
+    # Without the rows' response lengths every row's prompt is counted, as before.
+    plain = report.format_report(_rows(), prompts=2, samples=4, **kwargs)
+    assert "= 18.0 TFLOP" in "\n".join(plain) and "(T_gen =" not in "\n".join(plain)
+
+
 def test_format_report_without_peak_or_sync(report):
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in _rows()]
     text = "\n".join(report.format_report(rows, n_params=1000, ppo_epochs=1, need_ref=False, critic_epochs=1,
