@@ -334,8 +334,12 @@ def test_a_workload_stopped_by_its_time_limit_still_reports_the_steps_it_did(tmp
     stopped = next(line for line in out.splitlines() if line.startswith("stopped by the time limit"))
     done = int(stopped.split("after step ")[1].split(":")[0])
     assert done >= 2, stopped
-    assert f"{done - 1} measured steps on 1 x CPU" in out, out[-3000:]
-    assert "figures of measured steps 2.." in out and "tokens/s/GPU" in out
+    # The steps whose metrics were written (the signal may land between a step's row and its count).
+    measured = next(line for line in out.splitlines() if " measured steps on 1 x CPU" in line)
+    assert int(measured.split()[0]) in (done - 1, done), out[-3000:]
+    # The workload's figures of those steps, printed at the end (the signal may land before the
+    # running account printed them after the step).
+    assert "tokens/s/GPU" in out.split(measured, 1)[1], out[-3000:]
 
 
 def test_workload_and_generation_report_lines(workloads):
