@@ -40,7 +40,9 @@ class TrainerConfig(Section):
     run_name: str = "ppo-copy"
     #: Where run folders go (metrics, events, logs, config, controller record).
     output_dir: str = "runs"
-    #: ``cpu``, ``cuda`` or ``auto`` (CUDA when a GPU is visible).
+    #: ``cpu``, ``cuda`` or ``auto`` (CUDA when the Ray cluster has a GPU). ``cuda`` on a cluster
+    #: without one is refused before any worker starts; the controller itself may run on a node
+    #: without a GPU.
     device: str = "auto"
     #: ``colocated``: all roles share each rank's process and device; ``split``: each role has
     #: processes of its own.
