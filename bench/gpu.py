@@ -300,7 +300,8 @@ def main(argv=None) -> int:
             args.config = prepare_workload(args.workload, tmp, args.models, args.size)
         r = run(args, tmp, device, peak)
         generation = None
-        if args.workload and not args.skip_generation and not r["stopped"]:  # while the run's folder (its kept decode step) is there
+        # While the run's folder (its kept decode step) is there; not after the time limit stopped the run.
+        if args.workload and not args.skip_generation and not r["stopped"]:
             from gpu_generation import compare_generation
 
             generation = compare_generation(workload(args.workload, args.size), r["cfg"], r["vocab"],

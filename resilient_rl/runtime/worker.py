@@ -189,8 +189,10 @@ def compute_cuda_device() -> int | None:
     current device once CUDA is initialised (a worker that built its model before joining a
     group), else None (on CPU, or nothing on the GPU yet)."""
     index = _PG_STATE["cuda_device"]
-    if index is None:  # a spare that took a rank's GPU: not CUDA's current device of the calling
-        index = taken_device_index(int(env.get("LOCAL_RANK", "0")))  # (health) thread, which is per thread
+    if index is None:
+        # A spare that took a rank's GPU: CUDA's current device is per thread, and the thread of
+        # a health reply never selected it.
+        index = taken_device_index(int(env.get("LOCAL_RANK", "0")))
     # is_initialized first: is_available would initialise the CUDA driver in a process (a warm
     # spare) that must still be free to choose its devices.
     if index is None and torch.cuda.is_initialized():
