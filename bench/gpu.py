@@ -258,12 +258,11 @@ def run(args: argparse.Namespace, tmp: str, device: str, peak: float | None) -> 
                                       if ev.kind == "checkpoint_started" else None)
             trainer.fit()
         except TimeUp:
-            stopped = True
-            done = trainer.step if trainer is not None else 0
-            print(f"\nstopped by the time limit (SIGTERM) after step {done}: the figures below are of the steps "
-                  "done", flush=True)
-            if trainer is None:
+            if trainer is None:  # stopped before the run began: nothing to report
                 raise
+            stopped = True
+            print(f"\nstopped by the time limit (SIGTERM) after step {trainer.step}: the figures below are of the "
+                  "steps done", flush=True)
         vocab = trainer.tokenizer.vocab_size
     finally:
         if measure.sampling is not None and measure.sampling._thread.is_alive():

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     layers = args.layers or (hf["num_hidden_layers"] if args.device.startswith("cuda") else 2)
     tensors = rank_state(parameter_shapes(hf, layers), args.device)
     layout = Layout.of(tensors)
-    # Random bytes, every page touched; drawn as int64 (8 bytes a draw: ~9x faster than bytes).
+    # Random bytes, every page touched; drawn as int64, 8 bytes a draw (400 MiB: 1.14 s against 2.11 s
+    # drawn byte by byte on the 2-core development machine).
     words = np.empty(-(-layout.total // 8), dtype=np.int64)
     torch.from_numpy(words).random_(generator=torch.Generator().manual_seed(0))
     data = words.view(np.uint8)[:layout.total]
