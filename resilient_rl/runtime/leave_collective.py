@@ -143,7 +143,7 @@ def owned() -> int:
 #: ``recovery.collective_timeout_s`` would die rather than raise, as it does on gloo, and cost a
 #: restart. Both names torch reads are honoured where a user has set one.
 NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-_NCCL_ERROR_HANDLING_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+_NCCL_ERROR_HANDLING_NAMES = (*NCCL_ERROR_HANDLING, "NCCL_ASYNC_ERROR_HANDLING")  # and its older name
 
 
 def survive_nccl_errors() -> None:
