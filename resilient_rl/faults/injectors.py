@@ -33,7 +33,7 @@ from resilient_rl.trainer.hooks import TrainerHook
 logger = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
-TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery", "validation")
+TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery", "validation", "weight_sync")
 
 
 class FaultError(RRLError):
@@ -180,6 +180,12 @@ class FaultSchedule(TrainerHook):
         self._at = ("validation", step)
         return self
 
+    def at_weight_sync(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when step ``step``'s updates are done, right before the weight
+        sync is sent: the sync then meets the fault (with ``delay_s``, a moment into it)."""
+        self._at = ("weight_sync", step)
+        return self
+
     def during_recovery(self, state: str = "rejoining") -> "FaultSchedule":
         """Faults added next fire when a recovery enters ``state`` (recovering, rejoining, restoring
         or aborting)."""
@@ -189,8 +195,8 @@ class FaultSchedule(TrainerHook):
     def _add(self, kind: str, role: str | None, rank: int | None, delay_s: float,
              in_call: str | None = None) -> "FaultSchedule":
         if self._at is None:
-            raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n), at_validation(n) or "
-                             "during_recovery(state) before adding a fault")
+            raise FaultError("call at_step(n), at_checkpoint(n), at_snapshot(n), at_validation(n), "
+                             "at_weight_sync(n) or during_recovery(state) before adding a fault")
         trigger, at = self._at
         self.faults.append(Fault(at, kind, trigger, role, rank, delay_s, in_call))
         return self
@@ -246,6 +252,9 @@ class FaultSchedule(TrainerHook):
 
     def on_validation_start(self, trainer, step: int) -> None:
         self._trigger(trainer, "validation", step)
+
+    def on_weight_sync_start(self, trainer, step: int) -> None:
+        self._trigger(trainer, "weight_sync", step)
 
     def on_snapshot_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "snapshot", step)

@@ -25,6 +25,9 @@ class TrainerHook:
     def on_validation_start(self, trainer: Trainer, step: int) -> None:
         """A validation pass over the weights of step ``step`` is about to run (0: before training)."""
 
+    def on_weight_sync_start(self, trainer: Trainer, step: int) -> None:
+        """Step ``step``'s updates are done and the rollout is about to get their weights."""
+
     def on_checkpoint_started(self, trainer: Trainer, step: int) -> None:
         """The save of step ``step`` has started: its shards are being written."""
 

@@ -282,7 +282,7 @@ class PPOTrainer:
         batch = self.loader.next_batch()
         t0 = time.perf_counter()
         metrics, phases = run_step(self.roles, batch, step, self.cfg, self.task, self.tokenizer, self.kl_ctrl,
-                                   version=self.step)
+                                   version=self.step, before_sync=lambda: self._weight_sync_starts(step))
         duration = time.perf_counter() - t0
         eager_reason = metrics.pop(DECODE_EAGER_REASON, None)
         # Not part of the step's time or throughput; a failure here fails (and replays) the step.
@@ -296,6 +296,11 @@ class PPOTrainer:
             self._decode_eager_reported = True
             self.run_dir.event("decode_eager", step=step, reason=str(eager_reason))
         return self._record(row, self.telemetry and self.telemetry.observe_step)
+
+    def _weight_sync_starts(self, step: int) -> None:
+        """Fault hooks hear of a weight sync as it starts (to fail a rank inside it)."""
+        for hook in self.hooks:
+            hook.on_weight_sync_start(self, step)
 
     def _fence(self) -> None:
         """Before a row is recorded: a controller whose run was taken over while it hung stops

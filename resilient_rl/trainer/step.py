@@ -88,10 +88,12 @@ def _mean_metrics(per_rank: list[dict]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
 
 
-def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl, version: int) -> tuple[dict, dict]:
+def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl_ctrl, version: int,
+             before_sync: Callable[[], None] | None = None) -> tuple[dict, dict]:
     """Run step ``step`` (1-based) on ``batch``; returns (metrics, phase durations in seconds).
 
     On entry the rollout holds weights ``version`` (== step - 1); on exit it holds ``version + 1``.
+    ``before_sync`` is called once the updates are done, right before the weight sync.
     """
     timer = PhaseTimer()
     algo = cfg.algorithm
@@ -144,6 +146,8 @@ def run_step(roles: WorkerPool, batch: dict, step: int, cfg, task, tokenizer, kl
     updates = (["update_critic"] if roles.critic_enabled else []) + ["update_actor"]
     for _, per_rank in timer.each(updates, lambda: roles.concurrently([(u, data) for u in updates])):
         metrics.update(_mean_metrics(per_rank))
+    if before_sync is not None:
+        before_sync()
     with timer("weight_sync"):
         metrics.update(roles.sync_weights(version + 1))
 
