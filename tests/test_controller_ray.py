@@ -17,7 +17,7 @@ import torch
 from resilient_rl import (DataProto, Dispatch, Execute, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
                           Worker, create_colocated_worker_cls, merge_resource_pool, register)
 from resilient_rl.runtime.ended_calls import read_ended
-from resilient_rl.runtime.group_call import results_in_order
+from resilient_rl.runtime.group_call import results_in_order, results_together
 from resilient_rl.errors import CollectiveError, DispatchError, ResourceError, WorkerDiedError, WorkerError
 from resilient_rl.testing.wait import wait_until
 
@@ -78,6 +78,10 @@ class EchoWorker(Worker):
     def fail_after(self, delays):
         time.sleep(delays[self.rank])
         raise RuntimeError(f"rank {self.rank} failed")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def exit_now(self):
+        os._exit(1)
 
 
 @ray.remote
@@ -258,6 +262,24 @@ def test_second_rendezvous_after_sigkill_and_ray_restart(ray_cluster):
         assert [i.generation for i in wg.ping()] == [2, 2]
     finally:
         wg.shutdown()
+
+
+def test_calls_waited_together_end_at_the_first_failure_of_any(ray_cluster):
+    """The weight sync's two calls wait on each other (actor rank 0 broadcasts to the rollout
+    ranks). When a rollout rank dies, actor rank 0 stays blocked in the broadcast (NCCL within a
+    node never learns of the death): waited for together, the death ends the wait at once, where
+    waited for in order it would be heard of only once the blocked call ended."""
+    blocked, dying = make_group(1, "together_blocked"), make_group(2, "together_dying")
+    try:
+        assert results_together([blocked.submit("describe", "a"), dying.submit("echo", ["b", "c"])]) == [
+            [{"rank": 0, "world_size": 1, "tag": "a", "pid": blocked.describe("pid")[0]["pid"]}],
+            [(0, "b"), (1, "c")]]
+        with pytest.raises(WorkerDiedError, match="together_dying"):
+            results_together([blocked.submit("fail_after", [120.0]), dying.submit("exit_now")])
+        assert blocked.abandoned.read() == 1, "the blocked call runs on, abandoned to its group"
+    finally:
+        blocked.shutdown()
+        dying.shutdown()
 
 
 def test_calls_left_by_a_failed_wait_are_read(ray_cluster, monkeypatch):

@@ -128,3 +128,43 @@ def test_leaving_ends_the_weight_channel_s_waits_too():
     closed, raised_while_alive = results[0]
     assert closed >= 1, "actor rank 0 shut the channel's connections down"
     assert raised_while_alive and results[1] == ("CollectiveError",), results
+
+
+def test_a_process_has_left_until_it_joins_again_each_group_on_its_own():
+    """What a rank's health reply says after leaving (``WorkerInfo.left``): recovery rejoins the
+    worker group of every process that left, whichever group's failure it left for. Joining one
+    group again (the process group's rendezvous, a new weight channel) clears only that group."""
+    import socket
+
+    from resilient_rl.runtime import leave_collective
+    from resilient_rl.workers.weight_channel import CHANNEL
+
+    server = socket.create_server(("127.0.0.1", 0))
+    peers = []
+    try:
+        assert not leave_collective.has_left()
+        assert leave_collective.leave_collectives("nothing joined") == 0
+        assert not leave_collective.has_left(), "a process with no group has nothing to leave"
+        for group in (leave_collective.PROCESS_GROUP, CHANNEL):
+            with leave_collective.recording(group):
+                client = socket.create_connection(server.getsockname())
+            peers += [client, server.accept()[0]]
+        assert leave_collective.owned() == 2
+        assert leave_collective.leave_collectives("a peer died") == 2
+        assert leave_collective.has_left()
+        leave_collective.forget(leave_collective.PROCESS_GROUP)  # its rendezvous: the channel is still left
+        assert leave_collective.has_left() and leave_collective.owned() == 1
+        leave_collective.forget(CHANNEL)
+        assert not leave_collective.has_left() and leave_collective.owned() == 0
+
+        leave_collective.abort_on_leave(CHANNEL, lambda: None)  # an NCCL channel: no socket of its own
+        try:
+            leave_collective.leave_collectives("a peer died")
+            assert leave_collective.has_left()
+        finally:
+            leave_collective.abort_on_leave(CHANNEL, None)
+            leave_collective.forget()
+        assert not leave_collective.has_left()
+    finally:
+        for s in peers + [server]:
+            s.close()

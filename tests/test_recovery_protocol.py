@@ -87,7 +87,7 @@ def test_a_dead_rank_is_restarted_rejoined_and_restored():
     recovered = dict(h.of("recovered")[0])
     phases = recovered.pop("phases")
     assert recovered == {"failed_step": 7, "restored_step": 4, "steps_replayed": 2, "duration_s": 0.0,
-                         "restarted": [["main", 1]], "generation": 2, "source": None}
+                         "restarted": [["main", 1]], "rejoined": ["main"], "generation": 2, "source": None}
     assert set(phases) == {"detect", "restart", "rejoin", "restore"} and phases["restart"] == 0.0
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
     assert h.states == [S.RECOVERING, S.REJOINING, S.RESTORING]
@@ -178,6 +178,71 @@ def test_a_survivor_of_another_group_still_advancing_is_waited_for_not_told_to_l
     assert h.of("kill_hung") == [] and h.of("leave_collectives") == []
     assert h.clock.now - 1000.0 >= 5.0  # waited out the drain deadline
     assert [(e["group"], e["rank"]) for e in h.of("worker_restarted")] == [("actor", 1)]
+
+
+SYNC = {"actor": frozenset({"send_weights"}), "rollout": frozenset({"receive_weights"})}
+
+
+def split_pool() -> FakePool:
+    """The split placement with a weight channel: the actor's group and the rollout's share the sync."""
+    return FakePool(groups={"actor": ("actor",), "rollout": ("rollout",)}, shared_calls=SYNC)
+
+
+@pytest.mark.parametrize("dead, survivor, call", [("rollout", "actor", "send_weights"),
+                                                   ("actor", "rollout", "receive_weights")])
+def test_a_survivor_inside_a_sync_with_a_dead_rank_of_the_other_group_leaves_and_its_group_rejoins(dead, survivor,
+                                                                                                  call):
+    """A rank dies mid-sync: the other group's ranks inside the sync wait on it in the weight
+    channel (NCCL within a node never learns of the death). They are told to leave, not waited
+    for until the channel's timeout, and their group rejoins (its collectives are left)."""
+    pool = split_pool()
+    h = Harness(pool, hang_timeout_s=300.0, restart_timeout_s=120.0)
+    pool.crash(dead, 1)
+    pool.busy(survivor, 0, call, progress_age_s=1.0)
+    pool.busy(survivor, 1, call, progress_age_s=1.0)
+    h.handle(died(group=dead))
+    assert h.of("leave_collectives") == [{"ranks": [[survivor, 0], [survivor, 1]]}]
+    assert h.clock.now - 1000.0 < 1.0, "no wait for the channel's timeout"
+    assert [(e["group"], e["rank"]) for e in h.of("worker_restarted")] == [(dead, 1)]
+    assert ("rendezvous", sorted([dead, survivor])) in pool.calls
+    assert h.of("recovered")[0]["rejoined"] == sorted([dead, survivor])
+
+
+def test_a_survivor_of_another_group_outside_the_sync_is_not_told_to_leave():
+    """Only the calls inside the shared collective are cut off: an actor rank in its update when a
+    rollout rank dies waits on its own group's live ranks, and its group keeps its process group."""
+    pool = split_pool()
+    h = Harness(pool, hang_timeout_s=300.0, restart_timeout_s=5.0)
+    pool.crash("rollout", 0)
+    pool.busy("actor", 0, "update_actor", progress_age_s=1.0)
+    h.handle(died(group="rollout", rank=0))
+    assert h.of("leave_collectives") == []
+    assert ("rendezvous", ["rollout"]) in pool.calls
+
+
+def test_without_a_shared_collective_the_other_group_s_sync_is_waited_for():
+    """Colocated, or the weights through Ray's object store: no collective spans the groups."""
+    pool = FakePool(groups={"actor": ("actor",), "rollout": ("rollout",)})
+    h = Harness(pool, hang_timeout_s=300.0, restart_timeout_s=5.0)
+    pool.crash("rollout", 0)
+    pool.busy("actor", 0, "send_weights", progress_age_s=1.0)
+    h.handle(died(group="rollout", rank=0))
+    assert h.of("leave_collectives") == []
+    assert h.clock.now - 1000.0 >= 5.0
+
+
+def test_a_group_whose_rank_left_its_collectives_on_its_own_rejoins():
+    """Across nodes the sync's survivors hear of the death themselves (the channel's sockets close)
+    and leave their collectives before recovery asks: their group still rejoins, or its next
+    collective would fail again on the connections it shut down."""
+    pool = split_pool()
+    h = Harness(pool)
+    pool.crash("rollout", 0)
+    pool.leave("actor", 0)
+    h.handle(died(group="rollout", rank=0))
+    assert h.of("leave_collectives") == []
+    assert ("rendezvous", ["actor", "rollout"]) in pool.calls
+    assert not any(p.left for p in pool.procs.values()), "joined again"
 
 
 def test_a_rank_that_dies_after_answering_is_counted_restarted_and_its_group_rejoins():

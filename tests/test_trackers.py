@@ -19,7 +19,8 @@ from resilient_rl.run.folder import RunDir
 from resilient_rl.telemetry.trackers import TrackerSet, _require_extra, build_trackers
 
 RECOVERED = {"failed_step": 4, "restored_step": 2, "steps_replayed": 1, "duration_s": 2.5,
-             "restarted": [["actor", 1]], "generation": 2, "source": "checkpoint", "phases": None}
+             "restarted": [["actor", 1]], "generation": 2, "source": "checkpoint", "phases": None,
+             "rejoined": ["actor"]}
 ROWS = [{"step": s, "reward/mean": 0.1 * s, "actor/pg_loss": -0.5 / s, "timing/step_s": 0.2} for s in (1, 2, 3)]
 
 

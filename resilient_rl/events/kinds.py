@@ -151,7 +151,8 @@ class RecoveryStateEntered(Event):
 @_kind("recovered")
 class Recovered(Event):
     """Recovery finished: restored ``restored_step``, replays from there; ``restarted`` lists the
-    restarted workers as ``[group, rank]``; ``generation`` is the new process-group generation."""
+    restarted workers as ``[group, rank]``, ``rejoined`` the process groups that joined a new
+    generation (the others kept theirs); ``generation`` is the new process-group generation."""
 
     failed_step: int
     restored_step: int
@@ -162,6 +163,7 @@ class Recovered(Event):
     source: str | None = None  # "snapshot" (in memory), "checkpoint" (storage) or "start"
     # Seconds per phase: detect, restart, rejoin, restore (trainer/recovery_phases.py); v2 on.
     phases: dict | None = None
+    rejoined: list | None = None  # older runs: not recorded
 
 
 @_kind("snapshot_restored")

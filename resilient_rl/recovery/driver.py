@@ -81,13 +81,16 @@ class Rejoining:
 
     @staticmethod
     def _broken_groups(pool: RecoveryPool, a: Attempt) -> set[str]:
-        """The process groups to rejoin: those with a restarted member and the one the failure
-        names (its collectives may be broken); every group when the failure names none. The
-        others keep their process group and their models (per-group recovery): the restore
-        then rolls their state back in place."""
+        """The process groups to rejoin: those with a restarted member, the one the failure
+        names (its collectives may be broken), and those with a member that left its collectives
+        (told to, or after a collective of it failed: a sync's failure in one group leaves the
+        other's too); every group when the failure names none. The others keep their process
+        group and their models (per-group recovery): the restore then rolls their state back in
+        place."""
         if a.group is None:
             return set(pool.process_groups())
-        return {a.group} | {group for group, _ in a.restarted}
+        left = {group for (group, _), info in pool.workers().items() if getattr(info, "left", False)}
+        return {a.group} | {group for group, _ in a.restarted} | left
 
 
 class Restoring:
@@ -195,7 +198,7 @@ class Recovery:
         self.steps_replayed += replayed
         self.recovery_seconds += duration
         self.emit("recovered", failed_step=failed_step, restored_step=attempt.restored, steps_replayed=replayed,
-                  duration_s=duration, restarted=[list(k) for k in attempt.restarted],
+                  duration_s=duration, restarted=[list(k) for k in attempt.restarted], rejoined=sorted(attempt.rejoin),
                   generation=pool.generation, source=attempt.source, phases=phases)
         logger.warning("recovered in %.1fs: restored step %d, replaying %d step(s)", duration, attempt.restored,
                        replayed)

@@ -58,7 +58,8 @@ class Recovering:
             self._kill(pool, hung, known, "kill_hung", killed, reason=a.failure.message[:300])
         # Spares first: the drain then probes them (idle, answering) rather than dead processes.
         adopted = self._adopt_spares(pool, set(dead) | killed)
-        self._drain(pool, known, killed, broken={k[0] for k in to_restart} | {k[0] for k in killed})
+        told = self._drain(pool, known, killed, broken={k[0] for k in to_restart} | {k[0] for k in killed})
+        a.rejoin |= {group for group, _ in told}  # their collectives are left: they join new ones
         self._adopt_spares(pool, killed - adopted)  # survivors the drain found stalled
         try:
             restarted = self._wait_restarted(pool, known, a.failure.cause)
@@ -118,17 +119,23 @@ class Recovering:
             self.ctx.emit("spare_adopted", group=group, rank=rank, role=pool.roles_of(group)[0])
         return adopted
 
-    def _drain(self, pool: RecoveryPool, known: dict, killed: set, broken: set[str]) -> None:
-        """Wait until no survivor is inside a call, so the rendezvous does not queue behind one.
+    def _drain(self, pool: RecoveryPool, known: dict, killed: set, broken: set[str]) -> set[ProcessKey]:
+        """Wait until no survivor is inside a call, so the rendezvous does not queue behind one;
+        the survivors told to leave their collectives.
 
         A survivor of a ``broken`` process group (one of its ranks died or was killed) is told to
         leave its collectives: no peer will join them, and a rank that only waits on live peers
-        would otherwise wait out the group's timeout. One that stays inside a call without
-        advancing for ``hang_timeout_s`` is killed, as is one that does not answer (after
-        ``warmup_timeout_s`` where it was still starting up)."""
+        would otherwise wait out the group's timeout. So is a survivor of another group inside a
+        collective that spans a broken one (a weight sync: see
+        :attr:`~resilient_rl.runtime.pool.RecoveryPool.shared_calls`). One that stays
+        inside a call without advancing for ``hang_timeout_s`` is killed, as is one that does not
+        answer (after ``warmup_timeout_s`` where it was still starting up)."""
         cfg, clock = self.ctx.cfg, self.ctx.clock
         start = clock()
         deadline = start + cfg.restart_timeout_s
+        shared = pool.shared_calls
+        cut_off = {group: calls for group, calls in shared.items() if group not in broken} \
+            if broken & shared.keys() else {}
         told: set[ProcessKey] = set()
         while clock() < deadline:
             busy = 0
@@ -148,15 +155,16 @@ class Recovering:
                                        reason=f"inside {info.call!r} without progress for {info.progress_age_s:.1f}s")
                         else:
                             busy += 1
-                            if group in broken and key not in told:
+                            if key not in told and (group in broken or info.call in cut_off.get(group, ())):
                                 leave.append(key)
             if leave:
                 told.update(leave)
                 self.ctx.emit("leave_collectives", ranks=[list(k) for k in sorted(leave)])
                 pool.leave_collectives(sorted(leave), reason="a rank of the group died")
             if not busy:
-                return
+                return told
             self.ctx.sleep(0.05 if leave else 0.2)
+        return told
 
     def _wait_restarted(self, pool: RecoveryPool, known: dict, cause: Cause) -> list[ProcessKey]:
         """Wait until every rank answers; the ranks that came back in a new process.

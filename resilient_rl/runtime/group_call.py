@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from resilient_rl.protocol import DataProto, unpad_dataproto
 from resilient_rl.protocol.future import DataProtoFuture
+from resilient_rl.runtime.group_wait import wait_calls
 
 
 class GroupCall:
@@ -26,7 +27,10 @@ class GroupCall:
         """Wait for every rank (watching their liveness, as a blocking call does, within
         ``timeout_s``, by default the group's ``call_timeout_s``) and collect (by default: each
         rank's value, in rank order)."""
-        values = self.group.wait_refs(self.refs, timeout_s=self.timeout_s)
+        return self.collect(self.group.wait_refs(self.refs, timeout_s=self.timeout_s))
+
+    def collect(self, values: list) -> Any:
+        """What :meth:`result` returns, from every rank's value (in rank order)."""
         if self._collect is None:
             return values
         if self._rank_zero:
@@ -68,3 +72,23 @@ def results_in_order(calls: Iterable[GroupCall]) -> Iterator[Any]:
             for later in calls[i + 1:]:
                 later.abandon()
             raise
+
+
+def results_together(calls: Iterable[GroupCall]) -> list:
+    """Each call's result, where the calls' ranks wait on each other (one collective spans their
+    groups: the weight sync's actor and rollout ranks). All are waited for at once, so the first
+    failure of any ends the wait: waited for in order, a dead rollout rank would be heard of only
+    once the actor's call, blocked on it, ended (NCCL within a node: after
+    ``recovery.collective_timeout_s``). The ceiling on the wait is the smallest call's. When it
+    fails, the calls' unread ranks are abandoned to their groups (see :meth:`GroupCall.abandon`)."""
+    calls = list(calls)
+    waited = [call.group.waited(call.refs) for call in calls]
+    ceilings = [t for t in (c.group.call_timeout_s if c.timeout_s is None else c.timeout_s for c in calls)
+                if t is not None]
+    try:
+        values = wait_calls(waited, min(ceilings) if ceilings else None)
+    except BaseException:
+        for call, w in zip(calls, waited):
+            call.group.abandoned.add([r for r in call.refs if r not in w.read])
+        raise
+    return [call.collect(v) for call, v in zip(calls, values)]

@@ -15,6 +15,7 @@ handled them, and read like a second failure. :class:`AbandonedCalls` reads them
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -33,37 +34,59 @@ def wait_results(refs: list, role: str, timeout_s: float | None, watch: Liveness
     WorkerTimeoutError with cause "hang" names a rank ``watch`` judged hung; with cause "timeout",
     the ranks still running when ``timeout_s`` passed.
     """
+    return wait_calls([Waited(refs, role, watch, read)], timeout_s)[0]
+
+
+@dataclass
+class Waited:
+    """One group's call in a wait: its refs (one per rank), the group's name, its liveness watch
+    (None: not watched), and the refs read so far."""
+
+    refs: list
+    role: str
+    watch: LivenessWatch | None
+    read: set = field(default_factory=set)
+
+
+def wait_calls(calls: list[Waited], timeout_s: float | None) -> list[list]:
+    """Each call's results, waiting on all of them at once: the first error of any call raises at
+    once (classified under its group), and every call's ranks are watched while they run. Calls
+    whose ranks wait on each other (a collective spans their groups) are waited for this way, so
+    that one group's dead rank is not hidden behind a wait on the other's blocked ranks."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    index = {ref: i for i, ref in enumerate(refs)}
-    results: list = [None] * len(refs)
-    pending = list(refs)
+    index = {ref: (call, rank) for call in calls for rank, ref in enumerate(call.refs)}
+    results: dict[int, list] = {id(call): [None] * len(call.refs) for call in calls}
+    intervals = [call.watch.poll_interval_s for call in calls if call.watch is not None]
+    pending = list(index)
     while pending:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        wait_s = remaining if watch is None else min(watch.poll_interval_s, remaining or watch.poll_interval_s)
+        wait_s = remaining if not intervals else min(min(intervals), remaining or min(intervals))
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         for ref in ready:
-            read.add(ref)
+            call, rank = index[ref]
+            call.read.add(ref)
             # Keep the value: fetching it again would deserialize (and copy) every result twice.
             try:
-                results[index[ref]] = ray.get(ref, timeout=0)
+                results[id(call)][rank] = ray.get(ref, timeout=0)
             except (RayActorError, RayTaskError) as exc:
-                raise classify_error(exc, role, index[ref]) from exc
+                raise classify_error(exc, call.role, rank) from exc
             except GetTimeoutError:  # pragma: no cover - ready refs do not time out
-                read.discard(ref)
+                call.read.discard(ref)
                 pending.append(ref)
         if not pending:
             break
-        if watch is not None:
-            hung = watch.poll(index[r] for r in pending)
+        for call in calls:
+            hung = None if call.watch is None else call.watch.poll(r for c, r in map(index.get, pending) if c is call)
             if hung is not None:
-                raise WorkerTimeoutError(f"{role} rank {hung.rank} is hung: {hung.detail}", role=role,
+                raise WorkerTimeoutError(f"{call.role} rank {hung.rank} is hung: {hung.detail}", role=call.role,
                                          rank=hung.rank, cause="hang", pid=hung.pid, hang_kind=hung.kind,
                                          stalled_s=hung.stalled_s)
         if not ready and deadline is not None and time.monotonic() >= deadline:
-            ranks = sorted(index[r] for r in pending)
-            raise WorkerTimeoutError(f"{role}: rank(s) {ranks} did not finish within the {timeout_s:g}s ceiling",
-                                     role=role, rank=ranks[0], cause="timeout")
-    return results
+            call = index[pending[0]][0]
+            ranks = sorted(r for c, r in map(index.get, pending) if c is call)
+            raise WorkerTimeoutError(f"{call.role}: rank(s) {ranks} did not finish within the {timeout_s:g}s ceiling",
+                                     role=call.role, rank=ranks[0], cause="timeout")
+    return [results[id(call)] for call in calls]
 
 
 class AbandonedCalls:

@@ -47,7 +47,11 @@ from resilient_rl.errors import CollectiveError
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_OWNED: set[int] = set()  # socket inodes of this process's process groups
+#: The process group a socket or abort belongs to when none is named: torch's default group and
+#: its subgroups (a 2-D mesh's), which one rendezvous joins and one destroy ends.
+PROCESS_GROUP = "process group"
+_OWNED: dict[int, str] = {}  # socket inode -> the group (PROCESS_GROUP, "weight channel") that opened it
+_LEFT: set[str] = set()  # the groups this process left since it last joined them
 
 _MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
             "socket timeout", "timed out waiting for")
@@ -109,9 +113,9 @@ _LISTEN = "0A"  # /proc/net/tcp state code of a listening socket
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[None]:
-    """Count the TCP connections opened inside this block as the process groups' (see the
-    module docstring for which ones)."""
+def recording(group: str = PROCESS_GROUP) -> Iterator[None]:
+    """Count the TCP connections opened inside this block as ``group``'s (see the module
+    docstring for which ones)."""
     before = set(_socket_fds())
     listening = {lp for lp, _, state in _tcp_table().values() if state == _LISTEN}
     try:
@@ -121,19 +125,35 @@ def recording() -> Iterator[None]:
         new = {inode for inode in set(_socket_fds()) - before
                if inode in table and table[inode][2] != _LISTEN and table[inode][0] not in listening}
         with _LOCK:
-            _OWNED.update(new)
+            _OWNED.update(dict.fromkeys(new, group))
 
 
-def forget() -> None:
-    """The groups are gone (destroyed): none of their sockets is counted any more."""
+def forget(group: str | None = None) -> None:
+    """``group`` is gone (destroyed; None: every group): its sockets are not counted any more,
+    and the group this process joins next in its place has not been left."""
     with _LOCK:
-        _OWNED.clear()
+        for inode in [i for i, g in _OWNED.items() if group in (None, g)]:
+            del _OWNED[inode]
+        if group is None:
+            _LEFT.clear()
+        else:
+            _LEFT.discard(group)
+
+
+def has_left() -> bool:
+    """Whether this process left a group's collectives (:func:`leave_collectives` shut its
+    connections down or aborted its communicator) that it has not joined again since: the
+    process's worker group must join a new generation before its next collective, whichever
+    group's failure it left for (a sync that fails in the split placement leaves the actor's
+    and the rollout's)."""
+    with _LOCK:
+        return bool(_LEFT)
 
 
 def owned() -> int:
     """How many of the groups' sockets are open now."""
     with _LOCK:
-        return len(_OWNED & set(_socket_fds()))
+        return len(_OWNED.keys() & set(_socket_fds()))
 
 
 #: How ProcessGroupNCCL's watchdog meets a collective's error or timeout: ``2`` aborts the
@@ -194,13 +214,17 @@ def leave_collectives(reason: str = "") -> int:
     """End every collective this process is in, and the peers' waits on it: abort NCCL
     communicators, shut down the groups' sockets. Returns the number of sockets shut down.
     Safe to call from any thread, more than once, and with no group."""
+    left: set[str] = set()
     try:
-        abort_nccl()
+        if abort_nccl():
+            left.add(PROCESS_GROUP)
     except Exception as exc:  # noqa: BLE001 -- a half-gone group: the sockets below still close
+        left.add(PROCESS_GROUP)
         logger.warning("aborting the NCCL communicator raised %s", exc)
     with _LOCK:
         aborts = list(_ABORTS.items())
     for name, abort in aborts:
+        left.add(name)
         try:
             abort()
         except Exception as exc:  # noqa: BLE001 -- the others, and the sockets, still end
@@ -208,6 +232,8 @@ def leave_collectives(reason: str = "") -> int:
     fds = _socket_fds()
     with _LOCK:
         targets = [fds[i] for i in _OWNED if i in fds]
+        left.update(_OWNED.values())  # also where gloo closed the sockets already (a peer's failure)
+        _LEFT.update(left)
     closed = 0
     for fd in targets:
         try:

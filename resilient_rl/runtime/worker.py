@@ -126,7 +126,9 @@ class WorkerInfo:
     takes over when the rank dies (:mod:`resilient_rl.runtime.devices`). ``warming``: the
     process's start-up imports are still running (:func:`warm_in_background`); until they end,
     its health calls may wait on them, and it is judged hung only after
-    ``recovery.warmup_timeout_s``."""
+    ``recovery.warmup_timeout_s``. ``left``: the process left its collectives
+    (:func:`~resilient_rl.runtime.leave_collective.has_left`) and has not joined them again, so
+    its group must rejoin before its next collective."""
 
     rank: int
     world_size: int
@@ -141,6 +143,7 @@ class WorkerInfo:
     advances: int = 0
     devices: str | None = None
     warming: bool = False
+    left: bool = False
 
 
 def _node_ip() -> str:
@@ -303,7 +306,8 @@ class RankWorker:
         return WorkerInfo(self.rank, self.world_size, _PG_STATE["generation"], os.getpid(), self.identity.node_id,
                           report.gpu_uuids, report.torch_allocated_bytes,
                           report.torch_reserved_bytes, call=done.call, progress_age_s=done.age_s,
-                          advances=done.advances, devices=visible_devices(), warming=warming())
+                          advances=done.advances, devices=visible_devices(), warming=warming(),
+                          left=leave_collective.has_left())
 
     def inject_slowdown(self, seconds_per_advance: float, advances: int) -> None:
         """Fault injection (chaos suite): the next ``advances`` progress points of this process each
@@ -385,5 +389,5 @@ def destroy_process_group() -> None:
             dist.destroy_process_group()
     except Exception as exc:  # the group may already be half gone
         logger.warning("destroying the old process group raised %s; continuing", exc)
-    leave_collective.forget()
+    leave_collective.forget(leave_collective.PROCESS_GROUP)
     _PG_STATE["generation"] = None

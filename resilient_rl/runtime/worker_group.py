@@ -25,7 +25,7 @@ from resilient_rl.runtime import master_env, parts
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.runtime.group_call import GroupCall
 from resilient_rl.runtime.group_ranks import RankTable
-from resilient_rl.runtime.group_wait import AbandonedCalls, wait_results
+from resilient_rl.runtime.group_wait import AbandonedCalls, Waited, wait_results
 from resilient_rl.runtime.worker_group_verl import attached_ranks, check_verl_options, checked_worker_env
 from resilient_rl.runtime.liveness import LivenessWatch
 from resilient_rl.runtime.resource_pool import RayResourcePool
@@ -231,6 +231,12 @@ class RayWorkerGroup:
 
     #: The name callers used before ``wait_refs``; a worker's registered ``get`` replaces it on its group.
     get = wait_refs
+
+    def waited(self, refs: list) -> Waited:
+        """``refs`` (one per rank) as one call of a wait on several groups' calls at once
+        (:func:`~resilient_rl.runtime.group_call.results_together`), its ranks watched for liveness."""
+        self.abandoned.read()
+        return Waited(refs, self.name_prefix, self._liveness_watch(len(refs)))
 
     def _liveness_watch(self, n_refs: int) -> LivenessWatch | None:
         """The group's health poller, or None where liveness cannot be watched (no hang timeout, no

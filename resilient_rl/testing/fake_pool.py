@@ -31,6 +31,7 @@ class FakeProcess:
     #: probes (None: none at all).
     warming: bool = False
     silent_probes: int | None = 0
+    left: bool = False  # left its collectives; its group's next rendezvous clears it
 
 
 @dataclass
@@ -44,6 +45,8 @@ class FakePool:
     writes_checkpoints: bool = True
     critic_enabled: bool = False
     spares: int = 0  # warm spares per group, ready now (the processes they replace refill the pool)
+    #: Process groups one collective spans, with the calls inside it (the weight channel's).
+    shared_calls: dict[str, frozenset[str]] = field(default_factory=dict)
     interrupt: Callable[[], None] = lambda: None  # as the controller sets it (raises to stop recovering)
 
     def __post_init__(self) -> None:
@@ -81,6 +84,12 @@ class FakePool:
         p = self.procs[(group, rank)]
         p.call, p.progress_age_s = call, progress_age_s
 
+    def leave(self, group: str, rank: int) -> None:
+        """The process left its collectives on its own: a call of it inside one raised (a peer
+        in another group died), and it is idle now."""
+        p = self.procs[(group, rank)]
+        p.call, p.left = None, True
+
     def lose_node(self, node: str) -> None:
         """Every process on ``node`` dies; restarts land on the other nodes."""
         for p in self.procs.values():
@@ -107,7 +116,7 @@ class FakePool:
     def _info(self, key) -> WorkerInfo:
         p = self.procs[key]
         return WorkerInfo(key[1], self.world_size, self.generation, p.pid, p.node,
-                          call=p.call, progress_age_s=p.progress_age_s, warming=p.warming)
+                          call=p.call, progress_age_s=p.progress_age_s, warming=p.warming, left=p.left)
 
     def process_groups(self) -> list[str]:
         return list(self.groups)
@@ -147,7 +156,7 @@ class FakePool:
         self.calls.append(("leave_collectives", tuple(keys)))
         for key in keys:
             if self.procs[key].state == "ok":
-                self.procs[key].call = None
+                self.procs[key].call, self.procs[key].left = None, True
 
     def adopt_spares(self, keys) -> list:
         """A dead rank of ``keys`` gets a ready spare's new process on another node (no restart
@@ -162,7 +171,7 @@ class FakePool:
                     self.spare_dies -= 1
                     continue
                 self.calls.append(("adopt", (group, rank)))
-                p.pid, p.state, p.call = next(self._pids), "ok", None
+                p.pid, p.state, p.call, p.left = next(self._pids), "ok", None, False
                 p.node = next((n for n in self.nodes if n != p.node), p.node)
                 adopted.append((group, rank))
         return adopted
@@ -182,13 +191,13 @@ class FakePool:
                 if p.restarts >= self.ray_max_restarts:
                     raise WorkerError(f"{group} rank {rank}: no restarts left", role=group, rank=rank,
                                       cause="exhausted")
-                p.pid, p.state, p.restarts = next(self._pids), "ok", p.restarts + 1
+                p.pid, p.state, p.restarts, p.left = next(self._pids), "ok", p.restarts + 1, False
                 p.node = self.nodes[rank % len(self.nodes)]
         answers = [self._info((group, rank)) for rank in range(self.world_size)]
         for key in sorted(k for k in self._late if k[0] == group):
             self._late.discard(key)
             p = self.procs[key]
-            p.pid, p.restarts = next(self._pids), p.restarts + 1
+            p.pid, p.restarts, p.left = next(self._pids), p.restarts + 1, False
         return answers
 
     def locate(self, name: str | None) -> tuple[str | None, str | None]:
@@ -210,6 +219,9 @@ class FakePool:
         self.calls.append(("rendezvous", groups))
         self._maybe_fail("rendezvous")
         self.generation += 1
+        for (group, _), p in self.procs.items():
+            if groups is None or group in groups:
+                p.left = False
 
     def init_models(self, groups: list[str] | None = None, empty: bool = False) -> None:
         self.calls.append(("init_models", groups))

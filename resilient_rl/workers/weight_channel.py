@@ -24,13 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient_rl.runtime import leave_collective, rendezvous
+from resilient_rl.runtime import leave_collective, progress, rendezvous
 from resilient_rl.errors import CollectiveError
 from resilient_rl.workers import weight_sync
 from resilient_rl.workers.fsdp import is_fsdp
 
 logger = logging.getLogger(__name__)
 
+#: The channel's name among this process's collectives (:mod:`resilient_rl.runtime.leave_collective`).
+CHANNEL = "weight channel"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {"pg": None, "generation": None, "store": None}
 
@@ -48,13 +50,13 @@ def join(generation: int, addr: str, port: int, rank: int, size: int, backend: s
         prefixed = dist.PrefixStore(f"rrl-weights/{generation}", store)
         # The channel is one of this process's collectives: leaving them (told to, or after one
         # failed) ends its waits too, so the other side of a sync does not wait out its timeout.
-        with leave_collective.recording():  # gloo's connections, shut down on leaving
+        with leave_collective.recording(CHANNEL):  # gloo's connections, shut down on leaving
             if backend == "nccl":
                 leave_collective.survive_nccl_errors()
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-                leave_collective.abort_on_leave("weight channel", pg.abort)
+                leave_collective.abort_on_leave(CHANNEL, pg.abort)
             else:
                 pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         _STATE.update(pg=pg, generation=generation, store=store)
@@ -69,7 +71,8 @@ def close() -> None:
 
 
 def _close_locked() -> None:
-    leave_collective.abort_on_leave("weight channel", None)
+    leave_collective.abort_on_leave(CHANNEL, None)
+    leave_collective.forget(CHANNEL)  # a channel left before is gone: the next one is not left
     pg = _STATE["pg"]
     if pg is not None:
         for name in ("abort", "shutdown"):
@@ -121,4 +124,5 @@ def receive(model: nn.Module, actor_world: int, bucket_bytes: int = weight_sync.
         _broadcast(recv)
         bucket.unpack(recv, dst)
         total += sum(int(torch.Size(s).numel()) for s in bucket.shapes) * recv.element_size()
+        progress.advance("weight bucket")
     return total

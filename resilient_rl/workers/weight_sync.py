@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient_rl.errors import WorkerError
+from resilient_rl.runtime import progress
 from resilient_rl.workers.fsdp import is_fsdp
 
 #: Default bucket size of a sync (bytes in the rollout's dtype).
@@ -181,6 +182,7 @@ def gather_buckets(model: nn.Module, dtype: torch.dtype, consume: Callable[[Buck
             gather(recv, send, group=group)
         consume(bucket, recv)
         total += sum(int(torch.Size(s).numel()) for s in bucket.shapes) * recv.element_size()
+        progress.advance("weight bucket")  # a long sync over many buckets is not a hang
     return total
 
 

@@ -104,6 +104,12 @@ class RecoveryPool(StepRoles, Protocol):
 
     #: The process-group generation, bumped by every :meth:`rendezvous`.
     generation: int
+    #: The process groups one collective spans, each with the calls its ranks are inside it in:
+    #: the weight channel joins the actor's group and the rollout's in the split placement
+    #: (``send_weights``, ``receive_weights``); empty where every collective stays in one group.
+    #: A rank inside such a call when the other group loses a rank is cut off: NCCL within a
+    #: node never learns that a peer died, and waits out ``recovery.collective_timeout_s``.
+    shared_calls: dict[str, frozenset[str]]
     #: Called before each recovery state, after the probe and between the tries of a wait for
     #: ranks (:meth:`wait_alive`); raises to end the recovery (the controller sets it: a
     #: preemption signal ends it).

@@ -25,7 +25,7 @@ import ray
 
 from resilient_rl.runtime import health, worker_group_spares as group_spares
 from resilient_rl.runtime.health import answers_during_calls, process_gone, replaced
-from resilient_rl.runtime.group_call import GroupCall, results_in_order
+from resilient_rl.runtime.group_call import GroupCall, results_in_order, results_together
 from resilient_rl.runtime.worker import WorkerInfo
 from resilient_rl.runtime.pool.groups import start_spares, worker_group
 from resilient_rl.runtime.pool.unplaced import yield_to_unplaced
@@ -78,6 +78,8 @@ class RayRoles:
         #: The layout the actor sends its weights in (with HSDP its shard group, not its world),
         #: asked of it at the first sync over each weight channel.
         self.weights_layout: int | None = None
+        #: The process groups the weight channel spans, with their calls inside it (RecoveryPool.shared_calls).
+        self.shared_calls: dict[str, frozenset[str]] = {}
         #: Called while recovering (:class:`~resilient_rl.runtime.pool.RecoveryPool`); raises to stop.
         self.interrupt: Callable[[], None] = lambda: None
         self.generation = 0
@@ -113,6 +115,9 @@ class RayRoles:
                 # The rollout is unsharded: it needs no process group.
                 self.torch_groups += [g for role, g in self.groups.items() if role != "rollout"]
             self._name_processes()
+            if self.weight_channel:
+                self.shared_calls.update({self.process_of["actor"]: frozenset({"send_weights"}),
+                                          self.process_of["rollout"]: frozenset({"receive_weights"})})
             self.worker_info: dict[tuple[str, int], WorkerInfo] = {}
             self.refresh_workers()
             self.rendezvous()
@@ -265,7 +270,7 @@ class RayRoles:
             calls = [GroupCall(g, g.execute_all_async("join_weight_channel", *args), timeout_s=wait_s)
                      for g in (actor, rollout)]
             try:
-                list(results_in_order(calls))
+                results_together(calls)  # a peer dead on either side ends the wait at once
             except BaseException:  # the ranks still waiting for a failed peer give up at once
                 for g in (actor, rollout):
                     g.call_off_rendezvous(self.generation)
@@ -332,7 +337,7 @@ class RayRoles:
         elif self.weight_channel:
             if self.weights_layout is None:
                 self.weights_layout = actor.get(actor.execute_all_async("weights_layout"))[0]
-            stats, versions = results_in_order((
+            stats, versions = results_together((  # a rank dead on either side ends the wait at once
                 GroupCall(actor, actor.execute_all_async("send_weights", version)),
                 GroupCall(rollout, rollout.execute_all_async("receive_weights", version, self.weights_layout))))
         else:
