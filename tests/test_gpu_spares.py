@@ -23,7 +23,7 @@ from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime import worker
 from resilient_rl.runtime.worker import cuda_device_index
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
-from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup
+from resilient_rl.runtime.worker_group import NOSET_VISIBLE_DEVICES, RayClassWithInitArgs, RayWorkerGroup
 from resilient_rl.errors import ConfigError
 from resilient_rl.testing.wait import wait_until
 from resilient_rl.workers.fsdp import uses_cuda
@@ -147,10 +147,12 @@ def test_a_role_build_says_how_long_it_took_and_waited_for_the_start_up_imports(
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """A local Ray cluster with 2 logical GPUs (no CUDA): shut down after the module. Its worker
-    processes given no GPU get ``CUDA_VISIBLE_DEVICES=""``, as older Ray releases give them by default."""
+    processes given no GPU get ``CUDA_VISIBLE_DEVICES=""``, as older Ray releases give them by
+    default, and every process is told to leave the variable alone, as on clusters started with
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (OpenRLHF's scripts start theirs so)."""
     ray.init(address="local", num_cpus=16, num_gpus=2, include_dashboard=False, namespace="rrl-gpu-spares",
              object_store_memory=128 * 1024**2, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {OVERRIDE_ON_ZERO: "1"}})
+             runtime_env={"env_vars": {OVERRIDE_ON_ZERO: "1", NOSET_VISIBLE_DEVICES: "1"}})
     try:
         yield ray
     finally:
@@ -168,7 +170,7 @@ def test_a_gpu_spare_starts_with_every_gpu_taken_and_takes_the_dead_rank_s_gpu(g
     pool = SparePool(wg, 1, timeout_s=30)
     try:
         before = wg.ping()
-        assert sorted(i.devices for i in before) == ["0", "1"], "Ray gave each rank one GPU"
+        assert sorted(i.devices for i in before) == ["0", "1"], "Ray gave each rank one GPU, and said which"
         wait_until(lambda: len(pool.ready()) == 1, 60, 0.2, "the spare to start")
         assert ray.available_resources().get("GPU", 0) == 0, "the spare reserves no GPU"
         spare = ray.get(pool._spares[0].handle.ping.remote())
