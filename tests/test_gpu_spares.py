@@ -17,13 +17,13 @@ import torch
 
 from resilient_rl.config.schema import load_config
 from resilient_rl.runtime import devices
-from resilient_rl.runtime.devices import DevicesUnavailable, take_devices
+from resilient_rl.runtime.devices import NOSET_VISIBLE_DEVICES, DevicesUnavailable, see_ray_gpus_only, take_devices
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.spares import SparePool
 from resilient_rl.runtime import worker
 from resilient_rl.runtime.worker import cuda_device_index
 from resilient_rl.testing.fake_nvml import FakeGpu, FakeNVML
-from resilient_rl.runtime.worker_group import NOSET_VISIBLE_DEVICES, RayClassWithInitArgs, RayWorkerGroup
+from resilient_rl.runtime.worker_group import RayClassWithInitArgs, RayWorkerGroup
 from resilient_rl.errors import ConfigError
 from resilient_rl.testing.wait import wait_until
 from resilient_rl.workers.fsdp import uses_cuda
@@ -43,6 +43,22 @@ def test_take_devices_sets_the_rank_s_devices_before_cuda_starts(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and devices.visible_devices() == "3"
     # Already the rank's: nothing to do, whatever CUDA's state.
     take_devices("3", "n1", "n1", driver_initialized=lambda: True)
+
+
+def test_a_rank_sees_only_its_ray_gpus_where_the_cluster_leaves_the_variable_alone(monkeypatch, caplog):
+    """A cluster started with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1: Ray gives the process
+    GPU 2 but leaves every GPU of the node visible. The rank narrows the variable to its GPU first
+    thing, before CUDA can read it; a process given no GPU (a spare) keeps seeing them all."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    see_ray_gpus_only(gpu_ids=lambda: ["2"], driver_initialized=lambda: False)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3", "without the switch Ray set the variable itself"
+    monkeypatch.setenv(NOSET_VISIBLE_DEVICES, "1")
+    see_ray_gpus_only(gpu_ids=lambda: [], driver_initialized=lambda: False)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3", "a spare takes a dead rank's GPUs later"
+    see_ray_gpus_only(gpu_ids=lambda: ["2"], driver_initialized=lambda: True)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and "CUDA already started" in caplog.text
+    see_ray_gpus_only(gpu_ids=lambda: ["2"], driver_initialized=lambda: False)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2" and devices.visible_devices() == "2"
 
 
 def test_take_devices_refuses_another_node_or_an_initialised_driver(monkeypatch):

@@ -245,3 +245,38 @@ def device_report(cuda_index: int | None, nvml: Any | None = None) -> DeviceRepo
         allocated = int(torch.cuda.memory_allocated(cuda_index))
         reserved = int(torch.cuda.memory_reserved(cuda_index))
     return DeviceReport((uuids[cuda_index],), allocated, reserved)
+
+
+#: Ray's switch for leaving a process's ``CUDA_VISIBLE_DEVICES`` alone (on when ``1`` or ``true``).
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def ray_gpu_ids() -> list[str]:
+    """The GPUs Ray gave this process (its ids, as Ray would write them into the variable)."""
+    import ray
+
+    return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+
+def see_ray_gpus_only(gpu_ids=ray_gpu_ids, driver_initialized=cuda_driver_initialized) -> None:
+    """Called first in a rank's process: on a cluster started with Ray's switch for leaving
+    ``CUDA_VISIBLE_DEVICES`` alone (:data:`NOSET_VISIBLE_DEVICES`; OpenRLHF's scripts start
+    theirs so), set the variable to the GPUs Ray gave the process, as Ray does without the
+    switch. The process would otherwise see every GPU of its node and compute on the one of its
+    local rank, the same GPU for ranks of two groups on one node, and a warm spare, which takes a
+    dead rank's GPUs by this value, could not. Nothing to do without the switch, for a process
+    given no GPU (a spare, a CPU rank), or once CUDA has read the variable (then it is logged).
+    The switch is not turned off through the actors' ``runtime_env`` instead: a per-actor
+    ``runtime_env`` starts each process through Ray's setup-worker, seconds more per restart."""
+    if env.get(NOSET_VISIBLE_DEVICES, "").strip().lower() not in ("1", "true"):
+        return
+    ids = gpu_ids()
+    value = ",".join(ids)
+    if not ids or visible_devices() == value:
+        return
+    if driver_initialized():
+        logger.warning("%s is set and CUDA already started in this process: it computes on the GPUs "
+                       "CUDA_VISIBLE_DEVICES=%s shows, not only on those Ray gave it (%s)", NOSET_VISIBLE_DEVICES,
+                       visible_devices(), value)
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = value

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from resilient_rl.runtime.devices import take_devices
+from resilient_rl.runtime.devices import see_ray_gpus_only, take_devices
 from resilient_rl.runtime.rank_host import RankHost
 from resilient_rl.runtime.dispatch import MAGIC_ATTR, registered_methods
 from resilient_rl.runtime.health import HEALTH_GROUPS
@@ -58,6 +58,7 @@ def _ranked_remote_class(ray_cls):
 
         class Ranked(user_cls):  # type: ignore[valid-type, misc]
             def __init__(self, identity: dict[str, str], *args, **kwargs) -> None:
+                see_ray_gpus_only()  # before anything can start CUDA in the process
                 forward_package_logs()  # the rank's INFO records reach the driver's train.log
                 self._rrl_init_args = (args, kwargs)
                 self._rrl_become(identity)

@@ -33,9 +33,6 @@ from resilient_rl.runtime.worker_class import (RayClassWithInitArgs, _actor_clas
                                                  create_colocated_worker_cls)
 from resilient_rl.errors import DispatchError
 
-#: Ray's switch for leaving a process's ``CUDA_VISIBLE_DEVICES`` alone (it is on when set to 1 or true).
-NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-
 logger = logging.getLogger(__name__)
 
 #: Dispatch modes that hand out one entry per rank (rank-zero execution takes entry 0).
@@ -111,16 +108,10 @@ class RayWorkerGroup:
         self.actor_options = {"num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
                               "max_restarts": self.max_restarts, "max_task_retries": self.max_task_retries,
                               **actor_options}
-        if pool.use_gpu:
-            self.actor_options["num_gpus"] = 1 / pool.max_colocate_count
-            # Each rank computes on the GPU Ray gives it, named in its CUDA_VISIBLE_DEVICES (a warm
-            # spare takes a dead rank's GPU by that value). A cluster started with Ray's switch for
-            # leaving the variable alone (as OpenRLHF's scripts start theirs) would have every rank
-            # see every GPU of its node and pick one by its local rank, the same GPU for ranks of
-            # two groups on one node: the switch is turned off for the group's processes.
-            runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), NOSET_VISIBLE_DEVICES: ""}}
         if runtime_env:  # the user's, shared by every rank; the rank's identity does not go here
             self.actor_options["runtime_env"] = runtime_env
+        if pool.use_gpu:
+            self.actor_options["num_gpus"] = 1 / pool.max_colocate_count
         if detached:
             self.actor_options["lifetime"] = "detached"
         handles, names, identities = [], [], []
