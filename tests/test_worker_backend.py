@@ -84,3 +84,29 @@ def test_leaving_aborts_the_nccl_groups_outside_the_default_one():
         leave_collective.abort_on_leave("weight channel", None)
     leave_collective.leave_collectives("again")
     assert calls == ["abort"]
+    leave_collective.forget()
+
+
+def test_a_rank_that_left_an_aborted_nccl_group_has_not_left_the_next_one(monkeypatch):
+    """Leaving aborts an NCCL default group, which de-initialises it in torch: the next
+    rendezvous finds no group to destroy, and must still count the new one as not left, or the
+    rank's group would be rejoined at every later recovery (WorkerInfo.left)."""
+    import types
+
+    from resilient_rl.runtime import leave_collective
+
+    monkeypatch.setattr(leave_collective, "abort_nccl", lambda: True)  # the abort of a GPU group
+    leave_collective.leave_collectives("a peer died")
+    assert leave_collective.has_left()
+    monkeypatch.setattr(worker.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(worker.rendezvous, "join_store", lambda *a, **k: object())
+    monkeypatch.setattr(worker.dist, "is_initialized", lambda: False)  # as the abort left it
+    monkeypatch.setattr(worker.dist, "init_process_group", lambda **kwargs: None)
+    monkeypatch.setattr(worker, "export_identity", lambda identity: None)
+    monkeypatch.setattr(worker, "_PG_STATE", dict(worker._PG_STATE, generation=1, cuda_device=None))
+    rank = types.SimpleNamespace(rank=0, world_size=1, identity=types.SimpleNamespace(local_rank=0))
+    try:
+        assert worker.RankWorker.rendezvous(rank, 2, "127.0.0.1", 1, backend="gloo") == 2
+        assert not leave_collective.has_left()
+    finally:
+        leave_collective.forget()

@@ -341,6 +341,9 @@ class RankWorker:
             # died is called off there, instead of blocking in torch until the timeout.
             store = rendezvous.join_store(generation, master_addr, master_port, self.rank, self.world_size,
                                           timeout_s)
+            # The old group is gone, also where leaving aborted it (an NCCL abort de-initialises
+            # torch's default group, so nothing above destroyed it): the new one is not left.
+            leave_collective.forget(leave_collective.PROCESS_GROUP)
             with leave_collective.recording():  # so that a broken collective can be left at once
                 dist.init_process_group(
                     backend=backend,
