@@ -110,6 +110,7 @@ def test_the_ceiling_still_bounds_a_whole_call(ray_cluster):
         with pytest.raises(WorkerTimeoutError) as err:
             wg.work(4.0, 0.2)
         assert err.value.cause == "timeout"
+        assert "rank(s) [0, 1] did not finish within the 2s ceiling" in str(err.value), err.value
     finally:
         wg.shutdown()
 

@@ -208,6 +208,22 @@ def test_a_survivor_inside_a_sync_with_a_dead_rank_of_the_other_group_leaves_and
     assert h.of("recovered")[0]["rejoined"] == sorted([dead, survivor])
 
 
+def test_a_rank_the_drain_kills_cuts_off_the_other_side_of_its_sync_too():
+    """The critic dies while a sync runs, and the rollout rank inside it has stopped advancing: the
+    drain kills it as hung, and actor rank 0, waiting on it in the channel, is told to leave then."""
+    pool = FakePool(groups={"actor": ("actor",), "rollout": ("rollout",), "critic": ("critic",)},
+                    shared_calls=SYNC, world_size=1)
+    h = Harness(pool, hang_timeout_s=30.0, restart_timeout_s=120.0)
+    pool.crash("critic", 0)
+    pool.busy("rollout", 0, "receive_weights", progress_age_s=45.0)
+    pool.busy("actor", 0, "send_weights", progress_age_s=1.0)
+    h.handle(died(group="critic", rank=0))
+    assert [(e["group"], e["rank"]) for e in h.of("kill_hung")] == [("rollout", 0)]
+    assert h.of("leave_collectives") == [{"ranks": [["actor", 0]]}]
+    assert h.clock.now - 1000.0 < 1.0, "no wait for the channel's timeout"
+    assert h.of("recovered")[0]["rejoined"] == ["actor", "critic", "rollout"]
+
+
 def test_a_survivor_of_another_group_outside_the_sync_is_not_told_to_leave():
     """Only the calls inside the shared collective are cut off: an actor rank in its update when a
     rollout rank dies waits on its own group's live ranks, and its group keeps its process group."""

@@ -4,8 +4,9 @@ Every rank is probed through its health concurrency group; the :class:`FailurePo
 *before* anything is killed or waited for, knowing which ranks would need a restart. Then a rank
 that does not answer (SIGSTOPped) is SIGKILLed, and so is the rank the failure names as not
 advancing (it still answers the probe); survivors of the failed ranks' process groups still
-inside a call are told to leave their collectives (the call then ends at once with a collective
-error, see :mod:`resilient_rl.runtime.leave_collective`), waited for, and killed if they stop
+inside a call, and those of another group inside a collective that spans a failed one (a weight
+sync), are told to leave their collectives (the call then ends at once with a collective error,
+see :mod:`resilient_rl.runtime.leave_collective`), waited for, and killed if they stop
 advancing; each dead
 rank is handed to a ready warm spare of its group where there is one (``recovery.spares``), and
 the state waits until Ray has restarted every other dead actor (``max_restarts``) and all answer.
@@ -134,12 +135,13 @@ class Recovering:
         start = clock()
         deadline = start + cfg.restart_timeout_s
         shared = pool.shared_calls
-        cut_off = {group: calls for group, calls in shared.items() if group not in broken} \
-            if broken & shared.keys() else {}
         told: set[ProcessKey] = set()
         while clock() < deadline:
             busy = 0
             leave: list[ProcessKey] = []
+            broken_now = broken | {group for group, _ in killed}  # one the drain killed in breaks its group too
+            cut_off = {group: calls for group, calls in shared.items() if group not in broken_now} \
+                if broken_now & shared.keys() else {}
             for group in pool.process_groups():
                 for rank, info in pool.probe(group, timeout_s=cfg.health_timeout_s, during_call=True).items():
                     key = (group, rank)
@@ -155,12 +157,13 @@ class Recovering:
                                        reason=f"inside {info.call!r} without progress for {info.progress_age_s:.1f}s")
                         else:
                             busy += 1
-                            if key not in told and (group in broken or info.call in cut_off.get(group, ())):
+                            if key not in told and (group in broken_now or info.call in cut_off.get(group, ())):
                                 leave.append(key)
             if leave:
                 told.update(leave)
                 self.ctx.emit("leave_collectives", ranks=[list(k) for k in sorted(leave)])
-                pool.leave_collectives(sorted(leave), reason="a rank of the group died")
+                pool.leave_collectives(sorted(leave), reason="a rank of the group, or of the other side of a "
+                                       "collective it is in, died")
             if not busy:
                 return told
             self.ctx.sleep(0.05 if leave else 0.2)

@@ -82,10 +82,12 @@ def wait_calls(calls: list[Waited], timeout_s: float | None) -> list[list]:
                                          rank=hung.rank, cause="hang", pid=hung.pid, hang_kind=hung.kind,
                                          stalled_s=hung.stalled_s)
         if not ready and deadline is not None and time.monotonic() >= deadline:
-            call = index[pending[0]][0]
-            ranks = sorted(r for c, r in map(index.get, pending) if c is call)
-            raise WorkerTimeoutError(f"{call.role}: rank(s) {ranks} did not finish within the {timeout_s:g}s ceiling",
-                                     role=call.role, rank=ranks[0], cause="timeout")
+            late = {id(call): (call.role, sorted(r for c, r in map(index.get, pending) if c is call)) for call in calls}
+            late = {key: value for key, value in late.items() if value[1]}
+            role, ranks = next(iter(late.values()))
+            names = "; ".join(f"{name}: rank(s) {late_ranks}" for name, late_ranks in late.values())
+            raise WorkerTimeoutError(f"{names} did not finish within the {timeout_s:g}s ceiling", role=role,
+                                     rank=ranks[0], cause="timeout")
     return [results[id(call)] for call in calls]
 
 
