@@ -139,6 +139,7 @@ def test_a_process_has_left_until_it_joins_again_each_group_on_its_own():
     from resilient_rl.runtime import leave_collective
     from resilient_rl.workers.weight_channel import CHANNEL
 
+    leave_collective.forget()  # what other tests of this process left behind
     server = socket.create_server(("127.0.0.1", 0))
     peers = []
     try:
