@@ -59,7 +59,7 @@ class Recovering:
             self._kill(pool, hung, known, "kill_hung", killed, reason=a.failure.message[:300])
         # Spares first: the drain then probes them (idle, answering) rather than dead processes.
         adopted = self._adopt_spares(pool, set(dead) | killed)
-        told = self._drain(pool, known, killed, broken={k[0] for k in to_restart} | {k[0] for k in killed})
+        told = self._drain(pool, known, killed, broken={k[0] for k in to_restart})
         a.rejoin |= {group for group, _ in told}  # their collectives are left: they join new ones
         self._adopt_spares(pool, killed - adopted)  # survivors the drain found stalled
         try:
@@ -124,13 +124,13 @@ class Recovering:
         """Wait until no survivor is inside a call, so the rendezvous does not queue behind one;
         the survivors told to leave their collectives.
 
-        A survivor of a ``broken`` process group (one of its ranks died or was killed) is told to
-        leave its collectives: no peer will join them, and a rank that only waits on live peers
-        would otherwise wait out the group's timeout. So is a survivor of another group inside a
-        collective that spans a broken one (a weight sync: see
-        :attr:`~resilient_rl.runtime.pool.RecoveryPool.shared_calls`). One that stays
-        inside a call without advancing for ``hang_timeout_s`` is killed, as is one that does not
-        answer (after ``warmup_timeout_s`` where it was still starting up)."""
+        A survivor of a ``broken`` process group (one of its ranks died) or of one with a rank in
+        ``killed`` (before the drain or by it) is told to leave its collectives: no peer will join
+        them, and a rank that only waits on live peers would otherwise wait out the group's
+        timeout. So is a survivor of another group inside a collective that spans such a group (a
+        weight sync: see :attr:`~resilient_rl.runtime.pool.RecoveryPool.shared_calls`). One that
+        stays inside a call without advancing for ``hang_timeout_s`` is killed, as is one that does
+        not answer (after ``warmup_timeout_s`` where it was still starting up)."""
         cfg, clock = self.ctx.cfg, self.ctx.clock
         start = clock()
         deadline = start + cfg.restart_timeout_s
@@ -139,7 +139,7 @@ class Recovering:
         while clock() < deadline:
             busy = 0
             leave: list[ProcessKey] = []
-            broken_now = broken | {group for group, _ in killed}  # one the drain killed in breaks its group too
+            broken_now = broken | {group for group, _ in killed}  # also one the drain killed in
             cut_off = {group: calls for group, calls in shared.items() if group not in broken_now} \
                 if broken_now & shared.keys() else {}
             for group in pool.process_groups():

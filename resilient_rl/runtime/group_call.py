@@ -82,13 +82,7 @@ def results_together(calls: Iterable[GroupCall]) -> list:
     ``recovery.collective_timeout_s``). The ceiling on the wait is the smallest call's. When it
     fails, the calls' unread ranks are abandoned to their groups (see :meth:`GroupCall.abandon`)."""
     calls = list(calls)
-    waited = [call.group.waited(call.refs) for call in calls]
     ceilings = [t for t in (c.group.call_timeout_s if c.timeout_s is None else c.timeout_s for c in calls)
                 if t is not None]
-    try:
-        values = wait_calls(waited, min(ceilings) if ceilings else None)
-    except BaseException:
-        for call, w in zip(calls, waited):
-            call.group.abandoned.add([r for r in call.refs if r not in w.read])
-        raise
+    values = wait_calls([call.group.waited(call.refs) for call in calls], min(ceilings) if ceilings else None)
     return [call.collect(v) for call, v in zip(calls, values)]

@@ -15,7 +15,7 @@ handled them, and read like a second failure. :class:`AbandonedCalls` reads them
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -26,68 +26,76 @@ from resilient_rl.runtime.health import classify_error
 from resilient_rl.runtime.liveness import LivenessWatch
 
 
-def wait_results(refs: list, role: str, timeout_s: float | None, watch: LivenessWatch | None,
-                 read: set) -> list:
-    """The results of ``refs`` (one per rank of ``role``, in rank order); each ref read goes into
-    ``read``, so that a caller knows which were left unread when this raises.
-
-    WorkerTimeoutError with cause "hang" names a rank ``watch`` judged hung; with cause "timeout",
-    the ranks still running when ``timeout_s`` passed.
-    """
-    return wait_calls([Waited(refs, role, watch, read)], timeout_s)[0]
-
-
 @dataclass
 class Waited:
     """One group's call in a wait: its refs (one per rank), the group's name, its liveness watch
-    (None: not watched), and the refs read so far."""
+    (None: not watched), and where the refs a failed wait leaves unread go (None: nowhere)."""
 
     refs: list
     role: str
     watch: LivenessWatch | None
-    read: set = field(default_factory=set)
+    abandoned: AbandonedCalls | None = None
 
 
 def wait_calls(calls: list[Waited], timeout_s: float | None) -> list[list]:
-    """Each call's results, waiting on all of them at once: the first error of any call raises at
-    once (classified under its group), and every call's ranks are watched while they run. Calls
-    whose ranks wait on each other (a collective spans their groups) are waited for this way, so
-    that one group's dead rank is not hidden behind a wait on the other's blocked ranks."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    """Each call's results (one per rank, in rank order), waiting on all of them at once: the
+    first error of any call raises at once (classified under its group), and every call's ranks
+    are watched while they run. Calls whose ranks wait on each other (a collective spans their
+    groups) are waited for this way, so that one group's dead rank is not hidden behind a wait on
+    the other's blocked ranks. When the wait fails, each call's unread refs go to its ``abandoned``
+    (the other ranks' calls run on).
+
+    WorkerTimeoutError with cause "hang" names a rank a watch judged hung; with cause "timeout",
+    the ranks still running when ``timeout_s`` passed.
+    """
     index = {ref: (call, rank) for call in calls for rank, ref in enumerate(call.refs)}
+    read: set = set()
+    try:
+        return _wait(calls, index, read, timeout_s)
+    except BaseException:
+        for call in calls:
+            if call.abandoned is not None:
+                call.abandoned.add([r for r in call.refs if r not in read])
+        raise
+
+
+def _wait(calls: list[Waited], index: dict, read: set, timeout_s: float | None) -> list[list]:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results: dict[int, list] = {id(call): [None] * len(call.refs) for call in calls}
     intervals = [call.watch.poll_interval_s for call in calls if call.watch is not None]
     pending = list(index)
+
+    def running(call: Waited) -> list[int]:
+        return [r for c, r in map(index.get, pending) if c is call]
+
     while pending:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         wait_s = remaining if not intervals else min(min(intervals), remaining or min(intervals))
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         for ref in ready:
             call, rank = index[ref]
-            call.read.add(ref)
+            read.add(ref)
             # Keep the value: fetching it again would deserialize (and copy) every result twice.
             try:
                 results[id(call)][rank] = ray.get(ref, timeout=0)
             except (RayActorError, RayTaskError) as exc:
                 raise classify_error(exc, call.role, rank) from exc
             except GetTimeoutError:  # pragma: no cover - ready refs do not time out
-                call.read.discard(ref)
+                read.discard(ref)
                 pending.append(ref)
         if not pending:
             break
         for call in calls:
-            hung = None if call.watch is None else call.watch.poll(r for c, r in map(index.get, pending) if c is call)
+            hung = None if call.watch is None else call.watch.poll(running(call))
             if hung is not None:
                 raise WorkerTimeoutError(f"{call.role} rank {hung.rank} is hung: {hung.detail}", role=call.role,
                                          rank=hung.rank, cause="hang", pid=hung.pid, hang_kind=hung.kind,
                                          stalled_s=hung.stalled_s)
         if not ready and deadline is not None and time.monotonic() >= deadline:
-            late = {id(call): (call.role, sorted(r for c, r in map(index.get, pending) if c is call)) for call in calls}
-            late = {key: value for key, value in late.items() if value[1]}
-            role, ranks = next(iter(late.values()))
-            names = "; ".join(f"{name}: rank(s) {late_ranks}" for name, late_ranks in late.values())
-            raise WorkerTimeoutError(f"{names} did not finish within the {timeout_s:g}s ceiling", role=role,
-                                     rank=ranks[0], cause="timeout")
+            late = [(call.role, sorted(ranks)) for call in calls if (ranks := running(call))]
+            names = "; ".join(f"{name}: rank(s) {ranks}" for name, ranks in late)
+            raise WorkerTimeoutError(f"{names} did not finish within the {timeout_s:g}s ceiling", role=late[0][0],
+                                     rank=late[0][1][0], cause="timeout")
     return [results[id(call)] for call in calls]
 
 

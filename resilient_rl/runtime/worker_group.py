@@ -25,7 +25,7 @@ from resilient_rl.runtime import master_env, parts
 from resilient_rl.runtime.dispatch import Dispatch, Execute, PAD_SIZE_KEY, registered_methods, resolve_dispatch
 from resilient_rl.runtime.group_call import GroupCall
 from resilient_rl.runtime.group_ranks import RankTable
-from resilient_rl.runtime.group_wait import AbandonedCalls, Waited, wait_results
+from resilient_rl.runtime.group_wait import AbandonedCalls, Waited, wait_calls
 from resilient_rl.runtime.worker_group_verl import attached_ranks, check_verl_options, checked_worker_env
 from resilient_rl.runtime.liveness import LivenessWatch
 from resilient_rl.runtime.resource_pool import RayResourcePool
@@ -219,24 +219,17 @@ class RayWorkerGroup:
         "timeout" names the ranks still running when it passes. The calls a failed wait leaves
         running go to :attr:`abandoned`, read once they end (:mod:`resilient_rl.runtime.group_wait`).
         """
-        read: set = set()
-        self.abandoned.read()
-        try:
-            timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
-            watch = self._liveness_watch(len(refs)) if liveness else None
-            return wait_results(refs, self.name_prefix, timeout_s, watch, read)
-        except BaseException:
-            self.abandoned.add(r for r in refs if r not in read)  # the other ranks' calls run on
-            raise
+        return wait_calls([self.waited(refs, liveness)], self.call_timeout_s if timeout_s is None else timeout_s)[0]
 
     #: The name callers used before ``wait_refs``; a worker's registered ``get`` replaces it on its group.
     get = wait_refs
 
-    def waited(self, refs: list) -> Waited:
-        """``refs`` (one per rank) as one call of a wait on several groups' calls at once
-        (:func:`~resilient_rl.runtime.group_call.results_together`), its ranks watched for liveness."""
+    def waited(self, refs: list, liveness: bool = True) -> Waited:
+        """``refs`` (one per rank) as one call of a wait (:func:`~resilient_rl.runtime.group_wait.wait_calls`:
+        this group's alone, or several groups' at once), its ranks watched for liveness, the refs a
+        failed wait leaves unread abandoned to the group."""
         self.abandoned.read()
-        return Waited(refs, self.name_prefix, self._liveness_watch(len(refs)))
+        return Waited(refs, self.name_prefix, self._liveness_watch(len(refs)) if liveness else None, self.abandoned)
 
     def _liveness_watch(self, n_refs: int) -> LivenessWatch | None:
         """The group's health poller, or None where liveness cannot be watched (no hang timeout, no
