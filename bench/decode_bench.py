@@ -39,10 +39,12 @@ def decode_model(config: dict, fused: bool = False) -> torch.nn.Module:
     (``resilient_rl/models/fused_projections.py``; bench/decode_profile.py times both)."""
     from resilient_rl.models.fused_projections import fuse_projections
     from resilient_rl.models.hf import load_hf_causal_lm
+    from resilient_rl.models.precision import cast_parameters
 
     torch.manual_seed(0)
-    cuda = device() == "cuda"
-    model = load_hf_causal_lm(hf_config=config).to(device=device(), dtype=torch.bfloat16 if cuda else None).eval()
+    model = load_hf_causal_lm(hf_config=config).to(device()).eval()
+    if device() == "cuda":
+        cast_parameters(model, torch.bfloat16)  # as the rollout casts them: rotary frequencies stay fp32
     if fused:
         fuse_projections(model)
     return model

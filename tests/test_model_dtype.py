@@ -144,3 +144,28 @@ def test_fsdp2_shards_keep_fp32_while_blocks_compute_in_bf16():
         assert compute == ["torch.bfloat16"], rank
         assert params == ["torch.float32"] and optim == ["torch.float32"], rank
         assert grad_norm > 0
+
+
+def test_a_bf16_rollout_keeps_the_actors_positional_encodings():
+    """A bf16 rollout casts its weights, not its rotary frequencies: rounded to bf16 they turn each
+    position by an angle that grows with it, and the rollout would sample from other positional
+    encodings than the actor (fp32 weights under autocast) scores its tokens with."""
+    from resilient_rl.models.factory import build_causal_lm
+    from resilient_rl.workers.rollout import RolloutEngine
+
+    qwen2 = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+             "max_position_embeddings": 1024, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+    cfg = config_from_dict({"model": {"kind": "hf", "hf_config": qwen2}})
+    rollout = RolloutEngine(cfg.model, cfg.rollout, 64, 0, plan_device("cpu", "bfloat16"), eos_token_id=1,
+                            pad_token_id=0).model
+    actor = build_causal_lm(cfg.model, 64, 0)
+    assert {p.dtype for p in rollout.parameters()} == {torch.bfloat16}
+    assert rollout.lm_head.weight is rollout.model.embed_tokens.weight  # still tied
+    positions = torch.arange(776)[None]
+    x = torch.zeros(1, 776, 64, dtype=torch.bfloat16)
+    ours = rollout.model.rotary_emb(x, positions)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = actor.model.rotary_emb(x.float(), positions)
+    for a, b in zip(ours, theirs):  # cos, sin: equal up to their rounding to bf16
+        assert (a.float() - b.float()).abs().max() <= 2**-8, (a.float() - b.float()).abs().max()

@@ -26,6 +26,7 @@ from resilient_rl.models.engine import compiles_decode, generate_static, resolve
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.models.fused_projections import fuse_projections
 from resilient_rl.models.generation import generate
+from resilient_rl.models.precision import cast_parameters
 from resilient_rl.protocol import DataProto
 from resilient_rl.workers.compile_cache import CompileCache
 from resilient_rl.workers.fsdp import DevicePlan, to_device
@@ -57,8 +58,8 @@ class RolloutEngine:
         self.compile_cache = compile_cache
         self.cfg = rollout_cfg
         self.model = to_device(build_causal_lm(model_cfg, vocab_size, seed, empty=empty), plan.device)
-        if plan.mixed_precision:
-            self.model = self.model.to(plan.param_dtype)
+        if plan.mixed_precision:  # the weights only: the rotary frequencies stay fp32, as the actor's
+            cast_parameters(self.model, plan.param_dtype)
         # One product for q, k, v and one for gate, up (models/fused_projections.py); built empty,
         # nothing to copy into the fused weights before the first sync writes them.
         fuse_projections(self.model, copy=not empty)
