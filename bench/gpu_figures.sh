@@ -8,9 +8,9 @@
 # WORKLOAD: gsm8k-1.5b and/or gsm8k-0.5b (default: both, in that order: the 1.5 B run and the update
 # pass after it take every figure still open, so a call whose budget ends later has them all). The first
 # rollout of each compiles the decode step (about 50 s for 0.5 B on an H200), so each workload has 300 s
-# (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command:
-# each part's limit is cut to what is left of it (a part takes up to its whole limit of what is
-# left). In this order:
+# (RRL_FIGURE_TIMEOUT=SECONDS changes that). RRL_FIGURES_BUDGET=SECONDS bounds the whole command
+# (default 480: eight minutes, within a GPU session's device time; 0: no bound): each part's limit is
+# cut to what is left of it (a part takes up to its whole limit of what is left). In this order:
 #   1. the first workload (gsm8k-1.5b by default): update, log-prob and whole-step MFU (the
 #      project's count and verl's), end-to-end tokens/s/GPU, whether the gradients were finite,
 #      decode compiles and graph breaks, the engine's prefill and decode-loop time in each step, the
@@ -53,7 +53,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 "$PY" -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" | tee -a "$out/gpu.txt"
 status=0
 limit="${RRL_FIGURE_TIMEOUT:-300}"
-budget="${RRL_FIGURES_BUDGET:-0}"
+budget="${RRL_FIGURES_BUDGET:-480}"
 within() {  # a part's limit in seconds, cut to what is left of the budget (SIGKILL comes 20 s after the limit)
     local want=$1
     if [ "$budget" -gt 0 ]; then

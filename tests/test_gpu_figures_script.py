@@ -24,16 +24,19 @@ if [ "$(basename "$0")" = timeout ]; then shift 3; exec "$@"; fi
 """
 
 
-def run_figures(tmp_path: Path, *args: str, budget: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
-    """``bash bench/gpu_figures.sh OUT args...`` with the stand-ins: its process, and each stand-in's calls."""
+def run_figures(tmp_path: Path, *args: str, budget: int | None = 0) -> tuple[subprocess.CompletedProcess, dict]:
+    """``bash bench/gpu_figures.sh OUT args...`` with the stand-ins (``RRL_FIGURES_BUDGET=budget``,
+    unset where None): its process, and each stand-in's calls."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     calls.mkdir()
     for name in ("python", "nvidia-smi", "timeout"):
         (bin_dir / name).write_text(_RECORDER)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls),
-           "RRL_FIGURES_BUDGET": str(budget)}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls)}
+    env.pop("RRL_FIGURES_BUDGET", None)
+    if budget is not None:
+        env["RRL_FIGURES_BUDGET"] = str(budget)
     proc = subprocess.run(["bash", str(BENCH / "gpu_figures.sh"), str(tmp_path / "out"), *args], env=env,
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     recorded = {f.name: [c.split("\x1f")[:-1] for c in f.read_text().split("\x1e")[:-1]] for f in calls.iterdir()}
@@ -100,6 +103,17 @@ def test_a_budget_cuts_each_limit_to_what_is_left_of_it(tmp_path):
     assert all(5 <= limit <= budget - 25 for limit in limits), limits
     assert limits[1] == budget - 25  # the update pass's 200 s cut to the budget
     assert limits[2] == 40  # a short part is not cut while the budget has room for it
+
+
+def test_without_a_budget_the_command_ends_within_eight_minutes(tmp_path, monkeypatch):
+    """Both workloads' and the parts' own limits add up to about 17 minutes, more than a GPU
+    session's device time: by default the whole command is bounded by 8 minutes. (The stand-ins
+    take no time, so a part's limit longer than the bound shows it.)"""
+    monkeypatch.setenv("RRL_FIGURE_TIMEOUT", "1000")
+    proc, calls = run_figures(tmp_path, budget=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    limits = [int(c[2]) for c in calls["timeout"]]
+    assert len(limits) == 6 and limits[0] == limits[-1] == 480 - 25, limits
 
 
 def test_an_unknown_workload_is_named_and_fails(tmp_path):
