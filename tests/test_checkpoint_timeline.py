@@ -13,6 +13,7 @@ from resilient_rl.checkpoint import CheckpointManager, Manifest
 from resilient_rl.testing.local_group import CheckpointOnlyPool
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
+from resilient_rl.errors import NoValidCheckpointError
 
 from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, save_step
 
@@ -109,6 +110,63 @@ def test_resume_from_another_run_recovers_to_that_checkpoint_until_it_commits():
     save_step(ckpt.manager, 4)
     assert ckpt.restore(NO_ROLES, "auto")["step"] == 4
     assert src.manager.committed_steps() == [2, 4]  # the source run is never touched
+
+
+@pytest.mark.parametrize("spelling", ["symlink", "dotdot"])
+def test_a_path_to_the_runs_own_step_by_another_spelling_is_the_same_run(spelling, tmp_path):
+    """Naming the run's own step through a symlink or a ``..`` keeps the run's timeline up to that
+    step: before, the run was taken for another one and every committed step, the one just loaded
+    included, was set aside, so a later recovery had nothing to go back to."""
+    root = tmp_path / "ckpt"
+    first = _coordinator(str(root), "run")
+    for step in (2, 4, 6):
+        save_step(first.manager, step)
+    if spelling == "symlink":
+        (tmp_path / "link").symlink_to(root)
+        step_dir = tmp_path / "link" / "run" / "step_00000004"
+    else:
+        (tmp_path / "other").mkdir()
+        step_dir = f"{tmp_path}/other/../ckpt/run/step_00000004"
+    ckpt = _coordinator(str(root), "run", f"path:{step_dir}")
+    assert ckpt.restore(NO_ROLES, ckpt.cfg.checkpoint.resume)["step"] == 4
+    assert ckpt.manager.committed_steps() == [2, 4]  # only the newer step 6 was set aside
+    assert ckpt.restore(NO_ROLES, "auto")["step"] == 4  # a recovery before the next commit
+
+
+def test_a_storage_location_is_the_same_whatever_the_protocols_spelling():
+    from resilient_rl.checkpoint.storage import Storage
+
+    assert Storage("s3a://bucket/ckpt").location("run") == Storage("s3://bucket/ckpt/").location("run")
+    assert Storage("s3://bucket/ckpt").location("run") != Storage("s3://bucket/ckpt2").location("run")
+
+
+def test_a_resumed_run_whose_base_is_gone_stops_instead_of_starting_over():
+    """The other run's retention deleted the step this run was resumed from, and this run committed
+    nothing since: a recovery stops with an error naming the step, instead of going back to step 0
+    and throwing away the resumed progress."""
+    root = f"memory://timeline-{uuid.uuid4().hex}"
+    src = _coordinator(root, "src")
+    for step in (2, 4):
+        save_step(src.manager, step)
+    ckpt = _coordinator(root, "dst", f"path:{root}/src/step_00000002")
+    assert ckpt.restore(NO_ROLES, ckpt.cfg.checkpoint.resume)["step"] == 2
+    src.manager.storage.rm("src/step_00000002", recursive=True)
+    with pytest.raises(NoValidCheckpointError, match=r"src/step_00000002, is now uncommitted.*checkpoint.resume=off"):
+        ckpt.restore(NO_ROLES, "auto")
+    assert src.manager.committed_steps() == [4]
+
+
+def test_a_rollback_after_a_nan_stays_on_the_runs_timeline(tmp_path):
+    """Step 6 belongs to a superseded writer (the pointer names step 4, committed with a higher
+    token): a rollback to the newest known-good step takes step 4, not step 6."""
+    ckpt = _coordinator(str(tmp_path), "run")
+    for step in (2, 4, 6):
+        save_step(ckpt.manager, step)
+        _rewrite_manifest(ckpt.manager, step, known_good=True)
+    _rewrite_manifest(ckpt.manager, 6, fencing_token=1, known_good=True)
+    _rewrite_manifest(ckpt.manager, 4, fencing_token=2, known_good=True)
+    ckpt.manager.storage.write_bytes_atomic("run/latest", b"step_00000004")
+    assert ckpt.restore(NO_ROLES, "known_good")["step"] == 4
 
 
 def test_resume_off_sets_the_runs_old_steps_aside():

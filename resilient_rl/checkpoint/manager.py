@@ -83,6 +83,10 @@ class CheckpointManager:
     def run_url(self) -> str:
         return self.storage.url_for(self.run_name)
 
+    def same_run(self, other: "CheckpointManager") -> bool:
+        """Whether ``other`` manages this run's folder, however either spells its root."""
+        return other.storage.location(other.run_name) == self.storage.location(self.run_name)
+
     def step_rel(self, step: int) -> str:
         """The folder of ``step``, relative to the storage root."""
         return Storage.join(self.run_name, step_dirname(step))

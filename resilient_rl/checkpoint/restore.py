@@ -5,7 +5,11 @@ skipped), loads every role into its current world size and returns the controlle
 continue from. One timeline per run: restoring step S (from ``auto``, a ``path:`` or, with
 ``resume=off``, nothing) sets the run's newer committed steps aside, and a later recovery restores
 from this timeline only: the run's own newest commit, else the checkpoint it was resumed from.
-A rollback after a NaN restores the newest known-good checkpoint (``resume=known_good``).
+A rollback after a NaN restores the newest known-good checkpoint of the timeline
+(``resume=known_good``). A run whose base is gone (the other run's retention deleted it) before it
+committed a step of its own stops (NoValidCheckpointError) instead of starting over. A ``path:``
+that names this run's own step by another spelling (a symlink, ``..``, ``s3a://`` for ``s3://``)
+is this run's step: its newer steps are set aside, not every one.
 When committed steps exist but none verifies, restoring stops (NoValidCheckpointError) instead of
 starting over, and a checkpoint of a newer format stops it too (CheckpointFormatError): neither
 sets the run's steps aside or lets the metric history be cut.
@@ -75,7 +79,12 @@ class Restorer:
             status = manager.verify(step)
             if status == "ok":
                 return manager, step
-            logger.error("the checkpoint this run was resumed from, %s, is now %s", manager.step_dir(step), status)
+            # Starting over would throw away the resumed progress, and cut the metric history to nothing.
+            raise NoValidCheckpointError(
+                f"the checkpoint this run was resumed from, {manager.step_dir(step)}, is now {status}, and the run "
+                f"has committed no checkpoint of its own since: stopping instead of starting over from scratch. "
+                f"Resume it again with checkpoint.resume=path:<another step folder>, or start it over with "
+                f"checkpoint.resume=off")
         return None
 
     def _refuse_to_discard(self) -> None:
@@ -91,7 +100,7 @@ class Restorer:
 
     def _latest_known_good(self) -> tuple[CheckpointManager, int] | None:
         """The newest committed checkpoint that verifies and is known good (a rollback after a NaN)."""
-        for step in reversed(self.manager.committed_steps()):
+        for step in reversed(self.manager.timeline_steps()):
             try:
                 if self.manager.load_manifest(step).known_good and self.manager.verify(step) == "ok":
                     return self.manager, step
@@ -101,14 +110,11 @@ class Restorer:
                 logger.error("checkpoint of step %d skipped for a rollback: %s", step, exc)
         return None
 
-    def _same_run(self, manager: CheckpointManager) -> bool:
-        return manager.run_url == self.manager.run_url
-
     def _begin_timeline(self, manager: CheckpointManager | None, step: int | None, resume: str) -> None:
         """The run continues from ``step`` of ``manager`` (None: from scratch): set aside the
         run's committed steps that are not on that timeline, so neither ``latest``, ``auto`` nor a
         recovery ever loads them."""
-        if manager is None or not self._same_run(manager):
+        if manager is None or not self.manager.same_run(manager):
             if manager is not None:
                 self.base = (manager, step)
             where = manager.step_dir(step) if manager is not None else "scratch (no checkpoint)"

@@ -124,6 +124,16 @@ class ReadableStorage:
             return self.root
         return f"{self.root.rstrip('/')}/{rel}" if self.root else rel
 
+    def location(self, path: str = "") -> str:
+        """What ``path`` is, whatever its spelling: locally its real path (symlinks and ``..``
+        resolved), elsewhere the filesystem's first protocol and the path (``s3a://b/k`` is
+        ``s3://b/k``). Two spellings of one folder have the same location."""
+        full = self.full_path(path)
+        if self.strategy == "local":
+            return os.path.realpath(full)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        return f"{protocols[0]}://{full.strip('/')}"
+
     def url_for(self, path: str) -> str:
         """A URL for ``path`` that another process can open with the same storage options."""
         if "://" in path:

@@ -79,7 +79,7 @@ def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -
         logger.debug("config check before resuming skipped: %s", exc)
         return None
     where = f"checkpoint {source.step_dir(step)}"
-    if not isinstance(saved, dict) and source.run_url == manager.run_url:
+    if not isinstance(saved, dict) and source.same_run(manager):
         saved = _run_folder_config(run_path)  # an older checkpoint: the run's saved config stands in
         where += f" (its config: {run_path / 'config.yaml'})"
     if not isinstance(saved, dict):
