@@ -343,3 +343,57 @@ def test_mixed_precision_casts_the_head_weight_once_a_pass_and_sums_its_gradient
     assert max(errors[0]) < 0.02, errors
     if chunks == 40:
         assert errors[0][1] < errors[1][1], errors  # the weight's: one fp32 sum against 40 bf16 terms
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_log_probs_and_their_gradients_are_those_the_rollout_sampled_from_at_its_temperature(pack):
+    """At the rollout's temperature T the statistics are those of softmax(logits / T), as verl
+    computes them; the chunked head divides its inputs (the head's bias too) instead of the logits."""
+    model = _models()["qwen2"]
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.randn(head.out_features, generator=torch.Generator().manual_seed(2)))
+    batch = _batch(head.out_features)
+    valid = batch["attention_mask"][:, P:].bool()
+
+    def reference():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits[:, P - 1:-1].float() / 0.5
+        logp = torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
+        ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        return logp, ent
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        logp, ent = fn()
+        ((logp * valid).sum() + 0.3 * (ent * valid).sum()).backward()
+        return [(logp, ent), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}]
+
+    (want, want_grads), (got, got_grads) = grads(reference), grads(
+        lambda: response_logprobs(model, batch, CPU, chunk_elements=head.out_features * 4, pack=pack, temperature=0.5))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+    assert "lm_head.bias" in want_grads and want_grads.keys() == got_grads.keys()
+    for n in want_grads:
+        assert torch.allclose(got_grads[n], want_grads[n], rtol=1e-4, atol=1e-6), n
+    with torch.no_grad():  # the full-logits path too
+        full = full_response_logprobs(model, batch, CPU, temperature=0.5)
+    for a, b in zip(full, want):
+        torch.testing.assert_close(a[valid], b[valid].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_actor_and_the_ref_score_at_the_rollouts_temperature(monkeypatch):
+    """In one process and as Ray role workers alike."""
+    from resilient_rl.config.schema import config_to_dict, load_config
+    from resilient_rl.data.tokenizer import build_tokenizer
+    from resilient_rl.trainer.local_roles import LocalRoles
+    from resilient_rl.workers.roles import ActorWorker, RefWorker
+
+    cfg = load_config(None, ["trainer.device=cpu", "rollout.temperature=0.6"])
+    roles = LocalRoles(cfg, build_tokenizer(cfg.data))
+    assert roles.actor.temperature == roles.ref.temperature == 0.6
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    for worker in (ActorWorker, RefWorker):
+        role = worker.__ray_actor_class__(config_to_dict(cfg), 16, 1, 0)
+        role.init_model()
+        assert role.engine.temperature == 0.6, worker

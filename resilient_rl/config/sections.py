@@ -273,7 +273,8 @@ class RolloutConfig(Section):
     ``plain``.
     """
 
-    #: Sampling temperature of the training rollouts.
+    #: Sampling temperature of the training rollouts. The actor and the ref score the sampled
+    #: tokens at it too (log-probs and entropy of softmax(logits / T), as verl computes them).
     temperature: float = 1.0
     #: Nucleus sampling threshold (1: off).
     top_p: float = 1.0

@@ -59,9 +59,11 @@ class LocalRoles:
         kv_rows = cfg.data.batch_size * cfg.rollout.n
         shared = ("ref", "rollout")
         self.actor = PolicyEngine(cfg.model, vocab, seed, plan, actor_cfg=cfg.actor, total_steps=steps,
-                                  colocated=shared + (("critic",) if self.critic_enabled else ()), kv_rows=kv_rows)
+                                  colocated=shared + (("critic",) if self.critic_enabled else ()), kv_rows=kv_rows,
+                                  temperature=cfg.rollout.temperature)
         self.ref = PolicyEngine(cfg.model, vocab, seed, plan, trainable=False, packing=cfg.actor.packing,
-                                compile_head=cfg.actor.compile_head, compile_elementwise=cfg.actor.compile_elementwise)
+                                compile_head=cfg.actor.compile_head, compile_elementwise=cfg.actor.compile_elementwise,
+                                temperature=cfg.rollout.temperature)
         self.rollout = RolloutEngine(cfg.model, cfg.rollout, vocab, seed, plan, list(tokenizer.eos_token_ids),
                                      tokenizer.pad_token_id)
         self.critic = ValueEngine(cfg.model, cfg.critic, vocab, seed + 1, plan, total_steps=steps,

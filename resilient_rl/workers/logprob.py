@@ -36,6 +36,12 @@ positions), equal within float rounding (rtol 1e-5): weights after an update dif
 path's in the last bits, and a run stays bit-reproducible with itself.
 Models that post-process logits after the head (Gemma's final soft-capping, Cohere's logit
 scale) take the full-logits path.
+
+``temperature``: the statistics are those of the distribution the rollout samples from,
+``softmax(logits / T)``, as verl computes them: the PPO ratio, the KL terms and the entropy then
+judge the policy that produced the tokens. The chunked head divides its inputs instead of each
+chunk's logits, ``logits / T = (hidden / T) W^T + b / T``, one pass over the response positions'
+hidden states, and the gradients follow through the division.
 """
 
 from __future__ import annotations
@@ -80,24 +86,27 @@ def compiles_head(compile_head: bool | None, device: torch.device | str) -> bool
     return torch.device(device).type == "cuda" if compile_head is None else bool(compile_head)
 
 
-def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
-                  chunk_elements: int, packed: PackedRows | None = None, compiled: bool = False) -> torch.Tensor:
+def _chunked_head(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk_elements: int,
+                  packed: PackedRows | None = None, compiled: bool = False, temperature: float = 1.0) -> torch.Tensor:
     """``[B, R, 2]`` log-probs and entropies of ``labels`` ``[B, R]`` from the last positions of
-    ``hidden`` ``[B, T, H]``; for packed rows (``packed``), from the flat tokens that predict each
-    response token, and zeros where a response token is padding. ``compiled``: the chunks'
-    reductions compiled (:func:`~resilient_rl.workers.chunked_head.chunked_head_stats`)."""
+    ``hidden`` ``[B, T, H]`` at ``temperature``; for packed rows (``packed``), from the flat tokens
+    that predict each response token, and zeros where a response token is padding. ``compiled``:
+    the chunks' reductions compiled (:func:`~resilient_rl.workers.chunked_head.chunked_head_stats`)."""
     if packed is not None:
         # Integer indices found on the host: neither these nor their gradients read the device back.
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.sources)
         picked = labels[packed.targets]
-        stats = _chunked_head(flat[None, :, :], head, picked[None, :], chunk_elements, None, compiled) \
+        stats = _chunked_head(flat[None, :, :], head, picked[None, :], chunk_elements, None, compiled, temperature) \
             if flat.shape[0] else flat.new_zeros((1, 0, 2), dtype=torch.float32)
         return stats.new_zeros((*labels.shape, 2)).index_put(packed.targets, stats[0])
     resp_len = labels.shape[1]
     # A packed row's hidden states arrive already gathered: one position per label.
     h = hidden[:, -resp_len - 1:-1] if hidden.shape[1] > resp_len else hidden
     rows = max(1, chunk_elements // head.out_features)
-    out = chunked_head_stats(h.reshape(-1, h.shape[-1]), head.weight, head.bias, labels.reshape(-1), rows, compiled)
+    h, bias = h.reshape(-1, h.shape[-1]), head.bias
+    if temperature != 1.0:  # logits / T, with no chunk of logits divided (see the module docs)
+        h, bias = h / temperature, (None if bias is None else bias / temperature)
+    out = chunked_head_stats(h, head.weight, bias, labels.reshape(-1), rows, compiled)
     # A tensor of its own, not a view of ``out``: it is the model's output, on which FSDP2 hooks
     # its backward (and warns about a view, where an in-place op would lose that hook).
     return out.reshape(*labels.shape, 2).clone()
@@ -152,29 +161,35 @@ def packed_inputs(data, device: torch.device) -> tuple[dict[str, torch.Tensor], 
     return inputs, rows
 
 
-def full_response_logprobs(model: nn.Module, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference path: full ``[B, T, V]`` logits, then log-probs and entropies ``[B, R]``."""
+def full_response_logprobs(model: nn.Module, data, device: torch.device,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference path: full ``[B, T, V]`` logits over ``temperature``, then log-probs and
+    entropies ``[B, R]``."""
     b = data.batch if hasattr(data, "batch") else data
     labels = b["responses"].to(device)
     out = model(**_model_inputs(data, device), use_cache=False)
     logits = out.logits[:, -labels.shape[1] - 1:-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
 def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elements: int | None = None,
-                      pack: bool = False, compile_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      pack: bool = False, compile_head: bool = False,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[B, R]`` (fp32) of ``data``'s response tokens (a DataProto or a
     dict with ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``), without
     full-vocabulary logits when the model allows it (:func:`supports_chunked_head`).
 
     ``pack``: the rows' real tokens run as one packed row (:func:`packed_inputs`), so no padding
     is computed; response tokens under the attention mask (after the end) then get 0.
-    ``compile_head``: each chunk's reductions compiled (see the module docstring)."""
+    ``compile_head``: each chunk's reductions compiled; ``temperature``: the rollout's (see the
+    module docstring)."""
     if not supports_chunked_head(model):
         if pack:
             raise ModelInputError(f"{type(model).__name__} transforms its logits after the output layer: "
                                   "packed sequences need the chunked head (set packing to false)")
-        return full_response_logprobs(model, data, device)
+        return full_response_logprobs(model, data, device, temperature)
     b = data.batch if hasattr(data, "batch") else data
     labels = to_device(b["responses"], device)
     head = model.get_output_embeddings()
@@ -184,7 +199,7 @@ def response_logprobs(model: nn.Module, data, device: torch.device, chunk_elemen
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         with record_function("logprob.head"):
-            return _chunked_head(hidden, head, labels, chunk_elements, rows, compile_head)
+            return _chunked_head(hidden, head, labels, chunk_elements, rows, compile_head, temperature)
 
     # Packed: the model's mask code takes the layout found on the host (models/packing.py).
     given = given_layout(inputs["position_ids"], rows.layout) if rows is not None else contextlib.nullcontext()

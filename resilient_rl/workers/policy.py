@@ -51,15 +51,18 @@ class PolicyEngine:
     def __init__(self, model_cfg, vocab_size: int, seed: int, plan: DevicePlan, actor_cfg=None,
                  total_steps: int = 1, trainable: bool = True, reshard_after_forward: bool = True,
                  empty: bool = False, colocated: tuple[str, ...] = (), kv_rows: int = 0, packing: bool = False,
-                 compile_head: bool | None = None, compile_elementwise: bool | None = None):
+                 compile_head: bool | None = None, compile_elementwise: bool | None = None, temperature: float = 1.0):
         """``empty``: the weights are allocated, not initialised, for a restore to fill (the
         caller must load the whole state before using the engine). ``colocated`` (the other roles
         sharing this process's device) and ``kv_rows`` (their rollout's cache rows) size
         ``actor.micro_batch_tokens=auto`` (:attr:`memory_plan`). ``packing``: for an engine
         without ``actor_cfg`` (the ref), whether its passes pack rows (``actor.packing``), and
         ``compile_head`` and ``compile_elementwise`` whether they compile the log-prob head's reductions
-        and the norms, rotary embedding and SwiGLU (``actor.compile_head``, ``actor.compile_elementwise``)."""
+        and the norms, rotary embedding and SwiGLU (``actor.compile_head``, ``actor.compile_elementwise``).
+        ``temperature``: the rollout's (``rollout.temperature``): log-probs and entropies are those
+        of ``softmax(logits / T)``, the distribution the responses were sampled from (0, greedy: T = 1)."""
         self.plan = plan
+        self.temperature = float(temperature) or 1.0
         self.cfg = actor_cfg
         self.trainable = trainable
         model = build_causal_lm(model_cfg, vocab_size, seed, empty=empty)
@@ -96,7 +99,7 @@ class PolicyEngine:
     def _logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.plan.device.type, dtype=self.plan.param_dtype, enabled=self._autocast):
             return response_logprobs(self.model, batch, self.plan.device, pack=self.packing,
-                                     compile_head=self.compile_head)
+                                     compile_head=self.compile_head, temperature=self.temperature)
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> DataProto:

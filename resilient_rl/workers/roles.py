@@ -237,7 +237,7 @@ class ActorWorker(TrainableRole):
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, actor_cfg=c.actor,
                                    total_steps=c.trainer.total_steps, trainable=True,
                                    reshard_after_forward=c.actor.reshard_after_forward, empty=empty,
-                                   colocated=colocated, kv_rows=kv_rows)
+                                   colocated=colocated, kv_rows=kv_rows, temperature=c.rollout.temperature)
         self.checkpointer.prepare_staging()  # the first save then stalls no longer than later ones
         return self.built(empty)
 
@@ -312,7 +312,8 @@ class RefWorker(RoleWorker):
         self.release_engine()
         self.engine = PolicyEngine(c.model, self.vocab_size, c.trainer.seed, self.plan, trainable=False,
                                    reshard_after_forward=c.ref.reshard_after_forward, packing=c.actor.packing,
-                                   compile_head=c.actor.compile_head, compile_elementwise=c.actor.compile_elementwise)
+                                   compile_head=c.actor.compile_head, compile_elementwise=c.actor.compile_elementwise,
+                                   temperature=c.rollout.temperature)
         return self.built(False)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
