@@ -77,3 +77,33 @@ def test_a_rank_of_a_group_with_no_process_group_refuses_to_update_alone(monkeyp
     with pytest.raises(CollectiveError, match="rank 1 of a group of 2 has no process group"):
         engine.update(_batch(), step=1)
     assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_every_loss_term_is_aggregated_by_loss_agg_mode_whatever_the_micro_batches(mode):
+    """The policy loss, the entropy bonus and the KL loss are each aggregated by the mode, as verl
+    aggregates them: the gradient of a mini-batch taken in two micro-batches is that of the
+    reference loss over the whole of it (before, entropy and KL loss were token means in every mode,
+    so their coefficients weighed a sequence sum about a response length less than in verl)."""
+    from resilient_rl.algos.kl import kl_penalty
+    from resilient_rl.algos.losses import agg_loss, ppo_policy_loss
+    from resilient_rl.workers.logprob import full_response_logprobs
+
+    cfg = load_config(None, [f"actor.loss_agg_mode={mode}", "actor.entropy_coeff=0.05", "actor.use_kl_loss=true",
+                             "actor.kl_loss_coef=0.5", "actor.micro_batch_tokens=40", "model.hidden_size=16",
+                             "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    data = _batch()
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.3 * torch.rand(8, 4)
+    m = data.batch["response_mask"]
+    engine._accumulate(data, m, m.sum(), m.bool().any(dim=-1).sum(), world=1, n_parts=2)
+    got = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    engine.model.zero_grad(set_to_none=True)
+    logp, ent = full_response_logprobs(engine.model, data.batch, torch.device("cpu"))
+    b = data.batch
+    pg = ppo_policy_loss(b["old_log_probs"], logp, b["advantages"], m, clip_ratio=cfg.actor.clip_ratio,
+                         loss_agg_mode=mode)["pg_loss"]
+    kl = kl_penalty(logp, b["ref_log_prob"], cfg.actor.kl_loss_type)
+    (pg - 0.05 * agg_loss(ent, m, mode) + 0.5 * agg_loss(kl, m, mode)).backward()
+    for n, p in engine.model.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-4, atol=1e-7), n

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import record_function
 
 from resilient_rl.algos.kl import kl_penalty
-from resilient_rl.algos.losses import ppo_policy_loss
+from resilient_rl.algos.losses import agg_loss, ppo_policy_loss
 from resilient_rl.runtime import progress
 from resilient_rl.models.factory import build_causal_lm
 from resilient_rl.models.fused_elementwise import ELEMENTWISE_FAILURE, compiles_elementwise
@@ -159,41 +159,41 @@ class PolicyEngine:
                 # A local mean times world * (local units / global units) is this rank's share of the
                 # global mean (FSDP averages gradients over ranks): units are tokens for token means,
                 # sequences with a valid token for the policy loss's sequence means.
-                scale = world * m.sum() / tokens
-                seq_share = m.bool().any(dim=-1).sum() / mb_seqs
+                # Every term is aggregated by ``loss_agg_mode`` (see :meth:`_loss`).
                 if cfg.loss_agg_mode == "token-mean":
-                    scaled = loss * scale
+                    scaled = loss * (world * m.sum() / tokens)
                 else:
-                    seq_scale = world * m.bool().any(dim=-1).sum() / seqs
-                    scaled = pg["pg_loss"] * seq_scale + (loss - pg["pg_loss"]) * scale
+                    scaled = loss * (world * m.bool().any(dim=-1).sum() / seqs)
             with record_function("actor.backward"):
                 scaled.backward()
-            # Metrics of the mini-batch: token-weighted means, the policy loss's sequence means
-            # weighted by sequences (equal to the unsplit mini-batch's values).
+            # Metrics of the mini-batch: the loss terms weighted by their units (tokens, or
+            # sequences with a valid token), the ratio's statistics by tokens (equal to the unsplit
+            # mini-batch's values).
             tok_share = m.sum() / mb_tokens
-            pg_share = tok_share if cfg.loss_agg_mode == "token-mean" else seq_share
-            terms = [("actor/pg_loss", pg["pg_loss"].detach(), pg_share), ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share),
-                     ("actor/ppo_kl", pg["ppo_kl"], tok_share), ("actor/entropy", entropy.detach(), tok_share)]
+            share = tok_share if cfg.loss_agg_mode == "token-mean" else m.bool().any(dim=-1).sum() / mb_seqs
+            terms = [("actor/pg_loss", pg["pg_loss"].detach(), share), ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share),
+                     ("actor/ppo_kl", pg["ppo_kl"], tok_share), ("actor/entropy", entropy.detach(), share)]
             if kl_loss is not None:
-                terms.append(("actor/kl_loss", kl_loss.detach(), tok_share))
+                terms.append(("actor/kl_loss", kl_loss.detach(), share))
             for k, v, share in terms:
                 sums[k] = sums.get(k, 0.0) + v * share
         return list(sums.items())
 
     def _loss(self, part: dict, logp: torch.Tensor, ent: torch.Tensor):
         """The PPO loss of one micro-batch: ``(loss, policy-loss terms, entropy, KL loss or None,
-        response mask)``, each a token (or sequence) mean over the micro-batch."""
+        response mask)``, each aggregated over the micro-batch by ``actor.loss_agg_mode`` (token
+        mean, or mean over sequences), as verl aggregates all three."""
         cfg, dev = self.cfg, self.plan.device
         m = to_device(part["response_mask"], dev).float()
         pg = ppo_policy_loss(to_device(part["old_log_probs"], dev), logp, to_device(part["advantages"], dev), m,
                              clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
         loss = pg["pg_loss"]
-        entropy = (ent * m).sum() / m.sum().clamp(min=1.0)
+        entropy = agg_loss(ent, m, cfg.loss_agg_mode)
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * entropy
         kl_loss = None
         if cfg.use_kl_loss:
             kl = kl_penalty(logp, to_device(part["ref_log_prob"], dev), cfg.kl_loss_type)
-            kl_loss = (kl * m).sum() / m.sum().clamp(min=1.0)
+            kl_loss = agg_loss(kl, m, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
         return loss, pg, entropy, kl_loss, m
