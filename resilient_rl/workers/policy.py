@@ -171,8 +171,8 @@ class PolicyEngine:
             # mini-batch's values).
             tok_share = m.sum() / mb_tokens
             share = tok_share if cfg.loss_agg_mode == "token-mean" else m.bool().any(dim=-1).sum() / mb_seqs
-            terms = [("actor/pg_loss", pg["pg_loss"].detach(), share), ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share),
-                     ("actor/ppo_kl", pg["ppo_kl"], tok_share), ("actor/entropy", entropy.detach(), share)]
+            terms = [("actor/pg_loss", pg["pg_loss"].detach(), share), ("actor/entropy", entropy.detach(), share),
+                     ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share), ("actor/ppo_kl", pg["ppo_kl"], tok_share)]
             if kl_loss is not None:
                 terms.append(("actor/kl_loss", kl_loss.detach(), share))
             for k, v, share in terms:
