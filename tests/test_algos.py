@@ -362,3 +362,19 @@ def test_logprobs_chunking_gives_same_result(monkeypatch):
     monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 18)
     assert torch.equal(logprobs_from_logits(logits, labels), whole)
     assert_close(entropy_from_logits(logits), torch.distributions.Categorical(logits=logits).entropy())
+
+
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_as_verl_does():
+    # ratio 5, 2 and 5 (log 5, log 2): A = -1 at ratio 5: max(5, 1.2) = 5, bounded by 3 * 1 = 3;
+    # A = -1 at ratio 2: max(2, 1.2) = 2 < 3, kept; A = +1 at ratio 5: max(-5, -1.2) = -1.2, never bounded.
+    old = t([[0.0, 0.0, 0.0]])
+    new = t([[math.log(5.0), math.log(2.0), math.log(5.0)]])
+    adv, mask = t([[-1.0, -1.0, 1.0]]), t([[1.0, 1.0, 1.0]])
+    out = ppo_policy_loss(old, new, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
+    assert_close(out["pg_loss"], t((3.0 + 2.0 - 1.2) / 3))
+    assert_close(out["pg_clipfrac_lower"], t(1 / 3))
+    plain = ppo_policy_loss(old, new, adv, mask, clip_ratio=0.2)
+    assert_close(plain["pg_loss"], t((5.0 + 2.0 - 1.2) / 3))
+    assert_close(plain["pg_clipfrac_lower"], t(0.0))
+    with pytest.raises(ConfigError, match="clip_ratio_c must be > 1"):
+        ppo_policy_loss(old, new, adv, mask, clip_ratio_c=1.0)

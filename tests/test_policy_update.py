@@ -107,3 +107,32 @@ def test_every_loss_term_is_aggregated_by_loss_agg_mode_whatever_the_micro_batch
     (pg - 0.05 * agg_loss(ent, m, mode) + 0.5 * agg_loss(kl, m, mode)).backward()
     for n, p in engine.model.named_parameters():
         assert torch.allclose(got[n], p.grad, rtol=1e-4, atol=1e-7), n
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_mini_batches_are_shuffled_every_epoch_or_taken_in_order(shuffle):
+    cfg = load_config(None, [f"actor.shuffle={str(shuffle).lower()}", "actor.ppo_epochs=2", "actor.mini_batch_size=4",
+                             "model.hidden_size=16", "model.num_layers=1", "model.num_heads=2",
+                             "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    data = _batch()
+    row_of = {tuple(ids.tolist()): i for i, ids in enumerate(data.batch["input_ids"])}
+    seen, accumulate = [], engine._accumulate
+    engine._accumulate = lambda mb, *args: seen.append([row_of[tuple(r.tolist())] for r in mb.batch["input_ids"]]) \
+        or accumulate(mb, *args)
+    engine.update(data, step=1)
+    in_order = [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert (seen != in_order) if shuffle else (seen == in_order), seen
+
+
+def test_the_update_bounds_a_negative_advantages_loss_by_clip_ratio_c():
+    """Every ratio e^2 (7.4) with advantage -1: each token's clipped loss, 7.4, is bounded by the
+    dual clip's 3 (actor.clip_ratio_c), as verl computes it."""
+    cfg = load_config(None, ["actor.ppo_epochs=1", "actor.mini_batch_size=8", "model.hidden_size=16",
+                             "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32"])
+    engine = PolicyEngine(cfg.model, 12, 0, plan_device("cpu"), actor_cfg=cfg.actor, total_steps=1)
+    data = _batch()
+    data.batch["old_log_probs"] = engine.compute_log_prob(data).batch["log_probs"] - 2.0
+    data.batch["advantages"] = -torch.ones_like(data.batch["advantages"])
+    metrics = engine.update(data, step=1)
+    assert metrics["actor/pg_loss"] == pytest.approx(3.0) and metrics["actor/pg_clipfrac_lower"] == 1.0

@@ -65,15 +65,19 @@ def ppo_policy_loss(
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     loss_agg_mode: str = "token-mean",
+    clip_ratio_c: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """PPO's clipped surrogate (Schulman et al., 2017), minimised.
 
     Per token: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))`` with ``r = exp(log_prob - old_log_prob)``;
-    ``low`` / ``high`` default to ``clip_ratio`` (set them apart for DAPO's "clip-higher").
+    ``low`` / ``high`` default to ``clip_ratio`` (set them apart for DAPO's "clip-higher"). With
+    ``clip_ratio_c`` (dual-clip PPO, as verl computes it), a token with a negative advantage
+    loses at most ``-A * clip_ratio_c``.
 
     Returns ``pg_loss`` (scalar, differentiable w.r.t. ``log_prob``), ``pg_clipfrac`` (share of
-    valid tokens where the clipped term was taken) and ``ppo_kl`` (masked mean of
-    ``old_log_prob - log_prob``), the last two detached.
+    valid tokens where the clipped term was taken), ``pg_clipfrac_lower`` (share where the dual
+    clip was, 0 without it) and ``ppo_kl`` (masked mean of ``old_log_prob - log_prob``), the last
+    three detached.
     """
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -91,12 +95,20 @@ def ppo_policy_loss(
     losses_unclipped = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     pg_losses = torch.maximum(losses_unclipped, losses_clipped)
+    dual = torch.zeros_like(pg_losses, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        if not clip_ratio_c > 1:
+            raise ConfigError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (pg_losses > bound)
+        pg_losses = torch.where(dual, bound, pg_losses)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
 
     with torch.no_grad():
         pg_clipfrac = masked_mean((losses_clipped > losses_unclipped).to(pg_losses.dtype), response_mask)
+        pg_clipfrac_lower = masked_mean(dual.to(pg_losses.dtype), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
-    return {"pg_loss": pg_loss, "pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl}
+    return {"pg_loss": pg_loss, "pg_clipfrac": pg_clipfrac, "pg_clipfrac_lower": pg_clipfrac_lower, "ppo_kl": ppo_kl}
 
 
 def value_loss(

@@ -128,6 +128,11 @@ class ActorConfig(Section):
     mini_batch_size: int = 32
     #: PPO's clip range of the probability ratio.
     clip_ratio: float = 0.2
+    #: Dual-clip PPO (Ye et al., 2020), as verl applies it: where the advantage is negative, a
+    #: token's loss is at most ``clip_ratio_c`` times it, however far the ratio grew (> 1).
+    clip_ratio_c: float = 3.0
+    #: Shuffle the rows into new mini-batches every epoch of the update (false: in order, verl's default).
+    shuffle: bool = True
     #: Weight of the entropy bonus in the policy loss (0: none).
     entropy_coeff: float = 0.0
     #: Add a KL penalty against the reference policy to the loss (GRPO's way;
@@ -181,6 +186,7 @@ class ActorConfig(Section):
         for name in ("ppo_epochs", "mini_batch_size", "world_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
+        require(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1")
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
         require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         choice("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
@@ -206,6 +212,8 @@ class CriticConfig(Section):
     ppo_epochs: int = 4
     #: Rows per optimizer step of the value update, over all ranks.
     mini_batch_size: int = 32
+    #: Shuffle the rows into new mini-batches every epoch of the update (false: in order, verl's default).
+    shuffle: bool = True
     #: Clip range of the value-function update around the old values.
     cliprange_value: float = 0.5
     #: Ranks of the critic; null: the actor's when colocated, 1 when split.

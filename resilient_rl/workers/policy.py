@@ -172,7 +172,9 @@ class PolicyEngine:
             tok_share = m.sum() / mb_tokens
             share = tok_share if cfg.loss_agg_mode == "token-mean" else m.bool().any(dim=-1).sum() / mb_seqs
             terms = [("actor/pg_loss", pg["pg_loss"].detach(), share), ("actor/entropy", entropy.detach(), share),
-                     ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share), ("actor/ppo_kl", pg["ppo_kl"], tok_share)]
+                     ("actor/pg_clipfrac", pg["pg_clipfrac"], tok_share),
+                     ("actor/pg_clipfrac_lower", pg["pg_clipfrac_lower"], tok_share),
+                     ("actor/ppo_kl", pg["ppo_kl"], tok_share)]
             if kl_loss is not None:
                 terms.append(("actor/kl_loss", kl_loss.detach(), share))
             for k, v, share in terms:
@@ -186,7 +188,7 @@ class PolicyEngine:
         cfg, dev = self.cfg, self.plan.device
         m = to_device(part["response_mask"], dev).float()
         pg = ppo_policy_loss(to_device(part["old_log_probs"], dev), logp, to_device(part["advantages"], dev), m,
-                             clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode)
+                             clip_ratio=cfg.clip_ratio, loss_agg_mode=cfg.loss_agg_mode, clip_ratio_c=cfg.clip_ratio_c)
         loss = pg["pg_loss"]
         entropy = agg_loss(ent, m, cfg.loss_agg_mode)
         if cfg.entropy_coeff:

@@ -50,7 +50,8 @@ def dp_world_size() -> int:
 def run_epochs(engine, data: DataProto, keys: list[str], seed: int, prefix: str,
                accumulate: Accumulate) -> dict[str, float]:
     """``engine.cfg.ppo_epochs`` epochs over mini-batches of ``data`` (this rank's share of
-    ``cfg.mini_batch_size`` each, ``keys`` of it), shuffled by ``seed``; one scheduler step.
+    ``cfg.mini_batch_size`` each, ``keys`` of it), shuffled by ``seed`` (unless ``cfg.shuffle`` is
+    false: in order); one scheduler step.
 
     A mini-batch whose loss or gradient norm is NaN or Inf (on any rank) is not applied: its
     gradients are dropped, the optimizer does not step, and ``<prefix>/nonfinite_skipped`` counts
@@ -64,7 +65,8 @@ def run_epochs(engine, data: DataProto, keys: list[str], seed: int, prefix: str,
         world = dp_world_size()
         local_mb = max(1, cfg.mini_batch_size // world)
         model.train(True)
-        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed))
+        mini_batches = list(data.select(batch_keys=keys).make_iterator(local_mb, cfg.ppo_epochs, seed=seed,
+                                                                       dataloader_kwargs={"shuffle": cfg.shuffle}))
         masks = [to_device(mb.batch["response_mask"], engine.plan.device).float() for mb in mini_batches]
         counts = global_token_counts(masks).clamp(min=1.0)
         parts = engine._agreed_counts([mb.batch for mb in mini_batches])
