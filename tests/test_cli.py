@@ -24,6 +24,7 @@ from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.run.folder import RunDir
 from resilient_rl.data.tasks import get_task
 from resilient_rl.data.tokenizer import build_tokenizer
+from resilient_rl.trainer.resume_check import checkpoint_config
 from resilient_rl.workers.checkpointing import RankCheckpointer
 from resilient_rl.workers.rank_state import states_of
 from resilient_rl.workers.fsdp import plan_device
@@ -52,8 +53,9 @@ def _train_a_little(engine: PolicyEngine, vocab: int, seed: int) -> None:
     engine.scheduler.step()
 
 
-def _make_run(base: Path, model: dict, steps=(1, 2)) -> dict:
-    """A run with committed checkpoints at ``steps`` and its config.yaml; returns what a test needs."""
+def _make_run(base: Path, model: dict, steps=(1, 2), record_config: bool = False) -> dict:
+    """A run with committed checkpoints at ``steps`` and its config.yaml; returns what a test needs.
+    ``record_config``: each step records the run's config in its trainer state, as a trainer's do."""
     torch.set_num_threads(1)
     root, output_dir = base / "ckpt", base / "runs"
     cfg = config_from_dict({"model": model, "trainer": {"run_name": RUN, "output_dir": str(output_dir),
@@ -69,7 +71,8 @@ def _make_run(base: Path, model: dict, steps=(1, 2)) -> dict:
     for step in steps:
         _train_a_little(engine, tokenizer.vocab_size, step)
         manager.begin_step(step)
-        manager.write_trainer_state(step, {"step": step})
+        recorded = {"config": checkpoint_config(cfg)} if record_config else {}
+        manager.write_trainer_state(step, {"step": step, **recorded})
         records = actor.checkpointer.save_checkpoint(str(root), None, Storage.join(RUN, step_dirname(step), "actor"), False)
         manager.commit(step, {"actor": [FileRecord.from_json(r) for r in records]}, {"actor": 1},
                        config_digest(cfg))
@@ -250,6 +253,21 @@ def test_export_needs_the_run_config_and_checks_it_against_the_weights(tiny_run,
     wrong.write_text(text.replace("num_layers: 2", "num_layers: 3"))
     code, _, err = _cli(capsys, "export", step_url, "--out", str(tmp_path / "b"), "--config", str(wrong))
     assert code == 2 and "do not fit" in err and "layers.2." in err
+
+
+def test_export_takes_the_config_a_step_recorded_before_the_run_folders(tmp_path, capsys):
+    """A step that records its config exports without the run folder, and a config.yaml that a later
+    start rewrote (with another model shape, say, before its resume was refused) does not matter."""
+    run = _make_run(tmp_path / "run", {"kind": "tiny", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                       "intermediate_size": 64}, steps=(1,), record_config=True)
+    saved = run["output_dir"] / RUN / "config.yaml"
+    saved.write_text(saved.read_text().replace("num_layers: 2", "num_layers: 3"))
+    out = tmp_path / "export"
+    code, stdout, err = _cli(capsys, "export", str(run["run_url"] / step_dirname(1)), "--out", str(out),
+                             "--output-dir", str(run["output_dir"]))
+    assert code == 0, err
+    for key, value in _load_tiny_export(out).state_dict().items():
+        assert torch.equal(value, run["weights"][1][key]), key
 
 
 def test_export_hf_llama_loads_with_from_pretrained(hf_run, tmp_path, capsys):

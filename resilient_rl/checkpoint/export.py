@@ -59,8 +59,6 @@ class ExportResult:
 
 def _run_model_config(run: str, config_path: str | None, output_dir: str) -> tuple[Any, str | None, str, Any]:
     """(model section, config digest or None, path, ``data.tokenizer``) of the run's saved ``config.yaml``."""
-    from resilient_rl.config.schema import config_digest, config_from_dict
-
     path = config_path or f"{output_dir.rstrip('/')}/{run}/config.yaml"
     try:
         with fsspec.open(path, "r") as f:
@@ -73,15 +71,23 @@ def _run_model_config(run: str, config_path: str | None, output_dir: str) -> tup
         raise ConfigError(f"cannot read the run config {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"run config {path} must hold a mapping of sections")
+    model, digest, tokenizer = _model_config_of(raw)
+    return model, digest, path, tokenizer
+
+
+def _model_config_of(raw: dict) -> tuple[Any, str | None, Any]:
+    """(model section, config digest or None, ``data.tokenizer``) of a run's config as a mapping."""
+    from resilient_rl.config.schema import config_digest, config_from_dict
+
     tokenizer = (raw.get("data") or {}).get("tokenizer")
     try:
         cfg = config_from_dict(raw)
-        return cfg.model, config_digest(cfg), path, tokenizer
+        return cfg.model, config_digest(cfg), tokenizer
     except ConfigError:
         # Sections other than the model may not validate here (e.g. trainer.device=cuda on a
         # CPU machine); only the model's shape matters for an export.
         model = raw.get("model") or {}
-        return config_from_dict({"model": model}).model, None, path, tokenizer
+        return config_from_dict({"model": model}).model, None, tokenizer
 
 
 #: The files of a Hugging Face tokenizer folder, copied beside the exported weights.
@@ -186,8 +192,9 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
     """Verify a committed step (every file's sha256) and write ``role``'s model to ``out_dir``.
 
     ``target``/``root``/``step`` are resolved by :func:`locate`; a run without a step exports
-    its newest committed one. For the actor a ``config.json`` is written from the run's
-    ``config.yaml`` (``config_path``, else ``{output_dir}/{run}/config.yaml``) and the run's
+    its newest committed one. For the actor a ``config.json`` is written from the config the step
+    recorded in its ``trainer_state.json`` (unless ``config_path`` is given), else from the run's
+    ``config.yaml`` (``config_path``, else ``{output_dir}/{run}/config.yaml``), and the run's
     Hugging Face tokenizer is copied beside it; other roles get the weights only. Raises CheckpointCorruptError naming the damaged file."""
     if "://" in out_dir or (Path(out_dir).exists() and not Path(out_dir).is_dir()):
         raise ConfigError(f"--out {out_dir!r} must be a local folder (from_pretrained reads local files)")
@@ -207,7 +214,11 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
     if role not in manifest.world_sizes:
         raise CheckpointError(f"{source} has no {role!r} state (roles: {', '.join(sorted(manifest.world_sizes))})")
     model_cfg, where, tokenizer = None, "", None
-    if role == "actor":
+    saved = manager.load_trainer_state(step).get("config") if role == "actor" and config_path is None else None
+    if isinstance(saved, dict):  # the config the step was written with, recorded in it
+        (model_cfg, _, tokenizer), digest = _model_config_of(saved), None
+        where = f"{source}/trainer_state.json"
+    elif role == "actor":
         model_cfg, digest, where, tokenizer = _run_model_config(loc.run, config_path, output_dir)
         if digest is not None and manifest.config_digest and digest != manifest.config_digest:
             log.warning("config %s (digest %s) differs from the one step %d was saved with (digest %s); "
