@@ -50,6 +50,21 @@ def test_a_resume_changing_the_model_is_refused_before_anything_is_written(tmp_p
     assert {p: tree_state(p) for p in before} == before
 
 
+def test_a_newest_step_that_cannot_be_read_does_not_let_a_changed_model_through(tmp_path, capsys, no_ray):
+    """The restore falls back from an unreadable newest step to an older one: the check does too,
+    and refuses the changed model against it, before anything is written."""
+    run = FakeRun(tmp_path, total_steps=12, save_every=3)
+    run.train(6)
+    state = run.manager.storage.full_path(f"{run.name}/step_00000006/trainer_state.json")
+    with open(state, "r+b") as f:
+        f.write(b"{{{")
+    before = {p: tree_state(p) for p in (run.path, tmp_path / "ckpt")}
+    assert main(["-q", "train", *_args(run, tmp_path), "model.hidden_size=128"]) == 2
+    err = capsys.readouterr().err
+    assert "model.hidden_size: 64 -> 128" in err and "step_00000003" in err
+    assert {p: tree_state(p) for p in before} == before
+
+
 def test_a_resume_changing_allowed_keys_warns_naming_them(tmp_path, caplog):
     run = FakeRun(tmp_path, total_steps=12, save_every=3)
     run.train(6)

@@ -7,8 +7,9 @@ checkpoint has only the digest: the run folder's ``config.yaml`` (written by the
 it, or by a later start that was itself checked) stands in for it. The keys that differ are then
 checked by :func:`resilient_rl.config.resume.check_resume_config`.
 
-Everything here only reads. A checkpoint that cannot be read is left to the restore, which
-reports it (and falls back to an older one) exactly as without this check.
+Everything here only reads. A checkpoint whose manifest or trainer state cannot be read is left
+to the restore, which reports it and falls back to an older one: with ``auto`` the check does the
+same, and compares the newest step of the timeline it can read.
 """
 
 from __future__ import annotations
@@ -35,19 +36,40 @@ def checkpoint_config(cfg) -> dict[str, Any]:
     return redacted_config_dict(cfg)
 
 
-def _resumed_step(cfg, manager: CheckpointManager) -> tuple[CheckpointManager, int] | None:
-    """(manager, step) of the checkpoint ``checkpoint.resume`` names, or None (none, or ``off``)."""
+def _resumed_steps(cfg, manager: CheckpointManager) -> list[tuple[CheckpointManager, int]]:
+    """(manager, step) of the checkpoints ``checkpoint.resume`` may load, the first first: the one
+    it names, or with ``auto`` the timeline's steps newest first (the restore falls back along
+    them); none for ``off``."""
     resume = cfg.checkpoint.resume
     if resume == "off":
-        return None
+        return []
     if resume.startswith("path:"):
         from resilient_rl.checkpoint.restore import _split_step_url
 
         root, run, step = _split_step_url(resume[5:])
         other = CheckpointManager(root, run, storage_options=manager.storage_options)
-        return (other, step) if other.is_committed(step) else None
-    step = manager.latest_step()
-    return None if step is None else (manager, step)
+        return [(other, step)] if other.is_committed(step) else []
+    return [(manager, step) for step in reversed(manager.timeline_steps())]
+
+
+def _readable(found: list[tuple[CheckpointManager, int]],
+              digest: str) -> tuple[CheckpointManager, int, str, object] | None:
+    """The first of ``found`` whose manifest (and, where its config digest is another than
+    ``digest``, trainer state) reads: (manager, step, its config digest, its recorded config or
+    None); None when none does."""
+    for source, step in found:
+        try:
+            saved_digest = source.load_manifest(step).config_digest
+            differs = saved_digest and saved_digest != digest
+            saved = source.load_trainer_state(step).get(CONFIG_KEY) if differs else None
+        except ConfigError:
+            raise
+        except (RRLError, OSError) as exc:  # unreadable: the restore reports it (and tries an older step)
+            logger.warning("config check before resuming: %s cannot be read (%s); checking an older step",
+                           source.step_dir(step), exc)
+            continue
+        return source, step, saved_digest, saved
+    return None
 
 
 def _run_folder_config(run_path: Path) -> dict[str, Any] | None:
@@ -65,18 +87,16 @@ def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -
     Returns the checkpoint's config digest when it differs from ``digest`` and was accepted (a
     restore of it is then not warned about again), else None."""
     try:
-        found = _resumed_step(cfg, manager)
-        if found is None:
-            return None
-        source, step = found
-        saved_digest = source.load_manifest(step).config_digest
-        if not saved_digest or saved_digest == digest:
-            return None
-        saved = source.load_trainer_state(step).get(CONFIG_KEY)
+        readable = _readable(_resumed_steps(cfg, manager), digest)
     except ConfigError:
         raise
-    except (RRLError, OSError) as exc:  # unreadable: the restore reports it (and tries an older step)
+    except (RRLError, OSError) as exc:  # the folder cannot be listed: the restore reports it
         logger.debug("config check before resuming skipped: %s", exc)
+        return None
+    if readable is None:
+        return None
+    source, step, saved_digest, saved = readable
+    if not saved_digest or saved_digest == digest:
         return None
     where = f"checkpoint {source.step_dir(step)}"
     if not isinstance(saved, dict) and source.same_run(manager):
