@@ -157,7 +157,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, "checkpoint.resume=auto"])
     step = require_committed(cfg.checkpoint.root, cfg.trainer.run_name, cfg.checkpoint.storage_options)
     print(f"resuming run {cfg.trainer.run_name!r} from its newest checkpoint (step {step} under "
-          f"{cfg.checkpoint.root})", file=sys.stderr)
+          f"{cfg.checkpoint.root}, unless its files do not verify: the restore then takes an older one and "
+          f"says so)", file=sys.stderr)
     return _fit(cfg)
 
 
