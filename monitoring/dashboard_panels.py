@@ -25,6 +25,13 @@ WIDTH = 24  # Grafana's grid is 24 columns wide
 PROMETHEUS_ANNOTATION_EXTRAS = ("step", "titleFormat", "textFormat")
 
 RUN = 'run=~"$run"'
+#: The window of the rates and quantiles of per-step series (steps, tokens, phases, checkpoint
+#: bytes): a dashboard variable, 10 minutes by default. It must span several steps: Grafana's
+#: ``$__rate_interval`` (four scrapes, 8 s at the 2 s scrape interval) holds no step of a model
+#: whose steps take longer, and a rate over it reads 0 between steps and several times the true
+#: value across one.
+WINDOW = "$window"
+WINDOW_DEFAULT = "10m"
 RUN_NODE = 'run=~"$run", node=~"$node"'
 # GPU series name the worker process computing on the GPU; a colocated process joins its
 # roles with "+" (role="actor+critic+ref+rollout"), an unused GPU has role="" and rank="".
@@ -147,6 +154,15 @@ def query_variable(name: str, label: str, query: str) -> db.QueryVariable:
             .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"])))
 
 
+def window_variable() -> db.IntervalVariable:
+    """The *Rate window* selector of the per-step rates (:data:`WINDOW`)."""
+    choices = ["1m", "5m", WINDOW_DEFAULT, "30m", "1h", "3h"]
+    return (db.IntervalVariable("window").label("Rate window").values(",".join(choices))
+            .description("Window of the per-step rates and quantiles: longer than several steps, or they "
+                         "read 0 between steps").hide(dm.VariableHide.DONT_HIDE)
+            .current(dm.VariableOption(selected=True, text=WINDOW_DEFAULT, value=WINDOW_DEFAULT)))
+
+
 def run_variable() -> db.QueryVariable:
     """The *Run* selector every dashboard filters on (targets carry a ``run`` label)."""
     return query_variable("run", "Run", "label_values(rrl_run_info, run)")
@@ -162,7 +178,7 @@ RECOVERY_ANNOTATION = {
 
 
 def build(uid: str, title: str, description: str, panels: list[Placed],
-          variables: list[db.QueryVariable], annotations: Sequence[dict] = ()) -> dict:
+          variables: list[db.QueryVariable | db.IntervalVariable], annotations: Sequence[dict] = ()) -> dict:
     """The dashboard as Grafana JSON: panels laid out left to right, wrapping at 24 columns."""
     board = (db.Dashboard(title).uid(uid).description(description).tags([TAG])
              .timezone("browser").editable().tooltip(dm.DashboardCursorSync.CROSSHAIR)

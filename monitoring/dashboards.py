@@ -22,16 +22,16 @@ DASHBOARDS_DIR = Path(__file__).resolve().parent / "grafana" / "dashboards"
 sys.path.append(str(Path(__file__).resolve().parent))  # dashboard_panels.py, beside this script
 from dashboard_panels import (  # noqa: E402
     AGE_THRESHOLDS, GOODPUT_THRESHOLDS, GPU_LEGEND, PROCESS_LEGEND,
-    RECOVERY_ANNOTATION, RUN, RUN_NODE, TORCH_LEGEND, WIDTH, build, increments, mean, quantile,
-    query_variable, row, run_variable, sel, stat_panel, ts_panel)
+    RECOVERY_ANNOTATION, RUN, RUN_NODE, TORCH_LEGEND, WIDTH, WINDOW, build, increments, mean, quantile,
+    query_variable, row, run_variable, sel, stat_panel, ts_panel, window_variable)
 
 
 # -- the four dashboards -------------------------------------------------------------------
 
 def training() -> dict:
     """Step, rewards (training and validation), losses, KL, learning rate and throughput."""
-    steps_per_min = f"sum(rate({sel('rrl_step_duration_seconds_count')}[$__rate_interval])) * 60"
-    tokens = f"rate({sel('rrl_tokens_total')}[$__rate_interval])"
+    steps_per_min = f"sum(rate({sel('rrl_step_duration_seconds_count')}[{WINDOW}])) * 60"
+    tokens = f"rate({sel('rrl_tokens_total')}[{WINDOW}])"
     return build("rrl-training", "resilient-rl / Training progress",
                  "Step, rewards, losses, KL, learning rate and throughput of a run.", [
         stat_panel("Step", f"max({sel('rrl_step')})", decimals=0),
@@ -61,23 +61,26 @@ def training() -> dict:
                  min_val=0, max_val=1,
                  description="Share of wall time spent on steps that were kept."),
         ts_panel("Steps / min", [(f"sum by (instance) (rate({sel('rrl_step_duration_seconds_count')}"
-                                  "[$__rate_interval])) * 60", "{{instance}}")]),
-    ], [run_variable()], [RECOVERY_ANNOTATION])
+                                  f"[{WINDOW}])) * 60", "{{instance}}")]),
+    ], [run_variable(), window_variable()], [RECOVERY_ANNOTATION])
 
 
 def throughput() -> dict:
     """Step time, its phases and tokens per second."""
-    phase_rate = f"sum by (phase) (rate({sel('rrl_phase_duration_seconds_sum')}[$__rate_interval]))"
-    step_rate = "sum(rate({}[$__rate_interval]))"
+    # The checkpoint phase is the save's stall after the step's timer stopped: not part of a step
+    # (Reliability's checkpoint panels show it).
+    in_step = sel("rrl_phase_duration_seconds_sum", RUN + ', phase!="checkpoint"')
+    phase_rate = f"sum by (phase) (rate({in_step}[{WINDOW}]))"
+    step_rate = "sum(rate({}[" + WINDOW + "]))"
     return build("rrl-throughput", "resilient-rl / Throughput and phases",
                  "Step time, its phases and tokens per second.", [
         ts_panel("Step duration", [
-            (quantile(0.5, "rrl_step_duration_seconds", "$__rate_interval"), "p50"),
-            (quantile(0.9, "rrl_step_duration_seconds", "$__rate_interval"), "p90"),
-            (quantile(0.99, "rrl_step_duration_seconds", "$__rate_interval"), "p99"),
+            (quantile(0.5, "rrl_step_duration_seconds", WINDOW), "p50"),
+            (quantile(0.9, "rrl_step_duration_seconds", WINDOW), "p90"),
+            (quantile(0.99, "rrl_step_duration_seconds", WINDOW), "p99"),
             (f"{step_rate.format(sel('rrl_step_duration_seconds_sum'))}"
              f" / {step_rate.format(sel('rrl_step_duration_seconds_count'))}", "mean")], "s"),
-        ts_panel("Tokens / s", [(f"sum(rate({sel('rrl_tokens_total')}[$__rate_interval]))",
+        ts_panel("Tokens / s", [(f"sum(rate({sel('rrl_tokens_total')}[{WINDOW}]))",
                                  "tokens/s")]),
         ts_panel("Mean time per step by phase", [(
             f"{phase_rate} / on () group_left () "
@@ -89,11 +92,11 @@ def throughput() -> dict:
             f"{step_rate.format(sel('rrl_step_duration_seconds_sum'))}", "{{phase}}")],
             "percentunit", min_val=0, stacked=True),
         ts_panel("Phase duration p95", [
-            (quantile(0.95, "rrl_phase_duration_seconds", "$__rate_interval", by="phase"),
+            (quantile(0.95, "rrl_phase_duration_seconds", WINDOW, by="phase"),
              "{{phase}}")], "s"),
         ts_panel("Steps / min", [(
             f"{step_rate.format(sel('rrl_step_duration_seconds_count'))} * 60", "steps/min")]),
-    ], [run_variable()], [RECOVERY_ANNOTATION])
+    ], [run_variable(), window_variable()], [RECOVERY_ANNOTATION])
 
 
 def reliability() -> dict:
@@ -156,7 +159,7 @@ def reliability() -> dict:
         ts_panel("Checkpoint load duration", [(mean(ckpt_load, "10m"), "mean (10m)"),
                                               (quantile(0.95, ckpt_load, "10m"), "p95 (10m)")], "s"),
         ts_panel("Checkpoint write rate", [(f"sum(rate({sel('rrl_checkpoint_bytes_total')}"
-                                            "[$__rate_interval]))", "bytes/s")], "Bps"),
+                                            f"[{WINDOW}]))", "bytes/s")], "Bps"),
         ts_panel("Checkpoint age", [(sel("rrl_checkpoint_age_seconds"), "age {{instance}}")], "s",
                  description="Seconds since the last commit: the work a crash would lose now."),
         ts_panel("Steps since last checkpoint", [(
@@ -197,7 +200,11 @@ def reliability() -> dict:
                  min_val=0, max_val=1, w=8,
                  description="ETTR spans the run's whole life; goodput this controller's. Both fall "
                              "while a step hangs."),
-    ], [run_variable()], [RECOVERY_ANNOTATION])
+    ], [run_variable(), window_variable()], [RECOVERY_ANNOTATION])
+
+
+#: GPUs a worker computes on (an unused GPU of a node has role="", and may idle on purpose).
+ASSIGNED = ', role!=""'
 
 
 def gpus() -> dict:
@@ -209,7 +216,7 @@ def gpus() -> dict:
     node_variable = query_variable("node", "Node", "label_values(rrl_worker_up{run=~\"$run\"}, node)")
     return build("rrl-gpus", "resilient-rl / GPUs and processes",
                  "Per-GPU readings by node and rank (NVML); CPU and memory of worker processes.", [
-        stat_panel("Mean GPU utilization", f"avg({gpu('rrl_gpu_utilization_ratio')})",
+        stat_panel("Mean GPU utilization", f"avg({sel('rrl_gpu_utilization_ratio', RUN_NODE + ASSIGNED)})",
                    "percentunit"),
         stat_panel("GPU memory used", f"sum({gpu('rrl_gpu_memory_used_bytes')})", "bytes"),
         stat_panel("GPU power", f"sum({gpu('rrl_gpu_power_watts')})", "watt"),

@@ -38,6 +38,10 @@ def dashboard_problems(board: dict, datasource_uid: str, panel_types: set[str]) 
     variables = {v["name"] for v in board["templating"]["list"]}
     exprs = [(f"variable {v['name']}", v["query"]) for v in board["templating"]["list"]]
     for v in board["templating"]["list"]:
+        if v.get("type") == "interval":  # a list of windows (the rate window): no datasource, no query
+            if not v.get("query") or not v.get("current", {}).get("value"):
+                problems.append(f"{uid}/variable {v['name']}: an interval variable needs its windows and a default")
+            continue
         if v.get("datasource") != ds:
             problems.append(f"{uid}/variable {v['name']}: datasource {v.get('datasource')}")
     for ann in board["annotations"]["list"]:

@@ -190,6 +190,50 @@ tests:
 
   - interval: 1m
     input_series:
+      # The controller's exporter stops answering at minute 5 (its series go stale); a node's answers.
+      - series: 'up{{job="resilient-rl", instance="c:1"}}'
+        values: '1x4 0x30'
+      - series: 'up{{job="resilient-rl", instance="n1:1"}}'
+        values: '1x35'
+    alert_rule_test:
+      - {{alertname: RRLExporterDown, eval_time: 5m, exp_alerts: []}}
+      - alertname: RRLExporterDown
+        eval_time: 8m
+        exp_alerts:
+          - exp_labels: {{severity: critical, job: resilient-rl, instance: "c:1"}}
+            exp_annotations:
+              summary: "resilient-rl exporter c:1 down"
+              description: "The exporter at c:1 has not answered a scrape for 2 minutes: the controller or its node is gone, and the run's other alerts cannot fire for it."
+
+  - interval: 1m
+    input_series:
+      # A new controller on the same port at minute 5: its restart counter starts again at 0, and
+      # 8 restarts follow within 10 minutes of the old value 6.
+      - series: 'rrl_worker_restarts_total{{instance="c:1", role="actor", rank="0", cause="died"}}'
+        values: '6x4 0 1 2 3 4 5 6 7 8 8'
+    alert_rule_test:
+      - alertname: RRLRestartStorm
+        eval_time: 14m
+        exp_alerts:
+          - exp_labels: {{severity: critical, instance: "c:1"}}
+            exp_annotations:
+              summary: "Restart storm on c:1"
+              description: "8 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
+
+  - interval: 1m
+    input_series:
+      # Two runs: run a's GPU idles while only run b makes progress (run a is stuck, not starved).
+      - series: 'rrl_gpu_utilization_ratio{{instance="n0:1", run="a", node="n0", gpu="0", uuid="GPU-a", role="actor", rank="0"}}'
+        values: '0.05x40'
+      - series: 'rrl_step{{instance="ca:1", run="a"}}'
+        values: '5x40'
+      - series: 'rrl_step{{instance="cb:1", run="b"}}'
+        values: '0+1x40'
+    alert_rule_test:
+      - {{alertname: RRLGpuUtilizationLow, eval_time: 30m, exp_alerts: []}}
+
+  - interval: 1m
+    input_series:
       # ETTR over the run's life sinks below 70% at minute 10 and stays there.
       - series: 'rrl_ettr_ratio{{instance="c:1"}}'
         values: '0.9x9 0.6x80'
@@ -257,5 +301,34 @@ def test_restart_and_worker_down_panels_show_what_happened(tmp_path):
             {"expr": down, "eval_time": "3m", "exp_samples": []},
         ]}]}
     path = tmp_path / "panels_test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    assert "SUCCESS" in promtool("test", "rules", str(path))
+
+
+@needs_promtool
+def test_throughput_panels_read_the_true_rate_of_steps_longer_than_grafanas_rate_interval(tmp_path):
+    """Steps of 60 s (1,000 tokens each), scraped every 2 s. Grafana's $__rate_interval is then
+    four scrapes, 8 s, at the default one-hour range: a rate over it reads 0 between steps. The
+    per-step panels take the rate window instead (10 minutes by default), and read about 1 step
+    a minute and 16.7 tokens a second at any time."""
+    scrapes = 15 * 30  # 15 minutes
+    steps = " ".join(str(i // 30) for i in range(scrapes))
+    tokens = " ".join(str(1000 * (i // 30)) for i in range(scrapes))
+    checks = []
+    for uid, title, panel_type, low, high in (
+            ("rrl-training", "Steps / min", "stat", 0.9, 1.1), ("rrl-training", "Tokens / s", "stat", 15, 18.4),
+            ("rrl-throughput", "Steps / min", "timeseries", 0.9, 1.1),
+            ("rrl-throughput", "Tokens / s", "timeseries", 15, 18.4)):
+        expr = grafana_to_promql(panel_expr(uid, title, panel_type).replace("$__rate_interval", "8s"))
+        for at in ("12m10s", "12m30s", "12m50s"):  # just after a step, between two, just before one
+            checks.append({"expr": f"({expr} > bool {low}) * ({expr} < bool {high})", "eval_time": at,
+                           "exp_samples": [{"labels": "{}", "value": 1}]})
+    tests = {"tests": [{
+        "interval": "2s",
+        "input_series": [
+            {"series": 'rrl_step_duration_seconds_count{run="r", instance="c:1"}', "values": steps},
+            {"series": 'rrl_tokens_total{run="r", instance="c:1"}', "values": tokens}],
+        "promql_expr_test": checks}]}
+    path = tmp_path / "rates_test.yml"
     path.write_text(yaml.safe_dump(tests))
     assert "SUCCESS" in promtool("test", "rules", str(path))

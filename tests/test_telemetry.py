@@ -253,3 +253,24 @@ def test_file_sd_writer_rejects_bad_targets(tmp_path, target, labels, match):
 def test_file_sd_path_must_match_prometheus_glob(tmp_path):
     with pytest.raises(TelemetryError, match=r"\.json"):
         FileSDWriter(tmp_path / "targets.yml")
+
+
+def test_a_run_that_saves_no_checkpoint_exports_no_checkpoint_age(clock):
+    """checkpoint.save_every=0: an age counting from the start would only grow, and keep the
+    checkpoint alert firing for the whole run."""
+    metrics = TrainerMetrics(run="unit", clock=clock, saves_checkpoints=False)
+    clock.now += 3600
+    names = {s.name for family in metrics.registry.collect() for s in family.samples}
+    assert "rrl_checkpoint_age_seconds" not in names and "rrl_step" in names
+
+
+def test_the_telemetry_hook_knows_whether_the_run_saves_checkpoints(tmp_path):
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.run.folder import RunDir
+    from resilient_rl.telemetry.hook import TelemetryHook
+
+    for save_every, exported in ((0, False), (5, True)):
+        cfg = load_config(None, [f"checkpoint.save_every={save_every}", f"trainer.output_dir={tmp_path}"])
+        hook = TelemetryHook(cfg, RunDir(str(tmp_path), cfg.trainer.run_name), lambda listener: None)
+        names = {s.name for family in hook.metrics.registry.collect() for s in family.samples}
+        assert ("rrl_checkpoint_age_seconds" in names) is exported

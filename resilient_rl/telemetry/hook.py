@@ -88,7 +88,7 @@ class TelemetryHook:
         self.run = cfg.trainer.run_name
         self.timeout_s = tc.call_timeout_s
         self.pool: WorkerPool | None = None
-        self.metrics = TrainerMetrics(run=self.run)
+        self.metrics = TrainerMetrics(run=self.run, saves_checkpoints=cfg.checkpoint.save_every > 0)
         # Read before this controller's fit replaces controller.json: did the previous one crash?
         previous = read_controller_record(run_dir.path)
         self.time = TrainingTime(run_dir.path, previous.state if previous is not None else None,

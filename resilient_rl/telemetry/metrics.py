@@ -58,10 +58,12 @@ def _non_negative(name: str, value: float) -> float:
 
 
 class _CheckpointCommitCollector(Collector):
-    """Last committed checkpoint: step and timestamp once one exists, and its age on scrape."""
+    """Last committed checkpoint: step and timestamp once one exists, and its age on scrape (absent
+    for a run that saves none: ``saves`` false, and nothing committed)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], saves: bool = True) -> None:
         self._clock = clock
+        self._saves = saves
         self._started_at = clock()
         # (step, timestamp) replaced as one object, so a scrape never sees half an update.
         self._last: tuple[int, float] | None = None
@@ -93,7 +95,8 @@ class _CheckpointCommitCollector(Collector):
             if last is not None:
                 step.add_metric([], last[0])
                 stamp.add_metric([], last[1])
-            age.add_metric([], self.age())
+            if self._saves or last is not None:  # an age that only grows would alert all run long
+                age.add_metric([], self.age())
         return [step, stamp, age]
 
 
@@ -141,10 +144,12 @@ class TrainerMetrics:
         registry: where the series live; None creates a private registry (see ``.registry``).
         run: the run's name, exported once as ``rrl_run_info{run=...}``.
         clock: Unix time source, for the checkpoint age.
+        saves_checkpoints: whether the run saves checkpoints (``checkpoint.save_every > 0``):
+            without, the checkpoint age is not exported.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, run: str = "default",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, saves_checkpoints: bool = True) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.run = run
         self._clock = clock
@@ -231,7 +236,7 @@ class TrainerMetrics:
             self.checkpoint_skipped.labels(reason=reason)
         for source in SNAPSHOT_SOURCES:
             self.snapshot_corrupt.labels(source=source)
-        self._commits = _CheckpointCommitCollector(clock)
+        self._commits = _CheckpointCommitCollector(clock, saves_checkpoints)
         r.register(self._commits)
 
     # -- progress ------------------------------------------------------------------------

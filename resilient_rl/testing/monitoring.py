@@ -51,6 +51,7 @@ def metric_names(expr: str) -> set[str]:
 def grafana_to_promql(expr: str) -> str:
     """Replace Grafana's variables by what they expand to on a query."""
     expr = re.sub(r"\$__\w+", "1m", expr)                   # $__rate_interval, $__range
+    expr = expr.replace("$window", "10m")                    # the rate window's default
     return re.sub(r"\$\{?\w+\}?", ".*", expr)                # $run, ${node} (regex matchers)
 
 
@@ -70,6 +71,8 @@ def dashboard_queries() -> list[tuple[str, str]]:
             if "expr" in ann:
                 out.append((f"{board['uid']}/annotation {ann['name']}", ann["expr"]))
         for var in board["templating"]["list"]:
+            if var["type"] == "interval":  # a list of windows (the rate window), no query
+                continue
             query = var["query"] if isinstance(var["query"], str) else var["query"]["query"]
             m = re.fullmatch(r"label_values\((\w+(?:\{[^}]*\})?),\s*\w+\)", query)
             assert m, f"{board['uid']}: variable {var['name']} query {query!r} is not label_values"
