@@ -254,3 +254,19 @@ def test_resume_off_on_the_command_line_is_off_not_a_boolean():
     # YAML reads the bare word `off` as a boolean; the key still means "start fresh".
     assert load_config(overrides=["checkpoint.resume=off"]).checkpoint.resume == "off"
     assert load_config(overrides=["checkpoint.resume=false"]).checkpoint.resume == "off"
+
+
+def test_a_hugging_face_model_path_needs_kind_hf_and_brings_its_tokenizer():
+    """model.path alone used to build the built-in tiny model (the folder ignored); a pretrained
+    model read through the character tokenizer got ids meaningless to it."""
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.kind.*model.path is read only with model.kind=hf"):
+        load_config(None, ["model.path=/models/qwen"])
+    with pytest.raises(ConfigError, match=r"model.hf_config is read only with model.kind=hf"):
+        load_config(None, ['model.hf_config={"model_type": "qwen2"}'])
+    cfg = load_config(None, ["model.kind=hf", "model.path=/models/qwen"])
+    assert cfg.data.tokenizer == "/models/qwen"
+    mine = load_config(None, ["model.kind=hf", "model.path=/models/qwen", "data.tokenizer=/tok"])
+    assert mine.data.tokenizer == "/tok"

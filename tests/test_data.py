@@ -281,3 +281,13 @@ def test_load_state_dict_rejects_bad_states():
 def test_loader_rejects_batch_larger_than_dataset():
     with pytest.raises(ConfigError, match="data.batch_size=11"):
         StatefulPromptLoader(_dataset(10), batch_size=11)
+
+
+def test_a_response_decodes_without_the_ids_a_larger_model_may_sample():
+    """A model built with more rows than the character tokenizer has ids may sample the spare
+    ones: they are dropped, as a Hugging Face tokenizer drops them, not an error at step 1."""
+    tok = CharTokenizer()
+    ids = tok.encode("12") + [tok.vocab_size + 7] + tok.encode("3") + [tok.eos_token_id] + tok.encode("9")
+    assert tok.decode_response(ids) == "123"
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        tok.decode([tok.vocab_size])

@@ -187,3 +187,47 @@ def test_json_lines_and_built_in_tasks_are_unchanged(tmp_path):
     ds = PromptDataset.from_config(cfg.data, CharTokenizer())
     assert ds.data_sources is None and "data_sources" not in ds.gather(np.array([0]))
     assert Sample("1", "1").data_source is None
+
+
+def test_the_built_in_gsm8k_reward_scores_verls_gsm8k_parquet(tmp_path):
+    """verl's GSM8K parquet stores the bare number as its ground truth (no '#### n' line)."""
+    from resilient_rl.data.rewards import gsm8k
+
+    data = write_parquet(tmp_path / "train.parquet", ROWS)
+    cfg = load_config(None, [f"data.path={data}", "data.reward_fn=gsm8k"] + SMALL)
+    task = get_task(cfg.data)  # the references are checked as the task is built
+    assert isinstance(task, ParquetTask)
+    assert gsm8k("4 and 3 make #### 7", "7") == 1.0 and gsm8k("#### 8", "7") == 0.0 and gsm8k("#### 72", 72) == 1.0
+    with pytest.raises(ConfigError, match="has no '#### <number>' line and is not a number"):
+        gsm8k("#### 7", "seven")
+
+
+def test_a_reward_that_edits_its_inputs_changes_neither_the_dataset_nor_a_replay(tmp_path):
+    (tmp_path / "score.py").write_text('''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    extra_info["seen"] = extra_info.get("seen", 0) + 1
+    return float(extra_info["seen"])
+''')
+    data = write_parquet(tmp_path / "train.parquet", ROWS)
+    cfg = load_config(None, [f"data.path={data}", f"custom_reward_function.path={tmp_path / 'score.py'}"] + SMALL)
+    task = get_task(cfg.data, cfg.custom_reward_function)
+    tok = HFTokenizer.from_pretrained(TINY_TOKENIZER)
+    ds = PromptDataset(read_parquet(data), tok)
+    scores = []
+    for _ in range(2):  # the same rows twice: a replayed step, or the prompts' next epoch
+        batch = ds.gather(np.array([0, 1]))
+        scores.append(compute_rewards(task, tok, [[5], [6]], batch["answers"], batch["data_sources"],
+                                      batch["extra_infos"]).tolist())
+    assert scores == [[1.0, 1.0], [1.0, 1.0]] and "seen" not in ds.extra_infos[0]
+
+
+def test_a_compute_score_may_return_numpy_and_torch_scalars_as_verl_takes_them(tmp_path):
+    (tmp_path / "score.py").write_text('''
+import numpy as np, torch
+def as_numpy_bool(data_source, solution_str, ground_truth, extra_info=None):
+    return np.bool_(ground_truth in solution_str)
+def as_tensor(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": torch.tensor(0.25)}
+''')
+    assert VerlScore(str(tmp_path / "score.py"), "as_numpy_bool")("so 7", "7", "s", None) == 1.0
+    assert VerlScore(str(tmp_path / "score.py"), "as_tensor")("x", "7", "s", None) == 0.25

@@ -56,8 +56,9 @@ class DataConfig(Section):
     #: Built-in tasks: reward the share of characters right (``partial_match``), not only an exact
     #: answer.
     partial_credit: bool = True
-    #: A local Hugging Face tokenizer directory (``data/make_tokenizer.py`` builds one); null: a
-    #: character tokenizer of the task's alphabet.
+    #: A local Hugging Face tokenizer directory (``data/make_tokenizer.py`` builds one); null: the
+    #: model's folder for ``model.kind=hf`` with ``model.path``, else a character tokenizer of the
+    #: task's alphabet.
     tokenizer: Optional[str] = None
     #: Wrap prompts in the tokenizer's chat template; null: where the tokenizer has one, true: it
     #: must.

@@ -91,6 +91,10 @@ class Config(Section):
             self.checkpoint.storage_options = _drop_redacted(self.checkpoint.storage_options,
                                                              "checkpoint.storage_options")
         self.data.task = self.data.resolved_task  # the saved config names the task a null meant
+        if self.model.kind == "hf" and self.model.path is not None and self.data.tokenizer is None:
+            # A pretrained model reads only its own tokenizer's ids (verl reads it from the folder too);
+            # the character tokenizer's would be meaningless to it.
+            self.data.tokenizer = self.model.path
         grpo = self.algorithm.adv_estimator == "grpo"
         self._resolve_critic(grpo)
         self._resolve_world_sizes()

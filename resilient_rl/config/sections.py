@@ -72,6 +72,10 @@ class ModelConfig(Section):
         choice("dtype", self.dtype, MODEL_DTYPES)
         require(self.kind != "hf" or self.path is not None or self.hf_config is not None, "path", self.path,
                  "model.kind='hf' needs model.path (a local HF directory) or model.hf_config")
+        given = "model.path" if self.path is not None else "model.hf_config" if self.hf_config is not None else None
+        require(self.kind == "hf" or given is None, "kind", self.kind,
+                 f"{given} is read only with model.kind=hf (the built-in tiny model would ignore it): set "
+                 "model.kind=hf")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,

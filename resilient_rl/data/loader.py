@@ -6,6 +6,7 @@ run restored from a checkpoint sees exactly the batches the uninterrupted run wo
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -88,11 +89,14 @@ class PromptDataset:
             "input_ids": self.input_ids[rows],
             "attention_mask": self.attention_mask[rows],
             "prompt_index": index,
-            "answers": self.answers[index],
+            # Copies: a reward that edits its ground truth or extra info must not change the dataset,
+            # or a replayed step, or the prompt's next epoch, would be scored on other inputs.
+            "answers": _objects([copy.deepcopy(a) for a in self.answers[index]]),
             "prompts": self.prompts[index],
         }
         if self.data_sources is not None and self.extra_infos is not None:
-            batch["data_sources"], batch["extra_infos"] = self.data_sources[index], self.extra_infos[index]
+            batch["data_sources"] = self.data_sources[index]
+            batch["extra_infos"] = _objects([copy.deepcopy(e) for e in self.extra_infos[index]])
         return batch
 
     def check_fits(self, max_seq_len: int, max_new_tokens: int) -> None:

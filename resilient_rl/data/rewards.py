@@ -69,9 +69,15 @@ def extract_final_answer(text: str) -> Optional[float]:
 
 
 def gsm8k_reference(answer: str) -> float:
-    """The number after '####' in a GSM8K reference answer; ConfigError when it is missing."""
+    """The number after '####' in a GSM8K reference answer, or the answer itself where it is one
+    number (verl's GSM8K parquet stores the bare number as its ground truth); ConfigError otherwise."""
+    answer = str(answer)
     if GSM8K_MARK not in answer:
-        raise ConfigError(f"gsm8k reward: reference answer {answer[-60:]!r} has no '{GSM8K_MARK} <number>' line")
+        numbers = parse_numbers(str(answer))
+        if len(numbers) == 1 and _NUMBER.fullmatch(str(answer).strip().replace("$", "")):
+            return numbers[0]
+        raise ConfigError(f"gsm8k reward: reference answer {answer[-60:]!r} has no '{GSM8K_MARK} <number>' line "
+                          "and is not a number")
     value = extract_final_answer(answer)
     if value is None:
         raise ConfigError(f"gsm8k reward: reference answer {answer[-60:]!r} has no number after '{GSM8K_MARK}'")

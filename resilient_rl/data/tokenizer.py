@@ -106,8 +106,11 @@ class CharTokenizer:
         return "".join(out)
 
     def decode_response(self, ids: Iterable[int]) -> str:
-        """A generated response as text: everything before the first eos, specials dropped."""
-        return self.decode(ids, skip_special=True, stop_at_eos=True)
+        """A generated response as text: everything before the first eos, specials dropped, and
+        ids outside the vocabulary too (a model built with more rows than this tokenizer has ids,
+        ``model.hf_config.vocab_size``, may sample them), as a Hugging Face tokenizer drops them."""
+        kept = (i for i in (int(x) for x in ids) if 0 <= i < self.vocab_size)
+        return self.decode(kept, skip_special=True, stop_at_eos=True)
 
     def batch_decode_responses(self, rows: Sequence[Iterable[int]]) -> list[str]:
         """:meth:`decode_response` for each row of a batch (e.g. a [B, R] tensor)."""

@@ -69,6 +69,8 @@ class VerlScore:
                                 f"{user_traceback(e)}") from e
         if isinstance(value, dict) and "score" in value:
             value = value["score"]
+        if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+            value = value.item()  # a numpy scalar (np.bool_ too) or a 0-d tensor, as verl takes them
         if not isinstance(value, Real):  # bool and numpy numbers are Real
             raise ConfigError(f"{KEY}.name={self.name!r} in {self.path} returned {value!r:.200}, not a number "
                               "(or a mapping with a 'score')")
