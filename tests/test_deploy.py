@@ -129,6 +129,10 @@ def test_the_rayjob_sizes_dev_shm_for_snapshots_and_exposes_metrics():
         (endpoint,) = monitor["podMetricsEndpoints"]
         assert named[endpoint["port"]] == port, where
         assert monitor["selector"]["matchLabels"].items() <= meta["labels"].items(), where
+        # The dashboards filter every panel on run=~"$run": the scraped series need that label.
+        assert meta["labels"]["resilient-rl/run"] == cfg.trainer.run_name, where
+        assert {"sourceLabels": ["__meta_kubernetes_pod_label_resilient_rl_run"], "targetLabel": "run"} in \
+            endpoint["relabelings"], where
 
 
 def test_the_rayjob_head_passes_an_eviction_to_the_trainer_and_waits_for_it(tmp_path):
