@@ -274,3 +274,33 @@ def test_the_telemetry_hook_knows_whether_the_run_saves_checkpoints(tmp_path):
         hook = TelemetryHook(cfg, RunDir(str(tmp_path), cfg.trainer.run_name), lambda listener: None)
         names = {s.name for family in hook.metrics.registry.collect() for s in family.samples}
         assert ("rrl_checkpoint_age_seconds" in names) is exported
+
+
+def test_a_lost_node_marks_every_worker_on_it_down(tmp_path, monkeypatch):
+    """The failure names the first rank heard of; the others on a node that no longer answers are
+    down too. A node that answers keeps its other workers up; a failure during a recovery marks
+    down the same way (without counting another failure)."""
+    from types import SimpleNamespace
+
+    from resilient_rl.config.schema import load_config
+    from resilient_rl.run.folder import RunDir
+    from resilient_rl.telemetry import hook as hook_module
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}"])
+    hook = hook_module.TelemetryHook(cfg, RunDir(str(tmp_path), cfg.trainer.run_name), lambda listener: None)
+    hook.pool = SimpleNamespace(roles_of=lambda group: ("actor",))
+    hook.node_id = "ctrl"
+    hook._workers = {("actor", 0): (1, "ctrl"), ("actor", 1): (999991, "n2"), ("actor", 2): (999992, "n2"),
+                     ("actor", 3): (999993, "n3"), ("actor", 4): (999994, "n3")}
+    for (role, rank), (_, node) in hook._workers.items():
+        hook.metrics.set_workers_up(role, rank, node, True)
+    monkeypatch.setattr(hook_module, "node_answers", lambda node: node != "n2")
+
+    def up() -> dict[int, float]:
+        return {int(s.labels["rank"]): s.value for family in hook.metrics.registry.collect()
+                for s in family.samples if s.name == "rrl_worker_up"}
+
+    hook._on_event["failure"]({"cause": "died", "group": "actor", "rank": 1})
+    assert up() == {0: 1.0, 1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}
+    hook._on_event["failure_during_recovery"]({"cause": "died", "group": "actor", "rank": 3, "state": "rejoining"})
+    assert up() == {0: 1.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 1.0}  # n3 answers: only the named rank

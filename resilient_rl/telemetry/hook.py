@@ -44,6 +44,7 @@ from resilient_rl.telemetry import (PHASES, DeviceMetrics, FileSDWriter, GpuSamp
                                     ProcessDevices, ProcessSampler, TorchMemoryMetrics,
                                     TrainerMetrics, gpu_assignments)
 from resilient_rl.process_state import process_alive
+from resilient_rl.runtime.health import node_answers
 from resilient_rl.telemetry.gpu_owners import processes_from_reports
 from resilient_rl.telemetry.recovery_metrics import RecoveryMetrics
 from resilient_rl.run.record import read_controller_record
@@ -59,7 +60,7 @@ LOSS_KEYS = {"actor": "actor/pg_loss", "critic": "critic/vf_loss"}
 #: Row keys of the actor-vs-reference KL, in order of preference.
 KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")
 # Causes whose error names the failed worker; a collective error names the survivor reporting it.
-_NAMING_CAUSES = ("died", "timeout")
+_NAMING_CAUSES = ("died", "timeout", "node_lost")
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 
@@ -112,7 +113,8 @@ class TelemetryHook:
         self.node_exporters: dict[str, RemoteNodeExporter] = {}
         self._workers: dict[Worker, tuple[int, str | None]] = {}  # (role, rank) -> (pid, node id)
         self._unknown_phases: set[str] = set()
-        self._on_event = {"failure": self._event_failure, "worker_restarted": self._event_restart,
+        self._on_event = {"failure": self._event_failure, "failure_during_recovery": self._mark_down,
+                          "worker_restarted": self._event_restart,
                           "recovered": self._event_recovered, "nonfinite": self._event_nonfinite,
                           "nonfinite_rollback": self._event_nonfinite_rollback,
                           "snapshot_corrupt": lambda e: self.metrics.record_corrupt_snapshot(e["source"])}
@@ -201,15 +203,23 @@ class TelemetryHook:
             logger.warning("telemetry: event %s not recorded: %s", event.kind, exc)
 
     def _event_failure(self, e: dict) -> None:
-        """Count a failure and mark down the workers it took out: every role of the process the
-        failure names (when its cause names the failed process) and every worker on this node
-        whose process is gone."""
+        """Count a failure and mark down the workers it took out (:meth:`_mark_down`)."""
+        self.metrics.record_failure(e["cause"])
+        self.time.failed(e["cause"])
+        self._mark_down(e)
+
+    def _mark_down(self, e: dict) -> None:
+        """Mark down the workers a failure (or a failure during a recovery) took out: every role of
+        the process it names (when its cause names the failed process), every worker on that
+        process's node when the node no longer answers (a lost node takes all of them, though the
+        failure names the first one heard of), and every worker on this node whose process is gone."""
         cause, group, rank = e["cause"], e.get("group"), e.get("rank")
-        self.metrics.record_failure(cause)
-        self.time.failed(cause)
         down: set[Worker] = set()
         if group is not None and rank is not None and cause in _NAMING_CAUSES and self.pool is not None:
             down |= {(r, int(rank)) for r in self.pool.roles_of(group)}
+        nodes = {self._workers[key][1] for key in down if key in self._workers} - {None, self.node_id}
+        lost = {node for node in nodes if not node_answers(node)}
+        down |= {key for key, (_, node) in self._workers.items() if node in lost}
         local = {key for key, (_, node) in self._workers.items() if node in (None, self.node_id)}
         pids_gone = {pid for key, (pid, _) in self._workers.items() if key in local and not process_alive(pid)}
         down |= {key for key in local if self._workers[key][0] in pids_gone}
