@@ -26,6 +26,20 @@ def test_worker_killed_with_the_last_save_pending_recovers(reference, chaos_run,
     assert result.committed[-1] == result.latest == 6
 
 
+def test_worker_killed_with_the_last_save_pending_and_the_last_snapshot_complete_commits_the_last_step(
+        reference, chaos_run, chaos_dir):
+    """The last step's snapshot is complete and its save still in flight when actor rank 1 dies:
+    the recovery abandons the save and restores the snapshot, which is the last step. The run then
+    saves that step again: before, it ended as complete with the last step never committed."""
+    extra = storage_overrides(chaos_dir, "lastsnap", FaultPlan(slow_s=1.0))
+    schedule = FaultSchedule().at_final_save(6).kill("actor", 1)
+    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1")
+    check_invariants(result, reference)
+    assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [6]
+    assert [(e["restored_step"], e["source"]) for e in result.events_of("recovered")] == [(6, "snapshot")]
+    assert result.committed[-1] == result.latest == 6 and result.verify[6] == "ok"
+
+
 def test_storage_outage_skips_checkpoints_while_training_goes_on(reference, chaos_run, chaos_dir):
     """Step 2's actor shards (written by the workers) and all of step 4 (the controller's trainer
     state first) meet an outage longer than the retries; step 6 is saved."""

@@ -33,7 +33,8 @@ from resilient_rl.trainer.hooks import TrainerHook
 logger = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "sigstop", "ray_kill", "corrupt", "truncate", "slow")
-TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery", "validation", "weight_sync")
+TRIGGERS = ("step", "checkpoint", "snapshot", "after_snapshot", "recovery", "validation", "weight_sync",
+            "final_save")
 
 
 class FaultError(RRLError):
@@ -174,6 +175,12 @@ class FaultSchedule(TrainerHook):
         self._at = ("after_snapshot", step)
         return self
 
+    def at_final_save(self, step: int) -> "FaultSchedule":
+        """Faults added next fire when the run, its last step ``step`` done, waits for that step's
+        save to commit, once the step's snapshot is complete on every rank (waited for up to 30 s)."""
+        self._at = ("final_save", step)
+        return self
+
     def at_validation(self, step: int) -> "FaultSchedule":
         """Faults added next fire when the validation pass over the weights of step ``step`` starts
         (0: the pass before training); with ``in_call="generate_sequences"``, inside its generation."""
@@ -255,6 +262,11 @@ class FaultSchedule(TrainerHook):
 
     def on_weight_sync_start(self, trainer, step: int) -> None:
         self._trigger(trainer, "weight_sync", step)
+
+    def on_final_save_wait(self, trainer, step: int) -> None:
+        if any(f.trigger == "final_save" and f.step == step and not f.fired for f in self.faults):
+            wait_snapshot(trainer, step)
+            self._trigger(trainer, "final_save", step)
 
     def on_snapshot_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "snapshot", step)

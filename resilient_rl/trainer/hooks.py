@@ -34,6 +34,9 @@ class TrainerHook:
     def on_snapshot_started(self, trainer: Trainer, step: int) -> None:
         """The in-memory snapshot of step ``step`` has started (ranks copying, peers fetching)."""
 
+    def on_final_save_wait(self, trainer: Trainer, step: int) -> None:
+        """The last step ``step`` is done and the run is about to wait for its save to commit."""
+
     def on_recovery_state(self, trainer: Trainer, state: RecoveryState) -> None:
         """A recovery entered ``state`` (recovering, rejoining, restoring or aborting)."""
 

@@ -370,11 +370,17 @@ class PPOTrainer:
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
                    dynamic_ncols=True)
+        resave = False  # a recovery restored the last step, whose save it abandoned: save it again
         try:
-            while self.step < total:
+            while self.step < total or resave:
                 if self.preemption.requested:  # the safe point: between steps, none half done
                     stop_for_preemption(self, self.cfg.trainer.preempt_grace_s)
                 try:
+                    if resave:
+                        resave = False
+                        self.save_checkpoint()
+                        self.ckpt.finish(self.roles)
+                        continue
                     if self.validator.due_before_train(self.step, self.history):
                         self.validate_before_train()
                     row = self.train_step()
@@ -389,12 +395,18 @@ class PPOTrainer:
                     self.node_sweeps.maybe()
                     if self.step >= total and self.checkpoints_on:
                         # The last save, waited for (bounded) inside the recovery: a rank that lost
-                        # it rolls the run back to the last commit and the final steps are replayed.
+                        # it rolls the run back (to the last commit, or to the last step's snapshot,
+                        # which is then saved again) and the final steps are replayed.
+                        for hook in self.hooks:
+                            hook.on_final_save_wait(self, self.step)
                         self.ckpt.finish(self.roles)
                 except WorkerError as exc:
                     self._stop_if_nothing_to_recover(exc)
                     # Pools that save no checkpoints run in this process: nothing to restart there.
                     self.recovery.handle(exc, self.step + 1, self.roles if self.checkpoints_on else None)
+                    # From a snapshot of the last step: the run is not done before that step is committed.
+                    resave = (self.checkpoints_on and self.step >= total and self.ckpt.due(self.step)
+                              and self.ckpt.pending is None and self.ckpt.last_committed != self.step)
                     bar.n = self.step
                     bar.refresh()
                     continue
