@@ -131,8 +131,6 @@ def translate(layer: dict, where: str) -> Translated:
                     out.per_prompt.add(entry.ours)
                 for implied_key, implied_value in entry.implies:
                     _put(out.implied, implied_key, implied_value)
-                if entry.verl == "actor_rollout_ref.model.path":
-                    _put(out.implied, "data.tokenizer", converted)  # verl reads the tokenizer from the model folder
             elif key.split(".")[0] in VERL_ONLY:
                 unknown.append(_unknown(key))
             else:

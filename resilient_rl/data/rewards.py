@@ -73,8 +73,8 @@ def gsm8k_reference(answer: str) -> float:
     number (verl's GSM8K parquet stores the bare number as its ground truth); ConfigError otherwise."""
     answer = str(answer)
     if GSM8K_MARK not in answer:
-        numbers = parse_numbers(str(answer))
-        if len(numbers) == 1 and _NUMBER.fullmatch(str(answer).strip().replace("$", "")):
+        numbers = parse_numbers(answer)
+        if len(numbers) == 1 and _NUMBER.fullmatch(answer.strip().replace("$", "")):
             return numbers[0]
         raise ConfigError(f"gsm8k reward: reference answer {answer[-60:]!r} has no '{GSM8K_MARK} <number>' line "
                           "and is not a number")

@@ -248,11 +248,15 @@ class FaultSchedule(TrainerHook):
                 else:
                     self._fire(trainer.roles, fault)
 
+    def _trigger_after_snapshot(self, trainer, trigger: str, step: int, snapshot_step: int) -> None:
+        """Fire ``trigger``'s faults at ``step`` once the snapshot of ``snapshot_step`` is complete."""
+        if any(f.trigger == trigger and f.step == step and not f.fired for f in self.faults):
+            wait_snapshot(trainer, snapshot_step)
+            self._trigger(trainer, trigger, step)
+
     def on_step_start(self, trainer, step: int) -> None:
         self._trigger(trainer, "step", step)
-        if any(f.trigger == "after_snapshot" and f.step == step and not f.fired for f in self.faults):
-            wait_snapshot(trainer, step - 1)
-            self._trigger(trainer, "after_snapshot", step)
+        self._trigger_after_snapshot(trainer, "after_snapshot", step, step - 1)
 
     def on_checkpoint_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "checkpoint", step)
@@ -264,9 +268,7 @@ class FaultSchedule(TrainerHook):
         self._trigger(trainer, "weight_sync", step)
 
     def on_final_save_wait(self, trainer, step: int) -> None:
-        if any(f.trigger == "final_save" and f.step == step and not f.fired for f in self.faults):
-            wait_snapshot(trainer, step)
-            self._trigger(trainer, "final_save", step)
+        self._trigger_after_snapshot(trainer, "final_save", step, step)
 
     def on_snapshot_started(self, trainer, step: int) -> None:
         self._trigger(trainer, "snapshot", step)
