@@ -460,3 +460,24 @@ def test_no_capacity_for_a_lost_node_stops_at_once_without_spending_the_budget()
     assert len(aborted) == 1 and "no alive node" in aborted[0]["reason"]
     assert h.of("failure_during_recovery") == [] and h.recovery.policy.total == 1
     assert h.path()[-1] is S.FAILED
+
+
+def test_a_preemption_signal_during_the_drain_stops_the_recovery_without_waiting_for_the_survivor():
+    """A survivor of another group keeps advancing in its call, so the drain waits for it (up to
+    ``restart_timeout_s``); a preemption signal landing meanwhile ends the recovery at its next
+    probe, within the scheduler's grace period, not at the drain's deadline."""
+    pool = FakePool(groups={"actor": ("actor",), "rollout": ("rollout",)})
+    h = Harness(pool, hang_timeout_s=300.0, restart_timeout_s=120.0)
+    pool.crash("actor", 1)
+    pool.busy("rollout", 0, "generate_sequences", progress_age_s=1.0)
+    signal_at = h.clock.now + 3.0
+
+    def interrupt():
+        if h.clock.now >= signal_at:
+            raise Preempted("preempted by SIGTERM while recovering step 7", signal_name="SIGTERM", step=6, committed=4)
+
+    pool.interrupt = interrupt
+    with pytest.raises(Preempted, match="while recovering step 7"):
+        h.handle(died(group="actor"))
+    assert h.clock.now - signal_at < 1.0, "the drain went on waiting after the signal"
+    assert "wait_alive" not in pool.ops() and h.restores == 0

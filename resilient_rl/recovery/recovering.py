@@ -130,13 +130,16 @@ class Recovering:
         timeout. So is a survivor of another group inside a collective that spans such a group (a
         weight sync: see :attr:`~resilient_rl.runtime.pool.RecoveryPool.shared_calls`). One that
         stays inside a call without advancing for ``hang_timeout_s`` is killed, as is one that does
-        not answer (after ``warmup_timeout_s`` where it was still starting up)."""
+        not answer (after ``warmup_timeout_s`` where it was still starting up). A preemption signal
+        (the pool's ``interrupt`` raises) ends the wait at once: a survivor that keeps advancing
+        would otherwise hold it up to ``restart_timeout_s``, past a scheduler's grace period."""
         cfg, clock = self.ctx.cfg, self.ctx.clock
         start = clock()
         deadline = start + cfg.restart_timeout_s
         shared = pool.shared_calls
         told: set[ProcessKey] = set()
         while clock() < deadline:
+            pool.interrupt()  # a preemption signal ends the wait now, not at the drain's deadline
             busy = 0
             leave: list[ProcessKey] = []
             broken_now = broken | {group for group, _ in killed}  # also one the drain killed in
