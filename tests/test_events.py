@@ -29,6 +29,7 @@ SAMPLES: dict[str, dict] = {
     "failure_during_recovery": {"state": "rejoining", "role": None, "rank": None, "cause": "timeout",
                                 "message": "rendezvous timed out", "group": None},
     "recovery_state": {"state": "rejoining", "failed_step": 4},
+    "recovery_backoff": {"in_a_row": 3, "wait_s": 2.0},
     "recovered": {"failed_step": 4, "restored_step": 2, "steps_replayed": 1, "duration_s": 3.25,
                   "restarted": [["rrl_r_ab12_main", 1]], "generation": 2, "source": "checkpoint",
                   "phases": {"detect": 0.01, "restart": 2.5, "rejoin": 0.25, "restore": 0.5},

@@ -445,7 +445,8 @@ def test_the_recovered_event_splits_the_recovery_into_its_phases():
     phases = h.of("recovered")[0]["phases"]
     assert 31.0 <= phases["detect"] < 31.0 + 60.0
     assert phases["rejoin"] == 4.0 and phases["restore"] == 3.0  # two rejoins of 2 s, one restore of 3 s
-    assert phases["restart"] == 0.0  # the fake pool restarts at once, also after the failed rejoin
+    # The fake pool restarts at once; recovering again after the failed rejoin first backs off 1 s.
+    assert phases["restart"] == 1.0
     assert h.path() == [S.RECOVERING, S.REJOINING, S.RECOVERING, S.REJOINING, S.RESTORING, S.RUNNING]
 
 
@@ -481,3 +482,59 @@ def test_a_preemption_signal_during_the_drain_stops_the_recovery_without_waiting
         h.handle(died(group="actor"))
     assert h.clock.now - signal_at < 1.0, "the drain went on waiting after the signal"
     assert "wait_alive" not in pool.ops() and h.restores == 0
+
+
+def test_failures_in_a_row_back_off_doubling_and_a_completed_step_resets_the_row():
+    """The replayed step failing again, or a failure inside the recovery, is a failure in a row:
+    the recovery waits before acting (1 s, 2 s, 4 s ... from ``backoff_s``); the first failure,
+    and one after a step past the last failed one completed, is recovered from at once."""
+    h = Harness(backoff_s=1.0, max_failures=10, max_restarts=10)
+
+    def waits(step: int) -> float:
+        h.pool.crash("main", 1)
+        before = h.clock.now
+        h.handle(died(), step=step)
+        return h.clock.now - before
+
+    assert waits(7) == 0.0
+    assert waits(7) == 1.0 and waits(6) == 2.0 and waits(7) == 4.0  # the replay failed again each time
+    assert waits(8) == 0.0  # step 7 completed since
+    assert [(e["in_a_row"], e["wait_s"]) for e in h.of("recovery_backoff")] == [(2, 1.0), (3, 2.0), (4, 4.0)]
+    h.pool.crash("main", 1)
+    h.pool.fail_next("rendezvous", CollectiveError("rendezvous broke", role="main:actor", rank=0))
+    h.handle(died(), step=9)
+    assert h.of("recovery_backoff")[-1] == {"in_a_row": 2, "wait_s": 1.0}  # the failure inside the recovery
+
+
+def test_the_backoff_is_capped_off_with_zero_and_skipped_for_a_failure_no_replay_fixes():
+    h = Harness(backoff_s=10.0, max_failures=50, max_restarts=50)
+    for _ in range(6):
+        h.pool.crash("main", 1)
+        h.handle(died(), step=7)
+    assert [e["wait_s"] for e in h.of("recovery_backoff")] == [10.0, 20.0, 40.0, 60.0, 60.0]
+    with pytest.raises(RecoveryError, match="non-recoverable"):
+        h.handle(WorkerError("main:actor raised ValueError: bug", role="main:actor", rank=0, cause="exception"),
+                 step=7)
+    assert len(h.of("recovery_backoff")) == 5  # not waited for: it aborts at once
+    off = Harness(backoff_s=0.0)
+    for _ in range(3):
+        off.pool.crash("main", 1)
+        off.handle(died(), step=7)
+    assert off.of("recovery_backoff") == [] and off.clock.now == 1000.0
+
+
+def test_a_preemption_signal_during_the_backoff_stops_the_recovery():
+    h = Harness(backoff_s=30.0)
+    h.pool.crash("main", 1)
+    h.handle(died(), step=7)
+    signal_at = h.clock.now + 2.0
+
+    def interrupt():
+        if h.clock.now >= signal_at:
+            raise Preempted("preempted by SIGTERM while recovering step 7", signal_name="SIGTERM", step=6, committed=4)
+
+    h.pool.interrupt = interrupt
+    h.pool.crash("main", 1)
+    with pytest.raises(Preempted):
+        h.handle(died(), step=7)
+    assert h.clock.now - signal_at <= 0.5, "the backoff went on after the signal"

@@ -220,6 +220,9 @@ class RecoveryConfig(Section):
     max_failures: int = 5
     #: The window of that failure budget.
     failure_window_s: float = 3600.0
+    #: Wait before recovering again from a failure in a row (no step completed since the last):
+    #: this long after the second, doubling after each further one, up to a minute (0: none).
+    backoff_s: float = 1.0
     #: Ceiling on one worker call (a hang is found sooner, by ``hang_timeout_s``).
     call_timeout_s: float = 3600.0
     #: Process-group set-up deadline, at start and at each rejoin.
@@ -260,8 +263,10 @@ class RecoveryConfig(Section):
                 "snapshot_every", self.snapshot_every,
                 "must be 'auto' (sized to what node memory holds) or a number of steps >= 0 (0 = off)")
         for f in dataclasses.fields(self):
-            if f.name.endswith("_s") and f.name != "snapshot_hand_over_s":
+            if f.name.endswith("_s") and f.name not in ("snapshot_hand_over_s", "backoff_s"):
                 require(getattr(self, f.name) > 0, f.name, getattr(self, f.name), "must be > 0 seconds")
+        require(self.backoff_s >= 0, "backoff_s", self.backoff_s,
+                "must be >= 0 seconds (0: a failure in a row is recovered from at once)")
         require(self.snapshot_hand_over_s >= 0, "snapshot_hand_over_s", self.snapshot_hand_over_s,
                 "must be >= 0 seconds (0: node memory a gone controller left is not kept)")
         require(not self.snapshot_node_dir or self.snapshot_node_dir.startswith("/"), "snapshot_node_dir",

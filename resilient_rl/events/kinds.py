@@ -148,6 +148,15 @@ class RecoveryStateEntered(Event):
     failed_step: int
 
 
+@_kind("recovery_backoff")
+class RecoveryBackoff(Event):
+    """The failure being recovered from is the ``in_a_row``-th with no step completed since the
+    first: the recovery waits ``wait_s`` before it acts (:mod:`resilient_rl.recovery.backoff`)."""
+
+    in_a_row: int
+    wait_s: float
+
+
 @_kind("recovered")
 class Recovered(Event):
     """Recovery finished: restored ``restored_step``, replays from there; ``restarted`` lists the

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Callable
 
 from resilient_rl.errors import RecoveryError
+from resilient_rl.recovery.backoff import Backoff
 from resilient_rl.recovery.causes import Failure
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.runtime.pool import ProcessKey
@@ -29,10 +30,12 @@ class Attempt:
 
 @dataclasses.dataclass
 class Context:
-    """What the states share: the ``recovery`` config, the policy, the event emitter, the clocks."""
+    """What the states share: the ``recovery`` config, the policy, the event emitter, the clocks,
+    the count of failures in a row."""
 
     cfg: object
     policy: FailurePolicy
     emit: Callable[..., None]
     clock: Callable[[], float]
     sleep: Callable[[float], None]
+    backoff: Backoff

@@ -20,7 +20,8 @@ per state does that state's work and returns the next state.
    the run ends bit-identical to one without failures.
 
 A failure inside any state is classified like the first and re-enters RECOVERING, where the
-policy decides again (failures inside recovery spend the same budget). Past the budget, or for a
+policy decides again (failures inside recovery spend the same budget); a failure in a row waits
+first, longer with each (:mod:`resilient_rl.recovery.backoff`). Past the budget, or for a
 cause no replay can fix: ABORTING -> FAILED with a :class:`RecoveryError` naming the failing role
 and rank, the last committed checkpoint untouched.
 
@@ -41,6 +42,7 @@ from typing import Any, Callable, Protocol
 from resilient_rl.errors import (CheckpointFormatError, LeaseError, NoValidCheckpointError, RecoveryError, RRLError,
                                  Preempted, WorkerError)
 from resilient_rl.recovery.attempt import Attempt, Context
+from resilient_rl.recovery.backoff import Backoff
 from resilient_rl.recovery.causes import classify
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.recovery.phases import detect_seconds, state_seconds
@@ -152,7 +154,8 @@ class Recovery:
         self.recoveries = 0
         self.steps_replayed = 0
         self.recovery_seconds = 0.0
-        ctx = Context(cfg, self.policy, emit, clock, sleep)
+        self.backoff = Backoff(cfg.backoff_s, clock, sleep)
+        ctx = Context(cfg, self.policy, emit, clock, sleep, self.backoff)
         self.states = {S.RECOVERING: Recovering(ctx), S.REJOINING: Rejoining(), S.RESTORING: Restoring(rollback),
                        S.ABORTING: Aborting(ctx, checkpoints, self.sm)}
 
@@ -163,6 +166,7 @@ class Recovery:
         t0 = self.clock()
         detect = detect_seconds(exc)
         attempt = self._attempt(exc, failed_step, pool)
+        self.backoff.failed(failed_step)
         self._report("failure", attempt, step=failed_step)
         logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, attempt.failure.cause.value,
                        attempt.failure.role, attempt.failure.rank, attempt.failure.message)
@@ -184,6 +188,7 @@ class Recovery:
                 raise  # aborted, another controller owns the run now, or asked to stop: recovering would fight it
             except (WorkerError, RRLError, TimeoutError) as again:
                 logger.warning("failure during recovery (%s): %s", self.sm.state.value, again)
+                self.backoff.failed_again()
                 attempt = dataclasses.replace(self._attempt(again, failed_step, pool), restarted=attempt.restarted,
                                               rejoin=attempt.rejoin)
                 self._report("failure_during_recovery", attempt, state=self.sm.state.value)

@@ -20,6 +20,7 @@ from typing import Any
 
 from resilient_rl.errors import Cause, NoCapacityError, WorkerTimeoutError
 from resilient_rl.recovery.attempt import Attempt, Context
+from resilient_rl.recovery.causes import RECOVERABLE_CAUSES
 from resilient_rl.recovery.policy import Decision
 from resilient_rl.recovery.states import RecoveryState as S
 from resilient_rl.runtime.pool import ProcessKey, RecoveryPool
@@ -36,6 +37,9 @@ class Recovering:
         if not ctx.cfg.enabled:
             a.reason = f"recovery is disabled: {a.failure.message}"
             return S.ABORTING
+        if a.failure.cause in RECOVERABLE_CAUSES and ctx.backoff.seconds() > 0:
+            ctx.emit("recovery_backoff", in_a_row=ctx.backoff.in_a_row, wait_s=ctx.backoff.seconds())
+            ctx.backoff.wait(pool.interrupt)
         known = pool.workers()
         unresponsive, dead, replaced = self._probe(pool, known)
         pool.interrupt()  # a signal that took the workers down may land during the probe
