@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError
 
 from resilient_rl.errors import WorkerTimeoutError
 from resilient_rl.runtime.ended_calls import read_ended
-from resilient_rl.runtime.health import classify_error
+from resilient_rl.runtime.health import CALL_ERRORS, classify_error
 from resilient_rl.runtime.liveness import LivenessWatch
 
 
@@ -78,7 +78,7 @@ def _wait(calls: list[Waited], index: dict, read: set, timeout_s: float | None) 
             # Keep the value: fetching it again would deserialize (and copy) every result twice.
             try:
                 results[id(call)][rank] = ray.get(ref, timeout=0)
-            except (RayActorError, RayTaskError) as exc:
+            except CALL_ERRORS as exc:
                 raise classify_error(exc, call.role, rank) from exc
             except GetTimeoutError:  # pragma: no cover - ready refs do not time out
                 read.discard(ref)

@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError
 
 from resilient_rl.errors import CollectiveError, DeviceMemoryError, WorkerDiedError, WorkerError
 from resilient_rl.process_state import process_alive
@@ -99,11 +99,22 @@ def process_gone(pid: int, node_id: str | None) -> bool:
 
 
 
+#: What ``ray.get`` of a worker call's result raises when the call failed: mapped by :func:`classify_error`.
+CALL_ERRORS = (RayActorError, RayTaskError, ObjectLostError, NodeDiedError)
+
+
 def classify_error(exc: BaseException, group: str, rank: int) -> WorkerError:
-    """Map an exception raised by ``ray.get`` on rank ``rank`` of ``group`` to the project's error tree."""
+    """Map an exception raised by ``ray.get`` on rank ``rank`` of ``group`` to the project's error tree.
+
+    A result lost with the node that held it (the call ended, then its node went away before the
+    result was read: Ray cannot re-run an actor's call) is the node's loss, which a recovery
+    replays; left untyped it would reach the controller as a library exception and end the run."""
     where = f"{group} rank {rank}"
     if isinstance(exc, RayActorError):
         return WorkerDiedError(f"{where} died: {exc}", role=group, rank=rank, cause="died")
+    if isinstance(exc, (ObjectLostError, NodeDiedError)):
+        return WorkerError(f"{where}: its result was lost with its node: {exc}", role=group, rank=rank,
+                           cause="node_lost")
     if isinstance(exc, RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, CollectiveError):  # typed in the worker (runtime.leave_collective)
