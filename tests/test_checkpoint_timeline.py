@@ -178,3 +178,37 @@ def test_resume_off_sets_the_runs_old_steps_aside():
     assert fresh.restore(NO_ROLES, "off") is None
     assert fresh.manager.committed_steps() == [] and not fresh.manager.storage.exists("run/latest")
     assert fresh.restore(NO_ROLES, "auto") is None  # a recovery starts over from step 0, not old step 4
+
+
+@pytest.mark.parametrize("url, root, run, step", [("/my-run/step_00000003", "/", "my-run", 3),
+                                                 ("ckpt/my-run/step_7", "ckpt", "my-run", 7),
+                                                 ("s3://bucket/my-run/step_00000020", "s3://bucket", "my-run", 20)])
+def test_a_resume_path_splits_into_root_run_and_step(url, root, run, step):
+    from resilient_rl.checkpoint.restore import split_step_url
+
+    assert split_step_url(url) == (root, run, step)
+
+
+@pytest.mark.parametrize("url, says", [("my-run/step_3", "expected a step folder"),
+                                       ("s3://bucket/step_3", "names no folder above the run's"),
+                                       ("/my-run/latest", "expected a step folder")])
+def test_a_resume_path_without_a_root_run_and_step_is_a_config_error_naming_it(url, says):
+    from resilient_rl.checkpoint.restore import split_step_url
+    from resilient_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"checkpoint.resume=path:{url}: {says}"):
+        split_step_url(url)
+
+
+def test_resuming_from_a_path_where_nothing_is_stored_says_so(tmp_path):
+    from resilient_rl.checkpoint.restore import Restorer
+    from resilient_rl.errors import CheckpointNotFoundError
+
+    manager = CheckpointManager(str(tmp_path), "run")
+    restorer = Restorer(manager, None, on_event=lambda *a, **k: None, on_corrupt=lambda *a: None)
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint"):
+        restorer._source(f"path:{tmp_path}/other/step_00000004")
+    (tmp_path / "other" / "step_00000004" / "actor").mkdir(parents=True)
+    (tmp_path / "other" / "step_00000004" / "actor" / "shard_00000.safetensors").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="is uncommitted .it has no MANIFEST.json"):
+        restorer._source(f"path:{tmp_path}/other/step_00000004")

@@ -21,20 +21,24 @@ import logging
 import time
 from typing import Callable
 
-from resilient_rl.checkpoint import CheckpointManager, Storage, step_dirname
+from resilient_rl.checkpoint import MANIFEST_NAME, CheckpointManager, Storage, step_dirname
 from resilient_rl.errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
                                  ConfigError, NoValidCheckpointError)
 
 logger = logging.getLogger(__name__)
 
 
-def _split_step_url(url: str) -> tuple[str, str, int]:
-    """``{root}/{run}/step_{N}`` -> (root, run, N), for ``checkpoint.resume=path:...``."""
+def split_step_url(url: str) -> tuple[str, str, int]:
+    """``{root}/{run}/step_{N}`` -> (root, run, N), for ``checkpoint.resume=path:...``; a run
+    folder at the top of a file system (``/my-run/step_N``) has the root ``/``."""
     parts = url.rstrip("/").rsplit("/", 2)
-    if len(parts) != 3 or not parts[2].startswith("step_") or not parts[2][5:].isdigit():
-        raise ConfigError(f"checkpoint.resume=path:{url}: expected a step folder such as "
-                          "path:checkpoints/my-run/step_00000020")
-    return parts[0], parts[1], int(parts[2][5:])
+    expected = "expected a step folder such as path:checkpoints/my-run/step_00000020"
+    if len(parts) != 3 or not parts[1] or not parts[2].startswith("step_") or not parts[2][5:].isdigit():
+        raise ConfigError(f"checkpoint.resume=path:{url}: {expected}")
+    root = parts[0] or ("/" if url.startswith("/") else "")
+    if not root or root.endswith((":", ":/")):
+        raise ConfigError(f"checkpoint.resume=path:{url}: names no folder above the run's ({expected})")
+    return root, parts[1], int(parts[2][5:])
 
 
 class Restorer:
@@ -61,13 +65,17 @@ class Restorer:
         if resume == "off":
             return None
         if resume.startswith("path:"):
-            root, run, step = _split_step_url(resume[5:])
+            root, run, step = split_step_url(resume[5:])
             manager = CheckpointManager(root, run, storage_options=self.storage_options, on_corrupt=self._on_corrupt)
             status = manager.verify(step)
             if status.startswith("corrupt"):
                 raise CheckpointCorruptError(f"checkpoint {resume[5:]} is {status}")
+            if status != "ok" and not manager.storage.find(manager.step_rel(step)):
+                raise CheckpointNotFoundError(f"checkpoint.resume=path:{resume[5:]}: no such checkpoint (nothing is "
+                                              f"stored at {manager.step_dir(step)})")
             if status != "ok":
-                raise CheckpointNotFoundError(f"checkpoint {resume[5:]} is {status}")
+                raise CheckpointNotFoundError(f"checkpoint {resume[5:]} is {status} (it has no {MANIFEST_NAME}: its "
+                                              "save did not finish)")
             return manager, step
         if resume == "known_good":
             return self._latest_known_good()

@@ -44,9 +44,9 @@ def _resumed_steps(cfg, manager: CheckpointManager) -> list[tuple[CheckpointMana
     if resume == "off":
         return []
     if resume.startswith("path:"):
-        from resilient_rl.checkpoint.restore import _split_step_url
+        from resilient_rl.checkpoint.restore import split_step_url
 
-        root, run, step = _split_step_url(resume[5:])
+        root, run, step = split_step_url(resume[5:])
         other = CheckpointManager(root, run, storage_options=manager.storage_options)
         return [(other, step)] if other.is_committed(step) else []
     return [(manager, step) for step in reversed(manager.timeline_steps())]
