@@ -16,7 +16,8 @@ A step without a manifest is not committed: it is never loaded and is cleaned up
 only after a newer one is committed, manifest first, so a half-deleted step reads as uncommitted,
 never as valid. When a run continues from an earlier step, the newer committed steps are moved
 aside to ``abandoned/``, not deleted. With a lease attached (:attr:`CheckpointManager.lease`),
-every commit and deletion first checks that this writer still holds the run.
+every commit and deletion checks that this writer still holds the run, again right before each
+write is published (after its fsync, which can outlast a takeover on network storage).
 """
 
 from __future__ import annotations
@@ -167,11 +168,12 @@ class CheckpointManager:
         if TRAINER_STATE_NAME in present:
             data = self.storage.read_bytes(Storage.join(rel, TRAINER_STATE_NAME))
             records.append(FileRecord(TRAINER_STATE_NAME, len(data), hashlib.sha256(data).hexdigest()))
-        self._fence()
+        self._fence()  # early: a lost lease stops before the manifest is written (again before it is published)
         manifest = Manifest(step=step, files=tuple(sorted(records, key=lambda r: r.path)),
                             world_sizes=dict(world_sizes), config_digest=config_digest, known_good=known_good,
                             fencing_token=self.lease.token if self.lease is not None else None)
-        self.storage.write_bytes_atomic(Storage.join(rel, MANIFEST_NAME), manifest.to_bytes())
+        self.storage.write_bytes_atomic(Storage.join(rel, MANIFEST_NAME), manifest.to_bytes(),
+                                        before_publish=self._fence)
         self._write_latest(step)
         # Normally already done when the run was restored to an earlier step; kept, not deleted.
         self.set_aside_newer(step, f"superseded by step {step}, committed after a restore to an earlier step")
@@ -179,10 +181,12 @@ class CheckpointManager:
         return manifest
 
     def _write_latest(self, step: int) -> None:
-        self.storage.write_bytes_atomic(Storage.join(self.run_name, LATEST_NAME), step_dirname(step).encode())
+        self.storage.write_bytes_atomic(Storage.join(self.run_name, LATEST_NAME), step_dirname(step).encode(),
+                                        before_publish=self._fence)
 
     def _delete_step(self, step: int) -> None:
         rel = self.step_rel(step)
+        self._fence()  # a deletion after a slow write (retention follows a commit) checks again
         self.storage.rm(Storage.join(rel, MANIFEST_NAME))  # un-commit first
         self.storage.rm(rel, recursive=True)
 
@@ -273,6 +277,7 @@ class CheckpointManager:
         for s in doomed:
             src, dst = self.step_rel(s), Storage.join(dest, step_dirname(s))
             if self.storage.strategy == "local":
+                self._fence()  # the rename takes committed steps out of the run: the last step before it
                 self.storage.rename_local(src, dst)
             else:
                 for path in self.storage.find(src):

@@ -249,25 +249,23 @@ def write_shard(staged: StagedShard, storage: Storage, dir_path: str, rank: int 
 
     The tensor file streams straight from the staged buffers while its sha256 is computed.
     ``guard`` (see :func:`~resilient_rl.checkpoint.write_guard.not_committed`) is called before
-    each file replaces its name (after the last byte is streamed, before the atomic rename or
-    upload completes); when it raises, the file is not published. Returns the two files'
-    records, paths relative to ``dir_path``."""
+    streaming starts (no work on a write that would be dropped) and as the last step before each
+    file replaces its name (after its fsync, before the atomic rename or the close that completes
+    an upload); when it raises, the file is not published. Returns the two files' records, paths
+    relative to ``dir_path``."""
     if rank is not None and rank != staged.rank:
         raise CheckpointError(f"write_shard: rank {rank} differs from the staged shard's rank {staged.rank}")
     stem = shard_basename(staged.rank)
     data_name, index_name = f"{stem}.safetensors", f"{stem}.json"
     data = {key: st.data for key, st in staged.tensors.items()}
     header = build_header(data, {"format": "pt", "rrl_format_version": str(FORMAT_VERSION)})
-    def chunks():
-        yield from progress.advancing(iter_file_chunks(header, data, chunk_bytes), "ckpt")
-        if guard is not None:
-            guard()  # raising here aborts the write before the file replaces its name
-
-    written = storage.write_stream(Storage.join(dir_path, data_name), chunks)
     if guard is not None:
         guard()
+    written = storage.write_stream(Storage.join(dir_path, data_name),
+                                   lambda: progress.advancing(iter_file_chunks(header, data, chunk_bytes), "ckpt"),
+                                   before_publish=guard)
     index = storage.write_bytes_atomic(Storage.join(dir_path, index_name),
-                                       _index_bytes(staged, data_name))
+                                       _index_bytes(staged, data_name), before_publish=guard)
     return [FileRecord(data_name, written.size, written.sha256),
             FileRecord(index_name, index.size, index.sha256)]
 

@@ -8,6 +8,12 @@ Writes are atomic: a reader sees the old file or the complete new one, never a t
 Locally that is a temp file + fsync + ``os.replace`` (+ fsync of the folder); on object stores a
 single put or a multipart upload is published only when it completes; other filesystems get a
 temp name and a rename. Streaming writes compute the sha256 while writing (no second read).
+
+A write may carry a ``before_publish`` check (a writer's lease, a step not yet committed by
+someone else): it runs after the last byte is durable and right before the write becomes
+visible (the ``os.replace`` or ``mv`` of the temp file, the ``close`` that completes an
+upload). A check made before the fsync would leave the fsync's seconds on network storage for
+the condition to change, and the stale write would still be published.
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ __all__ = ["OBJECT_STORE_PROTOCOLS", "TEMP_NAME_RE", "RetryPolicy", "Sha256Pipe"
 TEMP_NAME_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")
 
 
+#: A check run right before a write is published; it raises to stop the write.
+Check = Callable[[], None]
+
+
+def _nothing() -> None:
+    pass
+
+
 def _temp_name(full: str) -> str:
     return f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -49,25 +63,49 @@ class Storage(ReadableStorage):
     """A retrying, atomically-writing view of one fsspec filesystem rooted at ``url``."""
 
     # ----------------------------------------------------------------- writes
-    def write_bytes_atomic(self, path: str, data: Chunk) -> FileRecord:
-        """Write ``data`` to ``path`` atomically; returns (path, size, sha256)."""
+    def write_bytes_atomic(self, path: str, data: Chunk, before_publish: Check | None = None) -> FileRecord:
+        """Write ``data`` to ``path`` atomically; returns (path, size, sha256). See
+        :meth:`write_stream` for ``before_publish``."""
         view = as_bytes_view(data)
-        return self.write_stream(path, lambda: (view,))
+        return self.write_stream(path, lambda: (view,), before_publish)
 
-    def write_stream(self, path: str, chunks: Callable[[], Iterable[Chunk]]) -> FileRecord:
+    def write_stream(self, path: str, chunks: Callable[[], Iterable[Chunk]],
+                     before_publish: Check | None = None) -> FileRecord:
         """Write the concatenation of ``chunks()`` to ``path`` atomically, hashing on the way.
 
         ``chunks`` is a factory: a retried attempt calls it again to restart from the first
         byte. Chunks may be held until hashed, which can lag behind the write (locally, until
         the final fsync): yield views of existing memory rather than fresh large buffers.
-        Returns (path as given, size, sha256)."""
+        Returns (path as given, size, sha256).
+
+        ``before_publish`` is called once the content is durable, as the last step before it
+        takes its name (see the module docstring); when it raises, nothing is published, the
+        temp file or upload is dropped and its error propagates unchanged (not retried, not
+        wrapped in StorageError)."""
         full = self.full_path(path)
         writer = {"local": self._write_local, "put": self._write_put,
                   "rename": self._write_rename}[self.strategy]
-        size, digest = self._call("write", path, lambda: writer(full, chunks))
+        refused: list[BaseException] = []
+
+        def publish_check() -> None:
+            if before_publish is None:
+                return
+            try:
+                before_publish()
+            except BaseException as exc:
+                refused.append(exc)
+                raise
+
+        try:
+            size, digest = self._call("write", path, lambda: writer(full, chunks, publish_check))
+        except StorageError as exc:
+            if refused and exc is not refused[-1] and exc.__cause__ is refused[-1]:
+                raise refused[-1] from None  # the check's own verdict, not a storage failure
+            raise
         return FileRecord(path, size, digest)
 
-    def _write_local(self, full: str, chunks: Callable[[], Iterable[Chunk]]) -> tuple[int, str]:
+    def _write_local(self, full: str, chunks: Callable[[], Iterable[Chunk]],
+                     before_publish: Check = _nothing) -> tuple[int, str]:
         folder = os.path.dirname(full) or "."
         os.makedirs(folder, exist_ok=True)
         tmp = _temp_name(full)
@@ -85,6 +123,7 @@ class Storage(ReadableStorage):
                     size += len(view)
                 os.fsync(f.fileno())
                 hexdigest = digest.hexdigest()
+            before_publish()
             os.replace(tmp, full)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -93,7 +132,8 @@ class Storage(ReadableStorage):
         _fsync_dir(folder)
         return size, hexdigest
 
-    def _stream_to(self, target: str, chunks: Callable[[], Iterable[Chunk]]) -> tuple[int, str]:
+    def _stream_to(self, target: str, chunks: Callable[[], Iterable[Chunk]],
+                   before_close: Check = _nothing) -> tuple[int, str]:
         size = 0
         f = self.fs.open(target, "wb")
         try:
@@ -104,6 +144,7 @@ class Storage(ReadableStorage):
                     f.write(view)
                     size += len(view)
                 hexdigest = digest.hexdigest()
+            before_close()
             f.close()
         except BaseException:
             # Abort without publishing: closing would commit a partial upload.
@@ -114,11 +155,14 @@ class Storage(ReadableStorage):
             raise
         return size, hexdigest
 
-    def _write_put(self, full: str, chunks: Callable[[], Iterable[Chunk]]) -> tuple[int, str]:
+    def _write_put(self, full: str, chunks: Callable[[], Iterable[Chunk]],
+                   before_publish: Check = _nothing) -> tuple[int, str]:
+        # Closing completes the upload (its last part goes out then): the check cannot be later.
         self._invalidate(full)
-        return self._stream_to(full, chunks)
+        return self._stream_to(full, chunks, before_publish)
 
-    def _write_rename(self, full: str, chunks: Callable[[], Iterable[Chunk]]) -> tuple[int, str]:
+    def _write_rename(self, full: str, chunks: Callable[[], Iterable[Chunk]],
+                      before_publish: Check = _nothing) -> tuple[int, str]:
         parent = full.rsplit("/", 1)[0] if "/" in full else ""
         if parent:
             with contextlib.suppress(FileExistsError):
@@ -126,6 +170,7 @@ class Storage(ReadableStorage):
         tmp = _temp_name(full)
         try:
             result = self._stream_to(tmp, chunks)
+            before_publish()
             self.fs.mv(tmp, full)
         except BaseException:
             with contextlib.suppress(Exception):

@@ -4,8 +4,10 @@ After a recovery, a surviving rank's background writer may still be writing the 
 abandoned; the step can be saved again by the new generation and committed before the old write
 finishes. The old write must then not rename its file over the committed one (the manifest's
 checksum would no longer match, and the checkpoint would read as corrupt). So every shard write
-carries the generation it belongs to and checks, just before each of its files takes its name,
-that the step has no manifest yet; a commit in turn hashes what it lists
+carries the generation it belongs to and checks, as the last step before each of its files takes
+its name (after the file's fsync, which can take seconds on network storage: a check before it
+would let a commit landing meanwhile be overwritten), that the step has no manifest yet (see
+``before_publish`` in :mod:`~resilient_rl.checkpoint.storage`); a commit in turn hashes what it lists
 (``CheckpointManager.commit``), which catches a stale file that landed before the commit.
 """
 

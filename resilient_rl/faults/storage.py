@@ -26,9 +26,12 @@ then register it on first use), so it can be configured by URL and storage optio
     manager = CheckpointManager(url, "run", storage_options=options)
 
 Counters (``writes``, ``reads``, ``bytes_written``) and the log of injected faults (``injected``)
-live on the instance. fsspec caches instances by their options: pass a distinct ``name`` (or
-``skip_instance_cache=True``) for an independent fault budget. The plan may be changed at run
-time (``fs.plan.enospc_after_bytes = fs.bytes_written``).
+live on the instance, as does ``on_flush``: called with the path each time a written file is
+flushed and closed (where a local write would fsync), so a test can change the world during
+that slow step, e.g. have another controller take the run's lease over. fsspec caches instances by
+their options: pass a distinct ``name`` (or ``skip_instance_cache=True``) for an independent fault
+budget. The plan may be changed at run time (``fs.plan.enospc_after_bytes = fs.bytes_written``).
+:func:`after_local_fsync` does what ``on_flush`` does for the local write path, which bypasses fsspec.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -101,6 +105,8 @@ class _FaultyWriteFile:
             self._raise_pending()
         self.closed = True
         self._inner.close()
+        if self._owner.on_flush is not None:
+            self._owner.on_flush(self._path)
 
     def discard(self) -> None:
         # Abort the target's upload when it can; otherwise just release it (a partial temp
@@ -139,6 +145,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.reads = 0
         self.bytes_written = 0
         self.injected: list[str] = []
+        self.on_flush: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         protocols = self.target.protocol
         protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
@@ -250,6 +257,28 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def invalidate_cache(self, path: str | None = None) -> None:
         self.target.invalidate_cache(path)
+
+
+@contextlib.contextmanager
+def after_local_fsync(hook: Callable[[str], None]):
+    """Within the block, every ``os.fsync`` of this process (the local write path's, before its
+    rename) calls ``hook`` with the path of the synced file once the real fsync returned: the
+    local counterpart of ``FaultyFileSystem.on_flush``, for a test that changes the world during
+    that slow step. The real fsync still runs."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        path = ""
+        with contextlib.suppress(OSError):
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        hook(path)
+
+    os.fsync = fsync
+    try:
+        yield
+    finally:
+        os.fsync = real
 
 
 def register() -> None:

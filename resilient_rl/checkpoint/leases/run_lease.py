@@ -28,11 +28,13 @@ Two controllers taking over the same expired lease race for the *same* name; exa
 it. Renewals never overwrite someone else's claim. The residual windows: (1) on a backend without
 exclusive creation, acquire falls back to exists-then-write and read-back, and two simultaneous
 takers can both believe they won until the next check (the loser stops at its first check); (2) a
-check and the write it guards are not one atomic step: a takeover landing between them lets one
-last write of the old holder through (a commit of a step the new holder does not read unless it is
-newer than its own timeline, see ``CheckpointManager.timeline_steps``), and a write of the old holder
-that fails on the new holder's clean-up is reported as the lost lease, not as a storage error; (3) workers of an old holder
-that is stopped mid-save may keep writing shard files until their process ends.
+check and the write it guards are not one atomic step: the check runs as the last step before the
+write is published (after its fsync, see ``before_publish`` in ``checkpoint/storage.py``), yet a
+takeover landing in the instant between them lets one last write of the old holder through (a
+commit of a step the new holder does not read unless it is newer than its own timeline, see
+``CheckpointManager.timeline_steps``), and a write of the old holder that fails on the new holder's
+clean-up is reported as the lost lease, not as a storage error; (3) workers of an old holder that is
+stopped mid-save may keep writing shard files until their process ends.
 """
 
 from __future__ import annotations
