@@ -36,7 +36,8 @@ from decode_bench import best_of  # noqa: E402
 from gpu_workloads import WORKLOADS  # noqa: E402
 from optimizer import parameter_shapes  # noqa: E402
 
-from resilient_rl.workers.snapshots.buffers import Layout, copy_in, pinned_host_buffer  # noqa: E402
+from resilient_rl.page_lock import pinned_host_buffer  # noqa: E402
+from resilient_rl.workers.snapshots.buffers import Layout, copy_in  # noqa: E402
 from resilient_rl.workers.snapshots.staged import bytes_of  # noqa: E402
 
 

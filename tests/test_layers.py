@@ -14,7 +14,7 @@ import resilient_rl
 PACKAGE = Path(resilient_rl.__file__).parent
 #: Bottom to top: a module may import its own layer and those below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "env", "process_state", "jsonl", "nvml", "lazy", "log_route"),
+    ("errors", "env", "process_state", "jsonl", "nvml", "lazy", "log_route", "page_lock"),
     ("config",),
     ("protocol", "events"),
     ("data", "algos"),

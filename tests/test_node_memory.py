@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from resilient_rl.workers.snapshots import node_memory, page_lock
+from resilient_rl import page_lock
+from resilient_rl.testing.fake_cudart import FakeCudart
+from resilient_rl.workers.snapshots import node_memory
 from resilient_rl.workers.snapshots.node_memory import NodeCopy, NodeFiles, node_path
 from resilient_rl.workers.snapshots.node_sweep import STALE_S, sweep_runs
 
@@ -125,32 +127,6 @@ def test_run_directories_of_owners_that_cannot_be_checked_are_swept_once_stale_u
     # Recently changed: kept whoever uses it.
     (root / "resilient-rl-x" / "n0").mkdir(parents=True)
     assert sweep_runs(str(root), keep="", now=time.time()) == []
-
-
-class FakeCudart:
-    """torch's runtime binding and the CUDA runtime behind it: a failed call also becomes the
-    thread's last error, which stays until ``cudaGetLastError`` reads it."""
-
-    def __init__(self, code=0):
-        self.code, self.registered, self.last_error = code, [], 0
-
-    def cudaHostRegister(self, ptr, size, flags):
-        if self.code:
-            self.last_error = self.code
-            return self.code
-        self.registered.append((ptr, size, flags))
-        return 0
-
-    def cudaHostUnregister(self, ptr):
-        if not any(r[0] == ptr for r in self.registered):
-            self.last_error = 713  # cudaErrorHostMemoryNotRegistered
-            return 713
-        self.registered = [r for r in self.registered if r[0] != ptr]
-        return 0
-
-    def cudaGetLastError(self):
-        code, self.last_error = self.last_error, 0
-        return code
 
 
 def test_node_buffers_are_page_locked_for_device_copies(tmp_path):

@@ -32,6 +32,7 @@ from resilient_rl.checkpoint.reader import CheckpointDir, ReadTarget, read_targe
 from resilient_rl.checkpoint.safetensors_io import build_header, dtype_name, iter_file_chunks
 from resilient_rl.checkpoint.state_tree import flatten_state, is_under, unflatten_state
 from resilient_rl.checkpoint.storage import Storage
+from resilient_rl.page_lock import pinned_tensors
 from resilient_rl.runtime import progress
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError
 
@@ -48,12 +49,14 @@ KIND_LOCAL = "local"          # a plain tensor that differs per rank: every rank
 
 @dataclass
 class StagedTensor:
-    """A host copy of one local chunk and where it sits in the global tensor."""
+    """A host copy of one local chunk and where it sits in the global tensor. ``pinned``: its
+    buffer was allocated to be page-locked (it is, unless CUDA refused: reused all the same)."""
 
     data: torch.Tensor
     kind: str
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
+    pinned: bool = False
 
 
 @dataclass
@@ -86,18 +89,33 @@ def _pinned(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_available()
 
 
-def _host_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+#: (shape, dtype, pinned) of one host buffer to allocate.
+_Want = tuple[tuple[int, ...], torch.dtype, bool]
 
 
-def _host_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """A host copy of ``t``, written into ``into`` when it fits (a buffer of an earlier save:
-    reusing memory skips the page faults that dominate copying into fresh memory)."""
-    blocking = t.device.type == "cpu"
-    if into is None or into.shape != t.shape or into.dtype != t.dtype:
-        into = _host_buffer(t.shape, t.dtype, _pinned(t))
-    into.copy_(t.detach(), non_blocking=not blocking)
-    return into
+def _fits(old: StagedTensor | None, want: _Want) -> bool:
+    """Whether ``old`` (a buffer of an earlier save) can be staged into again: reusing memory
+    skips the page faults, and on CUDA the page locking, of fresh memory."""
+    return old is not None and tuple(old.data.shape) == want[0] and old.data.dtype == want[1] \
+        and old.pinned == want[2]
+
+
+def _host_buffers(wants: Mapping[str, _Want], touch: bool) -> dict[str, torch.Tensor]:
+    """New host buffers for ``wants``. The pinned ones are views into one page-locked buffer of
+    their exact packed size (:func:`~resilient_rl.page_lock.pinned_tensors`), not a
+    ``pin_memory=True`` tensor each: torch's caching host allocator rounds every one up to a power
+    of two (up to 2x the state's size in locked host memory, 25% on average); a view replaced
+    later (its tensor changed shape) is freed with the rest of its allocation. The pageable ones
+    are plain tensors, written once when ``touch`` so their pages are faulted in now."""
+    pinned = [key for key, (_, _, pin) in wants.items() if pin]
+    views, _ = pinned_tensors([wants[key][:2] for key in pinned]) if pinned else ([], False)
+    out = dict(zip(pinned, views))
+    for key, (shape, dtype, pin) in wants.items():
+        if not pin:
+            out[key] = torch.empty(shape, dtype=dtype)
+            if touch:
+                out[key].zero_()
+    return out
 
 
 def _dtensor_chunk(key: str, t: DTensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
@@ -136,17 +154,23 @@ def stage(state: Mapping[str, Any], rank: int | None = None, *, world_size: int 
     rank = default_rank() if rank is None else rank
     world_size = _default_world_size() if world_size is None else world_size
     tensors, extras = flatten_state(state)
+    chunks = list(_local_chunks(tensors, rank, rank_local))
+    previous = reuse.tensors if reuse is not None else {}
+    in_place = {key for key, local, *_ in chunks
+                if not copy and local.device.type == "cpu" and local.is_contiguous()}
+    wants = {key: (tuple(local.shape), local.dtype, _pinned(local)) for key, local, *_ in chunks if key not in in_place}
+    fresh = _host_buffers({key: w for key, w in wants.items() if not _fits(previous.get(key), w)}, touch=False)
     staged: dict[str, StagedTensor] = {}
     any_device = False
     with torch.no_grad():
-        for key, local, kind, global_shape, offset in _local_chunks(tensors, rank, rank_local):
+        for key, local, kind, global_shape, offset in chunks:
             any_device |= local.device.type != "cpu"
-            if not copy and local.device.type == "cpu" and local.is_contiguous():
-                data = local.detach()
-            else:
-                previous = reuse.tensors.get(key) if reuse is not None else None
-                data = _host_copy(local, previous.data if previous is not None else None)
-            staged[key] = StagedTensor(data, kind, global_shape, offset)
+            if key in in_place:
+                staged[key] = StagedTensor(local.detach(), kind, global_shape, offset)
+                continue
+            data = fresh[key] if key in fresh else previous[key].data
+            data.copy_(local.detach(), non_blocking=local.device.type != "cpu")
+            staged[key] = StagedTensor(data, kind, global_shape, offset, wants[key][2])
     if any_device and torch.cuda.is_available():
         torch.cuda.synchronize()
     return StagedShard(rank, world_size, staged, extras, tuple(rank_local))
@@ -201,22 +225,16 @@ def allocate_staging(spec: Mapping[str, BufferSpec], rank: int, world_size: int,
     The first save of a run otherwise pays for allocating them inside the step stall: for a
     state on GPU, registering gigabytes of pinned (page-locked) host memory takes seconds; on
     CPU, the first touch of every fresh page. Buffers of ``reuse`` that already fit are kept.
-    Pinned buffers are locked in memory at allocation; plain ones are written once here so that
-    their pages are faulted in before a save needs them. The buffers hold no state: the shard
+    Pinned buffers are locked in memory at allocation, all of one call in one buffer of their
+    exact size (:func:`_host_buffers`); plain ones are written once here so that their pages are
+    faulted in before a save needs them. The buffers hold no state: the shard
     returned is not a checkpoint and must not be written. Buffers of ``reuse`` for keys outside
     ``spec`` are kept (the next :func:`stage` drops those its state does not have)."""
     previous = reuse.tensors if reuse is not None else {}
-    tensors: dict[str, StagedTensor] = {}
-    for key, b in spec.items():
-        old = previous.get(key)
-        if old is not None and tuple(old.data.shape) == b.shape and old.data.dtype == b.dtype \
-                and old.data.is_pinned() == b.pinned:
-            data = old.data
-        else:
-            data = _host_buffer(b.shape, b.dtype, b.pinned)
-            if not b.pinned:
-                data.zero_()
-        tensors[key] = StagedTensor(data, b.kind, b.global_shape, b.global_offset)
+    wants = {key: (b.shape, b.dtype, b.pinned) for key, b in spec.items()}
+    fresh = _host_buffers({key: w for key, w in wants.items() if not _fits(previous.get(key), w)}, touch=True)
+    tensors = {key: StagedTensor(fresh[key] if key in fresh else previous[key].data, b.kind, b.global_shape,
+                                 b.global_offset, b.pinned) for key, b in spec.items()}
     for key, old in previous.items():  # e.g. the model's, when ``spec`` covers only the optimizer
         tensors.setdefault(key, old)
     return StagedShard(rank, world_size, tensors, {}, tuple(rank_local))

@@ -6,7 +6,8 @@ across steps) and every tensor of the optimizer's per-parameter state (AdamW: ``
 ``exp_avg``, ``exp_avg_sq``), in a fixed order (:func:`named_tensors`). Their byte layout
 (:class:`Layout`: name, dtype, shape and offset of each) is computed once and reused while the
 tensors keep their names, shapes and dtypes; each snapshot copies them into a preallocated host
-buffer (:class:`HostRing`, page-locked on CUDA at its exact size: :func:`pinned_host_buffer`),
+buffer (:class:`HostRing`, page-locked on CUDA at its exact size:
+:func:`~resilient_rl.page_lock.pinned_host_buffer`),
 chunk by chunk, reporting progress after each chunk
 (:mod:`resilient_rl.runtime.progress`), so a rank copying a large state still advances. On
 CUDA the copies run on a side stream (after the current stream's queued work) into pinned memory
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from resilient_rl import page_lock
+from resilient_rl.page_lock import pinned_host_buffer
 from resilient_rl.runtime import progress
-from resilient_rl.workers.snapshots import page_lock
 from resilient_rl.workers.snapshots.staged import staged_copy, wants_staging
 from resilient_rl.workers.fsdp import reshard
 
@@ -180,24 +181,6 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) 
         ss.append(s)
     for ds, ss in groups.values():
         torch._foreach_copy_(ds, ss, non_blocking=non_blocking)
-
-
-def pinned_host_buffer(nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A flat uint8 host buffer of exactly ``nbytes``, page-locked for asynchronous copies from
-    the GPU, and the call that unlocks it (None when CUDA refused: the copies then go to pageable
-    memory, correct but not overlapped).
-
-    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
-    rounds a block up to a power of two: a 19 GiB state would lock 32 GiB per ring slot. Here the
-    memory is allocated pageable at its size and registered with CUDA (``cudaHostRegister``). The
-    unlock runs at most once: when the ring lets the buffer go, or else when the last tensor or
-    array over it is gone (before the memory is freed: a freed range must not stay registered).
-    """
-    array = np.empty(nbytes, dtype=np.uint8)
-    buf = torch.from_numpy(array)  # the tensor (and every view of it) keeps ``array`` alive
-    if not page_lock.pin(buf):
-        return buf, None
-    return buf, weakref.finalize(array, page_lock.unregister, buf.data_ptr(), torch.cuda.cudart())
 
 
 class HostRing:

@@ -1,7 +1,11 @@
-"""Page-locking host memory that already exists (``cudaHostRegister``), best effort.
+"""Page-locked host memory at its exact size: ``cudaHostRegister`` of pageable memory, best effort.
 
-A snapshot ring's buffers are allocated pageable at their exact size (or mapped from node memory)
-and then registered with CUDA, so that copies from the GPU into them run asynchronously. CUDA may
+Copies from the GPU run asynchronously only into page-locked (pinned) host memory. torch's way to
+get some, ``torch.empty(..., pin_memory=True)``, goes through its caching host allocator, which
+rounds every block up to a power of two (a 19 GiB state locks 32 GiB; 25% more on average), and
+keeps freed blocks cached. So the large, long-lived host buffers (a snapshot ring's, in process or
+node memory; a checkpoint's staging buffers) are allocated pageable at their exact size and then
+registered with CUDA (:func:`pin`, :func:`pinned_host_buffer`, :func:`pinned_tensors`). CUDA may
 refuse (a registration larger than the node lets this process lock, memory already registered):
 the copies then go to pageable memory, correct but not overlapped.
 
@@ -18,14 +22,61 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 #: Runtime libraries opened so far, by path (opening a mapped library again returns it).
 _OPENED: dict[str, Any] = {}
+
+
+#: Alignment of each tensor in a buffer of :func:`pinned_tensors` (bytes): any dtype at any offset.
+ALIGN = 64
+
+
+def pinned_host_buffer(nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A flat uint8 host buffer of exactly ``nbytes``, page-locked for asynchronous copies from
+    the GPU, and the call that unlocks it (None when CUDA refused: the copies then go to pageable
+    memory, correct but not overlapped).
+
+    Allocated pageable at its size and registered (``cudaHostRegister``), never through torch's
+    power-of-two caching host allocator (see the module docstring). The unlock runs at most once:
+    when the owner lets the buffer go, or else when the last tensor or array over it is gone
+    (before the memory is freed: a freed range must not stay registered)."""
+    array = np.empty(nbytes, dtype=np.uint8)
+    buf = torch.from_numpy(array)  # the tensor (and every view of it) keeps ``array`` alive
+    if not pin(buf):
+        return buf, None
+    return buf, weakref.finalize(array, unregister, buf.data_ptr(), torch.cuda.cudart())
+
+
+def packed_size(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """(offset of each tensor, total bytes) of ``shapes`` packed one after another, each starting
+    on an :data:`ALIGN` boundary: what :func:`pinned_tensors` allocates, to the byte."""
+    offsets, total = [], 0
+    for shape, dtype in shapes:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+    return offsets, total
+
+
+def pinned_tensors(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor], bool]:
+    """Host tensors of the given (shape, dtype), views into one :func:`pinned_host_buffer` of
+    their packed size (:func:`packed_size`), and whether CUDA page-locked it.
+
+    One registration for them all rather than one each: registering is a system call per
+    buffer, and each tensor's own buffer would round up to whole pages. The memory is unlocked
+    and freed once the last of the tensors (or a view of one) is gone."""
+    offsets, total = packed_size(shapes)
+    buf, unlock = pinned_host_buffer(total)
+    return [buf[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(offsets, shapes)], unlock is not None
 
 
 def pin(t: torch.Tensor, cudart: Any = None, runtimes: list | None = None) -> bool:
@@ -39,7 +90,7 @@ def pin(t: torch.Tensor, cudart: Any = None, runtimes: list | None = None) -> bo
     if code == 0:
         return True
     drain(runtimes)
-    logger.warning("cudaHostRegister of %d bytes of snapshot host memory failed (error %d): copies "
+    logger.warning("cudaHostRegister of %d bytes of host memory failed (error %d): copies "
                    "from the GPU into it are not asynchronous", t.numel() * t.element_size(), code)
     return False
 
@@ -50,7 +101,7 @@ def unregister(ptr: int, cudart: Any = None, runtimes: list | None = None) -> No
     code = _code(cudart.cudaHostUnregister(ptr))
     if code != 0:
         drain(runtimes)
-        logger.warning("cudaHostUnregister of snapshot host memory at %#x failed (error %d)", ptr, code)
+        logger.warning("cudaHostUnregister of host memory at %#x failed (error %d)", ptr, code)
 
 
 def unpin(t: torch.Tensor, cudart: Any = None, runtimes: list | None = None) -> None:
