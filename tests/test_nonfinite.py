@@ -264,7 +264,7 @@ def test_the_budget_counts_steps_in_a_row_and_refused_saves(tmp_path):
     assert guard.after_step({"step": 1, "reward/nonfinite": 1.0})
     assert guard.after_step({"step": 2, "reward/nonfinite": 0.0}) and guard.in_a_row == 0  # a clean step ends a row
     assert guard.after_step({"step": 3, "critic/nonfinite_skipped": 2.0})
-    assert not guard.take_known_good() and guard.take_known_good()  # only the interval with the NaN
+    assert not guard.take_known_good(3) and guard.take_known_good(3)  # only the interval with the NaN
     guard.on_checkpoint_event(make_event("checkpoint_refused", step=3, role="critic", reason="non-finite"))
     with pytest.raises(NonFiniteError, match=r"step 4: non-finite loss/critic.*3 step\(s\) in a row"):
         guard.after_step({"step": 4, "critic/nonfinite_skipped": 1.0})

@@ -1,7 +1,7 @@
 """Controller side of checkpoints: when to save, and the commit once every rank has written.
 
 The controller writes ``trainer_state.json`` (its state: ``step``, the data ``loader`` position,
-``kl_ctrl``, ``failure_budget`` and ``config_digest``), asks every rank of the trainable roles to
+``kl_ctrl``, ``failure_budget``, ``nonfinite`` and ``config_digest``), asks every rank of the trainable roles to
 stage and write its shards, and commits the step (manifest, then ``latest``) only after every rank
 has reported its files. At most one save is in flight. Checkpoint I/O failures do not end the run: a save whose rank lost its writer
 (the process restarted) is abandoned and the run recovers; a due save finding the previous one

@@ -26,7 +26,14 @@ stops the run with a NonFiniteError naming the step and the quantities. "In a ro
 clean step, or, once the run has rolled back, only with a known-good checkpoint committed (clean
 steps after a rollback prove nothing while the same fault can come back). Every occurrence is an event
 ``nonfinite`` (step, quantity, role, action, count) and counts in ``rrl_nonfinite_total``.
-The guard's counters are not checkpointed: a resumed run starts with a fresh budget.
+
+The guard's counters are part of the controller's state (``nonfinite`` in ``trainer_state.json``
+and in every snapshot): a recovery or a resume that rolls the run back to a step rolls them back
+too, so a replayed step that meets the same NaN counts it once, as the run without the failure
+did, and spends the budget once. A rollback *past a NaN* keeps them (as it keeps the data
+position): that rollback is part of the run's own timeline, and rewinding the budget there would
+let the same fault roll the run back forever. ``rrl_nonfinite_total`` is a Prometheus counter and
+never goes back: like ``rrl_tokens_total`` it counts what this process met, replayed steps included.
 """
 
 from __future__ import annotations
@@ -93,9 +100,11 @@ class NonFiniteGuard:
         cfg: the ``trainer`` config section (``nonfinite``, ``max_nonfinite``).
         emit: ``emit(kind, **fields)`` records an event of the run.
         can_roll_back: whether the run's roles save checkpoints (a rollback restores one).
+        last_committed: returns the newest committed step (None: none), read when state is loaded.
     """
 
-    def __init__(self, cfg, emit: Callable[..., None], can_roll_back: bool):
+    def __init__(self, cfg, emit: Callable[..., None], can_roll_back: bool,
+                 last_committed: Callable[[], int | None] = lambda: None):
         self.mode = cfg.nonfinite
         self.budget = cfg.max_nonfinite
         self.emit = emit
@@ -103,7 +112,33 @@ class NonFiniteGuard:
         self.in_a_row = 0       # steps with non-finite values, see the module docstring
         self.dirty = False      # a non-finite value met since the last save started
         self.awaiting_good = False  # rolled back; only a known-good commit ends the row
-        self.total = 0          # steps with non-finite values in this process
+        self.total = 0          # steps with non-finite values in the run's timeline
+        # The save started and not yet settled, as (step, known good); see load_state_dict.
+        self.saving: tuple[int, bool] | None = None
+        self.last_committed = last_committed
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The counters as of now (JSON), for checkpoints and snapshots."""
+        return {"in_a_row": self.in_a_row, "dirty": self.dirty, "awaiting_good": self.awaiting_good,
+                "total": self.total, "saving": None if self.saving is None else list(self.saving)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the counters of the point the run rolled back to.
+
+        A state is taken while the save of its step (or an earlier one) is in flight; when that
+        save has committed since (it is the checkpoint being restored, or was committed after the
+        snapshot was taken), its commit ends a row here as it did the first time: a checkpoint is
+        loaded only once committed, and its commit event is not heard again."""
+        self.in_a_row = int(state["in_a_row"])
+        self.dirty = bool(state["dirty"])
+        self.awaiting_good = bool(state["awaiting_good"])
+        self.total = int(state["total"])
+        saving = state.get("saving")
+        self.saving = None if saving is None else (int(saving[0]), bool(saving[1]))
+        committed = self.last_committed()
+        if self.saving is not None and committed is not None and committed >= self.saving[0]:
+            self._committed(self.saving[1])
 
     # ------------------------------------------------------------------ reporting
     def _report(self, step: int, finding: Finding, action: str) -> None:
@@ -167,11 +202,21 @@ class NonFiniteGuard:
         if isinstance(event, CheckpointRefused):
             self.dirty = True
             self.in_a_row += 1
-        elif isinstance(event, CheckpointCommitted) and event.known_good is not False:
+            if self.saving is not None and self.saving[0] == event.step:
+                self.saving = None
+        elif isinstance(event, CheckpointCommitted):
+            if self.saving is not None and self.saving[0] == event.step:
+                self.saving = None
+            self._committed(event.known_good is not False)
+
+    def _committed(self, known_good: bool) -> None:
+        if known_good:
             self.in_a_row = 0
             self.awaiting_good = False
 
-    def take_known_good(self) -> bool:
-        """Whether the save starting now is known good; starts a new interval."""
+    def take_known_good(self, step: int) -> bool:
+        """Whether the save of ``step`` starting now is known good; starts a new interval. Call it
+        before the state saved with the checkpoint is taken, which then says the save is in flight."""
         good, self.dirty = not self.dirty, False
+        self.saving = (step, good)
         return good

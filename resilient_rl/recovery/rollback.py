@@ -7,8 +7,10 @@ past a NaN all go through :meth:`RollBack.roll_back_to`:
 
 1. the roles get the point's state (a snapshot or checkpoint is loaded into the stateful roles;
    the start rebuilds every model from its initial weights);
-2. the controller's registered state (step, data position, KL coefficient, failure budget) gets
-   the point's; a NaN rollback keeps the data position, so the next step trains on new data;
+2. the controller's registered state (step, data position, KL coefficient, failure budget, the
+   NaN guard's counters) gets the point's; a NaN rollback keeps the data position, so the next
+   step trains on new data, and the NaN guard's counters, so its budget is not refilled
+   (:data:`KEPT_AFTER_NONFINITE`);
 3. the rollout gets the restored weights, the metric rows after the point are dropped from the
    run folder and from the bounded in-memory history, and so are the snapshots of the abandoned
    steps.
@@ -52,6 +54,8 @@ def checkpoint(resume: str = "auto") -> Point:
 AFTER_FAILURE = (SNAPSHOT, checkpoint("auto"), START)
 #: After a NaN: the newest known-good checkpoint, else the start.
 AFTER_NONFINITE = (checkpoint("known_good"), START)
+#: The controller's parts a NaN rollback keeps: the data position and the NaN guard's counters.
+KEPT_AFTER_NONFINITE = ("loader", "nonfinite")
 
 
 class RollBack:
@@ -79,11 +83,12 @@ class RollBack:
         self.accepted_digests: set[str] = set()
         self.source: str | None = None  # where the last roll-back went (the recovered event)
 
-    def roll_back_to(self, roles, *points: Point, keep_data_position: bool = False) -> int | None:
+    def roll_back_to(self, roles, *points: Point, keep: tuple[str, ...] = ()) -> int | None:
         """Roll the run back to the first of ``points`` that exists; its step, or None when none
         does (nothing changed then, but a snapshot that only some ranks held leaves fresh models
-        behind for the next point). A chain ending with :data:`START` always rolls back."""
-        position = self.state.part("loader").state_dict() if keep_data_position else None
+        behind for the next point). A chain ending with :data:`START` always rolls back. The
+        controller's parts named in ``keep`` stay as they are now."""
+        kept = {name: self.state.value(name) for name in keep}
         for point in points:
             state = self._load(roles, point)
             if state is not None:
@@ -91,8 +96,8 @@ class RollBack:
         else:
             return None
         self.load_controller_state(state, checked=point.kind == "checkpoint")
-        if position is not None:
-            self.state.part("loader").load_state_dict(position)
+        for name, value in kept.items():
+            self.state.part(name).load_state_dict(value)
         self.source = point.kind
         step = self.state.value("step")
         roles.sync_weights(step)

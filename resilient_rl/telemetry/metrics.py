@@ -202,9 +202,9 @@ class TrainerMetrics:
                                            buckets=RECOVERY_BUCKETS, registry=r)
         self.steps_replayed = Counter("rrl_steps_replayed", "Steps lost to failures and "
                                       "trained again after a restore.", registry=r)
-        self.nonfinite = Counter("rrl_nonfinite", "NaN or Inf values met by training steps, by "
-                                 "quantity (loss, reward, kl, metric, checkpoint) and the action "
-                                 "taken (skipped, zeroed, rolled_back, raised, refused, reported).",
+        self.nonfinite = Counter("rrl_nonfinite", "NaN or Inf values met by training steps (replayed "
+                                 "steps included), by quantity (loss, reward, kl, metric, checkpoint) and "
+                                 "the action taken (skipped, zeroed, rolled_back, raised, refused, reported).",
                                  ["quantity", "action"], registry=r)
         # A refused checkpoint can happen under every trainer.nonfinite policy: its series exists
         # at 0 from the start (the other pairs appear when first met; the alert handles both).

@@ -30,7 +30,7 @@ from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.recovery.states import RecoveryState
-from resilient_rl.recovery.rollback import AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
+from resilient_rl.recovery.rollback import AFTER_NONFINITE, KEPT_AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
 from resilient_rl.workers.snapshots.carry import RECORD
 from resilient_rl.checkpoint.leases.run_claim import RunClaim
 from resilient_rl.run.folder import RunDir
@@ -120,7 +120,8 @@ class PPOTrainer:
         self._claimed = False
         # Set by SIGTERM/SIGUSR1 once the CLI installs its handlers: the loop stops at its next safe point.
         self.preemption = Preemption()
-        self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on)
+        self.nonfinite = NonFiniteGuard(cfg.trainer, emit=self.run_dir.event, can_roll_back=self.checkpoints_on,
+                                        last_committed=lambda: self.ckpt.last_committed)
         self.run_dir.subscribe(self.nonfinite.on_checkpoint_event, CheckpointRefused, CheckpointCommitted)
         self.run_dir.subscribe(self._on_checkpoint_started, CheckpointStarted)
         self.run_dir.subscribe(self._on_recovery_state, RecoveryStateEntered)
@@ -138,6 +139,8 @@ class PPOTrainer:
         self.state.register("loader", self.loader)
         self.state.register("kl_ctrl", self.kl_ctrl)
         self.state.register("failure_budget", policy, optional=True)  # older checkpoints: none
+        # A replayed step counts its NaN once; older checkpoints have none (the counters stay).
+        self.state.register("nonfinite", self.nonfinite, optional=True)
         # Rolling back (resume, recovery, NaN) and recovering; what the state holds now is the start.
         self.rollback = RollBack(self.ckpt, self.snapshots, self.state, self.run_dir, self.history, self.digest)
         self.recovery = Recovery(cfg.recovery, checkpoints=self.ckpt, rollback=self.rollback, emit=self.run_dir.event,
@@ -206,9 +209,9 @@ class PPOTrainer:
         resume = self.cfg.checkpoint.resume
         newest = max(self.ckpt.manager.committed_steps(), default=None)
         carried = resume == "auto" and self.snapshots is not None and self.snapshots.adopt(newest)
+        if carried:  # before loading: the NaN guard's state says whether its save in flight committed since
+            self.ckpt.last_committed = newest  # (a checkpoint restored instead sets its own step)
         self.rollback.roll_back_to(self.roles, *((SNAPSHOT,) if carried else ()), checkpoint(resume))
-        if carried and self.rollback.source == "snapshot":
-            self.ckpt.last_committed = newest
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -223,7 +226,7 @@ class PPOTrainer:
         """After a NaN or Inf in ``failed_step``: the newest known-good checkpoint (or the start),
         keeping the data position, so the next step trains on the batch after the poisoned one."""
         self.ckpt.wait(self.roles)  # a save in flight commits first (or is refused if not finite)
-        self.rollback.roll_back_to(self.roles, *AFTER_NONFINITE, keep_data_position=True)
+        self.rollback.roll_back_to(self.roles, *AFTER_NONFINITE, keep=KEPT_AFTER_NONFINITE)
         self.nonfinite.rolled_back(failed_step, self.step, what)
 
     def maybe_checkpoint(self) -> None:
@@ -237,9 +240,11 @@ class PPOTrainer:
 
     def save_checkpoint(self) -> None:
         """Start the save of the current step (async: the step waits only for staging)."""
-        # The config goes with the checkpoint: a resume compares its own with it, key by key.
+        # First the verdict, so the NaN guard's state saved says this save is in flight (restored,
+        # it has committed). The config goes with the checkpoint: a resume compares its own with it.
+        known_good = self.nonfinite.take_known_good(self.step)
         state = {**self.state_dict(), CONFIG_KEY: self._checkpoint_config}
-        self.ckpt.save(self.roles, self.step, state, self.digest, known_good=self.nonfinite.take_known_good())
+        self.ckpt.save(self.roles, self.step, state, self.digest, known_good=known_good)
 
     def maybe_snapshot(self) -> None:
         """Start the in-memory snapshot of this step when due (not waited for)."""
