@@ -48,17 +48,22 @@ def sel(metric: str, matchers: str = RUN) -> str:
 
 
 def increments(metric: str, window: str, by: str = "", matchers: str = RUN) -> str:
-    """How much a counter grew over ``window``, counting series born inside the window.
+    """How much a counter grew over ``window``, across controller restarts and series born inside it.
 
-    A labelled counter (restarts per worker and cause, failures per cause) is first exported
-    at 1, when its first event happens, so increase() sees a single sample and counts 0.
-    Subtracting the value ``window`` ago, or 0 for a series that did not exist then, counts
-    every event exactly (RRLRestartStorm uses the same form); clamp_min keeps a counter reset
-    (a new controller process) from going negative.
+    Per series, the larger of two counts: ``increase()``, which adds what a counter counted after
+    a reset (a new controller on the same address starts again from 0) and what a series counted
+    before it ended (the old controller's, when the new one listens on another port); and the
+    value now less the value ``window`` ago (0 for a series that did not exist then), which counts
+    the first event of a series first exported at 1 (a labelled child created by its first event),
+    where increase() starts from its first sample. A series with a single sample in the window
+    (born at the last scrape, or a window of one scrape) has no increase(): its difference counts.
     """
     x = sel(metric, matchers)
+    grown = f"({x} - ({x} offset {window} or {x} * 0))"
+    inc = f"increase({x}[{window}])"
+    per_series = f"({inc} + (clamp_min({grown} - {inc}, 0) or {inc} * 0)) or clamp_min({grown}, 0)"
     grouping = f" by ({by}) " if by else ""
-    return f"sum{grouping}(clamp_min({x} - ({x} offset {window} or {x} * 0), 0))"
+    return f"sum{grouping}({per_series})"
 
 
 def mean(histogram: str, window: str, by: str = "") -> str:

@@ -306,6 +306,43 @@ def test_restart_and_worker_down_panels_show_what_happened(tmp_path):
 
 
 @needs_promtool
+def test_range_panels_count_every_event_across_a_controller_restart(tmp_path):
+    """The counters of a new controller start again from nothing. On the same address the series
+    resets (the panels counted 0 for the range: the value now less the higher old one, clamped);
+    on a new port the old series ends inside the range (its events were dropped). A series the new
+    controller exports at 0 has its first event counted by increase(); one that appears at 1 is
+    counted by the difference to the value a range ago. Windows of 10 minutes, read at 11m."""
+    in_range = grafana_to_promql(panel_expr("rrl-reliability", "Restarts (range)", "stat").replace("$__range", "10m"))
+    by_cause = grafana_to_promql(panel_expr("rrl-reliability", "Failures by cause", "timeseries")
+                                 .replace("$__interval", "10m"))
+    born = 'rrl_failures_total{run="r", instance="c:3", cause="hang"}'
+    tests = {"tests": [{
+        "interval": "1m",
+        "input_series": [
+            # Same address: 2 restarts before the range, 1 inside it, the restart at 5m, 1 more.
+            {"series": 'rrl_worker_restarts_total{run="r", instance="c:1", role="actor", rank="0", cause="died"}',
+             "values": "2 2 2 3 3 _ 0 1 1 1 1 1"},
+            # A new port: 1 failure of the old controller inside the range, 2 of the new one, which
+            # exports the series at 0 from its start.
+            {"series": 'rrl_failures_total{run="r", instance="c:1", cause="died"}', "values": "0 0 1 1 1"},
+            {"series": 'rrl_failures_total{run="r", instance="c:2", cause="died"}',
+             "values": "_ _ _ _ _ _ 0 1 2 2 2 2"},
+            # A series born at 1 by its first event.
+            {"series": born, "values": "_ _ _ _ _ _ _ _ _ 1 1 1"}],
+        "promql_expr_test": [
+            {"expr": in_range, "eval_time": "11m", "exp_samples": [{"labels": "{}", "value": 2}]},
+            # increase() extrapolates the old controller's series past its end (by half a scrape): round.
+            {"expr": f"round({by_cause})", "eval_time": "11m",
+             "exp_samples": [{"labels": '{cause="died"}', "value": 3}, {"labels": '{cause="hang"}', "value": 1}]},
+            # What increase() alone makes of the series born at 1: nothing.
+            {"expr": f"sum(increase({born}[10m]))", "eval_time": "11m", "exp_samples": [{"labels": "{}", "value": 0}]},
+        ]}]}
+    path = tmp_path / "restart_test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    assert "SUCCESS" in promtool("test", "rules", str(path))
+
+
+@needs_promtool
 def test_throughput_panels_read_the_true_rate_of_steps_longer_than_grafanas_rate_interval(tmp_path):
     """Steps of 60 s (1,000 tokens each), scraped every 2 s. Grafana's $__rate_interval is then
     four scrapes, 8 s, at the default one-hour range: a rate over it reads 0 between steps. The

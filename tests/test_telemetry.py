@@ -151,6 +151,37 @@ def test_workers_restarts_failures_and_recoveries(trainer):
     assert value(samples(server.url), "rrl_worker_up", role="actor", rank="1", node="n1") is None
 
 
+def test_counters_with_known_labels_are_exported_at_0_from_the_start(trainer):
+    """A new controller's failure and NaN series exist at 0 before their first event, so the
+    increase() of a range panel or an alert sees that event (a series born at 1 hides it)."""
+    from resilient_rl.errors import Cause
+    from resilient_rl.telemetry.metrics import NONFINITE_OUTCOMES
+
+    metrics, server = trainer
+    data = samples(server.url)
+    assert all(value(data, "rrl_failures_total", cause=c.value) == 0 for c in Cause)
+    pairs = [(q, a) for q, actions in NONFINITE_OUTCOMES.items() for a in actions]
+    assert all(value(data, "rrl_nonfinite_total", quantity=q, action=a) == 0 for q, a in pairs)
+    metrics.record_failure("died")
+    assert value(samples(server.url), "rrl_failures_total", cause="died") == 1
+
+
+def test_every_nonfinite_outcome_of_every_policy_is_exported_from_the_start():
+    from types import SimpleNamespace
+
+    from resilient_rl.recovery.nonfinite import Finding, NonFiniteGuard
+    from resilient_rl.telemetry.metrics import NONFINITE_OUTCOMES
+
+    for mode in ("skip", "rollback", "raise"):
+        guard = NonFiniteGuard(SimpleNamespace(nonfinite=mode, max_nonfinite=3), emit=lambda *a, **k: None,
+                               can_roll_back=True)
+        for quantity in ("reward", "kl", "loss", "metric"):
+            action = guard._action(Finding(quantity, None, 1.0))
+            assert action in NONFINITE_OUTCOMES[quantity], (mode, quantity, action)
+    # Past the budget, under every policy:
+    assert all("raised" in NONFINITE_OUTCOMES[q] for q in ("reward", "kl", "loss", "metric"))
+
+
 def test_checkpoint_series_and_age(trainer, clock):
     metrics, server = trainer
     clock.now += 120

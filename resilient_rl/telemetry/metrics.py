@@ -24,12 +24,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from resilient_rl.errors import TelemetryError
+from resilient_rl.errors import Cause, TelemetryError
 
 #: Why a checkpoint save was skipped (``rrl_checkpoint_skipped_total{reason}``).
 SKIP_REASONS = ("storage", "slow")
 #: Where a snapshot copy is loaded from, in the order recovery tries them (workers/snapshots/keeper.py).
 SNAPSHOT_SOURCES = ("own", "node", "object_store", "peer")
+#: What the trainer can do about each non-finite quantity (recovery/nonfinite.py), whatever its
+#: ``trainer.nonfinite`` policy: ``rrl_nonfinite_total{quantity, action}`` exports each pair at 0.
+NONFINITE_OUTCOMES: dict[str, tuple[str, ...]] = {
+    "reward": ("zeroed", "raised"),
+    "kl": ("skipped", "rolled_back", "raised"),
+    "loss": ("skipped", "rolled_back", "raised"),
+    "metric": ("reported", "rolled_back", "raised"),
+    "checkpoint": ("refused",),
+}
 
 #: The phases of one training step, in the order a step runs them (trainer/step.py times them and
 #: imports this tuple; defined here, next to the metric that labels them, so there is one list).
@@ -196,6 +205,11 @@ class TrainerMetrics:
                                        ["role", "rank", "cause"], registry=r)
         self.failures = Counter("rrl_failures", "Failures detected by the controller.",
                                 ["cause"], registry=r)
+        # Labelled counters are exported at 0 from the start wherever their labels are known: a
+        # series first exported at 1 (by its first event) has that event missed by increase(),
+        # in the range panels and alerts, and so does a new controller's series after a restart.
+        for cause in Cause:
+            self.failures.labels(cause=cause.value)
         self.recoveries = Counter("rrl_recoveries", "Completed recoveries.", registry=r)
         self.recovery_duration = Histogram("rrl_recovery_duration_seconds",
                                            "Time from failure detection to training resumed.",
@@ -206,9 +220,9 @@ class TrainerMetrics:
                                  "steps included), by quantity (loss, reward, kl, metric, checkpoint) and "
                                  "the action taken (skipped, zeroed, rolled_back, raised, refused, reported).",
                                  ["quantity", "action"], registry=r)
-        # A refused checkpoint can happen under every trainer.nonfinite policy: its series exists
-        # at 0 from the start (the other pairs appear when first met; the alert handles both).
-        self.nonfinite.labels(quantity="checkpoint", action="refused")
+        for quantity, actions in NONFINITE_OUTCOMES.items():
+            for action in actions:
+                self.nonfinite.labels(quantity=quantity, action=action)
 
         # Checkpoints.
         self.checkpoint_save_duration = Histogram(
