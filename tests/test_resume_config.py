@@ -108,6 +108,19 @@ def test_which_keys_may_change():
             node = node[part]
 
 
+@pytest.mark.parametrize("override", ["trainer.preempt_grace_s=300", "rollout.compile=true"])
+def test_a_resume_may_change_how_long_a_preemption_save_takes_and_whether_decode_compiles(tmp_path, caplog,
+                                                                                        override):
+    """Neither key changes what a step computes or saves: a grace period for the preemption save,
+    and whether the rollout's decode step is compiled (as ``actor.compile`` already may)."""
+    run = FakeRun(tmp_path, total_steps=12, save_every=3)
+    run.train(6)
+    cfg = load_config(None, [*_args(run, tmp_path), override])
+    with caplog.at_level(logging.WARNING):
+        assert check_resume(cfg, run.manager, run.path, "new-digest") == run.manager.load_manifest(6).config_digest
+    assert override.split("=")[0] in caplog.text
+
+
 def test_a_saved_config_of_an_older_version_lacks_keys_that_are_then_defaults():
     new = redacted_config_dict(load_config())
     saved = redacted_config_dict(load_config())

@@ -20,14 +20,15 @@ from resilient_rl.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 #: How a role's state is laid out and computed, not what it is: a checkpoint loads into another
-#: world size, strategy or node layout (it is resharded at load), and the memory knobs (micro-batches,
-#: recomputation, compilation, packing) change no tensor that is saved.
+#: world size, strategy or node layout (it is resharded at load), and the memory and speed knobs
+#: (micro-batches, recomputation, compilation of the roles and of the rollout's decode step, packing)
+#: change no tensor that is saved.
 _LAYOUT = tuple(f"{role}.world_size" for role in ("actor", "critic", "ref", "rollout")) + tuple(
     f"{role}.{key}" for role in ("actor", "critic") for key in (
         "strategy", "reshard_after_forward", "micro_batch_tokens", "activation_checkpointing", "compile",
         "compile_elementwise")) + (
     "actor.packing", "actor.compile_head", "ref.reshard_after_forward", "rollout.weight_transfer", "rollout.engine",
-    "rollout.finish_check_every", "rollout.compact_min_fraction", "rollout.cuda_graphs",
+    "rollout.finish_check_every", "rollout.compact_min_fraction", "rollout.cuda_graphs", "rollout.compile",
     "trainer.device", "trainer.placement", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.role_nnodes",
     "trainer.sharding", "trainer.deterministic")
 
@@ -48,6 +49,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = _LAYOUT + (
     "trainer.network_interface",
     "trainer.nonfinite",
     "trainer.max_nonfinite",
+    "trainer.preempt_grace_s",  # how long a preemption may take to save, not what is saved
     # Validation reads the weights and never writes them: what it scores and how often may change.
     "trainer.test_freq",
     "trainer.val_before_train",
