@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from resilient_rl.errors import CheckpointError, ConfigError, TokenizerError
-from resilient_rl.config.schema import DataConfig
+from resilient_rl.errors import CheckpointError, ConfigError, TokenizerError, UserCodeError
+from resilient_rl.config.schema import DataConfig, load_config
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.data.tasks import (
     AddTask,
@@ -155,6 +156,41 @@ def test_custom_reward_fn_module(tmp_path, monkeypatch):
     assert [s.source for s in task.make_prompts(0, np.random.default_rng(0))] == [f"{data}:1", f"{data}:3"]
     with pytest.raises(ConfigError, match=r"my_rewards:bad.*'x'"):
         JsonlTask(str(data), "my_rewards:bad").reward("a", "b")
+
+
+def test_reward_fn_replaces_a_builtin_tasks_own_reward(tmp_path, monkeypatch):
+    """data.reward_fn given with a built-in task scores its responses (as verl's custom reward
+    replaces its built-in scoring), instead of being ignored for the task's partial match."""
+    module = f"builtin_rewards_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(
+        "CALLS = []\n"
+        "def first_digit(response, answer):\n"
+        "    CALLS.append((response, answer))\n"
+        "    return 0.75 if response[:1] == answer[:1] else -1\n"
+        "def broken(response, answer):\n    raise KeyError('oops')\n"
+        "def picky(response, answer):\n    return 1.0\n"
+        "def _refuse(answer):\n    raise ValueError('no ' + answer)\n"
+        "picky.check_reference = _refuse\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["data.task=add", f"data.reward_fn={module}:first_digit", "data.partial_credit=true"])
+    task = get_task(cfg.data, cfg.custom_reward_function)
+    assert isinstance(task, AddTask)
+    assert task.reward("19", "19") == 0.75 and task.reward("29", "19") == -1.0  # not partial_match's 0.25
+    tok = CharTokenizer()
+    rewards = compute_rewards(task, tok, torch.tensor([tok.encode("12") + [tok.eos_token_id], tok.encode("913")]),
+                              ["19", "19"])
+    np.testing.assert_array_equal(rewards, np.asarray([0.75, -1.0], dtype=np.float32))
+    assert sys.modules[module].CALLS[-2:] == [("12", "19"), ("913", "19")]  # decoded text, cut at eos
+    # A named built-in reward replaces it too.
+    assert get_task(DataConfig(task="copy", reward_fn="exact_match")).reward("12", "13") == 0.0
+    with pytest.raises(UserCodeError, match=rf"data.reward_fn='{module}:broken' raised KeyError"):
+        get_task(DataConfig(task="copy", reward_fn=f"{module}:broken")).reward("1", "2")
+    # Its check_reference sees every generated answer, at start.
+    with pytest.raises(UserCodeError, match=r"prompt '\d+=': .*check_reference raised ValueError"):
+        PromptDataset.from_config(DataConfig(task="copy", reward_fn=f"{module}:picky"), tok)
+    with pytest.raises(ConfigError, match="cannot import module"):
+        get_task(DataConfig(task="copy", reward_fn="no_such_module_xyz:fn"))
+    sys.modules.pop(module, None)
 
 
 @pytest.mark.parametrize("path, fragment", [

@@ -6,7 +6,8 @@ file is read as verl's data, any other file as JSONL, and no file means the buil
 task. A file's responses are scored by ``data.reward_fn`` (``(response, answer)``) or by a
 verl-style ``compute_score(data_source, solution_str, ground_truth, extra_info)`` named by the
 ``custom_reward_function`` section (verl's own keys); the root config checks that exactly one
-is given (:meth:`resilient_rl.config.schema.Config.validate`).
+is given (:meth:`resilient_rl.config.schema.Config.validate`). A built-in task scores with its
+own reward unless ``data.reward_fn`` replaces it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class DataConfig(Section):
     task: Optional[str] = None
     #: A file task's prompts: JSONL, or verl's parquet (by its ending).
     path: Optional[str] = None
-    #: What scores responses: a built-in (``exact_match``, ``partial_match``, ``gsm8k``) or
-    #: ``module:function``; null: the task's own.
+    #: What scores responses, ``(response, answer) -> float``: a built-in (``exact_match``,
+    #: ``partial_match``, ``gsm8k``) or ``module:function``; it replaces a built-in task's own
+    #: reward (and ``partial_credit``); null: the task's own (a file task needs a reward).
     reward_fn: Optional[str] = None
     #: Built-in tasks: how many prompts are generated.
     num_prompts: int = 1024
@@ -54,7 +56,7 @@ class DataConfig(Section):
     #: Seed of the prompts' generation and shuffling.
     seed: int = 0
     #: Built-in tasks: reward the share of characters right (``partial_match``), not only an exact
-    #: answer.
+    #: answer (unused when ``reward_fn`` is set).
     partial_credit: bool = True
     #: A local Hugging Face tokenizer directory (``data/make_tokenizer.py`` builds one); null: the
     #: model's folder for ``model.kind=hf`` with ``model.path``, else a character tokenizer of the

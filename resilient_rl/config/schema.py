@@ -139,7 +139,8 @@ class Config(Section):
         else:
             require(custom is None, "custom_reward_function.path", custom,
                     f"scores prompts read from a file (data.path); data.task={self.data.task!r} is a built-in task "
-                    "with its own reward")
+                    "with its own reward (to replace it, give data.reward_fn: 'package.module:function' called as "
+                    "(response, answer))")
 
     def _resolve_critic(self, grpo: bool) -> None:
         """``critic.enabled`` unset: on for GAE, off for GRPO (whose baseline is the group mean).

@@ -16,7 +16,7 @@ import numpy as np
 
 from resilient_rl.config.data_sections import PARQUET_SUFFIX
 from resilient_rl.data.loader import PromptDataset
-from resilient_rl.data.tasks import FileTask, Sample, Task, read_jsonl, read_parquet
+from resilient_rl.data.tasks import Sample, Task, read_jsonl, read_parquet
 from resilient_rl.data.tokenizer import Tokenizer
 from resilient_rl.errors import ConfigError
 
@@ -54,8 +54,9 @@ def held_out_dataset(data_cfg, tokenizer: Tokenizer, task: Task, train: PromptDa
     """The validation set the ``data`` section describes (None: it names none)."""
     if data_cfg.val_path is not None:
         samples = read_val_file(data_cfg.val_path)
-        if isinstance(task, FileTask):
-            task.check_references(samples)
+        check = getattr(task, "check_references", None)  # data.reward_fn's check, for a built-in task too
+        if check is not None:
+            check(samples)
     elif data_cfg.val_num_prompts > 0:
         samples = generated_held_out(task, data_cfg.val_num_prompts, data_cfg.seed, train.prompts)
     else:

@@ -1,7 +1,9 @@
 """Verifiable tasks: prompts with known answers and a reward that checks a response against them.
 
 Built in: ``reverse`` ("123>" -> "321"), ``copy`` ("123=" -> "123") and ``add`` ("12+7=" -> "19"),
-generated from a seeded numpy Generator. ``jsonl`` reads ``{"prompt": ..., "answer": ...}`` lines
+generated from a seeded numpy Generator and scored by partial (or exact) match unless
+``data.reward_fn`` names another reward, which then replaces theirs (as verl's custom reward
+replaces its built-in scoring). ``jsonl`` reads ``{"prompt": ..., "answer": ...}`` lines
 (or GSM8K's ``{"question": ..., "answer": ...}``) from a file, ``parquet`` verl's RL data
 (:mod:`resilient_rl.data.parquet`: chat prompts, ground truths, data sources). A file's responses
 are scored with a registered reward (:mod:`resilient_rl.data.rewards`: ``exact_match``,
@@ -30,8 +32,8 @@ from resilient_rl.data.verl_reward import VerlScore
 from resilient_rl.data.tokenizer import Tokenizer
 
 __all__ = ["AddTask", "CopyTask", "FileTask", "JsonlTask", "ParquetTask", "ReverseTask", "RewardFn", "Sample", "Task",
-           "compute_rewards", "exact_match", "example_prompts_path", "get_task", "load_reward_fn", "partial_match",
-           "read_jsonl", "read_parquet"]
+           "UserReward", "compute_rewards", "exact_match", "example_prompts_path", "get_task", "load_reward_fn",
+           "partial_match", "read_jsonl", "read_parquet"]
 
 
 @dataclass(frozen=True)
@@ -72,25 +74,39 @@ class _DigitTask:
     #: right token far more often, which is what lets RL from scratch learn quickly.
     alphabet = "0123456789+=>"
 
-    def __init__(self, min_digits: int = 2, max_digits: int = 3, partial_credit: bool = True):
+    def __init__(self, min_digits: int = 2, max_digits: int = 3, partial_credit: bool = True,
+                 reward_fn: Optional[str] = None):
         if not 1 <= min_digits <= max_digits:
             raise ConfigError(f"data.min_digits={min_digits} and data.max_digits={max_digits} must satisfy "
                               "1 <= min_digits <= max_digits")
         self.min_digits, self.max_digits, self.partial_credit = min_digits, max_digits, partial_credit
+        # data.reward_fn replaces the built-in score; it is loaded now so a bad path fails at start.
+        self.user_reward = UserReward(reward_fn) if reward_fn is not None else None
 
     def _digits(self, rng: np.random.Generator) -> str:
         length = int(rng.integers(self.min_digits, self.max_digits + 1))
         return "".join(str(int(d)) for d in rng.integers(0, 10, size=length))
 
     def make_prompts(self, n: int, rng: np.random.Generator) -> list[Sample]:
-        """``n`` samples, a pure function of ``rng``'s state."""
-        return [self._sample(rng) for _ in range(n)]
+        """``n`` samples, a pure function of ``rng``'s state (their answers checked by
+        ``data.reward_fn``'s ``check_reference``, where it has one)."""
+        samples = [self._sample(rng) for _ in range(n)]
+        self.check_references(samples)
+        return samples
+
+    def check_references(self, samples: Sequence[Sample]) -> None:
+        """See :meth:`UserReward.check_references` (the built-in score takes any answer)."""
+        if self.user_reward is not None:
+            self.user_reward.check_references(samples)
 
     def _sample(self, rng: np.random.Generator) -> Sample:
         raise NotImplementedError
 
     def reward(self, response: str, answer: str) -> float:
-        """Exact match, with partial credit if configured (see :func:`partial_match`)."""
+        """``data.reward_fn``'s score where it is set, else exact match, with partial credit if
+        configured (see :func:`partial_match`)."""
+        if self.user_reward is not None:
+            return self.user_reward(response, answer)
         return partial_match(response, answer) if self.partial_credit else exact_match(response, answer)
 
 
@@ -151,6 +167,45 @@ def load_reward_fn(import_path: str) -> RewardFn:
     if not callable(obj):
         raise ConfigError(f"data.reward_fn={import_path!r} is not callable (got {type(obj).__name__})")
     return obj  # type: ignore[return-value]
+
+
+class UserReward:
+    """``data.reward_fn`` (a registered name or an import path) loaded and called as the user's
+    code: an exception it raises is the user's (UserCodeError with its traceback and the response
+    it was scoring), not the trainer's, and what it returns is checked to be a real number."""
+
+    def __init__(self, import_path: str):
+        self.path = import_path
+        self.fn = load_reward_fn(import_path)
+
+    def __call__(self, response: str, answer: Any) -> float:
+        try:
+            value = self.fn(response, answer)
+        except Exception as e:
+            raise UserCodeError(f"data.reward_fn={self.path!r} raised {type(e).__name__}: {e} while "
+                                f"scoring response {response[:200]!r} against answer {str(answer)[:200]!r}\n"
+                                f"{user_traceback(e)}") from e
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.reward_fn={self.path!r} returned {value!r}, not a number") from None
+
+    def check_references(self, samples: Sequence[Sample]) -> None:
+        """Check each sample's answer with the reward's ``check_reference`` (where it has one):
+        a ConfigError naming the sample (its file:line, or its prompt) for an answer the reward
+        cannot score, so it fails at start, not mid-run."""
+        check = getattr(self.fn, "check_reference", None)
+        if check is None:
+            return
+        for sample in samples:
+            where = sample.source or f"prompt {sample.prompt!r}"
+            try:
+                check(sample.answer)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            except Exception as e:
+                raise UserCodeError(f"{where}: data.reward_fn={self.path!r}: its check_reference "
+                                    f"raised {type(e).__name__}: {e}\n{user_traceback(e)}") from e
 
 
 def example_prompts_path() -> str:
@@ -215,26 +270,16 @@ class FileTask:
             score_path, score_name = (compute_score if isinstance(compute_score, tuple)
                                       else (compute_score.path, compute_score.name))
             self._verl = VerlScore(score_path, score_name)
-            self._reward_fn = None
+            self._reward: Optional[UserReward] = None
         else:
-            self._reward_fn = load_reward_fn(reward_fn)
+            self._reward = UserReward(reward_fn)
         self._samples = self.read(path)
         self.check_references(self._samples)
 
     def check_references(self, samples: Sequence[Sample]) -> None:
-        """Check each sample's answer with the reward's ``check_reference`` (where it has one):
-        a ConfigError naming the sample's file:line for an answer the reward cannot score."""
-        check = getattr(self._reward_fn, "check_reference", None)
-        if check is None:
-            return
-        for sample in samples:
-            try:
-                check(sample.answer)
-            except ConfigError as e:
-                raise ConfigError(f"{sample.source}: {e}") from None
-            except Exception as e:
-                raise UserCodeError(f"{sample.source}: data.reward_fn={self.reward_fn_path!r}: its check_reference "
-                                    f"raised {type(e).__name__}: {e}\n{user_traceback(e)}") from e
+        """See :meth:`UserReward.check_references` (verl's ``compute_score`` has no such check)."""
+        if self._reward is not None:
+            self._reward.check_references(samples)
 
     @staticmethod
     def read(path: str) -> list[Sample]:
@@ -247,20 +292,10 @@ class FileTask:
 
     def reward(self, response: str, answer: Any, data_source: Optional[str] = None,
                extra_info: Optional[dict] = None) -> float:
-        """The user function's score, checked to be a real number. An exception it raises is the
-        user's (UserCodeError with its traceback and the response it was scoring), not the trainer's."""
+        """The user function's score (:class:`UserReward`, or verl's ``compute_score``)."""
         if self._verl is not None:
             return self._verl(response, answer, data_source, extra_info)
-        try:
-            value = self._reward_fn(response, answer)
-        except Exception as e:
-            raise UserCodeError(f"data.reward_fn={self.reward_fn_path!r} raised {type(e).__name__}: {e} while "
-                                f"scoring response {response[:200]!r} against answer {str(answer)[:200]!r}\n"
-                                f"{user_traceback(e)}") from e
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"data.reward_fn={self.reward_fn_path!r} returned {value!r}, not a number") from None
+        return self._reward(response, answer)
 
 
 class JsonlTask(FileTask):
@@ -284,7 +319,7 @@ def get_task(data_cfg: DataConfig, custom_reward: Any = None) -> Task:
     files = {"jsonl": JsonlTask, "parquet": ParquetTask}
     task = data_cfg.task if data_cfg.task is not None else default_task(data_cfg.path)
     if task in builtin:
-        return builtin[task](data_cfg.min_digits, data_cfg.max_digits, data_cfg.partial_credit)
+        return builtin[task](data_cfg.min_digits, data_cfg.max_digits, data_cfg.partial_credit, data_cfg.reward_fn)
     if task in files:
         score = custom_reward if custom_reward is not None and getattr(custom_reward, "path", None) else None
         if data_cfg.path is None or (data_cfg.reward_fn is None and score is None):
