@@ -4,8 +4,13 @@ those descriptions (resilient_rl/config/reference.py)."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
+
+import yaml
 
 from resilient_rl.config.reference import PAGE, field_descriptions, keys, render
+from resilient_rl.config.resume import flatten
 from resilient_rl.config.schema import Config, load_config
 
 
@@ -37,3 +42,19 @@ def test_descriptions_are_read_from_the_comment_lines_above_each_field():
 
 def test_the_checked_in_reference_is_up_to_date():
     assert PAGE.read_text() == render(), "run: python -m resilient_rl.config.reference --write"
+
+
+def test_the_file_the_readme_says_lists_every_key_does():
+    """README.md points users at one file for the whole config: every key must be in it."""
+    root = Path(__file__).resolve().parents[1]
+    claims = re.findall(r"(?:\[[^\]]*\]\(|`)([\w./-]+\.(?:md|yaml))(?:\)|`) lists every key",
+                        (root / "README.md").read_text(encoding="utf-8"))
+    assert claims, "README.md no longer says where every config key is listed"
+    for name in claims:
+        text = (root / name).read_text(encoding="utf-8")
+        if name.endswith(".yaml"):
+            listed = set(flatten(yaml.safe_load(text)))
+            missing = [k.key for k in keys() if k.key not in listed]
+        else:
+            missing = [k.key for k in keys() if f"`{k.key}`" not in text]
+        assert not missing, f"README.md says {name} lists every key; it lacks {missing}"
