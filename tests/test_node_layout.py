@@ -160,3 +160,23 @@ def test_a_ray_that_cannot_keep_groups_on_distinct_nodes_is_refused_leaving_no_g
         pool.get_placement_groups()
     assert len(fake.removed) == len(fake.created) == (2 if old_ray == "ignores" else 0), \
         "every group created is removed again"
+
+
+def test_the_readmes_split_example_validates_as_written():
+    """README "Roles across nodes": the split example's command line loads, every role fits, and
+    without its critic entry the refusal says where the critic's node count goes."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Roles across nodes\n", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:2] == ["resilient-rl", "train"]
+    cfg = load_config(overrides=argv[2:])
+    assert {k: v.process_on_nodes for k, v in config_layouts(cfg).items()} == {
+        "actor": (8, 8), "rollout": (1,), "ref": (1,), "critic": (1,)}
+    without_critic = [a.replace(", critic: 1", "") for a in argv[2:]]
+    with pytest.raises(ConfigError, match=r"critic\.world_size=1 .*trainer\.role_nnodes\.critic"):
+        load_config(overrides=without_critic)

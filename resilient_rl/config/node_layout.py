@@ -61,8 +61,11 @@ def role_layout(name: str, world_size: int, nnodes: int, n_gpus_per_node: int | 
     if nnodes < 1:
         raise ConfigError(f"{nnodes_key}={nnodes}: must be >= 1")
     if world_size % nnodes:
+        # Split roles left on trainer.nnodes are told where their own node count goes.
+        own = (f"; or give {name} a node count of its own: trainer.role_nnodes.{name}"
+               if nnodes_key == "trainer.nnodes" and name != "main" else "")
         raise ConfigError(f"{world_size_key}={world_size} is not divisible by {nnodes_key}={nnodes}: every node "
-                          f"of a role runs the same number of ranks")
+                          f"of a role runs the same number of ranks{own}")
     per_node = world_size // nnodes
     if n_gpus_per_node is not None and per_node > n_gpus_per_node:
         raise ConfigError(f"{world_size_key}={world_size} on {nnodes_key}={nnodes} puts {per_node} ranks on a node, "
