@@ -66,6 +66,21 @@ def test_an_unwritable_output_dir_is_bad_input_naming_the_path(tmp_path, capsys)
     assert "internal error" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("make", ["no_parent", "symlink_loop"])
+def test_an_output_dir_that_cannot_exist_is_bad_input_naming_the_path(tmp_path, capsys, make):
+    """A parent that cannot be created (mkdir says ENOENT: here inside /proc) or a symlink loop is
+    the user's path, like an unwritable one: exit 2 naming trainer.output_dir, not 4 (run time)."""
+    if make == "no_parent":
+        output_dir, reason = "/proc/rrl-missing/runs", "No such file or directory"
+    else:
+        (tmp_path / "loop").symlink_to(tmp_path / "loop")
+        output_dir, reason = str(tmp_path / "loop" / "runs"), "Too many levels of symbolic links"
+    assert cli.main(["-q", "train", f"trainer.output_dir={output_dir}", f"checkpoint.root={tmp_path / 'ckpt'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"trainer.output_dir={output_dir!r}" in err and "cannot create the run folder" in err and reason in err
+    assert "internal error" not in err and "Traceback" not in err
+
+
 def test_a_run_name_past_its_limit_is_refused_naming_the_key_and_the_limit(tmp_path, capsys):
     assert _train(tmp_path, "trainer.run_name=" + "r" * 300) == 2
     err = capsys.readouterr().err

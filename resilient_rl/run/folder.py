@@ -71,8 +71,10 @@ def _cut_torn_tail(path: Path) -> None:
         f.truncate(keep)
 
 
-#: OS errors that a setting can fix (a folder the user may not write, a name too long): exit 2, not 4.
-_SETTING_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EEXIST)
+#: OS errors that a setting can fix (a folder the user may not write, a name too long, a path that
+#: cannot exist: a parent that cannot be created, a symlink loop): exit 2, not 4.
+_SETTING_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EEXIST,
+                   errno.ENOENT, errno.ELOOP)
 
 
 def output_dir_error(output_dir: str, what: str, exc: OSError) -> Exception:
