@@ -106,6 +106,15 @@ def test_alert_rules_have_for_severity_and_annotations():
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
 
 
+def test_every_alert_rule_is_documented_with_its_severity():
+    """monitoring/README.md's "Alerts" table names exactly the rules of rules/rrl-alerts.yml, each
+    with the severity the rule sets: an alert added, renamed or dropped must be documented."""
+    readme = (MONITORING / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Alerts\n", 1)[1].split("\n## ", 1)[0]
+    documented = dict(re.findall(r"^\| `(\w+)` \| (\w+) \|", section, re.M))
+    assert documented == {r["alert"]: r["labels"]["severity"] for r in alert_rules()}
+
+
 # -- a real Prometheus server --------------------------------------------------------------
 
 PROMETHEUS = shutil.which("prometheus")
