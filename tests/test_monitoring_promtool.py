@@ -72,18 +72,18 @@ tests:
   - interval: 1m
     input_series:
       # A restart series that first appears inside the window still counts in full.
-      - series: 'rrl_worker_restarts_total{{instance="c:1", role="actor", rank="0", cause="died"}}'
+      - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="actor", rank="0", cause="died"}}'
         values: '_ _ _ 1 2 3 4 5 6 6 6 6'
-      - series: 'rrl_worker_restarts_total{{instance="c:1", role="critic", rank="0", cause="died"}}'
+      - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="critic", rank="0", cause="died"}}'
         values: '0x11'
     alert_rule_test:
       - {{alertname: RRLRestartStorm, eval_time: 7m, exp_alerts: []}}
       - alertname: RRLRestartStorm
         eval_time: 9m
         exp_alerts:
-          - exp_labels: {{severity: critical, instance: "c:1"}}
+          - exp_labels: {{severity: critical, run: r}}
             exp_annotations:
-              summary: "Restart storm on c:1"
+              summary: "Restart storm in run r"
               description: "6 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
 
   - interval: 1m
@@ -173,18 +173,18 @@ tests:
     input_series:
       # A NaN loss skipped at minute 3 (its series appears then); nothing after: the alert
       # holds for the 30-minute window, then clears.
-      - series: 'rrl_nonfinite_total{{instance="c:1", quantity="loss", action="skipped"}}'
+      - series: 'rrl_nonfinite_total{{run="r", instance="c:1", quantity="loss", action="skipped"}}'
         values: '_ _ _ 1x40'
-      - series: 'rrl_nonfinite_total{{instance="ok:1", quantity="reward", action="zeroed"}}'
+      - series: 'rrl_nonfinite_total{{run="ok", instance="ok:1", quantity="reward", action="zeroed"}}'
         values: '0x40'
     alert_rule_test:
       - {{alertname: RRLNonFiniteValues, eval_time: 2m, exp_alerts: []}}
       - alertname: RRLNonFiniteValues
         eval_time: 4m
         exp_alerts:
-          - exp_labels: {{severity: warning, instance: "c:1", quantity: loss, action: skipped}}
+          - exp_labels: {{severity: warning, run: r, quantity: loss, action: skipped}}
             exp_annotations:
-              summary: "Non-finite loss on c:1 (skipped)"
+              summary: "Non-finite loss in run r (skipped)"
               description: "1 step(s) met NaN or Inf in loss in the last 30 minutes and the trainer skipped them (trainer.nonfinite). Look at the run's nonfinite events: a diverging learning rate, a reward function returning NaN, or a poisoned checkpoint."
       - {{alertname: RRLNonFiniteValues, eval_time: 40m, exp_alerts: []}}
 
@@ -209,16 +209,48 @@ tests:
     input_series:
       # A new controller on the same port at minute 5: its restart counter starts again at 0, and
       # 8 restarts follow within 10 minutes of the old value 6.
-      - series: 'rrl_worker_restarts_total{{instance="c:1", role="actor", rank="0", cause="died"}}'
+      - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="actor", rank="0", cause="died"}}'
         values: '6x4 0 1 2 3 4 5 6 7 8 8'
     alert_rule_test:
       - alertname: RRLRestartStorm
         eval_time: 14m
         exp_alerts:
-          - exp_labels: {{severity: critical, instance: "c:1"}}
+          - exp_labels: {{severity: critical, run: r}}
             exp_annotations:
-              summary: "Restart storm on c:1"
+              summary: "Restart storm in run r"
               description: "8 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
+
+  - interval: 1m
+    input_series:
+      # A new controller on another port at minute 5: 3 restarts counted by the old one inside the
+      # window, then its series ends; 3 by the new one, whose series appears at 1.
+      - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="actor", rank="0", cause="died"}}'
+        values: '0 1 2 3 3'
+      - series: 'rrl_worker_restarts_total{{run="r", instance="c:2", role="actor", rank="0", cause="died"}}'
+        values: '_ _ _ _ _ _ 1 2 3 3 3'
+    alert_rule_test:
+      - alertname: RRLRestartStorm
+        eval_time: 9m
+        exp_alerts:
+          - exp_labels: {{severity: critical, run: r}}
+            exp_annotations:
+              summary: "Restart storm in run r"
+              description: "6 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
+
+  - interval: 1m
+    input_series:
+      # A new controller on the same port at minute 5 exports the series at 0; a NaN at minute 8
+      # leaves it below the old controller's value.
+      - series: 'rrl_nonfinite_total{{run="r", instance="c:1", quantity="loss", action="skipped"}}'
+        values: '0 1 2 2 2 0 0 0 1 1 1'
+    alert_rule_test:
+      - alertname: RRLNonFiniteValues
+        eval_time: 9m
+        exp_alerts:
+          - exp_labels: {{severity: warning, run: r, quantity: loss, action: skipped}}
+            exp_annotations:
+              summary: "Non-finite loss in run r (skipped)"
+              description: "3 step(s) met NaN or Inf in loss in the last 30 minutes and the trainer skipped them (trainer.nonfinite). Look at the run's nonfinite events: a diverging learning rate, a reward function returning NaN, or a poisoned checkpoint."
 
   - interval: 1m
     input_series:
