@@ -66,6 +66,22 @@ def increments(metric: str, window: str, by: str = "", matchers: str = RUN) -> s
     return f"sum{grouping}({per_series})"
 
 
+def run_growth(metric: str, window: str, by: str = "", matchers: str = RUN) -> str:
+    """How much a counter of the run's whole life grew over ``window``.
+
+    Such a counter (``rrl_lost_seconds_total``) is seeded by each new controller with what the
+    run's earlier ones counted, so a new controller's series starts at the run's total, not at 0:
+    :func:`increments` would count the whole history again. Per run, the highest value any of
+    its controllers reached in the window, less the highest ``window`` ago (0 for a run that
+    started inside the window)."""
+    x = sel(metric, matchers)
+    keys = f"run, {by}" if by else "run"
+    now = f"max by ({keys}) (max_over_time({x}[{window}]))"
+    then = f"max by ({keys}) ({x} offset {window})"
+    grouping = f" by ({by}) " if by else ""
+    return f"sum{grouping}(clamp_min({now} - ({then} or {now} * 0), 0))"
+
+
 def mean(histogram: str, window: str, by: str = "") -> str:
     """Mean of a histogram's observations over ``window``."""
     grouping = f" by ({by}) " if by else ""

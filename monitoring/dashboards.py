@@ -22,7 +22,7 @@ DASHBOARDS_DIR = Path(__file__).resolve().parent / "grafana" / "dashboards"
 sys.path.append(str(Path(__file__).resolve().parent))  # dashboard_panels.py, beside this script
 from dashboard_panels import (  # noqa: E402
     AGE_THRESHOLDS, GOODPUT_THRESHOLDS, GPU_LEGEND, PROCESS_LEGEND,
-    RECOVERY_ANNOTATION, RUN, RUN_NODE, TORCH_LEGEND, WIDTH, WINDOW, build, increments, mean, quantile,
+    RECOVERY_ANNOTATION, RUN, RUN_NODE, TORCH_LEGEND, WIDTH, WINDOW, build, increments, mean, quantile, run_growth,
     query_variable, row, run_variable, sel, stat_panel, ts_panel, window_variable)
 
 
@@ -182,7 +182,7 @@ def reliability() -> dict:
                    thresholds=GOODPUT_THRESHOLDS, w=8,
                    description="Seconds of steps that count over wall seconds since the run began, "
                                "across controller restarts (ettr.json in the run folder)."),
-        stat_panel("Lost time (range)", increments("rrl_lost_seconds_total", "$__range"), "s", w=8,
+        stat_panel("Lost time (range)", run_growth("rrl_lost_seconds_total", "$__range"), "s", w=8,
                    description="Failed work, recovery, rolled-back steps and a crashed controller's "
                                "pause, over the time range."),
         stat_panel("Mean time to recover (range)", mttr, "s", w=8,
@@ -193,7 +193,7 @@ def reliability() -> dict:
                  description="detect: failure reported (or hang start) to recovery; restart: workers back; "
                              "rejoin: new process groups; restore: snapshot or checkpoint loaded; "
                              "replay: until the failed step is done again."),
-        ts_panel("Lost time by cause", [(increments("rrl_lost_seconds_total", "$__interval", by="cause"),
+        ts_panel("Lost time by cause", [(run_growth("rrl_lost_seconds_total", "$__interval", by="cause"),
                                          "{{cause}}")], "s", stacked=True, w=8),
         ts_panel("ETTR and goodput", [(sel("rrl_ettr_ratio"), "ETTR {{instance}}"),
                                       (sel("rrl_goodput_ratio"), "goodput {{instance}}")], "percentunit",

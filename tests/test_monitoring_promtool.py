@@ -375,6 +375,35 @@ def test_range_panels_count_every_event_across_a_controller_restart(tmp_path):
 
 
 @needs_promtool
+def test_lost_time_panels_count_what_was_lost_in_the_range_across_controllers(tmp_path):
+    """A new controller seeds its lost-time counter with the run's history: 100 s lost before the
+    range; the old controller loses 20 s more inside it, then crashes; the new one (another port)
+    starts at 100 + 20 + 30 (its predecessor's pause) and loses 10 s more: 60 s in the range,
+    not the 160 s the new series shows."""
+    in_range = grafana_to_promql(panel_expr("rrl-reliability", "Lost time (range)", "stat").replace("$__range", "10m"))
+    by_cause = grafana_to_promql(panel_expr("rrl-reliability", "Lost time by cause", "timeseries")
+                                 .replace("$__interval", "10m"))
+    tests = {"tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": 'rrl_lost_seconds_total{run="r", instance="c:1", cause="died"}',
+             "values": "100 100 100 120 120"},
+            {"series": 'rrl_lost_seconds_total{run="r", instance="c:2", cause="died"}',
+             "values": "_ _ _ _ _ _ 150 150 160 160 160 160"},
+            # Another run, untouched in the range.
+            {"series": 'rrl_lost_seconds_total{run="other", instance="o:1", cause="died"}', "values": "7x11"}],
+        "promql_expr_test": [
+            {"expr": in_range, "eval_time": "11m",
+             "exp_samples": [{"labels": "{}", "value": 60}]},
+            {"expr": by_cause, "eval_time": "11m",
+             "exp_samples": [{"labels": '{cause="died"}', "value": 60}]},
+        ]}]}
+    path = tmp_path / "lost_test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    assert "SUCCESS" in promtool("test", "rules", str(path))
+
+
+@needs_promtool
 def test_throughput_panels_read_the_true_rate_of_steps_longer_than_grafanas_rate_interval(tmp_path):
     """Steps of 60 s (1,000 tokens each), scraped every 2 s. Grafana's $__rate_interval is then
     four scrapes, 8 s, at the default one-hour range: a rate over it reads 0 between steps. The
