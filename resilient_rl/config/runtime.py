@@ -52,7 +52,8 @@ class TrainerConfig(Section):
     nnodes: int = 1
     #: GPUs of a node: a role may put at most this many ranks on one; null: no limit.
     n_gpus_per_node: Optional[int] = None
-    #: Split placement: nodes of a role other than ``nnodes`` (``{rollout: 1}``).
+    #: Split placement: nodes of a role other than ``nnodes`` (``{rollout: 1, critic: 1}``: a role with fewer
+    #: ranks than ``nnodes`` needs its own count).
     role_nnodes: Dict[str, int] = field(default_factory=dict)
     #: FSDP2 over a role's ranks: "full" shards over all of them; "hybrid" (HSDP) shards within a
     #: node and replicates across nodes (a (replicate, shard) device mesh).
