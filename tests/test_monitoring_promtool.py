@@ -32,6 +32,14 @@ def promtool(*args: str, cwd: Path | None = None) -> str:
     return output
 
 
+def expressions_hold(tmp_path: Path, series: list[dict], checks: list[dict], interval: str = "1m") -> None:
+    """``promtool test rules`` of PromQL ``checks`` (expr, eval_time, exp_samples) on input ``series``."""
+    path = tmp_path / "expressions_test.yml"
+    path.write_text(yaml.safe_dump({"tests": [{"interval": interval, "input_series": series,
+                                               "promql_expr_test": checks}]}))
+    assert "SUCCESS" in promtool("test", "rules", str(path))
+
+
 @needs_promtool
 def test_promtool_accepts_config_and_rules():
     assert "SUCCESS" in promtool("check", "config", str(MONITORING / "prometheus.yml"))
@@ -71,9 +79,13 @@ tests:
 
   - interval: 1m
     input_series:
-      # A restart series that first appears inside the window still counts in full.
+      # A new controller on another port at minute 5: 3 restarts counted by the old one inside the
+      # window, then its series ends; 3 by the new one, whose series first appears (at 1) inside
+      # the window and still counts in full.
       - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="actor", rank="0", cause="died"}}'
-        values: '_ _ _ 1 2 3 4 5 6 6 6 6'
+        values: '0 1 2 3 3'
+      - series: 'rrl_worker_restarts_total{{run="r", instance="c:2", role="actor", rank="0", cause="died"}}'
+        values: '_ _ _ _ _ _ 1 2 3 3 3 3'
       - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="critic", rank="0", cause="died"}}'
         values: '0x11'
     alert_rule_test:
@@ -222,23 +234,6 @@ tests:
 
   - interval: 1m
     input_series:
-      # A new controller on another port at minute 5: 3 restarts counted by the old one inside the
-      # window, then its series ends; 3 by the new one, whose series appears at 1.
-      - series: 'rrl_worker_restarts_total{{run="r", instance="c:1", role="actor", rank="0", cause="died"}}'
-        values: '0 1 2 3 3'
-      - series: 'rrl_worker_restarts_total{{run="r", instance="c:2", role="actor", rank="0", cause="died"}}'
-        values: '_ _ _ _ _ _ 1 2 3 3 3'
-    alert_rule_test:
-      - alertname: RRLRestartStorm
-        eval_time: 9m
-        exp_alerts:
-          - exp_labels: {{severity: critical, run: r}}
-            exp_annotations:
-              summary: "Restart storm in run r"
-              description: "6 worker restarts in the last 10 minutes (threshold 5). Look at rrl_worker_restarts_total by cause and role: a bad node, OOM or a crashing rank."
-
-  - interval: 1m
-    input_series:
       # A new controller on the same port at minute 5 exports the series at 0; a NaN at minute 8
       # leaves it below the old controller's value.
       - series: 'rrl_nonfinite_total{{run="r", instance="c:1", quantity="loss", action="skipped"}}'
@@ -306,35 +301,31 @@ def test_restart_and_worker_down_panels_show_what_happened(tmp_path):
                                  .replace("$__range", "10m"))
     down = grafana_to_promql(panel_expr("rrl-reliability", "Workers down", "timeseries"))
     actor1 = '{role="actor", rank="1"}'
-    tests = {"tests": [{
-        "interval": "1m",
-        "input_series": [
-            {"series": 'rrl_worker_restarts_total{run="r", role="actor", rank="1", cause="died"}',
-             "values": "_ _ 1 1 3 3 3"},
-            {"series": 'rrl_worker_restarts_total{run="r", role="critic", rank="0", cause="died"}',
-             "values": "_ _ _ _ _ _ 1"},
-            {"series": 'rrl_worker_up{run="r", role="actor", rank="1", node="n0"}',
-             "values": "1 1 0 1 1 1 1"},
-            {"series": 'rrl_worker_up{run="r", role="actor", rank="0", node="n0"}',
-             "values": "1x6"}],
-        "promql_expr_test": [
-            {"expr": restarts, "eval_time": "2m",
-             "exp_samples": [{"labels": actor1, "value": 1}]},
-            {"expr": restarts, "eval_time": "3m",
-             "exp_samples": [{"labels": actor1, "value": 0}]},
-            {"expr": restarts, "eval_time": "4m",
-             "exp_samples": [{"labels": actor1, "value": 2}]},
-            {"expr": restarts, "eval_time": "6m",
-             "exp_samples": [{"labels": actor1, "value": 0},
-                             {"labels": '{role="critic", rank="0"}', "value": 1}]},
-            {"expr": in_range, "eval_time": "6m", "exp_samples": [{"labels": "{}", "value": 4}]},
-            {"expr": down, "eval_time": "2m", "exp_samples": [
-                {"labels": '{run="r", role="actor", rank="1", node="n0"}', "value": 1}]},
-            {"expr": down, "eval_time": "3m", "exp_samples": []},
-        ]}]}
-    path = tmp_path / "panels_test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    assert "SUCCESS" in promtool("test", "rules", str(path))
+    series = [
+        {"series": 'rrl_worker_restarts_total{run="r", role="actor", rank="1", cause="died"}',
+         "values": "_ _ 1 1 3 3 3"},
+        {"series": 'rrl_worker_restarts_total{run="r", role="critic", rank="0", cause="died"}',
+         "values": "_ _ _ _ _ _ 1"},
+        {"series": 'rrl_worker_up{run="r", role="actor", rank="1", node="n0"}',
+         "values": "1 1 0 1 1 1 1"},
+        {"series": 'rrl_worker_up{run="r", role="actor", rank="0", node="n0"}',
+         "values": "1x6"}]
+    checks = [
+        {"expr": restarts, "eval_time": "2m",
+         "exp_samples": [{"labels": actor1, "value": 1}]},
+        {"expr": restarts, "eval_time": "3m",
+         "exp_samples": [{"labels": actor1, "value": 0}]},
+        {"expr": restarts, "eval_time": "4m",
+         "exp_samples": [{"labels": actor1, "value": 2}]},
+        {"expr": restarts, "eval_time": "6m",
+         "exp_samples": [{"labels": actor1, "value": 0},
+                         {"labels": '{role="critic", rank="0"}', "value": 1}]},
+        {"expr": in_range, "eval_time": "6m", "exp_samples": [{"labels": "{}", "value": 4}]},
+        {"expr": down, "eval_time": "2m", "exp_samples": [
+            {"labels": '{run="r", role="actor", rank="1", node="n0"}', "value": 1}]},
+        {"expr": down, "eval_time": "3m", "exp_samples": []},
+    ]
+    expressions_hold(tmp_path, series, checks)
 
 
 @needs_promtool
@@ -348,30 +339,26 @@ def test_range_panels_count_every_event_across_a_controller_restart(tmp_path):
     by_cause = grafana_to_promql(panel_expr("rrl-reliability", "Failures by cause", "timeseries")
                                  .replace("$__interval", "10m"))
     born = 'rrl_failures_total{run="r", instance="c:3", cause="hang"}'
-    tests = {"tests": [{
-        "interval": "1m",
-        "input_series": [
-            # Same address: 2 restarts before the range, 1 inside it, the restart at 5m, 1 more.
-            {"series": 'rrl_worker_restarts_total{run="r", instance="c:1", role="actor", rank="0", cause="died"}',
-             "values": "2 2 2 3 3 _ 0 1 1 1 1 1"},
-            # A new port: 1 failure of the old controller inside the range, 2 of the new one, which
-            # exports the series at 0 from its start.
-            {"series": 'rrl_failures_total{run="r", instance="c:1", cause="died"}', "values": "0 0 1 1 1"},
-            {"series": 'rrl_failures_total{run="r", instance="c:2", cause="died"}',
-             "values": "_ _ _ _ _ _ 0 1 2 2 2 2"},
-            # A series born at 1 by its first event.
-            {"series": born, "values": "_ _ _ _ _ _ _ _ _ 1 1 1"}],
-        "promql_expr_test": [
-            {"expr": in_range, "eval_time": "11m", "exp_samples": [{"labels": "{}", "value": 2}]},
-            # increase() extrapolates the old controller's series past its end (by half a scrape): round.
-            {"expr": f"round({by_cause})", "eval_time": "11m",
-             "exp_samples": [{"labels": '{cause="died"}', "value": 3}, {"labels": '{cause="hang"}', "value": 1}]},
-            # What increase() alone makes of the series born at 1: nothing.
-            {"expr": f"sum(increase({born}[10m]))", "eval_time": "11m", "exp_samples": [{"labels": "{}", "value": 0}]},
-        ]}]}
-    path = tmp_path / "restart_test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    assert "SUCCESS" in promtool("test", "rules", str(path))
+    series = [
+        # Same address: 2 restarts before the range, 1 inside it, the restart at 5m, 1 more.
+        {"series": 'rrl_worker_restarts_total{run="r", instance="c:1", role="actor", rank="0", cause="died"}',
+         "values": "2 2 2 3 3 _ 0 1 1 1 1 1"},
+        # A new port: 1 failure of the old controller inside the range, 2 of the new one, which
+        # exports the series at 0 from its start.
+        {"series": 'rrl_failures_total{run="r", instance="c:1", cause="died"}', "values": "0 0 1 1 1"},
+        {"series": 'rrl_failures_total{run="r", instance="c:2", cause="died"}',
+         "values": "_ _ _ _ _ _ 0 1 2 2 2 2"},
+        # A series born at 1 by its first event.
+        {"series": born, "values": "_ _ _ _ _ _ _ _ _ 1 1 1"}]
+    checks = [
+        {"expr": in_range, "eval_time": "11m", "exp_samples": [{"labels": "{}", "value": 2}]},
+        # increase() extrapolates the old controller's series past its end (by half a scrape): round.
+        {"expr": f"round({by_cause})", "eval_time": "11m",
+         "exp_samples": [{"labels": '{cause="died"}', "value": 3}, {"labels": '{cause="hang"}', "value": 1}]},
+        # What increase() alone makes of the series born at 1: nothing.
+        {"expr": f"sum(increase({born}[10m]))", "eval_time": "11m", "exp_samples": [{"labels": "{}", "value": 0}]},
+    ]
+    expressions_hold(tmp_path, series, checks)
 
 
 @needs_promtool
@@ -383,24 +370,20 @@ def test_lost_time_panels_count_what_was_lost_in_the_range_across_controllers(tm
     in_range = grafana_to_promql(panel_expr("rrl-reliability", "Lost time (range)", "stat").replace("$__range", "10m"))
     by_cause = grafana_to_promql(panel_expr("rrl-reliability", "Lost time by cause", "timeseries")
                                  .replace("$__interval", "10m"))
-    tests = {"tests": [{
-        "interval": "1m",
-        "input_series": [
-            {"series": 'rrl_lost_seconds_total{run="r", instance="c:1", cause="died"}',
-             "values": "100 100 100 120 120"},
-            {"series": 'rrl_lost_seconds_total{run="r", instance="c:2", cause="died"}',
-             "values": "_ _ _ _ _ _ 150 150 160 160 160 160"},
-            # Another run, untouched in the range.
-            {"series": 'rrl_lost_seconds_total{run="other", instance="o:1", cause="died"}', "values": "7x11"}],
-        "promql_expr_test": [
-            {"expr": in_range, "eval_time": "11m",
-             "exp_samples": [{"labels": "{}", "value": 60}]},
-            {"expr": by_cause, "eval_time": "11m",
-             "exp_samples": [{"labels": '{cause="died"}', "value": 60}]},
-        ]}]}
-    path = tmp_path / "lost_test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    assert "SUCCESS" in promtool("test", "rules", str(path))
+    series = [
+        {"series": 'rrl_lost_seconds_total{run="r", instance="c:1", cause="died"}',
+         "values": "100 100 100 120 120"},
+        {"series": 'rrl_lost_seconds_total{run="r", instance="c:2", cause="died"}',
+         "values": "_ _ _ _ _ _ 150 150 160 160 160 160"},
+        # Another run, untouched in the range.
+        {"series": 'rrl_lost_seconds_total{run="other", instance="o:1", cause="died"}', "values": "7x11"}]
+    checks = [
+        {"expr": in_range, "eval_time": "11m",
+         "exp_samples": [{"labels": "{}", "value": 60}]},
+        {"expr": by_cause, "eval_time": "11m",
+         "exp_samples": [{"labels": '{cause="died"}', "value": 60}]},
+    ]
+    expressions_hold(tmp_path, series, checks)
 
 
 @needs_promtool
@@ -421,12 +404,7 @@ def test_throughput_panels_read_the_true_rate_of_steps_longer_than_grafanas_rate
         for at in ("12m10s", "12m30s", "12m50s"):  # just after a step, between two, just before one
             checks.append({"expr": f"({expr} > bool {low}) * ({expr} < bool {high})", "eval_time": at,
                            "exp_samples": [{"labels": "{}", "value": 1}]})
-    tests = {"tests": [{
-        "interval": "2s",
-        "input_series": [
-            {"series": 'rrl_step_duration_seconds_count{run="r", instance="c:1"}', "values": steps},
-            {"series": 'rrl_tokens_total{run="r", instance="c:1"}', "values": tokens}],
-        "promql_expr_test": checks}]}
-    path = tmp_path / "rates_test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    assert "SUCCESS" in promtool("test", "rules", str(path))
+    series = [
+        {"series": 'rrl_step_duration_seconds_count{run="r", instance="c:1"}', "values": steps},
+        {"series": 'rrl_tokens_total{run="r", instance="c:1"}', "values": tokens}]
+    expressions_hold(tmp_path, series, checks, interval="2s")

@@ -81,30 +81,20 @@ def _old_and_takeover(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["local", "rename"])
-def test_a_lease_lost_during_the_manifest_fsync_publishes_no_manifest(kind, tmp_path):
+@pytest.mark.parametrize("written, published", [
+    # Lost during the manifest's write: step 4 is not committed (before the fix it was, and latest named it).
+    (f"step_00000004/{MANIFEST_NAME}", (False, "step_00000002")),
+    # Lost during the pointer's write: the manifest (published while the lease was held) stays; the pointer stays.
+    (f"run/{LATEST_NAME}", (True, "step_00000002"))])
+def test_a_lease_lost_during_a_commit_file_s_fsync_publishes_nothing_after_it(kind, written, published, tmp_path):
     old, new_lease = _old_and_takeover(kind, tmp_path)
     files = save_step(old, 4, commit=False)
     flush = _DuringFlush(kind, old.storage)
-    flush.arm(f"step_00000004/{MANIFEST_NAME}", new_lease.acquire)
+    flush.arm(written, new_lease.acquire)
     with flush.installed(), pytest.raises(LeaseLostError, match=new_lease.holder):
         old.commit(4, files, {"actor": 2})
-    assert flush.fired, "the takeover did not happen during the manifest's write"
-    assert _published(old, 4) == (False, "step_00000002")  # before the fix: (True, "step_00000004")
-    assert _temp_files(old) == []
-    new_lease.close()
-
-
-@pytest.mark.parametrize("kind", ["local", "rename"])
-def test_a_lease_lost_during_the_latest_pointer_fsync_leaves_the_pointer(kind, tmp_path):
-    old, new_lease = _old_and_takeover(kind, tmp_path)
-    files = save_step(old, 4, commit=False)
-    flush = _DuringFlush(kind, old.storage)
-    flush.arm(f"run/{LATEST_NAME}", new_lease.acquire)
-    with flush.installed(), pytest.raises(LeaseLostError, match=new_lease.holder):
-        old.commit(4, files, {"actor": 2})
-    assert flush.fired
-    # The manifest was published while the lease was still held; the pointer, after losing it, is not.
-    assert _published(old, 4) == (True, "step_00000002")
+    assert flush.fired, f"the takeover did not happen during the write of {written}"
+    assert _published(old, 4) == published
     assert _temp_files(old) == []
     new_lease.close()
 
