@@ -80,12 +80,32 @@ def test_non_recoverable_causes_raise_at_once(cause):
 
 
 def test_policy_state_round_trips():
-    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=FakeClock())
+    clock = FakeClock()
+    policy = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=clock)
     spend(policy, fail(), [("actor", 1)])
-    other = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60)
+    other = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=clock)
     other.load_state_dict(policy.state_dict())
     assert other.restarts == {"actor:1": 1} and other.total == 1
     assert list(other.recent) == list(policy.recent)
+    older = FailurePolicy(max_restarts=5, max_failures=5, failure_window_s=60, clock=clock)
+    older.load_state_dict({"restarts": {"actor:1": 2}, "recent": [], "total": 2})  # counts, as saved before
+    assert older.restarts == {"actor:1": 2}
+
+
+def test_the_restart_budget_refills_with_the_window_so_a_failure_a_day_runs_for_weeks():
+    """A rank failing once a day is retried every day (a lifetime budget of 3 ended the run on the
+    fourth); the same rank failing in a loop still spends its budget within the window."""
+    day = 86_400.0
+    clock = FakeClock()
+    policy = FailurePolicy(max_restarts=3, max_failures=5, failure_window_s=3600, clock=clock)
+    for _ in range(14):
+        assert spend(policy, fail(), [("actor", 1)]).decision is Decision.RETRY
+        clock.now += day
+    for _ in range(3):
+        assert spend(policy, fail(), [("actor", 1)]).decision is Decision.RETRY
+        clock.now += 60
+    verdict = spend(policy, fail(), [("actor", 1)])
+    assert verdict.decision is Decision.RAISE and "within failure_window_s=3600s" in verdict.reason
 
 
 def test_a_restarted_controller_keeps_the_spent_budget_and_a_rollback_never_refills_it():

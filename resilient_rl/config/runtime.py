@@ -213,7 +213,8 @@ class RecoveryConfig(Section):
 
     #: Recover from worker failures in place; false: a failure stops the run.
     enabled: bool = True
-    #: Ray restarts of each worker process (``max_restarts`` of its actor).
+    #: Restarts of each worker process within ``failure_window_s`` before the run gives up (Ray
+    #: restarts a dead process whenever it dies; this budget decides).
     max_restarts: int = 3
     #: Ray retries of a worker call whose process died (0: the controller recovers instead).
     max_task_retries: int = 0

@@ -230,7 +230,8 @@ def wait_alive(group, timeout_s: float, while_waiting: Callable[[], None] | None
             # A rank whose warm spare Ray gave up on goes back to its own bundle's process.
             dead = rehome(group, permanently_dead(group))
             if dead:
+                spent = "killed for good" if group.max_restarts < 0 else f"max_restarts={group.max_restarts} spent"
                 raise WorkerDiedError(f"{group.name_prefix} rank {dead[0]} is dead and Ray will not restart it "
-                                      f"(max_restarts={group.max_restarts} spent)", role=group.name_prefix,
+                                      f"({spent})", role=group.name_prefix,
                                       rank=dead[0], cause="exhausted") from exc
             time.sleep(0.2)

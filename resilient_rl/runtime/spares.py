@@ -1,6 +1,6 @@
 """Warm spares: idle, fully started worker processes that take a dead rank's place at once.
 
-When a rank's process dies, Ray restarts it (``recovery.max_restarts``), and a new process costs
+When a rank's process dies, Ray restarts it, and a new process costs
 seconds on any machine: Python, torch and the worker's imports, then its constructor. A worker
 group with ``recovery.spares`` = N keeps N processes of its class started ahead of need, outside
 its placement groups and spread over the cluster's nodes (Ray's ``SPREAD``), with the resources

@@ -23,8 +23,10 @@ def worker_group(cfg, layout, name: str, cls: RayClassWithInitArgs, instance: st
                            cpus_per_bundle=cfg.ray.cpus_per_worker,
                            name_prefix=f"rrl_{cfg.trainer.run_name}_{instance}_{name}",
                            placement_timeout_s=rc.placement_timeout_s, distinct_nodes=True)
+    # Ray restarts a dead rank whenever it dies: its count of an actor's restarts never refills, so
+    # the controller's failure policy (recovery.max_restarts within failure_window_s) decides instead.
     return RayWorkerGroup(pool, cls, runtime_env=network_runtime_env(cfg.trainer.network_interface),
-                          max_restarts=rc.max_restarts, max_task_retries=rc.max_task_retries,
+                          max_restarts=-1, max_task_retries=rc.max_task_retries,
                           call_timeout_s=rc.call_timeout_s, hang_timeout_s=rc.hang_timeout_s,
                           health_timeout_s=rc.health_timeout_s, warmup_timeout_s=rc.warmup_timeout_s)
 
