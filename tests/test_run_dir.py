@@ -73,12 +73,12 @@ def test_truncate_keeps_the_prefix_bytes_and_never_rewrites_them(tmp_path):
     rd = _filled(tmp_path, 50)
     before = rd.metrics_path.read_bytes()
     inode = os.stat(rd.metrics_path).st_ino
-    assert rd.truncate_metrics_after(30) == 30
+    assert rd.truncate_metrics_after(30) == 20  # rows dropped
     after = rd.metrics_path.read_bytes()
     assert before.startswith(after) and len(after) < len(before)
     assert os.stat(rd.metrics_path).st_ino == inode, "cut in place, not replaced by a rewritten copy"
     assert [r["step"] for r in rd.read_metrics()] == list(range(1, 31))
-    assert rd.truncate_metrics_after(0) == 0 and rd.metrics_path.read_bytes() == b""
+    assert rd.truncate_metrics_after(0) == 30 and rd.metrics_path.read_bytes() == b""
 
 
 def test_appends_are_single_writes_of_whole_lines(tmp_path):
@@ -96,6 +96,32 @@ def test_appends_are_single_writes_of_whole_lines(tmp_path):
         assert p.wait(timeout=120) == 0
     rows = rd.read_metrics()
     assert len(rows) == 400 and all(r["pad"] == r["who"] * 20000 for r in rows)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 16])
+def test_lines_read_backward_are_the_lines_read_forward_reversed(tmp_path, block):
+    from resilient_rl.jsonl import iter_lines, iter_lines_backward
+
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n' + b'{"long": "' + b"x" * 300 + b'"}\n{"b": 2}\n{"torn": ')
+    assert list(iter_lines_backward(path, block=block)) == list(iter_lines(path))[::-1]
+    path.write_bytes(b"")
+    assert list(iter_lines_backward(path, block=block)) == []
+
+
+def test_a_rollback_reads_the_end_of_a_long_history_only(tmp_path):
+    """The rows a rollback drops and the rows it keeps in memory are read from the file's end: a
+    damaged line early in a long history (never read) does not stop it, where a read from the
+    start would have raised on it."""
+    rd = _filled(tmp_path, 2000)
+    text = rd.metrics_path.read_bytes().split(b"\n")
+    text[1] = b"not json"
+    rd.metrics_path.write_bytes(b"\n".join(text))
+    _tear(rd.metrics_path)
+    assert rd.truncate_metrics_after(1990) == 10
+    assert [r["step"] for r in rd.read_metrics(last=3)] == [1988, 1989, 1990]
+    with pytest.raises(RunFolderError, match=r"metrics\.jsonl: line 2 is not valid JSON"):
+        rd.read_metrics()
 
 
 def test_read_metrics_last_and_column(tmp_path):

@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -31,7 +30,7 @@ from resilient_rl.config.schema import save_config
 from resilient_rl.config.secrets import redact
 from resilient_rl.errors import ConfigError, StorageError
 from resilient_rl.events import AnyEvent, EventBus, event_to_json, make_event, read_events
-from resilient_rl.jsonl import iter_lines, parse_line, read_jsonl, warn_torn
+from resilient_rl.jsonl import iter_lines_backward, last_rows, parse_line, read_jsonl, warn_torn
 
 __all__ = ["RunDir", "deterministic_view", "read_jsonl"]
 
@@ -127,29 +126,29 @@ class RunDir:
 
     def truncate_metrics_after(self, step: int) -> int:
         """Drop history lines past ``step`` (a resumed run rewrites them identically), and a torn
-        last line; returns the number of rows kept. The file is cut at the first dropped line
-        (rows are in step order), so the rows before it are never rewritten."""
+        last line; returns the number of rows dropped. Rows are in step order: the file is read
+        from its end down to the last row it keeps and cut there, so a rollback reads the rows it
+        drops, not a long run's whole history, and the rows before the cut are never rewritten."""
         path = self.metrics_path
         if not path.exists():
             return 0
-        cut, kept = None, 0
-        for lineno, (offset, raw) in enumerate(iter_lines(path), start=1):
+        cut, dropped = None, 0
+        for offset, raw in iter_lines_backward(path):
             if not raw.endswith(b"\n"):
                 warn_torn(path, offset, raw)
                 cut = offset
-                break
+                continue
             if not raw.strip():
                 continue
             match = _STEP_RE.match(raw)
-            row_step = int(match.group(1)) if match else parse_line(path, lineno, raw).get("step")
-            if not isinstance(row_step, int) or row_step > step:
-                cut = offset
+            row_step = int(match.group(1)) if match else parse_line(path, f"at byte {offset}", raw).get("step")
+            if isinstance(row_step, int) and row_step <= step:
                 break
-            kept += 1
+            cut, dropped = offset, dropped + 1
         if cut is not None:
             os.truncate(path, cut)
         self._repaired.add(path)
-        return kept
+        return dropped
 
     def set_aside_history(self) -> Path | None:
         """A run starting from step 0 in a folder that holds an earlier history: move that
@@ -176,9 +175,8 @@ class RunDir:
         self._append(self.metrics_path, row)
 
     def read_metrics(self, last: int | None = None) -> list[dict[str, Any]]:
-        """Every complete row (or only the ``last`` ones, read without holding the others)."""
-        rows = read_jsonl(self.metrics_path)
-        return list(deque(rows, maxlen=last)) if last is not None else list(rows)
+        """Every complete row (or only the ``last`` ones, read from the file's end)."""
+        return last_rows(self.metrics_path, last) if last is not None else list(read_jsonl(self.metrics_path))
 
     def read_column(self, key: str) -> list[float]:
         """The values of ``key`` over the history (rows without it are skipped), as floats."""
