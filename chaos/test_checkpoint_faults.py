@@ -20,6 +20,20 @@ def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run,
     assert result.events_of("recovered")[0]["restored_step"] == 2, "the torn step-4 save was never loaded"
 
 
+def test_a_save_abandoned_for_a_rank_that_writes_none_is_saved_again(reference, chaos_run, chaos_dir):
+    """Slow storage keeps step 2's shards in flight; the rollout (which writes no checkpoint) is
+    killed meanwhile, and the recovery abandons the save. Restored from step 2's snapshot, the run
+    saves step 2 again: it keeps the checkpoints the fault-free run keeps (before, step 2 was lost
+    for good, the durable interval silently doubled)."""
+    extra = storage_overrides(chaos_dir, "resave", FaultPlan(slow_s=1.0))
+    schedule = FaultSchedule().at_checkpoint(2).kill("rollout", 0, delay_s=0.05)
+    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1")
+    check_invariants(result, reference)
+    kinds = [(e["event"], e.get("step", e.get("failed_step"))) for e in result.events]
+    assert 2 in [e["step"] for e in result.events_of("checkpoint_abandoned")], kinds
+    assert result.events_of("recovered")[0]["restored_step"] == 2
+
+
 @pytest.mark.parametrize("damage", ["corrupt", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, chaos_run, damage):
     schedule = FaultSchedule().at_step(6)

@@ -113,7 +113,8 @@ def test_without_a_budget_the_command_ends_within_eight_minutes(tmp_path, monkey
     proc, calls = run_figures(tmp_path, budget=None)
     assert proc.returncode == 0, proc.stderr[-2000:]
     limits = [int(c[2]) for c in calls["timeout"]]
-    assert len(limits) == 6 and limits[0] == limits[-1] == 480 - 25, limits
+    # The last limit is what is left of the bound after the others' (near-zero) time.
+    assert len(limits) == 6 and limits[0] == 480 - 25 and all(limit <= 480 - 25 for limit in limits), limits
 
 
 def test_an_unknown_workload_is_named_and_fails(tmp_path):

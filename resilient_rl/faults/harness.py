@@ -7,7 +7,9 @@ The invariants, checked by :func:`check_invariants`:
 - metric history, final weights and optimizer state bit-identical to the reference (the final
   checkpoint's shard files have the same sha256 as the reference's);
 - the step never goes backwards in the metrics log, and replayed steps are reported as events;
-- no torn checkpoint became ``latest`` and every committed one verifies;
+- no torn checkpoint became ``latest`` and every committed one verifies, and the run keeps the
+  checkpoints the reference keeps (no due save lost to a fault; ``same_checkpoints=False`` where a
+  fault skips saves on purpose, a storage outage);
 - every injected fault took effect (a process was really killed or stopped, a file really damaged);
 - nothing of the run is left: no actor, placement group or worker process.
 """
@@ -153,7 +155,8 @@ def metric_totals(text: str) -> dict[str, float]:
     return totals
 
 
-def check_invariants(result: RunResult, reference: RunResult, expect_recoveries: int = 1) -> None:
+def check_invariants(result: RunResult, reference: RunResult, expect_recoveries: int = 1,
+                     same_checkpoints: bool = True) -> None:
     """Raise InvariantError naming the first promise ``result`` breaks against ``reference``."""
     if result.error is not None:
         raise InvariantError(f"run {result.name} failed: {result.error!r}")
@@ -169,12 +172,18 @@ def check_invariants(result: RunResult, reference: RunResult, expect_recoveries:
                      if result.final_files.get(k) != reference.final_files.get(k))
         raise InvariantError(f"final weights/optimizer state differ from the fault-free run: {bad[:6]}")
     if result.final_trainer_state != reference.final_trainer_state:
-        raise InvariantError("final controller state (step, data position, KL) differs from the fault-free run")
+        got, want = result.final_trainer_state or {}, reference.final_trainer_state or {}
+        keys = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+        detail = "; ".join(f"{k}: {got.get(k)!r} against {want.get(k)!r}" for k in keys)[:1000]
+        raise InvariantError(f"final controller state differs from the fault-free run: {detail}")
     for step, status in result.verify.items():
         if status != "ok":
             raise InvariantError(f"committed checkpoint of step {step} does not verify: {status}")
     if result.latest != (result.committed[-1] if result.committed else None):
         raise InvariantError(f"latest points at {result.latest}, newest committed is {result.committed[-1:]}")
+    if same_checkpoints and result.committed != reference.committed:
+        raise InvariantError(f"the run kept checkpoints {result.committed}, the fault-free run {reference.committed}: "
+                             "a due save was lost")
     recovered = result.events_of("recovered")
     if len(recovered) < expect_recoveries:
         raise InvariantError(f"expected >= {expect_recoveries} recoveries, saw {len(recovered)}: the fault did not "

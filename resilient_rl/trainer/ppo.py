@@ -375,7 +375,7 @@ class PPOTrainer:
         total = self.cfg.trainer.total_steps
         bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
                    dynamic_ncols=True)
-        resave = False  # a recovery restored the last step, whose save it abandoned: save it again
+        resave = False  # a recovery restored a step whose save it abandoned: save it again
         try:
             while self.step < total or resave:
                 if self.preemption.requested:  # the safe point: between steps, none half done
@@ -384,7 +384,8 @@ class PPOTrainer:
                     if resave:
                         resave = False
                         self.save_checkpoint()
-                        self.ckpt.finish(self.roles)
+                        if self.step >= total:
+                            self.ckpt.finish(self.roles)
                         continue
                     if self.validator.due_before_train(self.step, self.history):
                         self.validate_before_train()
@@ -409,9 +410,11 @@ class PPOTrainer:
                     self._stop_if_nothing_to_recover(exc)
                     # Pools that save no checkpoints run in this process: nothing to restart there.
                     self.recovery.handle(exc, self.step + 1, self.roles if self.checkpoints_on else None)
-                    # From a snapshot of the last step: the run is not done before that step is committed.
-                    resave = (self.checkpoints_on and self.step >= total and self.ckpt.due(self.step)
-                              and self.ckpt.pending is None and self.ckpt.last_committed != self.step)
+                    # From a snapshot of a step whose save the recovery abandoned (a rank that writes
+                    # none died as it was written): saved again, so no due checkpoint goes missing;
+                    # the run is not done before its last step is committed.
+                    resave = (self.checkpoints_on and self.step > 0 and self.ckpt.due(self.step)
+                              and self.ckpt.pending is None and (self.ckpt.last_committed or 0) < self.step)
                     bar.n = self.step
                     bar.refresh()
                     continue
