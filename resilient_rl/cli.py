@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kinds", default="sigkill,sigstop", help="comma-separated: sigkill, sigstop")
     m.add_argument("--seed", type=int, default=None, help="random seed (printed, to replay a session)")
     m.add_argument("--dry-run", action="store_true", help="print what would be done, touch nothing")
+    m.add_argument("--connect-timeout", type=float, default=None, metavar="S",
+                   help="seconds to wait for the cluster's GCS (default: ray.connect_timeout_s's default)")
     m.set_defaults(func=cmd_chaos)
     return p
 
@@ -302,7 +304,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from resilient_rl.faults.monkey import ChaosMonkey
     from resilient_rl.runtime.cluster import join
 
-    join(args.address, "--address", RayConfig().connect_timeout_s, log_to_driver=False)
+    timeout_s = args.connect_timeout if args.connect_timeout is not None else RayConfig().connect_timeout_s
+    join(args.address, "--address", timeout_s, log_to_driver=False)
     try:
         monkey = ChaosMonkey(args.run, interval_s=args.every * 60, max_faults=args.faults,
                              kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), seed=args.seed,

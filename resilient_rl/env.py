@@ -96,6 +96,29 @@ def ray_gcs_wait(timeout_s: float) -> Iterator[None]:
         os.environ.pop(RAY_GCS_WAIT, None)
 
 
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def ray_token_auth_for_join() -> bool:
+    """Turn Ray's token authentication on for a driver about to join a cluster, where
+    ``RAY_AUTH_MODE`` is unset and a token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
+    or ``~/.ray/auth_token``); returns whether it is on.
+
+    Ray turns it on by itself for a new local cluster when a token exists (and writes one when
+    none does), but not for a driver joining one: a controller's cluster started on this machine
+    then refused ``resilient-rl chaos`` and any other joining driver with ``InvalidAuthToken``,
+    reported only as a connection that timed out. A token sent to a cluster without
+    authentication is not checked, so turning it on never stops a join that would work."""
+    mode = os.environ.get(RAY_AUTH_MODE)
+    if mode is not None:
+        return mode.strip().lower() == "token"
+    token_at_hand = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) or \
+        os.path.exists(os.path.join(os.path.expanduser("~"), ".ray", "auth_token"))
+    if token_at_hand:
+        os.environ[RAY_AUTH_MODE] = "token"
+    return token_at_hand
+
+
 #: Opt-in for the chaos suite's fault-injecting ``faulty://`` filesystem (never on in production).
 FAULT_INJECTION = "RRL_FAULT_INJECTION"
 

@@ -192,3 +192,19 @@ def test_the_probe_checks_the_address_ray_connects_to_not_only_loopback():
             cluster.check_reachable(address, "ray.address", 1.0)
     finally:
         server.close()
+
+
+def test_a_joining_driver_turns_ray_token_auth_on_where_a_token_is_at_hand(tmp_path, monkeypatch):
+    """Ray turns token authentication on for a new local cluster when ~/.ray/auth_token exists,
+    but not for a driver joining it, which the cluster then refuses; the mode a user set stands."""
+    from resilient_rl import env
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.ray_token_auth_for_join() is False and "RAY_AUTH_MODE" not in os.environ
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 32)
+    assert env.ray_token_auth_for_join() is True and os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert env.ray_token_auth_for_join() is False and os.environ["RAY_AUTH_MODE"] == "disabled"

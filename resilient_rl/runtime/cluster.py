@@ -112,15 +112,19 @@ def join(address: str, source: str, timeout_s: float, **init_kwargs) -> None:
     own wait for its GCS bounded by ``timeout_s`` too (:func:`~resilient_rl.env.ray_gcs_wait`), and
     Ray's connection errors re-raised as a :class:`ClusterError` naming ``source``."""
     check_reachable(address, source, timeout_s)
+    token = env.ray_token_auth_for_join()
     try:
         with env.ray_gcs_wait(timeout_s):
             ray.init(address=address, **init_kwargs)
     except (ConnectionError, TimeoutError, RuntimeError) as exc:
         if ray.is_initialized():  # half-connected: leave no driver state behind for the caller's retry
             ray.shutdown()
+        auth = ("; a cluster with Ray's token authentication needs its token here (RAY_AUTH_TOKEN, or "
+                "~/.ray/auth_token)" if token else "; a cluster with Ray's token authentication needs "
+                "RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or ~/.ray/auth_token)")
         raise ClusterError(f"{source}={address}: cannot join a Ray cluster there within {timeout_s:g}s ({exc}); "
                            f"is it Ray's GCS port (`ray start --head` prints it, 6379 by default)? Raise "
-                           f"ray.connect_timeout_s for a head that is still starting") from exc
+                           f"ray.connect_timeout_s for a head that is still starting{auth}") from exc
 
 
 def connect(ray_cfg) -> bool:
