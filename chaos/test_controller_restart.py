@@ -63,3 +63,34 @@ def test_controller_killed_and_started_again_resumes(reference, chaos_dir, chaos
     total = load_config(None, overrides).trainer.total_steps
     assert ledger["useful"][-1][0] == total
     assert ledger["lost_s"]["controller"] > 0 and ledger["wall_s"] > ledger["useful"][-1][1]
+
+
+def test_a_rank_killed_while_a_resumed_run_loads_its_checkpoint_is_recovered(reference, chaos_run, monkeypatch):
+    """A run stops after step 4 (its checkpoints committed); the next controller resumes it, and a
+    rank dies as the checkpoint is loaded into the roles, before any step: the recovery repairs the
+    pool and loads the same checkpoint, and the run ends as the fault-free one (it stopped instead,
+    a failure outside the step loop that nothing recovered)."""
+    import time
+
+    from resilient_rl.checkpoint.restore import Restorer
+    from resilient_rl.faults.injectors import role_pids
+
+    name = "resume-load-kill"
+    first = chaos_run(None, "trainer.total_steps=4", name=name)
+    assert first.error is None and first.committed == [2, 4], (first.error, first.committed)
+    restore, killed = Restorer.restore, []
+
+    def kill_then_restore(self, roles, resume="auto"):
+        if not killed:
+            pid = role_pids(roles)[("actor", 1)]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            time.sleep(0.5)  # dead before the load reaches it
+        return restore(self, roles, resume)
+
+    monkeypatch.setattr(Restorer, "restore", kill_then_restore)
+    result = chaos_run(None, name=name)
+    assert killed, "the kill did not happen during the resume's load"
+    check_invariants(result, reference)
+    recovered = result.events_of("recovered")
+    assert recovered and recovered[0]["restored_step"] == 4 and recovered[0]["steps_replayed"] == 0

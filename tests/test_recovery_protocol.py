@@ -50,7 +50,8 @@ class Harness:
             self.events.append((kind, fields))
 
     def roll_back_to(self, roles, *points) -> int:
-        assert roles is self.pool and points[-1].kind == "start"
+        assert roles is self.pool
+        self.points = points
         self.restores += 1
         if self._restore is not None:
             return self._restore()
@@ -538,3 +539,29 @@ def test_a_preemption_signal_during_the_backoff_stops_the_recovery():
     with pytest.raises(Preempted):
         h.handle(died(), step=7)
     assert h.clock.now - signal_at <= 0.5, "the backoff went on after the signal"
+
+
+def test_a_failure_while_a_run_resumes_recovers_to_the_point_it_was_resuming_to():
+    """A rank dies while a resumed run loads its checkpoint (``checkpoint.resume=path:``): the
+    recovery repairs the pool and loads that same checkpoint, not the run's own newest or a
+    snapshot; an ordinary failure rolls back to the newest snapshot, checkpoint or the start."""
+    from resilient_rl.recovery.rollback import AFTER_FAILURE, checkpoint
+
+    h = Harness()
+    h.pool.crash("main", 1)
+    h.handle(died(), step=7)
+    assert h.points == AFTER_FAILURE
+    resume_to = (checkpoint("path:/ckpt/other/step_00000004"),)
+    outages = [StorageError("storage read failed: still failing", outage=True)]
+    tried = []
+
+    def restore():
+        tried.append(h.points)
+        if outages:
+            raise outages.pop(0)  # a failure inside the recovery: the next try goes to the same point
+        return 4
+
+    h = Harness(restore=restore)
+    h.pool.crash("main", 0)
+    h.recovery.handle(died(rank=0), 0, h.pool, points=resume_to)
+    assert tried == [resume_to, resume_to] and h.of("recovered")[-1]["steps_replayed"] == 0

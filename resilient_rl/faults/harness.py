@@ -7,9 +7,9 @@ The invariants, checked by :func:`check_invariants`:
 - metric history, final weights and optimizer state bit-identical to the reference (the final
   checkpoint's shard files have the same sha256 as the reference's);
 - the step never goes backwards in the metrics log, and replayed steps are reported as events;
-- no torn checkpoint became ``latest`` and every committed one verifies, and the run keeps the
-  checkpoints the reference keeps (no due save lost to a fault; ``same_checkpoints=False`` where a
-  fault skips saves on purpose, a storage outage);
+- no torn checkpoint became ``latest`` and every committed one verifies, and a run saving on the
+  reference's schedule keeps the checkpoints the reference keeps (no due save lost to a fault;
+  ``same_checkpoints=False`` where a fault skips saves on purpose, a storage outage);
 - every injected fault took effect (a process was really killed or stopped, a file really damaged);
 - nothing of the run is left: no actor, placement group or worker process.
 """
@@ -122,7 +122,14 @@ def collect_run(cfg) -> RunResult:
         name=cfg.trainer.run_name, history=run_dir.read_metrics(), events=run_dir.read_events(),
         final_files=final_files, final_trainer_state=final_state, committed=committed,
         latest=manager.latest_step(), verify={s: manager.verify(s) for s in committed}, pids=set(),
-        run_prefix=f"rrl_{cfg.trainer.run_name}_", wall_s=0.0, extra={"shard_sizes": sizes})
+        run_prefix=f"rrl_{cfg.trainer.run_name}_", wall_s=0.0,
+        extra={"shard_sizes": sizes, "saves": _save_schedule(cfg)})
+
+
+def _save_schedule(cfg) -> tuple:
+    """What decides which checkpoints a run keeps: two runs with the same keep the same ones."""
+    c = cfg.checkpoint
+    return c.save_every, c.keep_last, c.keep_every, cfg.trainer.total_steps
 
 
 def leftovers(result: RunResult, wait_s: float = 15.0) -> list[str]:
@@ -181,7 +188,8 @@ def check_invariants(result: RunResult, reference: RunResult, expect_recoveries:
             raise InvariantError(f"committed checkpoint of step {step} does not verify: {status}")
     if result.latest != (result.committed[-1] if result.committed else None):
         raise InvariantError(f"latest points at {result.latest}, newest committed is {result.committed[-1:]}")
-    if same_checkpoints and result.committed != reference.committed:
+    same_schedule = result.extra.get("saves") == reference.extra.get("saves")
+    if same_checkpoints and same_schedule and result.committed != reference.committed:
         raise InvariantError(f"the run kept checkpoints {result.committed}, the fault-free run {reference.committed}: "
                              "a due save was lost")
     recovered = result.events_of("recovered")

@@ -26,6 +26,7 @@ class Attempt:
     source: str | None = None  # where the restored state came from (snapshot, checkpoint, start)
     reason: str = ""
     abort_error: RecoveryError | None = None  # the error to stop with, where more precise than RecoveryError
+    points: tuple = ()  # where RESTORING rolls back to, the first that exists (rollback.Point)
 
 
 @dataclasses.dataclass

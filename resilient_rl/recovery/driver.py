@@ -103,7 +103,7 @@ class Restoring:
 
     def enter(self, a: Attempt, pool: RecoveryPool) -> S:
         try:
-            a.restored = self.rollback.roll_back_to(pool, *AFTER_FAILURE)
+            a.restored = self.rollback.roll_back_to(pool, *a.points)
         except (NoValidCheckpointError, CheckpointFormatError) as exc:
             # Committed steps exist but none may be loaded: starting over would cut the run's
             # history and set its checkpoints aside, so the recovery gives up instead.
@@ -159,13 +159,16 @@ class Recovery:
         self.states = {S.RECOVERING: Recovering(ctx), S.REJOINING: Rejoining(), S.RESTORING: Restoring(rollback),
                        S.ABORTING: Aborting(ctx, checkpoints, self.sm)}
 
-    def handle(self, exc: BaseException, failed_step: int, pool: RecoveryPool | None) -> None:
+    def handle(self, exc: BaseException, failed_step: int, pool: RecoveryPool | None,
+               points: tuple[Point, ...] = AFTER_FAILURE) -> None:
         """Recover ``pool`` from ``exc`` raised while running step ``failed_step``, or raise
         RecoveryError. ``pool`` None: the roles run in the controller's own process, which no
-        recovery restarts: the failure is reported and the run stops."""
+        recovery restarts: the failure is reported and the run stops. ``points``: where the run
+        rolls back to, the first that exists (a failure while a run resumes: the point it was
+        resuming to)."""
         t0 = self.clock()
         detect = detect_seconds(exc)
-        attempt = self._attempt(exc, failed_step, pool)
+        attempt = dataclasses.replace(self._attempt(exc, failed_step, pool), points=points)
         self.backoff.failed(failed_step)
         self._report("failure", attempt, step=failed_step)
         logger.warning("step %d failed (%s, %s rank %s): %s", failed_step, attempt.failure.cause.value,
@@ -190,7 +193,7 @@ class Recovery:
                 logger.warning("failure during recovery (%s): %s", self.sm.state.value, again)
                 self.backoff.failed_again()
                 attempt = dataclasses.replace(self._attempt(again, failed_step, pool), restarted=attempt.restarted,
-                                              rejoin=attempt.rejoin)
+                                              rejoin=attempt.rejoin, points=points)
                 self._report("failure_during_recovery", attempt, state=self.sm.state.value)
                 following = S.RECOVERING
             self.sm.to(following)

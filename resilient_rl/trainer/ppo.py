@@ -211,7 +211,12 @@ class PPOTrainer:
         carried = resume == "auto" and self.snapshots is not None and self.snapshots.adopt(newest)
         if carried:  # before loading: the NaN guard's state says whether its save in flight committed since
             self.ckpt.last_committed = newest  # (a checkpoint restored instead sets its own step)
-        self.rollback.roll_back_to(self.roles, *((SNAPSHOT,) if carried else ()), checkpoint(resume))
+        points = (*((SNAPSHOT,) if carried else ()), checkpoint(resume))
+        try:
+            self.rollback.roll_back_to(self.roles, *points)
+        except WorkerError as exc:  # a rank died while the state was loaded: recovered, to the same point
+            self._stop_if_nothing_to_recover(exc)
+            self.recovery.handle(exc, self.step, self.roles, points=points)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
