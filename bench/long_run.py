@@ -4,8 +4,9 @@ Measures, after ``n`` steps already recorded, the time of the next 1000 steps of
 
 - goodput's useful time: :class:`UsefulTime` (running totals) against the previous approach
   (a dict of step durations summed on every step);
-- a restore of ``metrics.jsonl`` to ``n - 10`` rows: ``RunDir.truncate_metrics_after`` (a cut
-  in place) against the previous rewrite of every row.
+- a restore of ``metrics.jsonl`` to ``n - 10`` rows and the reading of the last 1,000 rows the
+  trainer keeps in memory: ``RunDir.truncate_metrics_after`` and ``read_metrics(last=)``, which
+  read the file from its end, against the previous reads of the whole file from its start.
 
 Prints each as a ratio against the same measurement at ``n = 1000`` in the same run: a ratio
 near 1 means O(1) per step, one near ``n / 1000`` means O(n).
@@ -21,11 +22,14 @@ import json
 import os
 import tempfile
 import time
+from collections import deque
 
+from resilient_rl.jsonl import read_jsonl
 from resilient_rl.run.folder import RunDir
 from resilient_rl.telemetry.goodput import UsefulTime
 
 BLOCK = 1000
+KEPT = 1000  # rows of history the trainer keeps in memory (trainer.ppo.HISTORY_WINDOW)
 
 
 def _best(fn, repeats: int = 7) -> float:
@@ -73,18 +77,22 @@ def restore_new(folder: str, n: int) -> float:
     rd = _metrics(folder, n)
     t0 = time.perf_counter()
     rd.truncate_metrics_after(n - 10)
+    rd.read_metrics(last=KEPT)
     return time.perf_counter() - t0
 
 
 def restore_old(folder: str, n: int) -> float:
+    """Every row parsed from the start to find the cut, then again to keep the last ones."""
     rd = _metrics(folder, n)
     t0 = time.perf_counter()
-    rows = [r for r in rd.read_metrics() if r["step"] <= n - 10]
-    tmp = rd.metrics_path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, rd.metrics_path)
+    cut, offset = None, 0
+    with open(rd.metrics_path, "rb") as f:
+        for raw in f:
+            if cut is None and json.loads(raw)["step"] > n - 10:
+                cut = offset
+            offset += len(raw)
+    os.truncate(rd.metrics_path, cut)
+    deque(read_jsonl(rd.metrics_path), maxlen=KEPT)
     return time.perf_counter() - t0
 
 
@@ -97,7 +105,7 @@ def main() -> None:
         base = {name: fn(sizes[0]) if "useful" in name else fn(folder, sizes[0])
                 for name, fn in (("useful_new", useful_new), ("useful_old", useful_old))}
         print(f"{'n':>8}  {'useful time (new)':>18}  {'useful time (old)':>18}  "
-              f"{'restore cut (new)':>18}  {'restore rewrite (old)':>22}")
+              f"{'restore, from end':>18}  {'restore, from start':>22}")
         r0 = {"new": restore_new(folder, sizes[0]), "old": restore_old(folder, sizes[0])}
         for n in sizes:
             un, uo = useful_new(n), useful_old(n)
