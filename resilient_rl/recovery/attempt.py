@@ -9,6 +9,7 @@ from resilient_rl.errors import RecoveryError
 from resilient_rl.recovery.backoff import Backoff
 from resilient_rl.recovery.causes import Failure
 from resilient_rl.recovery.policy import FailurePolicy
+from resilient_rl.recovery.rollback import AFTER_FAILURE
 from resilient_rl.runtime.pool import ProcessKey
 
 
@@ -26,7 +27,7 @@ class Attempt:
     source: str | None = None  # where the restored state came from (snapshot, checkpoint, start)
     reason: str = ""
     abort_error: RecoveryError | None = None  # the error to stop with, where more precise than RecoveryError
-    points: tuple = ()  # where RESTORING rolls back to, the first that exists (rollback.Point)
+    points: tuple = AFTER_FAILURE  # where RESTORING rolls back to, the first that exists
 
 
 @dataclasses.dataclass
