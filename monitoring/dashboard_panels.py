@@ -43,8 +43,9 @@ PROCESS_LEGEND = "{{role}}/{{rank}} on {{node}}"
 # -- PromQL helpers ------------------------------------------------------------------------
 
 def sel(metric: str, matchers: str = RUN) -> str:
-    """``metric`` restricted to the dashboard's selected runs (and nodes)."""
-    return f"{metric}{{{matchers}}}"
+    """``metric`` restricted to the dashboard's selected runs (and nodes); every series of it
+    without ``matchers`` (an alert rule's selector)."""
+    return f"{metric}{{{matchers}}}" if matchers else metric
 
 
 def increments(metric: str, window: str, by: str = "", matchers: str = RUN) -> str:

@@ -200,3 +200,16 @@ def test_committed_dashboards_use_only_fields_grafanas_schema_knows():
     assert "fillOpacityy" not in round_tripped["panels"][-1]["fieldConfig"]["defaults"]["custom"]
     assert "legend" not in round_tripped["panels"][-1]["targets"][0]
     assert "multiple" not in round_tripped["templating"]["list"][0]
+
+
+@pytest.mark.parametrize("alert, metric, window, by, condition", [
+    ("RRLRestartStorm", "rrl_worker_restarts_total", "10m", "run", "> 5"),
+    ("RRLNonFiniteValues", "rrl_nonfinite_total", "30m", "run, quantity, action", "> 0"),
+])
+def test_alerts_on_event_counters_count_as_the_range_panels_do(alert, metric, window, by, condition):
+    """The alerts that count a counter's events across controller restarts use the PromQL of the
+    dashboards' range panels (``increments``), so what fires an alert and what a panel shows agree."""
+    rules = yaml.safe_load((MONITORING / "rules" / "rrl-alerts.yml").read_text())
+    (rule,) = [r for group in rules["groups"] for r in group["rules"] if r.get("alert") == alert]
+    expected = f"round({panels().increments(metric, window, by=by, matchers='')}) {condition}"
+    assert re.sub(r"\s+", "", rule["expr"]) == re.sub(r"\s+", "", expected)
