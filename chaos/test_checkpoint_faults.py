@@ -12,7 +12,7 @@ from resilient_rl.faults.storage import FaultPlan
 
 def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run, chaos_dir):
     """Slow storage keeps step 4's shards in flight; actor rank 1 dies while writing them."""
-    extra = storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3))
+    extra = storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3, slow_paths="step_00000004/"))
     schedule = FaultSchedule().at_checkpoint(4).kill("actor", 1, delay_s=0.1)
     result = chaos_run(schedule, *extra, *STORAGE_ONLY)
     check_invariants(result, reference)
@@ -21,11 +21,11 @@ def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run,
 
 
 def test_a_save_abandoned_for_a_rank_that_writes_none_is_saved_again(reference, chaos_run, chaos_dir):
-    """Slow storage keeps step 2's shards in flight; the rollout (which writes no checkpoint) is
+    """Slow storage keeps step 2's shards in flight (the other saves and loads are not slowed); the rollout (which writes no checkpoint) is
     killed meanwhile, and the recovery abandons the save. Restored from step 2's snapshot, the run
     saves step 2 again: it keeps the checkpoints the fault-free run keeps (before, step 2 was lost
     for good, the durable interval silently doubled)."""
-    extra = storage_overrides(chaos_dir, "resave", FaultPlan(slow_s=1.0))
+    extra = storage_overrides(chaos_dir, "resave", FaultPlan(slow_s=1.0, slow_paths="step_00000002/"))
     schedule = FaultSchedule().at_checkpoint(2).kill("rollout", 0, delay_s=0.05)
     result = chaos_run(schedule, *extra, "recovery.snapshot_every=1")
     check_invariants(result, reference)

@@ -17,7 +17,7 @@ from resilient_rl.faults.storage import FaultPlan
 def test_worker_killed_with_the_last_save_pending_recovers(reference, chaos_run, chaos_dir):
     """Slow storage keeps the final step's shards in flight while actor rank 1 dies: the wait for
     the last save is inside the recovery, so the run rolls back to step 4 and replays to the end."""
-    extra = storage_overrides(chaos_dir, "lastsave", FaultPlan(slow_s=0.3))
+    extra = storage_overrides(chaos_dir, "lastsave", FaultPlan(slow_s=0.3, slow_paths="step_00000006/"))
     schedule = FaultSchedule().at_checkpoint(6).kill("actor", 1, delay_s=0.1)
     result = chaos_run(schedule, *extra, *STORAGE_ONLY)
     check_invariants(result, reference)
@@ -31,7 +31,7 @@ def test_worker_killed_with_the_last_save_pending_and_the_last_snapshot_complete
     """The last step's snapshot is complete and its save still in flight when actor rank 1 dies:
     the recovery abandons the save and restores the snapshot, which is the last step. The run then
     saves that step again: before, it ended as complete with the last step never committed."""
-    extra = storage_overrides(chaos_dir, "lastsnap", FaultPlan(slow_s=1.0))
+    extra = storage_overrides(chaos_dir, "lastsnap", FaultPlan(slow_s=1.0, slow_paths="step_00000006/"))
     schedule = FaultSchedule().at_final_save(6).kill("actor", 1)
     result = chaos_run(schedule, *extra, "recovery.snapshot_every=1")
     check_invariants(result, reference)

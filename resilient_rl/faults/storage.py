@@ -6,7 +6,8 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
 - the first ``transient_writes`` write operations and the first ``transient_reads`` read
   operations fail with a transient ``OSError`` (``EIO`` by default). A failing streamed write
   fails part-way, after some bytes went through, like a dropped connection;
-- every data operation is delayed by ``slow_s`` seconds;
+- every data operation is delayed by ``slow_s`` seconds; only those on a path containing one of
+  the comma-separated ``slow_paths`` when they are given (``"step_00000002/"``: one slow save);
 - once ``enospc_after_bytes`` bytes have been written, writes fail with ``ENOSPC`` (permanent);
 - every write to a path containing one of the comma-separated ``outage_paths`` (e.g.
   ``"step_00000004/,step_00000006/actor"``) fails with the transient error, however often it is
@@ -62,15 +63,22 @@ class FaultPlan:
     transient_reads: int = 0
     transient_errno: int = errno.EIO
     slow_s: float = 0.0
+    slow_paths: str = ""
     enospc_after_bytes: int | None = None
     outage_paths: str = ""
     outage_reads: str = ""
 
     def __post_init__(self) -> None:
         self.outage_paths = self.outage_paths or ""  # an empty `key=` override reads as None
+        self.slow_paths = self.slow_paths or ""
         self.outage_reads = self.outage_reads or ""
         if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0:
             raise ValueError(f"FaultPlan counts and delays must be >= 0, got {self}")
+
+
+def _matches(path: str, parts: str) -> bool:
+    """Whether ``path`` contains one of the comma-separated ``parts``."""
+    return any(part and part in path for part in parts.split(","))
 
 
 class _FaultyWriteFile:
@@ -170,13 +178,12 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _next_op(self, kind: str, path: str) -> OSError | None:
         """Count one data operation; the fault it must raise, if any."""
-        if self.plan.slow_s:
+        if self.plan.slow_s and (not self.plan.slow_paths or _matches(path, self.plan.slow_paths)):
             time.sleep(self.plan.slow_s)
         with self._lock:
             if kind == "write":
                 self.writes += 1
-                failing = self.writes <= self.plan.transient_writes or any(
-                    part and part in path for part in self.plan.outage_paths.split(","))
+                failing = self.writes <= self.plan.transient_writes or _matches(path, self.plan.outage_paths)
             else:
                 self.reads += 1
                 failing = self.reads <= self.plan.transient_reads or self._read_outage(path)
@@ -223,7 +230,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.target.mv(path1, path2, **kwargs)
 
     def _read_outage(self, path: str) -> bool:
-        return any(part and part in path for part in self.plan.outage_reads.split(","))
+        return _matches(path, self.plan.outage_reads)
 
     # ------------------------------------------------------------- metadata (outage_reads only)
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
