@@ -31,6 +31,7 @@ from resilient_rl.checkpoint.safetensors_io import build_header, iter_file_chunk
 from resilient_rl.checkpoint.sharded import gather_full_state
 from resilient_rl.checkpoint.storage import Storage
 from resilient_rl.checkpoint.inspect import describe_status, locate, open_manager
+from resilient_rl.config.file_digests import split_recorded
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "ExportResult", "export_checkpoint"]
@@ -216,7 +217,7 @@ def export_checkpoint(target: str, out_dir: str, *, role: str = "actor", root: s
     model_cfg, where, tokenizer = None, "", None
     saved = manager.load_trainer_state(step).get("config") if role == "actor" and config_path is None else None
     if isinstance(saved, dict):  # the config the step was written with, recorded in it
-        (model_cfg, _, tokenizer), digest = _model_config_of(saved), None
+        (model_cfg, _, tokenizer), digest = _model_config_of(split_recorded(saved)[0]), None
         where = f"{source}/trainer_state.json"
     elif role == "actor":
         model_cfg, digest, where, tokenizer = _run_model_config(loc.run, config_path, output_dir)

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from resilient_rl.checkpoint import CheckpointManager
+from resilient_rl.config.file_digests import split_recorded
 from resilient_rl.config.schema import config_digest, config_from_dict
 from resilient_rl.run.folder import RunDir
 from resilient_rl.trainer.resume_check import CONFIG_KEY, checkpoint_config
@@ -23,15 +24,20 @@ GROUP = "rrl_{run}_a1b2c3_main"
 
 
 class FakeRun:
-    """A run named ``name`` under ``base/runs`` with checkpoints under ``base/ckpt``."""
+    """A run named ``name`` under ``base/runs`` with checkpoints under ``base/ckpt``; ``sections``
+    adds config sections (e.g. ``{"data": {...}}``)."""
 
     def __init__(self, base: Path, name: str = "demo", total_steps: int = 12, save_every: int = 3,
-                 step_s: float = 0.5, record_config: bool = True):
+                 step_s: float = 0.5, record_config: bool = True, record_digests: bool = True,
+                 sections: dict | None = None):
         self.cfg = config_from_dict({"trainer": {"run_name": name, "output_dir": str(base / "runs"),
                                                  "total_steps": total_steps},
-                                     "checkpoint": {"root": str(base / "ckpt"), "save_every": save_every}})
+                                     "checkpoint": {"root": str(base / "ckpt"), "save_every": save_every},
+                                     **(sections or {})})
         self.name, self.total_steps, self.save_every, self.step_s = name, total_steps, save_every, step_s
         self.record_config = record_config  # False: checkpoints as older versions wrote them (no config)
+        # False: the config without its files' content digests, as the versions before them recorded it.
+        self.record_digests = record_digests
         self.run_dir = RunDir(self.cfg.trainer.output_dir, name)
         self.run_dir.save_config(self.cfg)
         self.manager = CheckpointManager(self.cfg.checkpoint.root, name, keep_last=100)
@@ -59,7 +65,10 @@ class FakeRun:
 
     def checkpoint(self, step: int) -> None:
         self.manager.begin_step(step)
-        extra = {CONFIG_KEY: checkpoint_config(self.cfg)} if self.record_config else {}
+        recorded = checkpoint_config(self.cfg)
+        if not self.record_digests:
+            recorded = split_recorded(recorded)[0]
+        extra = {CONFIG_KEY: recorded} if self.record_config else {}
         self.manager.write_trainer_state(step, {"step": step, **extra})
         self.run_dir.event("checkpoint_started", step=step, stall_s=0.01)
         self.manager.commit(step, {}, {}, config_digest(self.cfg))

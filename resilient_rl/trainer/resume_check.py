@@ -2,10 +2,11 @@
 
 The checkpoint a resume loads (``checkpoint.resume=auto``: the run's newest committed step;
 ``path:<step folder>``: that step) records the digest of the config it was written with in its
-manifest, and, since this version, the config itself in ``trainer_state.json``. An older
-checkpoint has only the digest: the run folder's ``config.yaml`` (written by the start that saved
-it, or by a later start that was itself checked) stands in for it. The keys that differ are then
-checked by :func:`resilient_rl.config.resume.check_resume_config`.
+manifest, and, since this version, the config itself in ``trainer_state.json``, later with the
+content digests of the files it names (so that a file moved to another path is told from a
+changed one). An older checkpoint has only the digest: the run folder's ``config.yaml``
+(written by the start that saved it, or by a later start that was itself checked) stands in for
+it. The keys that differ are then checked by :func:`resilient_rl.config.resume.check_resume_config`.
 
 Everything here only reads. A checkpoint whose manifest or trainer state cannot be read is left
 to the restore, which reports it and falls back to an older one: with ``auto`` the check does the
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 
 from resilient_rl.checkpoint import CheckpointManager
+from resilient_rl.config.file_digests import with_file_digests
 from resilient_rl.config.resume import check_resume_config
 from resilient_rl.config.schema import redacted_config_dict
 from resilient_rl.errors import ConfigError, RRLError
@@ -32,8 +34,10 @@ CONFIG_KEY = "config"
 
 
 def checkpoint_config(cfg) -> dict[str, Any]:
-    """What a checkpoint records of ``cfg`` (credentials redacted, as in ``config.yaml``)."""
-    return redacted_config_dict(cfg)
+    """What a checkpoint records of ``cfg``: the config (credentials redacted, as in
+    ``config.yaml``) and the content digests of the files it names
+    (:func:`resilient_rl.config.file_digests.with_file_digests`: each is read once per start)."""
+    return with_file_digests(redacted_config_dict(cfg))
 
 
 def _resumed_steps(cfg, manager: CheckpointManager) -> list[tuple[CheckpointManager, int]]:
