@@ -7,7 +7,9 @@ mismatch reported as a corrupt checkpoint) or, worse, continue a different exper
 same run name. So a resume is compared key by key with the saved config before anything is
 written, and only the keys of :data:`RESUME_MAY_CHANGE` may differ: how long the run goes on, the
 learning rate, where results and logs go, how checkpoints are kept, how failures are handled,
-telemetry and the Ray cluster. Every other difference is a ConfigError naming the keys.
+telemetry and the Ray cluster. A key naming a file the run reads (:data:`FILE_KEYS`) may point
+to another path holding the content the checkpoint recorded (a run moved to another mount point).
+Every other difference is a ConfigError naming the keys.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from resilient_rl.config.file_digests import FILE_KEYS, split_recorded
 from resilient_rl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -96,19 +99,59 @@ def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     return [k for k in keys if k != "checkpoint.takeover"]
 
 
+def _file_verdicts(refused: list[str], old: Mapping[str, Any], now: Mapping[str, Any],
+                   saved_files: Mapping[str, str] | None,
+                   new_files: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Of the ``refused`` keys, (those naming a file moved with its content unchanged, a note per
+    file key that stays refused saying why its content could not clear it)."""
+    moved, notes = [], {}
+    for key in refused:
+        was, is_ = old.get(key), now.get(key)
+        if key not in FILE_KEYS or not isinstance(was, str) or not isinstance(is_, str):
+            continue  # not a file, or one set where none was (or the reverse): a change of the config
+        if key not in new_files:
+            continue  # not a local path (a tokenizer's hub name) or unreadable: compared by name
+        if saved_files is None:
+            notes[key] = (" (the checkpoint predates content digests of the files a config names, so a moved "
+                          "file cannot be told from a changed one)")
+        elif key not in saved_files:
+            notes[key] = " (the checkpoint recorded no content digest of it: it named no local file)"
+        elif saved_files[key] != new_files[key]:
+            notes[key] = (f" (the content differs: sha256 {saved_files[key]} recorded with the checkpoint, "
+                          f"{new_files[key]} now)")
+        else:
+            moved.append(key)
+    return moved, notes
+
+
 def check_resume_config(saved: Mapping[str, Any], new: Mapping[str, Any], where: str) -> list[str]:
     """Compare the config a checkpoint was written with (``saved``, found at ``where``) with the
-    config resuming it. Raises ConfigError naming every key that may not change on resume; returns
-    the keys that changed (all of them allowed), after logging a warning that names them."""
+    config resuming it, both as a checkpoint records them (with their files' content digests, see
+    :mod:`resilient_rl.config.file_digests`). Raises ConfigError naming every key that may not
+    change on resume; a file key whose path changed is allowed when the content is the one the
+    checkpoint recorded. Returns the keys that changed (all of them allowed), after logging a
+    warning that names them (a moved file's names both paths)."""
+    saved, saved_files = split_recorded(saved)
+    new, new_files = split_recorded(new)
+    new_files = new_files or {}
     changed = changed_keys(saved, new)
+    old, now = flatten(saved), flatten(new)
     refused = [k for k in changed if not may_change_on_resume(k)]
+    moved, notes = _file_verdicts(refused, old, now, saved_files, new_files)
+    refused = [k for k in refused if k not in moved]
     if refused:
-        old, now = flatten(saved), flatten(new)
-        detail = "; ".join(f"{k}: {old.get(k, '(default)')!r} -> {now.get(k)!r}" for k in refused)
+        detail = "; ".join(f"{k}: {old.get(k, '(default)')!r} -> {now.get(k)!r}{notes.get(k, '')}" for k in refused)
+        files = (" (for a file: its original content, at the old path or a new one)"
+                 if any(k in FILE_KEYS for k in refused) else "")
         raise ConfigError(
             f"cannot resume {where} with a changed {detail}: the checkpoint's state was built for the saved "
-            "value. Resume with the saved value, or start over with checkpoint.resume=off (or another "
-            f"trainer.run_name). Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}")
-    if changed:
-        logger.warning("resuming %s with a changed %s (allowed on resume)", where, ", ".join(changed))
+            f"value. Resume with the saved value{files}, or start over with checkpoint.resume=off (or another "
+            f"trainer.run_name). Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}; and, to another "
+            f"path holding the same content, {', '.join(FILE_KEYS)}")
+    for key in moved:
+        logger.warning("resuming %s with %s moved: %r -> %r holds the same content (sha256 %s)", where, key,
+                       old[key], now[key], new_files[key])
+    others = [k for k in changed if k not in moved]
+    if others:
+        logger.warning("resuming %s with a changed %s (allowed on resume)", where, ", ".join(others))
     return changed
