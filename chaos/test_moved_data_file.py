@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from suite import STORAGE_ONLY
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
@@ -19,6 +21,7 @@ def _prompts(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # three runs; in process: tests/test_resume_moved_files.py (a resume, two recoveries)
 def test_a_run_resumed_with_its_data_file_moved_recovers_from_its_own_checkpoint(chaos_dir, chaos_run):
     mount = Path(chaos_dir) / "moved-data"
     old = _prompts(mount / "mnt-a")
