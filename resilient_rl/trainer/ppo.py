@@ -1,7 +1,13 @@
-"""The PPO/GRPO fit loop driven by the single controller.
+"""The PPO/GRPO trainer driven by the single controller: its parts, its state and its step.
 
 The controller owns the data loader, the KL controller, the step counter and the run folder;
 the roles (Ray worker groups, or local engines for the single-process baseline) own the models.
+:class:`PPOTrainer` wires the parts together (checkpoints, snapshots, the NaN guard, the
+roll-back and the recovery, telemetry, hooks), holds the controller's state and when it is saved,
+and runs and records one step (:func:`~resilient_rl.trainer.step.run_step`). The rest is in
+modules of their own, each called with the trainer: the run's start and end (claim, roles,
+resume, shutdown) in :mod:`.lifecycle`, the fit loop and its handling of failures in
+:mod:`.fit_loop`, a preemption and a lost cluster in :mod:`.preemption`.
 """
 
 from __future__ import annotations
@@ -13,33 +19,29 @@ from typing import Callable
 
 
 from resilient_rl.algos.kl import get_kl_controller
-from resilient_rl.errors import WorkerError
 from resilient_rl.events.kinds import (CheckpointCommitted, CheckpointRefused, CheckpointStarted,
                                        RecoveryStateEntered)
 from resilient_rl.models.factory import model_vocab_size
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.checkpoint.controller_state import Attribute, ControllerState
-from resilient_rl.checkpoint.shared_root import require_shared_root
 from resilient_rl.models.hf_folder import check_max_seq_len, model_eos_token_ids
-from resilient_rl.runtime import cluster
 from resilient_rl.runtime.pool import WorkerPool
 from resilient_rl.config.schema import config_digest
-from resilient_rl.run.record import ControllerRecord, controller_session
+from resilient_rl.run.record import ControllerRecord
 from resilient_rl.data.loader import PromptDataset, StatefulPromptLoader
 from resilient_rl.recovery.nonfinite import NonFiniteGuard
 from resilient_rl.recovery.driver import Recovery
 from resilient_rl.recovery.policy import FailurePolicy
 from resilient_rl.recovery.states import RecoveryState
-from resilient_rl.recovery.rollback import AFTER_NONFINITE, KEPT_AFTER_NONFINITE, SNAPSHOT, RollBack, checkpoint
+from resilient_rl.recovery.rollback import AFTER_NONFINITE, KEPT_AFTER_NONFINITE, RollBack
 from resilient_rl.workers.snapshots.carry import RECORD
 from resilient_rl.checkpoint.leases.run_claim import RunClaim
 from resilient_rl.run.folder import RunDir
-from resilient_rl.run.log import RunLog
 from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
-from resilient_rl.trainer.preemption import (Preemption, stop_after_lost_cluster, stop_after_lost_workers,
-                                             stop_for_preemption, stop_recovering)
-from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
+from resilient_rl.trainer import fit_loop, lifecycle
+from resilient_rl.trainer.preemption import Preemption
+from resilient_rl.trainer.resume_check import CONFIG_KEY, checkpoint_config
 from resilient_rl.workers.snapshots.node_sweep import NodeSweeps
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
@@ -48,7 +50,7 @@ from resilient_rl.data.tasks import get_task
 from resilient_rl.trainer.validation import Validator
 from resilient_rl.telemetry.hook import TelemetryHook
 from resilient_rl.data.tokenizer import build_tokenizer
-from resilient_rl.telemetry.trackers import build_trackers, check_available
+from resilient_rl.telemetry.trackers import check_available
 
 logger = logging.getLogger(__name__)
 
@@ -157,68 +159,26 @@ class PPOTrainer:
         for hook in self.hooks:
             hook.on_checkpoint_started(self, event.step)
 
-    def claim(self) -> None:
-        """Check the config against the checkpoint a resume loads (ConfigError naming the keys
-        that may not change), take the run's leases (run folder and checkpoint folder;
-        LeaseHeldError when another controller holds one), then write the config: the first thing
-        a controller writes, and before it opens its log or starts Ray (idempotent)."""
-        if self._claimed:
-            return
-        if self.checkpoints_on:
-            # A config that does not fit the checkpoint to resume is refused before anything is written.
-            accepted = check_resume(self.cfg, self.ckpt.manager, self.run_dir.path, self.digest)
-            if accepted is not None:
-                self.rollback.accepted_digests.add(accepted)
-            self.claim_.acquire()
-        self.run_dir.save_config(self.cfg)
-        self.ckpt.prepare()  # an unwritable checkpoint root fails here, before any worker starts
-        self._claimed = True
-
-    # ------------------------------------------------------------------ roles
+    # ------------------------------------------------------------------ the run's start and end
     @property
     def checkpoints_on(self) -> bool:
         """Whether this run's pool saves checkpoints (and so holds the run's lease)."""
         return self._roles_factory.writes_checkpoints
 
+    def claim(self) -> None:
+        """Check the config against the checkpoint to resume, take the run's leases, write the
+        config: before anything else is written (idempotent; :func:`.lifecycle.claim`)."""
+        lifecycle.claim(self)
+
     def start_roles(self) -> WorkerPool:
-        if self.roles is None:
-            if self.checkpoints_on:  # a node-local root cannot hold a multi-node run: before the lease
-                require_shared_root(self.cfg.checkpoint, cluster.alive_nodes())
-            self.claim()  # before any worker starts: a second controller is refused at once
-            if self.telemetry is not None:
-                self.telemetry.start()
-            self.roles = self._roles_factory(self.cfg, self.tokenizer)
-            if self.checkpoints_on:  # the pool recovery drives: its waits for ranks end on a preemption
-                self.roles.interrupt = lambda: stop_recovering(self)
-            if self.checkpoints_on:  # resume=off too: it sets the run's older steps aside
-                self._resume()
-            # Whatever the run, node memory left by owners that are gone (a killed controller's
-            # snapshots once their keep has passed, a rank's reduction segment) is removed on every
-            # node: once a snapshot the previous controller left there was tried.
-            self.node_sweeps.now()
-            if self.step == 0:  # a fresh start: an earlier history in the folder is not this run's
-                self.run_dir.set_aside_history()
-            if self.telemetry is not None:
-                self.telemetry.watch_roles(self.roles, self.ckpt.last_committed_at())
-        return self.roles
+        """Start the roles once, claiming the run first, and resume (:func:`.lifecycle.start_roles`)."""
+        return lifecycle.start_roles(self)
 
-    def _resume(self) -> None:
-        """Roll back to the checkpoint ``checkpoint.resume`` names; with ``auto``, first to the
-        snapshot a previous controller left in node memory where it is newer than every commit
-        (:mod:`resilient_rl.workers.snapshots.carry`: a preemption with no warning)."""
-        resume = self.cfg.checkpoint.resume
-        newest = max(self.ckpt.manager.committed_steps(), default=None)
-        carried = resume == "auto" and self.snapshots is not None and self.snapshots.adopt(newest)
-        if carried:  # before loading: the NaN guard's state says whether its save in flight committed since
-            self.ckpt.last_committed = newest  # (a checkpoint restored instead sets its own step)
-        points = (*((SNAPSHOT,) if carried else ()), checkpoint(resume))
-        try:
-            self.rollback.roll_back_to(self.roles, *points)
-        except WorkerError as exc:  # a rank died while the state was loaded: recovered, to the same point
-            self._stop_if_nothing_to_recover(exc)
-            self.recovery.handle(exc, self.step, self.roles, points=points)
+    def shutdown(self) -> None:
+        """Stop the telemetry and the roles and release the run (:func:`.lifecycle.shutdown`)."""
+        lifecycle.shutdown(self)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ the state, and when it is saved
     def state_dict(self) -> dict:
         """The controller's part of a checkpoint (JSON): every registered part and the config digest."""
         return {**self.state.state_dict(), "config_digest": self.digest}
@@ -260,28 +220,7 @@ class PPOTrainer:
             for hook in self.hooks:
                 hook.on_snapshot_started(self, self.step)
 
-    def shutdown(self) -> None:
-        # Never started (e.g. refused by the run's lease): stopping would delete the live
-        # controller's Prometheus targets file in the shared run folder.
-        if self.telemetry is not None and self.telemetry.server.running:
-            self.telemetry.stop()
-        # A preemption with no warning signals Ray's processes too, and a head node can be lost:
-        # nothing is stopped or cleaned through a cluster that is gone (its workers go with it;
-        # the next start sweeps node memory).
-        ray_gone = self.roles is not None and not cluster.control_plane_answers()
-        if ray_gone:
-            logger.warning("Ray's cluster is gone: its workers and node memory are left to it")
-        if self.roles is not None:
-            if not ray_gone:
-                self.roles.shutdown()
-            self.roles = None
-        # (A refused controller's key is the live run's.)
-        if self.snapshots is not None and self._claimed and not ray_gone:
-            self.snapshots.close()
-        self.claim_.release()
-        self._claimed = False
-
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ the step
     def train_step(self) -> dict:
         """Run the next step and record it; returns its metrics row."""
         step = self.step + 1
@@ -341,90 +280,9 @@ class PPOTrainer:
         self._fence()
         return self._record(row, self.telemetry and self.telemetry.observe_validation)
 
+    # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
         """Train to ``total_steps``; returns the newest rows of the metric history (at most
-        :data:`HISTORY_WINDOW`; the whole history is ``self.run_dir.read_metrics()``).
-
-        ``controller.json`` in the run folder names this process while it runs and says how it ended.
-        The whole log goes to ``train.log`` in the run folder; metrics and events go to the
-        trackers of ``trainer.loggers`` (the console gets a summary every ``trainer.log_every`` steps).
-        """
-        from tqdm import tqdm
-
-        self.claim()  # a refused controller opens no log and writes nothing
-        with RunLog(self.run_dir.path / "train.log"):
-            self.trackers = build_trackers(self.cfg, self.run_dir)
-            try:
-                with controller_session(self.run_dir.path, lambda: self.step) as record:
-                    self.controller_record = record  # for end_while_stuck
-                    self.start_roles()
-                    record.start_step = self.step
-                    record.write(self.run_dir.path)
-                    return self._fit_loop(tqdm)
-            finally:
-                self.trackers.close()
-                self.trackers = None
-
-    def _stop_if_nothing_to_recover(self, exc: WorkerError) -> None:
-        """Before a recovery: stop where its workers went with the whole job (a preemption signal,
-        or Ray's control plane gone: a call through it would block until Ray ends the process)."""
-        if not self.preemption.requested and self.checkpoints_on:
-            waited = cluster.CONTROL_PLANE_WAIT_S
-            if not cluster.control_plane_back(waited, give_up=lambda: self.preemption.requested) \
-                    and not self.preemption.requested:
-                stop_after_lost_cluster(self, exc, waited)
-        if self.preemption.requested:  # the workers stopped with the same signal
-            stop_after_lost_workers(self, exc)
-
-    def _fit_loop(self, tqdm) -> list[dict]:
-        total = self.cfg.trainer.total_steps
-        bar = tqdm(total=total, initial=self.step, disable=not self.cfg.trainer.progress_bar, unit="step",
-                   dynamic_ncols=True)
-        resave = False  # a recovery restored a step whose save it abandoned: save it again
-        try:
-            while self.step < total or resave:
-                if self.preemption.requested:  # the safe point: between steps, none half done
-                    stop_for_preemption(self, self.cfg.trainer.preempt_grace_s)
-                try:
-                    if resave:
-                        resave = False
-                        self.save_checkpoint()
-                        if self.step >= total:
-                            self.ckpt.finish(self.roles)
-                        continue
-                    if self.validator.due_before_train(self.step, self.history):
-                        self.validate_before_train()
-                    row = self.train_step()
-                    verdict = self.nonfinite.after_step(row, self.ckpt.last_committed)
-                    if not verdict:  # a NaN/Inf: roll back past it
-                        self.roll_back_nonfinite(row["step"], verdict.roll_back)
-                        bar.n = self.step
-                        bar.refresh()
-                        continue
-                    self.maybe_checkpoint()
-                    self.maybe_snapshot()
-                    self.node_sweeps.maybe()
-                    if self.step >= total and self.checkpoints_on:
-                        # The last save, waited for (bounded) inside the recovery: a rank that lost
-                        # it rolls the run back (to the last commit, or to the last step's snapshot,
-                        # which is then saved again) and the final steps are replayed.
-                        for hook in self.hooks:
-                            hook.on_final_save_wait(self, self.step)
-                        self.ckpt.finish(self.roles)
-                except WorkerError as exc:
-                    self._stop_if_nothing_to_recover(exc)
-                    # Pools that save no checkpoints run in this process: nothing to restart there.
-                    self.recovery.handle(exc, self.step + 1, self.roles if self.checkpoints_on else None)
-                    # From a snapshot of a step whose save the recovery abandoned (a rank that writes
-                    # none died as it was written): saved again, so no due checkpoint goes missing;
-                    # the run is not done before its last step is committed.
-                    resave = (self.checkpoints_on and self.step > 0 and self.ckpt.due(self.step)
-                              and self.ckpt.pending is None and (self.ckpt.last_committed or 0) < self.step)
-                    bar.n = self.step
-                    bar.refresh()
-                    continue
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['timing/step_s']:.2f}")
-        finally:
-            bar.close()
-        return list(self.history)
+        :data:`HISTORY_WINDOW`; the whole history is ``self.run_dir.read_metrics()``). The loop and
+        its handling of failures: :mod:`.fit_loop`."""
+        return fit_loop.fit(self)

@@ -18,6 +18,7 @@ processes included, in no set order: a step fails with its workers (:func:`stop_
 or the signal lands while the failure is being recovered (:func:`stop_recovering`). Either way
 the run stops as preempted, the newest snapshot left in node memory for the next controller.
 Ray's cluster can also be gone with no signal (its head node lost): :func:`stop_after_lost_cluster`.
+Before a recovery starts, :func:`stop_if_nothing_to_recover` tells these cases apart.
 
 A signal arriving while the run is already stopping is noted in the log and changes nothing, up
 to the process's exit: the durable save goes on until its grace period ends (the scheduler's
@@ -41,7 +42,8 @@ import threading
 import time
 from typing import Callable
 
-from resilient_rl.errors import Preempted, RecoveryError, RRLError
+from resilient_rl.errors import Preempted, RecoveryError, RRLError, WorkerError
+from resilient_rl.runtime import cluster
 from resilient_rl.runtime.deadline_call import within
 from resilient_rl.trainer.signal_watch import SignalWatch, exit_now
 
@@ -190,6 +192,18 @@ def stop_for_preemption(trainer, grace_s: float) -> None:
     where = _where(step, committed) + _leave_snapshot(trainer, committed, step)
     raise Preempted(f"preempted by {preemption.signal_name} after step {step}: {where}",
                     signal_name=preemption.signal_name or "?", step=step, committed=committed)
+
+
+def stop_if_nothing_to_recover(trainer, exc: WorkerError) -> None:
+    """Before a recovery: stop where its workers went with the whole job (a preemption signal,
+    or Ray's control plane gone: a call through it would block until Ray ends the process)."""
+    if not trainer.preemption.requested and trainer.checkpoints_on:
+        waited = cluster.CONTROL_PLANE_WAIT_S
+        if not cluster.control_plane_back(waited, give_up=lambda: trainer.preemption.requested) \
+                and not trainer.preemption.requested:
+            stop_after_lost_cluster(trainer, exc, waited)
+    if trainer.preemption.requested:  # the workers stopped with the same signal
+        stop_after_lost_workers(trainer, exc)
 
 
 def stop_after_lost_workers(trainer, exc: BaseException) -> None:
