@@ -192,8 +192,9 @@ class Recovery:
             except (WorkerError, RRLError, TimeoutError) as again:
                 logger.warning("failure during recovery (%s): %s", self.sm.state.value, again)
                 self.backoff.failed_again()
+                # What the interrupted attempt did and where it rolls back to carry over.
                 attempt = dataclasses.replace(self._attempt(again, failed_step, pool), restarted=attempt.restarted,
-                                              rejoin=attempt.rejoin, points=points)
+                                              rejoin=attempt.rejoin, points=attempt.points)
                 self._report("failure_during_recovery", attempt, state=self.sm.state.value)
                 following = S.RECOVERING
             self.sm.to(following)
