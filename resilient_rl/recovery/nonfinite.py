@@ -199,14 +199,14 @@ class NonFiniteGuard:
 
     def on_checkpoint_event(self, event: AnyEvent) -> None:
         """A refused save counts as a step with non-finite state; a known-good commit ends a row."""
+        if not isinstance(event, (CheckpointRefused, CheckpointCommitted)):
+            return
+        if self.saving is not None and self.saving[0] == event.step:  # the save in flight has settled
+            self.saving = None
         if isinstance(event, CheckpointRefused):
             self.dirty = True
             self.in_a_row += 1
-            if self.saving is not None and self.saving[0] == event.step:
-                self.saving = None
-        elif isinstance(event, CheckpointCommitted):
-            if self.saving is not None and self.saving[0] == event.step:
-                self.saving = None
+        else:
             self._committed(event.known_good is not False)
 
     def _committed(self, known_good: bool) -> None:
