@@ -10,6 +10,12 @@ learning rate, where results and logs go, how checkpoints are kept, how failures
 telemetry and the Ray cluster. A key naming a file the run reads (:data:`FILE_KEYS`) may point
 to another path holding the content the checkpoint recorded (a run moved to another mount point).
 Every other difference is a ConfigError naming the keys.
+
+The same path may hold other content than the checkpoint recorded (a data file regenerated, a
+tokenizer folder updated, a reward file edited in place): :func:`check_files_in_place` compares
+the recorded digests with the current files even when the configs are equal. A changed data file
+or tokenizer is refused (the saved data position and token ids follow from what was recorded);
+an edited reward file is resumed with a warning (:data:`EDITABLE_IN_PLACE`).
 """
 
 from __future__ import annotations
@@ -69,6 +75,13 @@ RESUME_MAY_CHANGE: tuple[str, ...] = _LAYOUT + (
 )
 
 
+#: File keys whose content may change at the same path on resume, with a warning naming both digests: the
+#: reward's code. It is not part of the saved state and nothing saved is indexed by it (a reward fixed mid-run
+#: scores the resumed steps), and ``data.reward_fn``, an import path, is compared by its name, never by its
+#: code; so, as another ``data.reward_fn`` is, a reward file at another path with other content is refused.
+EDITABLE_IN_PLACE: tuple[str, ...] = ("custom_reward_function.path",)
+
+
 def may_change_on_resume(key: str) -> bool:
     """Whether dotted ``key`` is one of (or under one of) :data:`RESUME_MAY_CHANGE`."""
     return any(key == allowed or key.startswith(allowed + ".") for allowed in RESUME_MAY_CHANGE)
@@ -124,13 +137,58 @@ def _file_verdicts(refused: list[str], old: Mapping[str, Any], now: Mapping[str,
     return moved, notes
 
 
+def _in_place(old: Mapping[str, Any], now: Mapping[str, Any], saved_files: Mapping[str, str] | None,
+              new_files: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """Of the file keys naming the same path as when the checkpoint was written and another content
+    than it recorded, (a refusal detail of each that may not change in place, those that may)."""
+    refused, allowed = [], []
+    for key in FILE_KEYS:
+        path = old.get(key)
+        if (not saved_files or key not in saved_files or key not in new_files or not isinstance(path, str)
+                or path != now.get(key) or saved_files[key] == new_files[key]):
+            continue
+        if key in EDITABLE_IN_PLACE:
+            allowed.append(key)
+        else:
+            refused.append(f"{key} {path!r} (sha256 {saved_files[key]} recorded with the checkpoint, "
+                           f"{new_files[key]} now)")
+    return refused, allowed
+
+
+def check_files_in_place(saved: Mapping[str, Any], new: Mapping[str, Any], where: str) -> list[str]:
+    """Compare the content digests a checkpoint recorded (``saved``, found at ``where``) with those
+    of the files the resuming config (``new``) names at the same paths, both as a checkpoint records
+    them; whatever else differs is :func:`check_resume_config`'s. Raises ConfigError naming each
+    data file or tokenizer changed in place since the checkpoint was written; warns naming each
+    reward file edited in place (:data:`EDITABLE_IN_PLACE`) and returns their keys. A checkpoint
+    that recorded no digests (written before them) is not compared."""
+    saved, saved_files = split_recorded(saved)
+    new, new_files = split_recorded(new)
+    old, now = flatten(saved), flatten(new)
+    refused, allowed = _in_place(old, now, saved_files, new_files or {})
+    if refused:
+        raise ConfigError(
+            f"cannot resume {where}: {'; '.join(refused)} changed in place since the checkpoint was written, and the "
+            f"checkpoint's state (the data loader's position, the token ids the model learned) follows from the "
+            f"recorded content. Restore the original file (at that path, or point the key at a copy of it), or "
+            f"start over with checkpoint.resume=off (or another trainer.run_name)")
+    for key in allowed:
+        logger.warning("resuming %s with %s %r edited in place since the checkpoint was written (sha256 %s recorded "
+                       "with the checkpoint, %s now): a reward's code is not part of the saved state, so the resumed "
+                       "steps are scored by the file as it is now", where, key, old[key], saved_files[key],
+                       new_files[key])
+    return allowed
+
+
 def check_resume_config(saved: Mapping[str, Any], new: Mapping[str, Any], where: str) -> list[str]:
     """Compare the config a checkpoint was written with (``saved``, found at ``where``) with the
     config resuming it, both as a checkpoint records them (with their files' content digests, see
     :mod:`resilient_rl.config.file_digests`). Raises ConfigError naming every key that may not
     change on resume; a file key whose path changed is allowed when the content is the one the
-    checkpoint recorded. Returns the keys that changed (all of them allowed), after logging a
-    warning that names them (a moved file's names both paths)."""
+    checkpoint recorded, and one whose path did not is checked by :func:`check_files_in_place`.
+    Returns the keys that changed (all of them allowed), after logging a warning that names them
+    (a moved file's names both paths)."""
+    recorded, recording = saved, new
     saved, saved_files = split_recorded(saved)
     new, new_files = split_recorded(new)
     new_files = new_files or {}
@@ -141,13 +199,17 @@ def check_resume_config(saved: Mapping[str, Any], new: Mapping[str, Any], where:
     refused = [k for k in refused if k not in moved]
     if refused:
         detail = "; ".join(f"{k}: {old.get(k, '(default)')!r} -> {now.get(k)!r}{notes.get(k, '')}" for k in refused)
+        in_place = _in_place(old, now, saved_files, new_files)[0]
+        if in_place:  # named too: one refusal says all that must be put back
+            detail += f"; and {'; '.join(in_place)} changed in place since the checkpoint was written"
         files = (" (for a file: its original content, at the old path or a new one)"
-                 if any(k in FILE_KEYS for k in refused) else "")
+                 if in_place or any(k in FILE_KEYS for k in refused) else "")
         raise ConfigError(
             f"cannot resume {where} with a changed {detail}: the checkpoint's state was built for the saved "
             f"value. Resume with the saved value{files}, or start over with checkpoint.resume=off (or another "
             f"trainer.run_name). Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}; and, to another "
             f"path holding the same content, {', '.join(FILE_KEYS)}")
+    check_files_in_place(recorded, recording, where)
     for key in moved:
         logger.warning("resuming %s with %s moved: %r -> %r holds the same content (sha256 %s)", where, key,
                        old[key], now[key], new_files[key])

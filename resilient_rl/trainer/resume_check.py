@@ -7,6 +7,10 @@ content digests of the files it names (so that a file moved to another path is t
 changed one). An older checkpoint has only the digest: the run folder's ``config.yaml``
 (written by the start that saved it, or by a later start that was itself checked) stands in for
 it. The keys that differ are then checked by :func:`resilient_rl.config.resume.check_resume_config`.
+Where the config digests are equal, the files the config names may still hold other content than
+the checkpoint recorded (edited in place): when the config names a file and the checkpoint
+recorded its digest, :func:`resilient_rl.config.resume.check_files_in_place` compares them (the
+current digests are those the start already computed, see :func:`checkpoint_config`).
 
 Everything here only reads. A checkpoint whose manifest or trainer state cannot be read is left
 to the restore, which reports it and falls back to an older one: with ``auto`` the check does the
@@ -22,8 +26,8 @@ from typing import Any
 import yaml
 
 from resilient_rl.checkpoint import CheckpointManager
-from resilient_rl.config.file_digests import with_file_digests
-from resilient_rl.config.resume import check_resume_config
+from resilient_rl.config.file_digests import RECORD_KEY, with_file_digests
+from resilient_rl.config.resume import check_files_in_place, check_resume_config
 from resilient_rl.config.schema import redacted_config_dict
 from resilient_rl.errors import ConfigError, RRLError
 
@@ -56,16 +60,16 @@ def _resumed_steps(cfg, manager: CheckpointManager) -> list[tuple[CheckpointMana
     return [(manager, step) for step in reversed(manager.timeline_steps())]
 
 
-def _readable(found: list[tuple[CheckpointManager, int]],
-              digest: str) -> tuple[CheckpointManager, int, str, object] | None:
+def _readable(found: list[tuple[CheckpointManager, int]], digest: str,
+              names_files: bool) -> tuple[CheckpointManager, int, str, object] | None:
     """The first of ``found`` whose manifest (and, where its config digest is another than
-    ``digest``, trainer state) reads: (manager, step, its config digest, its recorded config or
-    None); None when none does."""
+    ``digest`` or the config ``names_files`` with a content digest, trainer state) reads:
+    (manager, step, its config digest, its recorded config or None); None when none does."""
     for source, step in found:
         try:
             saved_digest = source.load_manifest(step).config_digest
-            differs = saved_digest and saved_digest != digest
-            saved = source.load_trainer_state(step).get(CONFIG_KEY) if differs else None
+            needed = saved_digest and (saved_digest != digest or names_files)
+            saved = source.load_trainer_state(step).get(CONFIG_KEY) if needed else None
         except ConfigError:
             raise
         except (RRLError, OSError) as exc:  # unreadable: the restore reports it (and tries an older step)
@@ -88,10 +92,13 @@ def _run_folder_config(run_path: Path) -> dict[str, Any] | None:
 def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -> str | None:
     """Refuse (ConfigError naming the keys) a resume whose config differs from the resumed
     checkpoint's in a key that may not change; warn naming the keys that changed otherwise.
-    Returns the checkpoint's config digest when it differs from ``digest`` and was accepted (a
-    restore of it is then not warned about again), else None."""
+    Whatever the digests, a data file or tokenizer the config names at the path the checkpoint
+    recorded is refused when its content differs from what it recorded (an edited reward file is
+    warned about). Returns the checkpoint's config digest when it differs from ``digest`` and was
+    accepted (a restore of it is then not warned about again), else None."""
+    current = checkpoint_config(cfg)  # the digests the start computed: a stat of each file, no read
     try:
-        readable = _readable(_resumed_steps(cfg, manager), digest)
+        readable = _readable(_resumed_steps(cfg, manager), digest, bool(current[RECORD_KEY]))
     except ConfigError:
         raise
     except (RRLError, OSError) as exc:  # the folder cannot be listed: the restore reports it
@@ -100,9 +107,13 @@ def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -
     if readable is None:
         return None
     source, step, saved_digest, saved = readable
-    if not saved_digest or saved_digest == digest:
+    if not saved_digest:
         return None
     where = f"checkpoint {source.step_dir(step)}"
+    if saved_digest == digest:  # the same config: the files it names may still have changed in place
+        if isinstance(saved, dict):
+            check_files_in_place(saved, current, where)
+        return None
     if not isinstance(saved, dict) and source.same_run(manager):
         saved = _run_folder_config(run_path)  # an older checkpoint: the run's saved config stands in
         where += f" (its config: {run_path / 'config.yaml'})"
@@ -110,6 +121,6 @@ def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -
         logger.warning("resuming %s, written with a different config (digest %s, now %s); it records no config, "
                        "so the keys that changed cannot be named", where, saved_digest, digest)
         return saved_digest
-    check_resume_config(saved, checkpoint_config(cfg), where)
+    check_resume_config(saved, current, where)
     return saved_digest
 
