@@ -184,3 +184,27 @@ def test_a_checkpoint_without_content_digests_cannot_tell_and_resumes_as_before(
     with caplog.at_level(logging.WARNING):
         assert _resume(run, [*_args(run, tmp_path), f"data.path={data}", "data.reward_fn=exact_match"]) is None
     assert _warnings(caplog) == []
+
+
+def test_a_data_file_edited_while_the_start_reads_it_is_recorded_as_it_was_before(tmp_path, monkeypatch):
+    """The digests are taken before the trainer reads the files: a file edited between its digest
+    and its read is recorded by what it held before (and a resume after that is refused), not by
+    the edit, beside prompts read before it."""
+    from resilient_rl.data.loader import PromptDataset
+
+    data = _prompts(tmp_path / "prompts.jsonl")
+    before = content_digest(str(data), "data.path")
+    read = PromptDataset.from_config.__func__
+
+    def read_then_edit(cls, *args, **kwargs):
+        dataset = read(cls, *args, **kwargs)
+        _prompts(data, answers=ANSWERS[::-1])
+        return dataset
+
+    monkeypatch.setattr(PromptDataset, "from_config", classmethod(read_then_edit))
+    monkeypatch.setattr(file_digests, "_cache", {})
+    args = [f"data.path={data}", "data.reward_fn=exact_match", f"trainer.output_dir={tmp_path / 'runs'}",
+            f"checkpoint.root={tmp_path / 'ckpt'}", "telemetry.enabled=false"]
+    trainer = PPOTrainer(load_config(None, args), roles_factory=_CheckpointingRoles())
+    assert content_digest(str(data), "data.path") != before
+    assert trainer._checkpoint_config["file_sha256"] == {"data.path": before}

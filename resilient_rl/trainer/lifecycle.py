@@ -35,7 +35,8 @@ def claim(trainer) -> None:
         return
     if trainer.checkpoints_on:
         # A config that does not fit the checkpoint to resume is refused before anything is written.
-        accepted = check_resume(trainer.cfg, trainer.ckpt.manager, trainer.run_dir.path, trainer.digest)
+        accepted = check_resume(trainer.cfg, trainer.ckpt.manager, trainer.run_dir.path, trainer.digest,
+                                trainer._checkpoint_config)
         if accepted is not None:
             trainer.rollback.accepted_digests.add(accepted)
         trainer.claim_.acquire()

@@ -41,7 +41,7 @@ from resilient_rl.workers.snapshots.keeper import SnapshotKeeper
 from resilient_rl.trainer.hooks import check_hooks
 from resilient_rl.trainer import fit_loop, lifecycle
 from resilient_rl.trainer.preemption import Preemption
-from resilient_rl.trainer.resume_check import CONFIG_KEY, checkpoint_config
+from resilient_rl.trainer.resume_check import CONFIG_KEY, checkpoint_config, named_file_digests
 from resilient_rl.workers.snapshots.node_sweep import NodeSweeps
 from resilient_rl.workers.shm_reduce import SHM_DIR
 from resilient_rl.trainer.step import DECODE_EAGER_REASON, PHASES, run_step
@@ -80,6 +80,7 @@ class PPOTrainer:
     def __init__(self, cfg, roles_factory: Callable | None = None, hooks: list | None = None):
         self.cfg = cfg
         self._decode_eager_reported = False
+        file_digests = named_file_digests(cfg)  # what the files held before they are read below
         self.task = get_task(cfg.data, cfg.custom_reward_function)
         self.tokenizer = build_tokenizer(cfg.data, self.task)
         model_vocab_size(cfg.model, self.tokenizer.vocab_size)  # fail here, not in a worker, if too small
@@ -102,7 +103,7 @@ class PPOTrainer:
         check_available(cfg.trainer.loggers)
         self.run_dir = RunDir(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.digest = config_digest(cfg)
-        self._checkpoint_config = checkpoint_config(cfg)
+        self._checkpoint_config = checkpoint_config(cfg, file_digests)
         self.hooks = check_hooks(list(hooks or []))
         if roles_factory is None:
             from resilient_rl.runtime.pool.ray_roles import RayRoles

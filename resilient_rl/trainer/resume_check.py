@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from resilient_rl.checkpoint import CheckpointManager
-from resilient_rl.config.file_digests import RECORD_KEY, with_file_digests
+from resilient_rl.config.file_digests import RECORD_KEY, file_digests, with_file_digests
 from resilient_rl.config.resume import check_files_in_place, check_resume_config
 from resilient_rl.config.schema import redacted_config_dict
 from resilient_rl.errors import ConfigError, RRLError
@@ -37,11 +37,20 @@ logger = logging.getLogger(__name__)
 CONFIG_KEY = "config"
 
 
-def checkpoint_config(cfg) -> dict[str, Any]:
+def checkpoint_config(cfg, digests: dict[str, str] | None = None) -> dict[str, Any]:
     """What a checkpoint records of ``cfg``: the config (credentials redacted, as in
-    ``config.yaml``) and the content digests of the files it names
+    ``config.yaml``) and the content digests of the files it names: ``digests`` when given
+    (:func:`named_file_digests`, taken before the files were read), else computed now
     (:func:`resilient_rl.config.file_digests.with_file_digests`: each is read once per start)."""
-    return with_file_digests(redacted_config_dict(cfg))
+    config = redacted_config_dict(cfg)
+    return with_file_digests(config) if digests is None else {**config, RECORD_KEY: dict(digests)}
+
+
+def named_file_digests(cfg) -> dict[str, str]:
+    """The content digests of the files ``cfg`` names, taken before the trainer reads them: a file
+    edited while the start reads it is then recorded by what it held before, and a resume after
+    that refuses it, instead of recording the edit beside data read before it."""
+    return file_digests(redacted_config_dict(cfg))
 
 
 def _resumed_steps(cfg, manager: CheckpointManager) -> list[tuple[CheckpointManager, int]]:
@@ -89,7 +98,8 @@ def _run_folder_config(run_path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str) -> str | None:
+def check_resume(cfg, manager: CheckpointManager, run_path: Path, digest: str,
+                 current: dict[str, Any] | None = None) -> str | None:
     """Refuse (ConfigError naming the keys) a resume whose config differs from the resumed
     checkpoint's in a key that may not change; warn naming the keys that changed otherwise.
     Whatever the digests, a data file or tokenizer the config names at the path the checkpoint
