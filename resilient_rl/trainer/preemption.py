@@ -224,8 +224,8 @@ def stop_recovering(trainer) -> None:
     after the failure it caused was seen: the workers went down with the job before the controller
     was told."""
     if trainer.preemption.requested:
-        logger.warning("%s received while recovering step %d: the workers stopped with the preemption; not "
-                       "recovering", trainer.preemption.signal_name, trainer.step + 1)
+        logger.warning("%s received while recovering step %d: the job is stopping, its workers with it; the "
+                       "recovery stops", trainer.preemption.signal_name, trainer.step + 1)
         _stop_without_workers(trainer, f"while recovering step {trainer.step + 1}")
 
 
