@@ -1,0 +1,155 @@
+"""Removing and setting aside a run's checkpoints: retention, clean-up, timelines set aside.
+
+:class:`CheckpointRetention` adds to :class:`~resilient_rl.checkpoint.discovery.CheckpointDiscovery`
+everything that takes checkpoints out of a run: committed steps moved aside to
+``{run}/abandoned/{stamp}/`` when the run continues from an earlier step, what killed writers left
+(uncommitted step folders, temp files, incomplete uploads) and retention of the committed steps. A
+step is un-committed (its manifest deleted) before the rest of it, so a half-deleted step reads as
+uncommitted, never as valid; with a lease attached every deletion checks that this writer still
+holds the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from resilient_rl.checkpoint.discovery import CheckpointDiscovery
+from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname, step_dirname
+from resilient_rl.checkpoint.storage import TEMP_NAME_RE, Storage
+from resilient_rl.errors import CheckpointError
+from resilient_rl.log_route import FILE_ONLY
+
+if TYPE_CHECKING:
+    from resilient_rl.checkpoint.leases.run_lease import RunLease
+
+log = logging.getLogger(__name__)
+
+ABANDONED_DIR = "abandoned"
+SET_ASIDE_NAME = "SET_ASIDE.json"
+
+
+class CheckpointRetention(CheckpointDiscovery):
+    """Set-aside, clean-up and retention of one run's checkpoints.
+
+    The attributes below are set by :class:`~resilient_rl.checkpoint.manager.CheckpointManager`."""
+
+    keep_last: int
+    keep_every: int
+    lease: RunLease | None
+
+    def _fence(self) -> None:
+        """Raise LeaseLostError when another writer took the run over (no-op without a lease)."""
+        if self.lease is not None:
+            self.lease.check()
+
+    def _write_latest(self, step: int) -> None:
+        self.storage.write_bytes_atomic(Storage.join(self.run_name, LATEST_NAME), step_dirname(step).encode(),
+                                        before_publish=self._fence)
+
+    def _delete_step(self, step: int) -> None:
+        rel = self.step_rel(step)
+        self._fence()  # a deletion after a slow write (retention follows a commit) checks again
+        self.storage.rm(Storage.join(rel, MANIFEST_NAME))  # un-commit first
+        self.storage.rm(rel, recursive=True)
+
+    # ----------------------------------------------------------------- timelines set aside
+    def set_aside_newer(self, step: int | None, reason: str) -> list[int]:
+        """Move every committed step newer than ``step`` (every one, when None) out of the run
+        into ``{run}/abandoned/{stamp}/``, with a ``SET_ASIDE.json`` saying why, and point
+        ``latest`` at the newest step left. Nothing is deleted that is not copied first: locally
+        a step folder moves in one rename; elsewhere it is copied, then un-committed (manifest
+        first) and removed. Returns the steps moved."""
+        doomed = [s for s in self.committed_steps() if step is None or s > step]
+        if not doomed:
+            return []
+        self._fence()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+        dest = Storage.join(self.run_name, ABANDONED_DIR, stamp)
+        note = {"reason": reason, "steps": doomed, "at": time.time(), "kept_up_to": step,
+                "fencing_token": self.lease.token if self.lease is not None else None}
+        self.storage.write_bytes_atomic(Storage.join(dest, SET_ASIDE_NAME), json.dumps(note, indent=1).encode())
+        for s in doomed:
+            src, dst = self.step_rel(s), Storage.join(dest, step_dirname(s))
+            if self.storage.strategy == "local":
+                self._fence()  # the rename takes committed steps out of the run: the last step before it
+                self.storage.rename_local(src, dst)
+            else:
+                for path in self.storage.find(src):
+                    self.storage.copy_file(Storage.join(src, path), Storage.join(dst, path))
+                self._delete_step(s)
+        remaining = self.committed_steps()
+        if remaining:
+            self._write_latest(remaining[-1])
+        else:
+            self.storage.rm(Storage.join(self.run_name, LATEST_NAME))
+        log.warning("set aside step(s) %s of run %s in %s: %s", doomed, self.run_url, self.storage.url_for(dest),
+                    reason)
+        return doomed
+
+    # ----------------------------------------------------------------- cleanup
+    def cleanup_uncommitted(self, exclude_step: int | Iterable[int] | None = None) -> list[int]:
+        """Remove what killed writers left in the run: step folders without a manifest, temp
+        files of atomic writes that never got renamed, and (S3) incomplete multipart uploads.
+
+        ``exclude_step`` (one step or several) names saves that may still be in flight: their
+        folders, temp files and uploads are left alone, as are temp files of this process
+        (a writer thread of it may be between write and rename). Returns the deleted steps."""
+        self._fence()  # they may be another writer's steps in flight
+        excluded = {exclude_step} if isinstance(exclude_step, int) else set(exclude_step or ())
+
+        def step_of(rel: str) -> int | None:
+            return parse_step_dirname(rel.split("/", 1)[0]) if "/" in rel else None
+
+        doomed = [s for s, files in sorted(self.step_folders().items())
+                  if MANIFEST_NAME not in files and s not in excluded]
+        for step in doomed:
+            log.info("deleting uncommitted checkpoint folder %s", self.step_dir(step))
+            self.storage.rm(self.step_rel(step), recursive=True)
+        gone = excluded | set(doomed)
+        for rel in self.storage.find(self.run_name):
+            match = TEMP_NAME_RE.search(rel)
+            if match and int(match.group(1)) != os.getpid() and step_of(rel) not in gone:
+                log.info("deleting temp file %s left by a killed writer", self.storage.url_for(
+                    Storage.join(self.run_name, rel)))
+                self.storage.rm(Storage.join(self.run_name, rel))
+        for rel in self.storage.abort_incomplete_uploads(self.run_name, skip=lambda r: step_of(r) in excluded):
+            log.info("aborted an incomplete multipart upload of %s", self.storage.url_for(
+                Storage.join(self.run_name, rel)))
+        return doomed
+
+    # ----------------------------------------------------------------- retention
+    def newest_known_good(self, committed: list[int] | None = None) -> int | None:
+        """The newest committed step whose manifest says ``known_good`` (an unreadable manifest
+        does not count), or None."""
+        for step in reversed(self.committed_steps() if committed is None else committed):
+            try:
+                if self.load_manifest(step).known_good:
+                    return step
+            except CheckpointError:
+                continue
+        return None
+
+    def apply_retention(self) -> list[int]:
+        """Keep the last ``keep_last`` committed steps, every step divisible by ``keep_every``,
+        the one ``latest`` names and the newest known-good one (so checkpoints written after a
+        NaN never push the last trustworthy state out); delete the other committed steps (all
+        older than the newest committed one, so a step is only deleted once a newer one is
+        committed)."""
+        committed = self.committed_steps()
+        if not committed:
+            return []
+        latest = committed[-1]
+        keep = set(committed[-self.keep_last:]) | {self._pointer(), self.newest_known_good(committed)}
+        if self.keep_every:
+            keep |= {s for s in committed if s % self.keep_every == 0}
+        doomed = [s for s in committed if s not in keep and s < latest]
+        for step in doomed:
+            log.info("retention: deleting checkpoint %s", self.step_dir(step), extra=FILE_ONLY)
+            self._delete_step(step)
+        return doomed
