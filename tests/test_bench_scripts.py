@@ -386,3 +386,10 @@ def test_gpu_release_bench_times_a_killed_process_and_one_that_frees_itself_on_h
     assert "freed by itself after" in lines[0]
     assert lines[2].startswith("host memory, 0.5 GiB, medians of 2: a killed process's memory free after ")
     assert lines[2].endswith("x")
+
+
+def test_commit_listing_bench_commits_on_both_sides_and_prints_what_each_lists():
+    proc = run_on_cpu("commit_listing.py", "--kept", "3", "--aside-files", "40", "--commits", "2", timeout=300)
+    lines = proc.stdout.splitlines()
+    assert "listings: find run/step_00003002, find run, ls run, find run, ls run" in lines[1]
+    assert lines[2].endswith("listings: find run/step_00003002, ls run") and "baseline / this code:" in lines[3]

@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from resilient_rl.checkpoint.manifest import (
@@ -78,8 +78,16 @@ class CheckpointDiscovery:
                 out.setdefault(step, {})
         return dict(out)
 
-    def committed_steps(self) -> list[int]:
-        return sorted(s for s, files in self.step_folders().items() if MANIFEST_NAME in files)
+    def committed_steps(self, entries: Iterable[str] | None = None) -> list[int]:
+        """The committed steps of the run, oldest first: the step folders holding a manifest.
+
+        One listing of the run's top level (``entries``: its names, when the caller listed it
+        already), then a query for each step folder's manifest: the shards of the steps and
+        ``abandoned/`` are not listed (their files can outnumber the steps a thousandfold)."""
+        names = self.storage.ls(self.run_name) if entries is None else entries
+        steps = sorted({s for s in map(parse_step_dirname, names) if s is not None})
+        found = self.storage.exists_each([Storage.join(self.step_rel(s), MANIFEST_NAME) for s in steps])
+        return [s for s, committed in zip(steps, found) if committed]
 
     def is_committed(self, step: int) -> bool:
         return self.storage.exists(Storage.join(self.step_rel(step), MANIFEST_NAME))

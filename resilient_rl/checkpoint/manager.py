@@ -140,7 +140,9 @@ class CheckpointManager(CheckpointRetention):
         self.storage.write_bytes_atomic(Storage.join(rel, MANIFEST_NAME), manifest.to_bytes(),
                                         before_publish=self._fence)
         self._write_latest(step)
+        committed = self.committed_steps()  # the one listing of the run a commit makes
         # Normally already done when the run was restored to an earlier step; kept, not deleted.
-        self.set_aside_newer(step, f"superseded by step {step}, committed after a restore to an earlier step")
-        self.apply_retention()
+        moved = self.set_aside_newer(step, f"superseded by step {step}, committed after a restore to an earlier step",
+                                     committed)
+        self.apply_retention([s for s in committed if s not in moved])
         return manifest

@@ -59,13 +59,15 @@ class CheckpointRetention(CheckpointDiscovery):
         self.storage.rm(rel, recursive=True)
 
     # ----------------------------------------------------------------- timelines set aside
-    def set_aside_newer(self, step: int | None, reason: str) -> list[int]:
+    def set_aside_newer(self, step: int | None, reason: str, committed: list[int] | None = None) -> list[int]:
         """Move every committed step newer than ``step`` (every one, when None) out of the run
         into ``{run}/abandoned/{stamp}/``, with a ``SET_ASIDE.json`` saying why, and point
         ``latest`` at the newest step left. Nothing is deleted that is not copied first: locally
         a step folder moves in one rename; elsewhere it is copied, then un-committed (manifest
-        first) and removed. Returns the steps moved."""
-        doomed = [s for s in self.committed_steps() if step is None or s > step]
+        first) and removed. ``committed``: the run's committed steps, when the caller has just
+        listed them. Returns the steps moved."""
+        committed = self.committed_steps() if committed is None else committed
+        doomed = [s for s in committed if step is None or s > step]
         if not doomed:
             return []
         self._fence()
@@ -83,7 +85,7 @@ class CheckpointRetention(CheckpointDiscovery):
                 for path in self.storage.find(src):
                     self.storage.copy_file(Storage.join(src, path), Storage.join(dst, path))
                 self._delete_step(s)
-        remaining = self.committed_steps()
+        remaining = [s for s in committed if s not in doomed]
         if remaining:
             self._write_latest(remaining[-1])
         else:
@@ -135,13 +137,14 @@ class CheckpointRetention(CheckpointDiscovery):
                 continue
         return None
 
-    def apply_retention(self) -> list[int]:
+    def apply_retention(self, committed: list[int] | None = None) -> list[int]:
         """Keep the last ``keep_last`` committed steps, every step divisible by ``keep_every``,
         the one ``latest`` names and the newest known-good one (so checkpoints written after a
         NaN never push the last trustworthy state out); delete the other committed steps (all
         older than the newest committed one, so a step is only deleted once a newer one is
-        committed)."""
-        committed = self.committed_steps()
+        committed). ``committed``: the run's committed steps, when the caller has just listed
+        them."""
+        committed = self.committed_steps() if committed is None else committed
         if not committed:
             return []
         latest = committed[-1]

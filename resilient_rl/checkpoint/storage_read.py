@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
@@ -168,6 +169,15 @@ class ReadableStorage:
             self._invalidate(full)
             return bool(self.fs.exists(full))
         return self._call("exists", path, _exists)
+
+    def exists_each(self, paths: Sequence[str], concurrency: int = 8) -> list[bool]:
+        """Whether each of ``paths`` exists, in order. On an object store, where each query is a
+        request, up to ``concurrency`` of them are in flight at once (within botocore's default
+        pool of 10 connections)."""
+        if self.strategy != "put" or len(paths) < 2:
+            return [self.exists(p) for p in paths]
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(paths)), thread_name_prefix="rrl-exists") as pool:
+            return list(pool.map(self.exists, paths))
 
     def ls(self, path: str = "") -> list[str]:
         """Names (not paths) of the entries in folder ``path``, sorted; [] if it is absent."""

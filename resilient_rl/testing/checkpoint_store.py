@@ -4,12 +4,15 @@
 tests' ``moto`` fixture); :func:`save_step` stages and writes every rank's shard of a small
 state (:func:`step_state`) plus the controller's trainer state, and commits the step;
 :func:`load_step` reads one rank's shard back. Retries are fast (:data:`FAST`), so a test of
-storage faults does not sleep through real backoff.
+storage faults does not sleep through real backoff. :func:`listings` records the folders a storage
+lists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,3 +65,24 @@ def load_step(manager: CheckpointManager, step: int, rank: int = 0) -> dict:
     template = {"w": torch.zeros(6), "rng": {"seed": 0, "state": torch.zeros(64, dtype=torch.uint8)}, "step": 0}
     return load_shard_into(template, Storage(manager.role_dir(step, "actor"), manager.storage_options), "",
                            manager.role_files(step, "actor"), rank=rank)
+
+
+@contextlib.contextmanager
+def listings(storage: Storage) -> Iterator[list[tuple[str, str]]]:
+    """Record every listing ``storage`` makes inside the block, in order, as ``("find", path)``
+    (a whole tree) or ``("ls", path)`` (one folder's names)."""
+    calls: list[tuple[str, str]] = []
+    real = {name: getattr(storage, name) for name in ("find", "ls")}
+
+    def counted(name: str):
+        def call(path: str = "", *args: Any, **kwargs: Any) -> Any:
+            calls.append((name, path))
+            return real[name](path, *args, **kwargs)
+        return call
+    for name in real:
+        setattr(storage, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name in real:
+            delattr(storage, name)
