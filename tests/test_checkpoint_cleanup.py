@@ -13,6 +13,7 @@ from resilient_rl.cli import main
 from resilient_rl.errors import ConfigError
 from resilient_rl.checkpoint.coordinator import CheckpointCoordinator
 from resilient_rl.config.schema import load_config
+from resilient_rl.testing.checkpoint_store import listings
 
 RUN = "clean"
 OTHER_PID = 999_999_999  # a writer that no longer exists
@@ -49,7 +50,9 @@ def test_cleanup_removes_leftovers_but_not_the_save_in_flight(tmp_path):
     manager = CheckpointManager(str(tmp_path), RUN)
     _commit(manager, 1)
     paths = _leftovers(manager)
-    assert manager.cleanup_uncommitted(exclude_step=4) == [3]
+    with listings(manager.storage) as calls:
+        assert manager.cleanup_uncommitted(exclude_step=4) == [3]
+    assert calls.count(("find", RUN)) == 1  # one walk of the run finds both step folders and temp files
     exists = {k: manager.storage.exists(p) for k, p in paths.items()}
     assert exists == {"uncommitted": False, "in_flight": True, "in_flight_tmp": True, "committed_tmp": False,
                       "latest_tmp": False, "own_tmp": True}

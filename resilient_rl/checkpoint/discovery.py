@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from resilient_rl.checkpoint.manifest import (
@@ -64,10 +64,11 @@ class CheckpointDiscovery:
         return self.storage.url_for(Storage.join(self.step_rel(step), check_name("role", role)))
 
     # ----------------------------------------------------------------- discovery
-    def step_folders(self) -> dict[int, dict[str, int]]:
-        """{step: {path in the step folder: size}} for every step folder of the run."""
+    def step_folders(self, found: Mapping[str, int] | None = None) -> dict[int, dict[str, int]]:
+        """{step: {path in the step folder: size}} for every step folder of the run, from a
+        listing of every file of the run (``found``: that listing, when the caller made it)."""
         out: dict[int, dict[str, int]] = defaultdict(dict)
-        for path, size in self.storage.find(self.run_name).items():
+        for path, size in (self.storage.find(self.run_name) if found is None else found).items():
             head, _, rest = path.partition("/")
             step = parse_step_dirname(head)
             if step is not None and rest:

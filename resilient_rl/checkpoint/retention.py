@@ -108,13 +108,14 @@ class CheckpointRetention(CheckpointDiscovery):
         def step_of(rel: str) -> int | None:
             return parse_step_dirname(rel.split("/", 1)[0]) if "/" in rel else None
 
-        doomed = [s for s, files in sorted(self.step_folders().items())
+        found = self.storage.find(self.run_name)
+        doomed = [s for s, files in sorted(self.step_folders(found).items())
                   if MANIFEST_NAME not in files and s not in excluded]
         for step in doomed:
             log.info("deleting uncommitted checkpoint folder %s", self.step_dir(step))
             self.storage.rm(self.step_rel(step), recursive=True)
-        gone = excluded | set(doomed)
-        for rel in self.storage.find(self.run_name):
+        gone = excluded | set(doomed)  # the temp files in these folders went with them
+        for rel in found:
             match = TEMP_NAME_RE.search(rel)
             if match and int(match.group(1)) != os.getpid() and step_of(rel) not in gone:
                 log.info("deleting temp file %s left by a killed writer", self.storage.url_for(
