@@ -32,7 +32,7 @@ import time
 
 from resilient_rl.checkpoint import CheckpointManager
 from resilient_rl.checkpoint.manifest import (
-    MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, shard_basename, step_dirname,
+    MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, parse_step_dirname, shard_basename, step_dirname,
 )
 from resilient_rl.testing.checkpoint_store import listings
 
@@ -42,11 +42,16 @@ SHARD_BYTES = 256
 
 
 class WalkingManager(CheckpointManager):
-    """The baseline: committed steps found in a recursive listing of the whole run, and retention
-    listing the run again rather than taking the commit's list."""
+    """The baseline: committed steps found in a walk of every file of the run (and a listing of
+    its names), for the set-aside check and again for retention, rather than retention taking the
+    commit's list: the listings a commit made before."""
 
     def committed_steps(self, entries=None) -> list[int]:
-        return sorted(s for s, files in self.step_folders().items() if MANIFEST_NAME in files)
+        if entries is None:  # else the commit has just listed the names
+            self.storage.ls(self.run_name)
+        found = self.storage.find(self.run_name)
+        return sorted(s for s in {parse_step_dirname(path.partition("/")[0]) for path in found
+                                  if path.partition("/")[2] == MANIFEST_NAME} if s is not None)
 
     def apply_retention(self, committed=None) -> list[int]:
         return super().apply_retention()

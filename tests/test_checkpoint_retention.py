@@ -1,7 +1,12 @@
-"""What a commit costs the storage as a run ages: it lists the run's top level once and asks for
-each step's manifest, whatever the kept steps hold and however much ``abandoned/`` holds."""
+"""Retention as a run ages: a commit lists the run's top level once and asks for each step's
+manifest, whatever the kept steps hold and however much ``abandoned/`` holds; and the timelines
+set aside in ``abandoned/`` are kept as retention keeps steps, the newest ``keep_last`` of them."""
 
 from __future__ import annotations
+
+import json
+import logging
+import time
 
 import pytest
 
@@ -16,10 +21,68 @@ def test_a_commit_lists_the_run_once_and_neither_the_shards_nor_abandoned(kind, 
     for step in range(1, 8):
         save_step(manager, step)
     assert manager.set_aside_newer(4, "resumed from step 4") == [6, 7]  # abandoned/ holds their shards
-    for step in (5, 6):
+    for step, aside in ((5, [("ls", "run/abandoned")]), (6, [])):
         files = save_step(manager, step, commit=False)
         with listings(manager.storage) as calls:
             manager.commit(step, files, {"actor": 2})
-        # The step's own folder (its files must be the ones reported), then the run's names.
-        assert calls == [("find", f"run/step_{step:08d}"), ("ls", "run")]
+        # The step's own folder (its files must be the ones reported), then the run's names; the
+        # names in abandoned/ only after a timeline was set aside (one, not more than keep_last).
+        assert calls == [("find", f"run/step_{step:08d}"), ("ls", "run"), *aside]
     assert manager.committed_steps() == [2, 4, 5, 6] and manager.latest_step() == 6
+
+
+OLD = ("20240101T000000Z-aaaaaa", "20240102T000000Z-bbbbbb", "20240103T000000Z-cccccc")
+
+
+def _set_aside_long_ago(manager: CheckpointManager, stamp: str, step: int, note: bool = True) -> None:
+    """A timeline a restore set aside at ``stamp``: a committed ``step`` and (``note``) its SET_ASIDE.json."""
+    aside = CheckpointManager(manager.storage.url_for("run/abandoned"), stamp, keep_last=5, retry=FAST)
+    save_step(aside, step)
+    if note:
+        at = time.mktime(time.strptime(stamp[:16], "%Y%m%dT%H%M%SZ")) - time.timezone
+        aside.storage.write_bytes_atomic(f"{stamp}/SET_ASIDE.json", json.dumps({"at": at, "steps": [step]}).encode())
+
+
+def test_a_commit_deletes_the_timelines_set_aside_but_the_newest_keep_last(tmp_path, caplog):
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=2, retry=FAST)
+    save_step(manager, 1)
+    for i, stamp in enumerate(OLD):
+        _set_aside_long_ago(manager, stamp, 10 + i, note=i > 0)  # the oldest, written by hand, has no note
+    metrics = tmp_path / "run" / "abandoned" / "metrics-20240101T000000Z.jsonl"  # a run folder sharing the root
+    metrics.write_text("{}\n")
+    with caplog.at_level(logging.INFO, logger="resilient_rl.checkpoint.retention"):
+        save_step(manager, 2)
+    assert sorted(p.name for p in metrics.parent.iterdir()) == [*OLD[1:], metrics.name]
+    [record] = [r for r in caplog.records if "set aside" in r.getMessage()]
+    assert OLD[0] in record.getMessage() and "step(s) [10]" in record.getMessage()
+    assert getattr(record, "rrl_file_only", False)  # train.log only, as retention of steps
+    assert manager.committed_steps() == [1, 2]
+
+
+def test_timelines_set_aside_since_the_newest_commit_are_kept(tmp_path):
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=1, keep_every=2, retry=FAST)
+    for step in (2, 4, 6):
+        save_step(manager, step)
+    _set_aside_long_ago(manager, OLD[0], 10)
+    # Two restores, each to an earlier step, and no commit since: both timelines may be wanted back.
+    assert manager.set_aside_newer(4, "restored step 4") == [6]
+    assert manager.set_aside_newer(2, "restored step 2") == [4]
+    notes = {json.loads((p / "SET_ASIDE.json").read_text()).get("reason"): p
+             for p in (tmp_path / "run" / "abandoned").iterdir()}
+    first, second = notes["restored step 4"], notes["restored step 2"]
+    assert manager.prune_set_aside() == [OLD[0]]  # beyond keep_last=1 and older than step 2's commit
+    assert sorted(p.name for p in (tmp_path / "run" / "abandoned").iterdir()) == sorted([first.name, second.name])
+    save_step(manager, 3)  # now the run's newest commit is newer than both
+    assert [p.name for p in (tmp_path / "run" / "abandoned").iterdir()] == [second.name]
+    with listings(manager.storage) as calls:
+        save_step(manager, 5)
+    assert ("ls", "run/abandoned") not in calls  # pruned to keep_last, and nothing set aside since
+    assert manager.committed_steps() == [2, 5]
+
+
+def test_nothing_set_aside_is_deleted_before_the_run_commits(tmp_path):
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=1, retry=FAST)
+    for stamp in OLD:
+        _set_aside_long_ago(manager, stamp, 10)
+    assert manager.prune_set_aside() == []
+    assert len(list((tmp_path / "run" / "abandoned").iterdir())) == 3

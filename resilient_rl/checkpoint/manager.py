@@ -15,9 +15,11 @@ A step without a manifest is not committed: it is never loaded and is cleaned up
 ``latest`` names (by a superseded writer or an abandoned timeline) is not. Old steps are deleted
 only after a newer one is committed, manifest first, so a half-deleted step reads as uncommitted,
 never as valid. When a run continues from an earlier step, the newer committed steps are moved
-aside to ``abandoned/``, not deleted. With a lease attached (:attr:`CheckpointManager.lease`),
-every commit and deletion checks that this writer still holds the run, again right before each
-write is published (after its fsync, which can outlast a takeover on network storage).
+aside to ``abandoned/``, not deleted; a commit deletes the timelines set aside there but the newest
+``keep_last`` and those set aside since the run's newest commit. With a lease attached
+(:attr:`CheckpointManager.lease`), every commit and deletion checks that this writer still holds
+the run, again right before each write is published (after its fsync, which can outlast a
+takeover on network storage).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class CheckpointManager(CheckpointRetention):
         ``files`` maps each role to its ranks' records (paths relative to the role folder, as
         :func:`write_shard` returns them). Checks that every rank's files exist with the
         recorded sizes and (``verify_content``) hashes, writes the manifest, then ``latest``,
-        then applies retention."""
+        then applies retention (to the committed steps, then to the timelines set aside)."""
         if set(files) != set(world_sizes):
             raise CheckpointError(f"commit of step {step}: roles with files {sorted(files)} differ "
                                   f"from roles with world sizes {sorted(world_sizes)}")
@@ -140,9 +142,12 @@ class CheckpointManager(CheckpointRetention):
         self.storage.write_bytes_atomic(Storage.join(rel, MANIFEST_NAME), manifest.to_bytes(),
                                         before_publish=self._fence)
         self._write_latest(step)
-        committed = self.committed_steps()  # the one listing of the run a commit makes
+        entries = self.storage.ls(self.run_name)  # the one listing of the run a commit makes
+        committed = self.committed_steps(entries)
         # Normally already done when the run was restored to an earlier step; kept, not deleted.
         moved = self.set_aside_newer(step, f"superseded by step {step}, committed after a restore to an earlier step",
                                      committed)
         self.apply_retention([s for s in committed if s not in moved])
+        if ABANDONED_DIR in entries and not self._set_aside_settled:
+            self.prune_set_aside(manifest.created_at)
         return manifest

@@ -3,17 +3,21 @@
 :class:`CheckpointRetention` adds to :class:`~resilient_rl.checkpoint.discovery.CheckpointDiscovery`
 everything that takes checkpoints out of a run: committed steps moved aside to
 ``{run}/abandoned/{stamp}/`` when the run continues from an earlier step, what killed writers left
-(uncommitted step folders, temp files, incomplete uploads) and retention of the committed steps. A
-step is un-committed (its manifest deleted) before the rest of it, so a half-deleted step reads as
-uncommitted, never as valid; with a lease attached every deletion checks that this writer still
-holds the run.
+(uncommitted step folders, temp files, incomplete uploads), retention of the committed steps and
+of the timelines set aside (the newest ``keep_last`` of them are kept, and every one set aside
+since the run's newest commit). A step is un-committed (its manifest deleted) before the rest of
+it, so a half-deleted step reads as uncommitted, never as valid; with a lease attached every
+deletion checks that this writer still holds the run.
 """
 
 from __future__ import annotations
 
 import json
+import calendar
 import logging
+import math
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterable
@@ -33,6 +37,14 @@ log = logging.getLogger(__name__)
 ABANDONED_DIR = "abandoned"
 SET_ASIDE_NAME = "SET_ASIDE.json"
 
+#: A timeline set aside: ``abandoned/{UTC time to the second}-{6 hex digits}/``.
+_STAMP_RE = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{6}$")
+_STAMP_TIME = "%Y%m%dT%H%M%SZ"
+
+
+def _stamp(at: float) -> str:
+    return time.strftime(_STAMP_TIME, time.gmtime(at)) + "-" + uuid.uuid4().hex[:6]
+
 
 class CheckpointRetention(CheckpointDiscovery):
     """Set-aside, clean-up and retention of one run's checkpoints.
@@ -42,6 +54,9 @@ class CheckpointRetention(CheckpointDiscovery):
     keep_last: int
     keep_every: int
     lease: RunLease | None
+    #: ``abandoned/`` held at most ``keep_last`` timelines when last pruned, and none was set aside
+    #: since: a commit has nothing there to prune and does not list it.
+    _set_aside_settled: bool = False
 
     def _fence(self) -> None:
         """Raise LeaseLostError when another writer took the run over (no-op without a lease)."""
@@ -71,9 +86,10 @@ class CheckpointRetention(CheckpointDiscovery):
         if not doomed:
             return []
         self._fence()
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
-        dest = Storage.join(self.run_name, ABANDONED_DIR, stamp)
-        note = {"reason": reason, "steps": doomed, "at": time.time(), "kept_up_to": step,
+        self._set_aside_settled = False
+        now = time.time()
+        dest = Storage.join(self.run_name, ABANDONED_DIR, _stamp(now))
+        note = {"reason": reason, "steps": doomed, "at": now, "kept_up_to": step,
                 "fencing_token": self.lease.token if self.lease is not None else None}
         self.storage.write_bytes_atomic(Storage.join(dest, SET_ASIDE_NAME), json.dumps(note, indent=1).encode())
         for s in doomed:
@@ -93,6 +109,58 @@ class CheckpointRetention(CheckpointDiscovery):
         log.warning("set aside step(s) %s of run %s in %s: %s", doomed, self.run_url, self.storage.url_for(dest),
                     reason)
         return doomed
+
+    def prune_set_aside(self, newest_commit_at: float | None = None) -> list[str]:
+        """Delete the timelines set aside under ``abandoned/`` but the newest ``keep_last``,
+        except those set aside after the run's newest commit (``newest_commit_at``, the time in
+        its manifest; read from the newest committed step when None): the newest are what an
+        operator would want back. Without a commit nothing is deleted. Each step of a timeline
+        is un-committed before the rest of it is deleted. Returns the folders deleted, oldest
+        first. Other entries of ``abandoned/`` (files of the run folder, when it shares the
+        checkpoint root) are left alone."""
+        root = Storage.join(self.run_name, ABANDONED_DIR)
+        stamps = [name for name in self.storage.ls(root) if _STAMP_RE.match(name)]
+        if len(stamps) <= self.keep_last:
+            self._set_aside_settled = True
+            return []
+        if newest_commit_at is None:
+            committed = self.committed_steps()
+            order = self._commit_order(committed[-1]) if committed else None
+            if order is None:
+                return []
+            newest_commit_at = order[1]
+        times = {stamp: self._set_aside_at(root, stamp) for stamp in stamps}
+        by_age = sorted(stamps, key=lambda stamp: (times[stamp], stamp))
+        doomed = [stamp for stamp in by_age[:-self.keep_last] if times[stamp] < newest_commit_at]
+        for stamp in doomed:
+            self._delete_set_aside(Storage.join(root, stamp))
+        self._set_aside_settled = len(stamps) - len(doomed) <= self.keep_last
+        return doomed
+
+    def _set_aside_at(self, root: str, stamp: str) -> float:
+        """When a timeline was set aside: its note's time, else the end of the second its folder
+        names (later rather than earlier: a timeline is never taken for older than it is; one
+        whose name is no time is never taken for old)."""
+        data = self.storage.try_read_bytes(Storage.join(root, stamp, SET_ASIDE_NAME))
+        try:
+            at = json.loads(data)["at"] if data is not None else None
+            if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
+                return float(at)
+        except (ValueError, TypeError, KeyError):
+            pass
+        try:
+            return calendar.timegm(time.strptime(stamp.split("-", 1)[0], _STAMP_TIME)) + 1.0
+        except ValueError:
+            return math.inf
+
+    def _delete_set_aside(self, folder: str) -> None:
+        steps = sorted(s for s in map(parse_step_dirname, self.storage.ls(folder)) if s is not None)
+        log.info("retention: deleting the timeline set aside in %s (step(s) %s)", self.storage.url_for(folder),
+                 steps, extra=FILE_ONLY)
+        self._fence()
+        for step in steps:  # un-commit first
+            self.storage.rm(Storage.join(folder, step_dirname(step), MANIFEST_NAME))
+        self.storage.rm(folder, recursive=True)
 
     # ----------------------------------------------------------------- cleanup
     def cleanup_uncommitted(self, exclude_step: int | Iterable[int] | None = None) -> list[int]:

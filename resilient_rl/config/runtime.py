@@ -131,7 +131,9 @@ class CheckpointConfig(Section):
     root: str = "checkpoints"
     #: Steps between checkpoints, and the run's last step (0: no checkpoints).
     save_every: int = 20
-    #: Committed checkpoints kept (older ones are deleted; the newest known-good is always kept).
+    #: Committed checkpoints kept (older ones are deleted; the newest known-good is always kept), and
+    #: timelines set aside in ``abandoned/`` by a run continued from an earlier step or started over
+    #: (older ones are deleted after a commit, never one set aside since the newest commit).
     keep_last: int = 2
     #: Also keep every checkpoint whose step is a multiple of this (0: none).
     keep_every: int = 0
