@@ -107,3 +107,13 @@ def _fresh_secret_registry():
     with secrets._seen_lock:
         secrets._seen.clear()
         secrets._seen.update(saved)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """A resume refused for its config must not get as far as the cluster."""
+    import resilient_rl.runtime.cluster as cluster
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the cluster was started")
+    monkeypatch.setattr(cluster, "connect", refuse)

@@ -25,22 +25,10 @@ from resilient_rl.errors import ConfigError
 from resilient_rl.testing.run_folder import FakeRun, tree_state
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.resume_check import check_resume
+from resume_files import ANSWERS, TINY_TOKENIZER, prompts, resume_args, warnings_of
 
-TINY_TOKENIZER = Path(__file__).resolve().parents[1] / "resilient_rl" / "data" / "tiny_tokenizer"
-ANSWERS = tuple(str(n) for n in range(10, 74))  # one batch of data.batch_size (64)
 REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
           "    return float(solution_str == ground_truth)\n")
-
-
-def _prompts(path: Path, answers=ANSWERS) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": f"{a}=", "answer": a}) + "\n" for a in answers))
-    return path
-
-
-def _args(run: FakeRun, base: Path) -> list[str]:
-    return [f"trainer.run_name={run.name}", f"trainer.output_dir={base / 'runs'}", f"checkpoint.root={base / 'ckpt'}",
-            f"trainer.total_steps={run.total_steps}", f"checkpoint.save_every={run.save_every}"]
 
 
 def _run(base: Path, sections: dict) -> tuple[FakeRun, list[str]]:
@@ -48,7 +36,7 @@ def _run(base: Path, sections: dict) -> tuple[FakeRun, list[str]]:
     run = FakeRun(base, total_steps=12, save_every=3, sections=sections)
     run.train(6)
     overrides = [f"{section}.{k}={v}" for section, values in sections.items() for k, v in values.items()]
-    return run, [*_args(run, base), *overrides]
+    return run, [*resume_args(run, base), *overrides]
 
 
 def _resume(run: FakeRun, args: list[str]):
@@ -58,27 +46,13 @@ def _resume(run: FakeRun, args: list[str]):
     return check_resume(cfg, run.manager, run.path, config_digest(cfg))
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    """A resume refused for its files must not get as far as the cluster."""
-    import resilient_rl.runtime.cluster as cluster
-
-    def refuse(*_a, **_k):
-        raise AssertionError("the cluster was started")
-    monkeypatch.setattr(cluster, "connect", refuse)
-
-
-def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-
-
 def test_a_data_file_changed_in_place_is_refused_naming_key_path_and_both_digests(tmp_path, capsys, no_ray):
     """The loader's saved position indexes the prompts the checkpoint recorded: before, the equal
     config digests let the resume train on other prompts under the same run name."""
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     recorded = content_digest(str(data), "data.path")
     run, args = _run(tmp_path, {"data": {"path": str(data), "reward_fn": "exact_match"}})
-    _prompts(data, answers=ANSWERS[:-1] + ("99",))  # regenerated at the same path
+    prompts(data, answers=ANSWERS[:-1] + ("99",))  # regenerated at the same path
     before = {p: tree_state(p) for p in (run.path, tmp_path / "ckpt")}
     assert main(["-q", "train", *args]) == 2
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
@@ -105,7 +79,7 @@ def test_unchanged_files_at_the_same_path_resume_without_a_warning_reading_each_
         tmp_path, caplog, monkeypatch):
     """Touched (another modification time, the same content), a file is hashed again and matches;
     a start (the trainer records its config, then checks the resume) reads each file once."""
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     tok = tmp_path / "tok"
     shutil.copytree(TINY_TOKENIZER, tok)
     run, args = _run(tmp_path, {"data": {"path": str(data), "reward_fn": "exact_match", "tokenizer": str(tok)},
@@ -120,7 +94,7 @@ def test_unchanged_files_at_the_same_path_resume_without_a_warning_reading_each_
         assert config_digest(trainer.cfg) == run.manager.load_manifest(6).config_digest
         trainer.claim()
         trainer.claim_.release()
-    assert _warnings(caplog) == []
+    assert warnings_of(caplog) == []
     assert sorted(reads) == sorted([str(data), str(tok / "tokenizer.json"), str(tok / "tokenizer_config.json")])
 
 
@@ -137,7 +111,7 @@ def test_a_reward_file_edited_in_place_resumes_warning_with_both_digests(tmp_pat
     """A reward fixed mid-run is a common, legitimate change: the reward's code is not part of the
     saved state (nor is data.reward_fn's, compared by its import path only). Other content at
     another path stays refused, as another data.reward_fn is."""
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     recorded = content_digest(str(reward), "custom_reward_function.path")
@@ -147,7 +121,7 @@ def test_a_reward_file_edited_in_place_resumes_warning_with_both_digests(tmp_pat
     now = content_digest(str(reward), "custom_reward_function.path")
     with caplog.at_level(logging.WARNING):
         assert _resume(run, args) is None
-    assert _warnings(caplog) == [
+    assert warnings_of(caplog) == [
         f"resuming checkpoint {run.manager.step_dir(6)} with custom_reward_function.path '{reward}' edited in place "
         f"since the checkpoint was written (sha256 {recorded} recorded with the checkpoint, {now} now): a reward's "
         f"code is not part of the saved state, so the resumed steps are scored by the file as it is now"]
@@ -162,9 +136,9 @@ def test_a_reward_file_edited_in_place_resumes_warning_with_both_digests(tmp_pat
 def test_another_change_does_not_hide_a_data_file_changed_in_place(tmp_path):
     """The config digests differ (a key that may change, or one that may not): the files at the
     same path are compared too, and one refusal names every key to put back."""
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     run, args = _run(tmp_path, {"data": {"path": str(data), "reward_fn": "exact_match"}})
-    _prompts(data, answers=ANSWERS[:-1] + ("99",))
+    prompts(data, answers=ANSWERS[:-1] + ("99",))
     cfg = load_config(None, [*args, "trainer.total_steps=20"])  # allowed on resume
     with pytest.raises(ConfigError, match=rf"data.path '{data}' \(sha256 \w+ recorded with the checkpoint, \w+ now\) "
                                           r"changed in place"):
@@ -176,14 +150,14 @@ def test_another_change_does_not_hide_a_data_file_changed_in_place(tmp_path):
 
 
 def test_a_checkpoint_without_content_digests_cannot_tell_and_resumes_as_before(tmp_path, caplog):
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     run = FakeRun(tmp_path, total_steps=12, save_every=3, record_digests=False,
                   sections={"data": {"path": str(data), "reward_fn": "exact_match"}})
     run.train(6)
-    _prompts(data, answers=ANSWERS[:-1] + ("99",))
+    prompts(data, answers=ANSWERS[:-1] + ("99",))
     with caplog.at_level(logging.WARNING):
-        assert _resume(run, [*_args(run, tmp_path), f"data.path={data}", "data.reward_fn=exact_match"]) is None
-    assert _warnings(caplog) == []
+        assert _resume(run, [*resume_args(run, tmp_path), f"data.path={data}", "data.reward_fn=exact_match"]) is None
+    assert warnings_of(caplog) == []
 
 
 def test_a_data_file_edited_while_the_start_reads_it_is_recorded_as_it_was_before(tmp_path, monkeypatch):
@@ -192,13 +166,13 @@ def test_a_data_file_edited_while_the_start_reads_it_is_recorded_as_it_was_befor
     the edit, beside prompts read before it."""
     from resilient_rl.data.loader import PromptDataset
 
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     before = content_digest(str(data), "data.path")
     read = PromptDataset.from_config.__func__
 
     def read_then_edit(cls, *args, **kwargs):
         dataset = read(cls, *args, **kwargs)
-        _prompts(data, answers=ANSWERS[::-1])
+        prompts(data, answers=ANSWERS[::-1])
         return dataset
 
     monkeypatch.setattr(PromptDataset, "from_config", classmethod(read_then_edit))

@@ -25,22 +25,7 @@ from resilient_rl.testing.checkpoint_roles import LocalCheckpointRoles
 from resilient_rl.testing.run_folder import FakeRun, tree_state
 from resilient_rl.trainer.ppo import PPOTrainer
 from resilient_rl.trainer.resume_check import CONFIG_KEY, check_resume, checkpoint_config
-
-TINY_TOKENIZER = Path(__file__).resolve().parents[1] / "resilient_rl" / "data" / "tiny_tokenizer"
-
-
-ANSWERS = tuple(str(n) for n in range(10, 74))  # one batch of data.batch_size (64)
-
-
-def _prompts(path: Path, answers=ANSWERS) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": f"{a}=", "answer": a}) + "\n" for a in answers))
-    return path
-
-
-def _args(run: FakeRun, base: Path) -> list[str]:
-    return [f"trainer.run_name={run.name}", f"trainer.output_dir={base / 'runs'}", f"checkpoint.root={base / 'ckpt'}",
-            f"trainer.total_steps={run.total_steps}", f"checkpoint.save_every={run.save_every}"]
+from resume_files import ANSWERS, TINY_TOKENIZER, prompts, resume_args, warnings_of
 
 
 def _file_run(base: Path, data: Path, **kwargs) -> FakeRun:
@@ -50,25 +35,11 @@ def _file_run(base: Path, data: Path, **kwargs) -> FakeRun:
     return run
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    """A resume refused for its config must not get as far as the cluster."""
-    import resilient_rl.runtime.cluster as cluster
-
-    def refuse(*_a, **_k):
-        raise AssertionError("the cluster was started")
-    monkeypatch.setattr(cluster, "connect", refuse)
-
-
-def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-
-
 @pytest.mark.parametrize("key", ["data.path", "custom_reward_function.path"])
 def test_a_file_moved_with_its_content_resumes_warning_with_both_paths(tmp_path, caplog, key):
     """A run moved to another cluster (another mount point) resumes: before, the changed path was refused."""
     def place(root: Path) -> dict:
-        data = _prompts(root / "data" / "prompts.jsonl") if key == "data.path" else tmp_path / "prompts.jsonl"
+        data = prompts(root / "data" / "prompts.jsonl") if key == "data.path" else tmp_path / "prompts.jsonl"
         if key == "data.path":
             return {"data": {"path": str(data), "reward_fn": "exact_match"}}
         reward = root / "rewards" / "reward.py"
@@ -78,29 +49,29 @@ def test_a_file_moved_with_its_content_resumes_warning_with_both_paths(tmp_path,
                               "    return float(solution_str == ground_truth)\n")
         return {"data": {"path": str(data)}, "custom_reward_function": {"path": str(reward)}}
 
-    _prompts(tmp_path / "prompts.jsonl")
+    prompts(tmp_path / "prompts.jsonl")
     sections = place(tmp_path / "mnt-a")
     run = FakeRun(tmp_path, total_steps=12, save_every=3, sections=sections)
     run.train(6)
     (tmp_path / "mnt-a").rename(tmp_path / "mnt-b")
     moved = place(tmp_path / "mnt-b")
     overrides = [f"{section}.{k}={v}" for section, values in moved.items() for k, v in values.items()]
-    cfg = load_config(None, [*_args(run, tmp_path), *overrides])
+    cfg = load_config(None, [*resume_args(run, tmp_path), *overrides])
     with caplog.at_level(logging.WARNING):
         accepted = check_resume(cfg, run.manager, run.path, config_digest(cfg))
     assert accepted == run.manager.load_manifest(6).config_digest  # the restore does not warn again
     section, name = key.split(".")
     old_path, new_path = sections[section][name], moved[section][name]
-    assert _warnings(caplog) == [f"resuming checkpoint {run.manager.step_dir(6)} with {key} moved: '{old_path}' -> "
-                                 f"'{new_path}' holds the same content (sha256 {content_digest(new_path, key)})"]
+    assert warnings_of(caplog) == [f"resuming checkpoint {run.manager.step_dir(6)} with {key} moved: '{old_path}' "
+                                   f"-> '{new_path}' holds the same content (sha256 {content_digest(new_path, key)})"]
 
 
 def test_a_moved_file_whose_content_changed_is_refused_naming_key_paths_and_content(tmp_path, capsys, no_ray):
-    old = _prompts(tmp_path / "mnt-a" / "prompts.jsonl")
+    old = prompts(tmp_path / "mnt-a" / "prompts.jsonl")
     run = _file_run(tmp_path, old)
-    new = _prompts(tmp_path / "mnt-b" / "prompts.jsonl", answers=ANSWERS[:-1] + ("99",))
+    new = prompts(tmp_path / "mnt-b" / "prompts.jsonl", answers=ANSWERS[:-1] + ("99",))
     before = {p: tree_state(p) for p in (run.path, tmp_path / "ckpt")}
-    assert main(["-q", "train", *_args(run, tmp_path), f"data.path={new}", "data.reward_fn=exact_match"]) == 2
+    assert main(["-q", "train", *resume_args(run, tmp_path), f"data.path={new}", "data.reward_fn=exact_match"]) == 2
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     assert f"data.path: '{old}' -> '{new}' (the content differs: sha256" in err, err
     assert content_digest(str(old), "data.path") in err and content_digest(str(new), "data.path") in err
@@ -114,12 +85,12 @@ def test_a_checkpoint_without_content_digests_refuses_a_moved_file_as_before(tmp
                                                                              record_config):
     """Written before content digests were recorded (with its config, or older still without it,
     the run folder's config.yaml standing in): a moved file cannot be told from a changed one."""
-    old = _prompts(tmp_path / "mnt-a" / "prompts.jsonl")
+    old = prompts(tmp_path / "mnt-a" / "prompts.jsonl")
     run = _file_run(tmp_path, old, record_config=record_config, record_digests=False)
     new = tmp_path / "mnt-b" / "prompts.jsonl"
     new.parent.mkdir()
     shutil.copyfile(old, new)  # the same content
-    assert main(["-q", "train", *_args(run, tmp_path), f"data.path={new}", "data.reward_fn=exact_match"]) == 2
+    assert main(["-q", "train", *resume_args(run, tmp_path), f"data.path={new}", "data.reward_fn=exact_match"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"data.path: '{old}' -> '{new}' (the checkpoint predates content digests" in err, err
     assert "checkpoint.resume=off" in err
@@ -132,10 +103,10 @@ def test_a_tokenizer_folder_moved_resumes_and_one_changed_is_refused(tmp_path, c
     run.train(6)
     new = tmp_path / "mnt-b" / "tok"
     shutil.copytree(old, new)
-    cfg = load_config(None, [*_args(run, tmp_path), f"data.tokenizer={new}"])
+    cfg = load_config(None, [*resume_args(run, tmp_path), f"data.tokenizer={new}"])
     with caplog.at_level(logging.WARNING):
         assert check_resume(cfg, run.manager, run.path, config_digest(cfg)) is not None
-    assert [w for w in _warnings(caplog) if f"data.tokenizer moved: '{old}' -> '{new}' holds the same" in w]
+    assert [w for w in warnings_of(caplog) if f"data.tokenizer moved: '{old}' -> '{new}' holds the same" in w]
     config = json.loads((new / "tokenizer_config.json").read_text())
     (new / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
     with pytest.raises(ConfigError, match=r"data.tokenizer: .* \(the content differs: sha256"):
@@ -146,7 +117,7 @@ def test_a_tokenizer_named_by_its_hub_name_is_compared_by_name(tmp_path):
     run = FakeRun(tmp_path, total_steps=12, save_every=3, sections={"data": {"tokenizer": "org/tok-a"}})
     run.train(3)
     assert run.manager.load_trainer_state(3)[CONFIG_KEY][RECORD_KEY] == {}
-    cfg = load_config(None, [*_args(run, tmp_path), "data.tokenizer=org/tok-b"])
+    cfg = load_config(None, [*resume_args(run, tmp_path), "data.tokenizer=org/tok-b"])
     with pytest.raises(ConfigError, match=r"data.tokenizer: 'org/tok-a' -> 'org/tok-b': the checkpoint"):
         check_resume(cfg, run.manager, run.path, config_digest(cfg))
 
@@ -169,7 +140,7 @@ def test_a_folder_digest_covers_names_and_contents_not_its_place_hidden_entries_
 def test_the_files_are_read_once_per_start(tmp_path, monkeypatch):
     """The config is recorded at start and again checked before a resume: one read of each file
     (a data file can be large); a file changed since is read again."""
-    data = _prompts(tmp_path / "prompts.jsonl")
+    data = prompts(tmp_path / "prompts.jsonl")
     cfg = load_config(None, [f"data.path={data}", "data.reward_fn=exact_match", f"data.tokenizer={TINY_TOKENIZER}"])
     reads = []
     hash_file = file_digests._hash_file
@@ -178,7 +149,7 @@ def test_the_files_are_read_once_per_start(tmp_path, monkeypatch):
     first = checkpoint_config(cfg)[RECORD_KEY]
     assert set(first) == {"data.path", "data.tokenizer"} and len(reads) == 3  # the file, the folder's two
     assert checkpoint_config(cfg)[RECORD_KEY] == first and len(reads) == 3
-    _prompts(data, answers=("99",))
+    prompts(data, answers=("99",))
     assert checkpoint_config(cfg)[RECORD_KEY]["data.path"] != first["data.path"] and len(reads) == 4
 
 
@@ -208,7 +179,7 @@ def _save(trainer: PPOTrainer, roles, step: int) -> None:
 def test_a_run_resumed_with_a_moved_data_file_recovers_from_its_checkpoints(tmp_path, caplog):
     """The config digest differs (it covers the path): restoring the resumed checkpoint after a
     worker failure, then the run's own, and a later start on the moved file all go through."""
-    old = _prompts(tmp_path / "mnt-a" / "prompts.jsonl")
+    old = prompts(tmp_path / "mnt-a" / "prompts.jsonl")
     first = _trainer(tmp_path, old)
     with LocalCheckpointRoles() as roles:
         roles.sync_weights = lambda version: {}
@@ -232,9 +203,9 @@ def test_a_run_resumed_with_a_moved_data_file_recovers_from_its_checkpoints(tmp_
         resumed.claim_.release()
         recorded = resumed.ckpt.manager.load_trainer_state(4)[CONFIG_KEY]
         assert recorded["data"]["path"] == str(new) and set(recorded[RECORD_KEY]) == {"data.path"}
-        assert not [w for w in _warnings(caplog) if "different config" in w], _warnings(caplog)
+        assert not [w for w in warnings_of(caplog) if "different config" in w], warnings_of(caplog)
         caplog.clear()
         again = _trainer(tmp_path, new)  # a later start resumes the run's own checkpoint of step 4
         again.claim()
         again.claim_.release()
-    assert _warnings(caplog) == []
+    assert warnings_of(caplog) == []
