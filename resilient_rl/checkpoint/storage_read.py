@@ -167,7 +167,13 @@ class ReadableStorage:
 
         def _exists() -> bool:
             self._invalidate(full)
-            return bool(self.fs.exists(full))
+            if self.strategy == "put":  # an object store's client raises what is not "no such key"
+                return bool(self.fs.exists(full))
+            try:  # fsspec's generic exists() reads any error (EIO, ESTALE on NFS) as "absent"
+                self.fs.info(full)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
         return self._call("exists", path, _exists)
 
     def exists_each(self, paths: Sequence[str], concurrency: int = 8) -> list[bool]:
@@ -200,13 +206,43 @@ class ReadableStorage:
 
         def _find() -> dict[str, int]:
             self._invalidate(full)
-            try:
-                found = self.fs.find(full, detail=True)
-            except FileNotFoundError:
-                return {}
+            if self.strategy == "put":  # an object store's listing raises its errors
+                try:
+                    found = self.fs.find(full, detail=True)
+                except FileNotFoundError:
+                    return {}
+            else:
+                found = self._walk(full)
+                if found is None:
+                    return {}
             return {self.relative(p, path): int(info.get("size") or 0)
                     for p, info in found.items() if info.get("type", "file") == "file"}
         return self._call("find", path, _find)
+
+    def _walk(self, full: str) -> dict[str, dict] | None:
+        """{path: info} of every file below folder ``full``, None when it is absent. fsspec's
+        generic walk leaves out a folder it cannot list (its subfolders ignore ``on_error``): one
+        EIO made a committed step look empty, and a clean-up then deleted it. Here a subfolder
+        gone meanwhile is left out; any other error is raised (and retried by the caller)."""
+        top = self.fs._strip_protocol(full).rstrip("/")
+        found: dict[str, dict] = {}
+        pending = [top]
+        while pending:
+            folder = pending.pop()
+            try:
+                entries = self.fs.ls(folder, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                if folder == top:
+                    return None
+                continue
+            for info in entries:
+                name = info["name"].rstrip("/")
+                if info.get("type") == "directory":
+                    if name != folder:
+                        pending.append(name)
+                else:
+                    found[name] = info
+        return found
 
     def size(self, path: str) -> int:
         full = self.full_path(path)
