@@ -21,13 +21,13 @@ def test_a_commit_lists_the_run_once_and_neither_the_shards_nor_abandoned(kind, 
     for step in range(1, 8):
         save_step(manager, step)
     assert manager.set_aside_newer(4, "resumed from step 4") == [6, 7]  # abandoned/ holds their shards
-    for step, aside in ((5, [("ls", "run/abandoned")]), (6, [])):
+    for step in (5, 6):
         files = save_step(manager, step, commit=False)
         with listings(manager.storage) as calls:
             manager.commit(step, files, {"actor": 2})
-        # The step's own folder (its files must be the ones reported), then the run's names; the
-        # names in abandoned/ only after a timeline was set aside (one, not more than keep_last).
-        assert calls == [("find", f"run/step_{step:08d}"), ("ls", "run"), *aside]
+        # The step's own folder (its files must be the ones reported), the run's names, and the
+        # names in abandoned/ (one timeline, not more than keep_last: none of them is read).
+        assert calls == [("find", f"run/step_{step:08d}"), ("ls", "run"), ("ls", "run/abandoned")]
     assert manager.committed_steps() == [2, 4, 5, 6] and manager.latest_step() == 6
 
 
@@ -76,7 +76,7 @@ def test_timelines_set_aside_since_the_newest_commit_are_kept(tmp_path):
     assert [p.name for p in (tmp_path / "run" / "abandoned").iterdir()] == [second.name]
     with listings(manager.storage) as calls:
         save_step(manager, 5)
-    assert ("ls", "run/abandoned") not in calls  # pruned to keep_last, and nothing set aside since
+    assert calls[2:] == [("ls", "run/abandoned")]  # pruned to keep_last: its one timeline is not read
     assert manager.committed_steps() == [2, 5]
 
 
@@ -86,3 +86,79 @@ def test_nothing_set_aside_is_deleted_before_the_run_commits(tmp_path):
         _set_aside_long_ago(manager, stamp, 10)
     assert manager.prune_set_aside() == []
     assert len(list((tmp_path / "run" / "abandoned").iterdir())) == 3
+
+
+def _note(manager: CheckpointManager, reason: str) -> str:
+    """The folder in abandoned/ of the timeline set aside for ``reason``."""
+    folder = manager.storage.url_for("run/abandoned")
+    import pathlib
+
+    return next(p.name for p in pathlib.Path(folder).iterdir()
+                if json.loads((p / "SET_ASIDE.json").read_text()).get("reason") == reason)
+
+
+def test_the_newest_timeline_is_the_one_set_aside_by_the_newest_lease_whatever_the_clocks(tmp_path, monkeypatch):
+    """A controller whose clock ran ten minutes ahead set a timeline aside; the next one (a newer
+    lease, a right clock) set another aside minutes later: that one is the newest and is kept."""
+    import resilient_rl.checkpoint.retention as retention
+
+    class Lease:
+        def __init__(self, token):
+            self.token = token
+
+        def check(self):
+            pass
+
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=1, keep_every=1, retry=FAST)
+    for step in (1, 2, 3, 4):
+        save_step(manager, step, world=1)
+    now = time.time
+    manager.lease = Lease(7)
+    monkeypatch.setattr(retention.time, "time", lambda: now() + 600)
+    manager.set_aside_newer(3, "ahead")
+    monkeypatch.setattr(retention.time, "time", now)
+    manager.lease = Lease(8)
+    manager.set_aside_newer(2, "behind")
+    newest = _note(manager, "behind")
+    save_step(manager, 3, world=1)
+    assert [p.name for p in (tmp_path / "run" / "abandoned").iterdir()] == [newest]
+
+
+def test_a_set_aside_cut_short_is_kept_whole_with_the_rest_moved_by_the_next_controller(tmp_path, monkeypatch):
+    """A controller dies between moving step 3 and step 4 aside; the next one, resumed from step 2
+    again, moves the rest into a folder of its own. The two folders are one timeline: a commit
+    with keep_last=1 keeps both (it deleted the first, and step 3 with it)."""
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=1, keep_every=1, retry=FAST)
+    for step in (1, 2, 3, 4):
+        save_step(manager, step, world=1)
+    rename, moved = manager.storage.rename_local, []
+
+    def die_after_one(src, dst):
+        if moved:
+            raise KeyboardInterrupt("killed")
+        moved.append(src)
+        return rename(src, dst)
+    monkeypatch.setattr(manager.storage, "rename_local", die_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        manager.set_aside_newer(2, "cut short")
+    monkeypatch.undo()
+    again = CheckpointManager(str(tmp_path), "run", keep_last=1, keep_every=1, retry=FAST)
+    assert again.set_aside_newer(2, "the rest") == [4]
+    save_step(again, 3, world=1)
+    aside = tmp_path / "run" / "abandoned"
+    assert sorted(p.name for folder in aside.iterdir() for p in folder.iterdir() if p.name.startswith("step_")) == [
+        "step_00000003", "step_00000004"]
+
+
+def test_a_timeline_set_aside_that_cannot_be_pruned_does_not_fail_the_commit(tmp_path, caplog):
+    """Pruning abandoned/ is housekeeping: the step is committed (its manifest and ``latest``
+    written) whatever it meets; it is tried again at the next commit."""
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=1, retry=FAST)
+    save_step(manager, 1)
+    for stamp in OLD[:2]:
+        _set_aside_long_ago(manager, stamp, 10)
+    (tmp_path / "run" / "abandoned" / OLD[2]).write_text("a file named as a timeline")
+    with caplog.at_level(logging.WARNING):
+        save_step(manager, 2)
+    assert manager.committed_steps() == [2] and manager.latest_step() == 2  # step 1 past keep_last
+    assert any("could not be pruned" in r.getMessage() for r in caplog.records)

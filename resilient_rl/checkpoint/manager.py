@@ -37,7 +37,7 @@ from resilient_rl.checkpoint.manifest import (
 from resilient_rl.checkpoint.retention import ABANDONED_DIR, SET_ASIDE_NAME, CheckpointRetention
 from resilient_rl.checkpoint.storage import RetryPolicy, Storage
 from resilient_rl.checkpoint.verify import Verifier
-from resilient_rl.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from resilient_rl.errors import CheckpointCorruptError, CheckpointError, ConfigError, LeaseError
 
 __all__ = ["ABANDONED_DIR", "SET_ASIDE_NAME", "CheckpointManager"]
 
@@ -148,6 +148,13 @@ class CheckpointManager(CheckpointRetention):
         moved = self.set_aside_newer(step, f"superseded by step {step}, committed after a restore to an earlier step",
                                      committed)
         self.apply_retention([s for s in committed if s not in moved])
-        if ABANDONED_DIR in entries and not self._set_aside_settled:
-            self.prune_set_aside(manifest.created_at)
+        if ABANDONED_DIR in entries:
+            try:  # housekeeping: the step is committed whatever it meets
+                self.prune_set_aside((manifest.fencing_token or 0, manifest.created_at))
+            except LeaseError:
+                raise
+            except (OSError, CheckpointError) as exc:
+                log.warning("step %d is committed, but the timelines set aside in %s could not be pruned (again "
+                            "at the next commit): %s", step, self.storage.url_for(Storage.join(self.run_name,
+                                                                                              ABANDONED_DIR)), exc)
         return manifest

@@ -54,9 +54,6 @@ class CheckpointRetention(CheckpointDiscovery):
     keep_last: int
     keep_every: int
     lease: RunLease | None
-    #: ``abandoned/`` held at most ``keep_last`` timelines when last pruned, and none was set aside
-    #: since: a commit has nothing there to prune and does not list it.
-    _set_aside_settled: bool = False
 
     def _fence(self) -> None:
         """Raise LeaseLostError when another writer took the run over (no-op without a lease)."""
@@ -86,7 +83,6 @@ class CheckpointRetention(CheckpointDiscovery):
         if not doomed:
             return []
         self._fence()
-        self._set_aside_settled = False
         now = time.time()
         dest = Storage.join(self.run_name, ABANDONED_DIR, _stamp(now))
         note = {"reason": reason, "steps": doomed, "at": now, "kept_up_to": step,
@@ -98,7 +94,8 @@ class CheckpointRetention(CheckpointDiscovery):
                 self._fence()  # the rename takes committed steps out of the run: the last step before it
                 self.storage.rename_local(src, dst)
             else:
-                for path in self.storage.find(src):
+                # The manifest last: a copy cut short reads as uncommitted, as a write cut short does.
+                for path in sorted(self.storage.find(src), key=lambda path: path == MANIFEST_NAME):
                     self.storage.copy_file(Storage.join(src, path), Storage.join(dst, path))
                 self._delete_step(s)
         remaining = [s for s in committed if s not in doomed]
@@ -110,48 +107,70 @@ class CheckpointRetention(CheckpointDiscovery):
                     reason)
         return doomed
 
-    def prune_set_aside(self, newest_commit_at: float | None = None) -> list[str]:
+    def prune_set_aside(self, newest_commit: tuple[int, float] | None = None) -> list[str]:
         """Delete the timelines set aside under ``abandoned/`` but the newest ``keep_last``,
-        except those set aside after the run's newest commit (``newest_commit_at``, the time in
-        its manifest; read from the newest committed step when None): the newest are what an
-        operator would want back. Without a commit nothing is deleted. Each step of a timeline
-        is un-committed before the rest of it is deleted. Returns the folders deleted, oldest
-        first. Other entries of ``abandoned/`` (files of the run folder, when it shares the
-        checkpoint root) are left alone."""
+        except those set aside after the run's newest commit (``newest_commit``: the fencing token
+        and time in its manifest; read from the newest committed step when None): the newest are
+        what an operator would want back. Without a commit nothing is deleted. Each step of a
+        timeline is un-committed before the rest of it is deleted. Returns the folders deleted,
+        oldest first. Other entries of ``abandoned/`` (files of the run folder, when it shares the
+        checkpoint root) are left alone.
+
+        Timelines are ordered by the fencing token of the controller that set them aside, then
+        by time (clocks of different hosts differ; tokens only grow). A set-aside cut short (its
+        controller died between two steps' moves, and the next one moved the rest into a folder
+        of its own) is one timeline with the next newer folder: they are kept or deleted together."""
         root = Storage.join(self.run_name, ABANDONED_DIR)
         stamps = [name for name in self.storage.ls(root) if _STAMP_RE.match(name)]
         if len(stamps) <= self.keep_last:
-            self._set_aside_settled = True
             return []
-        if newest_commit_at is None:
+        if newest_commit is None:
             committed = self.committed_steps()
-            order = self._commit_order(committed[-1]) if committed else None
-            if order is None:
+            newest_commit = self._commit_order(committed[-1]) if committed else None
+            if newest_commit is None:
                 return []
-            newest_commit_at = order[1]
-        times = {stamp: self._set_aside_at(root, stamp) for stamp in stamps}
-        by_age = sorted(stamps, key=lambda stamp: (times[stamp], stamp))
-        doomed = [stamp for stamp in by_age[:-self.keep_last] if times[stamp] < newest_commit_at]
+        notes = {stamp: self._set_aside_note(root, stamp) for stamp in stamps}
+        by_age = sorted(stamps, key=lambda stamp: (notes[stamp][0], notes[stamp][1], stamp))
+        timelines: list[list[str]] = []
+        for stamp in by_age:
+            if timelines and not self._set_aside_whole(root, timelines[-1][-1], notes[timelines[-1][-1]][2]):
+                timelines[-1].append(stamp)  # the rest of a set-aside cut short
+            else:
+                timelines.append([stamp])
+        doomed = [stamp for timeline in timelines[:-self.keep_last] for stamp in timeline
+                  if all(notes[s][:2] < newest_commit for s in timeline)]
         for stamp in doomed:
             self._delete_set_aside(Storage.join(root, stamp))
-        self._set_aside_settled = len(stamps) - len(doomed) <= self.keep_last
         return doomed
 
-    def _set_aside_at(self, root: str, stamp: str) -> float:
-        """When a timeline was set aside: its note's time, else the end of the second its folder
-        names (later rather than earlier: a timeline is never taken for older than it is; one
-        whose name is no time is never taken for old)."""
+    def _set_aside_note(self, root: str, stamp: str) -> tuple[int, float, list[int] | None]:
+        """(fencing token, time, steps) of a timeline set aside, from its note: without a token
+        0; without a time the end of the second its folder names (later rather than earlier: a
+        timeline is never taken for older than it is; one whose name is no time is never taken
+        for old); the steps None when the note does not name them."""
         data = self.storage.try_read_bytes(Storage.join(root, stamp, SET_ASIDE_NAME))
         try:
-            at = json.loads(data)["at"] if data is not None else None
-            if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
-                return float(at)
-        except (ValueError, TypeError, KeyError):
-            pass
-        try:
-            return calendar.timegm(time.strptime(stamp.split("-", 1)[0], _STAMP_TIME)) + 1.0
+            note = json.loads(data) if data is not None else {}
         except ValueError:
-            return math.inf
+            note = {}
+        note = note if isinstance(note, dict) else {}
+        token, at, steps = note.get("fencing_token"), note.get("at"), note.get("steps")
+        token = token if isinstance(token, int) and not isinstance(token, bool) else 0
+        if not (isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)):
+            try:
+                at = calendar.timegm(time.strptime(stamp.split("-", 1)[0], _STAMP_TIME)) + 1.0
+            except ValueError:
+                at = math.inf
+        steps = steps if isinstance(steps, list) and all(isinstance(s, int) for s in steps) else None
+        return token, float(at), steps
+
+    def _set_aside_whole(self, root: str, stamp: str, steps: list[int] | None) -> bool:
+        """Whether every step a timeline's note names was set aside whole in its folder (a
+        manifest is copied or moved with its step, last)."""
+        if steps is None:
+            return True  # nothing to tell it by
+        folder = Storage.join(root, stamp)
+        return all(self.storage.exists_each([Storage.join(folder, step_dirname(s), MANIFEST_NAME) for s in steps]))
 
     def _delete_set_aside(self, folder: str) -> None:
         steps = sorted(s for s in map(parse_step_dirname, self.storage.ls(folder)) if s is not None)
