@@ -391,5 +391,5 @@ def test_gpu_release_bench_times_a_killed_process_and_one_that_frees_itself_on_h
 def test_commit_listing_bench_commits_on_both_sides_and_prints_what_each_lists():
     proc = run_on_cpu("commit_listing.py", "--kept", "3", "--aside-files", "40", "--commits", "2", timeout=300)
     lines = proc.stdout.splitlines()
-    assert lines[1].endswith("listings: find run/step_00003002, ls run, find run, ls run, find run")
-    assert lines[2].endswith("listings: find run/step_00003002, ls run") and "baseline / this code:" in lines[3]
+    assert lines[1].endswith("listings: find run/step_00003002, ls run, find run, ls run, find run, ls run/abandoned")
+    assert lines[2].endswith("listings: find run/step_00003002, ls run, ls run/abandoned") and "baseline / this code:" in lines[3]

@@ -32,6 +32,15 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+def commit_order(manager: "CheckpointDiscovery", step: int) -> tuple[int, float] | None:
+    """(fencing token, commit time) of a committed step; None when its manifest is unreadable."""
+    try:
+        m = manager.load_manifest(step)
+    except CheckpointError:
+        return None
+    return (m.fencing_token or 0, m.created_at)
+
+
 class CheckpointDiscovery:
     """Paths, discovery, loading and verification of one run's checkpoints (read only).
 
@@ -87,8 +96,7 @@ class CheckpointDiscovery:
         ``abandoned/`` are not listed (their files can outnumber the steps a thousandfold)."""
         names = self.storage.ls(self.run_name) if entries is None else entries
         steps = sorted({s for s in map(parse_step_dirname, names) if s is not None})
-        found = self.storage.exists_each([Storage.join(self.step_rel(s), MANIFEST_NAME) for s in steps])
-        return [s for s, committed in zip(steps, found) if committed]
+        return [s for s in steps if self.storage.exists(Storage.join(self.step_rel(s), MANIFEST_NAME))]
 
     def is_committed(self, step: int) -> bool:
         return self.storage.exists(Storage.join(self.step_rel(step), MANIFEST_NAME))
@@ -99,14 +107,6 @@ class CheckpointDiscovery:
             return None
         return parse_step_dirname(data.decode(errors="replace").strip())
 
-    def _commit_order(self, step: int) -> tuple[int, float] | None:
-        """(fencing token, commit time) of a committed step; None when its manifest is unreadable."""
-        try:
-            m = self.load_manifest(step)
-        except CheckpointError:
-            return None
-        return (m.fencing_token or 0, m.created_at)
-
     def timeline_steps(self) -> list[int]:
         """The committed steps of the run's current timeline, oldest first: every committed step
         up to the one ``latest`` names, and a newer one only if it was committed after that one
@@ -116,12 +116,12 @@ class CheckpointDiscovery:
         pointer = self._pointer()
         if pointer not in committed or committed[-1] == pointer:
             return committed
-        base = self._commit_order(pointer)
+        base = commit_order(self, pointer)
         if base is None:
             return committed
         keep = []
         for s in committed:
-            order = self._commit_order(s) if s > pointer else None
+            order = commit_order(self, s) if s > pointer else None
             if s <= pointer or order is None or order >= base:
                 keep.append(s)  # an unreadable newer manifest is kept: verification reports it
             else:
@@ -138,7 +138,7 @@ class CheckpointDiscovery:
     def newest_fencing_token(self) -> int:
         """The highest fencing token among the newest committed manifests (0 if none): a floor
         for a new lease, so tokens keep growing even if the lease folder was removed."""
-        tokens = [(self._commit_order(s) or (0, 0.0))[0] for s in self.committed_steps()[-3:]]
+        tokens = [(commit_order(self, s) or (0, 0.0))[0] for s in self.committed_steps()[-3:]]
         return max(tokens, default=0)
 
     # ----------------------------------------------------------------- loading

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from resilient_rl.checkpoint.discovery import CheckpointDiscovery
+from resilient_rl.checkpoint.discovery import CheckpointDiscovery, commit_order
 from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname, step_dirname
 from resilient_rl.checkpoint.storage import TEMP_NAME_RE, Storage
 from resilient_rl.errors import CheckpointError
@@ -44,6 +44,48 @@ _STAMP_TIME = "%Y%m%dT%H%M%SZ"
 
 def _stamp(at: float) -> str:
     return time.strftime(_STAMP_TIME, time.gmtime(at)) + "-" + uuid.uuid4().hex[:6]
+
+
+def _set_aside_note(storage: Storage, root: str, stamp: str) -> tuple[int, float, list[int] | None]:
+    """(fencing token, time, steps) of a timeline set aside, from its note: without a token
+    0; without a time the end of the second its folder names (later rather than earlier: a
+    timeline is never taken for older than it is; one whose name is no time is never taken
+    for old); the steps None when the note does not name them."""
+    data = storage.try_read_bytes(Storage.join(root, stamp, SET_ASIDE_NAME))
+    try:
+        note = json.loads(data) if data is not None else {}
+    except ValueError:
+        note = {}
+    note = note if isinstance(note, dict) else {}
+    token, at, steps = note.get("fencing_token"), note.get("at"), note.get("steps")
+    token = token if isinstance(token, int) and not isinstance(token, bool) else 0
+    if not (isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)):
+        try:
+            at = calendar.timegm(time.strptime(stamp.split("-", 1)[0], _STAMP_TIME)) + 1.0
+        except ValueError:
+            at = math.inf
+    steps = steps if isinstance(steps, list) and all(isinstance(s, int) for s in steps) else None
+    return token, float(at), steps
+
+
+def _set_aside_whole(storage: Storage, root: str, stamp: str, steps: list[int] | None) -> bool:
+    """Whether every step a timeline's note names was set aside whole in its folder (a
+    manifest is copied or moved with its step, last)."""
+    if steps is None:
+        return True  # nothing to tell it by
+    folder = Storage.join(root, stamp)
+    return all(storage.exists(Storage.join(folder, step_dirname(s), MANIFEST_NAME)) for s in steps)
+
+
+def _delete_set_aside(manager: "CheckpointRetention", folder: str) -> None:
+    """Delete a timeline set aside, each step un-committed first."""
+    steps = sorted(s for s in map(parse_step_dirname, manager.storage.ls(folder)) if s is not None)
+    log.info("retention: deleting the timeline set aside in %s (step(s) %s)", manager.storage.url_for(folder),
+             steps, extra=FILE_ONLY)
+    manager._fence()
+    for step in steps:  # un-commit first
+        manager.storage.rm(Storage.join(folder, step_dirname(step), MANIFEST_NAME))
+    manager.storage.rm(folder, recursive=True)
 
 
 class CheckpointRetention(CheckpointDiscovery):
@@ -126,60 +168,22 @@ class CheckpointRetention(CheckpointDiscovery):
             return []
         if newest_commit is None:
             committed = self.committed_steps()
-            newest_commit = self._commit_order(committed[-1]) if committed else None
+            newest_commit = commit_order(self, committed[-1]) if committed else None
             if newest_commit is None:
                 return []
-        notes = {stamp: self._set_aside_note(root, stamp) for stamp in stamps}
+        notes = {stamp: _set_aside_note(self.storage, root, stamp) for stamp in stamps}
         by_age = sorted(stamps, key=lambda stamp: (notes[stamp][0], notes[stamp][1], stamp))
         timelines: list[list[str]] = []
         for stamp in by_age:
-            if timelines and not self._set_aside_whole(root, timelines[-1][-1], notes[timelines[-1][-1]][2]):
+            if timelines and not _set_aside_whole(self.storage, root, timelines[-1][-1], notes[timelines[-1][-1]][2]):
                 timelines[-1].append(stamp)  # the rest of a set-aside cut short
             else:
                 timelines.append([stamp])
         doomed = [stamp for timeline in timelines[:-self.keep_last] for stamp in timeline
                   if all(notes[s][:2] < newest_commit for s in timeline)]
         for stamp in doomed:
-            self._delete_set_aside(Storage.join(root, stamp))
+            _delete_set_aside(self, Storage.join(root, stamp))
         return doomed
-
-    def _set_aside_note(self, root: str, stamp: str) -> tuple[int, float, list[int] | None]:
-        """(fencing token, time, steps) of a timeline set aside, from its note: without a token
-        0; without a time the end of the second its folder names (later rather than earlier: a
-        timeline is never taken for older than it is; one whose name is no time is never taken
-        for old); the steps None when the note does not name them."""
-        data = self.storage.try_read_bytes(Storage.join(root, stamp, SET_ASIDE_NAME))
-        try:
-            note = json.loads(data) if data is not None else {}
-        except ValueError:
-            note = {}
-        note = note if isinstance(note, dict) else {}
-        token, at, steps = note.get("fencing_token"), note.get("at"), note.get("steps")
-        token = token if isinstance(token, int) and not isinstance(token, bool) else 0
-        if not (isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)):
-            try:
-                at = calendar.timegm(time.strptime(stamp.split("-", 1)[0], _STAMP_TIME)) + 1.0
-            except ValueError:
-                at = math.inf
-        steps = steps if isinstance(steps, list) and all(isinstance(s, int) for s in steps) else None
-        return token, float(at), steps
-
-    def _set_aside_whole(self, root: str, stamp: str, steps: list[int] | None) -> bool:
-        """Whether every step a timeline's note names was set aside whole in its folder (a
-        manifest is copied or moved with its step, last)."""
-        if steps is None:
-            return True  # nothing to tell it by
-        folder = Storage.join(root, stamp)
-        return all(self.storage.exists_each([Storage.join(folder, step_dirname(s), MANIFEST_NAME) for s in steps]))
-
-    def _delete_set_aside(self, folder: str) -> None:
-        steps = sorted(s for s in map(parse_step_dirname, self.storage.ls(folder)) if s is not None)
-        log.info("retention: deleting the timeline set aside in %s (step(s) %s)", self.storage.url_for(folder),
-                 steps, extra=FILE_ONLY)
-        self._fence()
-        for step in steps:  # un-commit first
-            self.storage.rm(Storage.join(folder, step_dirname(step), MANIFEST_NAME))
-        self.storage.rm(folder, recursive=True)
 
     # ----------------------------------------------------------------- cleanup
     def cleanup_uncommitted(self, exclude_step: int | Iterable[int] | None = None) -> list[int]:

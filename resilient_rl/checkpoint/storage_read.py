@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
@@ -64,6 +63,32 @@ def _read_local_segments(full: str, segments: list[tuple[int, memoryview]]) -> N
                     raise EOFError(f"{full}: file ends at byte {start + got}, "
                                    f"expected {len(view) - got} more bytes")
                 got += k
+
+
+def _walk(fs: fsspec.AbstractFileSystem, full: str) -> dict[str, dict] | None:
+    """{path: info} of every file below folder ``full``, None when it is absent. fsspec's
+    generic walk leaves out a folder it cannot list (its subfolders ignore ``on_error``): one
+    EIO made a committed step look empty, and a clean-up then deleted it. Here a subfolder
+    gone meanwhile is left out; any other error is raised (and retried by the caller)."""
+    top = fs._strip_protocol(full).rstrip("/")
+    found: dict[str, dict] = {}
+    pending = [top]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = fs.ls(folder, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            if folder == top:
+                return None
+            continue
+        for info in entries:
+            name = info["name"].rstrip("/")
+            if info.get("type") == "directory":
+                if name != folder:
+                    pending.append(name)
+            else:
+                found[name] = info
+    return found
 
 
 class ReadableStorage:
@@ -176,15 +201,6 @@ class ReadableStorage:
             return True
         return self._call("exists", path, _exists)
 
-    def exists_each(self, paths: Sequence[str], concurrency: int = 8) -> list[bool]:
-        """Whether each of ``paths`` exists, in order. On an object store, where each query is a
-        request, up to ``concurrency`` of them are in flight at once (within botocore's default
-        pool of 10 connections)."""
-        if self.strategy != "put" or len(paths) < 2:
-            return [self.exists(p) for p in paths]
-        with ThreadPoolExecutor(max_workers=min(concurrency, len(paths)), thread_name_prefix="rrl-exists") as pool:
-            return list(pool.map(self.exists, paths))
-
     def ls(self, path: str = "") -> list[str]:
         """Names (not paths) of the entries in folder ``path``, sorted; [] if it is absent."""
         full = self.full_path(path)
@@ -212,37 +228,12 @@ class ReadableStorage:
                 except FileNotFoundError:
                     return {}
             else:
-                found = self._walk(full)
+                found = _walk(self.fs, full)
                 if found is None:
                     return {}
             return {self.relative(p, path): int(info.get("size") or 0)
                     for p, info in found.items() if info.get("type", "file") == "file"}
         return self._call("find", path, _find)
-
-    def _walk(self, full: str) -> dict[str, dict] | None:
-        """{path: info} of every file below folder ``full``, None when it is absent. fsspec's
-        generic walk leaves out a folder it cannot list (its subfolders ignore ``on_error``): one
-        EIO made a committed step look empty, and a clean-up then deleted it. Here a subfolder
-        gone meanwhile is left out; any other error is raised (and retried by the caller)."""
-        top = self.fs._strip_protocol(full).rstrip("/")
-        found: dict[str, dict] = {}
-        pending = [top]
-        while pending:
-            folder = pending.pop()
-            try:
-                entries = self.fs.ls(folder, detail=True)
-            except (FileNotFoundError, NotADirectoryError):
-                if folder == top:
-                    return None
-                continue
-            for info in entries:
-                name = info["name"].rstrip("/")
-                if info.get("type") == "directory":
-                    if name != folder:
-                        pending.append(name)
-                else:
-                    found[name] = info
-        return found
 
     def size(self, path: str) -> int:
         full = self.full_path(path)
