@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -46,21 +47,14 @@ class MotoServer:
             raise MotoUnavailable("moto_server is not installed (pip install 'moto[server]')")
         port = free_port(host)
         endpoint = f"http://{host}:{port}"
-        proc = subprocess.Popen([exe, "-H", host, "-p", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
-                raise MotoUnavailable(f"moto_server exited with code {proc.returncode}: {err}")
-            try:
-                with urllib.request.urlopen(endpoint, timeout=1.0):
-                    break
-            except urllib.error.HTTPError:
-                break  # any HTTP answer means it is up
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
-        else:
+        # Its log (a line per request) goes to a file: a pipe nobody reads fills after some
+        # thousand requests, and the server then blocks on its next line, answering no request.
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen([exe, "-H", host, "-p", str(port)], stdout=subprocess.DEVNULL,
+                                    stderr=log, start_new_session=True)
+            deadline = time.monotonic() + timeout_s
+            up = _wait_up(proc, endpoint, deadline, log)
+        if not up:
             _stop(proc)
             raise MotoUnavailable(f"moto_server did not answer on {endpoint} within {timeout_s}s")
         options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
@@ -88,6 +82,24 @@ class MotoServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_up(proc: subprocess.Popen, endpoint: str, deadline: float, log) -> bool:
+    """Whether the server answers HTTP before ``deadline``; MotoUnavailable with the end of its
+    ``log`` when it exits first."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            err = log.read().decode(errors="replace")[-500:]
+            raise MotoUnavailable(f"moto_server exited with code {proc.returncode}: {err}")
+        try:
+            with urllib.request.urlopen(endpoint, timeout=1.0):
+                return True
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer means it is up
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
