@@ -96,7 +96,7 @@ class CheckpointDiscovery:
         ``abandoned/`` are not listed (their files can outnumber the steps a thousandfold)."""
         names = self.storage.ls(self.run_name) if entries is None else entries
         steps = sorted({s for s in map(parse_step_dirname, names) if s is not None})
-        return [s for s in steps if self.storage.exists(Storage.join(self.step_rel(s), MANIFEST_NAME))]
+        return [s for s in steps if self.is_committed(s)]
 
     def is_committed(self, step: int) -> bool:
         return self.storage.exists(Storage.join(self.step_rel(step), MANIFEST_NAME))
