@@ -78,11 +78,11 @@ def fsdp_reference(chaos_dir, shared_dir):
 def chaos_run(chaos_ray, chaos_dir, request):
     """Run the chaos config under a schedule; records the result for the session summary."""
 
-    def run(schedule, *extra: str, name: str | None = None):
+    def run(schedule, *extra: str, name: str | None = None, hooks: tuple = ()):
         if name is None:
             digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]
             name = request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40] + "-" + digest
-        result = run_training(chaos_overrides(chaos_dir) + list(extra), name, schedule)
+        result = run_training(chaos_overrides(chaos_dir) + list(extra), name, schedule, hooks=hooks)
         RESULTS.append(result)
         return result
 

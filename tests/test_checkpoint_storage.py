@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 import uuid
 
 import pytest
@@ -156,6 +157,24 @@ def test_slow_operations_still_complete():
     storage = Storage(f"memory://slow-{uuid.uuid4().hex}", retry=FAST, fs=fs)
     storage.write_bytes_atomic("s", b"data")
     assert storage.read_bytes("s") == b"data" and fs.injected == []
+
+
+def test_a_held_path_waits_until_its_hold_file_is_removed(tmp_path):
+    hold = tmp_path / "hold"
+    hold.touch()
+    plan = FaultPlan(hold_paths="step_00000002/", hold_while=str(hold))
+    storage = Storage(f"memory://hold-{uuid.uuid4().hex}", retry=FAST,
+                      fs=FaultyFileSystem(target_protocol="memory", plan=plan, name=uuid.uuid4().hex))
+    storage.write_bytes_atomic("step_00000004/a", b"free")  # other paths are not held
+    held = threading.Thread(target=storage.write_bytes_atomic, args=("step_00000002/a", b"held"))
+    held.start()
+    held.join(0.5)
+    assert held.is_alive() and not storage.exists("step_00000002/a")
+    hold.unlink()
+    held.join(30)
+    assert not held.is_alive() and storage.read_bytes("step_00000002/a") == b"held"
+    with pytest.raises(ValueError, match="hold_paths and hold_while"):
+        FaultPlan(hold_paths="step_00000002/")
 
 
 def test_local_write_is_replaced_atomically(tmp_path):

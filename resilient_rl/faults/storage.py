@@ -8,6 +8,10 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
   fails part-way, after some bytes went through, like a dropped connection;
 - every data operation is delayed by ``slow_s`` seconds; only those on a path containing one of
   the comma-separated ``slow_paths`` when they are given (``"step_00000002/"``: one slow save);
+- every data operation on a path containing one of the comma-separated ``hold_paths`` waits while
+  the local file ``hold_while`` exists (up to ``HOLD_MAX_S``): a save kept in flight until the test
+  removes that file, however long the rest of the run takes to get there (``slow_s`` only makes a
+  race likely, a hold decides it);
 - once ``enospc_after_bytes`` bytes have been written, writes fail with ``ENOSPC`` (permanent);
 - every write to a path containing one of the comma-separated ``outage_paths`` (e.g.
   ``"step_00000004/,step_00000006/actor"``) fails with the transient error, however often it is
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 import time
@@ -52,7 +57,12 @@ from fsspec.spec import AbstractFileSystem
 from resilient_rl import env
 from resilient_rl.checkpoint.storage import OBJECT_STORE_PROTOCOLS
 
+logger = logging.getLogger(__name__)
+
 PROTOCOL = "faulty"
+#: The longest a held operation waits for its ``hold_while`` file to go: a test that never
+#: releases it fails on what the run did instead of hanging.
+HOLD_MAX_S = 120.0
 
 
 @dataclass
@@ -67,11 +77,16 @@ class FaultPlan:
     enospc_after_bytes: int | None = None
     outage_paths: str = ""
     outage_reads: str = ""
+    hold_paths: str = ""
+    hold_while: str = ""
 
     def __post_init__(self) -> None:
         self.outage_paths = self.outage_paths or ""  # an empty `key=` override reads as None
         self.slow_paths = self.slow_paths or ""
         self.outage_reads = self.outage_reads or ""
+        self.hold_paths, self.hold_while = self.hold_paths or "", self.hold_while or ""
+        if bool(self.hold_paths) != bool(self.hold_while):
+            raise ValueError(f"FaultPlan hold_paths and hold_while go together, got {self}")
         if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0:
             raise ValueError(f"FaultPlan counts and delays must be >= 0, got {self}")
 
@@ -180,6 +195,8 @@ class FaultyFileSystem(AbstractFileSystem):
         """Count one data operation; the fault it must raise, if any."""
         if self.plan.slow_s and (not self.plan.slow_paths or _matches(path, self.plan.slow_paths)):
             time.sleep(self.plan.slow_s)
+        if self.plan.hold_paths and _matches(path, self.plan.hold_paths):
+            self._hold(path)
         with self._lock:
             if kind == "write":
                 self.writes += 1
@@ -188,6 +205,14 @@ class FaultyFileSystem(AbstractFileSystem):
                 self.reads += 1
                 failing = self.reads <= self.plan.transient_reads or self._read_outage(path)
             return self._transient(kind, path) if failing else None
+
+    def _hold(self, path: str) -> None:
+        deadline = time.monotonic() + HOLD_MAX_S
+        while os.path.exists(self.plan.hold_while) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if os.path.exists(self.plan.hold_while):
+            logger.warning("fault: %s held for %.0fs and let through: %s was never removed", path, HOLD_MAX_S,
+                           self.plan.hold_while)
 
     def _charge_bytes(self, n: int, path: str) -> None:
         with self._lock:
