@@ -137,6 +137,32 @@ def test_mlflow_file_store_holds_metrics_and_events(tmp_path, monkeypatch):
     assert kinds == ["checkpoint_committed", "failure", "recovered", "checkpoint_committed"]
 
 
+def test_the_event_log_holds_the_newest_events_and_the_counts_count_all(tmp_path, monkeypatch):
+    """The wandb table and the MLflow artifact are rewritten whole: a week-long run keeps only the
+    newest EVENT_LOG_ROWS events in them (and in memory); events.jsonl keeps them all."""
+    from mlflow import MlflowClient
+
+    from resilient_rl.telemetry import trackers
+    from resilient_rl.testing.wandb_offline import find_run_file, read_history
+
+    monkeypatch.setattr(trackers, "EVENT_LOG_ROWS", 2)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    run_dir = _log_a_run(_cfg(tmp_path, "wandb", "mlflow", **{"trainer.project_name": "rrl-test"}))
+    assert len(run_dir.events_path.read_text().splitlines()) == 5  # with the one after close
+    rows = read_history(find_run_file(run_dir.path))
+    assert [t["event_log/nrows"] for t in rows if "event_log/path" in t] == [2, 2, 2]  # 2, 3, 4 unbounded
+    assert max(r.get("events/checkpoint_committed", 0) for r in rows) == 2
+    client = MlflowClient(tracking_uri=(run_dir.path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("rrl-test").experiment_id])
+    local = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
+    assert [json.loads(line)["event"] for line in Path(local).read_text().splitlines()] == [
+        "recovered", "checkpoint_committed"]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "events/checkpoint_committed")] == [1, 2]
+
+
 def test_fit_prints_a_summary_every_log_every_steps_and_the_full_log_to_train_log(tmp_path, capsys):
     from resilient_rl.trainer.local_roles import LocalRoles
     from resilient_rl.trainer.ppo import PPOTrainer

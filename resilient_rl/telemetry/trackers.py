@@ -19,6 +19,7 @@ recovery the replayed steps are logged again with the same step numbers.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -46,6 +47,10 @@ FILE_ONLY_EVENTS = ("checkpoint_committed",)
 #: Events of every checkpoint: the full event log (wandb table, MLflow artifact) is rewritten for them
 #: only with the next other event or at close, so a long run does not write one copy per checkpoint.
 ROUTINE_EVENTS = ("checkpoint_started", "checkpoint_committed")
+#: Rows of that event log: the newest events only. A week-long run makes tens of thousands, and the
+#: log is rewritten whole each time; the run folder's events.jsonl holds every one of them, and the
+#: ``events/<kind>`` counts count them all.
+EVENT_LOG_ROWS = 1000
 
 
 class Tracker(Protocol):
@@ -128,7 +133,8 @@ class WandbTracker:
 
     wandb's own step must only grow, and a recovery replays steps, so every row carries
     ``trainer/step`` and all charts use it as their x axis. Events are ``events/<kind>`` counts
-    and a table ``event_log`` (step, event, fields) re-logged with each event (see ROUTINE_EVENTS).
+    and a table ``event_log`` (step, event, fields) of the newest ``EVENT_LOG_ROWS`` events, re-logged
+    with each event (see ROUTINE_EVENTS).
     """
 
     def __init__(self, run_dir: str, project: str, name: str, config: dict, mode: str | None = None):
@@ -147,7 +153,7 @@ class WandbTracker:
         self.run.define_metric("trainer/step")
         self.run.define_metric("*", step_metric="trainer/step")
         self.counts: dict[str, int] = {}
-        self.events: list[list] = []
+        self.events: collections.deque[list] = collections.deque(maxlen=EVENT_LOG_ROWS)
         self.dirty = False  # events not yet in a logged event_log table
 
     def log_metrics(self, step: int, row: dict[str, Any]) -> None:
@@ -172,7 +178,8 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run: metrics by step, events as ``events/<kind>`` counts plus an ``events.jsonl`` artifact.
+    """An MLflow run: metrics by step, events as ``events/<kind>`` counts plus an ``events.jsonl``
+    artifact of the newest ``EVENT_LOG_ROWS`` events.
 
     With no ``MLFLOW_TRACKING_URI`` the store is a local file store in the run folder (``mlruns/``),
     which needs no server and no network; mlflow keeps that backend only behind
@@ -192,7 +199,7 @@ class MlflowTracker:
         for i in range(0, len(flat), 100):  # mlflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=flat[i:i + 100])
         self.counts: dict[str, int] = {}
-        self.events: list[str] = []
+        self.events: collections.deque[str] = collections.deque(maxlen=EVENT_LOG_ROWS)
         self.dirty = False  # events not yet in the events.jsonl artifact
 
     def _now_ms(self) -> int:
