@@ -22,6 +22,7 @@ from resilient_rl.config.schema import load_config
 from resilient_rl.faults.harness import collect_run, run_training
 from resilient_rl.faults.nodes import local_nodes
 from resilient_rl.faults.storage import FaultPlan, faulty_url
+from resilient_rl.trainer.hooks import TrainerHook
 
 STEPS = 6
 #: ``RRL_CHAOS_RECOVERY=fast`` runs every scenario (and the reference) with warm spares and a
@@ -76,6 +77,30 @@ def storage_overrides(chaos_dir: str, name: str, plan: FaultPlan) -> list[str]:
             f"checkpoint.storage_options.name={options['name']}"]
     return flat + [f"checkpoint.storage_options.plan.{k}={'null' if v is None else v}"
                    for k, v in options["plan"].items()]
+
+
+class _ReleaseOnRecovery(TrainerHook):
+    """Removes a hold file once a recovery has begun (the save in flight abandoned by then)."""
+
+    def __init__(self, hold: str):
+        self.hold = hold
+
+    def on_recovery_state(self, trainer, state) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.hold)
+
+
+def held_save(chaos_dir: str, name: str, step: int) -> tuple[list[str], TrainerHook]:
+    """Overrides whose storage holds the workers' shards of step ``step``'s save until a recovery
+    begins, and the hook that lets them through then (pass it to ``chaos_run(..., hooks=(hook,))``):
+    the save is in flight when the scenario's fault lands, however long the run takes to get there
+    (a slowed save only makes that likely), and the save of that step after the recovery is not
+    held. The controller's own files of the step are not held: it writes some before the save has
+    started, and a held controller would never reach the fault."""
+    hold = os.path.join(chaos_dir, f"{name}.hold")
+    open(hold, "w").close()
+    plan = FaultPlan(hold_paths=f"step_{step:08d}/actor/,step_{step:08d}/critic/", hold_while=hold)
+    return storage_overrides(chaos_dir, name, plan), _ReleaseOnRecovery(hold)
 
 
 def ensure_ray():

@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 
-from suite import STORAGE_ONLY, storage_overrides
+from suite import STORAGE_ONLY, held_save, storage_overrides
 from resilient_rl.faults.harness import check_invariants
 from resilient_rl.faults.injectors import FaultSchedule
 from resilient_rl.faults.storage import FaultPlan
-from resilient_rl.trainer.hooks import TrainerHook
-
-
-class _ReleaseOnRecovery(TrainerHook):
-    """Removes a FaultPlan's ``hold_while`` file once a recovery has begun (the save in flight
-    abandoned by then), so the held writes go through."""
-
-    def __init__(self, hold: str):
-        self.hold = hold
-
-    def on_recovery_state(self, trainer, state) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.hold)
 
 
 def test_kill_during_checkpoint_write_never_becomes_latest(reference, chaos_run, chaos_dir):
-    """Slow storage keeps step 4's shards in flight; actor rank 1 dies while writing them."""
-    extra = storage_overrides(chaos_dir, "killwrite", FaultPlan(slow_s=0.3, slow_paths="step_00000004/"))
+    """Step 4's shards are held in flight; actor rank 1 dies while writing them."""
+    extra, release = held_save(chaos_dir, "killwrite", 4)
     schedule = FaultSchedule().at_checkpoint(4).kill("actor", 1, delay_s=0.1)
-    result = chaos_run(schedule, *extra, *STORAGE_ONLY)
+    result = chaos_run(schedule, *extra, *STORAGE_ONLY, hooks=(release,))
     check_invariants(result, reference)
     assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [4]
     assert result.events_of("recovered")[0]["restored_step"] == 2, "the torn step-4 save was never loaded"
@@ -42,11 +26,9 @@ def test_a_save_abandoned_for_a_rank_that_writes_none_is_saved_again(reference, 
     the save. Restored from step 2's snapshot, the run saves step 2 again: it keeps the checkpoints
     the fault-free run keeps (before, step 2 was lost for good, the durable interval silently
     doubled). A slow save instead of a held one raced the failure's detection and sometimes won."""
-    hold = os.path.join(chaos_dir, "resave.hold")
-    open(hold, "w").close()
-    extra = storage_overrides(chaos_dir, "resave", FaultPlan(hold_paths="step_00000002/", hold_while=hold))
+    extra, release = held_save(chaos_dir, "resave", 2)
     schedule = FaultSchedule().at_checkpoint(2).kill("rollout", 0, delay_s=0.05)
-    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1", hooks=(_ReleaseOnRecovery(hold),))
+    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1", hooks=(release,))
     check_invariants(result, reference)
     kinds = [(e["event"], e.get("step", e.get("failed_step"))) for e in result.events]
     assert 2 in [e["step"] for e in result.events_of("checkpoint_abandoned")], kinds

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from suite import STORAGE_ONLY, storage_overrides
+from suite import STORAGE_ONLY, held_save, storage_overrides
 from resilient_rl.cli import EXIT_RUNTIME, exit_code
 from resilient_rl.errors import CheckpointsSkippedError
 from resilient_rl.faults.harness import check_invariants, metric_totals
@@ -15,11 +15,11 @@ from resilient_rl.faults.storage import FaultPlan
 
 @pytest.mark.slow  # a kill during a write: chaos/test_checkpoint_faults.py
 def test_worker_killed_with_the_last_save_pending_recovers(reference, chaos_run, chaos_dir):
-    """Slow storage keeps the final step's shards in flight while actor rank 1 dies: the wait for
-    the last save is inside the recovery, so the run rolls back to step 4 and replays to the end."""
-    extra = storage_overrides(chaos_dir, "lastsave", FaultPlan(slow_s=0.3, slow_paths="step_00000006/"))
+    """The final step's shards are held in flight while actor rank 1 dies: the wait for the last
+    save is inside the recovery, so the run rolls back to step 4 and replays to the end."""
+    extra, release = held_save(chaos_dir, "lastsave", 6)
     schedule = FaultSchedule().at_checkpoint(6).kill("actor", 1, delay_s=0.1)
-    result = chaos_run(schedule, *extra, *STORAGE_ONLY)
+    result = chaos_run(schedule, *extra, *STORAGE_ONLY, hooks=(release,))
     check_invariants(result, reference)
     assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [6]
     assert result.events_of("recovered")[0]["restored_step"] == 4
@@ -31,9 +31,9 @@ def test_worker_killed_with_the_last_save_pending_and_the_last_snapshot_complete
     """The last step's snapshot is complete and its save still in flight when actor rank 1 dies:
     the recovery abandons the save and restores the snapshot, which is the last step. The run then
     saves that step again: before, it ended as complete with the last step never committed."""
-    extra = storage_overrides(chaos_dir, "lastsnap", FaultPlan(slow_s=1.0, slow_paths="step_00000006/"))
+    extra, release = held_save(chaos_dir, "lastsnap", 6)
     schedule = FaultSchedule().at_final_save(6).kill("actor", 1)
-    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1")
+    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1", hooks=(release,))
     check_invariants(result, reference)
     assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [6]
     assert [(e["restored_step"], e["source"]) for e in result.events_of("recovered")] == [(6, "snapshot")]
