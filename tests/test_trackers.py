@@ -220,6 +220,21 @@ def test_run_log_is_reentrant_and_routes_worker_lines(tmp_path, capsys):
     assert "(actor_0 pid=42, 10.0.0.1) boom" in capsys.readouterr().err
 
 
+def test_train_log_is_rotated_and_keeps_the_newest_parts(tmp_path, monkeypatch):
+    from resilient_rl.run import log
+
+    monkeypatch.setattr(log, "ROTATE_BYTES", 4000)
+    monkeypatch.setattr(log, "KEEP_ROTATED", 2)
+    path = tmp_path / "train.log"
+    with log.RunLog(path):
+        for i in range(200):
+            log.STEP_LOG.info("step %d %s", i, "x" * 80)
+    parts = sorted(p.name for p in tmp_path.iterdir())
+    assert parts == ["train.log", "train.log.1", "train.log.2"]
+    assert all((tmp_path / p).stat().st_size <= 4000 for p in parts)
+    assert "step 199 " in path.read_text() and "step 0 " not in "".join((tmp_path / p).read_text() for p in parts)
+
+
 def test_a_chosen_backend_that_is_not_installed_fails_before_anything_starts(tmp_path, monkeypatch):
     from resilient_rl.telemetry import trackers
     from resilient_rl.trainer.ppo import PPOTrainer

@@ -6,11 +6,16 @@ line per step with all its metrics (the :data:`STEP_LOG` logger, which is kept o
 the stdout/stderr of the Ray workers and the errors Ray reports to the driver ("A worker died or
 was killed ...", tagged ``(raylet)``) (:data:`~resilient_rl.runtime.worker_output.WORKER_LOG`), which Ray would otherwise
 print into the driver's terminal.
+
+``train.log`` is rotated at ``ROTATE_BYTES`` (``train.log.1`` the newest older part, up to
+``KEEP_ROTATED`` of them): a week-long run with its per-step line and its workers' output would
+otherwise grow it without bound.
 """
 
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import sys
 from pathlib import Path
 
@@ -22,6 +27,10 @@ from resilient_rl.runtime import worker_output
 STEP_LOG = logging.getLogger("resilient_rl.steps")
 #: Ray notices moved off the console into ``train.log`` (they are informational for a local run).
 QUIET_RAY_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+
+#: ``train.log`` is rotated past this size; the newest ``KEEP_ROTATED`` older parts are kept.
+ROTATE_BYTES = 100 * 2**20
+KEEP_ROTATED = 9
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STEP_LOG.propagate = False
@@ -75,7 +84,8 @@ class RunLog:
     def __enter__(self) -> "RunLog":
         handler, depth = self._open.get(self.path, (None, 0))
         if handler is None:
-            handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
+            handler = logging.handlers.RotatingFileHandler(self.path, mode="a", maxBytes=ROTATE_BYTES,
+                                                           backupCount=KEEP_ROTATED, encoding="utf-8")
             handler.setLevel(logging.INFO)
             handler.setFormatter(logging.Formatter(_FORMAT))
             handler.addFilter(RedactingFilter())  # no credential reaches the file, however it was logged
