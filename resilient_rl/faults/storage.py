@@ -4,8 +4,9 @@
 following a :class:`FaultPlan`, makes its data operations misbehave:
 
 - the first ``transient_writes`` write operations and the first ``transient_reads`` read
-  operations fail with a transient ``OSError`` (``EIO`` by default). A failing streamed write
-  fails part-way, after some bytes went through, like a dropped connection;
+  operations (listings and metadata queries count as reads) fail with a transient ``OSError``
+  (``EIO`` by default). A failing streamed write fails part-way, after some bytes went through,
+  like a dropped connection;
 - every data operation is delayed by ``slow_s`` seconds; only those on a path containing one of
   the comma-separated ``slow_paths`` when they are given (``"step_00000002/"``: one slow save);
 - every data operation on a path containing one of the comma-separated ``hold_paths`` waits while
@@ -257,22 +258,35 @@ class FaultyFileSystem(AbstractFileSystem):
     def _read_outage(self, path: str) -> bool:
         return _matches(path, self.plan.outage_reads)
 
-    # ------------------------------------------------------------- metadata (outage_reads only)
+    # ------------------------------------------------------------- metadata (reads, never slowed or held)
+    def _query(self, kind: str, path: str) -> None:
+        """Count a listing or metadata query as a read and raise its fault, if any: the
+        ``transient_reads`` and ``outage_reads`` reach the run's listings (which step folders
+        exist, what a step holds) as well as its reads. Never slowed or held: those are for data."""
+        with self._lock:
+            self.reads += 1
+            failing = self.reads <= self.plan.transient_reads or self._read_outage(path)
+        if failing:
+            raise self._transient(kind, path)
+
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
-        if self._read_outage(path):
-            raise self._transient("list", path)
+        self._query("list", path)
         return self.target.ls(path, detail=detail, **kwargs)
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        self._query("info", path)
         return self.target.info(path, **kwargs)
 
     def find(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self._query("list", path)
         return self.target.find(path, *args, **kwargs)
 
     def exists(self, path: str, **kwargs: Any) -> bool:
+        self._query("info", path)
         return self.target.exists(path, **kwargs)
 
     def size(self, path: str) -> int:
+        self._query("info", path)
         return self.target.size(path)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
