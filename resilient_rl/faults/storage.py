@@ -7,8 +7,7 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
   operations (listings and metadata queries count as reads) fail with a transient ``OSError``
   (``EIO`` by default). A failing streamed write fails part-way, after some bytes went through,
   like a dropped connection;
-- every data operation is delayed by ``slow_s`` seconds; only those on a path containing one of
-  the comma-separated ``slow_paths`` when they are given (``"step_00000002/"``: one slow save);
+- every data operation is delayed by ``slow_s`` seconds;
 - every data operation on a path containing one of the comma-separated ``hold_paths`` waits while
   the local file ``hold_while`` exists (up to ``HOLD_MAX_S``): a save kept in flight until the test
   removes that file, however long the rest of the run takes to get there (``slow_s`` only makes a
@@ -74,7 +73,6 @@ class FaultPlan:
     transient_reads: int = 0
     transient_errno: int = errno.EIO
     slow_s: float = 0.0
-    slow_paths: str = ""
     enospc_after_bytes: int | None = None
     outage_paths: str = ""
     outage_reads: str = ""
@@ -83,7 +81,6 @@ class FaultPlan:
 
     def __post_init__(self) -> None:
         self.outage_paths = self.outage_paths or ""  # an empty `key=` override reads as None
-        self.slow_paths = self.slow_paths or ""
         self.outage_reads = self.outage_reads or ""
         self.hold_paths, self.hold_while = self.hold_paths or "", self.hold_while or ""
         if bool(self.hold_paths) != bool(self.hold_while):
@@ -194,7 +191,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _next_op(self, kind: str, path: str) -> OSError | None:
         """Count one data operation; the fault it must raise, if any."""
-        if self.plan.slow_s and (not self.plan.slow_paths or _matches(path, self.plan.slow_paths)):
+        if self.plan.slow_s:
             time.sleep(self.plan.slow_s)
         if self.plan.hold_paths and _matches(path, self.plan.hold_paths):
             self._hold(path)
