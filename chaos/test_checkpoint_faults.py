@@ -35,6 +35,20 @@ def test_a_save_abandoned_for_a_rank_that_writes_none_is_saved_again(reference, 
     assert result.events_of("recovered")[0]["restored_step"] == 2
 
 
+def test_a_save_abandoned_and_restored_past_is_replaced_by_a_save_of_the_restored_step(reference, chaos_run, chaos_dir):
+    """Step 2's save is still in flight when actor rank 1 dies at step 4; the recovery abandons it
+    and restores step 3's snapshot, past step 2, which is never trained again. The run saves step 3
+    at once: before, no checkpoint existed until step 4 (the newest durable state stayed a whole
+    interval older than the schedule promises, and here there was none)."""
+    extra, release = held_save(chaos_dir, "pastsave", 2)
+    schedule = FaultSchedule().after_snapshot(4).kill("actor", 1)
+    result = chaos_run(schedule, *extra, "recovery.snapshot_every=1", hooks=(release,))
+    check_invariants(result, reference)
+    assert [e["step"] for e in result.events_of("checkpoint_abandoned")] == [2]
+    assert [(e["restored_step"], e["source"]) for e in result.events_of("recovered")] == [(3, "snapshot")]
+    assert result.committed == [3, 4, 6] and reference.committed == [2, 4, 6]
+
+
 @pytest.mark.parametrize("damage", ["corrupt", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_damaged_checkpoint_is_detected_and_the_previous_one_used(reference, chaos_run, damage):
     schedule = FaultSchedule().at_step(6)

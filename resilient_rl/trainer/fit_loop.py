@@ -7,7 +7,8 @@ past the step), then a checkpoint and a snapshot are taken when due, and the las
 waited for. A :class:`~resilient_rl.errors.WorkerError` (a rank died, hung or broke a collective)
 is recovered (:mod:`resilient_rl.recovery.driver`), unless its workers went with the whole job
 (:func:`~resilient_rl.trainer.preemption.stop_if_nothing_to_recover`); the loop then goes on from
-the restored step, first saving again a restored step whose save the recovery abandoned.
+the restored step, first saving it when the recovery abandoned a save it would otherwise lose
+(:func:`save_after_recovery`).
 
 Each function takes the :class:`~resilient_rl.trainer.ppo.PPOTrainer` it works on; the trainer's
 methods call them.
@@ -45,6 +46,24 @@ def fit(trainer) -> list[dict]:
         finally:
             trainer.trackers.close()
             trainer.trackers = None
+
+
+def save_after_recovery(trainer, in_flight: int | None) -> bool:
+    """Whether the step a recovery restored is saved before the run goes on; ``in_flight`` is the
+    step whose save was in flight when the failure came (the recovery abandoned it).
+
+    It is saved when it is a due step not committed (restored from its snapshot, its save
+    abandoned: the run is not done before its last step is committed), and when the abandoned
+    save is older than the restored step (restored from a newer snapshot): the abandoned step is
+    never trained again, so its checkpoint would be lost and the newest durable state would stay
+    older than the schedule promises until the next due step, up to a whole interval longer."""
+    ckpt = trainer.ckpt
+    if not trainer.checkpoints_on or trainer.step == 0 or ckpt.pending is not None:
+        return False
+    committed = ckpt.last_committed or 0
+    if committed >= trainer.step:
+        return False
+    return ckpt.due(trainer.step) or (in_flight is not None and committed < in_flight <= trainer.step)
 
 
 def run(trainer, tqdm) -> list[dict]:
@@ -86,13 +105,10 @@ def run(trainer, tqdm) -> list[dict]:
                     trainer.ckpt.finish(trainer.roles)
             except WorkerError as exc:
                 stop_if_nothing_to_recover(trainer, exc)
+                in_flight = (trainer.ckpt.pending or {}).get("step")  # the recovery abandons it
                 # Pools that save no checkpoints run in this process: nothing to restart there.
                 trainer.recovery.handle(exc, trainer.step + 1, trainer.roles if trainer.checkpoints_on else None)
-                # From a snapshot of a step whose save the recovery abandoned (a rank that writes
-                # none died as it was written): saved again, so no due checkpoint goes missing;
-                # the run is not done before its last step is committed.
-                resave = (trainer.checkpoints_on and trainer.step > 0 and trainer.ckpt.due(trainer.step)
-                          and trainer.ckpt.pending is None and (trainer.ckpt.last_committed or 0) < trainer.step)
+                resave = save_after_recovery(trainer, in_flight)
                 bar.n = trainer.step
                 bar.refresh()
                 continue
