@@ -34,7 +34,9 @@ def test_the_verl_worker_example_runs_as_written(tmp_path):
     script.write_text(readme_block("Porting a verl worker"), encoding="utf-8")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.pop("RAY_ADDRESS", None)  # its ray.init() starts a local cluster, not one this shell points at
+    # Its ray.init() starts a local cluster: not one this shell points at, nor the one a `ray start`
+    # on this machine recorded in /tmp/ray/ray_current_cluster (ray.init() with no address joins that).
+    env["RAY_ADDRESS"] = "local"
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
