@@ -190,11 +190,16 @@ class FaultyFileSystem(AbstractFileSystem):
         return OSError(code, f"{os.strerror(code)} (injected {kind} fault)", path)
 
     def _next_op(self, kind: str, path: str) -> OSError | None:
-        """Count one data operation; the fault it must raise, if any."""
+        """Count one data operation (slowed and held as planned); the fault it must raise, if any."""
         if self.plan.slow_s:
             time.sleep(self.plan.slow_s)
         if self.plan.hold_paths and _matches(path, self.plan.hold_paths):
             self._hold(path)
+        return self._count(kind, path)
+
+    def _count(self, kind: str, path: str) -> OSError | None:
+        """Count one operation, a write or a read (any other ``kind``: a read of that kind, such
+        as a listing); the fault it must raise, if any."""
         with self._lock:
             if kind == "write":
                 self.writes += 1
@@ -260,11 +265,9 @@ class FaultyFileSystem(AbstractFileSystem):
         """Count a listing or metadata query as a read and raise its fault, if any: the
         ``transient_reads`` and ``outage_reads`` reach the run's listings (which step folders
         exist, what a step holds) as well as its reads. Never slowed or held: those are for data."""
-        with self._lock:
-            self.reads += 1
-            failing = self.reads <= self.plan.transient_reads or self._read_outage(path)
-        if failing:
-            raise self._transient(kind, path)
+        fault = self._count(kind, path)
+        if fault is not None:
+            raise fault
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
         self._query("list", path)
