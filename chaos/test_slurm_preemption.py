@@ -79,8 +79,9 @@ class TrainJob:
         shared.mkdir()
         self.runs = shared / "runs"
         self.run_dir = self.runs / RUN
+        self.env = _job_env(shared)
         self.id = cluster.sbatch([*SBATCH_OPTIONS, f"--chdir={tmp_path}", str(SBATCH), *OVERRIDES, *extra],
-                                 env=_job_env(shared))
+                                 env=self.env)
         self.out = tmp_path / f"rrl-{self.id}.out"  # the script's --output, in the job's working directory
 
     def state(self) -> dict[str, str]:
@@ -112,6 +113,12 @@ class TrainJob:
         done = wait_until(ended, 600, interval_s=1.0, message=self.log)
         assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", self.log()
         assert int(done["Restarts"]) == 1, self.log()
+        # `ray start` left the job's address in Ray's temp dir; the script removed it, or a later
+        # ray.init() with no address on this node would try to join the dead cluster.
+        temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        address_file = Path(temp) / "ray" / "ray_current_cluster"
+        left = address_file.read_text() if address_file.exists() else ""
+        assert not left.endswith(f":{self.env['RAY_PORT']}"), f"{address_file} still names the job's cluster {left}"
         return done
 
     def check_resumed(self, restored_at: int, events: tuple[str, ...] = ("checkpoint_restored",)) -> None:

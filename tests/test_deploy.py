@@ -300,3 +300,31 @@ def test_the_readme_ray_job_submit_names_the_extra_that_brings_rays_job_server()
     install = (ROOT / "install.sh").read_text()
     assert 'target=".[${extra}]"' in install and 'pip install -e "$target"' in install
     assert "./install.sh cluster" in install
+
+
+def test_the_sbatch_script_removes_the_ray_address_file_that_names_its_own_dead_cluster(tmp_path):
+    """`ray start` leaves <Ray's temp dir>/ray_current_cluster behind when ended by a signal; the
+    script's last step removes it wherever it names the job's cluster, and only there."""
+    body = re.search(r"bash -c '(.*?)' ray-address-cleanup", SBATCH.read_text(), flags=re.S)
+    assert body, "the script removes the address files after stopping Ray"
+
+    def cleanup(start_args: str, env: dict[str, str]) -> None:
+        subprocess.run(["bash", "-c", body.group(1), "ray-address-cleanup", "6379", start_args],
+                       env={"PATH": "/usr/bin:/bin", **env}, check=True)
+
+    def address_file(root: Path, text: str) -> Path:
+        (root / "ray").mkdir(parents=True, exist_ok=True)
+        path = root / "ray" / "ray_current_cluster"
+        path.write_text(text)
+        return path
+
+    ours = address_file(tmp_path / "a", "192.0.2.2:6379")  # the head writes the address it resolved
+    cleanup("--include-dashboard=false", {"TMPDIR": str(tmp_path / "a")})
+    assert not ours.exists()
+    other = address_file(tmp_path / "b", "10.1.0.7:6380")  # another job's cluster on a shared node
+    cleanup("", {"RAY_TMPDIR": str(tmp_path / "b"), "TMPDIR": str(tmp_path / "a")})
+    assert other.read_text() == "10.1.0.7:6380"
+    for args in (f"--temp-dir={tmp_path / 'c' / 'ray'}", f"--num-gpus=0 --temp-dir {tmp_path / 'c' / 'ray'}"):
+        given = address_file(tmp_path / "c", "10.1.0.7:6379")
+        cleanup(args, {"RAY_TMPDIR": str(tmp_path / "b")})
+        assert not given.exists() and other.exists()
