@@ -98,16 +98,28 @@ def test_step_key_names_the_model_class_and_configuration():
 
 
 def test_portable_guards_keep_tensors_and_values_and_drop_identity_globals_and_hook_numbers():
-    def entry(guard_type, is_global=False, derived=(), name="L['model']"):
-        return SimpleNamespace(guard_type=guard_type, is_global=is_global, derived_guard_types=derived, name=name)
+    def entry(guard_type, is_global=False, derived=(), name="L['model']", value=None):
+        return SimpleNamespace(guard_type=guard_type, is_global=is_global, derived_guard_types=derived, name=name,
+                               value=value)
+
+    class Local:  # as transformers' kernels wrapper: a class defined inside a function
+        pass
 
     hooks = "model._modules['model']._forward_hooks"
+    funcs = "L['model']._modules['model']._modules['layers']._modules['0']._modules['self_attn']._kernel_funcs"
+    closure = f"dict(type({funcs}['rotary_pos_emb']).__dict__)['forward'].__closure__[0].cell_contents.__defaults__"
     entries = [entry("TENSOR_MATCH"), entry("EQUALS_MATCH"), entry("CONSTANT_MATCH", derived=("NONE_MATCH",)),
-               entry("SHAPE_ENV"), entry("SEQUENCE_LENGTH", name=hooks), entry("ID_MATCH"), entry("CLOSURE_MATCH"),
+               entry("SHAPE_ENV"), entry("SEQUENCE_LENGTH", name=hooks),
+               entry("TYPE_MATCH", value=torch.nn.Linear(1, 1)),
+               entry("NOT_PRESENT_IN_GENERIC_DICT", name=funcs + "['rotary_pos_emb']", value=Local()),
+               entry("ID_MATCH"), entry("CLOSURE_MATCH"),
                entry("TYPE_MATCH", is_global=True), entry("BUILTIN_MATCH", derived=("ID_MATCH",)),
                entry("DICT_CONTAINS", name=hooks + "_always_called"),
-               entry("TYPE_MATCH", name=hooks + "_always_called[3]")]
-    assert portable_guards(entries) == [True] * 5 + [False] * 6
+               entry("TYPE_MATCH", name=hooks + "_always_called[3]"),
+               entry("TYPE_MATCH", name=funcs + "['rotary_pos_emb']", value=Local()),
+               entry("HASATTR", derived=("TYPE_MATCH",), value=Local()),
+               entry("SEQUENCE_LENGTH", name=closure, value=(1,))]
+    assert portable_guards(entries) == [True] * 7 + [False] * 9
 
 
 def _refuse_to_compile(self, step, args, mark):

@@ -73,6 +73,8 @@ def step_key(model: torch.nn.Module) -> str:
 
 #: The part of a guard's name that reads module hooks by their number.
 _HOOK_NUMBERS = "_hooks_always_called"
+#: The part of a guard's name that reads a function's closure.
+_CLOSURE = ".__closure__"
 
 
 def portable_guards(entries) -> list[bool]:
@@ -80,13 +82,24 @@ def portable_guards(entries) -> list[bool]:
     identity, which cannot be written down (:func:`step_key` stands for them), and those on the
     numbers of module hooks (``_forward_hooks_always_called``), which a counter of the process
     hands out: a process that registered other hooks first numbers the model's own otherwise.
-    The count of each module's hooks stays guarded."""
+    The count of each module's hooks stays guarded. Nor can a guard on the type of an object whose
+    class is defined inside a function (transformers with ``kernels`` installed wraps functions such
+    as ``apply_rotary_pos_emb`` in one): such a class has no name another process could find it by.
+    Its other guards stay (whether ``kernelize`` replaced the wrapper's forward, for one)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [not (e.is_global or e.guard_type in unsupported or unsupported.intersection(e.derived_guard_types)
-                 or _HOOK_NUMBERS in e.name)
+                 or _HOOK_NUMBERS in e.name or _CLOSURE in e.name or _local_type_match(e))
             for e in entries]
+
+
+def _local_type_match(entry) -> bool:
+    """Whether ``entry`` guards the type of an object whose class is not at a module's top level."""
+    if not {entry.guard_type, *entry.derived_guard_types} & {"TYPE_MATCH", "BUILTIN_MATCH"}:
+        return False
+    cls = type(entry.value)
+    return cls.__qualname__ != cls.__name__
 
 
 def _mode_options(mode: str | None) -> dict:
