@@ -111,6 +111,24 @@ def _ranked_remote_class(ray_cls):
     return ranked
 
 
+def task_event_options(ray_cls) -> dict[str, Any]:
+    """The Ray option a worker group adds for ``ray_cls``'s actors: no Ray task events, unless the
+    class's own ``@ray.remote(enable_task_events=...)`` says (it carries over to its ranks).
+
+    The controller calls its ranks many times a step (the dispatched methods, health polls,
+    snapshots, a spare's pings), and Ray's GCS keeps a record of every call, up to
+    ``RAY_task_events_max_num_task_in_gcs`` (100,000 by default, some 300 MB of GCS memory over a
+    long run), that nothing reads: the run's own events and metrics say what happened. Set per
+    actor, it quiets every call on the actor's handles, whoever makes it, and its creation task's
+    record with them; the GCS's actor table still holds the actor (``ray list actors``). A user who
+    wants the records back (to debug in Ray's dashboard) asks for them on the class or in the
+    group's ``actor_options``.
+    """
+    if "enable_task_events" in (getattr(ray_cls, "_default_options", None) or {}):
+        return {}
+    return {"enable_task_events": False}
+
+
 class RayClassWithInitArgs:
     """A ``@ray.remote`` worker class with the arguments of its constructor."""
 

@@ -30,7 +30,7 @@ from resilient_rl.runtime.worker_group_verl import attached_ranks, check_verl_op
 from resilient_rl.runtime.liveness import LivenessWatch
 from resilient_rl.runtime.resource_pool import RayResourcePool
 from resilient_rl.runtime.worker_class import (RayClassWithInitArgs, _actor_class,  # noqa: F401
-                                                 create_colocated_worker_cls)
+                                                 create_colocated_worker_cls, task_event_options)
 from resilient_rl.errors import DispatchError
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class RayWorkerGroup:
         world_size = len(slots)
         self.actor_options = {"num_cpus": pool.cpus_per_bundle / pool.max_colocate_count,
                               "max_restarts": self.max_restarts, "max_task_retries": self.max_task_retries,
-                              **actor_options}
+                              **task_event_options(cls_with_init.cls), **actor_options}
         if runtime_env:  # the user's, shared by every rank; the rank's identity does not go here
             self.actor_options["runtime_env"] = runtime_env
         if pool.use_gpu:
