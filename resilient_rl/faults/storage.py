@@ -7,7 +7,8 @@ following a :class:`FaultPlan`, makes its data operations misbehave:
   operations (listings and metadata queries count as reads) fail with a transient ``OSError``
   (``EIO`` by default). A failing streamed write fails part-way, after some bytes went through,
   like a dropped connection;
-- every data operation is delayed by ``slow_s`` seconds;
+- every data operation is delayed by ``slow_s`` seconds, every listing or metadata query by
+  ``query_s`` seconds (an object store's round trip: a request costs tens of milliseconds);
 - every data operation on a path containing one of the comma-separated ``hold_paths`` waits while
   the local file ``hold_while`` exists (up to ``HOLD_MAX_S``): a save kept in flight until the test
   removes that file, however long the rest of the run takes to get there (``slow_s`` only makes a
@@ -30,8 +31,10 @@ then register it on first use), so it can be configured by URL and storage optio
     url, options = faulty_url("s3://bucket/ckpt", FaultPlan(transient_writes=2), {"key": ...})
     manager = CheckpointManager(url, "run", storage_options=options)
 
-Counters (``writes``, ``reads``, ``bytes_written``) and the log of injected faults (``injected``)
-live on the instance, as does ``on_flush``: called with the path each time a written file is
+Counters (``writes``, ``reads``, ``bytes_written``, and ``requests`` by kind: ``read``, ``write``,
+``list``, ``info``) and the log of injected faults (``injected``) live on the instance, as do
+``on_request``, called with the kind and path of every counted operation (a test that asserts which
+files a command touched), and ``on_flush``: called with the path each time a written file is
 flushed and closed (where a local write would fsync), so a test can change the world during
 that slow step, e.g. have another controller take the run's lease over. fsspec caches instances by
 their options: pass a distinct ``name`` (or ``skip_instance_cache=True``) for an independent fault
@@ -41,6 +44,7 @@ budget. The plan may be changed at run time (``fs.plan.enospc_after_bytes = fs.b
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -73,6 +77,7 @@ class FaultPlan:
     transient_reads: int = 0
     transient_errno: int = errno.EIO
     slow_s: float = 0.0
+    query_s: float = 0.0
     enospc_after_bytes: int | None = None
     outage_paths: str = ""
     outage_reads: str = ""
@@ -85,7 +90,7 @@ class FaultPlan:
         self.hold_paths, self.hold_while = self.hold_paths or "", self.hold_while or ""
         if bool(self.hold_paths) != bool(self.hold_while):
             raise ValueError(f"FaultPlan hold_paths and hold_while go together, got {self}")
-        if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0:
+        if self.transient_writes < 0 or self.transient_reads < 0 or self.slow_s < 0 or self.query_s < 0:
             raise ValueError(f"FaultPlan counts and delays must be >= 0, got {self}")
 
 
@@ -165,7 +170,9 @@ class FaultyFileSystem(AbstractFileSystem):
         self.writes = 0
         self.reads = 0
         self.bytes_written = 0
+        self.requests: collections.Counter[str] = collections.Counter()
         self.injected: list[str] = []
+        self.on_request: Callable[[str, str], None] | None = None
         self.on_flush: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         protocols = self.target.protocol
@@ -200,7 +207,10 @@ class FaultyFileSystem(AbstractFileSystem):
     def _count(self, kind: str, path: str) -> OSError | None:
         """Count one operation, a write or a read (any other ``kind``: a read of that kind, such
         as a listing); the fault it must raise, if any."""
+        if self.on_request is not None:
+            self.on_request(kind, path)
         with self._lock:
+            self.requests[kind] += 1
             if kind == "write":
                 self.writes += 1
                 failing = self.writes <= self.plan.transient_writes or _matches(path, self.plan.outage_paths)
@@ -260,11 +270,14 @@ class FaultyFileSystem(AbstractFileSystem):
     def _read_outage(self, path: str) -> bool:
         return _matches(path, self.plan.outage_reads)
 
-    # ------------------------------------------------------------- metadata (reads, never slowed or held)
+    # ------------------------------------------------------------- metadata (reads, never held)
     def _query(self, kind: str, path: str) -> None:
         """Count a listing or metadata query as a read and raise its fault, if any: the
         ``transient_reads`` and ``outage_reads`` reach the run's listings (which step folders
-        exist, what a step holds) as well as its reads. Never slowed or held: those are for data."""
+        exist, what a step holds) as well as its reads. Delayed by ``query_s`` only: ``slow_s``
+        and holds are for data."""
+        if self.plan.query_s:
+            time.sleep(self.plan.query_s)
         fault = self._count(kind, path)
         if fault is not None:
             raise fault

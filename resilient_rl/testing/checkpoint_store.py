@@ -5,7 +5,8 @@ tests' ``moto`` fixture); :func:`save_step` stages and writes every rank's shard
 state (:func:`step_state`) plus the controller's trainer state, and commits the step;
 :func:`load_step` reads one rank's shard back. Retries are fast (:data:`FAST`), so a test of
 storage faults does not sleep through real backoff. :func:`listings` records the folders a storage
-lists.
+lists; :func:`faulty_store` is a ``memory://`` root behind a fault-injecting filesystem that counts
+(and may delay) every request, listing like a folder tree or like an object store.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import fsspec
 import torch
 
 from resilient_rl.checkpoint import CheckpointManager, RetryPolicy, Storage, load_shard_into, stage, write_shard
+from resilient_rl.faults.storage import FaultPlan, FaultyFileSystem, faulty_url
 
 #: Retries with millisecond backoff.
 FAST = RetryPolicy(attempts=5, initial_s=0.001, max_s=0.01)
@@ -37,6 +40,20 @@ def checkpoint_root(kind: str, tmp_path, moto: Any) -> tuple[str, dict | None]:
 
         pytest.skip(f"moto_server cannot start here: {moto}")
     return f"s3://ckpt/{uuid.uuid4().hex}", moto.storage_options
+
+
+def faulty_store(plan: FaultPlan | None = None, strategy: str = "") -> tuple[str, dict, FaultyFileSystem]:
+    """A fresh ``memory://`` root behind a :class:`FaultyFileSystem` following ``plan``: its URL,
+    storage options and the filesystem instance that every Storage opened with them shares (its
+    ``requests`` and ``on_request`` see what they ask). ``strategy="put"`` has it write and list
+    like an object store (a folder tree in one recursive listing); by default it lists folder by
+    folder."""
+    name = uuid.uuid4().hex
+    url, options = faulty_url(f"memory://store-{name}", plan, name=name)
+    fs = fsspec.filesystem("faulty", **options)
+    if strategy:
+        fs.rrl_write_strategy = strategy
+    return url, options, fs
 
 
 def step_state(step: int, rank: int) -> dict:
