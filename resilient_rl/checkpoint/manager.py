@@ -31,17 +31,41 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from resilient_rl.checkpoint.discovery import check_name
+from resilient_rl.checkpoint.fanout import iter_ordered
 from resilient_rl.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, shard_basename,
 )
 from resilient_rl.checkpoint.retention import ABANDONED_DIR, SET_ASIDE_NAME, CheckpointRetention
 from resilient_rl.checkpoint.storage import RetryPolicy, Storage
-from resilient_rl.checkpoint.verify import Verifier
+from resilient_rl.checkpoint.verify import HASH_WORKERS, Verifier
 from resilient_rl.errors import CheckpointCorruptError, CheckpointError, ConfigError, LeaseError
 
 __all__ = ["ABANDONED_DIR", "SET_ASIDE_NAME", "CheckpointManager"]
 
 log = logging.getLogger(__name__)
+
+
+def _size_problem(manager: "CheckpointManager", step: int, present: Mapping[str, int], full: FileRecord,
+                  rec: FileRecord) -> CheckpointError | None:
+    """Why a commit refuses ``full`` by its listed size (missing, or not what the writer reported)."""
+    if present.get(full.path) == rec.size:
+        return None
+    return CheckpointError(
+        f"cannot commit step {step}: {manager.step_dir(step)}/{full.path} is "
+        f"{'missing' if full.path not in present else f'{present[full.path]} bytes'}, "
+        f"the writer reported {rec.size} bytes")
+
+
+def _content_problem(manager: "CheckpointManager", step: int, present: Mapping[str, int], full: FileRecord,
+                     rec: FileRecord) -> CheckpointError | None:
+    """Why a commit refuses ``full`` by its content (a read of the whole file)."""
+    if present.get(full.path) != rec.size:
+        return None  # reported by its size check, which comes first
+    if manager.verifier.sha256(Storage.join(manager.step_rel(step), full.path), rec.size) == rec.sha256:
+        return None
+    return CheckpointCorruptError(  # e.g. replaced by a writer of an abandoned save
+        f"cannot commit step {step}: {manager.step_dir(step)}/{full.path} does not hold what its "
+        "writer reported (sha256 differs)")
 
 
 class CheckpointManager(CheckpointRetention):
@@ -112,26 +136,24 @@ class CheckpointManager(CheckpointRetention):
         rel = self.step_rel(step)
         present = self.storage.find(rel)
         records: list[FileRecord] = []
+        # The checks in the order they are reported; the hashes (a read each) run side by side.
+        checks: list[Callable[[], CheckpointError | None]] = []
         for role, role_files in sorted(files.items()):
             check_name("role", role)
             names = {r.path for r in role_files}
-            for rank in range(world_sizes[role]):
-                for suffix in (".safetensors", ".json"):
-                    if shard_basename(rank) + suffix not in names:
-                        raise CheckpointError(f"cannot commit step {step}: role {role!r} rank {rank} "
-                                              f"reported no {shard_basename(rank)}{suffix}")
+            checks += [lambda err=CheckpointError(f"cannot commit step {step}: role {role!r} rank {rank} "
+                                                  f"reported no {shard_basename(rank)}{suffix}"): err
+                       for rank in range(world_sizes[role]) for suffix in (".safetensors", ".json")
+                       if shard_basename(rank) + suffix not in names]
             for rec in role_files:
                 full = rec.with_prefix(role)
-                if present.get(full.path) != rec.size:
-                    raise CheckpointError(
-                        f"cannot commit step {step}: {self.step_dir(step)}/{full.path} is "
-                        f"{'missing' if full.path not in present else f'{present[full.path]} bytes'}, "
-                        f"the writer reported {rec.size} bytes")
-                if verify_content and self.verifier.sha256(Storage.join(rel, full.path), rec.size) != rec.sha256:
-                    raise CheckpointCorruptError(  # e.g. replaced by a writer of an abandoned save
-                        f"cannot commit step {step}: {self.step_dir(step)}/{full.path} does not hold what its "
-                        "writer reported (sha256 differs)")
+                checks.append(lambda full=full, rec=rec: _size_problem(self, step, present, full, rec))
+                if verify_content:
+                    checks.append(lambda full=full, rec=rec: _content_problem(self, step, present, full, rec))
                 records.append(full)
+        for problem in iter_ordered(lambda check: check(), checks, HASH_WORKERS):
+            if problem is not None:
+                raise problem
         if TRAINER_STATE_NAME in present:
             data = self.storage.read_bytes(Storage.join(rel, TRAINER_STATE_NAME))
             records.append(FileRecord(TRAINER_STATE_NAME, len(data), hashlib.sha256(data).hexdigest()))
