@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from resilient_rl.checkpoint.fanout import map_ordered
 from resilient_rl.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, TRAINER_STATE_NAME, FileRecord, Manifest, parse_step_dirname, step_dirname,
 )
@@ -39,6 +40,27 @@ def commit_order(manager: "CheckpointDiscovery", step: int) -> tuple[int, float]
     except CheckpointError:
         return None
     return (m.fencing_token or 0, m.created_at)
+
+
+def timeline_of(committed: list[int], pointer: int | None,
+                order: Callable[[int], tuple[int, float] | None]) -> list[int]:
+    """The steps of ``committed`` (oldest first) on the timeline whose ``latest`` names ``pointer``;
+    ``order(step)`` is a step's (fencing token, commit time), None when its manifest is unreadable.
+    See :meth:`CheckpointDiscovery.timeline_steps`."""
+    if pointer is None or pointer not in committed or committed[-1] == pointer:
+        return committed
+    base = order(pointer)
+    if base is None:
+        return committed
+    keep = []
+    for s in committed:
+        step_order = order(s) if s > pointer else None
+        if s <= pointer or step_order is None or step_order >= base:
+            keep.append(s)  # an unreadable newer manifest is kept: verification reports it
+        else:
+            log.warning("ignoring committed step %d: it was committed before step %d, which `%s` names "
+                        "(a superseded writer or an abandoned timeline)", s, pointer, LATEST_NAME)
+    return keep
 
 
 class CheckpointDiscovery:
@@ -93,10 +115,11 @@ class CheckpointDiscovery:
 
         One listing of the run's top level (``entries``: its names, when the caller listed it
         already), then a query for each step folder's manifest: the shards of the steps and
-        ``abandoned/`` are not listed (their files can outnumber the steps a thousandfold)."""
+        ``abandoned/`` are not listed (their files can outnumber the steps a thousandfold). The
+        queries go out side by side: each is a round trip on an object store."""
         names = self.storage.ls(self.run_name) if entries is None else entries
         steps = sorted({s for s in map(parse_step_dirname, names) if s is not None})
-        return [s for s in steps if self.is_committed(s)]
+        return [s for s, committed in zip(steps, map_ordered(self.is_committed, steps)) if committed]
 
     def is_committed(self, step: int) -> bool:
         return self.storage.exists(Storage.join(self.step_rel(step), MANIFEST_NAME))
@@ -112,22 +135,7 @@ class CheckpointDiscovery:
         up to the one ``latest`` names, and a newer one only if it was committed after that one
         (the writer died between a manifest and the pointer), judged by fencing token, then
         commit time. Without a valid pointer, every committed step."""
-        committed = self.committed_steps()
-        pointer = self._pointer()
-        if pointer not in committed or committed[-1] == pointer:
-            return committed
-        base = commit_order(self, pointer)
-        if base is None:
-            return committed
-        keep = []
-        for s in committed:
-            order = commit_order(self, s) if s > pointer else None
-            if s <= pointer or order is None or order >= base:
-                keep.append(s)  # an unreadable newer manifest is kept: verification reports it
-            else:
-                log.warning("ignoring committed step %d: it was committed before step %d, which `%s` names "
-                            "(a superseded writer or an abandoned timeline)", s, pointer, LATEST_NAME)
-        return keep
+        return timeline_of(self.committed_steps(), self._pointer(), lambda s: commit_order(self, s))
 
     def latest_step(self) -> int | None:
         """The newest step of the current timeline (the one ``latest`` names, unless the process

@@ -21,6 +21,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from resilient_rl import env
+from resilient_rl.checkpoint.fanout import map_ordered
 from resilient_rl.checkpoint.retry import RetryPolicy, call_with_retry
 from resilient_rl.errors import StorageError
 
@@ -65,29 +66,39 @@ def _read_local_segments(full: str, segments: list[tuple[int, memoryview]]) -> N
                 got += k
 
 
+def _list_folder(fs: fsspec.AbstractFileSystem, folder: str) -> list[dict] | None:
+    try:
+        return fs.ls(folder, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def _walk(fs: fsspec.AbstractFileSystem, full: str) -> dict[str, dict] | None:
     """{path: info} of every file below folder ``full``, None when it is absent. fsspec's
     generic walk leaves out a folder it cannot list (its subfolders ignore ``on_error``): one
     EIO made a committed step look empty, and a clean-up then deleted it. Here a subfolder
-    gone meanwhile is left out; any other error is raised (and retried by the caller)."""
+    gone meanwhile is left out; any other error is raised (and retried by the caller). The
+    folders of one depth are listed side by side (a step's role folders): a round trip per
+    depth, not per folder."""
     top = fs._strip_protocol(full).rstrip("/")
     found: dict[str, dict] = {}
-    pending = [top]
-    while pending:
-        folder = pending.pop()
-        try:
-            entries = fs.ls(folder, detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            if folder == top:
-                return None
-            continue
-        for info in entries:
-            name = info["name"].rstrip("/")
-            if info.get("type") == "directory":
-                if name != folder:
-                    pending.append(name)
-            else:
-                found[name] = info
+    level = [top]
+    while level:
+        listed = map_ordered(lambda folder: _list_folder(fs, folder), level)
+        below: list[str] = []
+        for folder, entries in zip(level, listed):
+            if entries is None:
+                if folder == top:
+                    return None
+                continue
+            for info in entries:
+                name = info["name"].rstrip("/")
+                if info.get("type") == "directory":
+                    if name != folder:
+                        below.append(name)
+                else:
+                    found[name] = info
+        level = below
     return found
 
 
