@@ -7,7 +7,10 @@ A checkpoint is named on the command line in one of three ways (see :func:`locat
 - a step folder URL (``checkpoints/ppo-copy/step_00000020``).
 
 :func:`inspect_run` lists a run's step folders with their commit state, size, age and checksum
-state (sizes only, or every file's sha256 with ``deep``).
+state (sizes only, or every file's sha256 with ``deep``). It reads what it prints: the run's top
+level, each step folder's listing and manifest (side by side: on an object store each is a round
+trip), the ``latest`` pointer and the lease; never the shards (but to hash them with ``deep``)
+nor the timelines set aside in ``abandoned/``.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from resilient_rl.checkpoint.discovery import timeline_of
+from resilient_rl.checkpoint.fanout import map_ordered
 from resilient_rl.checkpoint.leases.run_lease import Lease, read_lease
 from resilient_rl.checkpoint.manager import ABANDONED_DIR, CheckpointManager
-from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, parse_step_dirname
+from resilient_rl.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, parse_step_dirname
 from resilient_rl.checkpoint.storage import Storage
-from resilient_rl.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from resilient_rl.errors import (
+    CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointNotFoundError, ConfigError,
+)
 
 __all__ = ["DEFAULT_ROOT", "CheckpointInfo", "CheckpointLocation", "CheckpointRow", "RunReport", "describe_status",
            "inspect_run", "list_checkpoints", "locate", "require_committed", "verify_problem"]
@@ -42,26 +49,52 @@ class CheckpointInfo:
     status: str
 
 
+@dataclass(frozen=True)
+class _StepFolder:
+    """What ``checkpoints list`` reads of one step folder: its files' sizes and its manifest."""
+
+    step: int
+    files: dict[str, int]
+    manifest: Manifest | None = None
+    problem: CheckpointError | None = None  # the manifest cannot be loaded (corrupt, newer format)
+
+
+def _read_step_folder(manager: CheckpointManager, step: int) -> _StepFolder:
+    files = manager.storage.find(manager.step_rel(step))
+    if MANIFEST_NAME not in files:
+        return _StepFolder(step, files)
+    try:
+        return _StepFolder(step, files, manager.load_manifest(step))
+    except (CheckpointCorruptError, CheckpointFormatError) as exc:
+        return _StepFolder(step, files, problem=exc)
+
+
+def _step_folders(manager: CheckpointManager, names: list[str] | None = None) -> list[_StepFolder]:
+    """Every step folder of the run, oldest first: one listing of the run's top level (``names``,
+    when the caller made it), then each step folder's listing and manifest, side by side. Not a
+    walk of the whole run: ``abandoned/`` can hold many times its files, and no file is opened
+    but the manifests."""
+    names = manager.storage.ls(manager.run_name) if names is None else names
+    steps = sorted({s for s in map(parse_step_dirname, names) if s is not None})
+    return map_ordered(lambda step: _read_step_folder(manager, step), steps)
+
+
+def _info(manager: CheckpointManager, folder: _StepFolder, now: float) -> CheckpointInfo:
+    size = sum(folder.files.values())
+    if MANIFEST_NAME not in folder.files:
+        return CheckpointInfo(folder.step, False, size, None, "uncommitted")
+    if isinstance(folder.problem, CheckpointFormatError):  # listed, not loaded: a newer version wrote it
+        return CheckpointInfo(folder.step, True, size, None, f"newer format: {folder.problem}")
+    if folder.manifest is None:
+        return CheckpointInfo(folder.step, True, size, None, f"corrupt: {MANIFEST_NAME}: {folder.problem}")
+    status = manager.verifier.check(manager.step_rel(folder.step), folder.manifest, folder.files, deep=False)
+    return CheckpointInfo(folder.step, True, size, max(0.0, now - folder.manifest.created_at), status)
+
+
 def list_checkpoints(manager: CheckpointManager) -> list[CheckpointInfo]:
     """Every step folder of ``manager``'s run, oldest first, with a shallow (sizes only) status."""
     now = time.time()
-    infos = []
-    for step, files in sorted(manager.step_folders().items()):
-        size = sum(files.values())
-        if MANIFEST_NAME not in files:
-            infos.append(CheckpointInfo(step, False, size, None, "uncommitted"))
-            continue
-        try:
-            manifest = manager.load_manifest(step)
-        except CheckpointCorruptError as exc:
-            infos.append(CheckpointInfo(step, True, size, None, f"corrupt: {MANIFEST_NAME}: {exc}"))
-            continue
-        except CheckpointFormatError as exc:  # listed, not loaded: a newer version wrote it
-            infos.append(CheckpointInfo(step, True, size, None, f"newer format: {exc}"))
-            continue
-        status = manager.verifier.check(manager.step_rel(step), manifest, files, deep=False)
-        infos.append(CheckpointInfo(step, True, size, max(0.0, now - manifest.created_at), status))
-    return infos
+    return [_info(manager, folder, now) for folder in _step_folders(manager)]
 
 
 # --------------------------------------------------------------------------------- locations
@@ -229,13 +262,16 @@ def inspect_run(loc: CheckpointLocation, deep: bool, storage_options: dict[str, 
         raise CheckpointNotFoundError(f"no checkpoints of run {loc.run!r} under root {loc.root!r} "
                                       f"({manager.run_url} does not exist)")
     pointer = _pointer(manager)
+    now = time.time()
     rows = []
-    for info in list_checkpoints(manager):
+    folders = _step_folders(manager)
+    for folder in folders:
+        info = _info(manager, folder, now)
         if loc.step is not None and info.step != loc.step:
             continue
         status = info.status
-        if deep and info.committed and status == "ok":
-            status = manager.verify(info.step, deep=True)
+        if deep and info.committed and status == "ok" and folder.manifest is not None:
+            status = manager.verifier.check(manager.step_rel(info.step), folder.manifest, folder.files, deep=True)
         rows.append(CheckpointRow(info.step, info.committed, info.size_bytes, info.age_s, status,
                                   info.step == pointer))
     if loc.step is not None and not rows:
@@ -243,7 +279,19 @@ def inspect_run(loc: CheckpointLocation, deep: bool, storage_options: dict[str, 
                                       "does not exist)")
     lease = read_lease(manager.storage, loc.run)
     set_aside = len(manager.storage.ls(Storage.join(loc.run, ABANDONED_DIR)))
-    return RunReport(manager, rows, deep, pointer, loc.step, lease, manager.latest_step(), set_aside)
+    return RunReport(manager, rows, deep, pointer, loc.step, lease, _resumed(folders, pointer), set_aside)
+
+
+def _resumed(folders: list[_StepFolder], pointer: int | None) -> int | None:
+    """The step a resume starts from (:meth:`CheckpointManager.latest_step`), from what the
+    listing read: the committed steps and their manifests."""
+    manifests = {f.step: f.manifest for f in folders if MANIFEST_NAME in f.files}
+
+    def order(step: int) -> tuple[int, float] | None:
+        m = manifests.get(step)
+        return None if m is None else (m.fencing_token or 0, m.created_at)
+    timeline = timeline_of(sorted(manifests), pointer, order)
+    return timeline[-1] if timeline else None
 
 
 def verify_problem(report: RunReport) -> str | None:
