@@ -14,7 +14,6 @@ import pytest
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage
 from resilient_rl.checkpoint.inspect import CheckpointLocation, inspect_run, list_checkpoints
 from resilient_rl.errors import StorageError
-from resilient_rl.faults.storage import FaultPlan
 from resilient_rl.testing.checkpoint_store import FAST, faulty_store
 
 ROLES = ("actor", "critic")
