@@ -30,15 +30,15 @@ import statistics
 import time
 from collections.abc import Callable
 
-from resilient_rl.checkpoint import CheckpointManager, FileRecord
+from resilient_rl.checkpoint import CheckpointManager
 from resilient_rl.checkpoint import fanout
 from resilient_rl.checkpoint.inspect import CheckpointLocation, inspect_run, list_checkpoints
 from resilient_rl.checkpoint.leases.run_lease import read_lease
 from resilient_rl.checkpoint.manager import ABANDONED_DIR
-from resilient_rl.checkpoint.manifest import LATEST_NAME, step_dirname
+from resilient_rl.checkpoint.manifest import LATEST_NAME
 from resilient_rl.checkpoint.storage import Storage
 from resilient_rl.faults.storage import FaultPlan
-from resilient_rl.testing.checkpoint_store import FAST, faulty_store
+from resilient_rl.testing.checkpoint_store import FAST, faulty_store, save_shard_files
 
 ROLES = ("actor", "critic")
 SHARD_BYTES = 512
@@ -46,22 +46,7 @@ SHARD_BYTES = 512
 
 def build_run(manager: CheckpointManager, steps: int, ranks: int) -> None:
     for step in range(1, steps + 1):
-        files = {}
-        for role in ROLES:
-            records = []
-            for rank in range(ranks):
-                for suffix in (".safetensors", ".json"):
-                    name = f"shard_{rank:05d}{suffix}"
-                    rec = manager.storage.write_bytes_atomic(
-                        Storage.join(manager.step_rel(step), role, name), os.urandom(SHARD_BYTES))
-                    records.append(FileRecord(name, rec.size, rec.sha256))
-            files[role] = records
-        manager.write_trainer_state(step, {"step": step})
-        manager.commit(step, files, {role: ranks for role in ROLES}, verify_content=False)
-    for step in (steps + 1, steps + 2):  # a timeline set aside: listed by nothing that is timed here
-        for n in range(2 * len(ROLES) * ranks):
-            manager.storage.write_bytes_atomic(
-                Storage.join("run", ABANDONED_DIR, "20250101T000000Z-000001", step_dirname(step), f"f_{n:05d}"), b"x")
+        save_shard_files(manager, step, ranks, ROLES, lambda role, rank, suffix: os.urandom(SHARD_BYTES))
 
 
 def walking_list(url: str, options: dict) -> None:

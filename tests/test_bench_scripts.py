@@ -1,6 +1,6 @@
 """The benchmark scripts' CPU paths: bench/gpu.py without a GPU, its FLOPs and report helpers,
 bench/train.py's weight-sync comparison, and the smaller benches (snapshots, generation, decode
-compile, profile, spans and kept steps, the recovery path, same_history). Figures are made up;
+compile, profile, spans and kept steps, the recovery path, same_history, store listing). Figures are made up;
 nothing here times anything. bench/gpu.py --workload is tested in test_bench_workloads.py."""
 
 from __future__ import annotations
@@ -393,3 +393,13 @@ def test_commit_listing_bench_commits_on_both_sides_and_prints_what_each_lists()
     lines = proc.stdout.splitlines()
     assert lines[1].endswith("listings: find run/step_00003002, ls run, find run, ls run, find run, ls run/abandoned")
     assert lines[2].endswith("listings: find run/step_00003002, ls run, ls run/abandoned") and "baseline / this code:" in lines[3]
+
+
+@pytest.mark.parametrize("store", ["object", "tree"])
+def test_store_listing_bench_compares_each_command_with_the_sequential_reads(store):
+    out = run_on_cpu("store_listing.py", "--steps", "2", "--ranks", "2", "--latency-ms", "1", "--repeat", "1",
+                     "--store", store).stdout.strip().splitlines()
+    assert out[0].startswith("run: 2 steps of 10 files,") and f"{store} " in out[0]
+    assert [line.split(":")[0].strip() for line in out[1:]] == ["verify", "resume", "list"]
+    for line in out[1:]:
+        assert "baseline" in line and "this code" in line and line.endswith("x")

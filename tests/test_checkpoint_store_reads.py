@@ -14,25 +14,9 @@ import pytest
 from resilient_rl.checkpoint import CheckpointManager, FileRecord, Storage
 from resilient_rl.checkpoint.inspect import CheckpointLocation, inspect_run, list_checkpoints
 from resilient_rl.errors import StorageError
-from resilient_rl.testing.checkpoint_store import FAST, faulty_store
+from resilient_rl.testing.checkpoint_store import FAST, faulty_store, save_shard_files
 
 ROLES = ("actor", "critic")
-
-
-def _save(manager: CheckpointManager, step: int, ranks: int = 6) -> None:
-    """Commit ``step`` with the shard pairs of ``ranks`` ranks in each role (small files)."""
-    files = {}
-    for role in ROLES:
-        records = []
-        for rank in range(ranks):
-            for suffix in (".safetensors", ".json"):
-                name = f"shard_{rank:05d}{suffix}"
-                rec = manager.storage.write_bytes_atomic(f"{manager.step_rel(step)}/{role}/{name}",
-                                                         f"{role}{step}{rank}{suffix}".encode())
-                records.append(FileRecord(name, rec.size, rec.sha256))
-        files[role] = records
-    manager.write_trainer_state(step, {"step": step})
-    manager.commit(step, files, {role: ranks for role in ROLES}, verify_content=False)
 
 
 def _meet(fs, kind: str, match, parties: int = 2) -> list[str]:
@@ -58,7 +42,7 @@ def _meet(fs, kind: str, match, parties: int = 2) -> list[str]:
 def test_a_deep_verify_hashes_the_files_of_a_step_side_by_side(strategy):
     url, options, fs = faulty_store(strategy=strategy)
     manager = CheckpointManager(url, "run", storage_options=options, retry=FAST)
-    _save(manager, 5)
+    save_shard_files(manager, 5, ranks=6)
     reader = CheckpointManager(url, "run", storage_options=options, retry=FAST)
     reads = _meet(fs, "read", lambda path: "/shard_" in path)
     assert reader.verify(5, deep=True) == "ok"
@@ -68,7 +52,7 @@ def test_a_deep_verify_hashes_the_files_of_a_step_side_by_side(strategy):
 def test_a_deep_verify_reports_the_first_bad_file_in_manifest_order():
     url, options, fs = faulty_store()
     manager = CheckpointManager(url, "run", storage_options=options, retry=FAST)
-    _save(manager, 5)
+    save_shard_files(manager, 5, ranks=6)
     for path in ("critic/shard_00004.json", "actor/shard_00002.json"):  # same sizes, other bytes
         full = f"run/step_00000005/{path}"
         data = manager.storage.read_bytes(full)
@@ -81,7 +65,7 @@ def test_a_deep_verify_reports_the_first_bad_file_in_manifest_order():
 def test_a_deep_verify_retries_transient_reads_and_names_a_file_that_stays_unreadable():
     url, options, fs = faulty_store()
     manager = CheckpointManager(url, "run", storage_options=options, retry=FAST)
-    _save(manager, 5)
+    save_shard_files(manager, 5, ranks=6)
     fs.plan.transient_reads = fs.reads + 3  # the next three requests fail once each, then pass
     assert CheckpointManager(url, "run", storage_options=options, retry=FAST).verify(5) == "ok"
     fs.plan.outage_reads = "actor/shard_00003.json"
@@ -107,7 +91,7 @@ def test_a_commit_hashes_the_written_shards_side_by_side():
 def test_the_role_folders_of_a_step_are_listed_side_by_side():
     url, options, fs = faulty_store()  # listed folder by folder, like a file tree
     manager = CheckpointManager(url, "run", storage_options=options, retry=FAST)
-    _save(manager, 5)
+    save_shard_files(manager, 5, ranks=6)
     listed = _meet(fs, "list", lambda path: path.endswith(ROLES))
     assert manager.verify(5, deep=False) == "ok" and sorted(p.rsplit("/", 1)[-1] for p in listed) == list(ROLES)
 
@@ -116,7 +100,7 @@ def test_the_manifests_of_a_run_are_looked_for_side_by_side():
     url, options, fs = faulty_store(strategy="put")
     manager = CheckpointManager(url, "run", keep_last=5, storage_options=options, retry=FAST)
     for step in (1, 2, 3):
-        _save(manager, step, ranks=1)
+        save_shard_files(manager, step, ranks=1)
     asked = _meet(fs, "info", lambda path: path.endswith("MANIFEST.json"))
     assert manager.committed_steps() == [1, 2, 3] and len(asked) == 3
 
@@ -125,7 +109,7 @@ def _run_with_history(strategy: str):
     url, options, fs = faulty_store(strategy=strategy)
     manager = CheckpointManager(url, "run", keep_last=5, storage_options=options, retry=FAST)
     for step in (1, 2, 3):
-        _save(manager, step)
+        save_shard_files(manager, step, ranks=6)
     Storage(url, options).write_bytes_atomic("run/step_00000004/actor/shard_00000.json", b"{}")  # in flight
     aside = Storage(url, options)  # a timeline set aside: many files that the list does not show
     for rank in range(20):

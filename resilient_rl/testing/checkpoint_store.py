@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
 import torch
 
 from resilient_rl.checkpoint import CheckpointManager, RetryPolicy, Storage, load_shard_into, stage, write_shard
+from resilient_rl.checkpoint.manifest import FileRecord
 from resilient_rl.faults.storage import FaultPlan, FaultyFileSystem, faulty_url
 
 #: Retries with millisecond backoff.
@@ -75,6 +76,25 @@ def save_step(manager: CheckpointManager, step: int, world: int = 2, commit: boo
     if commit:
         manager.commit(step, {"actor": records}, {"actor": world}, config_digest="cfg-1")
     return {"actor": records}
+
+
+def save_shard_files(manager: CheckpointManager, step: int, ranks: int, roles: tuple[str, ...] = ("actor", "critic"),
+                     content: Callable[[str, int, str], bytes] | None = None) -> None:
+    """Commit ``step`` with the file pair (``.safetensors``, ``.json``) of ``ranks`` ranks in each
+    of ``roles``, as many files as a real save but no state: ``content(role, rank, suffix)`` is a
+    file's bytes (by default a few bytes naming it)."""
+    files = {}
+    for role in roles:
+        records = []
+        for rank in range(ranks):
+            for suffix in (".safetensors", ".json"):
+                name = f"shard_{rank:05d}{suffix}"
+                data = content(role, rank, suffix) if content else f"{role}{step}{rank}{suffix}".encode()
+                rec = manager.storage.write_bytes_atomic(Storage.join(manager.step_rel(step), role, name), data)
+                records.append(FileRecord(name, rec.size, rec.sha256))
+        files[role] = records
+    manager.write_trainer_state(step, {"step": step})
+    manager.commit(step, files, {role: ranks for role in roles}, verify_content=False)
 
 
 def load_step(manager: CheckpointManager, step: int, rank: int = 0) -> dict:
