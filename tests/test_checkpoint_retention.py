@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 
 import pytest
 
 from resilient_rl.checkpoint import CheckpointManager
+from resilient_rl.faults.storage import FaultPlan, faulty_url
 from resilient_rl.testing.checkpoint_store import FAST, checkpoint_root, listings, save_step
 
 
@@ -157,8 +159,24 @@ def test_a_timeline_set_aside_that_cannot_be_pruned_does_not_fail_the_commit(tmp
     save_step(manager, 1)
     for stamp in OLD[:2]:
         _set_aside_long_ago(manager, stamp, 10)
-    (tmp_path / "run" / "abandoned" / OLD[2]).write_text("a file named as a timeline")
+    url, options = faulty_url(str(tmp_path), FaultPlan(outage_reads="SET_ASIDE.json"), name=uuid.uuid4().hex)
+    manager = CheckpointManager(url, "run", keep_last=1, storage_options=options, retry=FAST)
     with caplog.at_level(logging.WARNING):
         save_step(manager, 2)
     assert manager.committed_steps() == [2] and manager.latest_step() == 2  # step 1 past keep_last
     assert any("could not be pruned" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in (tmp_path / "run" / "abandoned").iterdir()) == list(OLD[:2])
+
+
+def test_a_file_named_like_a_timeline_is_left_alone(tmp_path, caplog):
+    """Only folders in abandoned/ are timelines: a file named like one is neither pruned nor,
+    unreadable as a timeline, a warning at every commit."""
+    manager = CheckpointManager(str(tmp_path), "run", keep_last=1, retry=FAST)
+    save_step(manager, 1)
+    for stamp in OLD[:2]:
+        _set_aside_long_ago(manager, stamp, 10)
+    (tmp_path / "run" / "abandoned" / OLD[2]).write_text("a file named as a timeline")
+    with caplog.at_level(logging.WARNING):
+        save_step(manager, 2)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sorted(p.name for p in (tmp_path / "run" / "abandoned").iterdir()) == list(OLD[1:])

@@ -156,14 +156,14 @@ class CheckpointRetention(CheckpointDiscovery):
         what an operator would want back. Without a commit nothing is deleted. Each step of a
         timeline is un-committed before the rest of it is deleted. Returns the folders deleted,
         oldest first. Other entries of ``abandoned/`` (files of the run folder, when it shares the
-        checkpoint root) are left alone.
+        checkpoint root, or a file named like a timeline) are left alone.
 
         Timelines are ordered by the fencing token of the controller that set them aside, then
         by time (clocks of different hosts differ; tokens only grow). A set-aside cut short (its
         controller died between two steps' moves, and the next one moved the rest into a folder
         of its own) is one timeline with the next newer folder: they are kept or deleted together."""
         root = Storage.join(self.run_name, ABANDONED_DIR)
-        stamps = [name for name in self.storage.ls(root) if _STAMP_RE.match(name)]
+        stamps = [name for name in self.storage.ls(root, folders=True) if _STAMP_RE.match(name)]
         if len(stamps) <= self.keep_last:
             return []
         if newest_commit is None:

@@ -212,16 +212,19 @@ class ReadableStorage:
             return True
         return self._call("exists", path, _exists)
 
-    def ls(self, path: str = "") -> list[str]:
-        """Names (not paths) of the entries in folder ``path``, sorted; [] if it is absent."""
+    def ls(self, path: str = "", folders: bool = False) -> list[str]:
+        """Names (not paths) of the entries in folder ``path``, sorted; [] if it is absent. Only
+        its folders with ``folders`` (a file named like one is left out)."""
         full = self.full_path(path)
 
         def _ls() -> list[str]:
             self._invalidate(full)
             try:
-                entries = self.fs.ls(full, detail=False)
+                entries = self.fs.ls(full, detail=folders)
             except FileNotFoundError:
                 return []
+            if folders:
+                entries = [e["name"] for e in entries if e.get("type") == "directory"]
             names = {self.fs._strip_protocol(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
             names.discard("")
             return sorted(names)
