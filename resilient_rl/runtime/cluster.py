@@ -142,6 +142,7 @@ def connect(ray_cfg) -> bool:
         join(address, source, ray_cfg.connect_timeout_s, namespace=ray_cfg.namespace, log_to_driver=True)
         capture_worker_output()
         return True
+    env.limit_malloc_arenas()  # the local cluster's workers inherit it (not a joined cluster's)
     ray.init(**local_cluster_options(ray_cfg))
     capture_worker_output()
     return True
