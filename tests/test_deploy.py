@@ -328,3 +328,13 @@ def test_the_sbatch_script_removes_the_ray_address_file_that_names_its_own_dead_
         given = address_file(tmp_path / "c", "10.1.0.7:6379")
         cleanup(args, {"RAY_TMPDIR": str(tmp_path / "b")})
         assert not given.exists() and other.exists()
+
+
+def test_the_deployed_ray_processes_start_with_capped_malloc_arenas():
+    """As a local cluster's do (resilient_rl.env.limit_malloc_arenas): the nodes' `ray start` of a
+    Slurm job, and every container of the RayJob's image."""
+    from resilient_rl import env
+
+    assert f"export MALLOC_ARENA_MAX=${{MALLOC_ARENA_MAX:-{env.MALLOC_ARENAS}}}" in SBATCH.read_text()
+    dockerfile = (ROOT / "deploy" / "kuberay" / "Dockerfile").read_text()
+    assert re.search(rf"^ENV MALLOC_ARENA_MAX={env.MALLOC_ARENAS}$", dockerfile, re.MULTILINE)
