@@ -158,8 +158,8 @@ def smaps() -> dict:
                 if "-" in head[0] and len(head) >= 5:
                     name = "heap" if line.rstrip().endswith("[heap]") else "anon" if len(head) == 5 else "file"
                     out["maps"] += 1
-                    lo, hi = (int(x, 16) for x in head[0].split("-"))
-                    key = f"{head[0]} {(hi - lo) >> 10}kB {head[1]} {' '.join(head[5:])[-40:]}"
+                    # keyed by the start: a brk heap that grows keeps it
+                    key = f"{head[0].split('-')[0]} {head[1]} {' '.join(head[5:])[-40:]}"
                 elif head[0] == "Rss:":
                     out[f"{name}_kb"] += int(head[1])
                     out["by_map"][key] = int(head[1])
